@@ -1,0 +1,84 @@
+"""Process groups: one place that turns a parallel layout into megatron-core parallel state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from moerl.megatron import cpu_compat
+
+
+class LayoutError(ValueError):
+    """A parallel layout that does not fit the model or the world size."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Tensor, pipeline, expert and expert-tensor parallel sizes; data parallel is what is left.
+
+    ``etp`` defaults to 1: experts are small matrices, and megatron's "parallel folding" lets EP
+    span the TP ranks, so TP2+EP2 runs on two ranks.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                raise LayoutError(f"{name}={getattr(self, name)}: parallel sizes must be >= 1")
+
+    @property
+    def sequence_parallel(self) -> bool:
+        # megatron-core MoE with TP>1 requires sequence parallelism.
+        return self.tp > 1
+
+    def check_world(self, world_size: int) -> None:
+        dense = self.tp * self.pp
+        expert = self.etp * self.ep * self.pp
+        if world_size % dense:
+            raise LayoutError(f"world size {world_size} is not divisible by tp*pp = {dense}")
+        if world_size % expert:
+            raise LayoutError(f"world size {world_size} is not divisible by etp*ep*pp = {expert}")
+
+    def __str__(self) -> str:
+        return f"TP{self.tp} PP{self.pp} EP{self.ep} ETP{self.etp}"
+
+
+def init_distributed(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> None:
+    """Initialise torch.distributed (from torchrun's environment) and megatron parallel state.
+
+    Uses NCCL with CUDA, gloo (plus the CPU compatibility layer) without.
+    """
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        cpu_compat.apply()
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(
+            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    layout.check_world(dist.get_world_size())
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,24 @@
+"""Model families, one module each beside its Hugging Face mapping."""
+
+from __future__ import annotations
+
+from moerl.models import qwen2_moe, qwen3_moe
+from moerl.models.qwen_moe import ConfigError, QwenMoeFamily, TensorRule
+
+FAMILIES: dict[str, QwenMoeFamily] = {f.architecture: f for f in (qwen3_moe.FAMILY, qwen2_moe.FAMILY)}
+
+
+def family_for(cfg: dict) -> QwenMoeFamily:
+    """The family of a HF ``config.json`` (as a dict), chosen by its ``architectures`` entry."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        by_type = [f for f in FAMILIES.values() if f.model_type == cfg.get("model_type")]
+        if by_type:
+            return by_type[0]
+        raise ConfigError("config.json has neither 'architectures' nor a known 'model_type'")
+    if len(archs) != 1 or archs[0] not in FAMILIES:
+        raise ConfigError(f"architectures={archs}: moerl supports {sorted(FAMILIES)}")
+    return FAMILIES[archs[0]]
+
+
+__all__ = ["ConfigError", "FAMILIES", "QwenMoeFamily", "TensorRule", "family_for"]

@@ -1,0 +1,81 @@
+"""Tiny random Qwen MoE models built with transformers' own classes, for tests and the CPU demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_QWEN3 = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=24,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],
+    decoder_sparse_step=1,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+)
+
+TINY_QWEN2 = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=False,
+    decoder_sparse_step=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+)
+
+
+def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
+    """A randomly initialised transformers model of the given architecture (fp32, eval mode).
+
+    Weights are drawn with a larger std than transformers' default so routing and logits are far
+    from uniform and a wrong mapping cannot hide.
+    """
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    classes = {
+        "Qwen3MoeForCausalLM": (Qwen3MoeConfig, Qwen3MoeForCausalLM, TINY_QWEN3),
+        "Qwen2MoeForCausalLM": (Qwen2MoeConfig, Qwen2MoeForCausalLM, TINY_QWEN2),
+    }
+    config_cls, model_cls, base = classes[architecture]
+    config = config_cls(**{**base, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return model
+
+
+def save_tiny_hf(architecture: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    out = Path(out_dir)
+    model = tiny_hf_model(architecture, seed=seed, **overrides)
+    model.save_pretrained(out)
+    return out
