@@ -82,3 +82,18 @@ def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_single_process_env() -> None:
+    """Make a plain (non-torchrun) process a world of one, e.g. for the checkpoint converter."""
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())

@@ -1,0 +1,164 @@
+"""Exact, streaming conversion between Hugging Face checkpoints and moerl Megatron checkpoints.
+
+The Megatron model is built on the meta device (no memory); one piece at a time (the embedding,
+norm and output layer, then each decoder layer) is materialised from the HF tensors, saved as a
+``dist_checkpointing`` piece, and dropped. Peak memory is about one layer plus what safetensors
+maps, so a 30B MoE converts on a 24 GiB machine. Output is written to a temporary sibling directory
+and renamed into place only when complete: a failed conversion leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from megatron.core import dist_checkpointing
+from tqdm import tqdm
+
+from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, copy_carried_files, read_config
+from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA, hf_config_of, merge_pieces, read_moerl_meta
+from moerl.megatron.model import build_model
+from moerl.megatron.parallel import Layout, ensure_single_process_env, init_distributed
+from moerl.models import QwenMoeFamily, TensorRule, family_for
+
+FORMAT_VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in _DTYPES.items()}[dtype]
+
+
+@contextmanager
+def _staging_dir(out: Path) -> Iterator[Path]:
+    if out.exists():
+        raise CheckpointError(f"output directory {out} already exists; choose a new path or remove it")
+    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _meta_model(cfg: dict, dtype: torch.dtype):
+    ensure_single_process_env()
+    init_distributed(Layout())
+    with torch.device("meta"):
+        return build_model(cfg, Layout(), dtype)
+
+
+def _pieces(family: QwenMoeFamily, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
+    """(state-dict prefix test, rules) per piece: the non-layer tensors, then each layer."""
+    pieces = [("", family.global_rules(cfg))]
+    pieces += [(f"decoder.layers.{i}.", family.layer_rules(cfg, i)) for i in range(cfg["num_hidden_layers"])]
+    return pieces
+
+
+def _in_piece(name: str, prefix: str) -> bool:
+    return name.startswith(prefix) if prefix else not name.startswith("decoder.layers.")
+
+
+def check_hf_tensors(reader: HFReader, family: QwenMoeFamily, cfg: dict) -> torch.dtype:
+    """Every tensor the model needs is present with the right shape, and none would be dropped.
+
+    Reads only safetensors headers. Returns the checkpoint dtype (one for all tensors)."""
+    rules = family.all_rules(cfg)
+    expected = {name: shape for r in rules for name, shape in zip(r.hf, r.hf_shapes)}
+    present = reader.names()
+    problems = []
+    missing = sorted(set(expected) - present)
+    if missing:
+        problems.append(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+    extra = present - set(expected)
+    if cfg.get("tie_word_embeddings"):
+        extra.discard("lm_head.weight")  # some writers save the tied copy too
+    if extra:
+        problems.append(f"{len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}")
+    wrong = [
+        f"{n}: {reader.shape(n)} != expected {tuple(s)}"
+        for n, s in expected.items()
+        if n in present and reader.shape(n) != tuple(s)
+    ]
+    if wrong:
+        problems.append(f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:3]}")
+    if problems:
+        raise CheckpointError(f"{reader.directory}: " + "; ".join(problems))
+    dtypes = {reader.dtype(n) for n in expected}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one parameter dtype")
+    return dtypes.pop()
+
+
+def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Swap a parameter for one on another device (meta <-> CPU); ``.data =`` cannot cross devices."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    module._parameters[param_name] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Convert a HF directory (Hub names, per-expert tensors) to a moerl Megatron checkpoint."""
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    raw = read_config(hf_dir)
+    family = family_for(raw)
+    cfg = family.normalize(raw)
+    family.check(cfg)
+    reader = HFReader(hf_dir)
+    dtype = check_hf_tensors(reader, family, cfg)
+    with _staging_dir(out) as staging:
+        model = _meta_model(cfg, dtype)
+        params = dict(model.named_parameters())
+        piece_dirs = []
+        for k, (prefix, rules) in enumerate(tqdm(_pieces(family, cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
+            for rule in rules:
+                tensor = family.to_mcore(rule, [reader.get(n) for n in rule.hf], cfg).to(dtype)
+                _set_param(model, rule.mcore, tensor)
+            sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
+            piece = staging / f"piece{k}"
+            piece.mkdir()
+            dist_checkpointing.save(
+                {n: t for n, t in sharded.items() if _in_piece(n, prefix)}, str(piece), validate_access_integrity=False
+            )
+            piece_dirs.append(piece)
+            for rule in rules:
+                _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="meta"))
+        merge_pieces(staging, piece_dirs)
+        (staging / HF_SUBDIR).mkdir()
+        copy_carried_files(hf_dir, staging / HF_SUBDIR)
+        meta = {"format_version": FORMAT_VERSION, "architecture": family.architecture, "dtype": _dtype_name(dtype)}
+        (staging / MOERL_META).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = True, max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """Convert a moerl Megatron checkpoint back to a HF directory that transformers and SGLang load."""
+    mcore_dir, out = Path(mcore_dir), Path(out_dir)
+    meta = read_moerl_meta(mcore_dir)
+    raw = hf_config_of(mcore_dir)
+    family = family_for(raw)
+    cfg = family.normalize(raw)
+    dtype = _DTYPES[meta["dtype"]]
+    with _staging_dir(out) as staging:
+        model = _meta_model(cfg, dtype)
+        params = dict(model.named_parameters())
+        writer = HFWriter(staging, max_shard_bytes)
+        for prefix, rules in tqdm(_pieces(family, cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
+            for rule in rules:
+                _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="cpu"))
+            sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
+            state = dist_checkpointing.load({n: t for n, t in sharded.items() if _in_piece(n, prefix)}, str(mcore_dir))
+            for rule in rules:
+                for name, tensor in zip(rule.hf, family.to_hf(rule, state[rule.mcore], cfg)):
+                    writer.add(name, tensor)
+                _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="meta"))
+        writer.close()
+        copy_carried_files(mcore_dir / HF_SUBDIR, staging)
+    return out

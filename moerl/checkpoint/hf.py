@@ -1,0 +1,136 @@
+"""Hugging Face checkpoint directories: lazy tensor reads and sharded safetensors writes.
+
+Reads open each safetensors file memory-mapped and copy out one tensor at a time, so a converter that
+walks a model layer by layer holds about one layer in memory, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# Files that travel with the weights: what transformers and SGLang need to load and tokenize.
+CARRIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing files or tensors, or holds tensors of the wrong shape."""
+
+
+def read_config(directory: str | Path) -> dict:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+class HFReader:
+    """Tensor names, shapes and lazy reads of a HF directory (one file, or shards with an index)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index = self.directory / INDEX_NAME
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.directory / SINGLE_NAME).is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{directory}: neither {SINGLE_NAME} nor {INDEX_NAME} found")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_NAME]
+        missing = [f for f in files if not (self.directory / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{directory}: shard files listed in the index are missing: {missing}")
+        self._handles = {f: safe_open(str(self.directory / f), framework="pt") for f in files}
+        self.file_of: dict[str, str] = {}
+        for f, handle in self._handles.items():
+            for name in handle.keys():
+                self.file_of[name] = f
+        if weight_map:
+            absent = sorted(n for n, f in weight_map.items() if self.file_of.get(n) != f)
+            if absent:
+                raise CheckpointError(f"{directory}: tensors listed in the index are not in their shard: {absent[:5]}")
+
+    def names(self) -> set[str]:
+        return set(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._handles[self.file_of[name]].get_slice(name).get_dtype()]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.file_of:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is missing")
+        return self._handles[self.file_of[name]].get_tensor(name)
+
+
+class HFWriter:
+    """Writes tensors into size-bounded safetensors shards plus the index transformers reads."""
+
+    def __init__(self, directory: str | Path, max_shard_bytes: int = 2 * 1024**3):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        save_file(self._pending, str(self.directory / f"shard-{len(self._shards)}.tmp"), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self._pending:
+            self._flush()
+        n = len(self._shards)
+        weight_map = {}
+        for i, names in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.directory / f"shard-{i}.tmp").rename(self.directory / final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def copy_carried_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy config, tokenizer and generation files that exist in ``src``; returns their names."""
+    copied = []
+    for name in CARRIED_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied

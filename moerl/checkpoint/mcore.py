@@ -1,0 +1,82 @@
+"""Megatron checkpoints in megatron-core ``dist_checkpointing`` format (torch_dist backend).
+
+The format is reshardable: a checkpoint written at one TP/EP/PP layout loads at any other. moerl
+always uses per-layer keys (``non_homogeneous_layers``), which dense-interleaved models need anyway
+and which let the converter write one layer at a time. A checkpoint directory also keeps the HF
+config and tokenizer files under ``hf/`` so it converts back and can be served.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+from megatron.core import dist_checkpointing
+
+from moerl.checkpoint.hf import CheckpointError
+
+SHARDED_METADATA = {"non_homogeneous_layers": True}
+HF_SUBDIR = "hf"
+MOERL_META = "moerl.json"
+
+
+def read_moerl_meta(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / MOERL_META
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir}: no {MOERL_META}; not a moerl Megatron checkpoint (convert one with tools/convert_ckpt.py hf-to-mcore)")
+    return json.loads(path.read_text())
+
+
+def hf_config_of(ckpt_dir: str | Path) -> dict:
+    from moerl.checkpoint.hf import read_config
+
+    return read_config(Path(ckpt_dir) / HF_SUBDIR)
+
+
+def load_model_weights(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Load this rank's shards of a moerl Megatron checkpoint into ``model`` (any layout)."""
+    read_moerl_meta(ckpt_dir)
+    sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
+    state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    model.load_state_dict(state, strict=True)
+
+
+def merge_pieces(root: Path, pieces: list[Path]) -> None:
+    """Join checkpoints that each hold a disjoint set of keys into one checkpoint at ``root``.
+
+    The converter saves one ``dist_checkpointing`` piece per layer (so memory holds one layer);
+    torch DCP reads everything through the root ``.metadata``, whose storage entries name the file
+    that holds each chunk, so merging is moving the data files and uniting the metadata.
+    """
+    merged = None
+    for k, piece in enumerate(pieces):
+        with open(piece / ".metadata", "rb") as f:
+            meta = pickle.load(f)
+        renamed = {}
+        for data_file in piece.glob("*.distcp"):
+            target = f"__piece{k}{data_file.name}"
+            shutil.move(str(data_file), root / target)
+            renamed[data_file.name] = target
+        for index, info in meta.storage_data.items():
+            info.relative_path = renamed[info.relative_path]
+        if merged is None:
+            merged = meta
+            for name in ("metadata.json", "common.pt"):
+                shutil.move(str(piece / name), root / name)
+        else:
+            for key, tensor_meta in meta.state_dict_metadata.items():
+                if key in merged.state_dict_metadata:
+                    merged.state_dict_metadata[key].chunks.extend(tensor_meta.chunks)
+                else:
+                    merged.state_dict_metadata[key] = tensor_meta
+            merged.storage_data.update(meta.storage_data)
+        shutil.rmtree(piece)
+    merged.all_local_plans = None
+    with open(root / ".metadata", "wb") as f:
+        pickle.dump(merged, f)
+        f.flush()
+        os.fsync(f.fileno())
