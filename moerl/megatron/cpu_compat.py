@@ -104,8 +104,10 @@ def _set_cpu_rng_state(state: torch.Tensor, *args, **kwargs) -> None:
 
 def _patches() -> list[tuple[str, str, Any]]:
     return [
-        # Used as a device argument ~200 times; the mode maps ordinal 0 to the CPU.
-        ("torch.cuda", "current_device", lambda: 0),
+        # Used as a device argument ~200 times, also inside autograd backward functions
+        # (tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward), where
+        # torch function modes are not active: answer with the CPU itself.
+        ("torch.cuda", "current_device", lambda: "cpu"),
         # MoEAlltoAllTokenDispatcher creates a D2H side stream and waits on it.
         ("torch.cuda", "Stream", _NoStream),
         ("torch.cuda", "current_stream", lambda *a, **k: _THE_STREAM),

@@ -1,0 +1,69 @@
+"""Per-rank bodies of the multi-rank tests (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from moerl.checkpoint.mcore import hf_config_of, load_model_weights
+from moerl.megatron.forward import forward_logits, run_schedule
+from moerl.megatron.model import build_model
+from moerl.megatron.parallel import Layout, init_distributed
+from moerl.megatron.weights import full_tensors
+from moerl.models import family_for
+
+
+def next_token_loss(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; vocab-parallel so it works at any TP."""
+    logits = vocab_parallel_logits[:, :-1].transpose(0, 1).contiguous().float()  # [s-1, b, V/tp]
+    labels = input_ids[:, 1:].transpose(0, 1).contiguous()
+    return vocab_parallel_cross_entropy(logits, labels).mean()
+
+
+def load(mcore_dir: str, layout: Layout):
+    init_distributed(layout)
+    raw = hf_config_of(mcore_dir)
+    cfg = family_for(raw).normalize(raw)
+    model = build_model(cfg, layout)
+    load_model_weights(model, mcore_dir)
+    return cfg, model
+
+
+def parity(mcore_dir: str, layout: Layout, input_ids: torch.Tensor) -> dict:
+    """Logits, routing record/replay outcomes and full gradients of the fixed loss at ``layout``."""
+    cfg, model = load(mcore_dir, layout)
+    out: dict = {"logits": forward_logits(model, input_ids)}
+
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+    recorded_logits = forward_logits(model, input_ids)
+    recorded = [t.clone() for t in RouterReplay.get_recorded_data()]
+    RouterReplay.clear_global_indices()
+    out["routers"] = len(recorded)
+
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    RouterReplay.set_replay_data(recorded)
+    replayed = forward_logits(model, input_ids)
+    RouterReplay.clear_global_indices()
+    forced = [(t + 1) % cfg["num_experts"] for t in recorded]
+    RouterReplay.set_replay_data(forced)
+    forced_logits = forward_logits(model, input_ids)
+    RouterReplay.clear_global_indices()
+    RouterReplay.clear_global_router_replay_action()
+    if recorded_logits is not None:
+        out["replay_exact"] = torch.equal(recorded_logits, replayed)
+        out["forced_changes"] = (forced_logits - recorded_logits).abs().max().item()
+
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+        model,
+    )
+    ddp.train()
+    ddp.zero_grad_buffer()
+    losses = run_schedule(ddp, [input_ids], next_token_loss, forward_only=False)
+    finalize_model_grads([ddp])
+    out["loss"] = losses[0].item() if losses else None
+    out["grads"] = full_tensors(model, grads=True)
+    return out
