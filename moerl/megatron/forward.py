@@ -53,8 +53,16 @@ def run_schedule(
 
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocabulary logits ``[b, s, V]`` on the last pipeline stage; None on the others."""
+    """Full-vocabulary logits ``[b, s, V]`` on the last pipeline stage; None on the others.
+
+    Sequence parallelism splits the sequence across TP ranks, so it is right-padded to a multiple of
+    TP; causal attention keeps the padding from touching the real positions.
+    """
     captured: list[torch.Tensor] = []
+    length = input_ids.shape[1]
+    pad = -length % parallel_state.get_tensor_model_parallel_world_size()
+    if pad:
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad))
 
     def keep(logits, _ids):
         captured.append(gather_from_tensor_model_parallel_region(logits).detach())
@@ -63,4 +71,4 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     model.eval()
     with torch.no_grad():
         run_schedule(model, [input_ids], keep, forward_only=True)
-    return captured[0] if parallel_state.is_pipeline_last_stage() else None
+    return captured[0][:, :length] if parallel_state.is_pipeline_last_stage() else None

@@ -31,3 +31,19 @@ def build_model(cfg: dict, layout: Layout, dtype: torch.dtype = torch.float32, *
     if torch.cuda.is_available():
         model.cuda()
     return model
+
+
+def load_megatron_model(ckpt_dir, layout: Layout, dtype: torch.dtype = torch.float32, **config_overrides):
+    """Initialise parallel state for ``layout`` and load a moerl Megatron checkpoint into this rank's model.
+
+    Returns ``(hf_config, model)``.
+    """
+    from moerl.checkpoint.mcore import hf_config_of, load_model_weights
+    from moerl.megatron.parallel import init_distributed
+
+    init_distributed(layout)
+    raw = hf_config_of(ckpt_dir)
+    cfg = family_for(raw).normalize(raw)
+    model = build_model(cfg, layout, dtype, **config_overrides)
+    load_model_weights(model, ckpt_dir)
+    return cfg, model

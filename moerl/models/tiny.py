@@ -74,8 +74,35 @@ def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
     return model
 
 
-def save_tiny_hf(architecture: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer (printable ASCII and newline) that fits the tiny vocab."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n"] + [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(chars))}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    from tokenizers import decoders
+
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+
+
+def save_tiny_hf(architecture: str, out_dir: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+    """Save a tiny model with its tokenizer as a HF directory (Hub names, per-expert tensors)."""
     out = Path(out_dir)
-    model = tiny_hf_model(architecture, seed=seed, **overrides)
-    model.save_pretrained(out)
+    tokenizer = tiny_tokenizer()
+    model = tiny_hf_model(architecture, seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    tokenizer.save_pretrained(out)
     return out

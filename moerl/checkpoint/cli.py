@@ -1,0 +1,74 @@
+"""``tools/convert_ckpt.py``: HF <-> Megatron checkpoint conversion and verification."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moerl.checkpoint.hf import CheckpointError
+from moerl.megatron.parallel import Layout, LayoutError
+from moerl.models import ConfigError
+
+USER_ERRORS = (CheckpointError, ConfigError, LayoutError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="convert_ckpt.py",
+        description="Convert Qwen3-MoE / Qwen2-MoE checkpoints between Hugging Face (Hub names, "
+        "safetensors) and Megatron (megatron-core dist_checkpointing, loadable at any TP/EP/PP), "
+        "and verify a conversion by comparing logits.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("hf-to-mcore", help="HF directory -> Megatron checkpoint (streams one layer at a time)")
+    p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors, single or sharded)")
+    p.add_argument("--out", required=True, help="new directory for the Megatron checkpoint (must not exist)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF directory that transformers and SGLang load")
+    p.add_argument("--mcore", required=True, help="Megatron checkpoint written by hf-to-mcore or the trainer")
+    p.add_argument("--out", required=True, help="new directory for the HF model (must not exist)")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (default 2 GB)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("verify", help="compare logits of the HF model and the Megatron checkpoint")
+    p.add_argument("--hf", required=True, help="HF model directory")
+    p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size (sequence parallel when > 1)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    p.add_argument("--tolerance", type=float, default=1e-3, help="max allowed |logit difference| in fp32 (default 1e-3)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "hf-to-mcore":
+            from moerl.checkpoint.convert import hf_to_mcore
+
+            out = hf_to_mcore(args.hf, args.out, progress=not args.no_progress)
+            print(f"wrote Megatron checkpoint {out}")
+        elif args.command == "mcore-to-hf":
+            from moerl.checkpoint.convert import mcore_to_hf
+
+            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+            print(f"wrote HF model {out}")
+        else:
+            from moerl.checkpoint.verify import verify
+
+            layout = Layout(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp)
+            diff = verify(args.hf, args.mcore, layout)
+            ok = diff <= args.tolerance
+            print(f"verify {layout}: max |logit diff| = {diff:.3e} ({'OK' if ok else 'FAIL'}, tolerance {args.tolerance:.1e})")
+            return 0 if ok else 1
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Run a function on N local ranks in fresh processes (as torchrun would) and collect the results.
+
+Used by ``convert_ckpt.py verify`` for multi-rank layouts and by the multi-rank tests. Each rank
+gets torchrun's environment variables; results and tracebacks come back through files.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from moerl.megatron.parallel import destroy_distributed, free_port
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        torch.save({"ok": result}, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, Path(out_dir) / f"rank{rank}.pt")
+        raise
+    finally:
+        destroy_distributed()
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 900) -> list:
+    """``fn(*args)`` on every rank; returns each rank's return value. Fails with the first traceback.
+
+    ``fn`` must be importable (module level) since ranks are spawned, not forked.
+    """
+    with tempfile.TemporaryDirectory(prefix="moerl-ranks-") as out:
+        return _run(fn, world_size, args, Path(out), timeout_s)
+
+
+def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float) -> list:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, str(out), fn, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    # One failed rank leaves the others blocked in a collective: stop them all at once.
+    while any(p.is_alive() for p in procs):
+        if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+            break
+        time.sleep(0.2)
+    for p in procs:
+        p.join()
+    results = []
+    for r in range(world_size):
+        path = out / f"rank{r}.pt"
+        if not path.exists():
+            continue
+        data = torch.load(path, weights_only=False)
+        if "error" in data:
+            raise RuntimeError(f"rank {r} failed:\n{data['error']}")
+        results.append(data["ok"])
+    if len(results) != world_size:
+        codes = [p.exitcode for p in procs]
+        raise RuntimeError(f"ranks ended without a result (exit codes {codes}; a timeout or a crash)")
+    return results

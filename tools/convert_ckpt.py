@@ -1,0 +1,9 @@
+#!/usr/bin/env python3
+"""HF <-> Megatron checkpoint converter. Run with --help for the subcommands."""
+
+import sys
+
+from moerl.checkpoint.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
