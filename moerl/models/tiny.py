@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -79,15 +80,13 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 
 def tiny_tokenizer():
     """A character-level fast tokenizer (printable ASCII and newline) that fits the tiny vocab."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(chars))}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    from tokenizers import decoders
-
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -106,3 +105,25 @@ def save_tiny_hf(architecture: str, out_dir: str | Path, seed: int = 0, max_shar
     model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(out)
     return out
+
+
+ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m moerl.models.tiny",
+        description="Write a tiny random Qwen MoE model (transformers' own classes) with a char-level tokenizer "
+        "as a HF directory, for demos and tests where no model can be downloaded.",
+    )
+    parser.add_argument("--arch", choices=ARCHITECTURES, default=ARCHITECTURES[0], help="model family")
+    parser.add_argument("--out", required=True, help="new directory to write")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed")
+    args = parser.parse_args(argv)
+    if Path(args.out).exists():
+        parser.error(f"output directory {args.out} already exists; choose a new one")
+    print(f"wrote tiny {args.arch} to {save_tiny_hf(args.arch, args.out, seed=args.seed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""moerl: Megatron-core based, MoE-focused asynchronous RL for LLMs."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="moerl",
+    version="0.1.0",
+    description="Megatron-core based, MoE-focused, asynchronous RL library for LLMs",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["moerl", "moerl.*"]),
+    install_requires=[
+        # On a machine without a GPU, tools/install.sh installs the CPU build (torch==2.13.0) first so that
+        # this requirement is already met and no CUDA build is pulled.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        # megatron-core imports these without declaring them.
+        "einops",
+        "psutil",
+        "omegaconf>=2.3",
+        "pyzmq",
+        "safetensors",
+        "transformers>=5",
+        "tqdm",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]", "apex"],
+        "sglang": ["sglang", "sglang-router"],
+        "dev": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["moerl-convert-ckpt=moerl.checkpoint.cli:main"]},
+)

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moerl.checkpoint.convert import hf_to_mcore
+from moerl.models.tiny import ARCHITECTURES, save_tiny_hf
+
+ARCHS = ARCHITECTURES
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory) -> dict:
+    """arch -> (hf_dir, mcore_dir) of a tiny random model and its converted Megatron checkpoint.
+
+    Qwen3 is saved in several shards with an index, Qwen2 (tied embeddings, shared experts) as a
+    single file, so both HF layouts are read.
+    """
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for arch in ARCHS:
+        hf_dir = save_tiny_hf(arch, root / f"{arch}-hf", max_shard_size="100KB" if arch.startswith("Qwen3") else None)
+        out[arch] = (hf_dir, hf_to_mcore(hf_dir, root / f"{arch}-mcore", progress=False))
+    return out
+
+
+def hub_grads(hf_model) -> dict[str, torch.Tensor]:
+    """Gradients of a transformers model under the Hub's per-expert names.
+
+    transformers 5 keeps experts fused in memory (``experts.gate_up_proj`` [E, 2F, H],
+    ``experts.down_proj`` [E, H, F]) but the Hub, and so moerl's mapping, names them per expert.
+    """
+    grads = {}
+    for name, p in hf_model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if name.endswith("experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, (gate, up) in enumerate(zip(*g.chunk(2, dim=1))):
+                grads[f"{prefix}{e}.gate_proj.weight"] = gate
+                grads[f"{prefix}{e}.up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(g.shape[0]):
+                grads[f"{prefix}{e}.down_proj.weight"] = g[e]
+        else:
+            grads[name] = g
+    return grads
