@@ -113,8 +113,8 @@ def test_bad_config_is_refused_with_its_reason(hf_copy, tmp_path, changes, messa
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda s: s.pop("model.layers.2.mlp.experts.3.up_proj.weight"), "tensors missing, e.g. ['model.layers.2.mlp.experts.3.up_proj.weight']"),
-        (lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 64)}), "model.layers.0.self_attn.q_proj.weight: (3, 64) != expected (96, 64)"),
+        (lambda s: s.pop("model.layers.1.mlp.experts.3.up_proj.weight"), "tensors missing, e.g. ['model.layers.1.mlp.experts.3.up_proj.weight']"),
+        (lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 64)}), "model.layers.0.self_attn.q_proj.weight: (3, 64) != expected (64, 64)"),
         (lambda s: s.update({"model.layers.0.mlp.mystery.weight": torch.zeros(2)}), "tensors the model does not use, e.g. ['model.layers.0.mlp.mystery.weight']"),
     ],
 )

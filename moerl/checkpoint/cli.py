@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mcore", required=True, help="Megatron checkpoint directory")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size (sequence parallel when > 1)")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
-    p.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp when ep=1, else 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max allowed |logit difference| in fp32 (default 1e-3)")
     return parser

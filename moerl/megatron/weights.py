@@ -59,6 +59,10 @@ def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor]:
     glu = model.config.gated_linear_unit
     local: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
+        # A last pipeline stage keeps its own copy of tied embeddings (kept equal, and its
+        # gradient summed with the first stage's, by megatron); the first stage's is the one.
+        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+            continue
         tensor = param.data
         if grads:
             tensor = getattr(param, "main_grad", None)
