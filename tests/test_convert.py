@@ -180,3 +180,18 @@ def _literal(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_cli_verify_passes_a_faithful_conversion_at_tp2_ep2(tiny_ckpts, capsys):
+    hf_dir, mcore_dir = tiny_ckpts["Qwen2MoeForCausalLM"]
+    assert cli(["verify", "--hf", str(hf_dir), "--mcore", str(mcore_dir), "--tp", "2", "--ep", "2"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("verify TP2 PP1 EP2 ETP1: max |logit diff| = ") and "(OK," in line
+    assert float(line.split("= ")[1].split()[0]) <= 1e-4
+
+
+def test_cli_verify_fails_when_the_weights_differ(tiny_ckpts, tmp_path, capsys):
+    _, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    other = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "other", seed=1)
+    assert cli(["verify", "--hf", str(other), "--mcore", str(mcore_dir)]) == 1
+    assert "(FAIL, tolerance 1.0e-03)" in capsys.readouterr().out

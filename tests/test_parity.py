@@ -14,12 +14,16 @@ from moerl.models import family_for
 from tests.conftest import ARCHS, hub_grads
 from tests.workers import parity
 
-LAYOUTS = {
-    "TP1": (Layout(), 1),
-    "TP2+SP": (Layout(tp=2), 2),
-    "EP2": (Layout(ep=2), 2),
-    "TP2+EP2": (Layout(tp=2, ep=2), 2),
-    "PP2": (Layout(pp=2), 2),
+ALLGATHER = {"moe_token_dispatcher_type": "allgather"}
+LAYOUTS = {  # name: (layout, world size, TransformerConfig overrides)
+    "TP1": (Layout(), 1, {}),
+    "TP2+SP": (Layout(tp=2), 2, {}),
+    "EP2": (Layout(ep=2), 2, {}),
+    "TP2+EP2": (Layout(tp=2, ep=2), 2, {}),
+    "PP2": (Layout(pp=2), 2, {}),
+    "EP2-allgather": (Layout(ep=2), 2, ALLGATHER),
+    "TP2+EP2-allgather": (Layout(tp=2, ep=2), 2, ALLGATHER),
+    "TP2+EP2+PP2": (Layout(tp=2, ep=2, pp=2), 4, {}),
 }
 
 
@@ -42,13 +46,25 @@ def reference(tiny_ckpts):
     return input_ids, refs
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout_name", list(LAYOUTS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_layout_matches_transformers(arch, layout_name, tiny_ckpts, reference):
+def test_layout_matches_transformers(arch, layout_name, device, tiny_ckpts, reference):
+    """On CPU with gloo; marked ``gpu``, the same on CUDA with NCCL (one GPU per rank)."""
     input_ids, refs = reference
     ref = refs[arch]
-    layout, world = LAYOUTS[layout_name]
-    results = run_ranks(parity, world, str(tiny_ckpts[arch][1]), layout, input_ids)
+    layout, world, overrides = LAYOUTS[layout_name]
+    if device == "cuda" and torch.cuda.device_count() < world:
+        pytest.skip(f"{layout_name} needs {world} GPUs, {torch.cuda.device_count()} visible")
+    results = run_ranks(
+        parity, world, str(tiny_ckpts[arch][1]), layout, input_ids, overrides, use_cuda=device == "cuda"
+    )
 
     last_stage = [r for r in results if r["logits"] is not None]
     assert last_stage, "no rank produced logits"

@@ -7,12 +7,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from moerl.checkpoint.mcore import hf_config_of, load_model_weights
 from moerl.megatron.forward import forward_logits, run_schedule
-from moerl.megatron.model import build_model
-from moerl.megatron.parallel import Layout, init_distributed
+from moerl.megatron.model import load_megatron_model
+from moerl.megatron.parallel import Layout
 from moerl.megatron.weights import full_tensors
-from moerl.models import family_for
 
 
 def next_token_loss(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -22,19 +20,11 @@ def next_token_loss(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor
     return vocab_parallel_cross_entropy(logits, labels).mean()
 
 
-def load(mcore_dir: str, layout: Layout):
-    init_distributed(layout)
-    raw = hf_config_of(mcore_dir)
-    cfg = family_for(raw).normalize(raw)
-    model = build_model(cfg, layout)
-    load_model_weights(model, mcore_dir)
-    return cfg, model
-
-
-def parity(mcore_dir: str, layout: Layout, input_ids: torch.Tensor) -> dict:
+def parity(mcore_dir: str, layout: Layout, input_ids: torch.Tensor, config_overrides: dict) -> dict:
     """Logits, routing record/replay outcomes and full gradients of the fixed loss at ``layout``."""
-    cfg, model = load(mcore_dir, layout)
-    out: dict = {"logits": forward_logits(model, input_ids)}
+    cfg, model = load_megatron_model(mcore_dir, layout, **config_overrides)
+    logits = forward_logits(model, input_ids)
+    out: dict = {"logits": None if logits is None else logits.cpu()}
 
     RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
     recorded_logits = forward_logits(model, input_ids)

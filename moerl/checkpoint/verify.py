@@ -47,7 +47,7 @@ def _verify_rank(hf_dir: str, mcore_dir: str, layout: Layout) -> float | None:
         logits = forward_logits(model, ids)
         if holder:
             with torch.no_grad():
-                worst = max(worst, (logits - reference(ids).logits).abs().max().item())
+                worst = max(worst, (logits.cpu() - reference(ids).logits).abs().max().item())
     return worst if holder else None
 
 

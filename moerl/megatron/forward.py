@@ -29,8 +29,10 @@ def run_schedule(
     b, s = microbatches[0].shape
     losses: list[torch.Tensor] = []
 
+    device = next(model.parameters()).device
+
     def forward_step(data_iterator, model_chunk):
-        input_ids = next(data_iterator)
+        input_ids = next(data_iterator).to(device)
         output = model_chunk(input_ids, position_ids_for(input_ids), None)
 
         def loss_func(logits):

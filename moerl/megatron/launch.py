@@ -18,11 +18,14 @@ import torch.multiprocessing as mp
 from moerl.megatron.parallel import destroy_distributed, free_port
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, use_cuda: bool, fn, args) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
+    if not use_cuda:
+        # Set before anything touches CUDA in this fresh process, so it takes the CPU/gloo path.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     try:
         result = fn(*args)
@@ -34,19 +37,27 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
         destroy_distributed()
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float = 900) -> list:
+def run_ranks(fn, world_size: int, *args, use_cuda: bool | None = None, timeout_s: float = 900) -> list:
     """``fn(*args)`` on every rank; returns each rank's return value. Fails with the first traceback.
 
-    ``fn`` must be importable (module level) since ranks are spawned, not forked.
+    ``fn`` must be importable (module level) since ranks are spawned, not forked. Ranks use one GPU
+    each (NCCL) when ``use_cuda``; by default, when there are at least ``world_size`` GPUs, and
+    otherwise they run on the CPU with gloo.
     """
+    if use_cuda is None:
+        use_cuda = torch.cuda.device_count() >= world_size
+    elif use_cuda and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"{world_size} CUDA ranks need {world_size} GPUs; {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory(prefix="moerl-ranks-") as out:
-        return _run(fn, world_size, args, Path(out), timeout_s)
+        return _run(fn, world_size, args, Path(out), timeout_s, use_cuda)
 
 
-def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float) -> list:
+def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda: bool) -> list:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, str(out), fn, args)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, str(out), use_cuda, fn, args)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s

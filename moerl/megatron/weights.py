@@ -51,7 +51,7 @@ def _gather_tp(param: torch.nn.Parameter, tensor: torch.Tensor, name: str, glu: 
 
 
 def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or its gradient) of the whole model, full size, on every rank.
+    """Every parameter (or its gradient) of the whole model, full size, on every rank, on the CPU.
 
     Collective over the world: call on all ranks. Meant for verification and tests on small
     models (it moves every tensor through ``all_gather_object``), not for weight sync.
@@ -68,7 +68,7 @@ def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor]:
             tensor = getattr(param, "main_grad", None)
             if tensor is None:
                 tensor = param.grad if param.grad is not None else torch.zeros_like(param)
-        local[_global_name(model, name)] = _gather_tp(param, tensor.detach().float(), name, glu)
+        local[_global_name(model, name)] = _gather_tp(param, tensor.detach().float(), name, glu).cpu()
     gathered: list[dict] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     full: dict[str, torch.Tensor] = {}
