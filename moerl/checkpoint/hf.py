@@ -63,29 +63,42 @@ class HFReader:
         missing = [f for f in files if not (self.directory / f).is_file()]
         if missing:
             raise CheckpointError(f"{directory}: shard files listed in the index are missing: {missing}")
-        self._handles = {f: safe_open(str(self.directory / f), framework="pt") for f in files}
         self.file_of: dict[str, str] = {}
-        for f, handle in self._handles.items():
-            for name in handle.keys():
-                self.file_of[name] = f
+        for f in files:
+            with safe_open(str(self.directory / f), framework="pt") as handle:
+                for name in handle.keys():
+                    self.file_of[name] = f
         if weight_map:
             absent = sorted(n for n, f in weight_map.items() if self.file_of.get(n) != f)
             if absent:
                 raise CheckpointError(f"{directory}: tensors listed in the index are not in their shard: {absent[:5]}")
+        # One shard is mapped at a time: pages read through a mapping stay in this process's
+        # resident set until it is unmapped, so keeping every shard open would make a streaming
+        # conversion look (and, under memory limits, count) as large as the whole model.
+        self._open_file: str | None = None
+        self._open_handle = None
+
+    def _handle(self, name: str):
+        if name not in self.file_of:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is missing")
+        file = self.file_of[name]
+        if file != self._open_file:
+            self._open_handle = None
+            self._open_handle = safe_open(str(self.directory / file), framework="pt")
+            self._open_file = file
+        return self._open_handle
 
     def names(self) -> set[str]:
         return set(self.file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.file_of[name]].get_slice(name).get_shape())
+        return tuple(self._handle(name).get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._handles[self.file_of[name]].get_slice(name).get_dtype()]
+        return _SAFETENSORS_DTYPES[self._handle(name).get_slice(name).get_dtype()]
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.file_of:
-            raise CheckpointError(f"{self.directory}: tensor {name!r} is missing")
-        return self._handles[self.file_of[name]].get_tensor(name)
+        return self._handle(name).get_tensor(name)
 
 
 class HFWriter:
