@@ -43,8 +43,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _release_freed_tensors_to_the_os() -> None:
+    """Serve every allocation of 64 KiB or more with its own mmap (glibc only).
+
+    Conversion frees a layer's tensors while others (the pending output shard) stay alive; glibc
+    otherwise raises its mmap threshold after the first frees and carves later tensors out of the
+    heap, whose fragments it cannot return, so resident memory creeps up with every layer.
+    """
+    import ctypes
+    import ctypes.util
+
+    m_mmap_threshold = -3
+    libc_name = ctypes.util.find_library("c")
+    if libc_name:
+        libc = ctypes.CDLL(libc_name)
+        if hasattr(libc, "mallopt"):
+            libc.mallopt(m_mmap_threshold, 64 * 1024)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "verify":
+        _release_freed_tensors_to_the_os()
     try:
         if args.command == "hf-to-mcore":
             from moerl.checkpoint.convert import hf_to_mcore

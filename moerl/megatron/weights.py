@@ -16,6 +16,8 @@ from megatron.core import parallel_state
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+# Transformer Engine's TEGroupedMLP names local expert i "experts.linear_fc1.weight{i}".
+_GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
 def _global_name(model, name: str) -> str:
@@ -23,6 +25,7 @@ def _global_name(model, name: str) -> str:
     if match:
         layer = model.decoder.layers[int(match.group(1))].layer_number - 1
         name = f"decoder.layers.{layer}." + name[match.end():]
+    name = _GROUPED_EXPERT.sub(r".experts.local_experts.\3.\1.\2", name)
     match = _EXPERT.search(name)
     if match:
         num_local = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
@@ -68,7 +71,8 @@ def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor]:
             tensor = getattr(param, "main_grad", None)
             if tensor is None:
                 tensor = param.grad if param.grad is not None else torch.zeros_like(param)
-        local[_global_name(model, name)] = _gather_tp(param, tensor.detach().float(), name, glu).cpu()
+        global_name = _global_name(model, name)
+        local[global_name] = _gather_tp(param, tensor.detach().float(), global_name, glu).cpu()
     gathered: list[dict] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     full: dict[str, torch.Tensor] = {}
