@@ -25,7 +25,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "apex"],
+        # NVIDIA Apex is not on PyPI (the "apex" there is an unrelated project); it builds from source.
+        "gpu": ["transformer-engine[pytorch]", "apex @ git+https://github.com/NVIDIA/apex.git"],
         "sglang": ["sglang", "sglang-router"],
         "dev": ["pytest>=8", "pytest-timeout"],
     },
