@@ -23,6 +23,8 @@ setup(
         "safetensors",
         "transformers>=5",
         "tqdm",
+        "aiohttp>=3.9",
+        "numpy",
     ],
     extras_require={
         # NVIDIA Apex is not on PyPI (the "apex" there is an unrelated project); it builds from source.
@@ -30,5 +32,5 @@ setup(
         "sglang": ["sglang", "sglang-router"],
         "dev": ["pytest>=8", "pytest-timeout"],
     },
-    entry_points={"console_scripts": ["moerl-convert-ckpt=moerl.checkpoint.cli:main"]},
+    entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
 )

@@ -1,0 +1,25 @@
+"""The ``moerl`` command: ``moerl serve ...`` (embedded engine), ``moerl convert-ckpt ...``."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "serve": ("moerl.engines.embedded.server", "serve a HF MoE model over SGLang's HTTP API (embedded engine)"),
+    "convert-ckpt": ("moerl.checkpoint.cli", "convert checkpoints between HF and Megatron layouts"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<14}{help_}" for name, (_, help_) in COMMANDS.items()]
+        print("usage: moerl COMMAND [ARGS]  (moerl COMMAND --help for its options)\n\ncommands:\n" + "\n".join(lines))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The model side of the embedded engine: a transformers causal LM, a padded batch KV cache that
+requests join and leave between decode steps, and capture of every MoE router's top-k choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+DENSE_LAYER = -1  # routing placeholder for layers without a router (as SGLang-JAX documents)
+
+
+@dataclass
+class PrefillResult:
+    last_logits: torch.Tensor  # [V]
+    routing: torch.Tensor  # int32 [p, num_layers, topk]
+    prompt_logprobs: torch.Tensor | None  # [p - start] log p(token_i | prefix), first entry NaN when start == 0
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, kv_heads, p, head_dim]
+
+
+class ModelRunner:
+    """Runs prefill for one request and decode steps for the running batch.
+
+    The batch cache holds one row per running request, right-aligned: a row joining with a shorter
+    history is left-padded, and an attention mask hides the padding. RoPE is applied before keys
+    enter the cache, so where a key sits in the cache does not change what it means.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
+        self.model_dir = str(model_dir)
+        config = self.model.config
+        self.num_layers = config.num_hidden_layers
+        self.topk = config.num_experts_per_tok
+        self.vocab_size = config.vocab_size
+        self._captured: dict[int, torch.Tensor] = {}
+        self.moe_layers = []
+        for i, layer in enumerate(self.model.model.layers):
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
+                gate.register_forward_hook(self._capture_hook(i))
+                self.moe_layers.append(i)
+        if not self.moe_layers:
+            raise ValueError(f"{model_dir}: no MoE router found; the embedded engine serves MoE models")
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.mask: torch.Tensor | None = None  # [B, L] 1 where the cache holds a real token
+
+    def _capture_hook(self, layer: int):
+        def hook(module, inputs, outputs):
+            self._captured[layer] = outputs[2].detach()  # router indices [tokens, topk]
+
+        return hook
+
+    def _routing(self, tokens: int) -> torch.Tensor:
+        routing = torch.full((tokens, self.num_layers, self.topk), DENSE_LAYER, dtype=torch.int32)
+        for layer in self.moe_layers:
+            routing[:, layer] = self._captured[layer].to("cpu", torch.int32)
+        self._captured.clear()
+        return routing
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    @torch.no_grad()
+    def prefill(self, token_ids: list[int], logprob_start: int | None = None) -> PrefillResult:
+        ids = torch.tensor([token_ids], device=self.device)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if logprob_start is not None else 1)
+        logits = out.logits[0]
+        prompt_logprobs = None
+        if logprob_start is not None:
+            logprobs = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
+            prompt_logprobs = torch.cat([torch.tensor([float("nan")], device=self.device), logprobs])[logprob_start:].cpu()
+        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return PrefillResult(logits[-1], self._routing(len(token_ids)), prompt_logprobs, kv)
+
+    def join(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append a prefilled request as the last batch row."""
+        length = kv[0][0].shape[-2]
+        row_mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+        if self.kv is None:
+            self.kv, self.mask = list(kv), row_mask
+            return
+        total = max(length, self.mask.shape[1])
+        pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  left-pad seq dim
+        self.kv = [
+            (torch.cat([pad(k, total - k.shape[-2]), pad(nk, total - length)]), torch.cat([pad(v, total - v.shape[-2]), pad(nv, total - length)]))
+            for (k, v), (nk, nv) in zip(self.kv, kv)
+        ]
+        old = torch.nn.functional.pad(self.mask, (total - self.mask.shape[1], 0))
+        self.mask = torch.cat([old, torch.nn.functional.pad(row_mask, (total - length, 0))])
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every batch row not in ``rows`` (in that order), then trim all-padding columns."""
+        if not rows:
+            self.kv = self.mask = None
+            return
+        index = torch.tensor(rows, device=self.device)
+        mask = self.mask.index_select(0, index)
+        start = int((mask.sum(0) > 0).long().argmax())
+        self.mask = mask[:, start:]
+        self.kv = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in self.kv]
+
+    @torch.no_grad()
+    def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step for every batch row: feed ``tokens[i]`` at true position ``positions[i]``.
+
+        Returns logits [B, V] and routing int32 [B, num_layers, topk].
+        """
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        pos = torch.tensor(positions, device=self.device)[:, None]
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        cache = DynamicCache(ddp_cache_data=self.kv)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=self.mask, past_key_values=cache, use_cache=True)
+        self.kv = [(layer.keys, layer.values) for layer in cache.layers]
+        return out.logits[:, -1], self._routing(len(tokens))

@@ -1,0 +1,210 @@
+"""Continuous batching for the embedded engine.
+
+One engine thread owns the model. Requests join the running batch after their prefill and leave it
+the step they finish, so a short completion returns at once instead of waiting for the longest one in
+its batch. Control operations (pause, weight updates, aborts) are queued to the engine thread and run
+between decode steps, so the model and the batch are only ever touched by that thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from moerl.engines.embedded.runner import ModelRunner
+from moerl.engines.embedded.sampler import Draw, sample
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    logprob_start_len: int | None = None  # prompt log-probs from here (None: none)
+    return_routed_experts: bool = False
+    return_sampling_mask: bool = False
+    # Called on the engine thread with (request, finished: bool) after every new token and at the end.
+    on_update: Callable[["Request", bool], None] = lambda request, finished: None
+
+    output_ids: list[int] = field(default_factory=list)
+    draws: list[Draw] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # weight version that produced each output token
+    routing: list[torch.Tensor] = field(default_factory=list)  # int32 [n, layers, topk] chunks
+    prompt_logprobs: torch.Tensor | None = None
+    finish_reason: dict | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def fed_tokens(self) -> list[int]:
+        """Tokens whose keys are in the cache once the last sampled token is fed: prompt + output[:-1]."""
+        return self.input_ids + self.output_ids[:-1]
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, eos_token_ids: set[int], max_running: int = 64, weight_version: str = "default"):
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.max_running = max_running
+        self.weight_version = weight_version
+        self.max_length = getattr(runner.model.config, "max_position_embeddings", 1 << 30)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.paused = False
+        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="moerl-engine", daemon=True)
+
+    # ---- called from other threads ------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join()
+
+    def submit(self, request: Request) -> None:
+        self.call(lambda: self.waiting.append(request))
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between steps; its result or exception lands in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stop or self._commands or (not self.paused and (self.waiting or self.running))):
+                    self._wake.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # the caller gets it; the engine keeps serving
+                    future.set_exception(e)
+            if self.paused:
+                continue
+            try:
+                self._admit()
+                if self.running:
+                    self._decode_step()
+            except BaseException as e:  # a model failure fails the requests in flight, not the server
+                for request in list(self.running) + list(self.waiting):
+                    self._finish(request, {"type": "abort", "message": f"engine error: {e!r}"})
+                self.runner.keep_rows([])
+                self.running.clear()
+                self.waiting.clear()
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting.popleft()
+            resumed = bool(request.output_ids)  # retracted earlier: its next token is already sampled
+            prefill = self.runner.prefill(request.fed_tokens if resumed else request.input_ids, None if resumed else request.logprob_start_len)
+            if request.return_routed_experts:
+                request.routing = [prefill.routing]
+            if resumed:
+                self.runner.join(prefill.kv)
+                self.running.append(request)
+                continue
+            request.prompt_logprobs = prefill.prompt_logprobs
+            if request.params.max_new_tokens == 0:
+                self._finish(request, {"type": "length", "length": 0})
+                continue
+            if request.generator is None:
+                request.generator = torch.Generator(device=self.runner.device)
+                seed = request.params.sampling_seed
+                request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+            self._accept(request, prefill.last_logits)
+            if request.finish_reason is None:
+                self.runner.join(prefill.kv)
+                self.running.append(request)
+
+    def _accept(self, request: Request, logits: torch.Tensor) -> None:
+        p = request.params
+        draw = sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, request.generator)
+        request.output_ids.append(draw.token)
+        request.draws.append(draw)
+        request.versions.append(self.weight_version)
+        if draw.token in p.stop_token_ids or (not p.ignore_eos and draw.token in self.eos_token_ids):
+            self._finish(request, {"type": "stop", "matched": draw.token})
+        elif len(request.output_ids) >= p.max_new_tokens:
+            self._finish(request, {"type": "length", "length": p.max_new_tokens})
+        elif len(request.input_ids) + len(request.output_ids) >= self.max_length:
+            self._finish(request, {"type": "length", "length": len(request.output_ids)})
+        else:
+            request.on_update(request, False)
+
+    def _decode_step(self) -> None:
+        batch = self.running
+        logits, routing = self.runner.decode(
+            [r.output_ids[-1] for r in batch], [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
+        )
+        for i, request in enumerate(batch):
+            if request.return_routed_experts:
+                request.routing.append(routing[i : i + 1])
+            self._accept(request, logits[i])
+        self._drop_finished()
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
+        if len(keep) != len(self.running):
+            self.runner.keep_rows(keep)
+            self.running = [self.running[i] for i in keep]
+
+    def _finish(self, request: Request, reason: dict) -> None:
+        request.finish_reason = reason
+        request.on_update(request, True)
+
+    # ---- control (run through call()) -----------------------------------------------------------
+    def abort(self, rid: str | None = None, message: str = "aborted") -> int:
+        """Finish matching requests (all when ``rid`` is None) with their partial output."""
+        hits = [r for r in list(self.waiting) + self.running if rid is None or r.rid == rid]
+        for request in hits:
+            self._finish(request, {"type": "abort", "message": message})
+        self.waiting = deque(r for r in self.waiting if r.finish_reason is None)
+        self._drop_finished()
+        return len(hits)
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(message="generation paused with mode abort")
+        elif mode == "retract":
+            # Keep outputs, drop their KV: they are prefilled again (with whatever weights are live
+            # then) when generation continues.
+            self.waiting.extendleft(reversed(self.running))
+            self.running = []
+            self.runner.keep_rows([])
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def flush_cache(self) -> bool:
+        # There is no prefix cache to flush; SGLang refuses while requests run, and so do we.
+        return not (self.running or self.waiting)

@@ -1,0 +1,204 @@
+"""The engine wire contract: SGLang 0.5.23's HTTP API, the subset RL uses, in one module.
+
+The embedded engine parses requests with it and builds responses with it; the client builds
+requests with it and decodes responses with it. Field names, defaults and encodings are SGLang's
+(``sglang.srt.managers.io_struct.GenerateReqInput``, ``sglang.srt.sampling.sampling_params``).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class ProtocolError(ValueError):
+    """A request the engine refuses (HTTP 400); the message says which field and why."""
+
+
+# ---- /generate request ------------------------------------------------------------------------
+
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "max_new_tokens": 128,
+    "stop_token_ids": None,
+    "ignore_eos": False,
+    "n": 1,
+    "sampling_seed": None,
+}
+
+GENERATE_DEFAULTS: dict[str, Any] = {
+    "text": None,
+    "input_ids": None,
+    "sampling_params": None,
+    "rid": None,
+    "return_logprob": False,
+    "logprob_start_len": -1,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "return_sampling_mask": False,
+    "sampling_logprobs_mode": "selected",
+    "lora_path": None,
+    "stream": False,
+}
+
+SAMPLING_LOGPROBS_MODES = ("selected", "support")
+DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
+
+
+@dataclass
+class GenerateRequest:
+    """One validated /generate body (a single prompt; ``n`` completions of it)."""
+
+    input_ids: list[int] | None
+    text: str | None
+    sampling: dict[str, Any]
+    rid: str | None
+    return_logprob: bool
+    logprob_start_len: int
+    return_routed_experts: bool
+    routed_experts_start_len: int
+    return_sampling_mask: bool
+    sampling_logprobs_mode: str
+    lora_path: str | None
+    stream: bool
+
+
+def _check_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
+    if isinstance(value, bool) and bool not in kinds:
+        raise ProtocolError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise ProtocolError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+
+
+def parse_generate(body: Any, vocab_size: int, mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS) -> GenerateRequest:
+    """Validate a /generate JSON body. Raises :class:`ProtocolError` naming the first problem."""
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    unknown = sorted(set(body) - set(GENERATE_DEFAULTS))
+    if unknown:
+        raise ProtocolError(f"unknown or unsupported field(s): {', '.join(unknown)}")
+    b = {**GENERATE_DEFAULTS, **{k: v for k, v in body.items() if v is not None}}
+    if (b["text"] is None) == (b["input_ids"] is None):
+        raise ProtocolError("give exactly one of text and input_ids")
+    if b["input_ids"] is not None:
+        ids = b["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ProtocolError("input_ids must be a list of token ids (one prompt per request)")
+        if not ids:
+            raise ProtocolError("input_ids is empty")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ProtocolError(f"input_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    else:
+        _check_type("text", b["text"], (str,))
+        if not b["text"]:
+            raise ProtocolError("text is empty")
+    for name in ("return_logprob", "return_routed_experts", "return_sampling_mask", "stream"):
+        _check_type(name, b[name], (bool,))
+    for name in ("logprob_start_len", "routed_experts_start_len"):
+        _check_type(name, b[name], (int,))
+    if b["rid"] is not None:
+        _check_type("rid", b["rid"], (str,))
+    if b["lora_path"] is not None:
+        _check_type("lora_path", b["lora_path"], (str,))
+    if b["sampling_logprobs_mode"] not in SAMPLING_LOGPROBS_MODES:
+        raise ProtocolError(f"sampling_logprobs_mode must be one of {SAMPLING_LOGPROBS_MODES}, got {b['sampling_logprobs_mode']!r}")
+    if b["routed_experts_start_len"] < 0:
+        raise ProtocolError("routed_experts_start_len must be >= 0")
+    sampling = _parse_sampling(b["sampling_params"] or {})
+    if b["return_sampling_mask"] and not 1 <= sampling["top_k"] <= mask_max_tokens:
+        raise ProtocolError(
+            f"return_sampling_mask needs a finite top_k in [1, {mask_max_tokens}] (--sampling-mask-max-tokens), "
+            f"got top_k={sampling['top_k']}"
+        )
+    return GenerateRequest(
+        input_ids=b["input_ids"], text=b["text"], sampling=sampling, rid=b["rid"],
+        return_logprob=b["return_logprob"], logprob_start_len=b["logprob_start_len"],
+        return_routed_experts=b["return_routed_experts"], routed_experts_start_len=b["routed_experts_start_len"],
+        return_sampling_mask=b["return_sampling_mask"], sampling_logprobs_mode=b["sampling_logprobs_mode"],
+        lora_path=b["lora_path"], stream=b["stream"],
+    )
+
+
+def _parse_sampling(params: Any) -> dict[str, Any]:
+    if not isinstance(params, dict):
+        raise ProtocolError("sampling_params must be a JSON object")
+    unknown = sorted(set(params) - set(SAMPLING_DEFAULTS))
+    if unknown:
+        raise ProtocolError(f"unknown or unsupported sampling_params: {', '.join(unknown)}")
+    s = {**SAMPLING_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
+    for name in ("temperature", "top_p", "min_p"):
+        _check_type(f"sampling_params.{name}", s[name], (int, float))
+    for name in ("top_k", "max_new_tokens", "n"):
+        _check_type(f"sampling_params.{name}", s[name], (int,))
+    _check_type("sampling_params.ignore_eos", s["ignore_eos"], (bool,))
+    if s["temperature"] < 0:
+        raise ProtocolError(f"sampling_params.temperature must be >= 0, got {s['temperature']}")
+    if not 0 < s["top_p"] <= 1:
+        raise ProtocolError(f"sampling_params.top_p must be in (0, 1], got {s['top_p']}")
+    if not 0 <= s["min_p"] <= 1:
+        raise ProtocolError(f"sampling_params.min_p must be in [0, 1], got {s['min_p']}")
+    if s["top_k"] == 0 or s["top_k"] < -1:
+        raise ProtocolError(f"sampling_params.top_k must be -1 (no limit) or >= 1, got {s['top_k']}")
+    if s["max_new_tokens"] < 0:
+        raise ProtocolError(f"sampling_params.max_new_tokens must be >= 0, got {s['max_new_tokens']}")
+    if s["n"] < 1:
+        raise ProtocolError(f"sampling_params.n must be >= 1, got {s['n']}")
+    stop = s["stop_token_ids"] or []
+    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+        raise ProtocolError("sampling_params.stop_token_ids must be a list of token ids")
+    s["stop_token_ids"] = stop
+    if s["sampling_seed"] is not None:
+        _check_type("sampling_params.sampling_seed", s["sampling_seed"], (int,))
+    return s
+
+
+# ---- encodings -------------------------------------------------------------------------------
+
+
+def encode_routed_experts(routing: np.ndarray) -> str:
+    """SGLang's encoding: the int32 array [positions, num_hidden_layers, topk], raw bytes, base64."""
+    return base64.b64encode(np.ascontiguousarray(routing, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def decode_routed_experts(payload: str, num_layers: int, topk: int, moe_layers: list[int], num_experts: int) -> np.ndarray:
+    """Routing of the MoE layers only, compact: [positions, len(moe_layers), topk] as uint8 when the
+    experts fit (<= 256), else int16."""
+    flat = np.frombuffer(base64.b64decode(payload), dtype=np.int32)
+    if flat.size % (num_layers * topk):
+        raise ProtocolError(f"routed_experts has {flat.size} ids, not a multiple of num_layers*topk = {num_layers * topk}")
+    routing = flat.reshape(-1, num_layers, topk)[:, moe_layers]
+    if routing.size and (routing.min() < 0 or routing.max() >= num_experts):
+        raise ProtocolError(f"routed_experts has expert ids outside [0, {num_experts}) in MoE layers")
+    return routing.astype(np.uint8 if num_experts <= 256 else np.int16)
+
+
+def encode_sampling_masks(kept: list[np.ndarray]) -> list[list[int]]:
+    return [k.tolist() for k in kept]
+
+
+def decode_sampling_masks(masks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Kept sets as CSR: ``offsets`` int64 [T+1] and ``ids`` int32 [offsets[-1]]; token t's kept ids
+    are ``ids[offsets[t]:offsets[t+1]]``."""
+    lengths = np.fromiter((len(m) for m in masks), dtype=np.int64, count=len(masks))
+    offsets = np.zeros(len(masks) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.fromiter((t for m in masks for t in m), dtype=np.int32, count=int(offsets[-1]))
+    return offsets, ids
+
+
+def version_spans(versions: list[str]) -> list[dict[str, Any]]:
+    """Run-length spans ``{version, start, end}`` (end exclusive) over output token positions."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans
