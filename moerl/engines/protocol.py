@@ -202,3 +202,73 @@ def version_spans(versions: list[str]) -> list[dict[str, Any]]:
         else:
             spans.append({"version": v, "start": i, "end": i + 1})
     return spans
+
+
+# ---- decoded responses --------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """One finished completion, decoded into compact arrays (no per-token Python lists)."""
+
+    rid: str
+    prompt_len: int
+    output_ids: np.ndarray  # int32 [T]
+    finish_reason: dict
+    weight_versions: list[dict[str, Any]]  # spans {version, start, end} over output positions
+    logprobs: np.ndarray | None = None  # float32 [T], temperature-scaled, before truncation
+    routing: np.ndarray | None = None  # uint8/int16 [positions, moe_layers, topk]
+    routing_start: int = 0  # position of routing row 0
+    mask_offsets: np.ndarray | None = None  # int64 [T+1]
+    mask_ids: np.ndarray | None = None  # int32
+    sampling_logprobs: np.ndarray | None = None  # float32 [T] ("selected" mode)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.get("type") == "abort"
+
+    def kept_ids(self, t: int) -> np.ndarray:
+        return self.mask_ids[self.mask_offsets[t] : self.mask_offsets[t + 1]]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What decoding routing needs to know about the served model (from /model_info)."""
+
+    num_layers: int
+    topk: int
+    moe_layers: list[int]
+    num_experts: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelShape":
+        from moerl.models import family_for
+
+        family = family_for(config)
+        cfg = family.normalize(config)
+        pattern = family.moe_layer_pattern(cfg)
+        return cls(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], [i for i, moe in enumerate(pattern) if moe], cfg["num_experts"])
+
+
+def decode_generate(response: dict[str, Any], shape: ModelShape | None, routing_start: int = 0) -> Completion:
+    meta = response["meta_info"]
+    completion = Completion(
+        rid=meta["id"],
+        prompt_len=meta["prompt_tokens"],
+        output_ids=np.asarray(response["output_ids"], dtype=np.int32),
+        finish_reason=meta["finish_reason"],
+        weight_versions=meta.get("weight_versions") or [],
+        routing_start=routing_start,
+    )
+    if "output_token_logprobs" in meta:
+        completion.logprobs = np.fromiter((lp for lp, _, _ in meta["output_token_logprobs"]), dtype=np.float32)
+    if "routed_experts" in meta:
+        if shape is None:
+            raise ProtocolError("routed_experts returned but the model shape is unknown")
+        completion.routing = decode_routed_experts(meta["routed_experts"], shape.num_layers, shape.topk, shape.moe_layers, shape.num_experts)
+    if "output_token_sampling_mask" in meta:
+        completion.mask_offsets, completion.mask_ids = decode_sampling_masks(meta["output_token_sampling_mask"])
+        lps = meta.get("output_token_sampling_logprobs")
+        if lps and not isinstance(lps[0], list):
+            completion.sampling_logprobs = np.asarray(lps, dtype=np.float32)
+    return completion

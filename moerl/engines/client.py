@@ -1,0 +1,180 @@
+"""One async client for every engine replica, SGLang or embedded: same routes, same decoding.
+
+Requests go to the least-loaded replica (fewest in flight). Each completion is returned as soon as
+it finishes; transport failures and 5xx answers are retried a bounded number of times; a 4xx answer
+is the caller's mistake and raises at once with the engine's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, AsyncIterator, Iterable
+
+import aiohttp
+
+from moerl.engines.protocol import Completion, ModelShape, decode_generate
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """An engine refused a request (4xx) or stayed unreachable after the retries."""
+
+    def __init__(self, url: str, message: str, status: int | None = None):
+        super().__init__(f"{url}: {message}")
+        self.url, self.status = url, status
+
+
+class EngineClient:
+    def __init__(self, urls: Iterable[str], shape: ModelShape | None = None, timeout_s: float = 600.0,
+                 retries: int = 3, backoff_s: float = 0.5):
+        self.urls = [u.rstrip("/") for u in urls]
+        if not self.urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        self.shape = shape
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.retries, self.backoff_s = retries, backoff_s
+        self.in_flight = {u: 0 for u in self.urls}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self._session
+
+    async def _call(self, url: str, method: str, route: str, body: dict | None = None) -> Any:
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._http().request(method, url + route, json=body) as resp:
+                    text = await resp.text()
+                    if resp.status < 400:
+                        return json.loads(text) if text and resp.content_type == "application/json" else text
+                    message = _error_message(text)
+                    if resp.status < 500:
+                        raise EngineError(url, f"{route} refused ({resp.status}): {message}", resp.status)
+                    last = EngineError(url, f"{route} failed ({resp.status}): {message}", resp.status)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                last = EngineError(url, f"{route}: {type(e).__name__}: {e}")
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise last
+
+    async def _everywhere(self, method: str, route: str, body: dict | None = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._call(u, method, route, body) for u in self.urls)))
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
+                       return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
+                       return_sampling_mask: bool = False, rid: str | None = None, lora_path: str | None = None) -> list[Completion]:
+        """All ``sampling_params['n']`` completions of one prompt, from the least-loaded replica."""
+        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if return_routed_experts:
+            if self.shape is None:
+                raise ValueError("return_routed_experts needs EngineClient(shape=ModelShape...) to decode the routing")
+            body.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start_len)
+        if return_sampling_mask:
+            body.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
+        if rid is not None:
+            body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        url = min(self.urls, key=self.in_flight.__getitem__)
+        self.in_flight[url] += 1
+        try:
+            out = await self._call(url, "POST", "/generate", body)
+        finally:
+            self.in_flight[url] -= 1
+        responses = out if isinstance(out, list) else [out]
+        return [decode_generate(r, self.shape, routed_experts_start_len) for r in responses]
+
+    async def generate_as_completed(self, prompts: Iterable[tuple[list[int], dict[str, Any]]], **kwargs) -> AsyncIterator[list[Completion]]:
+        """Yield each prompt's completions the moment they finish, in finishing order."""
+        tasks = [asyncio.ensure_future(self.generate(ids, params, **kwargs)) for ids, params in prompts]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ---- control ------------------------------------------------------------------------------
+    async def pause(self, mode: str = "abort") -> None:
+        await self._everywhere("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._everywhere("POST", "/continue_generation", {})
+
+    async def abort(self, rid: str | None = None) -> None:
+        await self._everywhere("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None})
+
+    async def weight_versions(self) -> list[str]:
+        return [info["weight_version"] for info in await self._everywhere("GET", "/model_info")]
+
+    async def set_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
+        await self._everywhere("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": abort_all_requests})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        await self._everywhere("POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                                        backend: str, rank_offsets: list[int] | None = None) -> None:
+        """Each replica joins the trainer's broadcast group at its own rank offset (default 1, 2, ...)."""
+        offsets = rank_offsets or list(range(1, len(self.urls) + 1))
+        await asyncio.gather(*(
+            self._call(u, "POST", "/init_weights_update_group", {
+                "master_address": master_address, "master_port": master_port, "rank_offset": off,
+                "world_size": world_size, "group_name": group_name, "backend": backend,
+            })
+            for u, off in zip(self.urls, offsets)
+        ))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+                                              weight_version: str | None = None, load_format: str | None = None,
+                                              flush_cache: bool = True) -> None:
+        await self._everywhere("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": weight_version, "load_format": load_format, "flush_cache": flush_cache,
+        })
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._everywhere("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora(self, name: str) -> None:
+        await self._everywhere("POST", "/unload_lora_adapter", {"lora_name": name})
+
+    async def healthy(self) -> list[bool]:
+        async def one(url):
+            try:
+                async with self._http().get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    return resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
+
+        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+
+def _error_message(text: str) -> str:
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip() or "(empty body)"
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err)
+    return text

@@ -1,0 +1,163 @@
+"""The embedded engine end to end: a real ``moerl serve`` process on loopback, driven by moerl's
+client (and raw HTTP for what a client would never send)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moerl.engines.client import EngineClient, EngineError
+from moerl.engines.protocol import ModelShape
+from moerl.models.tiny import save_tiny_hf
+from tests.engine_server import running_server
+
+ARCH = "Qwen3MoeForCausalLM"
+PROMPTS = [[3, 17, 42, 99, 7], [11, 12, 13], [200, 5, 9, 31, 64, 2, 77, 18, 150], [60, 61]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    return save_tiny_hf(ARCH, root / "base"), save_tiny_hf(ARCH, root / "other", seed=1)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    with running_server(models[0], tmp_path_factory.mktemp("log") / "serve.log") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def shape(models):
+    return ModelShape.from_hf_config(json.loads((models[0] / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    return AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).eval()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _generate_all(url, shape, params, **kwargs):
+    async with EngineClient([url], shape) as client:
+        return await asyncio.gather(*(client.generate(p, params, **kwargs) for p in PROMPTS))
+
+
+def _recompute(model, prompt, output):
+    """Logits and per-MoE-layer top-k of the whole sequence run again in one forward."""
+    ids = torch.tensor([list(prompt) + output.tolist()[:-1]])
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    topk = model.config.num_experts_per_tok
+    routing = torch.stack([torch.topk(torch.softmax(r.float(), -1), topk, -1).indices for r in out.router_logits], dim=1)
+    return out.logits[0], routing
+
+
+def test_routing_equals_the_routing_of_a_full_rerun(server, shape, reference):
+    params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7}
+    results = run(_generate_all(server, shape, params, return_routed_experts=True))
+    for prompt, (c,) in zip(PROMPTS, results):
+        _, routing = _recompute(reference, prompt, c.output_ids)
+        assert c.routing.dtype == np.uint8
+        assert c.routing.shape == (len(prompt) + len(c.output_ids) - 1, len(shape.moe_layers), shape.topk)
+        # Same expert sets per token and layer (order within the top-k may differ on near-ties).
+        assert np.array_equal(np.sort(c.routing, -1), np.sort(routing.numpy(), -1))
+
+
+def test_routed_experts_start_len_drops_prompt_rows(server, shape):
+    async def go():
+        async with EngineClient([server], shape) as client:
+            full = await client.generate(PROMPTS[2], {"max_new_tokens": 4, "sampling_seed": 1}, return_routed_experts=True)
+            part = await client.generate(PROMPTS[2], {"max_new_tokens": 4, "sampling_seed": 1}, return_routed_experts=True, routed_experts_start_len=5)
+            return full[0], part[0]
+
+    full, part = run(go())
+    assert np.array_equal(full.output_ids, part.output_ids)
+    assert np.array_equal(part.routing, full.routing[5:])
+
+
+@pytest.mark.parametrize("params", [
+    {"top_k": 20, "top_p": 0.9, "temperature": 0.8},
+    {"top_k": 50, "min_p": 0.05},
+    {"top_k": 1},
+])
+def test_sampled_tokens_lie_in_their_kept_set_and_logprobs_match(server, shape, reference, params):
+    params = {**params, "max_new_tokens": 10, "sampling_seed": 3, "ignore_eos": True}
+    results = run(_generate_all(server, shape, params, return_sampling_mask=True))
+    temperature = params.get("temperature", 1.0)
+    for prompt, (c,) in zip(PROMPTS, results):
+        logits, _ = _recompute(reference, prompt, c.output_ids)
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 :].float() / temperature, -1)
+        for t, token in enumerate(c.output_ids):
+            kept = c.kept_ids(t)
+            assert token in kept
+            assert len(kept) <= params["top_k"]
+            if params["top_k"] == 1:
+                assert kept.tolist() == [int(logits[len(prompt) - 1 + t].argmax())]
+            renormalised = logprobs[t, token] - torch.logsumexp(logprobs[t, torch.from_numpy(kept).long()], 0)
+            assert c.sampling_logprobs[t] == pytest.approx(float(renormalised), abs=1e-4)
+            assert c.logprobs[t] == pytest.approx(float(logprobs[t, token]), abs=1e-4)
+
+
+def test_each_completion_returns_when_it_finishes(server, shape):
+    async def go():
+        order = []
+        async with EngineClient([server], shape) as client:
+            prompts = [(PROMPTS[0], {"max_new_tokens": 120, "ignore_eos": True}), (PROMPTS[1], {"max_new_tokens": 2, "ignore_eos": True})]
+            async for (c,) in client.generate_as_completed(prompts):
+                order.append(len(c.output_ids))
+        return order
+
+    assert run(go()) == [2, 120]
+
+
+def test_same_seed_same_completion_alone_or_batched(server, shape):
+    params = {"max_new_tokens": 16, "sampling_seed": 11, "top_k": 30}
+
+    async def go():
+        async with EngineClient([server], shape) as client:
+            alone = await client.generate(PROMPTS[0], params)
+            batched = await asyncio.gather(*(client.generate(p, params) for p in PROMPTS))
+            return alone[0], batched[0][0]
+
+    alone, batched = run(go())
+    assert np.array_equal(alone.output_ids, batched.output_ids)
+
+
+async def _post(url, route, body):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + route, json=body) as r:
+            return r.status, await r.json(content_type=None)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input_ids": [1, 2], "return_routed_expert": True}, "unknown or unsupported field(s): return_routed_expert"),
+    ({"input_ids": []}, "input_ids is empty"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
+    ({"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": -1}}, "return_sampling_mask needs a finite top_k"),
+    ({"input_ids": [1], "lora_path": "nope"}, "LoRA adapter 'nope' is not loaded"),
+    ({"input_ids": [1, 9999]}, "outside the vocabulary"),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, shape, body, message):
+    status, answer = run(_post(server, "/generate", body))
+    assert status == 400 and message in answer["error"]["message"]
+    (c,) = run(_generate_all(server, shape, {"max_new_tokens": 2}))[0]
+    assert len(c.output_ids) == 2
+
+
+def test_client_raises_the_engines_message_on_a_refusal(server, shape):
+    async def go():
+        async with EngineClient([server], shape) as client:
+            await client.generate([1, 2], {"top_p": 0})
+
+    with pytest.raises(EngineError, match=r"refused \(400\): sampling_params.top_p must be in \(0, 1\]"):
+        run(go())
