@@ -143,3 +143,64 @@ def test_retract_resumes_with_the_same_output_prefix(server, models):
     final = asyncio.run(go())
     assert len(final["output_ids"]) == 300
     assert final["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
+def test_weight_update_from_distributed_broadcast(server, models, load_format):
+    """The test process plays the trainer: rank 0 of a gloo group with the engine at rank 1."""
+    import torch
+    import torch.distributed as dist
+
+    from moerl.checkpoint.hf import HFReader
+    from moerl.engines.protocol import flatten_bucket
+    from moerl.engines.weight_group import join_weight_group
+    from moerl.megatron.parallel import free_port
+
+    reader = HFReader(models[1])
+    named = [(n, reader.get(n)) for n in sorted(reader.names())]
+    port = free_port()
+    group_name = f"wsync-{load_format}"  # group names are process-wide in torch
+
+    async def go():
+        async with EngineClient([server]) as client:
+            before = (await client.generate(PROMPT, GREEDY))[0]
+            joined = asyncio.to_thread(join_weight_group, "gloo", "127.0.0.1", port, 2, 0, group_name)
+            group, _ = await asyncio.gather(joined, client.init_weights_update_group("127.0.0.1", port, 2, group_name, "gloo"))
+            if load_format == "flattened_bucket":
+                flat, names, dtypes, shapes = flatten_bucket(named)
+                send = asyncio.to_thread(dist.broadcast, flat, 0, group)
+            else:
+                names = [n for n, _ in named]
+                dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+                shapes = [list(t.shape) for _, t in named]
+                send = asyncio.to_thread(lambda: [dist.broadcast(t, 0, group) for _, t in named])
+            await asyncio.gather(send, client.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version="step-1", load_format=load_format))
+            pushed = (await client.generate(PROMPT, GREEDY))[0]
+            await client.update_weights_from_disk(str(models[1]))
+            from_disk = (await client.generate(PROMPT, GREEDY))[0]
+            return before, pushed, from_disk
+
+    before, pushed, from_disk = asyncio.run(go())
+    assert pushed.weight_versions[0]["version"] == "step-1"
+    assert not np.array_equal(before.output_ids, pushed.output_ids)
+    assert np.array_equal(pushed.output_ids, from_disk.output_ids)
+
+
+def test_a_mismatched_weight_update_is_refused_and_changes_nothing(server):
+    async def go():
+        async with EngineClient([server]) as client:
+            before = (await client.generate(PROMPT, GREEDY))[0]
+            status, answer = await _post_json(server, "/update_weights_from_distributed",
+                                              {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[3]], "group_name": "nope"})
+            after = (await client.generate(PROMPT, GREEDY))[0]
+            return before, after, status, answer
+
+    before, after, status, answer = asyncio.run(go())
+    assert status == 400 and "group 'nope' is not initialised" in answer["error"]["message"]
+    assert np.array_equal(before.output_ids, after.output_ids)
+
+
+async def _post_json(url, route, body):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + route, json=body) as r:
+            return r.status, await r.json(content_type=None)

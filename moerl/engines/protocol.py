@@ -272,3 +272,47 @@ def decode_generate(response: dict[str, Any], shape: ModelShape | None, routing_
         if lps and not isinstance(lps[0], list):
             completion.sampling_logprobs = np.asarray(lps, dtype=np.float32)
     return completion
+
+
+# ---- weight broadcast payloads ------------------------------------------------------------------
+
+TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8")
+
+
+def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int, int]]:
+    """Byte ``(start, end)`` of each tensor in a ``flattened_bucket`` broadcast: the tensors' raw
+    bytes back to back in request order, each starting at a multiple of its element size (SGLang
+    refuses unaligned buckets; order tensors by element size, largest first, to keep them aligned)."""
+    import torch
+
+    spans, offset = [], 0
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        if dtype not in TORCH_DTYPES:
+            raise ProtocolError(f"dtypes[{i}]={dtype!r} is not one of {TORCH_DTYPES}")
+        if any(d < 0 for d in shape):
+            raise ProtocolError(f"shapes[{i}]={shape} has a negative dimension")
+        itemsize = getattr(torch, dtype).itemsize
+        if offset % itemsize:
+            raise ProtocolError(f"tensor {i} ({dtype}) would start at byte {offset}, not a multiple of {itemsize}")
+        size = itemsize * int(np.prod(shape, dtype=np.int64))
+        spans.append((offset, offset + size))
+        offset += size
+    return spans
+
+
+def flatten_bucket(named: list[tuple[str, Any]]):
+    """Sender side: ``(uint8 tensor, names, dtypes, shapes)`` for one flattened_bucket broadcast."""
+    import torch
+
+    named = sorted(named, key=lambda nt: -nt[1].element_size())
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+    return flat, [n for n, _ in named], [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named]
+
+
+def unflatten_bucket(flat, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, Any]]:
+    import torch
+
+    return [
+        (name, flat[start:end].view(getattr(torch, dtype)).reshape(shape))
+        for name, dtype, shape, (start, end) in zip(names, dtypes, shapes, bucket_layout(dtypes, shapes))
+    ]

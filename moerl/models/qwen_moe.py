@@ -8,6 +8,8 @@ it is made of. The converter and the tests walk these rules; nothing else knows 
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +35,9 @@ _GENERIC_KEYS = frozenset(
     output_attentions chunk_size_feed_forward is_encoder_decoder problem_type tokenizer_class
     attention_dropout router_jitter_noise""".split()
 )
+
+
+_HUB_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -353,6 +358,22 @@ class QwenMoeFamily:
         tail = q.shape[1:]
         per_group = [t.reshape(groups, -1, *tail) for t in (q, k, v)]
         return torch.cat(per_group, dim=1).reshape(-1, *tail).contiguous()
+
+    @staticmethod
+    def transformers_slot(hub_name: str) -> tuple[str, tuple]:
+        """Where a Hub tensor lives in a transformers 5 model: ``(parameter name, index)``.
+
+        transformers 5 fuses each layer's experts in memory (``experts.gate_up_proj`` [E, 2F, H] as
+        [gate; up] per expert, ``experts.down_proj`` [E, H, F]); everything else keeps its Hub name.
+        """
+        match = _HUB_EXPERT.match(hub_name)
+        if not match:
+            return hub_name, ()
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        if proj == "down_proj":
+            return f"{prefix}down_proj", (expert,)
+        half = 0 if proj == "gate_proj" else 1
+        return f"{prefix}gate_up_proj", (expert, half)
 
     def to_hf(self, rule: TensorRule, tensor: torch.Tensor, cfg: dict) -> list[torch.Tensor]:
         """Split one full megatron parameter back into its Hub tensors."""

@@ -118,3 +118,35 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=self.mask, past_key_values=cache, use_cache=True)
         self.kv = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits[:, -1], self._routing(len(tokens))
+
+
+def hub_tensor_targets(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view, source) for each Hub-named tensor, all checked before anything is written."""
+    from moerl.models.qwen_moe import QwenMoeFamily
+
+    params = dict(model.named_parameters())
+    pairs, problems = [], []
+    for name, tensor in named:
+        param_name, index = QwenMoeFamily.transformers_slot(name)
+        if param_name not in params:
+            problems.append(f"{name}: not a weight of the served model")
+            continue
+        dst = params[param_name].data
+        if len(index) == 2:  # one half of a fused [gate; up] expert
+            width = dst.shape[1] // 2
+            dst = dst[index[0], index[1] * width : (index[1] + 1) * width]
+        elif index:
+            dst = dst[index[0]]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            problems.append(f"{name}: shape {tuple(tensor.shape)} != served {tuple(dst.shape)}")
+            continue
+        pairs.append((dst, tensor))
+    if problems:
+        raise ValueError("weight update refused, nothing was changed: " + "; ".join(problems[:5]))
+    return pairs
+
+
+@torch.no_grad()
+def load_hub_tensors(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
+    for dst, src in hub_tensor_targets(model, named):
+        dst.copy_(src)

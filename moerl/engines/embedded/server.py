@@ -39,6 +39,7 @@ class EmbeddedEngine:
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.scheduler = Scheduler(self.runner, eos_ids, max_running)
         self.mask_max_tokens = sampling_mask_max_tokens
+        self.weight_groups: dict[str, object] = {}
 
     @staticmethod
     def _load_tokenizer(model_dir: str):
@@ -257,6 +258,78 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
 
         await on_engine(apply)
         return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
+
+    @routes.post("/init_weights_update_group")
+    async def init_weights_update_group(request):
+        body = await body_of(request)
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise protocol.ProtocolError(f"missing field(s): {', '.join(missing)}")
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl" if engine.runner.device.type == "cuda" else "gloo")
+        if backend == "nccl" and engine.runner.device.type != "cuda":
+            raise protocol.ProtocolError("backend nccl needs a CUDA engine; this one runs on the CPU (use gloo)")
+        from moerl.engines.weight_group import join_weight_group
+
+        engine.weight_groups[name] = await asyncio.to_thread(
+            join_weight_group, backend, body["master_address"], int(body["master_port"]), int(body["world_size"]),
+            int(body["rank_offset"]), name,
+        )
+        return web.json_response({"success": True, "message": f"joined {name} as rank {body['rank_offset']}"})
+
+    @routes.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request):
+        body = await body_of(request)
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not names:
+            raise protocol.ProtocolError("names, dtypes and shapes must be non-empty lists")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise protocol.ProtocolError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+        name = body.get("group_name", "weight_update_group")
+        if name not in engine.weight_groups:
+            raise protocol.ProtocolError(f"group {name!r} is not initialised: call /init_weights_update_group first")
+        group = engine.weight_groups[name]
+        device = engine.runner.device
+        import torch.distributed as dist
+
+        if body.get("load_format") == "flattened_bucket":
+            spans = protocol.bucket_layout(dtypes, shapes)
+            flat = torch.empty(spans[-1][1], dtype=torch.uint8, device=device)
+            await asyncio.to_thread(dist.broadcast, flat, 0, group)
+            named = protocol.unflatten_bucket(flat, names, dtypes, shapes)
+        elif body.get("load_format") is None:
+            for i, d in enumerate(dtypes):
+                if d not in protocol.TORCH_DTYPES:
+                    raise protocol.ProtocolError(f"dtypes[{i}]={d!r} is not one of {protocol.TORCH_DTYPES}")
+            named = [(n, torch.empty(s, dtype=getattr(torch, d), device=device)) for n, d, s in zip(names, dtypes, shapes)]
+
+            def receive():
+                for _, t in named:
+                    dist.broadcast(t, 0, group)
+
+            await asyncio.to_thread(receive)
+        else:
+            raise protocol.ProtocolError(f"load_format {body['load_format']!r}: expected null or 'flattened_bucket'")
+        return web.json_response(await apply_weights(body, named))
+
+    async def apply_weights(body: dict, named: list) -> dict:
+        from moerl.engines.embedded.runner import hub_tensor_targets
+
+        def apply():
+            pairs = hub_tensor_targets(engine.runner.model, named)  # all checked before any write
+            if body.get("abort_all_requests", False):
+                sched.abort(message="weights updated")
+            with torch.no_grad():
+                for dst, src in pairs:
+                    dst.copy_(src)
+            if body.get("weight_version") is not None:
+                sched.weight_version = str(body["weight_version"])
+
+        try:
+            await on_engine(apply)
+        except ValueError as e:
+            raise protocol.ProtocolError(str(e)) from None
+        return {"success": True, "message": f"updated {len(named)} tensors"}
 
     @web.middleware
     async def errors(request, handler):

@@ -1,0 +1,27 @@
+"""The process group a trainer and its engines share for weight broadcasts.
+
+Built the way SGLang's ``init_custom_process_group`` builds it (a TCP rendezvous at
+``master_address:master_port`` with the trainer as rank 0, keys under a ``group_name`` prefix), so a
+trainer that joins with :func:`join_weight_group` talks to real SGLang servers and to the embedded
+engine alike. Kept out of the default process group: both sides have their own.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+
+def join_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
+                      group_name: str, timeout_s: float = 600) -> dist.ProcessGroup:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+    )
+    # Collectives on a group take global ranks; here the group is its own world.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
