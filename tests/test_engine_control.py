@@ -204,3 +204,74 @@ async def _post_json(url, route, body):
     async with aiohttp.ClientSession() as s:
         async with s.post(url + route, json=body) as r:
             return r.status, await r.json(content_type=None)
+
+
+def _write_adapter(path, model_dir, seed=0):
+    """A PEFT-format adapter on attention and on single experts (SGLang's per-expert keys)."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (out_dim, in_dim) in {
+        "model.layers.0.self_attn.q_proj": (cfg["num_attention_heads"] * (h // cfg["num_attention_heads"]), h),
+        "model.layers.1.mlp.experts.2.gate_proj": (f, h),
+        "model.layers.1.mlp.experts.5.down_proj": (h, f),
+    }.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, in_dim, generator=g) * 0.5
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_dim, 4, generator=g) * 0.5
+    path.mkdir()
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    return path
+
+
+def test_lora_adapter_changes_outputs_and_unloading_restores_them(server, models, tmp_path):
+    adapter = _write_adapter(tmp_path / "adapter", models[0])
+    prompts = [PROMPT, [9, 8, 7, 6], [100, 101]]
+
+    async def go():
+        async with EngineClient([server]) as client:
+            base = [(await client.generate(p, GREEDY))[0].output_ids for p in prompts]
+            await client.load_lora("a", str(adapter))
+            # Mixed batch: requests with and without the adapter, concurrently.
+            mixed = await asyncio.gather(*(client.generate(p, GREEDY, lora_path=lp) for p in prompts for lp in (None, "a")))
+            await client.unload_lora("a")
+            after = [(await client.generate(p, GREEDY))[0].output_ids for p in prompts]
+            status, answer = await _post_json(server, "/generate", {"input_ids": PROMPT, "lora_path": "a"})
+            return base, [m[0].output_ids for m in mixed], after, status, answer
+
+    base, mixed, after, status, answer = asyncio.run(go())
+    plain, adapted = mixed[0::2], mixed[1::2]
+    assert all(np.array_equal(a, b) for a, b in zip(base, plain))
+    assert any(not np.array_equal(a, b) for a, b in zip(base, adapted))
+    assert all(np.array_equal(a, b) for a, b in zip(base, after))
+    assert status == 400 and "not loaded" in answer["error"]["message"]
+
+
+def test_lora_adapter_from_tensors_and_bad_adapters(server, models, tmp_path):
+    import base64
+
+    adapter = _write_adapter(tmp_path / "adapter", models[0])
+    payload = base64.b64encode((adapter / "adapter_model.safetensors").read_bytes()).decode()
+
+    async def go():
+        async with EngineClient([server]) as client:
+            (from_dir,) = await _load_and_generate(client, "d", lambda: client.load_lora("d", str(adapter)))
+            body = {"lora_name": "t", "config_dict": {"r": 4, "lora_alpha": 8}, "serialized_named_tensors": [payload], "load_format": "safetensors"}
+            (from_tensors,) = await _load_and_generate(client, "t", lambda: _post_json(server, "/load_lora_adapter_from_tensors", body))
+            bad = await _post_json(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "missing")})
+            dup = await _post_json(server, "/load_lora_adapter", {"lora_name": "d", "lora_path": str(adapter)})
+            return from_dir, from_tensors, bad, dup
+
+    from_dir, from_tensors, bad, dup = asyncio.run(go())
+    assert np.array_equal(from_dir.output_ids, from_tensors.output_ids)
+    assert bad[0] == 400 and "PEFT format" in bad[1]["error"]["message"]
+    assert dup[0] == 400 and "already loaded" in dup[1]["error"]["message"]
+
+
+async def _load_and_generate(client, name, load):
+    await load()
+    return await client.generate(PROMPT, GREEDY, lora_path=name)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from moerl.engines.embedded.lora import AdapterSet, LoRAError
 from moerl.engines.embedded.runner import ModelRunner
 from moerl.engines.embedded.sampler import Draw, sample
 
@@ -40,6 +41,7 @@ class Request:
     logprob_start_len: int | None = None  # prompt log-probs from here (None: none)
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
+    lora: str | None = None  # adapter name
     # Called on the engine thread with (request, finished: bool) after every new token and at the end.
     on_update: Callable[["Request", bool], None] = lambda request, finished: None
 
@@ -60,6 +62,7 @@ class Request:
 class Scheduler:
     def __init__(self, runner: ModelRunner, eos_token_ids: set[int], max_running: int = 64, weight_version: str = "default"):
         self.runner = runner
+        self.adapters = AdapterSet(runner.model)
         self.eos_token_ids = eos_token_ids
         self.max_running = max_running
         self.weight_version = weight_version
@@ -123,7 +126,16 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
+            # A batch shares one merged adapter: a request for another one waits (FIFO) for the
+            # batch to drain, then the adapter is switched.
+            if self.running and self.waiting[0].lora != self.running[0].lora:
+                return
             request = self.waiting.popleft()
+            try:
+                self.adapters.activate(request.lora)
+            except LoRAError as e:
+                self._finish(request, {"type": "abort", "message": str(e)})
+                continue
             resumed = bool(request.output_ids)  # retracted earlier: its next token is already sampled
             prefill = self.runner.prefill(request.fed_tokens if resumed else request.input_ids, None if resumed else request.logprob_start_len)
             if request.return_routed_experts:
@@ -162,6 +174,7 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         batch = self.running
+        self.adapters.activate(batch[0].lora)  # a weight update in between restores the base
         logits, routing = self.runner.decode(
             [r.output_ids[-1] for r in batch], [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
         )
@@ -201,6 +214,12 @@ class Scheduler:
             self.running = []
             self.runner.keep_rows([])
         self.paused = True
+
+    def unload_adapter(self, name: str) -> None:
+        users = sum(r.lora == name for r in list(self.waiting) + self.running)
+        if users:
+            raise LoRAError(f"adapter {name!r} is in use by {users} request(s); abort or wait for them first")
+        self.adapters.remove(name)
 
     def resume(self) -> None:
         self.paused = False

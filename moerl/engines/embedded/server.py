@@ -15,6 +15,7 @@ import torch
 from aiohttp import web
 
 from moerl.engines import protocol
+from moerl.engines.embedded import lora
 from moerl.engines.embedded.runner import ModelRunner
 from moerl.engines.embedded.scheduler import Request, SamplingParams, Scheduler
 
@@ -63,7 +64,7 @@ class EmbeddedEngine:
             raise protocol.ProtocolError(f"logprob_start_len={req.logprob_start_len} must be < the prompt length {len(input_ids)}")
         if req.routed_experts_start_len > len(input_ids):
             raise protocol.ProtocolError(f"routed_experts_start_len={req.routed_experts_start_len} exceeds the prompt length {len(input_ids)}")
-        if req.lora_path is not None:
+        if req.lora_path is not None and req.lora_path not in self.scheduler.adapters.adapters:
             raise protocol.ProtocolError(f"LoRA adapter {req.lora_path!r} is not loaded")
         s = req.sampling
         rid = req.rid or uuid.uuid4().hex
@@ -79,7 +80,7 @@ class EmbeddedEngine:
                 rid=rid if s["n"] == 1 else f"{rid}-{i}", input_ids=input_ids, params=params,
                 logprob_start_len=max(req.logprob_start_len, 0) if req.return_logprob else None,
                 return_routed_experts=req.return_routed_experts, return_sampling_mask=req.return_sampling_mask,
-                on_update=on_update,
+                lora=req.lora_path, on_update=on_update,
             ))
         return requests
 
@@ -250,6 +251,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             raise protocol.ProtocolError(f"{path} does not match the served model: {sorted(missing)[:5]}")
 
         def apply():
+            sched.adapters.activate(None)
             if body.get("abort_all_requests", False):
                 sched.abort(message="weights updated")
             engine.runner.model.load_state_dict(new.state_dict())
@@ -317,6 +319,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
 
         def apply():
             pairs = hub_tensor_targets(engine.runner.model, named)  # all checked before any write
+            sched.adapters.activate(None)  # write base weights, not adapter-merged ones
             if body.get("abort_all_requests", False):
                 sched.abort(message="weights updated")
             with torch.no_grad():
@@ -331,11 +334,47 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             raise protocol.ProtocolError(str(e)) from None
         return {"success": True, "message": f"updated {len(named)} tensors"}
 
+    @routes.post("/load_lora_adapter")
+    async def load_lora_adapter(request):
+        body = await body_of(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str):
+            raise protocol.ProtocolError("lora_name and lora_path must be strings")
+        adapter = await asyncio.to_thread(lora.adapter_from_dir, name, path)
+        await on_engine(lambda: sched.adapters.add(adapter))
+        return web.json_response({"success": True, "loaded_adapters": sorted(sched.adapters.adapters)})
+
+    @routes.post("/load_lora_adapter_from_tensors")
+    async def load_lora_adapter_from_tensors(request):
+        body = await body_of(request)
+        name, config, payloads = body.get("lora_name"), body.get("config_dict"), body.get("serialized_named_tensors")
+        if not isinstance(name, str) or not name or not isinstance(config, dict):
+            raise protocol.ProtocolError("lora_name must be a string and config_dict an object")
+        if body.get("load_format") != "safetensors":
+            raise protocol.ProtocolError(
+                "the embedded engine takes serialized_named_tensors with load_format='safetensors' "
+                "(base64 safetensors bytes; SGLang's default is a CUDA-IPC pickle that cannot cross machines)"
+            )
+        if not isinstance(payloads, list) or len(payloads) != 1:
+            raise protocol.ProtocolError("serialized_named_tensors must hold one entry (the embedded engine has one rank)")
+        import base64
+
+        adapter = lora.adapter_from_bytes(name, config, base64.b64decode(payloads[0]))
+        await on_engine(lambda: sched.adapters.add(adapter))
+        return web.json_response({"success": True, "loaded_adapters": sorted(sched.adapters.adapters)})
+
+    @routes.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request):
+        body = await body_of(request)
+        name = body.get("lora_name")
+        await on_engine(lambda: sched.unload_adapter(name))
+        return web.json_response({"success": True, "loaded_adapters": sorted(sched.adapters.adapters)})
+
     @web.middleware
     async def errors(request, handler):
         try:
             return await handler(request)
-        except protocol.ProtocolError as e:
+        except (protocol.ProtocolError, lora.LoRAError) as e:
             return _error(400, str(e))
         except web.HTTPException:
             raise
