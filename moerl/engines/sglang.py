@@ -1,0 +1,160 @@
+"""Driver for real SGLang servers: one process per replica on its own GPUs, started with the flags
+RL needs, health-checked, optionally fronted by sglang-router, and shut down cleanly.
+
+The client talks to the replicas directly (least-loaded dispatch in :class:`EngineClient`) or to
+the router's single URL; both speak the same HTTP API.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+
+
+@dataclass
+class SGLangConfig:
+    model_path: str
+    replicas: int = 1
+    gpus_per_replica: int = 1  # the tensor-parallel size of each replica
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    dtype: str = "bfloat16"
+    mem_fraction_static: float = 0.7
+    sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS
+    enable_memory_saver: bool = True  # release/resume memory occupation around training
+    lora_max_rank: int | None = None  # set to serve LoRA adapters (per-expert keys need triton_v2)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all"])
+    router: bool = False  # front the replicas with sglang-router
+    router_port: int = 29000
+    log_dir: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+
+def server_args(cfg: SGLangConfig, replica: int) -> list[str]:
+    """``sglang.launch_server`` arguments of one replica."""
+    args = [
+        "--model-path", cfg.model_path,
+        "--host", cfg.host,
+        "--port", str(cfg.base_port + replica),
+        "--tp-size", str(cfg.gpus_per_replica),
+        "--dtype", cfg.dtype,
+        "--mem-fraction-static", str(cfg.mem_fraction_static),
+        # Keep Routing: every token's routed experts come back with the completion.
+        "--enable-return-routed-experts",
+        # Keep Sampling Mask: the top-k/top-p kept set of each sampled token.
+        "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens),
+    ]
+    if cfg.enable_memory_saver:
+        args.append("--enable-memory-saver")
+    if cfg.lora_max_rank is not None:
+        args += [
+            "--enable-lora",
+            "--max-lora-rank", str(cfg.lora_max_rank),
+            "--lora-target-modules", *cfg.lora_target_modules,
+            # Per-expert adapter keys (experts.<i>.<proj>) need the triton_v2 backend, which does
+            # not run with an all-to-all MoE backend.
+            "--lora-backend", "triton_v2",
+            "--moe-a2a-backend", "none",
+        ]
+    return args + list(cfg.extra_args)
+
+
+def router_args(cfg: SGLangConfig) -> list[str]:
+    urls = [f"http://{cfg.host}:{cfg.base_port + i}" for i in range(cfg.replicas)]
+    return ["--worker-urls", *urls, "--host", cfg.host, "--port", str(cfg.router_port), "--policy", "round_robin"]
+
+
+class SGLangPool:
+    """Start, health-check and stop the SGLang replicas (and the router)."""
+
+    def __init__(self, cfg: SGLangConfig, python: str = sys.executable):
+        self.cfg, self.python = cfg, python
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [f"http://{self.cfg.host}:{self.cfg.base_port + i}" for i in range(self.cfg.replicas)]
+
+    @property
+    def urls(self) -> list[str]:
+        """What the client should talk to: the router when there is one, else every replica."""
+        return [f"http://{self.cfg.host}:{self.cfg.router_port}"] if self.cfg.router else self.replica_urls
+
+    def _gpus(self, replica: int) -> str:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(self.cfg.replicas * self.cfg.gpus_per_replica)]
+        need = self.cfg.replicas * self.cfg.gpus_per_replica
+        if len(devices) < need:
+            raise RuntimeError(f"{self.cfg.replicas} replicas x {self.cfg.gpus_per_replica} GPUs need {need} GPUs; {len(devices)} visible")
+        start = replica * self.cfg.gpus_per_replica
+        return ",".join(devices[start : start + self.cfg.gpus_per_replica])
+
+    def _spawn(self, args: list[str], env: dict, name: str) -> subprocess.Popen:
+        log = subprocess.DEVNULL
+        if self.cfg.log_dir:
+            Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
+            log = open(Path(self.cfg.log_dir) / f"{name}.log", "w")
+        # Own process group: stopping the pool stops each server's workers too.
+        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, timeout_s: float = 900) -> list[str]:
+        try:
+            for i in range(self.cfg.replicas):
+                env = {**os.environ, "CUDA_VISIBLE_DEVICES": self._gpus(i)}
+                self.procs.append(self._spawn([self.python, "-m", "sglang.launch_server", *server_args(self.cfg, i)], env, f"sglang-{i}"))
+            self.wait_healthy(self.replica_urls, timeout_s)
+            if self.cfg.router:
+                self.procs.append(self._spawn([self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg)], dict(os.environ), "router"))
+                self.wait_healthy(self.urls, 120)
+        except BaseException:
+            self.stop()
+            raise
+        return self.urls
+
+    def wait_healthy(self, urls: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(urls)
+        while pending:
+            dead = [p.args for p in self.procs if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"an SGLang process exited during start-up: {dead[0]} (see log_dir for its log)")
+            for url in list(pending):
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                        if resp.status == 200:
+                            pending.remove(url)
+                except (urllib.error.URLError, OSError):
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"SGLang not healthy after {timeout_s:.0f} s: {pending}")
+            if pending:
+                time.sleep(1)
+
+    def stop(self, grace_s: float = 30) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs = []
+
+    def __enter__(self) -> "SGLangPool":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
