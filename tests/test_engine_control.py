@@ -252,16 +252,16 @@ def test_lora_adapter_changes_outputs_and_unloading_restores_them(server, models
 
 
 def test_lora_adapter_from_tensors_and_bad_adapters(server, models, tmp_path):
-    import base64
+    from safetensors.torch import load_file
 
     adapter = _write_adapter(tmp_path / "adapter", models[0])
-    payload = base64.b64encode((adapter / "adapter_model.safetensors").read_bytes()).decode()
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    config = json.loads((adapter / "adapter_config.json").read_text())
 
     async def go():
         async with EngineClient([server]) as client:
             (from_dir,) = await _load_and_generate(client, "d", lambda: client.load_lora("d", str(adapter)))
-            body = {"lora_name": "t", "config_dict": {"r": 4, "lora_alpha": 8}, "serialized_named_tensors": [payload], "load_format": "safetensors"}
-            (from_tensors,) = await _load_and_generate(client, "t", lambda: _post_json(server, "/load_lora_adapter_from_tensors", body))
+            (from_tensors,) = await _load_and_generate(client, "t", lambda: client.load_lora_from_tensors("t", config, tensors))
             bad = await _post_json(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "missing")})
             dup = await _post_json(server, "/load_lora_adapter", {"lora_name": "d", "lora_path": str(adapter)})
             return from_dir, from_tensors, bad, dup

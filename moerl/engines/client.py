@@ -8,6 +8,7 @@ is the caller's mistake and raises at once with the engine's message.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 from typing import Any, AsyncIterator, Iterable
@@ -152,6 +153,18 @@ class EngineClient:
 
     async def load_lora(self, name: str, path: str) -> None:
         await self._everywhere("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def load_lora_from_tensors(self, name: str, config: dict[str, Any], tensors: dict[str, Any]) -> None:
+        """Push an adapter's PEFT tensors without a shared filesystem, as base64 safetensors bytes
+        (``load_format='safetensors'``). The embedded engine takes this; SGLang's own tensor format is
+        a CUDA-IPC pickle that only works on the same machine, so SGLang replicas elsewhere are given
+        adapters with :meth:`load_lora` and a shared directory instead."""
+        from safetensors.torch import save
+
+        payload = base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode("ascii")
+        await self._everywhere("POST", "/load_lora_adapter_from_tensors", {
+            "lora_name": name, "config_dict": config, "serialized_named_tensors": [payload], "load_format": "safetensors",
+        })
 
     async def unload_lora(self, name: str) -> None:
         await self._everywhere("POST", "/unload_lora_adapter", {"lora_name": name})

@@ -108,6 +108,7 @@ class EmbeddedEngine:
             meta["routed_experts"] = protocol.encode_routed_experts(rows[req.routed_experts_start_len : max(end, 0)].numpy())
         if req.return_sampling_mask:
             meta["output_token_sampling_mask"] = [d.kept_ids.tolist() for d in request.draws]
+            meta["output_token_sampling_mask_length"] = len(request.draws)
             if req.sampling_logprobs_mode == "selected":
                 meta["output_token_sampling_logprobs"] = [d.selected_logprob for d in request.draws]
             else:
