@@ -133,6 +133,28 @@ def test_same_seed_same_completion_alone_or_batched(server, shape):
     assert np.array_equal(alone.output_ids, batched.output_ids)
 
 
+def test_stream_of_n_completions_tags_each_chunk_with_its_index(server):
+    async def go():
+        chunks = []
+        async with aiohttp.ClientSession() as session:
+            body = {"input_ids": PROMPTS[0], "sampling_params": {"n": 3, "max_new_tokens": 5, "ignore_eos": True}, "stream": True}
+            async with session.post(server + "/generate", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        chunks.append(json.loads(line[6:]))
+        return chunks
+
+    by_index: dict[int, list] = {}
+    for chunk in run(go()):
+        by_index.setdefault(chunk["index"], []).append(chunk)
+    assert sorted(by_index) == [0, 1, 2]
+    for chunks in by_index.values():
+        assert len({c["meta_info"]["id"] for c in chunks}) == 1
+        assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
+        assert all(a["output_ids"] == b["output_ids"][: len(a["output_ids"])] for a, b in zip(chunks, chunks[1:]))
+        assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+
 async def _post(url, route, body):
     async with aiohttp.ClientSession() as s:
         async with s.post(url + route, json=body) as r:

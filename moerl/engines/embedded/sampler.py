@@ -17,52 +17,58 @@ class Draw:
 
     token: int
     logprob: float  # under the temperature-scaled full distribution (before truncation)
-    kept_ids: torch.Tensor  # int64 [k], ascending
-    kept_logprobs: torch.Tensor  # float32 [k], renormalised over the kept set, aligned with kept_ids
-
-    @property
-    def selected_logprob(self) -> float:
-        """Log-prob of the sampled token renormalised over the kept set."""
-        return float(self.kept_logprobs[torch.searchsorted(self.kept_ids, self.token)])
+    selected_logprob: float  # the same token's log-prob renormalised over the kept set
+    kept_ids: torch.Tensor | None = None  # int64 [k], ascending (only when the request asked for masks)
+    kept_logprobs: torch.Tensor | None = None  # float32 [k], renormalised over the kept set, aligned with kept_ids
 
 
-def kept_mask(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Boolean mask [V] of the ids that survive top-k, then top-p, then min-p (SGLang's order).
+def sample_batch(logits: torch.Tensor, params: list, generators: list[torch.Generator], want_kept: list[bool]) -> list[Draw]:
+    """Draw one token per row of ``logits`` [B, V] under each row's own sampling ``params`` (objects
+    with temperature, top_k, top_p, min_p) and generator; temperature 0 is greedy.
 
-    top-p keeps the smallest prefix of the descending distribution whose mass reaches ``top_p``
-    (the token that crosses the threshold is kept); min-p keeps ids with p >= min_p * max p.
+    Truncation follows SGLang's order: top-k, then top-p (the smallest prefix of the descending
+    distribution whose mass reaches top_p; the token crossing the threshold is kept), then min-p
+    (p >= min_p * max p). Every one of them keeps a prefix of the sorted distribution, so each row's
+    kept set is its first ``count`` sorted ids and only that prefix ever leaves the device. A row
+    draws by inverse CDF from one uniform of its own generator, so its tokens do not depend on which
+    other requests share the batch.
     """
-    vocab = probs.shape[-1]
-    sorted_probs, order = probs.sort(descending=True)
-    keep_sorted = torch.ones(vocab, dtype=torch.bool, device=probs.device)
-    if 0 < top_k < vocab:
-        keep_sorted[top_k:] = False
-    if top_p < 1.0:
-        truncated = torch.where(keep_sorted, sorted_probs, torch.zeros_like(sorted_probs))
-        mass_before = truncated.cumsum(0) - truncated
-        keep_sorted &= mass_before < top_p * truncated.sum()
-    if min_p > 0.0:
-        keep_sorted &= sorted_probs >= min_p * sorted_probs[0]
-    keep_sorted[0] = True
-    mask = torch.zeros(vocab, dtype=torch.bool, device=probs.device)
-    mask[order[keep_sorted]] = True
-    return mask
+    batch, vocab = logits.shape
+    device = logits.device
+    column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
+    temperature = column([p.temperature for p in params])
+    greedy = temperature <= 0.0
+    logprobs = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, temperature), dim=-1)
+    sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logprobs.exp()
+    rank = torch.arange(vocab, device=device)[None, :]
+    keep = rank < column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long)
+    truncated = sorted_probs * keep
+    mass_before = truncated.cumsum(-1) - truncated
+    # top_p = 1 keeps everything: no float-rounding loss of the tail.
+    keep &= mass_before < column([p.top_p if p.top_p < 1.0 else float("inf") for p in params]) * truncated.sum(-1, keepdim=True)
+    keep &= sorted_probs >= column([p.min_p for p in params]) * sorted_probs[:, :1]
+    keep &= ~greedy | (rank == 0)
+    keep[:, 0] = True
+    counts = keep.sum(-1)
 
+    kept_mass = (sorted_probs * keep).cumsum(-1)
+    uniform = torch.stack([torch.rand((), generator=g, device=device) for g in generators])[:, None]
+    position = torch.searchsorted(kept_mass, uniform * kept_mass[:, -1:], right=True)
+    position = torch.minimum(position, counts[:, None] - 1)
+    kept_logprobs = sorted_logprobs - torch.logsumexp(sorted_logprobs.masked_fill(~keep, float("-inf")), dim=-1, keepdim=True)
+    tokens = order.gather(1, position).squeeze(1).tolist()
+    full = sorted_logprobs.gather(1, position).squeeze(1).tolist()
+    selected = kept_logprobs.gather(1, position).squeeze(1).tolist()
+    draws = [Draw(t, lp, sel) for t, lp, sel in zip(tokens, full, selected)]
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float, generator: torch.Generator | None) -> Draw:
-    """Draw one token from ``logits`` [V]. Temperature 0 is greedy (the kept set is the argmax)."""
-    logits = logits.float()
-    if temperature <= 0.0:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        token = int(logits.argmax())
-        ids = torch.tensor([token], device=logits.device)
-        return Draw(token, float(logprobs[token]), ids.cpu(), torch.zeros(1))
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logprobs.exp()
-    mask = kept_mask(probs, top_k, top_p, min_p)
-    ids = mask.nonzero().squeeze(1)
-    kept = probs[ids]
-    choice = torch.multinomial(kept / kept.sum(), 1, generator=generator)
-    token = int(ids[choice])
-    kept_logprobs = torch.log_softmax(logprobs[ids], dim=-1)
-    return Draw(token, float(logprobs[token]), ids.cpu(), kept_logprobs.cpu())
+    rows = [b for b in range(batch) if want_kept[b]]
+    if rows:
+        index = torch.tensor(rows, device=device)
+        width = int(counts[index].max())
+        ids = order[index, :width].cpu()
+        lps = kept_logprobs[index, :width].cpu()
+        for i, (b, n) in enumerate(zip(rows, counts[index].tolist())):
+            ascending = ids[i, :n].argsort()
+            draws[b].kept_ids, draws[b].kept_logprobs = ids[i, :n][ascending], lps[i, :n][ascending]
+    return draws

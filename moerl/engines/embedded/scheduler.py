@@ -18,7 +18,7 @@ import torch
 
 from moerl.engines.embedded.lora import AdapterSet, LoRAError
 from moerl.engines.embedded.runner import ModelRunner
-from moerl.engines.embedded.sampler import Draw, sample
+from moerl.engines.embedded.sampler import Draw, sample_batch
 
 
 @dataclass
@@ -152,14 +152,14 @@ class Scheduler:
                 request.generator = torch.Generator(device=self.runner.device)
                 seed = request.params.sampling_seed
                 request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-            self._accept(request, prefill.last_logits)
+            (draw,) = sample_batch(prefill.last_logits[None], [request.params], [request.generator], [request.return_sampling_mask])
+            self._accept(request, draw)
             if request.finish_reason is None:
                 self.runner.join(prefill.kv)
                 self.running.append(request)
 
-    def _accept(self, request: Request, logits: torch.Tensor) -> None:
+    def _accept(self, request: Request, draw: Draw) -> None:
         p = request.params
-        draw = sample(logits, p.temperature, p.top_k, p.top_p, p.min_p, request.generator)
         request.output_ids.append(draw.token)
         request.draws.append(draw)
         request.versions.append(self.weight_version)
@@ -178,10 +178,11 @@ class Scheduler:
         logits, routing = self.runner.decode(
             [r.output_ids[-1] for r in batch], [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
         )
-        for i, request in enumerate(batch):
+        draws = sample_batch(logits, [r.params for r in batch], [r.generator for r in batch], [r.return_sampling_mask for r in batch])
+        for i, (request, draw) in enumerate(zip(batch, draws)):
             if request.return_routed_experts:
                 request.routing.append(routing[i : i + 1])
-            self._accept(request, logits[i])
+            self._accept(request, draw)
         self._drop_finished()
 
     def _drop_finished(self) -> None:

@@ -158,10 +158,11 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
 
         def on_update(r: Request, finished: bool) -> None:
             if finished or req.stream:
-                payload = engine.response(r, req) if finished or req.stream else None
-                loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, payload))
+                loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, engine.response(r, req)))
 
         requests = engine.make_requests(req, on_update)
+        # As SGLang does, chunks of an n > 1 stream say which completion they belong to.
+        index_of = {r.rid: i for i, r in enumerate(requests)} if len(requests) > 1 else {}
         for r in requests:
             sched.submit(r)
         if req.stream:
@@ -169,8 +170,10 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             await resp.prepare(request)
             remaining = len(requests)
             while remaining:
-                _, finished, payload = await updates.get()
+                rid, finished, payload = await updates.get()
                 remaining -= finished
+                if index_of:
+                    payload["index"] = index_of[rid]
                 await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
             return resp
