@@ -131,18 +131,21 @@ def test_pause_with_abort_finishes_running_requests(server):
     assert len(after.output_ids) == 8
 
 
-def test_retract_resumes_with_the_same_output_prefix(server, models):
+def test_retract_then_continue_gives_the_uninterrupted_output(server, models):
+    params = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 0.0}
+
     async def go():
         async with aiohttp.ClientSession() as session, EngineClient([server]) as client:
-            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "sampling_seed": 4}}
-            finish = await _stream_until_tokens(session, server, body, 3)
+            (uninterrupted,) = await client.generate(PROMPT, params)
+            finish = await _stream_until_tokens(session, server, {"input_ids": PROMPT, "sampling_params": params}, 3)
             await client.pause("retract")
             await client.resume()
-            return await finish
+            return uninterrupted, await finish
 
-    final = asyncio.run(go())
-    assert len(final["output_ids"]) == 300
+    uninterrupted, final = asyncio.run(go())
     assert final["meta_info"]["finish_reason"]["type"] == "length"
+    # The retracted request is re-prefilled from its prompt and output so far, then decodes on.
+    assert final["output_ids"] == uninterrupted.output_ids.tolist()
 
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
