@@ -102,6 +102,16 @@ def _set_cpu_rng_state(state: torch.Tensor, *args, **kwargs) -> None:
     torch.set_rng_state(state)
 
 
+def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:
+    """megatron's clip_grad_by_total_norm_fp32 minus its assertion that grads are CUDA tensors."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for param in parameters:
+            grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+            if grad is not None:
+                grad.detach().mul_(coeff)
+
+
 def _patches() -> list[tuple[str, str, Any]]:
     return [
         # Used as a device argument ~200 times, also inside autograd backward functions
@@ -119,6 +129,8 @@ def _patches() -> list[tuple[str, str, Any]]:
         ("torch.cuda", "manual_seed", torch.manual_seed),
         ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _cpu_rng_state),
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _set_cpu_rng_state),
+        # Gradient clipping asserts grads are torch.cuda.FloatTensor (optimizer.py imports it by name).
+        ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm),
     ]
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Any, Callable
 
 import torch
 from megatron.core import parallel_state
@@ -16,29 +17,37 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
 
 def run_schedule(
     model: torch.nn.Module,
-    microbatches: list[torch.Tensor],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    microbatches: list[Any],
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
     forward_only: bool,
+    input_ids_of: Callable[[Any], torch.Tensor] = lambda item: item,
+    around_forward: Callable[[Any], Any] | None = None,
 ) -> list[torch.Tensor]:
-    """Run ``microbatches`` (each ``[b, s]`` token ids, same shape) through the pipeline.
+    """Run ``microbatches`` through the pipeline.
 
-    ``loss_fn(vocab_parallel_logits [b, s, V/tp], input_ids)`` gives each microbatch's scalar loss on
-    the last stage, where the list of losses is returned (empty elsewhere). With
-    ``forward_only=False`` gradients of the sum of losses land in the parameters.
+    Each item gives ``[b, s]`` token ids through ``input_ids_of``. ``loss_fn(vocab_parallel_logits
+    [b, s, V/tp], item)`` gives each microbatch's scalar loss on the last stage, where the list of
+    losses is returned (empty elsewhere). With ``forward_only=False`` gradients of the losses land in
+    the parameters: of their sum when the model config has ``calculate_per_token_loss``, else of
+    their mean. ``around_forward(item)``, if given, is a context manager entered around this stage's
+    forward of the item (e.g. to set routing-replay targets and read what the routers recorded).
     """
-    b, s = microbatches[0].shape
+    first = input_ids_of(microbatches[0])
+    b, s = first.shape
     losses: list[torch.Tensor] = []
-
     device = next(model.parameters()).device
+    one = torch.tensor(1, dtype=torch.int)
 
     def forward_step(data_iterator, model_chunk):
-        input_ids = next(data_iterator).to(device)
-        output = model_chunk(input_ids, position_ids_for(input_ids), None)
+        item = next(data_iterator)
+        input_ids = input_ids_of(item).to(device)
+        with around_forward(item) if around_forward is not None else contextlib.nullcontext():
+            output = model_chunk(input_ids, position_ids_for(input_ids), None)
 
         def loss_func(logits):
-            loss = loss_fn(logits, input_ids)
+            loss = loss_fn(logits, item)
             losses.append(loss.detach())
-            return loss, {}
+            return loss, one, {}
 
         return output, loss_func
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,18 @@ class EmbeddedEngine:
         return AutoTokenizer.from_pretrained(model_dir)
 
     # ---- /generate --------------------------------------------------------------------------
+    def generate(self, body: dict) -> list[dict]:
+        """A /generate body served in-process, blocking, without HTTP (library use, tests): one
+        SGLang-shaped response per completion. The scheduler must be running."""
+        req = protocol.parse_generate(body, self.runner.vocab_size, self.mask_max_tokens)
+        finished = threading.Semaphore(0)
+        requests = self.make_requests(req, lambda r, done: finished.release() if done else None)
+        for r in requests:
+            self.scheduler.submit(r)
+        for _ in requests:
+            finished.acquire()
+        return [self.response(r, req) for r in requests]
+
     def make_requests(self, req: protocol.GenerateRequest, on_update) -> list[Request]:
         if req.input_ids is None:
             if self.tokenizer is None:

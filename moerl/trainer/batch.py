@@ -1,0 +1,129 @@
+"""From samples to this rank's micro-batches.
+
+The global batch is split across data-parallel ranks balanced by tokens, then into micro-batches
+under a token budget (counting padding). A micro-batch is the padded ``[b, s]`` form megatron-core's
+local (non-Transformer-Engine) attention takes, with the response tokens flattened to ``[T]`` for the
+loss. Routing is kept only for this micro-batch's own samples; :mod:`moerl.trainer.routing` cuts it
+further to the tokens and layers this rank's routers see. (The packed THD form needs Transformer
+Engine's attention and is not built here.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moerl.sample import Sample
+
+
+def shard_by_tokens(lengths: list[int], shards: int) -> list[list[int]]:
+    """Sample indices per shard, balancing the token counts (longest first onto the lightest shard).
+    Deterministic: ties go to the lowest shard, and each shard keeps its samples in batch order."""
+    if len(lengths) < shards:
+        raise ValueError(f"{len(lengths)} samples cannot fill {shards} data-parallel ranks")
+    loads = [0] * shards
+    members: list[list[int]] = [[] for _ in range(shards)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        target = min(range(shards), key=lambda s: (loads[s], s))
+        loads[target] += lengths[i]
+        members[target].append(i)
+    return [sorted(m) for m in members]
+
+
+def split_by_budget(lengths: list[int], token_budget: int, multiple: int = 1) -> list[list[int]]:
+    """Group indices (in order of decreasing length) so each group's padded size ``n * max_len`` fits
+    ``token_budget``; a sample longer than the budget gets a group of its own."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if groups:
+            width = _round_up(lengths[groups[-1][0]], multiple)  # the group's first sample is its longest
+            if (len(groups[-1]) + 1) * width <= token_budget:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # int64 [b, s]: fed tokens, right-padded
+    rows: torch.Tensor  # int64 [T]: batch row of each response token
+    cols: torch.Tensor  # int64 [T]: position scoring it
+    targets: torch.Tensor  # int64 [T]: the response token
+    seq: torch.Tensor  # int64 [T]: sample index within the micro-batch
+    temperature: torch.Tensor  # float32 [T]: the sampling temperature of the token's sample
+    weights: torch.Tensor  # float32 [T]: aggregation weight over the global batch
+    advantages: torch.Tensor  # float32 [T]
+    behaviour: torch.Tensor  # float32 [T]: engine log-probs (full vocab, or over the kept set with masks)
+    versions: torch.Tensor  # int64 [T]
+    fed_lengths: list[int]
+    mask_offsets: torch.Tensor | None = None  # int64 [T+1]: kept sets, CSR over the T tokens
+    mask_ids: torch.Tensor | None = None  # int64
+    routing: np.ndarray | None = None  # [b, s, moe_layers, topk] rollout routing, padding rows filled
+    old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
+    ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
+    r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.fed_lengths)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.targets.numel())
+
+
+def build_micro_batch(samples: list[Sample], advantages: list[float], weights: list[float], multiple: int,
+                      use_masks: bool, use_routing: bool) -> MicroBatch:
+    """One padded micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for sequence parallelism)."""
+    width = _round_up(max(s.fed_len for s in samples), multiple)
+    input_ids = torch.zeros(len(samples), width, dtype=torch.long)
+    rows, cols, seq, temps, w, adv = [], [], [], [], [], []
+    for b, s in enumerate(samples):
+        input_ids[b, : s.fed_len] = torch.from_numpy(s.fed_ids().astype(np.int64))
+        r = s.response_len
+        rows.append(np.full(r, b))
+        cols.append(np.arange(s.prompt_len - 1, s.prompt_len - 1 + r))
+        seq.append(np.full(r, b))
+        temps.append(np.full(r, s.temperature, dtype=np.float32))
+        w.append(np.full(r, weights[b], dtype=np.float32))
+        adv.append(np.full(r, advantages[b], dtype=np.float32))
+    cat = lambda parts, dtype=torch.long: torch.from_numpy(np.concatenate(parts)).to(dtype)  # noqa: E731
+    if use_masks:
+        missing = [i for i, s in enumerate(samples) if s.selected_logprobs is None or s.mask_offsets is None]
+        if missing:
+            raise ValueError(f"sampling-mask replay is on but {len(missing)} sample(s) carry no kept sets or "
+                             "selected log-probs (request return_sampling_mask with sampling_logprobs_mode='selected')")
+        behaviour = cat([s.selected_logprobs for s in samples], torch.float32)
+    else:
+        behaviour = cat([s.behaviour_logprobs for s in samples], torch.float32)
+    batch = MicroBatch(
+        input_ids=input_ids, rows=cat(rows), cols=cat(cols), targets=cat([s.response_ids for s in samples]),
+        seq=cat(seq), temperature=cat(temps, torch.float32), weights=cat(w, torch.float32),
+        advantages=cat(adv, torch.float32), behaviour=behaviour, versions=cat([s.versions for s in samples]),
+        fed_lengths=[s.fed_len for s in samples],
+    )
+    if use_masks:
+        offsets, start = [np.zeros(1, dtype=np.int64)], 0
+        for s in samples:
+            offsets.append(s.mask_offsets[1:].astype(np.int64) + start)
+            start += int(s.mask_offsets[-1])
+        batch.mask_offsets = cat(offsets)
+        batch.mask_ids = cat([s.mask_ids for s in samples])
+    if use_routing:
+        missing = [i for i, s in enumerate(samples) if s.routing is None]
+        if missing:
+            raise ValueError(f"routing replay R3 is on but {len(missing)} sample(s) carry no routing (request return_routed_experts)")
+        _, layers, topk = samples[0].routing.shape
+        # Padding positions still pass through the routers: give them a valid, distinct expert set.
+        routing = np.broadcast_to(np.arange(topk, dtype=samples[0].routing.dtype), (len(samples), width, layers, topk)).copy()
+        for b, s in enumerate(samples):
+            routing[b, : s.fed_len] = s.routing
+        batch.routing = routing
+    return batch

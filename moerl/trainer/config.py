@@ -1,0 +1,46 @@
+"""Typed config sections of the trainer (omegaconf structured configs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moerl.trainer.objectives import LossConfig
+from moerl.trainer.routing import ROUTING_MODES
+
+
+@dataclass
+class ReplayConfig:
+    routing: str = "R3"  # off | R2 (replay the old-policy forward's routing) | R3 (replay the rollout's)
+    sampling_mask: bool = True  # score tokens renormalised over the engine's kept set
+
+    def __post_init__(self):
+        if self.routing not in ROUTING_MODES:
+            raise ValueError(f"replay.routing={self.routing!r}: expected one of {', '.join(ROUTING_MODES)}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int | None = None  # default: no decay
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed_optimizer: bool = True  # shard optimizer state over data parallel (CUDA only: gloo has no reduce-scatter)
+
+
+@dataclass
+class TrainerConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    micro_batch_tokens: int = 4096  # padded tokens per micro-batch
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    seed: int = 1234
+    loss: LossConfig = field(default_factory=LossConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)

@@ -1,0 +1,135 @@
+"""GRPO-family objectives on flat per-token tensors.
+
+Every function takes the response tokens of a micro-batch flattened to ``[T]``, with ``seq`` [T]
+naming the sample each token belongs to (0..S-1 within the micro-batch). The loss of a micro-batch is
+``sum_t weight_t * term_t`` where ``weight_t`` comes from the aggregation over the *global* batch, so
+splitting the batch into micro-batches or data-parallel shards does not change the loss.
+
+Three log-probs meet here: ``behaviour`` (the engine that sampled, possibly several versions old),
+``old`` (the proximal policy: the trainer's weights before this update, scored by the trainer) and
+``new`` (being optimised). The policy ratio is new/old; the correction for stale or mismatched
+rollouts is old/behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+CORRECTIONS = ("none", "tis", "seq_is", "geo_is", "icepop")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclass
+class LossConfig:
+    policy_loss: str = "ppo"  # ppo | gspo | cispo
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.28
+    dual_clip: float | None = 3.0  # for negative advantages, the loss is capped at -A * dual_clip (PPO only)
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr. GRPO)
+    max_response_len: int | None = None  # Dr. GRPO's constant normaliser (default: the batch's longest)
+    std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
+    correction: str = "tis"  # behaviour -> proximal: none | tis | seq_is | geo_is | icepop
+    is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights
+    icepop_low: float = 0.5  # icepop: tokens with old/behaviour outside [low, high] are masked out
+    icepop_high: float = 2.0
+    kl_coef: float = 0.0  # reference KL penalty (0: no reference model)
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        for name, allowed in (("policy_loss", POLICY_LOSSES), ("aggregation", AGGREGATIONS),
+                              ("correction", CORRECTIONS), ("kl_estimator", KL_ESTIMATORS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"loss.{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"loss.dual_clip must be > 1 (or null), got {self.dual_clip}")
+
+
+def grpo_advantages(rewards: np.ndarray, group_ids: np.ndarray, std_normalize: bool, eps: float = 1e-6) -> np.ndarray:
+    """Each sample's reward minus its group's mean, divided by the group's (population) std when asked."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    out = np.empty_like(rewards)
+    for g in np.unique(group_ids):
+        members = group_ids == g
+        centred = rewards[members] - rewards[members].mean()
+        out[members] = centred / (rewards[members].std() + eps) if std_normalize else centred
+    return out.astype(np.float32)
+
+
+def aggregation_weights(lengths: np.ndarray, aggregation: str, max_response_len: int | None = None) -> np.ndarray:
+    """Per-sample weight of each of its tokens, over the whole global batch of samples."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    n = len(lengths)
+    if aggregation == "token_mean":
+        w = np.full(n, 1.0 / lengths.sum())
+    elif aggregation == "seq_mean_token_mean":
+        w = 1.0 / (lengths * n)
+    else:  # Dr. GRPO: a constant normaliser, no length bias
+        w = np.full(n, 1.0 / (n * (max_response_len or lengths.max())))
+    return w
+
+
+def _per_seq_sum(x: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq, x)
+
+
+def correction(old: torch.Tensor, behaviour: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """Per-token weight for the behaviour -> proximal mismatch (a constant: no gradient)."""
+    log_w = (old - behaviour).detach()
+    if cfg.correction == "none":
+        return torch.ones_like(log_w)
+    if cfg.correction == "tis":
+        return log_w.exp().clamp(max=cfg.is_cap)
+    if cfg.correction == "icepop":
+        w = log_w.exp()
+        return ((w >= cfg.icepop_low) & (w <= cfg.icepop_high)).to(w.dtype)
+    per_seq = _per_seq_sum(log_w, seq, num_seqs)
+    if cfg.correction == "geo_is":
+        per_seq = per_seq / _per_seq_sum(torch.ones_like(log_w), seq, num_seqs)
+    return per_seq.exp().clamp(max=cfg.is_cap)[seq]
+
+
+def policy_terms(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int,
+                 cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy-gradient loss terms [T] and a per-token "clipped" indicator [T]."""
+    old = old.detach()
+    log_ratio = new - old
+    low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    if cfg.policy_loss == "cispo":
+        # CISPO: the clipped ratio is a constant weight on the REINFORCE term; no token loses its gradient.
+        ratio = log_ratio.detach().exp()
+        weight = ratio.clamp(max=high)
+        return -advantages * weight * new, (ratio > high).float()
+    if cfg.policy_loss == "gspo":
+        # GSPO: the length-normalised sequence ratio, applied to every token of the sequence; its
+        # gradient flows through each token as exp(new_t - sg(new_t)).
+        lengths = _per_seq_sum(torch.ones_like(new), seq, num_seqs)
+        seq_log_ratio = (_per_seq_sum(log_ratio.detach(), seq, num_seqs) / lengths)[seq]
+        ratio = (seq_log_ratio + new - new.detach()).exp()
+    else:
+        ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(low, high)
+    terms = torch.maximum(unclipped, clipped)
+    was_clipped = (clipped > unclipped).float()
+    if cfg.policy_loss == "ppo" and cfg.dual_clip is not None:
+        cap = -advantages * cfg.dual_clip
+        dual = (advantages < 0) & (terms > cap)
+        terms = torch.where(dual, cap, terms)
+        was_clipped = torch.maximum(was_clipped, dual.float())
+    return terms, was_clipped
+
+
+def kl_terms(new: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(new || ref) estimate from samples of the policy: k1 = log(new/ref), k3 = r - log r - 1 with r = ref/new."""
+    log_r = ref.detach() - new
+    if estimator == "k1":
+        return -log_r
+    return log_r.exp() - log_r - 1.0

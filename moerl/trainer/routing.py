@@ -1,0 +1,115 @@
+"""Keep Routing: rollout routing as megatron-core RouterReplay targets, and routing agreement.
+
+A router sees its tokens as ``[s_local, b]`` flattened sequence-major, where ``s_local`` is this TP
+rank's chunk of the sequence under sequence parallelism. This rank's routers are those of its
+pipeline stage, in build order, which is the order ``RouterReplay.set_replay_data`` expects.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+ROUTING_MODES = ("off", "R2", "R3")
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class LocalRouters:
+    """This rank's routers, each with its column in the rollout routing (which lists MoE layers only)."""
+
+    def __init__(self, model, moe_layers: list[int]):
+        self.moe_layers = moe_layers
+        self.routers, self.columns = [], []
+        for layer in _unwrap(model).decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                self.routers.append(router)
+                self.columns.append(moe_layers.index(layer.layer_number - 1))
+        replay = RouterReplay.global_router_replay_instances
+        if len(replay) != len(self.routers):
+            raise RuntimeError(f"{len(replay)} RouterReplay instances for {len(self.routers)} routers: build the model with "
+                               "moe_enable_routing_replay and one model per process (moerl.megatron.model.build_model)")
+        sp = parallel_state.get_tensor_model_parallel_world_size()
+        self.sp_size, self.sp_rank = (sp, parallel_state.get_tensor_model_parallel_rank()) if sp > 1 else (1, 0)
+
+    def token_order(self, array: np.ndarray) -> np.ndarray:
+        """``[b, s, ...]`` -> this rank's router order ``[s_local * b, ...]``."""
+        b, s = array.shape[:2]
+        chunk = s // self.sp_size
+        local = np.swapaxes(array, 0, 1)[self.sp_rank * chunk : (self.sp_rank + 1) * chunk]
+        return local.reshape(chunk * b, *array.shape[2:])
+
+    def replay_targets(self, routing: np.ndarray) -> list[torch.Tensor]:
+        """One int64 ``[s_local * b, topk]`` tensor per local router from ``[b, s, moe_layers, topk]``."""
+        ordered = self.token_order(routing)
+        return [torch.from_numpy(ordered[:, c].astype(np.int64)) for c in self.columns]
+
+
+def set_action(action: RouterReplayAction | None) -> None:
+    RouterReplay.clear_global_indices()
+    if action is None:
+        RouterReplay.clear_global_router_replay_action()
+    else:
+        RouterReplay.set_global_router_replay_action(action)
+
+
+class RoutingProbe:
+    """Forward hooks on this rank's routers recording, for every token, the trainer's native top-k
+    (from the router's own logits) and the expert set actually used (its routing map), to compare
+    with the rollout's routing."""
+
+    def __init__(self, routers: LocalRouters):
+        self.routers = routers
+        self.native: list[list[torch.Tensor]] = [[] for _ in routers.routers]
+        self.used: list[list[torch.Tensor]] = [[] for _ in routers.routers]
+        self._handles = []
+
+    def __enter__(self) -> "RoutingProbe":
+        for i, router in enumerate(self.routers.routers):
+            self._handles.append(router.register_forward_hook(self._hook(i)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, i: int):
+        def hook(router, inputs, outputs):
+            with torch.no_grad():
+                logits = router.gating(inputs[0]).float()
+                logits = logits.reshape(-1, logits.shape[-1])  # [s, b, E] -> [s * b, E], sequence-major
+                self.native[i].append(logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values.cpu())
+                _, routing_map = outputs
+                self.used[i].append(routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1).sort(dim=-1).values.cpu())
+
+        return hook
+
+    def agreement(self, batches: list) -> dict[str, np.ndarray]:
+        """Per MoE layer (global, over all ranks): tokens counted, tokens whose native top-k set equals
+        the rollout's, tokens whose used set equals the rollout's. ``batches`` are the micro-batches
+        in the order they ran, each with ``routing`` [b, s, L, k] and ``fed_lengths``."""
+        layers = len(self.routers.moe_layers)
+        counts = torch.zeros(3, layers, dtype=torch.float64)
+        for m, batch in enumerate(batches):
+            b, s = batch.input_ids.shape
+            real = np.arange(s)[None, :] < np.asarray(batch.fed_lengths)[:, None]
+            real = torch.from_numpy(self.routers.token_order(real))
+            rollout = self.routers.token_order(batch.routing)
+            for i, column in enumerate(self.routers.columns):
+                target = torch.from_numpy(np.sort(rollout[:, column].astype(np.int64), axis=-1))
+                counts[0, column] += real.sum()
+                counts[1, column] += ((self.native[i][m] == target).all(-1) & real).sum()
+                counts[2, column] += ((self.used[i][m] == target).all(-1) & real).sum()
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        tokens = counts[0].clamp(min=1)
+        return {"tokens": counts[0].numpy(), "native": (counts[1] / tokens).numpy(), "used": (counts[2] / tokens).numpy()}

@@ -1,0 +1,236 @@
+"""The GRPO trainer on megatron-core, with Keep Routing and Keep Sampling Mask.
+
+One ``step`` of a global batch of samples: GRPO advantages and aggregation weights over the whole
+batch; this data-parallel rank's share, balanced by tokens; micro-batches under a token budget; a
+forward-only pass scoring the proximal ("old") policy; a forward-backward pass of the objective; and
+an optimizer step. Both passes route as configured (off / R2 / R3) and score over the kept sets when
+sampling-mask replay is on, so the actions are scored under the function that sampled them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from moerl.megatron.forward import run_schedule
+from moerl.megatron.model import load_megatron_model
+from moerl.megatron.parallel import Layout
+from moerl.models import family_for
+from moerl.sample import Sample
+from moerl.trainer import objectives
+from moerl.trainer.batch import MicroBatch, build_micro_batch, shard_by_tokens, split_by_budget
+from moerl.trainer.config import TrainerConfig
+from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
+from moerl.trainer.routing import LocalRouters, RoutingProbe, set_action
+
+LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
+
+
+class Trainer:
+    def __init__(self, ckpt_dir: str, cfg: TrainerConfig):
+        self.cfg = cfg
+        cuda = torch.cuda.is_available()
+        dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+        self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
+        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype)
+        config = model.config
+        # Losses are sums of globally normalised per-token terms: no averaging over micro-batches or DP ranks.
+        config.calculate_per_token_loss = True
+        # Micro-batches differ in shape; pipeline stages exchange shapes before activations.
+        config.variable_seq_lengths = self.layout.pp > 1
+        distributed = cfg.optim.distributed_optimizer and cuda
+        self.model = DistributedDataParallel(
+            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed), model,
+        )
+        o = cfg.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16,
+                            params_dtype=dtype, use_distributed_optimizer=distributed),
+            [self.model],
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=o.lr_decay_steps or 1 << 30, lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        )
+        family = family_for(self.hf_config)
+        self.moe_layers = [i for i, moe in enumerate(family.moe_layer_pattern(self.hf_config)) if moe]
+        self.routers = LocalRouters(self.model, self.moe_layers)
+        self.version = 0  # policy version of the current weights
+
+    # ---- batch preparation -------------------------------------------------------------------
+    def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        """This rank's micro-batches of the global batch ``samples`` (advantages and weights global)."""
+        loss = self.cfg.loss
+        advantages = objectives.grpo_advantages(np.array([s.reward for s in samples]), np.array([s.group_id for s in samples]), loss.std_normalize)
+        weights = objectives.aggregation_weights(np.array([s.response_len for s in samples]), loss.aggregation, loss.max_response_len)
+        dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        mine = shard_by_tokens([s.fed_len for s in samples], dp_size)[dp_rank]
+        groups = split_by_budget([samples[i].fed_len for i in mine], self.cfg.micro_batch_tokens, multiple=self.layout.tp)
+        replay = self.cfg.replay
+        return [
+            build_micro_batch([samples[mine[i]] for i in g], [float(advantages[mine[i]]) for i in g], [float(weights[mine[i]]) for i in g],
+                              multiple=self.layout.tp, use_masks=replay.sampling_mask, use_routing=replay.routing == "R3" or _has_routing(samples))
+            for g in groups
+        ]
+
+    # ---- passes ------------------------------------------------------------------------------
+    def _scores(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [T] of the response tokens under this forward, their logits rows [T, V/tp])."""
+        device = logits.device
+        rows = logits[mb.rows.to(device), mb.cols.to(device)].float() / mb.temperature.to(device)[:, None]
+        targets = mb.targets.to(device)
+        if self.cfg.replay.sampling_mask:
+            return masked_logprobs(rows, targets, mb.mask_offsets.to(device), mb.mask_ids.to(device)), rows
+        return full_logprobs(rows, targets), rows
+
+    def _routing_context(self, mode: str):
+        """A context for one forward of a micro-batch: sets its replay targets, or records native routing."""
+
+        @contextlib.contextmanager
+        def around(mb: MicroBatch):
+            if mode == "R3":
+                RouterReplay.set_replay_data([t.to(_device()) for t in self.routers.replay_targets(mb.routing)])
+            elif mode == "R2-replay":
+                RouterReplay.set_replay_data(mb.r2_targets)
+            yield
+            if mode == "R2-record":
+                mb.r2_targets = [t.clone() for t in RouterReplay.get_recorded_data()]
+            RouterReplay.clear_global_indices()
+
+        return around
+
+    def score(self, batches: list[MicroBatch]) -> dict[str, np.ndarray] | None:
+        """Forward-only pass with the current weights: fills each micro-batch's ``old`` log-probs;
+        returns per-MoE-layer routing agreement when the batches carry rollout routing."""
+        mode = {"off": None, "R2": "R2-record", "R3": "R3"}[self.cfg.replay.routing]
+        set_action({None: None, "R2-record": RouterReplayAction.RECORD, "R3": RouterReplayAction.REPLAY_FORWARD}[mode])
+
+        def keep_old(logits, mb):
+            mb.old = self._scores(logits, mb)[0].detach()
+            return logits.new_zeros(())
+
+        self.model.eval()
+        probe = RoutingProbe(self.routers)
+        try:
+            with torch.no_grad(), probe:
+                run_schedule(self.model, batches, keep_old, forward_only=True, input_ids_of=lambda mb: mb.input_ids,
+                             around_forward=self._routing_context(mode))
+        finally:
+            set_action(None)
+        if batches[0].routing is None:
+            return None
+        return probe.agreement(batches)
+
+    def step(self, samples: list[Sample]) -> dict[str, float]:
+        """One optimizer step on the global batch ``samples`` (the same list on every rank)."""
+        batches = self.micro_batches(samples)
+        agreement = self.score(batches)
+        loss_cfg = self.cfg.loss
+        mode = self.cfg.replay.routing
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64)
+        lag_hist = torch.zeros(LAG_BINS, dtype=torch.float64)
+        count = parallel_state.get_tensor_model_parallel_rank() == 0  # TP ranks compute the same loss: count once
+
+        def loss_fn(logits, mb: MicroBatch):
+            new, rows = self._scores(logits, mb)
+            device = new.device
+            old, behaviour = mb.old.to(device), mb.behaviour.to(device)
+            seq, adv, w = mb.seq.to(device), mb.advantages.to(device), mb.weights.to(device)
+            terms, clipped = objectives.policy_terms(new, old, adv, seq, mb.num_seqs, loss_cfg)
+            corr = objectives.correction(old, behaviour, seq, mb.num_seqs, loss_cfg)
+            per_token = corr * terms
+            ent = entropy(rows if loss_cfg.entropy_coef else rows.detach())  # a TP collective: every rank computes it
+            if loss_cfg.entropy_coef:
+                per_token = per_token - loss_cfg.entropy_coef * ent
+            if loss_cfg.kl_coef:
+                if mb.ref is None:
+                    raise ValueError("loss.kl_coef > 0 needs reference log-probs on the micro-batches")
+                per_token = per_token + loss_cfg.kl_coef * objectives.kl_terms(new, mb.ref.to(device), loss_cfg.kl_estimator)
+            loss = (w * per_token).sum()
+            if count:
+                with torch.no_grad():
+                    delta = (old - behaviour).double()
+                    ratio = (new - old).double().exp()
+                    is_weight = delta.exp()
+                    values = {
+                        "loss": loss.double(), "tokens": torch.tensor(float(mb.num_tokens)), "clipped": clipped.double().sum(),
+                        "abs_delta": delta.abs().sum(), "k3": ((-delta).exp() + delta - 1).sum(), "is_weight": is_weight.sum(),
+                        "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(), "entropy": ent.double().sum(),
+                    }
+                    for i, name in enumerate(_SUMS):
+                        sums[i] += values[name].cpu()
+                    for i, value in enumerate((is_weight.max(), ratio.max(), (self.version - mb.versions).max().double())):
+                        maxes[i] = max(maxes[i], value.cpu())
+                    lag = (self.version - mb.versions).clamp(0, LAG_BINS - 1)
+                    lag_hist.add_(torch.bincount(lag, minlength=LAG_BINS).double())
+            return loss
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        set_action(None if mode == "off" else RouterReplayAction.REPLAY_FORWARD)
+        try:
+            run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
+                         around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]))
+        finally:
+            set_action(None)
+        finalize_model_grads([self.model])
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+            self.version += 1
+        return self._metrics(sums, maxes, lag_hist, agreement, grad_norm, ok)
+
+    def _metrics(self, sums, maxes, lag_hist, agreement, grad_norm, ok) -> dict[str, float]:
+        device = _device()
+        packed = torch.cat([sums, lag_hist]).to(device)
+        maxes = maxes.to(device)
+        dist.all_reduce(packed)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        packed, maxes = packed.cpu(), maxes.cpu()
+        s = dict(zip(_SUMS, packed[: len(_SUMS)].tolist()))
+        tokens = max(s["tokens"], 1.0)
+        out = {
+            "train/loss": s["loss"], "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "train/update_skipped": float(not ok), "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/entropy": s["entropy"] / tokens, "train/clip_fraction": s["clipped"] / tokens, "train/ratio_mean": s["ratio"] / tokens,
+            "train/ratio_max": maxes[1].item(), "train/tokens": s["tokens"],
+            "mismatch/abs_logprob_delta": s["abs_delta"] / tokens, "mismatch/k3_kl": s["k3"] / tokens,
+            "is/weight_mean": s["is_weight"] / tokens, "is/weight_max": maxes[0].item(), "is/kept_fraction": s["is_kept"] / tokens,
+            "staleness/max": maxes[2].item(),
+        }
+        for lag, n in enumerate(packed[len(_SUMS) :].tolist()):
+            out[f"staleness/lag_{lag}{'+' if lag == LAG_BINS - 1 else ''}"] = n / tokens
+        if agreement is not None:
+            out["routing/agreement"] = float(np.average(agreement["native"], weights=agreement["tokens"]))
+            out["routing/replayed"] = float(np.average(agreement["used"], weights=agreement["tokens"]))
+            for layer, value in zip(self.moe_layers, agreement["native"]):
+                out[f"routing/agreement_layer{layer}"] = float(value)
+        return out
+
+    def config_dict(self) -> dict:
+        return asdict(self.cfg)
+
+
+_SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy")
+_MAXES = ("is_weight", "ratio", "lag")
+
+
+def _has_routing(samples: list[Sample]) -> bool:
+    return all(s.routing is not None for s in samples)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
