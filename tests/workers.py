@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -57,3 +59,19 @@ def parity(mcore_dir: str, layout: Layout, input_ids: torch.Tensor, config_overr
     out["loss"] = losses[0].item() if losses else None
     out["grads"] = full_tensors(model, grads=True)
     return out
+
+
+def shard_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, upstream: torch.Tensor) -> dict:
+    """Kept-set and full log-probs and entropy on this TP rank's vocabulary shard of ``logits``,
+    with the gradient of ``sum(upstream * (masked + full + entropy))`` w.r.t. the shard."""
+    from megatron.core import parallel_state
+
+    from moerl.megatron.parallel import init_distributed
+    from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
+
+    init_distributed(Layout(tp=int(os.environ["WORLD_SIZE"])))
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    shard = logits.chunk(tp, dim=1)[rank].clone().requires_grad_(True)
+    masked, full, ent = masked_logprobs(shard, targets, offsets, ids), full_logprobs(shard, targets), entropy(shard)
+    (upstream * (masked + full + ent)).sum().backward()
+    return {"masked": masked.detach(), "full": full.detach(), "entropy": ent.detach(), "grad": shard.grad}
