@@ -75,3 +75,35 @@ def shard_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.T
     masked, full, ent = masked_logprobs(shard, targets, offsets, ids), full_logprobs(shard, targets), entropy(shard)
     (upstream * (masked + full + ent)).sum().backward()
     return {"masked": masked.detach(), "full": full.detach(), "entropy": ent.detach(), "grad": shard.grad}
+
+
+def train_steps(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
+    """``steps`` trainer steps on the same batch; metrics per step, the first step's full gradients,
+    and the reward-weighted log-likelihood sum_i A_i * sum_t log p(y_it) before and after each step."""
+    from moerl.trainer.trainer import Trainer
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    out: dict = {"metrics": [], "objective": []}
+
+    def weighted_loglik() -> float:
+        batches = trainer.micro_batches(samples)
+        trainer.score(batches)
+        total = sum(float((mb.advantages * mb.old).sum()) for mb in batches if mb.old is not None)
+        total = torch.tensor(total if parallel_state_counts() else 0.0, dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        return total.item()
+
+    out["objective"].append(weighted_loglik())
+    for step in range(steps):
+        out["metrics"].append(trainer.step(samples))
+        if step == 0:
+            out["grads"] = full_tensors(trainer.model.module, grads=True)
+        out["objective"].append(weighted_loglik())
+    return out
+
+
+def parallel_state_counts() -> bool:
+    """Whether this rank contributes once to a sum over the batch: the last stage, TP rank 0."""
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
