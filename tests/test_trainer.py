@@ -19,6 +19,7 @@ from moerl.megatron.launch import run_ranks
 from moerl.sample import Sample, SampleError
 from moerl.trainer.config import OptimConfig, ReplayConfig, TrainerConfig
 from moerl.trainer.objectives import LossConfig
+from tests.workers import save_and_resume as save_and_resume_worker
 from tests.workers import train_steps
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -122,3 +123,15 @@ def test_samples_refuse_inconsistent_arrays(fp32_samples):
     bad_ids[s.mask_offsets[0] : s.mask_offsets[1]] = (s.response_ids[0] + 1) % 256
     with pytest.raises(SampleError, match="response token 0 is not in its own kept set"):
         Sample(**{**s.__dict__, "mask_ids": bad_ids}).validate()
+
+
+def test_saved_trainer_resumes_exactly(tiny_ckpts, fp32_samples, tmp_path):
+    mcore = str(tiny_ckpts[ARCH][1])
+    out = run_ranks(save_and_resume_worker, 2, mcore, config("R3", ep=2), fp32_samples, str(tmp_path / "ckpt"))[0]
+    assert out["version"] == 2
+    for key in ("train/loss", "train/grad_norm", "routing/agreement", "mismatch/k3_kl"):
+        assert out["got"][key] == out["expected"][key], key
+    assert out["got"]["train/loss"] != out["first"]["train/loss"]
+    for name, tensor in out["expected_weights"].items():
+        assert torch.equal(out["weights"][name], tensor), name
+    assert (tmp_path / "ckpt" / "hf" / "config.json").is_file()  # also a model checkpoint

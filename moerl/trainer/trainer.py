@@ -10,17 +10,21 @@ sampling-mask replay is on, so the actions are scored under the function that sa
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA
 from moerl.megatron.forward import run_schedule
 from moerl.megatron.model import load_megatron_model
 from moerl.megatron.parallel import Layout
@@ -33,11 +37,12 @@ from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
 from moerl.trainer.routing import LocalRouters, RoutingProbe, set_action
 
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
+TRAINER_STATE = "trainer.json"
 
 
 class Trainer:
     def __init__(self, ckpt_dir: str, cfg: TrainerConfig):
-        self.cfg = cfg
+        self.cfg, self.ckpt_dir = cfg, str(ckpt_dir)
         cuda = torch.cuda.is_available()
         dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
         self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
@@ -220,8 +225,39 @@ class Trainer:
                 out[f"routing/agreement_layer{layer}"] = float(value)
         return out
 
-    def config_dict(self) -> dict:
-        return asdict(self.cfg)
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _sharded_state(self, loading: bool) -> dict:
+        model = self.model.module.sharded_state_dict(metadata=SHARDED_METADATA)
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=SHARDED_METADATA)}
+
+    def save(self, ckpt_dir: str | Path) -> None:
+        """Model, optimizer, LR schedule and policy version in ``dist_checkpointing`` format, loadable at
+        any layout. The directory is also a moerl model checkpoint (``tools/convert_ckpt.py``, serving)."""
+        ckpt_dir = Path(ckpt_dir)
+        if dist.get_rank() == 0:
+            ckpt_dir.mkdir(parents=True, exist_ok=False)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state(loading=False), str(ckpt_dir))
+        if dist.get_rank() == 0:
+            for name in (HF_SUBDIR, MOERL_META):
+                source = Path(self.ckpt_dir) / name
+                (shutil.copytree if source.is_dir() else shutil.copy2)(source, ckpt_dir / name)
+            state = {"version": self.version, "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg)}
+            (ckpt_dir / TRAINER_STATE).write_text(json.dumps(state, indent=1))
+        dist.barrier()
+
+    def load(self, ckpt_dir: str | Path) -> None:
+        """Restore what :meth:`save` wrote (the model, optimizer, schedule and version)."""
+        ckpt_dir = Path(ckpt_dir)
+        meta = ckpt_dir / TRAINER_STATE
+        if not meta.is_file():
+            raise FileNotFoundError(f"{ckpt_dir}: no {TRAINER_STATE}; not a trainer checkpoint (Trainer.save writes one)")
+        state = dist_checkpointing.load(self._sharded_state(loading=True), str(ckpt_dir))
+        self.model.module.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        saved = json.loads(meta.read_text())
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.version = saved["version"]
 
 
 _SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy")
