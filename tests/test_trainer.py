@@ -106,9 +106,14 @@ def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, 
     assert r3["metrics"][0]["mismatch/abs_logprob_delta"] < off["metrics"][0]["mismatch/abs_logprob_delta"]
 
 
-def test_optimizer_steps_raise_the_reward_weighted_log_likelihood(tiny_ckpts, fp32_samples):
-    mcore = str(tiny_ckpts[ARCH][1])
-    (run,) = run_ranks(train_steps, 1, mcore, config("R3", lr=3e-3), fp32_samples, 3)
+@pytest.fixture(scope="module")
+def free_run(tiny_ckpts, fp32_samples):
+    """Three steps on one batch without a KL term."""
+    return run_ranks(train_steps, 1, str(tiny_ckpts[ARCH][1]), config("R3", lr=3e-3), fp32_samples, 3)[0]
+
+
+def test_optimizer_steps_raise_the_reward_weighted_log_likelihood(free_run):
+    run = free_run
     objective = run["objective"]
     assert objective[-1] > objective[0] + 0.1, objective
     assert all(m["train/update_skipped"] == 0.0 for m in run["metrics"])
@@ -135,3 +140,14 @@ def test_saved_trainer_resumes_exactly(tiny_ckpts, fp32_samples, tmp_path):
     for name, tensor in out["expected_weights"].items():
         assert torch.equal(out["weights"][name], tensor), name
     assert (tmp_path / "ckpt" / "hf" / "config.json").is_file()  # also a model checkpoint
+
+
+def test_reference_kl_starts_at_zero_and_holds_the_policy_back(tiny_ckpts, fp32_samples, free_run):
+    held_cfg = config("R3", lr=3e-3)
+    held_cfg.loss.kl_coef = 5.0
+    free = free_run
+    (held,) = run_ranks(train_steps, 1, str(tiny_ckpts[ARCH][1]), held_cfg, fp32_samples, 3)
+    kl = [m["train/ref_kl"] for m in held["metrics"]]
+    assert abs(kl[0]) < 1e-9 and kl[1] > 0 and kl[2] > 0, kl
+    gain = lambda run: run["objective"][-1] - run["objective"][0]  # noqa: E731
+    assert 0 < gain(held) < gain(free)

@@ -72,6 +72,9 @@ class Trainer:
         self.moe_layers = [i for i, moe in enumerate(family.moe_layer_pattern(self.hf_config)) if moe]
         self.routers = LocalRouters(self.model, self.moe_layers)
         self.version = 0  # policy version of the current weights
+        # The reference policy of the KL term is the initial model; its weights wait on the host.
+        self.reference = ([p.detach().cpu().clone() for _, p in sorted(model.named_parameters())]
+                          if cfg.loss.kl_coef else None)
 
     # ---- batch preparation -------------------------------------------------------------------
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
@@ -115,21 +118,22 @@ class Trainer:
 
         return around
 
-    def score(self, batches: list[MicroBatch]) -> dict[str, np.ndarray] | None:
-        """Forward-only pass with the current weights: fills each micro-batch's ``old`` log-probs;
-        returns per-MoE-layer routing agreement when the batches carry rollout routing."""
-        mode = {"off": None, "R2": "R2-record", "R3": "R3"}[self.cfg.replay.routing]
+    def score(self, batches: list[MicroBatch], into: str = "old") -> dict[str, np.ndarray] | None:
+        """Forward-only pass with the current weights: fills each micro-batch's ``old`` (or ``ref``)
+        log-probs; returns per-MoE-layer routing agreement when the batches carry rollout routing.
+        Under R2 the ``old`` pass records the routing the training pass then replays."""
+        mode = {"off": None, "R2": "R2-record" if into == "old" else None, "R3": "R3"}[self.cfg.replay.routing]
         set_action({None: None, "R2-record": RouterReplayAction.RECORD, "R3": RouterReplayAction.REPLAY_FORWARD}[mode])
 
-        def keep_old(logits, mb):
-            mb.old = self._scores(logits, mb)[0].detach()
+        def keep(logits, mb):
+            setattr(mb, into, self._scores(logits, mb)[0].detach())
             return logits.new_zeros(())
 
         self.model.eval()
         probe = RoutingProbe(self.routers)
         try:
             with torch.no_grad(), probe:
-                run_schedule(self.model, batches, keep_old, forward_only=True, input_ids_of=lambda mb: mb.input_ids,
+                run_schedule(self.model, batches, keep, forward_only=True, input_ids_of=lambda mb: mb.input_ids,
                              around_forward=self._routing_context(mode))
         finally:
             set_action(None)
@@ -137,9 +141,27 @@ class Trainer:
             return None
         return probe.agreement(batches)
 
+    @contextlib.contextmanager
+    def _reference_weights(self):
+        """The initial weights (kept on the host) in place of the current ones, for the reference pass."""
+        params = [p for _, p in sorted(self.model.module.named_parameters())]
+        current = [p.detach().cpu().clone() for p in params]
+        with torch.no_grad():
+            for p, ref in zip(params, self.reference):
+                p.copy_(ref)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, cur in zip(params, current):
+                    p.copy_(cur)
+
     def step(self, samples: list[Sample]) -> dict[str, float]:
         """One optimizer step on the global batch ``samples`` (the same list on every rank)."""
         batches = self.micro_batches(samples)
+        if self.reference is not None:
+            with self._reference_weights():
+                self.score(batches, into="ref")
         agreement = self.score(batches)
         loss_cfg = self.cfg.loss
         mode = self.cfg.replay.routing
@@ -159,10 +181,9 @@ class Trainer:
             ent = entropy(rows if loss_cfg.entropy_coef else rows.detach())  # a TP collective: every rank computes it
             if loss_cfg.entropy_coef:
                 per_token = per_token - loss_cfg.entropy_coef * ent
+            kl = objectives.kl_terms(new, mb.ref.to(device), loss_cfg.kl_estimator) if mb.ref is not None else torch.zeros_like(new)
             if loss_cfg.kl_coef:
-                if mb.ref is None:
-                    raise ValueError("loss.kl_coef > 0 needs reference log-probs on the micro-batches")
-                per_token = per_token + loss_cfg.kl_coef * objectives.kl_terms(new, mb.ref.to(device), loss_cfg.kl_estimator)
+                per_token = per_token + loss_cfg.kl_coef * kl
             loss = (w * per_token).sum()
             if count:
                 with torch.no_grad():
@@ -173,6 +194,7 @@ class Trainer:
                         "loss": loss.double(), "tokens": torch.tensor(float(mb.num_tokens)), "clipped": clipped.double().sum(),
                         "abs_delta": delta.abs().sum(), "k3": ((-delta).exp() + delta - 1).sum(), "is_weight": is_weight.sum(),
                         "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(), "entropy": ent.double().sum(),
+                        "ref_kl": kl.double().sum(),
                     }
                     for i, name in enumerate(_SUMS):
                         sums[i] += values[name].cpu()
@@ -214,7 +236,7 @@ class Trainer:
             "train/ratio_max": maxes[1].item(), "train/tokens": s["tokens"],
             "mismatch/abs_logprob_delta": s["abs_delta"] / tokens, "mismatch/k3_kl": s["k3"] / tokens,
             "is/weight_mean": s["is_weight"] / tokens, "is/weight_max": maxes[0].item(), "is/kept_fraction": s["is_kept"] / tokens,
-            "staleness/max": maxes[2].item(),
+            "staleness/max": maxes[2].item(), "train/ref_kl": s["ref_kl"] / tokens,
         }
         for lag, n in enumerate(packed[len(_SUMS) :].tolist()):
             out[f"staleness/lag_{lag}{'+' if lag == LAG_BINS - 1 else ''}"] = n / tokens
@@ -260,7 +282,7 @@ class Trainer:
         self.version = saved["version"]
 
 
-_SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy")
+_SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")
 _MAXES = ("is_weight", "ratio", "lag")
 
 
