@@ -46,7 +46,8 @@ class Trainer:
         cuda = torch.cuda.is_available()
         dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
         self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
-        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype)
+        # Low-precision router logits flip near-tied experts; megatron-core can compute them in fp32.
+        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, **({} if dtype == torch.float32 else {"moe_router_dtype": "fp32"}))
         config = model.config
         # Losses are sums of globally normalised per-token terms: no averaging over micro-batches or DP ranks.
         config.calculate_per_token_loss = True
