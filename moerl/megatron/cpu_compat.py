@@ -15,6 +15,7 @@ Applied only when ``torch.cuda.is_available()`` is false: with a GPU nothing her
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Any, Callable
 
@@ -112,6 +113,11 @@ def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gr
                 grad.detach().mul_(coeff)
 
 
+@functools.lru_cache(maxsize=8)
+def _causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
 def _patches() -> list[tuple[str, str, Any]]:
     return [
         # Used as a device argument ~200 times, also inside autograd backward functions
@@ -129,6 +135,9 @@ def _patches() -> list[tuple[str, str, Any]]:
         ("torch.cuda", "manual_seed", torch.manual_seed),
         ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _cpu_rng_state),
         ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _set_cpu_rng_state),
+        # The causal mask is built with device="cuda"; under activation recompute that happens inside
+        # the backward pass, where torch function modes are not active.
+        ("megatron.core.fusions.fused_softmax", "get_default_causal_mask", _causal_mask),
         # Gradient clipping asserts grads are torch.cuda.FloatTensor (optimizer.py imports it by name).
         ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm),
     ]

@@ -41,6 +41,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # padded tokens per micro-batch
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     seed: int = 1234
+    recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
     loss: LossConfig = field(default_factory=LossConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -53,6 +53,32 @@ class LocalRouters:
         return [torch.from_numpy(ordered[:, c].astype(np.int64)) for c in self.columns]
 
 
+def replay_through_recompute() -> None:
+    """Make every router's REPLAY_FORWARD also right under activation recompute.
+
+    A recomputed forward runs inside the backward pass, after later micro-batches have set their
+    own targets; there the router must take its micro-batch's targets in first-in-first-out order,
+    which is megatron-core's REPLAY_BACKWARD (fed by every ``set_replay_data``). megatron-core never
+    switches to it by itself, so each replay instance switches while autograd is running a backward.
+    """
+    for instance in RouterReplay.global_router_replay_instances:
+        if getattr(instance, "_moerl_recompute_aware", False):
+            continue
+        plain = instance.get_replay_topk
+
+        def get_replay_topk(*args, _instance=instance, _plain=plain, **kwargs):
+            if _instance.router_replay_action == RouterReplayAction.REPLAY_FORWARD and torch._C._current_graph_task_id() != -1:
+                _instance.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
+                try:
+                    return _plain(*args, **kwargs)
+                finally:
+                    _instance.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+            return _plain(*args, **kwargs)
+
+        instance.get_replay_topk = get_replay_topk
+        instance._moerl_recompute_aware = True
+
+
 def set_action(action: RouterReplayAction | None) -> None:
     RouterReplay.clear_global_indices()
     if action is None:

@@ -34,7 +34,7 @@ from moerl.trainer import objectives
 from moerl.trainer.batch import MicroBatch, build_micro_batch, shard_by_tokens, split_by_budget
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
-from moerl.trainer.routing import LocalRouters, RoutingProbe, set_action
+from moerl.trainer.routing import LocalRouters, RoutingProbe, replay_through_recompute, set_action
 
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
 TRAINER_STATE = "trainer.json"
@@ -47,7 +47,10 @@ class Trainer:
         dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
         self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
         # Low-precision router logits flip near-tied experts; megatron-core can compute them in fp32.
-        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, **({} if dtype == torch.float32 else {"moe_router_dtype": "fp32"}))
+        overrides = {} if dtype == torch.float32 else {"moe_router_dtype": "fp32"}
+        if cfg.recompute:
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, **overrides)
         config = model.config
         # Losses are sums of globally normalised per-token terms: no averaging over micro-batches or DP ranks.
         config.calculate_per_token_loss = True
@@ -72,6 +75,8 @@ class Trainer:
         family = family_for(self.hf_config)
         self.moe_layers = [i for i, moe in enumerate(family.moe_layer_pattern(self.hf_config)) if moe]
         self.routers = LocalRouters(self.model, self.moe_layers)
+        if cfg.recompute:
+            replay_through_recompute()
         self.version = 0  # policy version of the current weights
         # The reference policy of the KL term is the initial model; its weights wait on the host.
         self.reference = ([p.detach().cpu().clone() for _, p in sorted(model.named_parameters())]
@@ -115,7 +120,8 @@ class Trainer:
             yield
             if mode == "R2-record":
                 mb.r2_targets = [t.clone() for t in RouterReplay.get_recorded_data()]
-            RouterReplay.clear_global_indices()
+            # No clearing here: under activation recompute the backward pass replays these targets
+            # again (first in, first out); set_action clears them once the whole pass is done.
 
         return around
 
