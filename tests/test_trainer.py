@@ -19,6 +19,7 @@ from moerl.megatron.launch import run_ranks
 from moerl.sample import Sample, SampleError
 from moerl.trainer.config import OptimConfig, ReplayConfig, TrainerConfig
 from moerl.trainer.objectives import LossConfig
+from tests.workers import resume_and_step
 from tests.workers import save_and_resume as save_and_resume_worker
 from tests.workers import train_steps
 
@@ -130,16 +131,21 @@ def test_samples_refuse_inconsistent_arrays(fp32_samples):
         Sample(**{**s.__dict__, "mask_ids": bad_ids}).validate()
 
 
-def test_saved_trainer_resumes_exactly(tiny_ckpts, fp32_samples, tmp_path):
-    mcore = str(tiny_ckpts[ARCH][1])
-    out = run_ranks(save_and_resume_worker, 2, mcore, config("R3", ep=2), fp32_samples, str(tmp_path / "ckpt"))[0]
+@pytest.fixture(scope="module")
+def ep2_resume(tiny_ckpts, fp32_samples, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("resume") / "ckpt"
+    return ckpt, run_ranks(save_and_resume_worker, 2, str(tiny_ckpts[ARCH][1]), config("R3", ep=2), fp32_samples, str(ckpt))[0]
+
+
+def test_saved_trainer_resumes_exactly(ep2_resume):
+    ckpt, out = ep2_resume
     assert out["version"] == 2
     for key in ("train/loss", "train/grad_norm", "routing/agreement", "mismatch/k3_kl"):
         assert out["got"][key] == out["expected"][key], key
     assert out["got"]["train/loss"] != out["first"]["train/loss"]
     for name, tensor in out["expected_weights"].items():
         assert torch.equal(out["weights"][name], tensor), name
-    assert (tmp_path / "ckpt" / "hf" / "config.json").is_file()  # also a model checkpoint
+    assert (ckpt / "hf" / "config.json").is_file()  # also a model checkpoint
 
 
 def test_reference_kl_starts_at_zero_and_holds_the_policy_back(tiny_ckpts, fp32_samples, free_run):
@@ -164,3 +170,12 @@ def test_activation_recompute_replays_each_micro_batchs_routing(tiny_ckpts, fp32
     assert out["metrics"][0]["train/loss"] == pytest.approx(reference["metrics"][0]["train/loss"], rel=1e-5)
     for name, grad in reference["grads"].items():
         torch.testing.assert_close(out["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+def test_a_trainer_saved_at_ep2_resumes_at_tp2_ep2(tiny_ckpts, fp32_samples, ep2_resume):
+    ckpt, expected = ep2_resume
+    out = run_ranks(resume_and_step, 2, str(tiny_ckpts[ARCH][1]), config("R3", tp=2, ep=2), fp32_samples, str(ckpt))[0]
+    assert out["got"]["train/loss"] == pytest.approx(expected["expected"]["train/loss"], rel=1e-5)
+    assert out["got"]["train/grad_norm"] == pytest.approx(expected["expected"]["train/grad_norm"], rel=1e-5)
+    for name, tensor in expected["expected_weights"].items():
+        torch.testing.assert_close(out["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)

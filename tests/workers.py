@@ -123,3 +123,12 @@ def save_and_resume(mcore_dir: str, trainer_cfg, samples: list, save_dir: str) -
     got = resumed.step(samples)
     return {"first": first, "expected": expected, "got": got, "version": resumed.version,
             "expected_weights": expected_weights, "weights": full_tensors(resumed.model.module)}
+
+
+def resume_and_step(mcore_dir: str, trainer_cfg, samples: list, save_dir: str) -> dict:
+    """A fresh trainer loading a saved one, then one step."""
+    from moerl.trainer.trainer import Trainer
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    trainer.load(save_dir)
+    return {"got": trainer.step(samples), "weights": full_tensors(trainer.model.module)}
