@@ -132,3 +132,11 @@ def resume_and_step(mcore_dir: str, trainer_cfg, samples: list, save_dir: str) -
     trainer = Trainer(mcore_dir, trainer_cfg)
     trainer.load(save_dir)
     return {"got": trainer.step(samples), "weights": full_tensors(trainer.model.module)}
+
+
+def export_hf(mcore_dir: str, layout: Layout) -> list:
+    """The Megatron model's tensors under Hub names, as the weight sync streams them."""
+    from moerl.weight_sync.export import hf_named_tensors
+
+    cfg, model = load_megatron_model(mcore_dir, layout)
+    return list(hf_named_tensors(model, cfg))

@@ -55,14 +55,14 @@ def _meta_model(cfg: dict, dtype: torch.dtype):
         return build_model(cfg, Layout(), dtype)
 
 
-def _pieces(family: QwenMoeFamily, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
+def layer_pieces(family: QwenMoeFamily, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
     """(state-dict prefix test, rules) per piece: the non-layer tensors, then each layer."""
     pieces = [("", family.global_rules(cfg))]
     pieces += [(f"decoder.layers.{i}.", family.layer_rules(cfg, i)) for i in range(cfg["num_hidden_layers"])]
     return pieces
 
 
-def _in_piece(name: str, prefix: str) -> bool:
+def in_piece(name: str, prefix: str) -> bool:
     return name.startswith(prefix) if prefix else not name.startswith("decoder.layers.")
 
 
@@ -117,7 +117,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
         model = _meta_model(cfg, dtype)
         params = dict(model.named_parameters())
         piece_dirs = []
-        for k, (prefix, rules) in enumerate(tqdm(_pieces(family, cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
+        for k, (prefix, rules) in enumerate(tqdm(layer_pieces(family, cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
             for rule in rules:
                 tensor = family.to_mcore(rule, [reader.get(n) for n in rule.hf], cfg).to(dtype)
                 _set_param(model, rule.mcore, tensor)
@@ -125,7 +125,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
             piece = staging / f"piece{k}"
             piece.mkdir()
             dist_checkpointing.save(
-                {n: t for n, t in sharded.items() if _in_piece(n, prefix)}, str(piece), validate_access_integrity=False
+                {n: t for n, t in sharded.items() if in_piece(n, prefix)}, str(piece), validate_access_integrity=False
             )
             piece_dirs.append(piece)
             for rule in rules:
@@ -150,11 +150,11 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
         model = _meta_model(cfg, dtype)
         params = dict(model.named_parameters())
         writer = HFWriter(staging, max_shard_bytes)
-        for prefix, rules in tqdm(_pieces(family, cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
+        for prefix, rules in tqdm(layer_pieces(family, cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
             for rule in rules:
                 _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="cpu"))
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
-            state = dist_checkpointing.load({n: t for n, t in sharded.items() if _in_piece(n, prefix)}, str(mcore_dir))
+            state = dist_checkpointing.load({n: t for n, t in sharded.items() if in_piece(n, prefix)}, str(mcore_dir))
             for rule in rules:
                 for name, tensor in zip(rule.hf, family.to_hf(rule, state[rule.mcore], cfg)):
                     writer.add(name, tensor)

@@ -9,6 +9,7 @@ the HF mapping rules speak.
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,11 +54,13 @@ def _gather_tp(param: torch.nn.Parameter, tensor: torch.Tensor, name: str, glu: 
     return torch.cat(shards, dim=dim)
 
 
-def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor]:
+def full_tensors(model, grads: bool = False, select: Callable[[str], bool] | None = None,
+                 keep_dtype: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) of the whole model, full size, on every rank, on the CPU.
 
-    Collective over the world: call on all ranks. Meant for verification and tests on small
-    models (it moves every tensor through ``all_gather_object``), not for weight sync.
+    ``select(global_name)`` limits it to some parameters (e.g. one layer at a time); tensors are
+    fp32 unless ``keep_dtype``. Collective over the world: call on all ranks. It moves tensors
+    through ``all_gather_object``, which suits verification and small models.
     """
     glu = model.config.gated_linear_unit
     local: dict[str, torch.Tensor] = {}
@@ -66,13 +69,16 @@ def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor]:
         # gradient summed with the first stage's, by megatron); the first stage's is the one.
         if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
             continue
+        global_name = _global_name(model, name)
+        if select is not None and not select(global_name):
+            continue
         tensor = param.data
         if grads:
             tensor = getattr(param, "main_grad", None)
             if tensor is None:
                 tensor = param.grad if param.grad is not None else torch.zeros_like(param)
-        global_name = _global_name(model, name)
-        local[global_name] = _gather_tp(param, tensor.detach().float(), global_name, glu).cpu()
+        tensor = tensor.detach() if keep_dtype else tensor.detach().float()
+        local[global_name] = _gather_tp(param, tensor, global_name, glu).cpu()
     gathered: list[dict] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     full: dict[str, torch.Tensor] = {}

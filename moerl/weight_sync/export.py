@@ -1,0 +1,26 @@
+"""The trainer's weights under the Hub names the engines load, one layer at a time.
+
+Each piece (the non-layer tensors, then each decoder layer) is gathered across TP, EP and PP from
+whichever ranks hold it and split into its Hub tensors by the model family's mapping, so peak
+memory is one layer, not the model. Collective over the world: every rank iterates.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from moerl.checkpoint.convert import in_piece, layer_pieces
+from moerl.megatron.weights import full_tensors
+from moerl.models import family_for
+
+
+def hf_named_tensors(model, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on the CPU."""
+    family = family_for(hf_config)
+    cfg = family.normalize(hf_config)
+    for prefix, rules in layer_pieces(family, cfg):
+        full = full_tensors(model, select=lambda name: in_piece(name, prefix), keep_dtype=True)
+        for rule in rules:
+            yield from zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
