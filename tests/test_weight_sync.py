@@ -23,3 +23,26 @@ def test_export_streams_the_hf_checkpoint_bitwise(tiny_ckpts, arch, world, layou
         assert sorted(names) == sorted(reader.names()) and len(set(names)) == len(names)
         for name, tensor in stream:
             assert torch.equal(tensor, reader.get(name)), name
+
+
+def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(tiny_ckpts, tmp_path):
+    from moerl.megatron.parallel import free_port
+    from moerl.trainer.config import OptimConfig, TrainerConfig
+    from tests.engine_server import running_server
+    from tests.test_trainer import rollout
+    from tests.workers import train_then_sync
+
+    hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    samples = rollout(hf_dir, torch.float32)
+    cfg = TrainerConfig(ep=2, optim=OptimConfig(lr=1e-2))
+    with running_server(hf_dir, tmp_path / "serve.log") as url:
+        out = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, url, free_port())[0]
+    reader = HFReader(hf_dir)
+    stats = out["stats"]
+    assert stats.buckets > 1 and stats.tensors == len(reader.names())
+    assert out["versions"] == ["v1"]
+    changed = 0
+    for name, tensor in out["trained"]:
+        assert torch.equal(torch.tensor(out["served"][name], dtype=tensor.dtype), tensor), name
+        changed += not torch.equal(tensor, reader.get(name))
+    assert changed > len(out["trained"]) // 2  # the step moved the weights the engine now serves

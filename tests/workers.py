@@ -140,3 +140,32 @@ def export_hf(mcore_dir: str, layout: Layout) -> list:
 
     cfg, model = load_megatron_model(mcore_dir, layout)
     return list(hf_named_tensors(model, cfg))
+
+
+def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str, port: int) -> dict:
+    """One trainer step, then a broadcast sync to the engine at ``url``; the engine's copy of every
+    tensor read back next to the trainer's."""
+    import asyncio
+
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.broadcast import BroadcastSync, sync_weights
+    from moerl.weight_sync.export import hf_named_tensors
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    trainer.step(samples)
+    rank0 = torch.distributed.get_rank() == 0
+    sync = BroadcastSync([url], "127.0.0.1", port, "gloo", bucket_bytes=64 << 10) if rank0 else None
+    if sync is not None:
+        sync.connect()
+    stats = sync_weights(trainer.model.module, trainer.hf_config, sync, version=f"v{trainer.version}")
+    trained = list(hf_named_tensors(trainer.model.module, trainer.hf_config))
+    if sync is None:
+        return {}
+
+    async def read_back():
+        return {name: (await sync.client.weights_by_name(name, truncate_size=1 << 30))[0] for name, _ in trained}
+
+    served = sync._run(read_back())
+    versions = sync._run(sync.client.weight_versions())
+    sync.close()
+    return {"stats": stats, "trained": trained, "served": served, "versions": versions}

@@ -151,6 +151,10 @@ class EngineClient:
             "weight_version": weight_version, "load_format": load_format, "flush_cache": flush_cache,
         })
 
+    async def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """Each engine's copy of the Hub tensor ``name`` as nested lists, first ``truncate_size`` rows."""
+        return await self._everywhere("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
     async def load_lora(self, name: str, path: str) -> None:
         await self._everywhere("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
 

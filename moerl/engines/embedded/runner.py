@@ -120,27 +120,32 @@ class ModelRunner:
         return out.logits[:, -1], self._routing(len(tokens))
 
 
-def hub_tensor_targets(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(destination view, source) for each Hub-named tensor, all checked before anything is written."""
+def hub_tensor_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a transformers model's parameters that holds the Hub tensor ``name`` (None if none)."""
     from moerl.models.qwen_moe import QwenMoeFamily
 
+    param_name, index = QwenMoeFamily.transformers_slot(name)
+    if param_name not in params:
+        return None
+    dst = params[param_name].data
+    if len(index) == 2:  # one half of a fused [gate; up] expert
+        width = dst.shape[1] // 2
+        return dst[index[0], index[1] * width : (index[1] + 1) * width]
+    return dst[index[0]] if index else dst
+
+
+def hub_tensor_targets(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination view, source) for each Hub-named tensor, all checked before anything is written."""
     params = dict(model.named_parameters())
     pairs, problems = [], []
     for name, tensor in named:
-        param_name, index = QwenMoeFamily.transformers_slot(name)
-        if param_name not in params:
+        dst = hub_tensor_view(params, name)
+        if dst is None:
             problems.append(f"{name}: not a weight of the served model")
-            continue
-        dst = params[param_name].data
-        if len(index) == 2:  # one half of a fused [gate; up] expert
-            width = dst.shape[1] // 2
-            dst = dst[index[0], index[1] * width : (index[1] + 1) * width]
-        elif index:
-            dst = dst[index[0]]
-        if tuple(dst.shape) != tuple(tensor.shape):
+        elif tuple(dst.shape) != tuple(tensor.shape):
             problems.append(f"{name}: shape {tuple(tensor.shape)} != served {tuple(dst.shape)}")
-            continue
-        pairs.append((dst, tensor))
+        else:
+            pairs.append((dst, tensor))
     if problems:
         raise ValueError("weight update refused, nothing was changed: " + "; ".join(problems[:5]))
     return pairs

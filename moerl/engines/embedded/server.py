@@ -17,7 +17,7 @@ from aiohttp import web
 
 from moerl.engines import protocol
 from moerl.engines.embedded import lora
-from moerl.engines.embedded.runner import ModelRunner
+from moerl.engines.embedded.runner import ModelRunner, hub_tensor_view
 from moerl.engines.embedded.scheduler import Request, SamplingParams, Scheduler
 
 log = logging.getLogger("moerl.serve")
@@ -238,6 +238,22 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     async def flush_cache(request):
         ok = await on_engine(sched.flush_cache)
         return web.Response(text="Cache flushed." if ok else "Cache not flushed: requests are running.", status=200 if ok else 400)
+
+    @routes.route("*", "/get_weights_by_name")
+    async def get_weights_by_name(request):
+        body = await body_of(request)
+        name, truncate = body.get("name"), body.get("truncate_size", 100)
+        if not isinstance(name, str) or not isinstance(truncate, int) or truncate < 1:
+            raise protocol.ProtocolError("get_weights_by_name takes a name (string) and truncate_size (int >= 1)")
+
+        def read():
+            view = hub_tensor_view(dict(engine.runner.model.named_parameters()), name)
+            return None if view is None else view.float().cpu().tolist()[:truncate]
+
+        values = await on_engine(read)
+        if values is None:
+            raise protocol.ProtocolError(f"{name!r} is not a weight of the served model (give a Hub tensor name)")
+        return web.json_response(values)
 
     @routes.post("/update_weight_version")
     async def update_weight_version(request):

@@ -1,0 +1,123 @@
+"""Weight sync by broadcast: the trainer's rank 0 and every engine share one process group (NCCL on
+GPU, gloo on CPU); the Hub-named tensors go out in ``flattened_bucket`` buckets, each announced to the
+engines over HTTP while its bytes are broadcast, so an engine never holds more than one bucket extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from moerl.engines.client import EngineClient
+from moerl.engines.protocol import flatten_bucket
+from moerl.engines.weight_group import join_weight_group
+
+
+@dataclass
+class SyncStats:
+    tensors: int = 0
+    bytes: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+
+
+def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class BroadcastSync:
+    """The trainer side (global rank 0 only) of broadcast weight sync to the engines behind ``urls``.
+
+    Synchronous to call from the training loop: it drives its own event loop in a thread.
+    """
+
+    def __init__(self, urls: list[str], master_address: str, master_port: int, backend: str,
+                 group_name: str = "moerl-weight-sync", bucket_bytes: int = 512 << 20):
+        self.client = EngineClient(urls)
+        self.master_address, self.master_port, self.backend = master_address, master_port, backend
+        self.group_name, self.bucket_bytes = group_name, bucket_bytes
+        self.group: dist.ProcessGroup | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="moerl-weight-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def connect(self) -> None:
+        """Form the group: the trainer is rank 0, engine ``i`` joins at rank ``i + 1``."""
+        world = 1 + len(self.client.urls)
+
+        async def both():
+            joined = asyncio.to_thread(join_weight_group, self.backend, self.master_address, self.master_port, world, 0, self.group_name)
+            group, _ = await asyncio.gather(joined, self.client.init_weights_update_group(
+                self.master_address, self.master_port, world, self.group_name, self.backend))
+            return group
+
+        self.group = self._run(both())
+
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
+        """Send every tensor; the engines take ``version`` with the last bucket."""
+        if self.group is None:
+            raise RuntimeError("BroadcastSync.push before connect()")
+        stats, start = SyncStats(), time.perf_counter()
+        pending = None
+        for bucket in buckets(named, self.bucket_bytes):
+            if pending is not None:
+                self._send(pending, None)
+                stats.buckets += 1
+            pending = bucket
+            stats.tensors += len(bucket)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if pending is not None:
+            self._send(pending, version)
+            stats.buckets += 1
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        flat, names, dtypes, shapes = flatten_bucket(bucket)
+        if self.backend == "nccl":
+            flat = flat.cuda()
+
+        async def both():
+            await asyncio.gather(
+                asyncio.to_thread(dist.broadcast, flat, 0, self.group),
+                self.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, weight_version=version,
+                                                            load_format="flattened_bucket", flush_cache=version is not None),
+            )
+
+        self._run(both())
+
+    def close(self) -> None:
+        self._run(self.client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+
+def sync_weights(model, hf_config: dict, sync: BroadcastSync | None, version: str) -> SyncStats | None:
+    """Collective over the trainer's ranks: all export, global rank 0 (holding ``sync``) pushes."""
+    from moerl.weight_sync.export import hf_named_tensors
+
+    named = hf_named_tensors(model, hf_config)
+    if sync is None:
+        for _ in named:
+            pass
+        return None
+    return sync.push(named, version)
