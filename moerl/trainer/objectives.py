@@ -65,15 +65,25 @@ def grpo_advantages(rewards: np.ndarray, group_ids: np.ndarray, std_normalize: b
 
 def aggregation_weights(lengths: np.ndarray, aggregation: str, max_response_len: int | None = None) -> np.ndarray:
     """Per-sample weight of each of its tokens, over the whole global batch of samples."""
+    return sample_weights(lengths, aggregation) / aggregation_normalizer(lengths, aggregation, max_response_len)
+
+
+def sample_weights(lengths: np.ndarray, aggregation: str) -> np.ndarray:
+    """The part of :func:`aggregation_weights` each sample knows alone; a batch consumed in pieces
+    (periodic mode) weighs each piece with these and divides the gradient by the normaliser at the end."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    n = len(lengths)
+    return 1.0 / lengths if aggregation == "seq_mean_token_mean" else np.ones_like(lengths)
+
+
+def aggregation_normalizer(lengths: np.ndarray, aggregation: str, max_response_len: int | None = None) -> float:
+    """The global batch's divisor: its tokens (token_mean), its samples (seq_mean_token_mean), or its
+    samples times a constant length (Dr. GRPO: no length bias)."""
+    lengths = np.asarray(lengths, dtype=np.float64)
     if aggregation == "token_mean":
-        w = np.full(n, 1.0 / lengths.sum())
-    elif aggregation == "seq_mean_token_mean":
-        w = 1.0 / (lengths * n)
-    else:  # Dr. GRPO: a constant normaliser, no length bias
-        w = np.full(n, 1.0 / (n * (max_response_len or lengths.max())))
-    return w
+        return float(lengths.sum())
+    if aggregation == "seq_mean_token_mean":
+        return float(len(lengths))
+    return float(len(lengths) * (max_response_len or lengths.max()))
 
 
 def _per_seq_sum(x: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
