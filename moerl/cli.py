@@ -1,4 +1,4 @@
-"""The ``moerl`` command: ``moerl serve ...`` (embedded engine), ``moerl convert-ckpt ...``."""
+"""The ``moerl`` command: ``moerl serve`` (embedded engine), ``convert-ckpt``, ``train`` (one rank of the job), ``plot``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import sys
 COMMANDS = {
     "serve": ("moerl.engines.embedded.server", "serve a HF MoE model over SGLang's HTTP API (embedded engine)"),
     "convert-ckpt": ("moerl.checkpoint.cli", "convert checkpoints between HF and Megatron layouts"),
+    "train": ("moerl.orchestrator.main", "the GRPO job on one rank (launched by recipes/qwen_moe_grpo.sh via torchrun)"),
+    "plot": ("moerl.orchestrator.metrics", "plot a run's metrics.jsonl as PNG curves"),
 }
 
 

@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
-# Main moerl job. Until the GRPO trainer lands (issues 4-5) it exercises the foundation end to end:
-# a tiny Qwen MoE model (or your own HF directory in HF_MODEL) is converted to a Megatron checkpoint,
-# verified against transformers at a tensor+expert parallel layout, and converted back.
-#   HF_MODEL=/path/to/Qwen3-30B-A3B TP=2 EP=2 PP=1 bash recipes/qwen_moe_grpo.sh
+# The main moerl job: GRPO on a Qwen MoE model with a Megatron trainer and SGLang (or, without a GPU,
+# the embedded) engines, Keep Routing (R3) and Keep Sampling Mask, in sync | periodic | async mode.
+#
+#   bash recipes/qwen_moe_grpo.sh                                  # CPU demo: tiny model, made once and cached
+#   bash recipes/qwen_moe_grpo.sh run.steps=20 run.dir=/tmp/r run.mode=sync
+#   bash recipes/qwen_moe_grpo.sh --config recipes/qwen3_30b_a3b.yaml model.path=/models/Qwen3-30B-A3B
+#
+# Arguments are omegaconf overrides (section.key=value) of recipes/qwen_moe_grpo.yaml, or of the file
+# given with --config. The script launches the trainer ranks through torchrun; when torchrun (or a
+# cluster launcher) already started it as one rank, e.g.
+#   torchrun --no-python --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT recipes/qwen_moe_grpo.sh ...
+# it runs as that rank instead of launching again.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-RUN_DIR="${RUN_DIR:-runs/qwen_moe_grpo/$(date +%Y%m%d-%H%M%S)}"
-TP="${TP:-2}" EP="${EP:-2}" PP="${PP:-1}"
-mkdir -p "$RUN_DIR"
-
-if [ -z "${HF_MODEL:-}" ]; then
-  HF_MODEL="$RUN_DIR/hf"
-  "$PYTHON" -m moerl.models.tiny --arch "${ARCH:-Qwen3MoeForCausalLM}" --out "$HF_MODEL"
+here="$(cd "$(dirname "$0")" && pwd)"
+args=("$@")
+if [[ " ${args[*]:-} " != *" --config "* ]]; then
+  args=(--config "$here/qwen_moe_grpo.yaml" "${args[@]}")
 fi
-"$PYTHON" tools/convert_ckpt.py hf-to-mcore --hf "$HF_MODEL" --out "$RUN_DIR/mcore"
-"$PYTHON" tools/convert_ckpt.py verify --hf "$HF_MODEL" --mcore "$RUN_DIR/mcore" --tp "$TP" --ep "$EP" --pp "$PP"
-"$PYTHON" tools/convert_ckpt.py mcore-to-hf --mcore "$RUN_DIR/mcore" --out "$RUN_DIR/hf-roundtrip"
-echo "done: $RUN_DIR"
+if [ -n "${LOCAL_RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ]; then
+  exec "$PYTHON" -m moerl.cli train "${args[@]}"
+fi
+nproc="$("$PYTHON" -m moerl.cli train --print-world-size "${args[@]}")"
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m moerl.cli train "${args[@]}"

@@ -148,7 +148,8 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str, port: 
     import asyncio
 
     from moerl.trainer.trainer import Trainer
-    from moerl.weight_sync.broadcast import BroadcastSync, sync_weights
+    from moerl.weight_sync.base import sync_weights
+    from moerl.weight_sync.broadcast import BroadcastSync
     from moerl.weight_sync.export import hf_named_tensors
 
     trainer = Trainer(mcore_dir, trainer_cfg)
@@ -165,7 +166,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str, port: 
     async def read_back():
         return {name: (await sync.client.weights_by_name(name, truncate_size=1 << 30))[0] for name, _ in trained}
 
-    served = sync._run(read_back())
-    versions = sync._run(sync.client.weight_versions())
+    served = sync.run(read_back())
+    versions = sync.run(sync.client.weight_versions())
     sync.close()
     return {"stats": stats, "trained": trained, "served": served, "versions": versions}

@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from moerl.env import child_env
 
 
 @dataclass
 class SGLangConfig:
     model_path: str
+    server: str = "sglang"  # sglang | embedded (moerl serve: the same HTTP API, runs on CPU)
     replicas: int = 1
     gpus_per_replica: int = 1  # the tensor-parallel size of each replica
     host: str = "127.0.0.1"
@@ -37,6 +39,7 @@ class SGLangConfig:
     router_port: int = 29000
     log_dir: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    gpu_offset: int = 0  # first visible GPU for the engines (the trainer's ranks use those before it)
 
 
 def server_args(cfg: SGLangConfig, replica: int) -> list[str]:
@@ -68,6 +71,19 @@ def server_args(cfg: SGLangConfig, replica: int) -> list[str]:
     return args + list(cfg.extra_args)
 
 
+def launch_args(cfg: SGLangConfig, replica: int) -> list[str]:
+    """``python`` arguments that start one replica of ``cfg.server``."""
+    if cfg.server == "sglang":
+        return ["-m", "sglang.launch_server", *server_args(cfg, replica)]
+    if cfg.server == "embedded":
+        import torch
+
+        return ["-m", "moerl.cli", "serve", "--model", cfg.model_path, "--host", cfg.host, "--port", str(cfg.base_port + replica),
+                "--dtype", cfg.dtype, "--device", "cuda" if torch.cuda.is_available() else "cpu",
+                "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens), *cfg.extra_args]
+    raise ValueError(f"engines.server={cfg.server!r}: expected sglang or embedded")
+
+
 def router_args(cfg: SGLangConfig) -> list[str]:
     urls = [f"http://{cfg.host}:{cfg.base_port + i}" for i in range(cfg.replicas)]
     return ["--worker-urls", *urls, "--host", cfg.host, "--port", str(cfg.router_port), "--policy", "round_robin"]
@@ -89,13 +105,16 @@ class SGLangPool:
         """What the client should talk to: the router when there is one, else every replica."""
         return [f"http://{self.cfg.host}:{self.cfg.router_port}"] if self.cfg.router else self.replica_urls
 
-    def _gpus(self, replica: int) -> str:
+    def _gpus(self, replica: int) -> str | None:
+        if self.cfg.server == "embedded" and not _has_cuda():
+            return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devices = visible.split(",") if visible else [str(i) for i in range(self.cfg.replicas * self.cfg.gpus_per_replica)]
-        need = self.cfg.replicas * self.cfg.gpus_per_replica
+        need = self.cfg.gpu_offset + self.cfg.replicas * self.cfg.gpus_per_replica
+        devices = visible.split(",") if visible else [str(i) for i in range(need)]
         if len(devices) < need:
-            raise RuntimeError(f"{self.cfg.replicas} replicas x {self.cfg.gpus_per_replica} GPUs need {need} GPUs; {len(devices)} visible")
-        start = replica * self.cfg.gpus_per_replica
+            raise RuntimeError(f"{self.cfg.replicas} replicas x {self.cfg.gpus_per_replica} GPUs after {self.cfg.gpu_offset} "
+                               f"trainer GPU(s) need {need} GPUs; {len(devices)} visible")
+        start = self.cfg.gpu_offset + replica * self.cfg.gpus_per_replica
         return ",".join(devices[start : start + self.cfg.gpus_per_replica])
 
     def _spawn(self, args: list[str], env: dict, name: str) -> subprocess.Popen:
@@ -109,11 +128,12 @@ class SGLangPool:
     def start(self, timeout_s: float = 900) -> list[str]:
         try:
             for i in range(self.cfg.replicas):
-                env = {**os.environ, "CUDA_VISIBLE_DEVICES": self._gpus(i)}
-                self.procs.append(self._spawn([self.python, "-m", "sglang.launch_server", *server_args(self.cfg, i)], env, f"sglang-{i}"))
+                gpus = self._gpus(i)
+                env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
+                self.procs.append(self._spawn([self.python, *launch_args(self.cfg, i)], env, f"{self.cfg.server}-{i}"))
             self.wait_healthy(self.replica_urls, timeout_s)
             if self.cfg.router:
-                self.procs.append(self._spawn([self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg)], dict(os.environ), "router"))
+                self.procs.append(self._spawn([self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg)], child_env(), "router"))
                 self.wait_healthy(self.urls, 120)
         except BaseException:
             self.stop()
@@ -126,7 +146,7 @@ class SGLangPool:
         while pending:
             dead = [p.args for p in self.procs if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"an SGLang process exited during start-up: {dead[0]} (see log_dir for its log)")
+                raise RuntimeError(f"an engine process exited during start-up: {dead[0]} (see log_dir for its log)")
             for url in list(pending):
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=2) as resp:
@@ -135,7 +155,7 @@ class SGLangPool:
                 except (urllib.error.URLError, OSError):
                     pass
             if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"SGLang not healthy after {timeout_s:.0f} s: {pending}")
+                raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {pending}")
             if pending:
                 time.sleep(1)
 
@@ -158,3 +178,9 @@ class SGLangPool:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

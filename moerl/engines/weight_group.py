@@ -11,14 +11,15 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 
 def join_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
                       group_name: str, timeout_s: float = 600) -> dist.ProcessGroup:
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # A TCPStore made here rather than through rendezvous(): under torchrun, rendezvous() would join the
+    # elastic agent's store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting this group's at master_port.
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
     )

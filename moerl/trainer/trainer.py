@@ -14,6 +14,7 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import torch
@@ -84,11 +85,16 @@ class Trainer:
 
     # ---- batch preparation -------------------------------------------------------------------
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        """This rank's micro-batches of the global batch ``samples`` (advantages and weights global)."""
+        """This rank's micro-batches of ``samples`` (whole GRPO groups, the same list on every rank).
+
+        Token weights are each sample's own part of the aggregation (:func:`objectives.sample_weights`);
+        :meth:`step` divides by the whole batch's normaliser once every piece has been seen."""
         loss = self.cfg.loss
         advantages = objectives.grpo_advantages(np.array([s.reward for s in samples]), np.array([s.group_id for s in samples]), loss.std_normalize)
-        weights = objectives.aggregation_weights(np.array([s.response_len for s in samples]), loss.aggregation, loss.max_response_len)
+        weights = objectives.sample_weights(np.array([s.response_len for s in samples]), loss.aggregation)
         dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        if len(samples) < dp_size:
+            raise ValueError(f"{len(samples)} samples cannot feed {dp_size} data-parallel ranks: give each piece at least {dp_size}")
         mine = shard_by_tokens([s.fed_len for s in samples], dp_size)[dp_rank]
         groups = split_by_budget([samples[i].fed_len for i in mine], self.cfg.micro_batch_tokens, multiple=self.layout.tp)
         replay = self.cfg.replay
@@ -163,18 +169,19 @@ class Trainer:
                 for p, cur in zip(params, current):
                     p.copy_(cur)
 
-    def step(self, samples: list[Sample]) -> dict[str, float]:
-        """One optimizer step on the global batch ``samples`` (the same list on every rank)."""
-        batches = self.micro_batches(samples)
-        if self.reference is not None:
-            with self._reference_weights():
-                self.score(batches, into="ref")
-        agreement = self.score(batches)
+    def step(self, samples: list[Sample] | Iterable[list[Sample]]) -> dict[str, float]:
+        """One optimizer step on a global batch: ``samples``, or an iterable of pieces of it (each whole
+        GRPO groups; the same pieces on every rank). Each piece is scored and its gradient accumulated
+        as soon as it arrives, so training overlaps generation that is still producing later pieces;
+        the gradient is normalised over the whole batch before the update."""
+        pieces = [samples] if isinstance(samples, list) else samples
         loss_cfg = self.cfg.loss
         mode = self.cfg.replay.routing
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64)
         lag_hist = torch.zeros(LAG_BINS, dtype=torch.float64)
+        agreement: dict[str, np.ndarray] | None = None
+        lengths: list[int] = []
         count = parallel_state.get_tensor_model_parallel_rank() == 0  # TP ranks compute the same loss: count once
 
         def loss_fn(logits, mb: MicroBatch):
@@ -211,16 +218,28 @@ class Trainer:
                     lag_hist.add_(torch.bincount(lag, minlength=LAG_BINS).double())
             return loss
 
-        self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        set_action(None if mode == "off" else RouterReplayAction.REPLAY_FORWARD)
-        try:
-            run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
-                         around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]))
-        finally:
-            set_action(None)
+        for piece in pieces:
+            lengths += [s.response_len for s in piece]
+            batches = self.micro_batches(piece)
+            if self.reference is not None:
+                with self._reference_weights():
+                    self.score(batches, into="ref")
+            agreement = _pool_agreement(agreement, self.score(batches))
+            self.model.train()
+            set_action(None if mode == "off" else RouterReplayAction.REPLAY_FORWARD)
+            try:
+                run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
+                             around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]))
+            finally:
+                set_action(None)
+        if not lengths:
+            raise ValueError("Trainer.step got an empty batch")
         finalize_model_grads([self.model])
+        normalizer = objectives.aggregation_normalizer(np.array(lengths), loss_cfg.aggregation, loss_cfg.max_response_len)
+        self.model.scale_gradients(1.0 / normalizer)
+        sums[_SUMS.index("loss")] /= normalizer
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -291,6 +310,15 @@ class Trainer:
 
 _SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")
 _MAXES = ("is_weight", "ratio", "lag")
+
+
+def _pool_agreement(total: dict | None, piece: dict | None) -> dict | None:
+    """Routing agreement over two sets of tokens, weighted by their token counts per layer."""
+    if total is None or piece is None:
+        return total or piece
+    tokens = total["tokens"] + piece["tokens"]
+    share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)  # noqa: E731
+    return {"tokens": tokens, "native": share("native"), "used": share("used")}
 
 
 def _has_routing(samples: list[Sample]) -> bool:

@@ -6,25 +6,15 @@ engines over HTTP while its bytes are broadcast, so an engine never holds more t
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from moerl.engines.client import EngineClient
 from moerl.engines.protocol import flatten_bucket
 from moerl.engines.weight_group import join_weight_group
-
-
-@dataclass
-class SyncStats:
-    tensors: int = 0
-    bytes: int = 0
-    buckets: int = 0
-    seconds: float = 0.0
+from moerl.weight_sync.base import EngineLink, SyncStats
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -41,24 +31,15 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-class BroadcastSync:
-    """The trainer side (global rank 0 only) of broadcast weight sync to the engines behind ``urls``.
-
-    Synchronous to call from the training loop: it drives its own event loop in a thread.
-    """
+class BroadcastSync(EngineLink):
+    """The trainer side (global rank 0 only) of broadcast weight sync to the engines behind ``urls``."""
 
     def __init__(self, urls: list[str], master_address: str, master_port: int, backend: str,
                  group_name: str = "moerl-weight-sync", bucket_bytes: int = 512 << 20):
-        self.client = EngineClient(urls)
+        super().__init__(urls, "moerl-weight-sync")
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.group_name, self.bucket_bytes = group_name, bucket_bytes
         self.group: dist.ProcessGroup | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="moerl-weight-sync", daemon=True)
-        self._thread.start()
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def connect(self) -> None:
         """Form the group: the trainer is rank 0, engine ``i`` joins at rank ``i + 1``."""
@@ -70,7 +51,7 @@ class BroadcastSync:
                 self.master_address, self.master_port, world, self.group_name, self.backend))
             return group
 
-        self.group = self._run(both())
+        self.group = self.run(both())
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
         """Send every tensor; the engines take ``version`` with the last bucket."""
@@ -103,21 +84,4 @@ class BroadcastSync:
                                                             load_format="flattened_bucket", flush_cache=version is not None),
             )
 
-        self._run(both())
-
-    def close(self) -> None:
-        self._run(self.client.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-
-
-def sync_weights(model, hf_config: dict, sync: BroadcastSync | None, version: str) -> SyncStats | None:
-    """Collective over the trainer's ranks: all export, global rank 0 (holding ``sync``) pushes."""
-    from moerl.weight_sync.export import hf_named_tensors
-
-    named = hf_named_tensors(model, hf_config)
-    if sync is None:
-        for _ in named:
-            pass
-        return None
-    return sync.push(named, version)
+        self.run(both())

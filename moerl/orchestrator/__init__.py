@@ -1,0 +1,1 @@
+"""The main job: engines, rollout manager, rollout buffer and trainer, run together in one of three modes."""

@@ -1,0 +1,187 @@
+"""The rollout buffer (trainer rank 0): finished groups from the rollout manager, bounded, with every
+prompt accounted for.
+
+Each prompt index is in exactly one state: in flight (issued, not back), ready (back, not taken),
+taken (in the step being trained), trained, or dropped with a reason. Staleness is judged when a
+group is taken: a group whose oldest token is more than ``max_staleness`` versions behind the
+trainer is dropped. In async mode the buffer keeps ``outstanding`` groups in flight or ready,
+ordering one more group for each one taken or dropped, so engines never wait on the trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import zmq
+
+from moerl.orchestrator.config import RolloutSection
+from moerl.sample import Sample
+
+
+class RolloutError(RuntimeError):
+    """The rollout manager failed; the message carries its traceback."""
+
+
+@dataclass
+class Group:
+    index: int
+    samples: list[Sample]
+    retries: int = 0
+    seconds: float = 0.0
+
+    def oldest_version(self) -> int:
+        return min(int(s.versions.min()) for s in self.samples)
+
+
+@dataclass
+class Accounting:
+    issued: int = 0
+    trained: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> prompts
+    live: dict[int, str] = field(default_factory=dict)  # index -> in_flight | ready | taken
+
+    def set(self, index: int, state: str) -> None:
+        self.live[index] = state
+
+    def finish(self, index: int, outcome: str) -> None:
+        self.live.pop(index, None)
+        if outcome == "trained":
+            self.trained += 1
+        else:
+            self.dropped[outcome] += 1
+
+    def counts(self) -> dict[str, int]:
+        states = Counter(self.live.values())
+        return {"prompts/issued": self.issued, "prompts/trained": self.trained, "prompts/dropped": sum(self.dropped.values()),
+                "prompts/in_flight": states["in_flight"], "prompts/ready": states["ready"], "prompts/taken": states["taken"]}
+
+    def balanced(self) -> bool:
+        return self.issued == self.trained + sum(self.dropped.values()) + len(self.live)
+
+    def state(self) -> dict:
+        return {"issued": self.issued, "trained": self.trained, "dropped": dict(self.dropped)}
+
+
+class RolloutBuffer:
+    def __init__(self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None):
+        self.cfg, self.mode = cfg, mode
+        self.orders = ctx.socket(zmq.PUSH)
+        self.events = ctx.socket(zmq.PULL)
+        self.orders_address = f"tcp://127.0.0.1:{self.orders.bind_to_random_port('tcp://127.0.0.1')}"
+        self.events_address = f"tcp://127.0.0.1:{self.events.bind_to_random_port('tcp://127.0.0.1')}"
+        self.ready: deque[Group] = deque()
+        self.acct = accounting or Accounting()
+        self.waited_s = 0.0  # time spent blocked waiting for groups
+        self.retries = 0
+        self.known: set[int] = set()  # indices the accounting has counted as issued (re-issues are not new)
+
+    # ---- manager traffic ----------------------------------------------------------------------
+    def order(self, groups: int) -> None:
+        if groups > 0:
+            self.orders.send_pyobj({"cmd": "generate", "groups": groups})
+
+    def _handle(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "issued":
+            index = event["index"]
+            if index not in self.known:
+                self.known.add(index)
+                self.acct.issued += 1
+            self.acct.set(index, "in_flight")
+        elif kind == "group":
+            self.ready.append(Group(event["index"], event["samples"], event["retries"], event["seconds"]))
+            self.retries += event["retries"]
+            self.acct.set(event["index"], "ready")
+        elif kind == "error":
+            raise RolloutError(f"rollout of prompt {event['index']} failed: {event['message']}")
+        elif kind == "stopped":
+            for index in event["cancelled"]:
+                self.acct.finish(index, "in_flight_at_stop")
+            self._stopped = True
+
+    def _receive(self, timeout_s: float | None) -> bool:
+        """Handle one event, waiting up to ``timeout_s`` (None: forever). False on timeout."""
+        if not self.events.poll(None if timeout_s is None else int(timeout_s * 1000)):
+            return False
+        self._handle(self.events.recv_pyobj())
+        return True
+
+    def drain(self) -> None:
+        while self._receive(0):
+            pass
+
+    # ---- what the trainer takes ---------------------------------------------------------------
+    def pieces(self, version: int, groups: int, whole: bool) -> Iterator[list[Group]]:
+        """``groups`` groups fit for policy ``version``, as pieces the moment they are ready (``whole``:
+        one piece once all are ready). Stale groups are dropped (and re-ordered in async mode)."""
+        if self.mode != "async":
+            self.order(groups)
+        remaining = groups
+        piece: list[Group] = []
+        while remaining:
+            self.drain()
+            while not self.ready:
+                start = time.perf_counter()
+                self._receive(None)
+                self.waited_s += time.perf_counter() - start
+            while self.ready and remaining:
+                group = self.ready.popleft()
+                if self.mode == "async":
+                    self.order(1)  # keep the engines' queue full while this one trains
+                if version - group.oldest_version() > self.cfg.max_staleness:
+                    self.acct.finish(group.index, "stale")
+                    if self.mode != "async":
+                        self.order(1)
+                    continue
+                self.acct.set(group.index, "taken")
+                piece.append(group)
+                remaining -= 1
+            if piece and (not whole or not remaining):
+                yield piece
+                piece = []
+
+    def start_async(self) -> None:
+        self.order(self.cfg.outstanding)
+
+    def trained(self, groups: list[Group]) -> None:
+        for g in groups:
+            self.acct.finish(g.index, "trained")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop the manager; every prompt still live ends dropped with its reason."""
+        self._stopped = False
+        self.orders.send_pyobj({"cmd": "stop"})
+        deadline = time.monotonic() + timeout_s
+        while not self._stopped and time.monotonic() < deadline:
+            self._receive(1.0)
+        for group in self.ready:
+            self.acct.finish(group.index, "unused_at_stop")
+        self.ready.clear()
+        for index, state in list(self.acct.live.items()):
+            self.acct.finish(index, f"{state}_at_stop")
+
+    def pending(self) -> list[int]:
+        """Prompts issued but neither trained nor dropped: re-issued first by a resumed run."""
+        return sorted(self.acct.live)
+
+    def close(self) -> None:
+        self.orders.close(linger=0)
+        self.events.close(linger=0)
+
+
+def rollout_metrics(groups: list[Group]) -> dict[str, float]:
+    samples = [s for g in groups for s in g.samples]
+    rewards = np.array([s.reward for s in samples])
+    lengths = np.array([s.response_len for s in samples])
+    solved = [np.ptp([s.reward for s in g.samples]) == 0 for g in groups]
+    return {
+        "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
+        "rollout/response_len_mean": float(lengths.mean()), "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
+        "rollout/zero_variance_groups": float(np.mean(solved)), "rollout/samples": float(len(samples)),
+        "rollout/group_seconds_mean": float(np.mean([g.seconds for g in groups])),
+    }

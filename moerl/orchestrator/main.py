@@ -1,0 +1,346 @@
+"""The main job, one trainer rank (``moerl train``; ``recipes/qwen_moe_grpo.sh`` launches it through torchrun).
+
+Rank 0 prepares the model (the CPU demo's tiny model is made once and cached), starts the engines and
+the rollout manager, owns the rollout buffer and pushes weights; every rank trains. Per step: the
+step's groups come from the buffer (``sync``: all at once after generation; ``periodic``: each piece
+as it finishes, all from the current policy; ``async``: from a buffer the engines keep filling, stale
+groups dropped), one optimizer step, then a weight sync while the engines are paused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moerl.env import child_env
+from moerl.orchestrator.config import ConfigError, RunConfig, load_config, to_yaml
+
+log = logging.getLogger("moerl.train")
+RUN_STATE = "run_state.json"
+TINY_MODEL = "tiny-qwen3-moe-addition-v1"
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(
+        prog="moerl train",
+        description="GRPO on a Qwen MoE model: Megatron trainer + SGLang (or embedded) engines, with routing and sampling-mask "
+        "replay, in sync, periodic or async mode. Run through recipes/qwen_moe_grpo.sh (torchrun).",
+        epilog="Overrides are omegaconf dotlist entries, e.g. run.mode=sync run.steps=20 trainer.ep=2 model.path=/models/Qwen3-30B-A3B",
+    )
+    p.add_argument("--config", help="YAML config (default: none; the schema's defaults)")
+    p.add_argument("--print-world-size", action="store_true", help="print the number of trainer ranks the config needs and exit")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    return p.parse_args(argv)
+
+
+def trainer_world_size(cfg: RunConfig) -> int:
+    t = cfg.trainer
+    return cfg.run.trainer_ranks or t.tp * t.pp * t.ep
+
+
+# ---- model preparation (rank 0, before the process group) --------------------------------------
+def _done(path: Path) -> bool:
+    return (path / ".complete").is_file()
+
+
+def _build_once(target: Path, build) -> Path:
+    """``build(staging)`` into a staging directory renamed to ``target``: a crash never leaves a half model."""
+    if _done(target):
+        return target
+    staging = target.with_name(target.name + f".staging-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    build(staging)
+    (staging / ".complete").write_text("")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
+    """(HF directory, Megatron checkpoint) of the model to train, made once and cached."""
+    cache = Path(cfg.run.cache_dir).expanduser()
+    if cfg.model.path is None:
+        from moerl.tasks.tiny import save_warm_tiny_model
+
+        log.info("creating the tiny demo model (once) in %s", cache / TINY_MODEL)
+        hf = _build_once(cache / TINY_MODEL / "hf", lambda out: save_warm_tiny_model(out / "model") and None)
+        hf = hf / "model"
+    else:
+        hf = Path(cfg.model.path)
+        if not (hf / "config.json").is_file():
+            raise ConfigError(f"model.path={hf} is not a HF model directory (no config.json)")
+    if cfg.model.mcore:
+        mcore = Path(cfg.model.mcore)
+        if not mcore.is_dir():
+            raise ConfigError(f"model.mcore={mcore} does not exist; leave it null to convert model.path once into run.cache_dir")
+        return hf, mcore
+    fingerprint = hashlib.sha1(str(hf.resolve()).encode() + (hf / "config.json").read_bytes()).hexdigest()[:12]
+    for f in sorted(hf.glob("*.safetensors")):
+        fingerprint = hashlib.sha1((fingerprint + f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}").encode()).hexdigest()[:12]
+
+    def convert(staging: Path) -> None:
+        log.info("converting %s to the Megatron layout (tools/convert_ckpt.py hf-to-mcore)", hf)
+        subprocess.run([sys.executable, "-m", "moerl.checkpoint.cli", "hf-to-mcore", "--hf", str(hf), "--out", str(staging / "ckpt")],
+                       check=True, env=child_env())
+
+    return hf, _build_once(cache / "mcore" / fingerprint, convert) / "ckpt"
+
+
+# ---- engines -------------------------------------------------------------------------------
+def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int):
+    """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
+    from moerl.engines.client import EngineClient
+    from moerl.engines.sglang import SGLangConfig, SGLangPool
+    from moerl.megatron.parallel import free_port
+
+    e = cfg.engines
+    if e.urls:
+        async def health():
+            async with EngineClient(e.urls, retries=0) as client:
+                return await client.healthy()
+
+        down = [u for u, ok in zip(e.urls, asyncio.run(health())) if not ok]
+        if down:
+            raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
+        return list(e.urls), None
+    cuda = torch.cuda.is_available()
+    server = e.server if e.server != "auto" else ("sglang" if cuda else "embedded")
+    dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    pool = SGLangPool(SGLangConfig(
+        model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=free_port(),
+        dtype=dtype, mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
+        gpu_offset=local_trainer_ranks if cuda else 0,
+    ))
+    log.info("starting %d %s engine(s); logs in %s", e.replicas, server, run_dir / "logs")
+    return pool.start(e.start_timeout_s), pool
+
+
+def start_manager(cfg_path: Path, hf: Path, urls: list[str], buffer, cursor: int, reissue: list[int], run_dir: Path) -> subprocess.Popen:
+    spec = {"config": str(cfg_path), "hf_dir": str(hf), "urls": urls, "commands": buffer.orders_address, "events": buffer.events_address,
+            "cursor": cursor, "reissue": reissue}
+    spec_path = run_dir / "manager_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    log_file = open(run_dir / "logs" / "rollout_manager.log", "a")
+    return subprocess.Popen([sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec_path)], stdout=log_file,
+                            stderr=subprocess.STDOUT, env=child_env())
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [d for d in (run_dir / "checkpoints").glob("step_*") if (d / RUN_STATE).is_file()]
+    return max(done, key=lambda d: int(d.name.split("_")[1])) if done else None
+
+
+def shared_pieces(source):
+    """Rank 0's pieces (lists of samples), broadcast so every trainer rank iterates the same ones."""
+    while True:
+        box = [next(source, None)] if dist.get_rank() == 0 else [None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        yield box[0]
+
+
+def run(cfg: RunConfig, cfg_path: Path) -> dict:
+    """The whole job on this rank; rank 0 returns the final accounting."""
+    import zmq
+    from tqdm import tqdm
+
+    from moerl.megatron.parallel import Layout, LayoutError
+    from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
+    from moerl.orchestrator.metrics import MetricsWriter
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.base import sync_weights
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    run_dir = Path(cfg.run.dir)
+    try:
+        Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep).check_world(world)
+    except LayoutError as e:
+        raise ConfigError(f"trainer layout on {world} rank(s): {e}") from None
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        hf, mcore = prepare_model(cfg)
+        paths = [str(hf), str(mcore)]
+    if not dist.is_initialized():
+        # Generation in sync mode can outlast any default collective timeout.
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=6))
+    box = [paths if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    hf, mcore = (Path(p) for p in box[0])
+    hf_config = json.loads((hf / "config.json").read_text())
+    if hf_config.get("num_experts", 0) % cfg.trainer.ep:
+        raise ConfigError(f"trainer.ep={cfg.trainer.ep} does not divide the model's {hf_config.get('num_experts')} experts")
+
+    trainer = Trainer(str(mcore), cfg.trainer)
+    resume_from = latest_checkpoint(run_dir) if cfg.run.resume else None
+    state = {"cursor": 0, "pending": [], "accounting": {}}
+    if resume_from is not None:
+        trainer.load(resume_from)
+        state = json.loads((resume_from / RUN_STATE).read_text())
+    elif cfg.run.resume and rank == 0:
+        log.warning("run.resume=true but %s has no checkpoint: starting fresh", run_dir / "checkpoints")
+
+    mode, B = cfg.run.mode, cfg.rollout.groups_per_step
+    pool = sync = manager = buffer = writer = bar = None
+    ctx = zmq.Context() if rank == 0 else None
+    try:
+        if rank == 0:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg))
+            urls, pool = start_engines(cfg, hf, run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            sync = make_sync(cfg, urls, hf, run_dir)
+            sync.connect()
+            acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
+            acct.dropped.update(state["accounting"].get("dropped", {}))
+            for index in state["pending"]:
+                acct.set(index, "in_flight")
+            buffer = RolloutBuffer(ctx, cfg.rollout, mode, acct)
+            manager = start_manager(run_dir / "config.yaml", hf, urls, buffer, state["cursor"], state["pending"], run_dir)
+            writer = MetricsWriter(run_dir, resume_after=trainer.version if resume_from else None)
+            if cfg.run.progress:
+                bar = tqdm(total=cfg.run.steps, initial=trainer.version, desc=f"GRPO {mode}", unit="step", dynamic_ncols=True)
+        # The engines serve the trainer's weights from the first token: a resumed run pushes its own.
+        if resume_from is not None:
+            sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), cfg.sync.verify_rows if cfg.sync.verify else 0)
+        elif rank == 0:
+            sync.run(sync.client.set_weight_version(str(trainer.version)))
+        if rank == 0 and mode == "async":
+            buffer.order(cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
+
+        while trainer.version < cfg.run.steps:
+            start = time.perf_counter()
+            waited = buffer.waited_s if rank == 0 else 0.0
+            taken = []
+
+            def pieces():
+                for piece in buffer.pieces(trainer.version, B, whole=mode == "sync"):
+                    piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
+                    taken.extend(piece)
+                    yield [s for g in piece for s in g.samples]
+
+            metrics = trainer.step(shared_pieces(pieces() if rank == 0 else None))
+            trained_at = time.perf_counter()
+            pause_start = time.perf_counter()
+            if rank == 0:
+                sync.run(sync.client.pause("abort" if cfg.rollout.partial == "retry" else "in_place"))
+            stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), cfg.sync.verify_rows if cfg.sync.verify else 0)
+            if rank == 0:
+                sync.run(sync.client.resume())
+            end = time.perf_counter()
+            if rank == 0:
+                buffer.trained(taken)
+                buffer.drain()
+                metrics.update(rollout_metrics(taken))
+                metrics.update(buffer.acct.counts())
+                metrics.update({
+                    "step": trainer.version, "mode": mode, "sync/seconds": stats.seconds, "sync/pause_seconds": end - pause_start,
+                    "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "time/step_seconds": end - start,
+                    "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
+                    "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
+                })
+                writer.write(metrics)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",
+                                    stale=int(metrics["staleness/max"]))
+            if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
+                save_checkpoint(trainer, buffer, run_dir, state["cursor"])
+    finally:
+        summary = None
+        if rank == 0:
+            if buffer is not None:
+                buffer.stop()
+                summary = {**buffer.acct.state(), "balanced": buffer.acct.balanced(), "live": len(buffer.acct.live)}
+                (run_dir / "accounting.json").write_text(json.dumps(summary, indent=1))
+                buffer.close()
+            if manager is not None:
+                try:
+                    manager.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    manager.kill()
+            for closeable in (sync, writer, bar):
+                if closeable is not None:
+                    closeable.close()
+            if pool is not None:
+                pool.stop()
+            if ctx is not None:
+                ctx.term()
+    return summary
+
+
+def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path):
+    from moerl.megatron.parallel import free_port
+
+    if cfg.sync.method == "disk":
+        from moerl.weight_sync.disk import DiskSync
+
+        return DiskSync(urls, run_dir / "weights", hf)
+    from moerl.weight_sync.broadcast import BroadcastSync
+
+    address = os.environ.get("MOERL_SYNC_ADDRESS", "127.0.0.1" if not cfg.engines.urls else _host_address())
+    return BroadcastSync(urls, address, free_port(), "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20)
+
+
+def _host_address() -> str:
+    import socket
+
+    return socket.gethostbyname(socket.gethostname())
+
+
+def save_checkpoint(trainer, buffer, run_dir: Path, start_cursor: int) -> None:
+    """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
+    out = run_dir / "checkpoints" / f"step_{trainer.version}"
+    if dist.get_rank() == 0 and out.exists():
+        shutil.rmtree(out)  # a previous attempt at this step that never finished (no run_state.json)
+    trainer.save(out)
+    if dist.get_rank() == 0:
+        buffer.drain()
+        cursor = max([start_cursor - 1, *buffer.known]) + 1
+        state = {"step": trainer.version, "cursor": cursor, "pending": buffer.pending(), "accounting": buffer.acct.state()}
+        (out / RUN_STATE).write_text(json.dumps(state, indent=1))
+    dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-bucket parameter listings drown the run's own lines
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_world_size:
+        print(trainer_world_size(cfg))
+        return 0
+    try:
+        summary = run(cfg, Path(cfg.run.dir))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if summary is not None:
+        print(f"done: {cfg.run.dir} (metrics.jsonl, tensorboard/, accounting.json; plot with: moerl plot {cfg.run.dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""The rollout manager: its own process, asyncio, keeping the engines full.
+
+It takes orders from the trainer ("generate N more groups", "stop") over one ZMQ socket and streams
+events back over another: a prompt issued, a finished group (its samples carry per-token policy
+versions, routing and kept sets, and rewards), or an error. Groups are sent the moment they are
+scored, in finishing order, so the trainer is never gated by the slowest response of a batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import traceback
+from collections import deque
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from moerl.engines.client import EngineClient
+from moerl.engines.protocol import ModelShape
+from moerl.orchestrator.config import RunConfig, load_config
+from moerl.sample import Sample
+from moerl.tasks import PromptStream
+from moerl.tasks.rewards import Rewarder
+
+log = logging.getLogger("moerl.rollout")
+
+
+def sampling_seed(run_seed: int, index: int, attempt: int) -> int:
+    """A per-prompt seed: the same prompt index draws the same completions under the same weights."""
+    return int(np.random.SeedSequence([run_seed, index, attempt]).generate_state(1)[0] >> 1)
+
+
+class RolloutManager:
+    def __init__(self, cfg: RunConfig, hf_dir: str, urls: list[str], commands: str, events: str, cursor: int, reissue: list[int]):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.r = cfg, cfg.rollout
+        self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        self.stream = PromptStream(cfg.task, self.tokenizer)
+        self.rewarder = Rewarder(cfg.task)
+        config = json.loads(open(f"{hf_dir}/config.json").read())
+        self.client = EngineClient(urls, shape=ModelShape.from_hf_config(config))
+        self.addresses = commands, events
+        self.cursor, self.reissue = cursor, deque(reissue)
+        self.tasks: set[asyncio.Task] = set()
+        self.eos = [t for t in {self.tokenizer.eos_token_id, config.get("eos_token_id")} if isinstance(t, int)]
+
+    async def run(self) -> None:
+        ctx = zmq.asyncio.Context()
+        self.commands, self.events = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        self.commands.connect(self.addresses[0])
+        self.events.connect(self.addresses[1])
+        try:
+            while True:
+                order = await self.commands.recv_pyobj()
+                if order["cmd"] == "generate":
+                    for _ in range(order["groups"]):
+                        self._start(self.reissue.popleft() if self.reissue else self._next())
+                elif order["cmd"] == "stop":
+                    break
+        finally:
+            live = [t for t in self.tasks if not t.done()]
+            cancelled = sorted(int(t.get_name()) for t in live)
+            if live:
+                await self.client.abort()  # engines stop generating what nobody will read
+                for t in live:
+                    t.cancel()
+                await asyncio.gather(*live, return_exceptions=True)
+            await self.events.send_pyobj({"type": "stopped", "cancelled": cancelled})
+            await self.client.close()
+            await self.rewarder.close()
+            self.commands.close(linger=0)
+            self.events.close(linger=1000)
+            ctx.term()
+
+    def _next(self) -> int:
+        index, self.cursor = self.cursor, self.cursor + 1
+        return index
+
+    def _start(self, index: int) -> None:
+        task = asyncio.create_task(self._group(index), name=str(index))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _group(self, index: int) -> None:
+        try:
+            await self.events.send_pyobj({"type": "issued", "index": index})
+            record, ids = self.stream.get(index)
+            r = self.r
+            attempt, start = 0, time.perf_counter()
+            while True:
+                params = {"n": r.samples_per_prompt, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
+                          "max_new_tokens": r.max_new_tokens, "stop_token_ids": self.eos,
+                          "sampling_seed": sampling_seed(r.seed, index, attempt)}
+                completions = await self.client.generate(
+                    # Routing comes back under every replay mode: the agreement metrics compare against it.
+                    ids, params, return_routed_experts=True,
+                    return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}")
+                aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
+                if not (aborted and r.partial == "retry"):
+                    break
+                attempt += 1  # a weight update aborted it: regenerate the whole group under the new weights
+            texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
+            rewards = await self.rewarder.score(texts, record["answer"], record["prompt"])
+            samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index)
+                       for c, x in zip(completions, rewards)]
+            await self.events.send_pyobj({"type": "group", "index": index, "samples": samples, "retries": attempt,
+                                          "seconds": time.perf_counter() - start})
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the trainer stops the run with this message
+            await self.events.send_pyobj({"type": "error", "index": index, "message": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moerl.orchestrator.manager", description="Rollout manager (started by the main job).")
+    p.add_argument("--spec", required=True, help="JSON written by the trainer: config, engines, sockets, data position")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = json.loads(open(args.spec).read())
+    cfg = load_config(spec["config"], [])
+    manager = RolloutManager(cfg, spec["hf_dir"], spec["urls"], spec["commands"], spec["events"], spec["cursor"], spec["reissue"])
+    asyncio.run(manager.run())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""What a run writes for its user: ``metrics.jsonl`` (one JSON object per step), TensorBoard event
+files, and ``moerl plot RUN_DIR`` (PNG curves of the metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+KEY_CURVES = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "routing/agreement", "mismatch/k3_kl",
+              "staleness/max", "sync/seconds", "time/step_seconds", "time/trainer_idle_fraction", "prompts/trained",
+              "prompts/dropped", "train/grad_norm")
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, resume_after: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_after is not None and self.path.exists():
+            # A resumed run rewrites the steps after its checkpoint: keep the file one line per step.
+            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_after]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(self.path, "a")
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=None if resume_after is None else resume_after + 1)
+
+    def write(self, metrics: dict) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.tb.add_scalar(key, value, metrics["step"])
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        self.tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {run_dir} a moerl run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(run_dir: str | Path, out: str | Path | None = None, keys: tuple[str, ...] = KEY_CURVES) -> Path:
+    """A grid of the run's key curves against step, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    keys = [k for k in keys if any(k in r for r in rows)]
+    if not rows or not keys:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no steps to plot")
+    cols = 3
+    fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols, figsize=(4.2 * cols, 2.8 * math.ceil(len(keys) / cols)), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    mode = rows[-1].get("mode", "")
+    fig.suptitle(f"{Path(run_dir).name} ({mode}, {len(rows)} steps)")
+    fig.tight_layout()
+    out = Path(out) if out else Path(run_dir) / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="moerl plot", description="Plot a run's metrics.jsonl as PNG curves.")
+    p.add_argument("run_dir", help="the run directory (run.dir of the job)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
+    p.add_argument("--keys", nargs="+", help=f"metrics to plot (default: {' '.join(KEY_CURVES)})")
+    args = p.parse_args(argv)
+    try:
+        print(plot(args.run_dir, args.out, tuple(args.keys) if args.keys else KEY_CURVES))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    return 0

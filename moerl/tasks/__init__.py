@@ -1,0 +1,112 @@
+"""Prompt datasets and their reward functions, named in config (the ``task`` section).
+
+A task is a list of records ``{"prompt": str, "answer": ...}`` and a reward function. Built in:
+``tiny`` (the CPU demo's addition task), ``gsm8k`` (grade-school math checked by math-verify; a small
+sample ships, point ``path`` at the full set), and ``file`` (local jsonl or parquet, with the reward
+named in config). Prompts are served in a seeded order that reshuffles every epoch, addressed by a
+global index, so a run can be resumed from a position and in-flight prompts re-issued exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+@dataclass
+class TaskConfig:
+    name: str = "tiny"  # tiny | gsm8k | file
+    path: str | None = None  # jsonl or parquet records (file; gsm8k: instead of the shipped sample)
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward: str | None = None  # built-in (exact | math | tiny) or "package.module:function"; default: the task's own
+    reward_url: str | None = None  # a remote verifier instead: POST {prompt, response, answer} -> {"reward": float}
+    group_reward: bool = False  # the reward function scores a whole group: f(responses, answer, prompt) -> list
+    system_prompt: str | None = None  # with a chat template: the system message
+    chat_template: bool = False  # wrap prompts in the tokenizer's chat template
+    shuffle: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.name not in TASKS:
+            raise ValueError(f"task.name={self.name!r}: expected one of {', '.join(TASKS)}")
+        if self.name == "file" and not self.path:
+            raise ValueError("task.name=file needs task.path (a .jsonl or .parquet file of records)")
+
+
+def read_records(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict[str, Any]]:
+    """Records of a local jsonl or parquet file as ``{"prompt", "answer"}`` dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"task.path={path}: no such file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.suffix in (".jsonl", ".json"):
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
+    else:
+        raise ValueError(f"task.path={path}: expected a .jsonl or .parquet file")
+    for n, row in enumerate(rows):
+        missing = [k for k in (prompt_key, answer_key) if k not in row]
+        if missing:
+            raise ValueError(f"{path}: record {n} has no {', '.join(missing)} (keys: {', '.join(row)}); set task.prompt_key/answer_key")
+    if not rows:
+        raise ValueError(f"{path}: no records")
+    return [{"prompt": row[prompt_key], "answer": row[answer_key]} for row in rows]
+
+
+def load_records(cfg: TaskConfig) -> list[dict[str, Any]]:
+    if cfg.name == "tiny":
+        from moerl.tasks import tiny
+
+        return tiny.records()
+    path = cfg.path or DATA_DIR / "gsm8k_sample.jsonl"  # gsm8k without a path: the shipped sample
+    return read_records(path, cfg.prompt_key, cfg.answer_key)
+
+
+TASKS = {"tiny": "tiny", "gsm8k": "math", "file": "exact"}  # task -> its default reward
+
+
+class PromptStream:
+    """The task's prompts in a seeded order, a fresh permutation each epoch; ``get(i)`` is the i-th prompt
+    of the whole run (deterministic, so resumed runs and re-issued prompts see the same data)."""
+
+    def __init__(self, cfg: TaskConfig, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.records = load_records(cfg)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def record(self, index: int) -> dict[str, Any]:
+        epoch, position = divmod(index, len(self.records))
+        if epoch not in self._orders:
+            n = len(self.records)
+            self._orders = {epoch: np.random.default_rng([self.cfg.seed, epoch]).permutation(n) if self.cfg.shuffle else np.arange(n)}
+        return self.records[int(self._orders[epoch][position])]
+
+    def get(self, index: int) -> tuple[dict[str, Any], list[int]]:
+        """The record and its prompt token ids."""
+        record = self.record(index)
+        if self.cfg.chat_template:
+            messages = ([{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else [])
+            messages.append({"role": "user", "content": record["prompt"]})
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        else:
+            ids = self.tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
+        return record, list(ids)

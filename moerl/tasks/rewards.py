@@ -1,0 +1,101 @@
+"""Reward functions: built-in ones, any ``module:function`` named in config, or a remote verifier.
+
+Every reward is scored through :class:`Rewarder`, asynchronously: coroutine functions are awaited,
+plain functions run in worker threads (a slow checker never stalls the rollout loop), remote
+verifiers are called over HTTP, and group rewards see the whole group at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from typing import Any, Callable
+
+from moerl.tasks import TASKS, TaskConfig
+
+
+def exact(response: str, answer: Any, prompt: str = "") -> float:
+    """1 when the response, stripped, is the answer."""
+    return float(response.strip() == str(answer).strip())
+
+
+def gsm8k_gold(answer: str) -> str:
+    """GSM8K answers end with ``#### <number>``; other answers are taken whole."""
+    return answer.rsplit("####", 1)[-1].strip().replace(",", "")
+
+
+def math(response: str, answer: Any, prompt: str = "") -> float:
+    """1 when math-verify finds the response's final answer equal to the gold one (LaTeX, boxed, plain)."""
+    from math_verify import parse, verify
+
+    # math-verify's own timeouts use SIGALRM, which only works in the main thread; rewards run in workers.
+    gold = parse(f"${gsm8k_gold(str(answer))}$", parsing_timeout=None)
+    predicted = parse(response, parsing_timeout=None)
+    return float(bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=None))
+
+
+def tiny(response: str, answer: Any, prompt: str = "") -> float:
+    from moerl.tasks.tiny import reward
+
+    return reward(response, answer, prompt)
+
+
+BUILT_IN: dict[str, Callable] = {"exact": exact, "math": math, "tiny": tiny}
+
+
+def resolve(name: str) -> Callable:
+    """A built-in reward by name, or ``package.module:function``."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    module, sep, attr = name.partition(":")
+    if not sep:
+        raise ValueError(f"task.reward={name!r}: expected one of {', '.join(BUILT_IN)} or 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"task.reward={name!r} cannot be loaded: {e}") from None
+    if not callable(fn):
+        raise ValueError(f"task.reward={name!r} is not callable")
+    return fn
+
+
+class Rewarder:
+    def __init__(self, cfg: TaskConfig):
+        self.cfg = cfg
+        self.url = cfg.reward_url
+        self.fn = None if self.url else resolve(cfg.reward or TASKS[cfg.name])
+        self._session = None
+
+    async def _call(self, fn: Callable, *args) -> Any:
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+    async def _remote(self, response: str, answer: Any, prompt: str) -> float:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        async with self._session.post(self.url, json={"prompt": prompt, "response": response, "answer": answer}) as resp:
+            if resp.status >= 400:
+                raise RuntimeError(f"reward verifier {self.url} answered {resp.status}: {(await resp.text())[:500]}")
+            body = await resp.json()
+        if not isinstance(body, dict) or "reward" not in body:
+            raise RuntimeError(f"reward verifier {self.url} answered {body!r}; expected {{\"reward\": float}}")
+        return float(body["reward"])
+
+    async def score(self, responses: list[str], answer: Any, prompt: str) -> list[float]:
+        """One reward per response of a group."""
+        if self.url:
+            return list(await asyncio.gather(*(self._remote(r, answer, prompt) for r in responses)))
+        if self.cfg.group_reward:
+            rewards = [float(x) for x in await self._call(self.fn, responses, answer, prompt)]
+            if len(rewards) != len(responses):
+                raise RuntimeError(f"group reward {self.cfg.reward} returned {len(rewards)} rewards for {len(responses)} responses")
+            return rewards
+        return [float(x) for x in await asyncio.gather(*(self._call(self.fn, r, answer, prompt) for r in responses))]
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

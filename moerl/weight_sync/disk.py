@@ -1,0 +1,56 @@
+"""Weight sync through a shared filesystem: the fallback when the engines cannot join a process group
+(other clusters, firewalls). The Hub-named tensors are written as safetensors shards beside the model's
+config and tokenizer, and every engine reloads them with ``/update_weights_from_disk``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import save_file
+
+from moerl.weight_sync.base import EngineLink, SyncStats
+from moerl.weight_sync.broadcast import buckets
+
+# Everything of a HF model directory but its weights.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
+
+
+class DiskSync(EngineLink):
+    def __init__(self, urls: list[str], directory: str | Path, hf_dir: str | Path, shard_bytes: int = 2 << 30):
+        super().__init__(urls, "moerl-disk-sync")
+        self.directory, self.hf_dir, self.shard_bytes = Path(directory), Path(hf_dir), shard_bytes
+        self._previous: Path | None = None
+
+    def connect(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
+        stats, start = SyncStats(), time.perf_counter()
+        out = self.directory / f"v{version}"
+        staging = out.with_name(out.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for item in self.hf_dir.iterdir():
+            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(item, staging / item.name)
+        index = {}
+        for n, shard in enumerate(buckets(named, self.shard_bytes)):
+            name = f"model-{n:05d}.safetensors"
+            save_file({k: t.contiguous() for k, t in shard}, str(staging / name), metadata={"format": "pt"})
+            index.update({k: name for k, _ in shard})
+            stats.buckets += 1
+            stats.tensors += len(shard)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in shard)
+        (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": index}))
+        staging.rename(out)  # engines only ever see complete directories
+        self.run(self.client.update_weights_from_disk(str(out.resolve()), weight_version=version))
+        if self._previous is not None:
+            shutil.rmtree(self._previous, ignore_errors=True)
+        self._previous = out
+        stats.seconds = time.perf_counter() - start
+        return stats
