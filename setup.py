@@ -25,7 +25,12 @@ setup(
         "tqdm",
         "aiohttp>=3.9",
         "numpy",
+        "math-verify",  # answer checking of the math tasks
+        "pyarrow",  # parquet prompt datasets
+        "tensorboard",
+        "matplotlib",  # moerl plot
     ],
+    package_data={"moerl.tasks": ["data/*.jsonl"]},
     extras_require={
         # NVIDIA Apex is not on PyPI (the "apex" there is an unrelated project); it builds from source.
         "gpu": ["transformer-engine[pytorch]", "apex @ git+https://github.com/NVIDIA/apex.git"],

@@ -61,13 +61,15 @@ class RolloutSection:
     top_k: int = 16  # a finite top_k: the sampling mask needs one (SGLang refuses top_k=-1 with masks)
     top_p: float = 1.0
     max_staleness: int = 1  # async: groups whose oldest token is more versions old than this are dropped
-    max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * (1 + max_staleness)
+    max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
     partial: str = "in_place"  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
     seed: int = 0
 
     @property
     def outstanding(self) -> int:
-        return self.max_outstanding_groups or self.groups_per_step * (1 + self.max_staleness)
+        # Generation runs ahead of training by this many groups: one batch per version of staleness
+        # allowed. A deeper queue only fills with groups that are dropped as stale when their turn comes.
+        return self.max_outstanding_groups or self.groups_per_step * max(1, self.max_staleness)
 
 
 @dataclass

@@ -51,6 +51,15 @@ def trainer_world_size(cfg: RunConfig) -> int:
     return cfg.run.trainer_ranks or t.tp * t.pp * t.ep
 
 
+def check_layout(cfg: RunConfig, world: int) -> None:
+    from moerl.megatron.parallel import Layout, LayoutError
+
+    try:
+        Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep).check_world(world)
+    except LayoutError as e:
+        raise ConfigError(f"trainer layout (tp={cfg.trainer.tp}, pp={cfg.trainer.pp}, ep={cfg.trainer.ep}) on {world} rank(s): {e}") from None
+
+
 # ---- model preparation (rank 0, before the process group) --------------------------------------
 def _done(path: Path) -> bool:
     return (path / ".complete").is_file()
@@ -103,19 +112,12 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
 # ---- engines -------------------------------------------------------------------------------
 def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int):
     """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
-    from moerl.engines.client import EngineClient
     from moerl.engines.sglang import SGLangConfig, SGLangPool
     from moerl.megatron.parallel import free_port
 
     e = cfg.engines
     if e.urls:
-        async def health():
-            async with EngineClient(e.urls, retries=0) as client:
-                return await client.healthy()
-
-        down = [u for u, ok in zip(e.urls, asyncio.run(health())) if not ok]
-        if down:
-            raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
+        check_engine_urls(e.urls)
         return list(e.urls), None
     cuda = torch.cuda.is_available()
     server = e.server if e.server != "auto" else ("sglang" if cuda else "embedded")
@@ -127,6 +129,18 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     ))
     log.info("starting %d %s engine(s); logs in %s", e.replicas, server, run_dir / "logs")
     return pool.start(e.start_timeout_s), pool
+
+
+def check_engine_urls(urls: list[str]) -> None:
+    from moerl.engines.client import EngineClient
+
+    async def health():
+        async with EngineClient(urls, retries=0) as client:
+            return await client.healthy()
+
+    down = [u for u, ok in zip(urls, asyncio.run(health())) if not ok]
+    if down:
+        raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
 
 
 def start_manager(cfg_path: Path, hf: Path, urls: list[str], buffer, cursor: int, reissue: list[int], run_dir: Path) -> subprocess.Popen:
@@ -161,7 +175,6 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
     import zmq
     from tqdm import tqdm
 
-    from moerl.megatron.parallel import Layout, LayoutError
     from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
     from moerl.orchestrator.metrics import MetricsWriter
     from moerl.trainer.trainer import Trainer
@@ -169,11 +182,10 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run_dir = Path(cfg.run.dir)
-    try:
-        Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep).check_world(world)
-    except LayoutError as e:
-        raise ConfigError(f"trainer layout on {world} rank(s): {e}") from None
+    check_layout(cfg, world)
     if rank == 0:
+        if cfg.engines.urls:
+            check_engine_urls(cfg.engines.urls)  # before minutes of model preparation
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
         hf, mcore = prepare_model(cfg)
@@ -326,10 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.print_world_size:
-        print(trainer_world_size(cfg))
-        return 0
     try:
+        if args.print_world_size:
+            check_layout(cfg, trainer_world_size(cfg))
+            print(trainer_world_size(cfg))
+            return 0
         summary = run(cfg, Path(cfg.run.dir))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
