@@ -170,3 +170,17 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str, port: 
     versions = sync.run(sync.client.weight_versions())
     sync.close()
     return {"stats": stats, "trained": trained, "served": served, "versions": versions}
+
+
+def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict:
+    """One step on the whole batch, and one (fresh trainer) on the same batch fed a group at a time: the
+    metrics and the gradients each step applied."""
+    from moerl.trainer.trainer import Trainer
+
+    whole = Trainer(mcore_dir, trainer_cfg)
+    expected = whole.step(samples)
+    expected_grads = full_tensors(whole.model.module, grads=True)
+    pieced = Trainer(mcore_dir, trainer_cfg)
+    groups = sorted({s.group_id for s in samples})
+    got = pieced.step(iter([[s for s in samples if s.group_id == g] for g in groups]))
+    return {"expected": expected, "got": got, "expected_grads": expected_grads, "grads": full_tensors(pieced.model.module, grads=True)}
