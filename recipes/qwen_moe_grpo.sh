@@ -21,5 +21,8 @@ fi
 if [ -n "${LOCAL_RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ]; then
   exec "$PYTHON" -m moerl.cli train "${args[@]}"
 fi
+if [[ " ${args[*]} " != *" run.dir="* ]]; then
+  args+=("run.dir=runs/qwen_moe_grpo/$(date +%Y%m%d-%H%M%S)")  # a new directory per run unless one is named
+fi
 nproc="$("$PYTHON" -m moerl.cli train --print-world-size "${args[@]}")"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m moerl.cli train "${args[@]}"

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from moerl.env import child_env
 from moerl.orchestrator.metrics import plot, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def job_args(cache: Path, run_dir: Path, *overrides: str) -> list[str]:
 
 
 def job(cache: Path, run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(job_args(cache, run_dir, *overrides), env={**os.environ, "PYTHON": sys.executable}, capture_output=True,
+    return subprocess.run(job_args(cache, run_dir, *overrides), env=child_env(PYTHON=sys.executable), capture_output=True,
                           text=True, timeout=timeout, cwd=REPO)
 
 
@@ -94,7 +95,7 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_results(cache, t
     steps = ["run.mode=sync", "run.steps=6", "run.save_every=2", "sync.verify=false"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert job(cache, straight, *steps).returncode == 0
-    proc = subprocess.Popen(job_args(cache, killed, *steps), env={**os.environ, "PYTHON": sys.executable}, cwd=REPO,
+    proc = subprocess.Popen(job_args(cache, killed, *steps), env=child_env(PYTHON=sys.executable), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -131,3 +132,11 @@ def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, override, m
     assert errors and message in errors[0], out.stderr[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
     assert time.monotonic() - start < 120
+
+
+def test_a_directory_holding_a_run_is_continued_only_on_request(cache, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    out = job(cache, tmp_path, timeout=180)
+    assert out.returncode != 0
+    assert any("already holds a run: pass run.resume=true" in line for line in out.stderr.splitlines() if line.startswith("error:"))
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -60,6 +60,7 @@ class RolloutSection:
     temperature: float = 1.0
     top_k: int = 16  # a finite top_k: the sampling mask needs one (SGLang refuses top_k=-1 with masks)
     top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)  # stop tokens besides the tokenizer's end token
     max_staleness: int = 1  # async: groups whose oldest token is more versions old than this are dropped
     max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
     partial: str = "in_place"  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)

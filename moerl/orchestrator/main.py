@@ -183,6 +183,8 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run_dir = Path(cfg.run.dir)
     check_layout(cfg, world)
+    if (run_dir / "metrics.jsonl").exists() and not cfg.run.resume:
+        raise ConfigError(f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir")
     if rank == 0:
         if cfg.engines.urls:
             check_engine_urls(cfg.engines.urls)  # before minutes of model preparation
@@ -224,7 +226,7 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
                 acct.set(index, "in_flight")
             buffer = RolloutBuffer(ctx, cfg.rollout, mode, acct)
             manager = start_manager(run_dir / "config.yaml", hf, urls, buffer, state["cursor"], state["pending"], run_dir)
-            writer = MetricsWriter(run_dir, resume_after=trainer.version if resume_from else None)
+            writer = MetricsWriter(run_dir, resume_after=trainer.version if cfg.run.resume else None)
             if cfg.run.progress:
                 bar = tqdm(total=cfg.run.steps, initial=trainer.version, desc=f"GRPO {mode}", unit="step", dynamic_ncols=True)
         # The engines serve the trainer's weights from the first token: a resumed run pushes its own.

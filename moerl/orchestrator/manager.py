@@ -48,7 +48,8 @@ class RolloutManager:
         self.addresses = commands, events
         self.cursor, self.reissue = cursor, deque(reissue)
         self.tasks: set[asyncio.Task] = set()
-        self.eos = [t for t in {self.tokenizer.eos_token_id, config.get("eos_token_id")} if isinstance(t, int)]
+        self.stop_ids = sorted({t for t in (self.tokenizer.eos_token_id, config.get("eos_token_id"), *cfg.rollout.stop_token_ids)
+                                if isinstance(t, int)})
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -95,7 +96,7 @@ class RolloutManager:
             attempt, start = 0, time.perf_counter()
             while True:
                 params = {"n": r.samples_per_prompt, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
-                          "max_new_tokens": r.max_new_tokens, "stop_token_ids": self.eos,
+                          "max_new_tokens": r.max_new_tokens, "stop_token_ids": self.stop_ids,
                           "sampling_seed": sampling_seed(r.seed, index, attempt)}
                 completions = await self.client.generate(
                     # Routing comes back under every replay mode: the agreement metrics compare against it.

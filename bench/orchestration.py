@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The three modes side by side, and weight sync bucketed against tensor by tensor.
+
+Modes: the main job (recipes/qwen_moe_grpo.sh) runs ``sync``, ``periodic`` and ``async`` one after the
+other on the same machine and config: a random tiny Qwen3-MoE (no warm-up, so responses are long-tailed:
+each ends at a stop token the random model draws now and then, or at ``max_new_tokens``), the same
+prompts and seeds. Reported per mode, from its metrics.jsonl after the first (warm-up) step: samples
+per second of wall time, the trainer's idle fraction, both as ratios to ``sync``.
+
+Weight sync: one process pushes a model's Hub-named tensors to an embedded engine through
+``BroadcastSync``, in 512 MiB flattened buckets and one tensor per bucket (one HTTP announce and one
+broadcast per tensor), and reports the seconds per update.
+
+    python bench/orchestration.py [--steps 12] [--out docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_modes(work: Path, steps: int, model: Path) -> dict[str, dict]:
+    from moerl.models.tiny import tiny_tokenizer
+
+    stop = tiny_tokenizer().convert_tokens_to_ids("e")
+    results = {}
+    for mode in ("sync", "periodic", "async"):
+        run_dir = work / mode
+        args = ["bash", str(REPO / "recipes/qwen_moe_grpo.sh"), f"run.dir={run_dir}", f"run.mode={mode}", f"run.steps={steps}",
+                "run.progress=false", f"run.cache_dir={work / 'cache'}", f"model.path={model}", "rollout.max_new_tokens=64",
+                f"rollout.stop_token_ids=[{stop}]", "rollout.groups_per_step=8", "rollout.samples_per_prompt=8"]
+        start = time.perf_counter()
+        out = subprocess.run(args, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{mode} failed:\n{out.stderr[-4000:]}")
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+        seconds = sum(r["time/step_seconds"] for r in rows)
+        results[mode] = {
+            "samples_per_s": sum(r["rollout/samples"] for r in rows) / seconds,
+            "idle": sum(r["time/trainer_idle_fraction"] * r["time/step_seconds"] for r in rows) / seconds,
+            "len_mean": statistics.mean(r["rollout/response_len_mean"] for r in rows),
+            "len_max": max(r["rollout/response_len_max"] for r in rows),
+            "staleness_max": max(r["staleness/max"] for r in rows),
+            "dropped": rows[-1]["prompts/dropped"], "wall_s": time.perf_counter() - start,
+        }
+        print(mode, results[mode], flush=True)
+    return results
+
+
+def sync_times(work: Path, model: Path, repeats: int = 3) -> dict[str, float]:
+    from safetensors.torch import load_file
+
+    from moerl.megatron.parallel import free_port
+    from moerl.weight_sync.broadcast import BroadcastSync
+    from tests.engine_server import running_server
+
+    tensors = {}
+    for f in sorted(model.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    named = sorted(tensors.items())
+    out = {"tensors": len(named), "mib": sum(t.numel() * t.element_size() for _, t in named) / 2**20}
+    with running_server(model, work / "sync-engine.log") as url:
+        sync = BroadcastSync([url], "127.0.0.1", free_port(), "gloo")
+        sync.connect()
+        try:
+            for label, bucket in (("bucketed_s", 512 << 20), ("per_tensor_s", 0)):
+                sync.bucket_bytes = bucket
+                times = []
+                for i in range(repeats):
+                    times.append(sync.push(named, version=f"{label}{i}").seconds)
+                out[label] = statistics.median(times)
+        finally:
+            sync.close()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--sync-hidden", type=int, default=256, help="hidden size of the model used for the weight-sync timing")
+    p.add_argument("--out", help="append the table to this markdown file")
+    args = p.parse_args()
+    from moerl.models.tiny import save_tiny_hf
+
+    with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
+        work = Path(tmp)
+        model = save_tiny_hf("Qwen3MoeForCausalLM", work / "random-tiny")
+        modes = run_modes(work, args.steps, model)
+        big = save_tiny_hf("Qwen3MoeForCausalLM", work / "sync-model", hidden_size=args.sync_hidden, intermediate_size=4 * args.sync_hidden,
+                           moe_intermediate_size=args.sync_hidden, num_experts=32, head_dim=64)
+        sync = sync_times(work, big)
+    base = modes["sync"]
+    lines = [
+        f"\n### Orchestration modes ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.steps} steps each, "
+        f"8 groups x 8 samples per step, random tiny Qwen3-MoE, responses mean {base['len_mean']:.0f} / max {base['len_max']:.0f} tokens)\n",
+        "| mode | samples/s | vs sync | trainer idle fraction | vs sync | max staleness | prompts dropped |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, r in modes.items():
+        lines.append(f"| {mode} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['idle']:.2f} | "
+                     f"{r['idle'] / base['idle'] if base['idle'] else float('nan'):.2f}x | {r['staleness_max']:.0f} | {r['dropped']} |")
+    lines += [
+        f"\n### Weight sync, bucketed vs tensor by tensor (gloo broadcast to one embedded engine, {sync['tensors']} tensors, "
+        f"{sync['mib']:.0f} MiB, median of 3)\n",
+        "| transport | seconds per update |", "| --- | --- |",
+        f"| 512 MiB flattened buckets | {sync['bucketed_s']:.3f} |", f"| one tensor per bucket | {sync['per_tensor_s']:.3f} |",
+        f"| ratio | {sync['per_tensor_s'] / sync['bucketed_s']:.1f}x |",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    main()
