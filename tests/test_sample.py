@@ -36,3 +36,12 @@ def test_a_resumed_rollout_keeps_what_produced_each_token():
 def test_a_continuation_of_another_prompt_is_refused():
     with pytest.raises(SampleError, match="prompt must be this sample's prompt"):
         _sample([1, 2, 3], [10, 11], 4).continued_by(_sample([1, 2, 3, 10], [12], 5))
+
+
+def test_split_into_evens_out_micro_batch_counts():
+    from moerl.trainer.batch import split_into
+
+    assert split_into([[0, 1, 2, 3], [4]], 3) == [[0, 1], [2, 3], [4]]
+    assert split_into([[0], [1]], 4) == [[0], [1]]  # single samples cannot split: the trainer adds zero-weight copies
+    assert split_into([[0, 1, 2]], 1) == [[0, 1, 2]]
+    assert sorted(i for g in split_into([[5, 6, 7, 8, 9], [1, 2]], 5) for i in g) == [1, 2, 5, 6, 7, 8, 9]

@@ -46,6 +46,20 @@ def split_by_budget(lengths: list[int], token_budget: int, multiple: int = 1) ->
     return groups
 
 
+def split_into(groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` split further (the largest first, in halves) until there are ``count`` of them, or
+    until every group is a single sample. Expert-parallel ranks must run the same number of
+    micro-batches (each one's forward is an all-to-all across them), whatever their shard sizes."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        largest = max(range(len(groups)), key=lambda i: (len(groups[i]), -i))
+        if len(groups[largest]) < 2:
+            break
+        g = groups.pop(largest)
+        groups[largest:largest] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return groups
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -69,6 +83,7 @@ class MicroBatch:
     old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
+    dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
 
     @property
     def num_seqs(self) -> int:

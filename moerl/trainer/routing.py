@@ -126,6 +126,8 @@ class RoutingProbe:
         layers = len(self.routers.moe_layers)
         counts = torch.zeros(3, layers, dtype=torch.float64)
         for m, batch in enumerate(batches):
+            if batch.dummy:
+                continue
             b, s = batch.input_ids.shape
             real = np.arange(s)[None, :] < np.asarray(batch.fed_lengths)[:, None]
             real = torch.from_numpy(self.routers.token_order(real))

@@ -32,7 +32,7 @@ from moerl.megatron.parallel import Layout
 from moerl.models import family_for
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import MicroBatch, build_micro_batch, shard_by_tokens, split_by_budget
+from moerl.trainer.batch import MicroBatch, build_micro_batch, shard_by_tokens, split_by_budget, split_into
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
 from moerl.trainer.routing import LocalRouters, RoutingProbe, replay_through_recompute, set_action
@@ -95,14 +95,25 @@ class Trainer:
         dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         if len(samples) < dp_size:
             raise ValueError(f"{len(samples)} samples cannot feed {dp_size} data-parallel ranks: give each piece at least {dp_size}")
-        mine = shard_by_tokens([s.fed_len for s in samples], dp_size)[dp_rank]
-        groups = split_by_budget([samples[i].fed_len for i in mine], self.cfg.micro_batch_tokens, multiple=self.layout.tp)
+        shards = shard_by_tokens([s.fed_len for s in samples], dp_size)
+        # Every rank knows every shard, so all agree on the micro-batch count without communicating.
+        split = [split_by_budget([samples[i].fed_len for i in shard], self.cfg.micro_batch_tokens, multiple=self.layout.tp) for shard in shards]
+        count = max(len(g) for g in split)
+        mine = shards[dp_rank]
+        groups = split_into(split[dp_rank], count)
         replay = self.cfg.replay
-        return [
-            build_micro_batch([samples[mine[i]] for i in g], [float(advantages[mine[i]]) for i in g], [float(weights[mine[i]]) for i in g],
-                              multiple=self.layout.tp, use_masks=replay.sampling_mask, use_routing=replay.routing == "R3" or _has_routing(samples))
-            for g in groups
-        ]
+
+        def build(g: list[int], zero: bool = False) -> MicroBatch:
+            return build_micro_batch([samples[mine[i]] for i in g], [0.0 if zero else float(advantages[mine[i]]) for i in g],
+                                     [0.0 if zero else float(weights[mine[i]]) for i in g], multiple=self.layout.tp,
+                                     use_masks=replay.sampling_mask, use_routing=replay.routing == "R3" or _has_routing(samples))
+
+        batches = [build(g) for g in groups]
+        for _ in range(count - len(groups)):  # fewer samples here than micro-batches elsewhere
+            dummy = build(groups[0][:1], zero=True)
+            dummy.dummy = True
+            batches.append(dummy)
+        return batches
 
     # ---- passes ------------------------------------------------------------------------------
     def _scores(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +210,7 @@ class Trainer:
             if loss_cfg.kl_coef:
                 per_token = per_token + loss_cfg.kl_coef * kl
             loss = (w * per_token).sum()
-            if count:
+            if count and not mb.dummy:
                 with torch.no_grad():
                     delta = (old - behaviour).double()
                     ratio = (new - old).double().exp()
