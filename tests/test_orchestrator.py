@@ -43,10 +43,10 @@ def accounting(run_dir: Path) -> dict:
     return json.loads((run_dir / "accounting.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["sync", "periodic", "async"])
-def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cache, tmp_path, mode):
-    steps, staleness = 4, 1
-    out = job(cache, tmp_path, f"run.mode={mode}", f"run.steps={steps}", f"rollout.max_staleness={staleness}")
+@pytest.mark.parametrize("mode, steps, groups", [("sync", 10, 8), ("periodic", 4, 4), ("async", 4, 4)])
+def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cache, tmp_path, mode, steps, groups):
+    staleness = 1
+    out = job(cache, tmp_path, f"run.mode={mode}", f"run.steps={steps}", f"rollout.max_staleness={staleness}", f"rollout.groups_per_step={groups}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -55,28 +55,23 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
         assert r["mode"] == mode
         assert r["staleness/max"] <= (staleness if mode == "async" else 0)
         assert r["routing/replayed"] == 1.0  # R3: every token routed as the engine routed it
-        assert r["rollout/samples"] == GROUPS * 8
+        assert r["rollout/samples"] == groups * 8
     if mode != "async":
         # On-policy with an fp32 engine: the trainer reproduces the engine's routing and log-probs.
         assert all(r["routing/agreement"] == 1.0 and r["mismatch/k3_kl"] < 1e-6 for r in rows)
-    assert rows[0]["rollout/reward_mean"] > 0  # the warmed-up tiny model starts above zero reward
+    rewards = [r["rollout/reward_mean"] for r in rows]
+    assert rewards[0] > 0  # the warmed-up tiny model starts above zero reward
+    if mode == "sync":  # deterministic: the demo's reward visibly rises
+        assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
     acct = accounting(tmp_path)
     assert acct["balanced"] and acct["live"] == 0
-    assert acct["trained"] == steps * GROUPS == rows[-1]["prompts/trained"]
+    assert acct["trained"] == steps * groups == rows[-1]["prompts/trained"]
     assert acct["issued"] == acct["trained"] + sum(acct["dropped"].values())
     if mode != "async":
         assert acct["dropped"] == {}
-    assert "weights differ" not in out.stderr
     png = plot(tmp_path)
     assert png.stat().st_size > 10_000
     assert any((tmp_path / "tensorboard").iterdir())
-
-
-def test_the_tiny_demo_reward_rises(cache, tmp_path):
-    out = job(cache, tmp_path, "run.mode=sync", "run.steps=10", "sync.verify=false", "rollout.groups_per_step=8")
-    assert out.returncode == 0, out.stderr[-4000:]
-    rewards = [r["rollout/reward_mean"] for r in read_metrics(tmp_path)]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
