@@ -10,7 +10,7 @@
 # given with --config. The script launches the trainer ranks through torchrun; when torchrun (or a
 # cluster launcher) already started it as one rank, e.g.
 #   torchrun --no-python --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:PORT recipes/qwen_moe_grpo.sh ...
-# it runs as that rank instead of launching again.
+# it runs as that rank instead of launching again. --help lists the options, --show-config every key.
 set -euo pipefail
 PYTHON="${PYTHON:-python3}"
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -18,7 +18,7 @@ args=("$@")
 if [[ " ${args[*]:-} " != *" --config "* ]]; then
   args=(--config "$here/qwen_moe_grpo.yaml" "${args[@]}")
 fi
-if [ -n "${LOCAL_RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ]; then
+if [ -n "${LOCAL_RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ] || [[ " ${args[*]} " =~ " "(-h|--help|--show-config)" " ]]; then
   exec "$PYTHON" -m moerl.cli train "${args[@]}"
 fi
 if [[ " ${args[*]} " != *" run.dir="* ]]; then

@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None):
     )
     p.add_argument("--config", help="YAML config (default: none; the schema's defaults)")
     p.add_argument("--print-world-size", action="store_true", help="print the number of trainer ranks the config needs and exit")
+    p.add_argument("--show-config", action="store_true", help="print the whole resolved config (every key, with overrides) and exit")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     return p.parse_args(argv)
 
@@ -340,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.show_config:
+        print(to_yaml(cfg), end="")
+        return 0
     try:
         if args.print_world_size:
             check_layout(cfg, trainer_world_size(cfg))
