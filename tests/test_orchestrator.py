@@ -28,6 +28,17 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("moerl-cache")
 
 
+@pytest.fixture(scope="module")
+def long_tailed(tmp_path_factory) -> list[str]:
+    """Overrides for a random tiny model with frequent stop characters: responses run tens of tokens
+    (long-tailed, capped at 48), so weight updates land while rollouts are in flight."""
+    from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
+
+    model = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("random") / "model")
+    stops = ",".join(str(tiny_tokenizer().convert_tokens_to_ids(c)) for c in "eat ")
+    return [f"model.path={model}", "rollout.max_new_tokens=48", f"rollout.stop_token_ids=[{stops}]"]
+
+
 def job_args(cache: Path, run_dir: Path, *overrides: str) -> list[str]:
     # sync.verify: after every update the run reads every tensor back from the engine and fails on any difference.
     return ["bash", str(RECIPE), f"run.dir={run_dir}", f"run.cache_dir={cache}", "run.progress=false", f"rollout.groups_per_step={GROUPS}",
@@ -43,10 +54,13 @@ def accounting(run_dir: Path) -> dict:
     return json.loads((run_dir / "accounting.json").read_text())
 
 
-@pytest.mark.parametrize("mode, steps, groups", [("sync", 10, 8), ("periodic", 4, 4), ("async", 4, 4)])
-def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cache, tmp_path, mode, steps, groups):
+@pytest.mark.parametrize("mode, steps, groups", [("sync", 10, 8), ("periodic", 4, 4), ("async", 3, 4)])
+def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cache, tmp_path, long_tailed, mode, steps, groups):
     staleness = 1
-    out = job(cache, tmp_path, f"run.mode={mode}", f"run.steps={steps}", f"rollout.max_staleness={staleness}", f"rollout.groups_per_step={groups}")
+    # async runs the long-tailed random model so that updates meet rollouts in flight (continued in place).
+    extra = long_tailed if mode == "async" else []
+    out = job(cache, tmp_path, f"run.mode={mode}", f"run.steps={steps}", f"rollout.max_staleness={staleness}",
+              f"rollout.groups_per_step={groups}", *extra)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -56,13 +70,16 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
         assert r["staleness/max"] <= (staleness if mode == "async" else 0)
         assert r["routing/replayed"] == 1.0  # R3: every token routed as the engine routed it
         assert r["rollout/samples"] == groups * 8
-    if mode != "async":
+        assert r["rollout/retries"] == 0
+    if mode == "async":
+        assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0  # continued in place: tokens keep their versions
+    else:
         # On-policy with an fp32 engine: the trainer reproduces the engine's routing and log-probs.
         assert all(r["routing/agreement"] == 1.0 and r["mismatch/k3_kl"] < 1e-6 for r in rows)
-    rewards = [r["rollout/reward_mean"] for r in rows]
-    assert rewards[0] > 0  # the warmed-up tiny model starts above zero reward
-    if mode == "sync":  # deterministic: the demo's reward visibly rises
-        assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
+        rewards = [r["rollout/reward_mean"] for r in rows]
+        assert rewards[0] > 0  # the warmed-up tiny model starts above zero reward
+        if mode == "sync":  # deterministic: the demo's reward visibly rises
+            assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
     acct = accounting(tmp_path)
     assert acct["balanced"] and acct["live"] == 0
     assert acct["trained"] == steps * groups == rows[-1]["prompts/trained"]
@@ -72,6 +89,15 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
     png = plot(tmp_path)
     assert png.stat().st_size > 10_000
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, long_tailed):
+    out = job(cache, tmp_path, "run.mode=async", "run.steps=3", "rollout.partial=retry", *long_tailed)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = read_metrics(tmp_path)
+    assert sum(r["rollout/retries"] for r in rows) > 0
+    assert all(r["rollout/mixed_version_fraction"] == 0 for r in rows)  # every sample from one policy version
+    assert all(r["staleness/max"] <= 1 for r in rows) and accounting(tmp_path)["balanced"]
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

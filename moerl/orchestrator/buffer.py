@@ -184,4 +184,6 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
         "rollout/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
         "rollout/zero_variance_groups": float(np.mean(solved)), "rollout/samples": float(len(samples)),
         "rollout/group_seconds_mean": float(np.mean([g.seconds for g in groups])),
+        # Samples continued across a weight update (rollout.partial=in_place): tokens from two or more versions.
+        "rollout/mixed_version_fraction": float(np.mean([s.versions.min() != s.versions.max() for s in samples])),
     }
