@@ -71,7 +71,7 @@ def sync_times(work: Path, model: Path, repeats: int = 3) -> dict[str, float]:
         tensors.update(load_file(f))
     named = sorted(tensors.items())
     out = {"tensors": len(named), "mib": sum(t.numel() * t.element_size() for _, t in named) / 2**20}
-    with running_server(model, work / "sync-engine.log") as url:
+    with running_server(model, work / "sync-engine-logs") as url:
         sync = BroadcastSync([url], "127.0.0.1", free_port(), "gloo")
         sync.connect()
         try:

@@ -29,7 +29,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
-    with running_server(models[0], tmp_path_factory.mktemp("log") / "serve.log") as url:
+    with running_server(models[0], tmp_path_factory.mktemp("log")) as url:
         yield url
 
 

@@ -26,7 +26,7 @@ def models(tmp_path):
 
 @pytest.fixture
 def server(models, tmp_path):
-    with running_server(models[0], tmp_path / "serve.log") as url:
+    with running_server(models[0], tmp_path / "logs") as url:
         yield url
 
 
@@ -151,7 +151,6 @@ def test_retract_then_continue_gives_the_uninterrupted_output(server, models):
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])
 def test_weight_update_from_distributed_broadcast(server, models, load_format):
     """The test process plays the trainer: rank 0 of a gloo group with the engine at rank 1."""
-    import torch
     import torch.distributed as dist
 
     from moerl.checkpoint.hf import HFReader

@@ -3,7 +3,6 @@ entropy against dense references, across TP shards on gloo ranks, and their grad
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

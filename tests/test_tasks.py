@@ -144,7 +144,7 @@ def wired():
 def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     buffer, orders, events = wired
     for index in range(4):
-        events.send_pyobj({"type": "issued", "index": index})
+        events.send_pyobj({"type": "issued", "index": index, "new": True})
     events.send_pyobj(group_event(0, [3, 3]))  # version 3 at trainer version 5: too old
     events.send_pyobj(group_event(1, [4, 5]))  # oldest token 1 version behind: kept
     events.send_pyobj(group_event(2, [5, 5]))
@@ -156,6 +156,10 @@ def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     assert counts["prompts/dropped"] == 1 and counts["prompts/in_flight"] == 1 and counts["prompts/taken"] == 2
     buffer.trained([g for piece in pieces for g in piece])
     assert buffer.acct.trained == 2 and buffer.pending() == [3] and buffer.acct.balanced()
+    assert buffer.cursor == 4  # where a resumed run continues
+    events.send_pyobj({"type": "issued", "index": 3, "new": False})  # re-issued after a resume: counted once
+    buffer.drain()
+    assert buffer.acct.issued == 4 and buffer.acct.balanced()
     events.send_pyobj({"type": "stopped", "cancelled": [3]})
     buffer.stop(timeout_s=5)
     assert orders.recv_pyobj() == {"cmd": "stop"}

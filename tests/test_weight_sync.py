@@ -35,7 +35,7 @@ def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(ti
     hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
     samples = rollout(hf_dir, torch.float32)
     cfg = TrainerConfig(ep=2, optim=OptimConfig(lr=1e-2))
-    with running_server(hf_dir, tmp_path / "serve.log") as url:
+    with running_server(hf_dir, tmp_path / "logs") as url:
         out = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, url, free_port())[0]
     reader = HFReader(hf_dir)
     stats = out["stats"]

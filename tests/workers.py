@@ -145,8 +145,6 @@ def export_hf(mcore_dir: str, layout: Layout) -> list:
 def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str, port: int) -> dict:
     """One trainer step, then a broadcast sync to the engine at ``url``; the engine's copy of every
     tensor read back next to the trainer's."""
-    import asyncio
-
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.base import sync_weights
     from moerl.weight_sync.broadcast import BroadcastSync

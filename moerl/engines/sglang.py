@@ -95,6 +95,7 @@ class SGLangPool:
     def __init__(self, cfg: SGLangConfig, python: str = sys.executable):
         self.cfg, self.python = cfg, python
         self.procs: list[subprocess.Popen] = []
+        self.logs: dict[int, Path] = {}  # pid -> log file
 
     @property
     def replica_urls(self) -> list[str]:
@@ -118,12 +119,16 @@ class SGLangPool:
         return ",".join(devices[start : start + self.cfg.gpus_per_replica])
 
     def _spawn(self, args: list[str], env: dict, name: str) -> subprocess.Popen:
-        log = subprocess.DEVNULL
+        log, path = subprocess.DEVNULL, None
         if self.cfg.log_dir:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
-            log = open(Path(self.cfg.log_dir) / f"{name}.log", "w")
+            path = Path(self.cfg.log_dir) / f"{name}.log"
+            log = open(path, "w")
         # Own process group: stopping the pool stops each server's workers too.
-        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        if path is not None:
+            self.logs[proc.pid] = path
+        return proc
 
     def start(self, timeout_s: float = 900) -> list[str]:
         try:
@@ -144,9 +149,11 @@ class SGLangPool:
         deadline = time.monotonic() + timeout_s
         pending = list(urls)
         while pending:
-            dead = [p.args for p in self.procs if p.poll() is not None]
+            dead = [p for p in self.procs if p.poll() is not None]
             if dead:
-                raise RuntimeError(f"an engine process exited during start-up: {dead[0]} (see log_dir for its log)")
+                log = self.logs.get(dead[0].pid)
+                tail = f"; the end of {log}:\n{log.read_text()[-3000:]}" if log else " (set log_dir to keep its log)"
+                raise RuntimeError(f"an engine process exited during start-up: {dead[0].args}{tail}")
             for url in list(pending):
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=2) as resp:

@@ -67,7 +67,7 @@ class Accounting:
 
 
 class RolloutBuffer:
-    def __init__(self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None):
+    def __init__(self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None, cursor: int = 0):
         self.cfg, self.mode = cfg, mode
         self.orders = ctx.socket(zmq.PUSH)
         self.events = ctx.socket(zmq.PULL)
@@ -76,8 +76,8 @@ class RolloutBuffer:
         self.ready: deque[Group] = deque()
         self.acct = accounting or Accounting()
         self.waited_s = 0.0  # time spent blocked waiting for groups
-        self.retries = 0
-        self.known: set[int] = set()  # indices the accounting has counted as issued (re-issues are not new)
+        self.cursor = cursor  # the next new prompt index: where a resumed run's data continues
+        self._stopped = False
 
     # ---- manager traffic ----------------------------------------------------------------------
     def order(self, groups: int) -> None:
@@ -88,13 +88,12 @@ class RolloutBuffer:
         kind = event["type"]
         if kind == "issued":
             index = event["index"]
-            if index not in self.known:
-                self.known.add(index)
+            if event["new"]:  # a resumed run's re-issued prompts were counted when first issued
                 self.acct.issued += 1
+                self.cursor = max(self.cursor, index + 1)
             self.acct.set(index, "in_flight")
         elif kind == "group":
             self.ready.append(Group(event["index"], event["samples"], event["retries"], event["seconds"]))
-            self.retries += event["retries"]
             self.acct.set(event["index"], "ready")
         elif kind == "error":
             raise RolloutError(f"rollout of prompt {event['index']} failed: {event['message']}")

@@ -86,9 +86,11 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
     if cfg.model.path is None:
         from moerl.tasks.tiny import save_warm_tiny_model
 
-        log.info("creating the tiny demo model (once) in %s", cache / TINY_MODEL)
-        hf = _build_once(cache / TINY_MODEL / "hf", lambda out: save_warm_tiny_model(out / "model") and None)
-        hf = hf / "model"
+        def build(staging: Path) -> None:
+            log.info("creating the tiny demo model (once) in %s", cache / TINY_MODEL)
+            save_warm_tiny_model(staging / "model")  # a subdirectory: the build marker stays out of the HF directory
+
+        hf = _build_once(cache / TINY_MODEL / "hf", build) / "model"
     else:
         hf = Path(cfg.model.path)
         if not (hf / "config.json").is_file():
@@ -117,8 +119,7 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     from moerl.megatron.parallel import free_port
 
     e = cfg.engines
-    if e.urls:
-        check_engine_urls(e.urls)
+    if e.urls:  # health-checked by run() before the model was prepared
         return list(e.urls), None
     cuda = torch.cuda.is_available()
     server = e.server if e.server != "auto" else ("sglang" if cuda else "embedded")
@@ -171,7 +172,7 @@ def shared_pieces(source):
         yield box[0]
 
 
-def run(cfg: RunConfig, cfg_path: Path) -> dict:
+def run(cfg: RunConfig) -> dict:
     """The whole job on this rank; rank 0 returns the final accounting."""
     import zmq
     from tqdm import tqdm
@@ -213,6 +214,7 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
         log.warning("run.resume=true but %s has no checkpoint: starting fresh", run_dir / "checkpoints")
 
     mode, B = cfg.run.mode, cfg.rollout.groups_per_step
+    verify_rows = cfg.sync.verify_rows if cfg.sync.verify else 0
     pool = sync = manager = buffer = writer = bar = None
     ctx = zmq.Context() if rank == 0 else None
     try:
@@ -225,14 +227,14 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
             acct.dropped.update(state["accounting"].get("dropped", {}))
             for index in state["pending"]:
                 acct.set(index, "in_flight")
-            buffer = RolloutBuffer(ctx, cfg.rollout, mode, acct)
+            buffer = RolloutBuffer(ctx, cfg.rollout, mode, acct, cursor=state["cursor"])
             manager = start_manager(run_dir / "config.yaml", hf, urls, buffer, state["cursor"], state["pending"], run_dir)
             writer = MetricsWriter(run_dir, resume_after=trainer.version if cfg.run.resume else None)
             if cfg.run.progress:
                 bar = tqdm(total=cfg.run.steps, initial=trainer.version, desc=f"GRPO {mode}", unit="step", dynamic_ncols=True)
         # The engines serve the trainer's weights from the first token: a resumed run pushes its own.
         if resume_from is not None:
-            sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), cfg.sync.verify_rows if cfg.sync.verify else 0)
+            sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
         elif rank == 0:
             sync.run(sync.client.set_weight_version(str(trainer.version)))
         if rank == 0 and mode == "async":
@@ -251,10 +253,9 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
 
             metrics = trainer.step(shared_pieces(pieces() if rank == 0 else None))
             trained_at = time.perf_counter()
-            pause_start = time.perf_counter()
             if rank == 0:
                 sync.run(sync.client.pause("abort" if cfg.rollout.partial == "retry" else "in_place"))
-            stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), cfg.sync.verify_rows if cfg.sync.verify else 0)
+            stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
             if rank == 0:
                 sync.run(sync.client.resume())
             end = time.perf_counter()
@@ -264,7 +265,7 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
                 metrics.update(rollout_metrics(taken))
                 metrics.update(buffer.acct.counts())
                 metrics.update({
-                    "step": trainer.version, "mode": mode, "sync/seconds": stats.seconds, "sync/pause_seconds": end - pause_start,
+                    "step": trainer.version, "mode": mode, "sync/seconds": stats.seconds, "sync/pause_seconds": end - trained_at,
                     "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "time/step_seconds": end - start,
                     "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
                     "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
@@ -275,7 +276,7 @@ def run(cfg: RunConfig, cfg_path: Path) -> dict:
                     bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",
                                     stale=int(metrics["staleness/max"]))
             if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
-                save_checkpoint(trainer, buffer, run_dir, state["cursor"])
+                save_checkpoint(trainer, buffer, run_dir)
     finally:
         summary = None
         if rank == 0:
@@ -318,7 +319,7 @@ def _host_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def save_checkpoint(trainer, buffer, run_dir: Path, start_cursor: int) -> None:
+def save_checkpoint(trainer, buffer, run_dir: Path) -> None:
     """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
     out = run_dir / "checkpoints" / f"step_{trainer.version}"
     if dist.get_rank() == 0 and out.exists():
@@ -326,8 +327,7 @@ def save_checkpoint(trainer, buffer, run_dir: Path, start_cursor: int) -> None:
     trainer.save(out)
     if dist.get_rank() == 0:
         buffer.drain()
-        cursor = max([start_cursor - 1, *buffer.known]) + 1
-        state = {"step": trainer.version, "cursor": cursor, "pending": buffer.pending(), "accounting": buffer.acct.state()}
+        state = {"step": trainer.version, "cursor": buffer.cursor, "pending": buffer.pending(), "accounting": buffer.acct.state()}
         (out / RUN_STATE).write_text(json.dumps(state, indent=1))
     dist.barrier()
 
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             check_layout(cfg, trainer_world_size(cfg))
             print(trainer_world_size(cfg))
             return 0
-        summary = run(cfg, Path(cfg.run.dir))
+        summary = run(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

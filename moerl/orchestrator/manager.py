@@ -61,7 +61,7 @@ class RolloutManager:
                 order = await self.commands.recv_pyobj()
                 if order["cmd"] == "generate":
                     for _ in range(order["groups"]):
-                        self._start(self.reissue.popleft() if self.reissue else self._next())
+                        self._start(*((self.reissue.popleft(), False) if self.reissue else (self._next(), True)))
                 elif order["cmd"] == "stop":
                     break
         finally:
@@ -83,14 +83,14 @@ class RolloutManager:
         index, self.cursor = self.cursor, self.cursor + 1
         return index
 
-    def _start(self, index: int) -> None:
-        task = asyncio.create_task(self._group(index), name=str(index))
+    def _start(self, index: int, new: bool) -> None:
+        task = asyncio.create_task(self._group(index, new), name=str(index))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _group(self, index: int) -> None:
+    async def _group(self, index: int, new: bool) -> None:
         try:
-            await self.events.send_pyobj({"type": "issued", "index": index})
+            await self.events.send_pyobj({"type": "issued", "index": index, "new": new})
             record, ids = self.stream.get(index)
             r = self.r
             attempt, start = 0, time.perf_counter()
