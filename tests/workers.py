@@ -182,3 +182,30 @@ def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict
     groups = sorted({s.group_id for s in samples})
     got = pieced.step(iter([[s for s in samples if s.group_id == g] for g in groups]))
     return {"expected": expected, "got": got, "expected_grads": expected_grads, "grads": full_tensors(pieced.model.module, grads=True)}
+
+
+def lora_train_export(mcore_dir: str, trainer_cfg, lora_cfg, samples: list, input_ids: torch.Tensor, steps: int,
+                      save_dir: str | None = None) -> dict:
+    """``steps`` LoRA steps on ``samples``; what trains, what changed, the exported adapter and logits."""
+    from moerl.megatron.lora import is_lora_param
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.lora import lora_tensors
+
+    trainer = Trainer(mcore_dir, trainer_cfg, lora=lora_cfg)
+    model = trainer.model.module
+    before = {n: t for n, t in full_tensors(model).items() if not is_lora_param(n)}
+    metrics = [trainer.step(samples) for _ in range(steps)]
+    named = dict(model.named_parameters())
+    by_id = {id(p): n for n, p in named.items()}
+    if save_dir is not None:
+        trainer.save(save_dir)
+    after = full_tensors(model)
+    return {
+        "metrics": metrics, "lora": lora_tensors(model), "logits": forward_logits(model, input_ids),
+        "trainable": sorted(n for n, p in named.items() if p.requires_grad),
+        # fp32 on the CPU: megatron's optimizers wrap torch's Adam, whose state is keyed by the parameters themselves
+        "with_state": sorted(by_id.get(id(p), "?") for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+                             for p in opt.optimizer.state),
+        "base_unchanged": all(torch.equal(before[n], after[n]) for n in before),
+        "lora_names": sorted(n for n in named if is_lora_param(n)),
+    }

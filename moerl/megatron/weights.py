@@ -21,7 +21,8 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
 
-def _global_name(model, name: str) -> str:
+def global_name(model, name: str) -> str:
+    """``name`` of this rank's parameter as a TP1/EP1/PP1 model calls it (global layer and expert numbers)."""
     match = _LAYER.match(name)
     if match:
         layer = model.decoder.layers[int(match.group(1))].layer_number - 1
@@ -48,7 +49,7 @@ def _gather_tp(param: torch.nn.Parameter, tensor: torch.Tensor, name: str, glu: 
     shards = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(shards, tensor.contiguous(), group=group)
     dim = param.partition_dim
-    if glu and name.endswith("linear_fc1.weight"):
+    if glu and name.endswith(("linear_fc1.weight", "linear_fc1.lora_B")):  # a LoRA B splits like its weight
         halves = [s.chunk(2, dim=dim) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
     return torch.cat(shards, dim=dim)
@@ -69,8 +70,8 @@ def full_tensors(model, grads: bool = False, select: Callable[[str], bool] | Non
         # gradient summed with the first stage's, by megatron); the first stage's is the one.
         if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
             continue
-        global_name = _global_name(model, name)
-        if select is not None and not select(global_name):
+        full_name = global_name(model, name)
+        if select is not None and not select(full_name):
             continue
         tensor = param.data
         if grads:
@@ -78,7 +79,7 @@ def full_tensors(model, grads: bool = False, select: Callable[[str], bool] | Non
             if tensor is None:
                 tensor = param.grad if param.grad is not None else torch.zeros_like(param)
         tensor = tensor.detach() if keep_dtype else tensor.detach().float()
-        local[global_name] = _gather_tp(param, tensor, global_name, glu).cpu()
+        local[full_name] = _gather_tp(param, tensor, full_name, glu).cpu()
     gathered: list[dict] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     full: dict[str, torch.Tensor] = {}

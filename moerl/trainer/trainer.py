@@ -27,6 +27,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA
 from moerl.megatron.forward import run_schedule
+from moerl.megatron.lora import LoRAConfig, add_lora
 from moerl.megatron.model import load_megatron_model
 from moerl.megatron.parallel import Layout
 from moerl.models import family_for
@@ -42,8 +43,11 @@ TRAINER_STATE = "trainer.json"
 
 
 class Trainer:
-    def __init__(self, ckpt_dir: str, cfg: TrainerConfig):
+    def __init__(self, ckpt_dir: str, cfg: TrainerConfig, lora: LoRAConfig | None = None):
+        """The model of the Megatron checkpoint ``ckpt_dir``; with ``lora.enabled`` its weights are frozen
+        and only per-module (per-expert) adapters train."""
         self.cfg, self.ckpt_dir = cfg, str(ckpt_dir)
+        self.lora = lora if lora is not None and lora.enabled else None
         cuda = torch.cuda.is_available()
         dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
         self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
@@ -52,6 +56,8 @@ class Trainer:
         if cfg.recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, **overrides)
+        if self.lora is not None:
+            add_lora(model, self.lora)  # before DDP: frozen weights get no gradient buffer and no optimizer state
         config = model.config
         # Losses are sums of globally normalised per-token terms: no averaging over micro-batches or DP ranks.
         config.calculate_per_token_loss = True
@@ -79,9 +85,8 @@ class Trainer:
         if cfg.recompute:
             replay_through_recompute()
         self.version = 0  # policy version of the current weights
-        # The reference policy of the KL term is the initial model; its weights wait on the host.
-        self.reference = ([p.detach().cpu().clone() for _, p in sorted(model.named_parameters())]
-                          if cfg.loss.kl_coef else None)
+        # The reference policy of the KL term is the initial model; its trainable weights wait on the host.
+        self.reference = [p.detach().cpu().clone() for p in _trainable(model)] if cfg.loss.kl_coef else None
 
     # ---- batch preparation -------------------------------------------------------------------
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
@@ -168,7 +173,7 @@ class Trainer:
     @contextlib.contextmanager
     def _reference_weights(self):
         """The initial weights (kept on the host) in place of the current ones, for the reference pass."""
-        params = [p for _, p in sorted(self.model.module.named_parameters())]
+        params = _trainable(self.model.module)
         current = [p.detach().cpu().clone() for p in params]
         with torch.no_grad():
             for p, ref in zip(params, self.reference):
@@ -301,7 +306,8 @@ class Trainer:
             for name in (HF_SUBDIR, MOERL_META):
                 source = Path(self.ckpt_dir) / name
                 (shutil.copytree if source.is_dir() else shutil.copy2)(source, ckpt_dir / name)
-            state = {"version": self.version, "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg)}
+            state = {"version": self.version, "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg),
+                     "lora": asdict(self.lora) if self.lora is not None else None}
             (ckpt_dir / TRAINER_STATE).write_text(json.dumps(state, indent=1))
         dist.barrier()
 
@@ -330,6 +336,10 @@ def _pool_agreement(total: dict | None, piece: dict | None) -> dict | None:
     tokens = total["tokens"] + piece["tokens"]
     share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)  # noqa: E731
     return {"tokens": tokens, "native": share("native"), "used": share("used")}
+
+
+def _trainable(model) -> list[torch.nn.Parameter]:
+    return [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
 
 
 def _has_routing(samples: list[Sample]) -> bool:

@@ -1,0 +1,61 @@
+"""Adapter-only weight sync: after a LoRA step only the adapters move (megabytes, not the model).
+
+Every trainer rank joins the gather (TP shards, each EP rank's experts, each PP stage's layers);
+global rank 0 converts them to the PEFT format and loads them into every engine under a versioned
+name (``/load_lora_adapter_from_tensors``, or a PEFT directory and ``/load_lora_adapter`` when
+``directory`` is set: SGLang takes tensors only from processes on its own machine). The engines'
+base weights never change; requests name the adapter they sample with.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from moerl.checkpoint.peft import adapter_config, peft_tensors, save_adapter
+from moerl.megatron.lora import LoRAConfig, is_lora_param
+from moerl.megatron.weights import full_tensors
+from moerl.models import family_for
+from moerl.weight_sync.base import EngineLink, SyncStats
+
+
+def lora_tensors(model) -> dict[str, torch.Tensor]:
+    """Every adapter factor of the whole model under its full megatron name, on every rank (collective)."""
+    return full_tensors(model, select=is_lora_param, keep_dtype=True)
+
+
+def adapter_name(version: int | str) -> str:
+    return f"moerl-lora-v{version}"
+
+
+class AdapterSync(EngineLink):
+    def __init__(self, urls: list[str], lora: LoRAConfig, hf_config: dict, directory: str | Path | None = None):
+        super().__init__(urls, "moerl-adapter-sync")
+        self.lora, self.hf_config = lora, hf_config
+        self.directory = Path(directory) if directory is not None else None
+
+    def connect(self) -> None:
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    def push(self, lora: dict[str, torch.Tensor], version: int) -> SyncStats:
+        start = time.perf_counter()
+        family = family_for(self.hf_config)
+        tensors = peft_tensors(family, family.normalize(self.hf_config), lora)
+        config = adapter_config(self.lora, tensors)
+        name = adapter_name(version)
+        if self.directory is None:
+            self.run(self.client.load_lora_from_tensors(name, config, tensors))
+        else:
+            path = save_adapter(self.directory / name, config, tensors)
+            self.run(self.client.load_lora(name, str(path.resolve())))
+        return SyncStats(tensors=len(tensors), bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                         buckets=1, seconds=time.perf_counter() - start)
+
+
+def sync_adapters(model, sync: AdapterSync | None, version: int) -> SyncStats | None:
+    """Collective over the trainer's ranks: all gather the adapters, global rank 0 (holding ``sync``) pushes."""
+    lora = lora_tensors(model)
+    return sync.push(lora, version) if sync is not None else None
