@@ -35,7 +35,8 @@ setup(
         # NVIDIA Apex is not on PyPI (the "apex" there is an unrelated project); it builds from source.
         "gpu": ["transformer-engine[pytorch]", "apex @ git+https://github.com/NVIDIA/apex.git"],
         "sglang": ["sglang", "sglang-router"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        # peft: tests load the exported adapters with it.
+        "dev": ["pytest>=8", "pytest-timeout", "peft>=0.21"],
     },
     entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
 )

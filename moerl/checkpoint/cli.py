@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="new directory for the HF model (must not exist)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (default 2 GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    lora = p.add_mutually_exclusive_group()
+    lora.add_argument("--adapter-only", action="store_true",
+                      help="a LoRA-trained checkpoint: write its adapters only, as a HF PEFT directory (per-expert modules)")
+    lora.add_argument("--merge-lora", action="store_true",
+                      help="a LoRA-trained checkpoint: write the full model with the adapters merged into its weights")
 
     p = sub.add_parser("verify", help="compare logits of the HF model and the Megatron checkpoint")
     p.add_argument("--hf", required=True, help="HF model directory")
@@ -74,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "mcore-to-hf":
             from moerl.checkpoint.convert import mcore_to_hf
 
-            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3))
-            print(f"wrote HF model {out}")
+            lora = "adapter" if args.adapter_only else "merge" if args.merge_lora else "none"
+            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3), lora=lora)
+            print(f"wrote {'PEFT adapter' if lora == 'adapter' else 'HF model'} {out}")
         else:
             from moerl.checkpoint.verify import verify
 

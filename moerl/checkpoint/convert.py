@@ -22,11 +22,14 @@ from tqdm import tqdm
 
 from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, copy_carried_files, read_config
 from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA, hf_config_of, merge_pieces, read_moerl_meta
+from moerl.checkpoint.peft import adapter_config, merge_into, peft_tensors, write_adapter_files
+from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import Layout, ensure_single_process_env, init_distributed
 from moerl.models import QwenMoeFamily, TensorRule, family_for
 
 FORMAT_VERSION = 1
+TRAINER_STATE = "trainer.json"  # written beside the weights by moerl.trainer.Trainer.save
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -48,11 +51,21 @@ def _staging_dir(out: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _meta_model(cfg: dict, dtype: torch.dtype):
+def _meta_model(cfg: dict, dtype: torch.dtype, lora: LoRAConfig | None = None):
     ensure_single_process_env()
     init_distributed(Layout())
     with torch.device("meta"):
-        return build_model(cfg, Layout(), dtype)
+        model = build_model(cfg, Layout(), dtype)
+        if lora is not None:
+            add_lora(model, lora)
+        return model
+
+
+def checkpoint_lora(mcore_dir: str | Path) -> LoRAConfig | None:
+    """The LoRA configuration a trainer checkpoint was trained with (None: full weights)."""
+    state = Path(mcore_dir) / TRAINER_STATE
+    saved = json.loads(state.read_text()).get("lora") if state.is_file() else None
+    return LoRAConfig(**saved) if saved else None
 
 
 def layer_pieces(family: QwenMoeFamily, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
@@ -138,27 +151,51 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
     return out
 
 
-def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = True, max_shard_bytes: int = 2 * 1024**3) -> Path:
-    """Convert a moerl Megatron checkpoint back to a HF directory that transformers and SGLang load."""
+def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = True, max_shard_bytes: int = 2 * 1024**3,
+                lora: str = "none") -> Path:
+    """Convert a moerl Megatron checkpoint back to a HF directory that transformers and SGLang load.
+
+    A checkpoint trained with LoRA converts with ``lora="adapter"`` (a PEFT adapter directory: the
+    adapters only) or ``lora="merge"`` (the full model with every adapter's update folded in)."""
     mcore_dir, out = Path(mcore_dir), Path(out_dir)
     meta = read_moerl_meta(mcore_dir)
     raw = hf_config_of(mcore_dir)
     family = family_for(raw)
     cfg = family.normalize(raw)
     dtype = _DTYPES[meta["dtype"]]
+    lora_cfg = checkpoint_lora(mcore_dir)
+    if lora_cfg is None and lora != "none":
+        raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only/--merge-lora")
+    if lora_cfg is not None and lora == "none":
+        raise CheckpointError(f"{mcore_dir} was trained with LoRA: pass --adapter-only (PEFT adapter) or --merge-lora (merged full weights)")
     with _staging_dir(out) as staging:
-        model = _meta_model(cfg, dtype)
+        model = _meta_model(cfg, dtype, lora_cfg)
         params = dict(model.named_parameters())
+        if lora == "adapter":
+            adapters = [n for n in params if is_lora_param(n)]
+            for name in adapters:
+                _set_param(model, name, torch.empty_like(params[name], device="cpu"))
+            sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
+            state = dist_checkpointing.load({n: t for n, t in sharded.items() if is_lora_param(n)}, str(mcore_dir))
+            tensors = peft_tensors(family, cfg, {n: state[n] for n in adapters})
+            write_adapter_files(staging, adapter_config(lora_cfg, tensors), tensors)
+            return out
         writer = HFWriter(staging, max_shard_bytes)
         for prefix, rules in tqdm(layer_pieces(family, cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
-            for rule in rules:
-                _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="cpu"))
+            names = [rule.mcore for rule in rules]
+            names += [n for n in params if is_lora_param(n) and in_piece(n, prefix)]
+            for name in names:
+                _set_param(model, name, torch.empty_like(params[name], device="cpu"))
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
             state = dist_checkpointing.load({n: t for n, t in sharded.items() if in_piece(n, prefix)}, str(mcore_dir))
             for rule in rules:
-                for name, tensor in zip(rule.hf, family.to_hf(rule, state[rule.mcore], cfg)):
+                weight, module = state[rule.mcore], rule.mcore.removesuffix(".weight")
+                if f"{module}.lora_A" in state:
+                    weight = merge_into(weight, state[f"{module}.lora_A"], state[f"{module}.lora_B"], lora_cfg.scale)
+                for name, tensor in zip(rule.hf, family.to_hf(rule, weight, cfg)):
                     writer.add(name, tensor)
-                _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="meta"))
+            for name in names:
+                _set_param(model, name, torch.empty_like(params[name], device="meta"))
         writer.close()
         copy_carried_files(mcore_dir / HF_SUBDIR, staging)
     return out

@@ -50,14 +50,18 @@ def adapter_config(lora_cfg: LoRAConfig, tensors: dict[str, torch.Tensor], base_
     }
 
 
+def write_adapter_files(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+
+
 def save_adapter(out_dir: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Write a PEFT adapter directory; it appears only when complete."""
+    """Write (or replace) a PEFT adapter directory; it appears only when complete."""
     out = Path(out_dir)
     staging = out.with_name(f".{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    write_adapter_files(staging, config, tensors)
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
     return out

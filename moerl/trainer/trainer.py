@@ -25,6 +25,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moerl.checkpoint.convert import TRAINER_STATE
 from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA
 from moerl.megatron.forward import run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
@@ -39,7 +40,6 @@ from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
 from moerl.trainer.routing import LocalRouters, RoutingProbe, replay_through_recompute, set_action
 
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
-TRAINER_STATE = "trainer.json"
 
 
 class Trainer:
