@@ -19,6 +19,7 @@ from moerl.checkpoint.cli import main as convert_main
 from moerl.checkpoint.convert import hf_to_mcore
 from moerl.checkpoint.peft import adapter_config, peft_tensors, save_adapter
 from moerl.engines.embedded.lora import AdapterSet, adapter_from_dir
+from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.megatron.launch import run_ranks
 from moerl.megatron.lora import LoRAConfig, LoRAError
 from moerl.models import family_for
@@ -141,9 +142,29 @@ def test_convert_adapter_only_and_merged(trained, models, tmp_path, capsys):
         with torch.no_grad():
             assert (model(INPUT_IDS).logits - run["logits"]).abs().max() < 1e-4
 
+        # The embedded engine serving the adapter over the base model samples what the merged model does.
+        with_adapter, from_merged, from_base = serve(hf, adapter), serve(merged), serve(hf)
+        assert [ids for ids, _ in with_adapter] == [ids for ids, _ in from_merged]
+        assert all(abs(x - y) < 1e-4 for (_, a), (_, b) in zip(with_adapter, from_merged) for x, y in zip(a, b))
+        assert with_adapter != from_base
+
     # A LoRA checkpoint converted as if it held full weights would silently drop the training.
     assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(tmp_path / "plain"), "--no-progress"]) == 2
     assert "--adapter-only" in capsys.readouterr().err
+
+
+def serve(model_dir, adapter=None) -> list:
+    """Token ids and log-probs of seeded samples from an in-process embedded engine (with ``adapter``)."""
+    engine = EmbeddedEngine(str(model_dir), dtype=torch.float32, device="cpu")
+    if adapter is not None:
+        engine.scheduler.adapters.add(adapter_from_dir("trained", adapter))
+    engine.scheduler.start()
+    try:
+        body = {"input_ids": INPUT_IDS[0].tolist(), "return_logprob": True, "lora_path": "trained" if adapter else None,
+                "sampling_params": {"n": 2, "max_new_tokens": 6, "top_k": 8, "sampling_seed": 3, "ignore_eos": True}}
+        return [(r["output_ids"], [x[0] for x in r["meta_info"]["output_token_logprobs"]]) for r in engine.generate(body)]
+    finally:
+        engine.scheduler.stop()
 
 
 def test_bad_lora_config():

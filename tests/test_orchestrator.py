@@ -91,6 +91,24 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
     assert any((tmp_path / "tensorboard").iterdir())
 
 
+
+def test_lora_job_moves_adapters_only(cache, tmp_path):
+    """lora.enabled=true through the same recipe: adapters pushed after every step under a new name; on-policy
+    (sync, fp32) the engine with the adapter reproduces the trainer's log-probs, so it serves what was trained."""
+    out = job(cache, tmp_path, "run.mode=sync", "run.steps=3", "lora.enabled=true", "lora.rank=4", "trainer.optim.lr=5e-2")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 0 < r["sync/bytes"] < r["sync/full_weight_bytes"] / 5
+        assert r["sync/pause_seconds"] == 0.0 and r["staleness/max"] == 0
+        assert r["mismatch/k3_kl"] < 1e-6 and r["routing/agreement"] == 1.0
+    assert rows[-1]["train/grad_norm"] > 0
+    assert accounting(tmp_path)["balanced"]
+    manager_log = (tmp_path / "logs" / "rollout_manager.log").read_text()
+    assert "new requests use adapter moerl-lora-v2" in manager_log and "unloaded adapter moerl-lora-v1" in manager_log
+
+
 def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, long_tailed):
     out = job(cache, tmp_path, "run.mode=async", "run.steps=3", "rollout.partial=retry", *long_tailed)
     assert out.returncode == 0, out.stderr[-4000:]

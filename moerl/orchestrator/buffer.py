@@ -84,6 +84,10 @@ class RolloutBuffer:
         if groups > 0:
             self.orders.send_pyobj({"cmd": "generate", "groups": groups})
 
+    def use_adapter(self, name: str, version: int) -> None:
+        """New requests sample with the LoRA adapter ``name`` (loaded on every engine), policy ``version``."""
+        self.orders.send_pyobj({"cmd": "adapter", "name": name, "version": version})
+
     def _handle(self, event: dict) -> None:
         kind = event["type"]
         if kind == "issued":

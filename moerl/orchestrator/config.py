@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from moerl.megatron.lora import LoRAConfig
 from moerl.tasks import TaskConfig
 from moerl.trainer.config import TrainerConfig
 
@@ -90,6 +91,7 @@ class RunConfig:
     sync: SyncSection = field(default_factory=SyncSection)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # per-expert adapters; enabled: base frozen, adapters synced alone
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -135,6 +137,9 @@ def check(cfg: RunConfig) -> None:
         problems.append(f"engines.server={cfg.engines.server!r}: expected auto, sglang or embedded")
     if cfg.sync.method not in ("broadcast", "disk"):
         problems.append(f"sync.method={cfg.sync.method!r}: expected broadcast or disk")
+    if cfg.lora.enabled and cfg.sync.method == "broadcast" and cfg.engines.server == "sglang":
+        problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
+                        "processes on its own machine, so adapters reach it as PEFT directories")
     if cfg.run.steps < 1:
         problems.append("run.steps must be >= 1")
     if problems:

@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -127,7 +128,7 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     pool = SGLangPool(SGLangConfig(
         model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=free_port(),
         dtype=dtype, mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
-        gpu_offset=local_trainer_ranks if cuda else 0,
+        gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
     ))
     log.info("starting %d %s engine(s); logs in %s", e.replicas, server, run_dir / "logs")
     return pool.start(e.start_timeout_s), pool
@@ -181,6 +182,7 @@ def run(cfg: RunConfig) -> dict:
     from moerl.orchestrator.metrics import MetricsWriter
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.base import sync_weights
+    from moerl.weight_sync.lora import adapter_name, sync_adapters
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run_dir = Path(cfg.run.dir)
@@ -204,7 +206,8 @@ def run(cfg: RunConfig) -> dict:
     if hf_config.get("num_experts", 0) % cfg.trainer.ep:
         raise ConfigError(f"trainer.ep={cfg.trainer.ep} does not divide the model's {hf_config.get('num_experts')} experts")
 
-    trainer = Trainer(str(mcore), cfg.trainer)
+    trainer = Trainer(str(mcore), cfg.trainer, lora=cfg.lora)
+    lora = trainer.lora is not None
     resume_from = latest_checkpoint(run_dir) if cfg.run.resume else None
     state = {"cursor": 0, "pending": [], "accounting": {}}
     if resume_from is not None:
@@ -214,6 +217,7 @@ def run(cfg: RunConfig) -> dict:
         log.warning("run.resume=true but %s has no checkpoint: starting fresh", run_dir / "checkpoints")
 
     mode, B = cfg.run.mode, cfg.rollout.groups_per_step
+    full_bytes = full_weight_bytes(trainer)  # what a full-weight sync moves, beside what each sync moved
     verify_rows = cfg.sync.verify_rows if cfg.sync.verify else 0
     pool = sync = manager = buffer = writer = bar = None
     ctx = zmq.Context() if rank == 0 else None
@@ -221,7 +225,7 @@ def run(cfg: RunConfig) -> dict:
         if rank == 0:
             (run_dir / "config.yaml").write_text(to_yaml(cfg))
             urls, pool = start_engines(cfg, hf, run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-            sync = make_sync(cfg, urls, hf, run_dir)
+            sync = make_sync(cfg, urls, hf, run_dir, trainer.hf_config)
             sync.connect()
             acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
             acct.dropped.update(state["accounting"].get("dropped", {}))
@@ -232,11 +236,17 @@ def run(cfg: RunConfig) -> dict:
             writer = MetricsWriter(run_dir, resume_after=trainer.version if cfg.run.resume else None)
             if cfg.run.progress:
                 bar = tqdm(total=cfg.run.steps, initial=trainer.version, desc=f"GRPO {mode}", unit="step", dynamic_ncols=True)
-        # The engines serve the trainer's weights from the first token: a resumed run pushes its own.
+        # The engines serve the trainer's weights from the first token: a resumed run pushes its own. A new
+        # LoRA run's policy is the base model itself (every B starts at zero): requests use no adapter.
         if resume_from is not None:
-            sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
-        elif rank == 0:
+            if lora:
+                sync_adapters(trainer.model.module, sync, trainer.version)
+            else:
+                sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
+        elif rank == 0 and not lora:
             sync.run(sync.client.set_weight_version(str(trainer.version)))
+        if rank == 0 and lora and resume_from is not None:
+            buffer.use_adapter(adapter_name(trainer.version), trainer.version)
         if rank == 0 and mode == "async":
             buffer.order(cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
 
@@ -253,11 +263,18 @@ def run(cfg: RunConfig) -> dict:
 
             metrics = trainer.step(shared_pieces(pieces() if rank == 0 else None))
             trained_at = time.perf_counter()
-            if rank == 0:
-                sync.run(sync.client.pause("abort" if cfg.rollout.partial == "retry" else "in_place"))
-            stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
-            if rank == 0:
-                sync.run(sync.client.resume())
+            if lora:
+                # Loading an adapter disturbs no request: the engines keep serving, requests in flight finish
+                # with the adapter they started with (and their tokens carry its version), new ones take this one.
+                stats = sync_adapters(trainer.model.module, sync, trainer.version)
+                if rank == 0:
+                    buffer.use_adapter(adapter_name(trainer.version), trainer.version)
+            else:
+                if rank == 0:
+                    sync.run(sync.client.pause("abort" if cfg.rollout.partial == "retry" else "in_place"))
+                stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
+                if rank == 0:
+                    sync.run(sync.client.resume())
             end = time.perf_counter()
             if rank == 0:
                 buffer.trained(taken)
@@ -265,8 +282,8 @@ def run(cfg: RunConfig) -> dict:
                 metrics.update(rollout_metrics(taken))
                 metrics.update(buffer.acct.counts())
                 metrics.update({
-                    "step": trainer.version, "mode": mode, "sync/seconds": stats.seconds, "sync/pause_seconds": end - trained_at,
-                    "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "time/step_seconds": end - start,
+                    "step": trainer.version, "mode": mode, "sync/seconds": stats.seconds, "sync/pause_seconds": 0.0 if lora else end - trained_at,  # adapters load while the engines serve
+                    "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "sync/full_weight_bytes": full_bytes, "time/step_seconds": end - start,
                     "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
                     "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
                 })
@@ -300,9 +317,22 @@ def run(cfg: RunConfig) -> dict:
     return summary
 
 
-def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path):
+def full_weight_bytes(trainer) -> int:
+    from moerl.models import family_for
+
+    family = family_for(trainer.hf_config)
+    cfg = family.normalize(trainer.hf_config)
+    element = next(trainer.model.module.parameters()).element_size()
+    return sum(math.prod(shape) for rule in family.all_rules(cfg) for shape in rule.hf_shapes) * element
+
+
+def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path, hf_config: dict):
     from moerl.megatron.parallel import free_port
 
+    if cfg.lora.enabled:
+        from moerl.weight_sync.lora import AdapterSync
+
+        return AdapterSync(urls, cfg.lora, hf_config, directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
     if cfg.sync.method == "disk":
         from moerl.weight_sync.disk import DiskSync
 

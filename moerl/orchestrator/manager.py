@@ -48,6 +48,11 @@ class RolloutManager:
         self.addresses = commands, events
         self.cursor, self.reissue = cursor, deque(reissue)
         self.tasks: set[asyncio.Task] = set()
+        # LoRA runs: the adapter new requests use and its policy version (none: the base model, version 0),
+        # how many requests use each adapter, and the older ones still loaded on the engines.
+        self.adapter: tuple[str | None, int] = (None, 0)
+        self.users: dict[str, int] = {}
+        self.retired: set[str] = set()
         self.stop_ids = sorted({t for t in (self.tokenizer.eos_token_id, config.get("eos_token_id"), *cfg.rollout.stop_token_ids)
                                 if isinstance(t, int)})
 
@@ -62,6 +67,12 @@ class RolloutManager:
                 if order["cmd"] == "generate":
                     for _ in range(order["groups"]):
                         self._start(*((self.reissue.popleft(), False) if self.reissue else (self._next(), True)))
+                elif order["cmd"] == "adapter":
+                    if self.adapter[0] is not None:
+                        self.retired.add(self.adapter[0])
+                    self.adapter = (order["name"], order["version"])
+                    log.info("new requests use adapter %s (policy version %d)", *self.adapter)
+                    await self._unload_unused()
                 elif order["cmd"] == "stop":
                     break
         finally:
@@ -88,6 +99,12 @@ class RolloutManager:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def _unload_unused(self) -> None:
+        for name in sorted(n for n in self.retired if not self.users.get(n)):
+            self.retired.discard(name)
+            await self.client.unload_lora(name)
+            log.info("unloaded adapter %s: no request uses it", name)
+
     async def _group(self, index: int, new: bool) -> None:
         try:
             await self.events.send_pyobj({"type": "issued", "index": index, "new": new})
@@ -95,20 +112,32 @@ class RolloutManager:
             r = self.r
             attempt, start = 0, time.perf_counter()
             while True:
+                adapter, adapter_version = self.adapter
                 params = {"n": r.samples_per_prompt, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
                           "max_new_tokens": r.max_new_tokens, "stop_token_ids": self.stop_ids,
                           "sampling_seed": sampling_seed(r.seed, index, attempt)}
-                completions = await self.client.generate(
-                    # Routing comes back under every replay mode: the agreement metrics compare against it.
-                    ids, params, return_routed_experts=True,
-                    return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}")
+                if adapter is not None:
+                    self.users[adapter] = self.users.get(adapter, 0) + 1
+                try:
+                    completions = await self.client.generate(
+                        # Routing comes back under every replay mode: the agreement metrics compare against it.
+                        ids, params, return_routed_experts=True, lora_path=adapter,
+                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}")
+                finally:
+                    if adapter is not None:
+                        self.users[adapter] -= 1
+                if adapter in self.retired:
+                    await self._unload_unused()
                 aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
                 if not (aborted and r.partial == "retry"):
                     break
                 attempt += 1  # a weight update aborted it: regenerate the whole group under the new weights
             texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
             rewards = await self.rewarder.score(texts, record["answer"], record["prompt"])
-            samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index)
+            # Under LoRA the engines' weights never change: the adapter a request used is its tokens' policy.
+            versions = ({span["version"]: adapter_version for c in completions for span in c.weight_versions}
+                        if self.cfg.lora.enabled else None)
+            samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
                        for c, x in zip(completions, rewards)]
             await self.events.send_pyobj({"type": "group", "index": index, "samples": samples, "retries": attempt,
                                           "seconds": time.perf_counter() - start})
