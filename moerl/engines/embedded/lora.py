@@ -3,6 +3,8 @@
 
 A running batch shares one adapter (or none). Switching merges ``scale * B @ A`` into the touched
 weights after restoring their saved base values, so unloading gives back the base model bit for bit.
+Adapters are kept as their A/B factors (adapter-sized) and each update is formed when merged, so
+loading one costs what its bytes cost, not a model-sized set of deltas.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file
 
-from moerl.engines.embedded.runner import hub_tensor_targets
+from moerl.engines.embedded.runner import hub_tensor_targets, hub_tensor_view
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 
@@ -27,7 +29,12 @@ class LoRAError(ValueError):
 @dataclass
 class Adapter:
     name: str
-    deltas: dict[str, torch.Tensor]  # Hub weight name -> scale * B @ A
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # Hub weight name -> (A [r, in], B [out, r])
+    scale: float
+
+    def shapes(self) -> list[tuple[str, torch.Tensor]]:
+        """(Hub name, a meta tensor of the update's shape) per adapted weight."""
+        return [(k, torch.empty(b.shape[0], a.shape[1], device="meta")) for k, (a, b) in self.factors.items()]
 
 
 def adapter_from_tensors(name: str, config: dict, tensors: dict[str, torch.Tensor]) -> Adapter:
@@ -46,8 +53,10 @@ def adapter_from_tensors(name: str, config: dict, tensors: dict[str, torch.Tenso
         raise LoRAError(f"adapter {name!r}: modules without both lora_A and lora_B: {incomplete[:5]}")
     if not pairs:
         raise LoRAError(f"adapter {name!r} has no tensors")
-    deltas = {k: scale * (ab["B"].float() @ ab["A"].float()) for k, ab in pairs.items()}
-    return Adapter(name, deltas)
+    bad = sorted(k for k, ab in pairs.items() if ab["A"].dim() != 2 or ab["B"].dim() != 2 or ab["A"].shape[0] != ab["B"].shape[1])
+    if bad:
+        raise LoRAError(f"adapter {name!r}: lora_A [r, in] and lora_B [out, r] disagree in shape for {bad[:5]}")
+    return Adapter(name, {k: (ab["A"], ab["B"]) for k, ab in pairs.items()}, scale)
 
 
 def adapter_from_dir(name: str, path: str | Path) -> Adapter:
@@ -75,7 +84,7 @@ class AdapterSet:
         if adapter.name in self.adapters:
             raise LoRAError(f"adapter {adapter.name!r} is already loaded; unload it first")
         try:
-            hub_tensor_targets(self.model, list(adapter.deltas.items()))  # names and shapes fit the model
+            hub_tensor_targets(self.model, adapter.shapes())  # names and shapes fit the model
         except ValueError as e:
             raise LoRAError(f"adapter {adapter.name!r} does not fit the served model: {e}") from None
         self.adapters[adapter.name] = adapter
@@ -98,7 +107,9 @@ class AdapterSet:
         self._base = []
         if name is not None:
             adapter = self.adapters[name]
-            for view, delta in hub_tensor_targets(self.model, list(adapter.deltas.items())):
+            params = dict(self.model.named_parameters())
+            for hub_name, (a, b) in adapter.factors.items():
+                view = hub_tensor_view(params, hub_name)
                 self._base.append((view, view.clone()))
-                view.add_(delta.to(view.dtype))
+                view.add_((adapter.scale * (b.float() @ a.float())).to(view.dtype))
         self.active = name
