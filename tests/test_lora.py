@@ -33,7 +33,7 @@ INPUT_IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
 STEPS = 2
 # (name, layouts): EP1 first, the reference of the others; the last one also saves a checkpoint.
 MODELS = {
-    "qwen3-all-moe": [dict(), dict(ep=2), dict(tp=2, ep=2)],
+    "qwen3-all-moe": [dict(), dict(ep=2), dict(tp=2), dict(tp=2, ep=2)],  # tp=2 alone: experts split over ETP 2
     "qwen2": [dict(), dict(pp=2), dict(tp=2, ep=2)],
 }
 
@@ -87,7 +87,7 @@ def test_only_adapters_train(trained):
 
 
 def test_layouts_train_the_same_adapters(trained):
-    """From the same init and data, EP2, TP2+SP+EP2 and PP2 export the EP1 run's adapters."""
+    """From the same init and data, EP2, TP2+SP (experts split too), TP2+SP+EP2 and PP2 export the EP1 run's adapters."""
     for name, (reference, *others) in trained.items():
         ref = reference["lora"]
         assert all(v.abs().max() > 0 for k, v in ref.items() if k.endswith("lora_B"))  # every B moved off zero

@@ -55,7 +55,7 @@ def _meta_model(cfg: dict, dtype: torch.dtype, lora: LoRAConfig | None = None):
     ensure_single_process_env()
     init_distributed(Layout())
     with torch.device("meta"):
-        model = build_model(cfg, Layout(), dtype)
+        model = build_model(cfg, Layout(), dtype, None if lora is None else False)
         if lora is not None:
             add_lora(model, lora)
         return model

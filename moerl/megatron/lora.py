@@ -95,7 +95,7 @@ def add_lora(model: torch.nn.Module, cfg: LoRAConfig) -> list[str]:
     if refused:
         raise LoRAError(
             "LoRA adapts megatron-core's local-spec linear layers only; these are not: " + ", ".join(refused[:4])
-            + " (Transformer Engine's fused layers are not supported yet)")
+            + "; narrow lora.targets (Transformer Engine's fused layers are not supported yet)")
     if not adapted:
         raise LoRAError(f"lora.targets={list(cfg.targets)} match no linear layer of the model")
     return adapted

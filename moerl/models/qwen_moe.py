@@ -289,8 +289,11 @@ class QwenMoeFamily:
         if not config.moe_enable_routing_replay:
             raise ConfigError("moe_enable_routing_replay must stay on")
 
-    def layer_spec(self, config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None):
-        te = _te_usable()
+    def layer_spec(self, config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None,
+                   transformer_engine: bool | None = None):
+        """The decoder's spec: Transformer Engine's layers where it is usable (and not refused), else
+        megatron-core's local layers."""
+        te = _te_usable() if transformer_engine is None else transformer_engine and _te_usable()
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )

@@ -140,6 +140,8 @@ def check(cfg: RunConfig) -> None:
     if cfg.lora.enabled and cfg.sync.method == "broadcast" and cfg.engines.server == "sglang":
         problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
                         "processes on its own machine, so adapters reach it as PEFT directories")
+    if cfg.lora.enabled and cfg.sync.verify:
+        problems.append("sync.verify reads the engines' weights back, which a LoRA run never changes: set sync.verify=false")
     if cfg.run.steps < 1:
         problems.append("run.steps must be >= 1")
     if problems:

@@ -55,7 +55,8 @@ class Trainer:
         overrides = {} if dtype == torch.float32 else {"moe_router_dtype": "fp32"}
         if cfg.recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, **overrides)
+        # LoRA adapts megatron-core's local linear layers; Transformer Engine's fused ones are not supported yet.
+        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, None if self.lora is None else False, **overrides)
         if self.lora is not None:
             add_lora(model, self.lora)  # before DDP: frozen weights get no gradient buffer and no optimizer state
         config = model.config
