@@ -118,6 +118,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     return cfg
 
 
+def served_by(engines: EngineSection) -> str:
+    """The engine server the job starts: ``engines.server``, with auto meaning SGLang where CUDA is."""
+    if engines.server != "auto":
+        return engines.server
+    import torch
+
+    return "sglang" if torch.cuda.is_available() else "embedded"
+
+
 def check(cfg: RunConfig) -> None:
     r = cfg.rollout
     problems = []
@@ -137,7 +146,7 @@ def check(cfg: RunConfig) -> None:
         problems.append(f"engines.server={cfg.engines.server!r}: expected auto, sglang or embedded")
     if cfg.sync.method not in ("broadcast", "disk"):
         problems.append(f"sync.method={cfg.sync.method!r}: expected broadcast or disk")
-    if cfg.lora.enabled and cfg.sync.method == "broadcast" and cfg.engines.server == "sglang":
+    if cfg.lora.enabled and cfg.sync.method == "broadcast" and served_by(cfg.engines) == "sglang":
         problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
                         "processes on its own machine, so adapters reach it as PEFT directories")
     if cfg.lora.enabled and cfg.sync.verify:

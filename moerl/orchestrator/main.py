@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.env import child_env
-from moerl.orchestrator.config import ConfigError, RunConfig, load_config, to_yaml
+from moerl.orchestrator.config import ConfigError, RunConfig, load_config, served_by, to_yaml
 
 log = logging.getLogger("moerl.train")
 RUN_STATE = "run_state.json"
@@ -123,7 +123,7 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     if e.urls:  # health-checked by run() before the model was prepared
         return list(e.urls), None
     cuda = torch.cuda.is_available()
-    server = e.server if e.server != "auto" else ("sglang" if cuda else "embedded")
+    server = served_by(e)
     dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if cuda else "float32")
     pool = SGLangPool(SGLangConfig(
         model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=free_port(),
