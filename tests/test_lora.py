@@ -26,7 +26,7 @@ from moerl.models import family_for
 from moerl.models.tiny import save_tiny_hf
 from moerl.trainer.config import OptimConfig, TrainerConfig
 from tests.test_trainer import rollout
-from tests.workers import lora_train_export
+from tests.workers import lora_train_export, save_and_resume
 
 LORA = LoRAConfig(enabled=True, rank=4, alpha=8.0)
 INPUT_IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
@@ -47,18 +47,27 @@ def models(tmp_path_factory, tiny_ckpts) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(models, tmp_path_factory) -> dict:
+def rollouts(models) -> dict:
+    return {name: rollout(hf, torch.float32) for name, (hf, _) in models.items()}
+
+
+def trainer_config(**layout) -> TrainerConfig:
+    # A large Adam epsilon keeps near-zero gradients from becoming full-size sign updates, which would
+    # turn float rounding differences between layouts into visible adapter differences.
+    return TrainerConfig(micro_batch_tokens=64, optim=OptimConfig(lr=5e-2, adam_eps=1e-2), **layout)
+
+
+@pytest.fixture(scope="module")
+def trained(models, rollouts, tmp_path_factory) -> dict:
     """name -> list of per-layout results (rank 0) of the same LoRA steps on the same rollouts."""
     root = tmp_path_factory.mktemp("lora-runs")
     out = {}
     for name, layouts in MODELS.items():
         hf, mcore = models[name]
-        samples = rollout(hf, torch.float32)
+        samples = rollouts[name]
         out[name] = []
         for i, layout in enumerate(layouts):
-            # A large Adam epsilon keeps near-zero gradients from becoming full-size sign updates, which
-            # would turn float rounding differences between layouts into visible adapter differences.
-            cfg = TrainerConfig(micro_batch_tokens=64, optim=OptimConfig(lr=5e-2, adam_eps=1e-2), **layout)
+            cfg = trainer_config(**layout)
             world = max(layout.get("tp", 1), layout.get("ep", 1)) * layout.get("pp", 1)  # EP folds over the TP ranks
             save = str(root / f"{name}-ckpt") if i == len(layouts) - 1 else None
             result = run_ranks(lora_train_export, world, str(mcore), cfg, LORA, samples, INPUT_IDS, STEPS, save)
@@ -151,6 +160,18 @@ def test_convert_adapter_only_and_merged(trained, models, tmp_path, capsys):
     # A LoRA checkpoint converted as if it held full weights would silently drop the training.
     assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(tmp_path / "plain"), "--no-progress"]) == 2
     assert "--adapter-only" in capsys.readouterr().err
+
+
+def test_lora_trainer_resumes_exactly(models, rollouts, tmp_path):
+    """Adapters, their optimizer state, the schedule and the version come back from a checkpoint: one step
+    after resuming equals the second step of a run never interrupted."""
+    _, mcore = models["qwen2"]
+    out = run_ranks(save_and_resume, 2, str(mcore), trainer_config(ep=2), rollouts["qwen2"], str(tmp_path / "ckpt"), LORA)[0]
+    assert out["version"] == 2 and out["got"]["train/loss"] != out["first"]["train/loss"]
+    for key in ("train/loss", "train/grad_norm"):
+        assert out["got"][key] == out["expected"][key], key
+    for name, tensor in out["expected_weights"].items():
+        assert torch.equal(out["weights"][name], tensor), name
 
 
 def serve(model_dir, adapter=None) -> list:

@@ -109,16 +109,16 @@ def parallel_state_counts() -> bool:
     return parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
 
 
-def save_and_resume(mcore_dir: str, trainer_cfg, samples: list, save_dir: str) -> dict:
+def save_and_resume(mcore_dir: str, trainer_cfg, samples: list, save_dir: str, lora=None) -> dict:
     """Two steps straight through, against one step, save, a fresh trainer loading it, one step."""
     from moerl.trainer.trainer import Trainer
 
-    straight = Trainer(mcore_dir, trainer_cfg)
+    straight = Trainer(mcore_dir, trainer_cfg, lora=lora)
     first = straight.step(samples)
     straight.save(save_dir)
     expected = straight.step(samples)
     expected_weights = full_tensors(straight.model.module)
-    resumed = Trainer(mcore_dir, trainer_cfg)
+    resumed = Trainer(mcore_dir, trainer_cfg, lora=lora)
     resumed.load(save_dir)
     got = resumed.step(samples)
     return {"first": first, "expected": expected, "got": got, "version": resumed.version,
