@@ -100,10 +100,12 @@ class RolloutManager:
         task.add_done_callback(self.tasks.discard)
 
     async def _unload_unused(self) -> None:
-        for name in sorted(n for n in self.retired if not self.users.get(n)):
-            self.retired.discard(name)
-            await self.client.unload_lora(name)
-            log.info("unloaded adapter %s: no request uses it", name)
+        # Picked one at a time: other requests finishing during an unload call this too, and each adapter
+        # must leave ``retired`` before anyone awaits its unload.
+        while unused := sorted(n for n in self.retired if not self.users.get(n)):
+            self.retired.discard(unused[0])
+            await self.client.unload_lora(unused[0])
+            log.info("unloaded adapter %s: no request uses it", unused[0])
 
     async def _group(self, index: int, new: bool) -> None:
         try:
