@@ -52,7 +52,7 @@ def byte_counts(hf_config: dict, element: int) -> tuple[int, int]:
     """(full-weight bytes, adapter bytes as pushed: PEFT tensors, A repeated per fused part)."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
-    full = sum(math.prod(s) for rule in family.all_rules(cfg) for s in rule.hf_shapes)
+    full = family.hub_numel(cfg)
     rules = {rule.mcore.removesuffix(".weight"): rule for rule in family.all_rules(cfg)}
     adapter = 0
     for name, shape in adapter_shapes(hf_config).items():

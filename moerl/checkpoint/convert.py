@@ -21,7 +21,8 @@ from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
 from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, copy_carried_files, read_config
-from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA, hf_config_of, merge_pieces, read_moerl_meta
+from moerl.checkpoint.mcore import (HF_SUBDIR, MOERL_META, SHARDED_METADATA, TRAINER_STATE, hf_config_of, merge_pieces,
+                                   read_moerl_meta)
 from moerl.checkpoint.peft import adapter_config, merge_into, peft_tensors, write_adapter_files
 from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
 from moerl.megatron.model import build_model
@@ -29,7 +30,6 @@ from moerl.megatron.parallel import Layout, ensure_single_process_env, init_dist
 from moerl.models import QwenMoeFamily, TensorRule, family_for
 
 FORMAT_VERSION = 1
-TRAINER_STATE = "trainer.json"  # written beside the weights by moerl.trainer.Trainer.save
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -55,7 +55,7 @@ def _meta_model(cfg: dict, dtype: torch.dtype, lora: LoRAConfig | None = None):
     ensure_single_process_env()
     init_distributed(Layout())
     with torch.device("meta"):
-        model = build_model(cfg, Layout(), dtype, None if lora is None else False)
+        model = build_model(cfg, Layout(), dtype, transformer_engine=None if lora is None else False)
         if lora is not None:
             add_lora(model, lora)
         return model

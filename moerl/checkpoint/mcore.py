@@ -22,6 +22,7 @@ from moerl.checkpoint.hf import CheckpointError
 SHARDED_METADATA = {"non_homogeneous_layers": True}
 HF_SUBDIR = "hf"
 MOERL_META = "moerl.json"
+TRAINER_STATE = "trainer.json"  # a trainer checkpoint's version, schedule and config (incl. LoRA), by Trainer.save
 
 
 def read_moerl_meta(ckpt_dir: str | Path) -> dict:

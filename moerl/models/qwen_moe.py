@@ -8,6 +8,7 @@ it is made of. The converter and the tests walk these rules; nothing else knows 
 
 from __future__ import annotations
 
+import math
 import re
 
 from dataclasses import dataclass
@@ -343,6 +344,10 @@ class QwenMoeFamily:
         else:
             rules += _glu_rules(dst + "mlp.", src + "mlp.", h, cfg["intermediate_size"])
         return rules
+
+    def hub_numel(self, cfg: dict) -> int:
+        """Elements of the whole HF checkpoint (what a full-weight sync moves), from the shapes alone."""
+        return sum(math.prod(shape) for rule in self.all_rules(cfg) for shape in rule.hf_shapes)
 
     def all_rules(self, cfg: dict) -> list[TensorRule]:
         rules = self.global_rules(cfg)

@@ -15,7 +15,6 @@ import datetime
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -236,17 +235,24 @@ def run(cfg: RunConfig) -> dict:
             writer = MetricsWriter(run_dir, resume_after=trainer.version if cfg.run.resume else None)
             if cfg.run.progress:
                 bar = tqdm(total=cfg.run.steps, initial=trainer.version, desc=f"GRPO {mode}", unit="step", dynamic_ncols=True)
+
+        def push_adapters():
+            # Loading an adapter disturbs no request: the engines keep serving, requests in flight finish
+            # with the adapter they started with (and their tokens carry its version), new ones take this one.
+            stats = sync_adapters(trainer.model.module, sync, trainer.version)
+            if rank == 0:
+                buffer.use_adapter(adapter_name(trainer.version), trainer.version)
+            return stats
+
         # The engines serve the trainer's weights from the first token: a resumed run pushes its own. A new
         # LoRA run's policy is the base model itself (every B starts at zero): requests use no adapter.
         if resume_from is not None:
             if lora:
-                sync_adapters(trainer.model.module, sync, trainer.version)
+                push_adapters()
             else:
                 sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
         elif rank == 0 and not lora:
             sync.run(sync.client.set_weight_version(str(trainer.version)))
-        if rank == 0 and lora and resume_from is not None:
-            buffer.use_adapter(adapter_name(trainer.version), trainer.version)
         if rank == 0 and mode == "async":
             buffer.order(cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
 
@@ -264,11 +270,7 @@ def run(cfg: RunConfig) -> dict:
             metrics = trainer.step(shared_pieces(pieces() if rank == 0 else None))
             trained_at = time.perf_counter()
             if lora:
-                # Loading an adapter disturbs no request: the engines keep serving, requests in flight finish
-                # with the adapter they started with (and their tokens carry its version), new ones take this one.
-                stats = sync_adapters(trainer.model.module, sync, trainer.version)
-                if rank == 0:
-                    buffer.use_adapter(adapter_name(trainer.version), trainer.version)
+                stats = push_adapters()
             else:
                 if rank == 0:
                     sync.run(sync.client.pause("abort" if cfg.rollout.partial == "retry" else "in_place"))
@@ -321,9 +323,7 @@ def full_weight_bytes(trainer) -> int:
     from moerl.models import family_for
 
     family = family_for(trainer.hf_config)
-    cfg = family.normalize(trainer.hf_config)
-    element = next(trainer.model.module.parameters()).element_size()
-    return sum(math.prod(shape) for rule in family.all_rules(cfg) for shape in rule.hf_shapes) * element
+    return family.hub_numel(family.normalize(trainer.hf_config)) * next(trainer.model.module.parameters()).element_size()
 
 
 def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path, hf_config: dict):

@@ -25,8 +25,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from moerl.checkpoint.convert import TRAINER_STATE
-from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA
+from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA, TRAINER_STATE
 from moerl.megatron.forward import run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
 from moerl.megatron.model import load_megatron_model
@@ -56,7 +55,8 @@ class Trainer:
         if cfg.recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         # LoRA adapts megatron-core's local linear layers; Transformer Engine's fused ones are not supported yet.
-        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, None if self.lora is None else False, **overrides)
+        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, transformer_engine=None if self.lora is None else False,
+                                                    **overrides)
         if self.lora is not None:
             add_lora(model, self.lora)  # before DDP: frozen weights get no gradient buffer and no optimizer state
         config = model.config
