@@ -66,7 +66,6 @@ def timings(work: Path, model: Path, repeats: int) -> dict[str, float]:
 
     from safetensors.torch import load_file
 
-    from moerl.megatron.parallel import free_port
     from moerl.weight_sync.broadcast import BroadcastSync
     from moerl.weight_sync.lora import AdapterSync
     from tests.engine_server import running_server
@@ -79,7 +78,7 @@ def timings(work: Path, model: Path, repeats: int) -> dict[str, float]:
     lora = {n: torch.randn(s, generator=generator) * 1e-3 for n, s in adapter_shapes(hf_config).items()}
     out = {}
     with running_server(model, work / f"{model.name}-engine-logs") as url:
-        full = BroadcastSync([url], "127.0.0.1", free_port(), "gloo", group_name=f"bench-{model.name}", bucket_bytes=512 << 20)
+        full = BroadcastSync([url], "127.0.0.1", "gloo", group_name=f"bench-{model.name}", bucket_bytes=512 << 20)
         full.connect()
         tensor_sync = AdapterSync([url], LORA, hf_config)
         disk_sync = AdapterSync([url], LORA, hf_config, directory=work / f"{model.name}-adapters")

@@ -62,7 +62,6 @@ def run_modes(work: Path, steps: int, model: Path) -> dict[str, dict]:
 def sync_times(work: Path, model: Path, repeats: int = 3) -> dict[str, float]:
     from safetensors.torch import load_file
 
-    from moerl.megatron.parallel import free_port
     from moerl.weight_sync.broadcast import BroadcastSync
     from tests.engine_server import running_server
 
@@ -72,7 +71,7 @@ def sync_times(work: Path, model: Path, repeats: int = 3) -> dict[str, float]:
     named = sorted(tensors.items())
     out = {"tensors": len(named), "mib": sum(t.numel() * t.element_size() for _, t in named) / 2**20}
     with running_server(model, work / "sync-engine-logs") as url:
-        sync = BroadcastSync([url], "127.0.0.1", free_port(), "gloo")
+        sync = BroadcastSync([url], "127.0.0.1", "gloo")
         sync.connect()
         try:
             for label, bucket in (("bucketed_s", 512 << 20), ("per_tensor_s", 0)):

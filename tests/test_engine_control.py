@@ -155,19 +155,18 @@ def test_weight_update_from_distributed_broadcast(server, models, load_format):
 
     from moerl.checkpoint.hf import HFReader
     from moerl.engines.protocol import flatten_bucket
-    from moerl.engines.weight_group import join_weight_group
-    from moerl.megatron.parallel import free_port
+    from moerl.engines.weight_group import join_weight_group, weight_store
 
     reader = HFReader(models[1])
     named = [(n, reader.get(n)) for n in sorted(reader.names())]
-    port = free_port()
+    store = weight_store("127.0.0.1", 0, 2, 0)
     group_name = f"wsync-{load_format}"  # group names are process-wide in torch
 
     async def go():
         async with EngineClient([server]) as client:
             before = (await client.generate(PROMPT, GREEDY))[0]
-            joined = asyncio.to_thread(join_weight_group, "gloo", "127.0.0.1", port, 2, 0, group_name)
-            group, _ = await asyncio.gather(joined, client.init_weights_update_group("127.0.0.1", port, 2, group_name, "gloo"))
+            joined = asyncio.to_thread(join_weight_group, "gloo", store, 2, 0, group_name)
+            group, _ = await asyncio.gather(joined, client.init_weights_update_group("127.0.0.1", store.port, 2, group_name, "gloo"))
             if load_format == "flattened_bucket":
                 flat, names, dtypes, shapes = flatten_bucket(named)
                 send = asyncio.to_thread(dist.broadcast, flat, 0, group)

@@ -26,7 +26,6 @@ def test_export_streams_the_hf_checkpoint_bitwise(tiny_ckpts, arch, world, layou
 
 
 def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(tiny_ckpts, tmp_path):
-    from moerl.megatron.parallel import free_port
     from moerl.trainer.config import OptimConfig, TrainerConfig
     from tests.engine_server import running_server
     from tests.test_trainer import rollout
@@ -36,7 +35,7 @@ def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(ti
     samples = rollout(hf_dir, torch.float32)
     cfg = TrainerConfig(ep=2, optim=OptimConfig(lr=1e-2))
     with running_server(hf_dir, tmp_path / "logs") as url:
-        out = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, url, free_port())[0]
+        out = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, url)[0]
     reader = HFReader(hf_dir)
     stats = out["stats"]
     assert stats.buckets > 1 and stats.tensors == len(reader.names())

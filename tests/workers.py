@@ -142,7 +142,7 @@ def export_hf(mcore_dir: str, layout: Layout) -> list:
     return list(hf_named_tensors(model, cfg))
 
 
-def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str, port: int) -> dict:
+def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dict:
     """One trainer step, then a broadcast sync to the engine at ``url``; the engine's copy of every
     tensor read back next to the trainer's."""
     from moerl.trainer.trainer import Trainer
@@ -153,7 +153,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str, port: 
     trainer = Trainer(mcore_dir, trainer_cfg)
     trainer.step(samples)
     rank0 = torch.distributed.get_rank() == 0
-    sync = BroadcastSync([url], "127.0.0.1", port, "gloo", bucket_bytes=64 << 10) if rank0 else None
+    sync = BroadcastSync([url], "127.0.0.1", "gloo", bucket_bytes=64 << 10) if rank0 else None
     if sync is not None:
         sync.connect()
     stats = sync_weights(trainer.model.module, trainer.hf_config, sync, version=f"v{trainer.version}")

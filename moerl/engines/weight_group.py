@@ -14,14 +14,23 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 
-def join_weight_group(backend: str, master_address: str, master_port: int, world_size: int, rank: int,
-                      group_name: str, timeout_s: float = 600) -> dist.ProcessGroup:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    # A TCPStore made here rather than through rendezvous(): under torchrun, rendezvous() would join the
-    # elastic agent's store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting this group's at master_port.
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+def weight_store(master_address: str, master_port: int, world_size: int, rank: int, timeout_s: float = 600) -> dist.TCPStore:
+    """The group's rendezvous store, hosted by rank 0. On rank 0, ``master_port=0`` binds a free port
+    (read it back as ``store.port``): a port chosen beforehand and bound later can be taken in between
+    by any process on the machine (gloo's own listening sockets, for one).
+
+    Made here rather than through rendezvous(): under torchrun, rendezvous() would join the elastic
+    agent's store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting this group's at master_port.
+    """
+    return dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_weight_group(backend: str, store: dist.Store, world_size: int, rank: int, group_name: str,
+                      timeout_s: float = 600) -> dist.ProcessGroup:
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name, timeout=timeout
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     # Collectives on a group take global ranks; here the group is its own world.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}

@@ -13,15 +13,17 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moerl.megatron.parallel import destroy_distributed, free_port
+from moerl.megatron.parallel import destroy_distributed
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, use_cuda: bool, fn, args) -> None:
+    # As under torchrun, the launching process hosts the rendezvous store and every rank is its client.
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
     )
     if not use_cuda:
         # Set before anything touches CUDA in this fresh process, so it takes the CPU/gloo path.
@@ -54,9 +56,11 @@ def run_ranks(fn, world_size: int, *args, use_cuda: bool | None = None, timeout_
 
 def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda: bool) -> list:
     ctx = mp.get_context("spawn")
-    port = free_port()
+    # Bound here, on a port the OS picks, and held until the ranks end: a port picked now and bound by
+    # rank 0 seconds later (after its imports) could be taken in between by another process.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, str(out), use_cuda, fn, args)) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, store.port, str(out), use_cuda, fn, args)) for r in range(world_size)
     ]
     for p in procs:
         p.start()

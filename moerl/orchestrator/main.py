@@ -327,8 +327,6 @@ def full_weight_bytes(trainer) -> int:
 
 
 def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path, hf_config: dict):
-    from moerl.megatron.parallel import free_port
-
     if cfg.lora.enabled:
         from moerl.weight_sync.lora import AdapterSync
 
@@ -340,7 +338,7 @@ def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path, hf_confi
     from moerl.weight_sync.broadcast import BroadcastSync
 
     address = os.environ.get("MOERL_SYNC_ADDRESS", "127.0.0.1" if not cfg.engines.urls else _host_address())
-    return BroadcastSync(urls, address, free_port(), "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20)
+    return BroadcastSync(urls, address, "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20)
 
 
 def _host_address() -> str:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.engines.protocol import flatten_bucket
-from moerl.engines.weight_group import join_weight_group
+from moerl.engines.weight_group import join_weight_group, weight_store
 from moerl.weight_sync.base import EngineLink, SyncStats
 
 
@@ -34,7 +34,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
 class BroadcastSync(EngineLink):
     """The trainer side (global rank 0 only) of broadcast weight sync to the engines behind ``urls``."""
 
-    def __init__(self, urls: list[str], master_address: str, master_port: int, backend: str,
+    def __init__(self, urls: list[str], master_address: str, backend: str, master_port: int = 0,
                  group_name: str = "moerl-weight-sync", bucket_bytes: int = 512 << 20):
         super().__init__(urls, "moerl-weight-sync")
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
@@ -44,9 +44,11 @@ class BroadcastSync(EngineLink):
     def connect(self) -> None:
         """Form the group: the trainer is rank 0, engine ``i`` joins at rank ``i + 1``."""
         world = 1 + len(self.client.urls)
+        store = weight_store(self.master_address, self.master_port, world, 0)
+        self.master_port = store.port
 
         async def both():
-            joined = asyncio.to_thread(join_weight_group, self.backend, self.master_address, self.master_port, world, 0, self.group_name)
+            joined = asyncio.to_thread(join_weight_group, self.backend, store, world, 0, self.group_name)
             group, _ = await asyncio.gather(joined, self.client.init_weights_update_group(
                 self.master_address, self.master_port, world, self.group_name, self.backend))
             return group

@@ -304,11 +304,11 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         backend = body.get("backend", "nccl" if engine.runner.device.type == "cuda" else "gloo")
         if backend == "nccl" and engine.runner.device.type != "cuda":
             raise protocol.ProtocolError("backend nccl needs a CUDA engine; this one runs on the CPU (use gloo)")
-        from moerl.engines.weight_group import join_weight_group
+        from moerl.engines.weight_group import join_weight_group, weight_store
 
+        world, rank = int(body["world_size"]), int(body["rank_offset"])
         engine.weight_groups[name] = await asyncio.to_thread(
-            join_weight_group, backend, body["master_address"], int(body["master_port"]), int(body["world_size"]),
-            int(body["rank_offset"]), name,
+            lambda: join_weight_group(backend, weight_store(body["master_address"], int(body["master_port"]), world, rank), world, rank, name)
         )
         return web.json_response({"success": True, "message": f"joined {name} as rank {body['rank_offset']}"})
 
