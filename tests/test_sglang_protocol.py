@@ -9,7 +9,6 @@ contract gate, and the routing/mask codecs are checked against SGLang's encoder 
 from __future__ import annotations
 
 import asyncio
-import json
 import stat
 import sys
 

@@ -362,7 +362,7 @@ class QwenMoeFamily:
         if rule.kind == "concat":
             return torch.cat(tensors, dim=0)
         q, k, v = tensors
-        groups, hd = cfg["num_key_value_heads"], self.head_dim(cfg)
+        groups = cfg["num_key_value_heads"]
         tail = q.shape[1:]
         per_group = [t.reshape(groups, -1, *tail) for t in (q, k, v)]
         return torch.cat(per_group, dim=1).reshape(-1, *tail).contiguous()
