@@ -22,6 +22,7 @@ def run_schedule(
     forward_only: bool,
     input_ids_of: Callable[[Any], torch.Tensor] = lambda item: item,
     around_forward: Callable[[Any], Any] | None = None,
+    extra_inputs: Callable[[Any, torch.device], dict] | None = None,
 ) -> list[torch.Tensor]:
     """Run ``microbatches`` through the pipeline.
 
@@ -31,6 +32,8 @@ def run_schedule(
     the parameters: of their sum when the model config has ``calculate_per_token_loss``, else of
     their mean. ``around_forward(item)``, if given, is a context manager entered around this stage's
     forward of the item (e.g. to set routing-replay targets and read what the routers recorded).
+    ``extra_inputs(item, device)``, if given, returns model inputs replacing the defaults (positions
+    counted from each row's start, causal attention), e.g. a packed micro-batch's positions and masks.
     """
     first = input_ids_of(microbatches[0])
     b, s = first.shape
@@ -41,8 +44,11 @@ def run_schedule(
     def forward_step(data_iterator, model_chunk):
         item = next(data_iterator)
         input_ids = input_ids_of(item).to(device)
+        inputs = {"position_ids": position_ids_for(input_ids), "attention_mask": None}
+        if extra_inputs is not None:
+            inputs.update(extra_inputs(item, device))
         with around_forward(item) if around_forward is not None else contextlib.nullcontext():
-            output = model_chunk(input_ids, position_ids_for(input_ids), None)
+            output = model_chunk(input_ids, **inputs)
 
         def loss_func(logits):
             loss = loss_fn(logits, item)

@@ -1,11 +1,11 @@
 """From samples to this rank's micro-batches.
 
 The global batch is split across data-parallel ranks balanced by tokens, then into micro-batches
-under a token budget (counting padding). A micro-batch is the padded ``[b, s]`` form megatron-core's
-local (non-Transformer-Engine) attention takes, with the response tokens flattened to ``[T]`` for the
-loss. Routing is kept only for this micro-batch's own samples; :mod:`moerl.trainer.routing` cuts it
-further to the tokens and layers this rank's routers see. (The packed THD form needs Transformer
-Engine's attention and is not built here.)
+under a token budget. A micro-batch is padded (``[b, s]``, right-padded rows, the budget counting
+the padding) or packed (``[1, s]``: the samples end to end, each attending only to itself); the
+response tokens are flattened to ``[T]`` for the loss either way. Routing is kept only for this
+micro-batch's own samples; :mod:`moerl.trainer.routing` cuts it further to the tokens and layers
+this rank's routers see, which in packed form is the packed order.
 """
 
 from __future__ import annotations
@@ -46,6 +46,23 @@ def split_by_budget(lengths: list[int], token_budget: int, multiple: int = 1) ->
     return groups
 
 
+def pack_by_budget(lengths: list[int], token_budget: int, multiple: int = 1) -> list[list[int]]:
+    """Group indices first-fit in order of decreasing length, so each group's total (rounded up to
+    ``multiple``) fits ``token_budget``; a sample longer than the budget gets a group of its own."""
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for g, load in enumerate(loads):
+            if _round_up(load + lengths[i], multiple) <= token_budget:
+                groups[g].append(i)
+                loads[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            loads.append(lengths[i])
+    return groups
+
+
 def split_into(groups: list[list[int]], count: int) -> list[list[int]]:
     """``groups`` split further (the largest first, in halves) until there are ``count`` of them, or
     until every group is a single sample. Expert-parallel ranks must run the same number of
@@ -66,7 +83,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # int64 [b, s]: fed tokens, right-padded
+    input_ids: torch.Tensor  # int64 [b, s]: fed tokens, right-padded; packed: [1, s], samples end to end
     rows: torch.Tensor  # int64 [T]: batch row of each response token
     cols: torch.Tensor  # int64 [T]: position scoring it
     targets: torch.Tensor  # int64 [T]: the response token
@@ -84,6 +101,7 @@ class MicroBatch:
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
+    cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each sample starts and ends in the row
 
     @property
     def num_seqs(self) -> int:
@@ -93,18 +111,53 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.targets.numel())
 
+    def real_positions(self) -> np.ndarray:
+        """bool ``[b, s]``: the positions holding a sample's token rather than padding."""
+        width = self.input_ids.shape[1]
+        ends = np.asarray(self.fed_lengths) if self.cu_seqlens is None else np.array([int(self.cu_seqlens[-1])])
+        return np.arange(width)[None, :] < ends[:, None]
+
+    def packed_inputs(self, device: torch.device, thd: bool) -> dict:
+        """Model inputs of the packed form: positions restarting at each sample, and either Transformer
+        Engine's THD boundaries (``thd``) or an explicit block-diagonal causal mask, which megatron-core's
+        local attention applies as given. The padding tail is a segment of its own."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        width = self.input_ids.shape[1]
+        bounds = self.cu_seqlens.tolist()
+        if bounds[-1] < width:
+            bounds.append(width)
+        lengths = np.diff(bounds)
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(device)[None, :]
+        if thd:
+            cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+            longest = int(lengths.max())
+            return {"position_ids": positions, "attention_mask": None, "packed_seq_params": PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)}
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.from_numpy(lengths).to(device))
+        query, key = torch.arange(width, device=device)[:, None], torch.arange(width, device=device)[None, :]
+        blocked = (segment[:, None] != segment[None, :]) | (key > query)  # True: may not attend
+        return {"position_ids": positions, "attention_mask": blocked[None, None]}
+
 
 def build_micro_batch(samples: list[Sample], advantages: list[float], weights: list[float], multiple: int,
-                      use_masks: bool, use_routing: bool) -> MicroBatch:
-    """One padded micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for sequence parallelism)."""
-    width = _round_up(max(s.fed_len for s in samples), multiple)
-    input_ids = torch.zeros(len(samples), width, dtype=torch.long)
+                      use_masks: bool, use_routing: bool, packed: bool = False) -> MicroBatch:
+    """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
+    sequence parallelism)."""
+    fed = np.array([s.fed_len for s in samples])
+    if packed:
+        width = _round_up(int(fed.sum()), multiple)
+        starts = [(0, int(o)) for o in np.concatenate([[0], np.cumsum(fed)[:-1]])]  # (row, column) of each sample
+    else:
+        width = _round_up(int(fed.max()), multiple)
+        starts = [(b, 0) for b in range(len(samples))]
+    input_ids = torch.zeros(1 if packed else len(samples), width, dtype=torch.long)
     rows, cols, seq, temps, w, adv = [], [], [], [], [], []
-    for b, s in enumerate(samples):
-        input_ids[b, : s.fed_len] = torch.from_numpy(s.fed_ids().astype(np.int64))
+    for b, (s, (row, col)) in enumerate(zip(samples, starts)):
+        input_ids[row, col : col + s.fed_len] = torch.from_numpy(s.fed_ids().astype(np.int64))
         r = s.response_len
-        rows.append(np.full(r, b))
-        cols.append(np.arange(s.prompt_len - 1, s.prompt_len - 1 + r))
+        rows.append(np.full(r, row))
+        cols.append(np.arange(col + s.prompt_len - 1, col + s.prompt_len - 1 + r))
         seq.append(np.full(r, b))
         temps.append(np.full(r, s.temperature, dtype=np.float32))
         w.append(np.full(r, weights[b], dtype=np.float32))
@@ -122,7 +175,8 @@ def build_micro_batch(samples: list[Sample], advantages: list[float], weights: l
         input_ids=input_ids, rows=cat(rows), cols=cat(cols), targets=cat([s.response_ids for s in samples]),
         seq=cat(seq), temperature=cat(temps, torch.float32), weights=cat(w, torch.float32),
         advantages=cat(adv, torch.float32), behaviour=behaviour, versions=cat([s.versions for s in samples]),
-        fed_lengths=[s.fed_len for s in samples],
+        fed_lengths=fed.tolist(),
+        cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(fed)]).astype(np.int32)) if packed else None,
     )
     if use_masks:
         offsets, start = [np.zeros(1, dtype=np.int64)], 0
@@ -137,8 +191,8 @@ def build_micro_batch(samples: list[Sample], advantages: list[float], weights: l
             raise ValueError(f"routing replay R3 is on but {len(missing)} sample(s) carry no routing (request return_routed_experts)")
         _, layers, topk = samples[0].routing.shape
         # Padding positions still pass through the routers: give them a valid, distinct expert set.
-        routing = np.broadcast_to(np.arange(topk, dtype=samples[0].routing.dtype), (len(samples), width, layers, topk)).copy()
-        for b, s in enumerate(samples):
-            routing[b, : s.fed_len] = s.routing
+        routing = np.broadcast_to(np.arange(topk, dtype=samples[0].routing.dtype), (*input_ids.shape, layers, topk)).copy()
+        for s, (row, col) in zip(samples, starts):
+            routing[row, col : col + s.fed_len] = s.routing
         batch.routing = routing
     return batch

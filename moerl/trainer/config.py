@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from moerl.trainer.objectives import LossConfig
 from moerl.trainer.routing import ROUTING_MODES
 
+MICRO_BATCH_FORMATS = ("padded", "packed")
+
 
 @dataclass
 class ReplayConfig:
@@ -38,10 +40,15 @@ class TrainerConfig:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    micro_batch_tokens: int = 4096  # padded tokens per micro-batch
+    micro_batch_tokens: int = 4096  # tokens per micro-batch, padding included
+    micro_batch_format: str = "padded"  # padded: [b, s] rows | packed: samples end to end, each attending only to itself
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     seed: int = 1234
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
     loss: LossConfig = field(default_factory=LossConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self):
+        if self.micro_batch_format not in MICRO_BATCH_FORMATS:
+            raise ValueError(f"micro_batch_format={self.micro_batch_format!r}: expected one of {', '.join(MICRO_BATCH_FORMATS)}")

@@ -122,15 +122,13 @@ class RoutingProbe:
     def agreement(self, batches: list) -> dict[str, np.ndarray]:
         """Per MoE layer (global, over all ranks): tokens counted, tokens whose native top-k set equals
         the rollout's, tokens whose used set equals the rollout's. ``batches`` are the micro-batches
-        in the order they ran, each with ``routing`` [b, s, L, k] and ``fed_lengths``."""
+        in the order they ran, each with ``routing`` [b, s, L, k] and :meth:`real_positions`."""
         layers = len(self.routers.moe_layers)
         counts = torch.zeros(3, layers, dtype=torch.float64)
         for m, batch in enumerate(batches):
             if batch.dummy:
                 continue
-            b, s = batch.input_ids.shape
-            real = np.arange(s)[None, :] < np.asarray(batch.fed_lengths)[:, None]
-            real = torch.from_numpy(self.routers.token_order(real))
+            real = torch.from_numpy(self.routers.token_order(batch.real_positions()))
             rollout = self.routers.token_order(batch.routing)
             for i, column in enumerate(self.routers.columns):
                 target = torch.from_numpy(np.sort(rollout[:, column].astype(np.int64), axis=-1))

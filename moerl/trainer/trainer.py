@@ -33,7 +33,7 @@ from moerl.megatron.parallel import Layout
 from moerl.models import family_for
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import MicroBatch, build_micro_batch, shard_by_tokens, split_by_budget, split_into
+from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, shard_by_tokens, split_by_budget, split_into
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
 from moerl.trainer.routing import LocalRouters, RoutingProbe, replay_through_recompute, set_action
@@ -57,6 +57,7 @@ class Trainer:
         # LoRA adapts megatron-core's local linear layers; Transformer Engine's fused ones are not supported yet.
         self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, transformer_engine=None if self.lora is None else False,
                                                     **overrides)
+        _experts_own_optimizer(model)
         if self.lora is not None:
             add_lora(model, self.lora)  # before DDP: frozen weights get no gradient buffer and no optimizer state
         config = model.config
@@ -83,6 +84,8 @@ class Trainer:
         family = family_for(self.hf_config)
         self.moe_layers = [i for i, moe in enumerate(family.moe_layer_pattern(self.hf_config)) if moe]
         self.routers = LocalRouters(self.model, self.moe_layers)
+        # Packed micro-batches go to Transformer Engine's attention as THD, to megatron-core's own as a mask.
+        self.thd = any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
         if cfg.recompute:
             replay_through_recompute()
         self.version = 0  # policy version of the current weights
@@ -103,7 +106,9 @@ class Trainer:
             raise ValueError(f"{len(samples)} samples cannot feed {dp_size} data-parallel ranks: give each piece at least {dp_size}")
         shards = shard_by_tokens([s.fed_len for s in samples], dp_size)
         # Every rank knows every shard, so all agree on the micro-batch count without communicating.
-        split = [split_by_budget([samples[i].fed_len for i in shard], self.cfg.micro_batch_tokens, multiple=self.layout.tp) for shard in shards]
+        packed = self.cfg.micro_batch_format == "packed"
+        group_by = pack_by_budget if packed else split_by_budget
+        split = [group_by([samples[i].fed_len for i in shard], self.cfg.micro_batch_tokens, multiple=self.layout.tp) for shard in shards]
         count = max(len(g) for g in split)
         mine = shards[dp_rank]
         groups = split_into(split[dp_rank], count)
@@ -112,7 +117,8 @@ class Trainer:
         def build(g: list[int], zero: bool = False) -> MicroBatch:
             return build_micro_batch([samples[mine[i]] for i in g], [0.0 if zero else float(advantages[mine[i]]) for i in g],
                                      [0.0 if zero else float(weights[mine[i]]) for i in g], multiple=self.layout.tp,
-                                     use_masks=replay.sampling_mask, use_routing=replay.routing == "R3" or _has_routing(samples))
+                                     use_masks=replay.sampling_mask, use_routing=replay.routing == "R3" or _has_routing(samples),
+                                     packed=packed)
 
         batches = [build(g) for g in groups]
         for _ in range(count - len(groups)):  # fewer samples here than micro-batches elsewhere
@@ -130,6 +136,9 @@ class Trainer:
         if self.cfg.replay.sampling_mask:
             return masked_logprobs(rows, targets, mb.mask_offsets.to(device), mb.mask_ids.to(device)), rows
         return full_logprobs(rows, targets), rows
+
+    def _extra_inputs(self, mb: MicroBatch, device: torch.device) -> dict:
+        return {} if mb.cu_seqlens is None else mb.packed_inputs(device, thd=self.thd)
 
     def _routing_context(self, mode: str):
         """A context for one forward of a micro-batch: sets its replay targets, or records native routing."""
@@ -164,7 +173,7 @@ class Trainer:
         try:
             with torch.no_grad(), probe:
                 run_schedule(self.model, batches, keep, forward_only=True, input_ids_of=lambda mb: mb.input_ids,
-                             around_forward=self._routing_context(mode))
+                             around_forward=self._routing_context(mode), extra_inputs=self._extra_inputs)
         finally:
             set_action(None)
         if batches[0].routing is None:
@@ -248,7 +257,7 @@ class Trainer:
             set_action(None if mode == "off" else RouterReplayAction.REPLAY_FORWARD)
             try:
                 run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
-                             around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]))
+                             around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]), extra_inputs=self._extra_inputs)
             finally:
                 set_action(None)
         if not lengths:
@@ -337,6 +346,19 @@ def _pool_agreement(total: dict | None, piece: dict | None) -> dict | None:
     tokens = total["tokens"] + piece["tokens"]
     share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)  # noqa: E731
     return {"tokens": tokens, "native": share("native"), "used": share("used")}
+
+
+def _experts_own_optimizer(model) -> None:
+    """Mark routed-expert weights expert-parallel at every EP size, as megatron-core does only for EP > 1.
+
+    megatron-core gives expert-parallel weights their own optimizer (and gradient buffer, reduced over
+    the expert-data-parallel group, which is the data-parallel group when EP = 1). Always splitting
+    them out keeps the optimizer's checkpoint structure the same at every layout, so a trainer saved
+    at EP 2 resumes at EP 1 and back.
+    """
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
 
 
 def _trainable(model) -> list[torch.nn.Parameter]:
