@@ -28,18 +28,20 @@ def _flag_value(args: list[str], flag: str) -> str:
 
 def test_server_args_carry_the_rl_flags():
     cfg = SGLangConfig(model_path="/m", replicas=2, gpus_per_replica=4, base_port=31000)
-    args = server_args(cfg, replica=1)
+    args = server_args(cfg, port=31001)
     assert _flag_value(args, "--port") == "31001" and _flag_value(args, "--tp-size") == "4"
     assert "--enable-return-routed-experts" in args and "--enable-memory-saver" in args
     assert _flag_value(args, "--sampling-mask-max-tokens") == str(cfg.sampling_mask_max_tokens)
     assert "--enable-lora" not in args
 
-    lora = server_args(SGLangConfig(model_path="/m", lora_max_rank=16, enable_memory_saver=False), replica=0)
+    lora = server_args(SGLangConfig(model_path="/m", lora_max_rank=16, enable_memory_saver=False), port=30000)
     assert _flag_value(lora, "--max-lora-rank") == "16" and _flag_value(lora, "--lora-backend") == "triton_v2"
     assert _flag_value(lora, "--moe-a2a-backend") == "none" and "--enable-memory-saver" not in lora
 
-    router = router_args(cfg)
-    assert router[router.index("--worker-urls") + 1 : router.index("--host")] == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    pool = SGLangPool(cfg)
+    assert pool.replica_urls == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
+    router = router_args(cfg, pool.replica_urls)
+    assert router[router.index("--worker-urls") + 1 : router.index("--host")] == pool.replica_urls
 
 
 def test_replicas_get_disjoint_visible_gpus(monkeypatch):
@@ -67,12 +69,21 @@ def _stand_in_python(tmp_path):
     return str(script)
 
 
-def test_pool_starts_replicas_serves_and_stops(tmp_path):
-    from moerl.megatron.parallel import free_port
+def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
+    """Replica 0 is first given a port another process holds: it fails to bind and starts again elsewhere."""
+    import socket
+
+    import moerl.engines.sglang as sglang_driver
+    from moerl.env import free_port
 
     model = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "model")
-    base_port = free_port()
-    cfg = SGLangConfig(model_path=str(model), replicas=2, base_port=base_port, log_dir=str(tmp_path / "logs"))
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picks = iter([taken])
+    monkeypatch.setattr(sglang_driver, "free_port", lambda: next(picks, None) or free_port())
+    cfg = SGLangConfig(model_path=str(model), replicas=2, base_port=0, log_dir=str(tmp_path / "logs"))
     pool = SGLangPool(cfg, python=_stand_in_python(tmp_path))
 
     async def generate_on_both(urls):
@@ -81,10 +92,11 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path):
             outs = await asyncio.gather(*(client.generate([5, 6, 7], params) for _ in range(4)))
             return [o[0].output_ids for o in outs], await client.weight_versions()
 
-    with pool:
+    with squatter, pool:
         procs = list(pool.procs)
         outputs, versions = asyncio.run(generate_on_both(pool.urls))
-    assert pool.urls == [f"http://127.0.0.1:{base_port}", f"http://127.0.0.1:{base_port + 1}"]
+    assert taken not in pool.ports and len(set(pool.ports)) == 2
+    assert pool.urls == [f"http://127.0.0.1:{port}" for port in pool.ports]
     assert all(np.array_equal(o, outputs[0]) and len(o) == 3 for o in outputs)
     assert len(versions) == 2
     assert all(p.poll() is not None for p in procs) and pool.procs == []

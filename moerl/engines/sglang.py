@@ -16,9 +16,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
-from moerl.env import child_env
+from moerl.env import child_env, free_port
 
 
 @dataclass
@@ -28,7 +29,7 @@ class SGLangConfig:
     replicas: int = 1
     gpus_per_replica: int = 1  # the tensor-parallel size of each replica
     host: str = "127.0.0.1"
-    base_port: int = 30000
+    base_port: int = 30000  # replica i serves on base_port + i; 0: free ports picked at start (see SGLangPool.start)
     dtype: str = "bfloat16"
     mem_fraction_static: float = 0.7
     sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS
@@ -42,12 +43,12 @@ class SGLangConfig:
     gpu_offset: int = 0  # first visible GPU for the engines (the trainer's ranks use those before it)
 
 
-def server_args(cfg: SGLangConfig, replica: int) -> list[str]:
-    """``sglang.launch_server`` arguments of one replica."""
+def server_args(cfg: SGLangConfig, port: int) -> list[str]:
+    """``sglang.launch_server`` arguments of the replica serving on ``port``."""
     args = [
         "--model-path", cfg.model_path,
         "--host", cfg.host,
-        "--port", str(cfg.base_port + replica),
+        "--port", str(port),
         "--tp-size", str(cfg.gpus_per_replica),
         "--dtype", cfg.dtype,
         "--mem-fraction-static", str(cfg.mem_fraction_static),
@@ -71,21 +72,20 @@ def server_args(cfg: SGLangConfig, replica: int) -> list[str]:
     return args + list(cfg.extra_args)
 
 
-def launch_args(cfg: SGLangConfig, replica: int) -> list[str]:
-    """``python`` arguments that start one replica of ``cfg.server``."""
+def launch_args(cfg: SGLangConfig, port: int) -> list[str]:
+    """``python`` arguments that start one replica of ``cfg.server`` on ``port``."""
     if cfg.server == "sglang":
-        return ["-m", "sglang.launch_server", *server_args(cfg, replica)]
+        return ["-m", "sglang.launch_server", *server_args(cfg, port)]
     if cfg.server == "embedded":
         import torch
 
-        return ["-m", "moerl.cli", "serve", "--model", cfg.model_path, "--host", cfg.host, "--port", str(cfg.base_port + replica),
+        return ["-m", "moerl.cli", "serve", "--model", cfg.model_path, "--host", cfg.host, "--port", str(port),
                 "--dtype", cfg.dtype, "--device", "cuda" if torch.cuda.is_available() else "cpu",
                 "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens), *cfg.extra_args]
     raise ValueError(f"engines.server={cfg.server!r}: expected sglang or embedded")
 
 
-def router_args(cfg: SGLangConfig) -> list[str]:
-    urls = [f"http://{cfg.host}:{cfg.base_port + i}" for i in range(cfg.replicas)]
+def router_args(cfg: SGLangConfig, urls: list[str]) -> list[str]:
     return ["--worker-urls", *urls, "--host", cfg.host, "--port", str(cfg.router_port), "--policy", "round_robin"]
 
 
@@ -94,12 +94,13 @@ class SGLangPool:
 
     def __init__(self, cfg: SGLangConfig, python: str = sys.executable):
         self.cfg, self.python = cfg, python
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # the replicas in order, then the router
+        self.ports: list[int] = [cfg.base_port + i for i in range(cfg.replicas)] if cfg.base_port else []
         self.logs: dict[int, Path] = {}  # pid -> log file
 
     @property
     def replica_urls(self) -> list[str]:
-        return [f"http://{self.cfg.host}:{self.cfg.base_port + i}" for i in range(self.cfg.replicas)]
+        return [f"http://{self.cfg.host}:{port}" for port in self.ports]
 
     @property
     def urls(self) -> list[str]:
@@ -130,40 +131,59 @@ class SGLangPool:
             self.logs[proc.pid] = path
         return proc
 
+    def _spawn_replica(self, replica: int, port: int) -> subprocess.Popen:
+        gpus = self._gpus(replica)
+        env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
+        return self._spawn([self.python, *launch_args(self.cfg, port)], env, f"{self.cfg.server}-{replica}")
+
     def start(self, timeout_s: float = 900) -> list[str]:
+        """Start every replica (and the router) and wait until each answers ``/health``.
+
+        With ``base_port=0`` each replica gets a port that is free when picked; a replica that finds it
+        taken by the time it binds (its log says the address is in use) starts again on another port.
+        """
         try:
-            for i in range(self.cfg.replicas):
-                gpus = self._gpus(i)
-                env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
-                self.procs.append(self._spawn([self.python, *launch_args(self.cfg, i)], env, f"{self.cfg.server}-{i}"))
-            self.wait_healthy(self.replica_urls, timeout_s)
+            if not self.cfg.base_port:
+                self.ports = [free_port() for _ in range(self.cfg.replicas)]
+            self.procs = [self._spawn_replica(i, port) for i, port in enumerate(self.ports)]
+            self.wait_healthy(lambda: self.replica_urls, timeout_s)
             if self.cfg.router:
-                self.procs.append(self._spawn([self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg)], child_env(), "router"))
-                self.wait_healthy(self.urls, 120)
+                self.procs.append(self._spawn([self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg, self.replica_urls)],
+                                              child_env(), "router"))
+                self.wait_healthy(lambda: self.urls, 120)
         except BaseException:
             self.stop()
             raise
         return self.urls
 
-    def wait_healthy(self, urls: list[str], timeout_s: float) -> None:
+    def wait_healthy(self, urls: Callable[[], list[str]], timeout_s: float) -> None:
+        """Until every URL of ``urls()`` answers ``/health``; fails at once when a process exits."""
         deadline = time.monotonic() + timeout_s
-        pending = list(urls)
-        while pending:
-            dead = [p for p in self.procs if p.poll() is not None]
-            if dead:
-                log = self.logs.get(dead[0].pid)
-                tail = f"; the end of {log}:\n{log.read_text()[-3000:]}" if log else " (set log_dir to keep its log)"
-                raise RuntimeError(f"an engine process exited during start-up: {dead[0].args}{tail}")
-            for url in list(pending):
+        healthy: set[str] = set()
+        restarts = 0
+        while pending := [url for url in urls() if url not in healthy]:
+            for i, proc in enumerate(self.procs):
+                if proc.poll() is None:
+                    continue
+                log = self.logs.get(proc.pid)
+                text = log.read_text() if log else ""
+                if i < len(self.ports) and not self.cfg.base_port and "address already in use" in text.lower() and restarts < 3:
+                    restarts += 1
+                    self.ports[i] = free_port()
+                    self.procs[i] = self._spawn_replica(i, self.ports[i])
+                    continue
+                tail = f"; the end of {log}:\n{text[-3000:]}" if log else " (set log_dir to keep its log)"
+                raise RuntimeError(f"an engine process exited during start-up: {proc.args}{tail}")
+            for url in pending:
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=2) as resp:
                         if resp.status == 200:
-                            pending.remove(url)
+                            healthy.add(url)
                 except (urllib.error.URLError, OSError):
                     pass
-            if pending and time.monotonic() > deadline:
-                raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {pending}")
-            if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {[u for u in pending if u not in healthy]}")
+            if any(url not in healthy for url in urls()):
                 time.sleep(1)
 
     def stop(self, grace_s: float = 30) -> None:

@@ -116,7 +116,6 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
 def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int):
     """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
     from moerl.engines.sglang import SGLangConfig, SGLangPool
-    from moerl.megatron.parallel import free_port
 
     e = cfg.engines
     if e.urls:  # health-checked by run() before the model was prepared
@@ -125,7 +124,7 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     server = served_by(e)
     dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if cuda else "float32")
     pool = SGLangPool(SGLangConfig(
-        model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=free_port(),
+        model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=0,
         dtype=dtype, mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
         gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
     ))
