@@ -107,6 +107,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", help="append the tables to this markdown file")
     args = p.parse_args()
+    from bench.report import publish
     from moerl.models.tiny import save_tiny_hf
 
     rows = []
@@ -130,13 +131,9 @@ def main() -> None:
         "| model | full MiB | adapter MiB | bytes ratio | full sync s | adapter s (tensors) | adapter s (directory) | time ratio |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows,
         f"\nQwen3-30B-A3B's shape in bf16 (bytes only): full {full / 2**30:.1f} GiB, adapters {adapter / 2**20:.0f} MiB, "
-        f"{full / adapter:.0f}x fewer bytes.\n",
+        f"{full / adapter:.0f}x fewer bytes.",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

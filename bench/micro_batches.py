@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", help="append the table to this markdown file")
     args = p.parse_args()
+    from bench.report import publish
     from moerl.checkpoint.convert import hf_to_mcore
     from moerl.megatron.launch import run_ranks
     from moerl.models import family_for
@@ -102,11 +103,7 @@ def main() -> None:
     for form, r in results.items():
         lines.append(f"| {form} | {r['micro_batches']} | {r['padding']:.2f} | {r['seconds']:.2f} | {r['tokens'] / r['seconds']:.0f} | "
                      f"{base['seconds'] / r['seconds']:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

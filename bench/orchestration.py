@@ -91,6 +91,7 @@ def main() -> None:
     p.add_argument("--sync-hidden", type=int, default=256, help="hidden size of the model used for the weight-sync timing")
     p.add_argument("--out", help="append the table to this markdown file")
     args = p.parse_args()
+    from bench.report import publish
     from moerl.models.tiny import save_tiny_hf
 
     with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
@@ -117,11 +118,7 @@ def main() -> None:
         f"| 512 MiB flattened buckets | {sync['bucketed_s']:.3f} |", f"| one tensor per bucket | {sync['per_tensor_s']:.3f} |",
         f"| ratio | {sync['per_tensor_s'] / sync['bucketed_s']:.1f}x |",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":
