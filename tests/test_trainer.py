@@ -69,7 +69,7 @@ def config(routing: str, lr: float = 1e-3, **layout) -> TrainerConfig:
 
 PACKED = {"micro_batch_format": "packed"}
 LAYOUTS = {"TP1": (1, {}), "TP2+SP": (2, {"tp": 2}), "EP2": (2, {"ep": 2}), "PP2": (2, {"pp": 2}),
-           "packed TP2+SP": (2, {"tp": 2, **PACKED}), "packed EP2": (2, {"ep": 2, **PACKED}), "packed PP2": (2, {"pp": 2, **PACKED})}
+           "packed TP2+SP+EP2": (2, {"tp": 2, "ep": 2, **PACKED}), "packed PP2": (2, {"pp": 2, **PACKED})}
 
 
 @pytest.fixture(scope="module")
