@@ -96,6 +96,7 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
         procs = list(pool.procs)
         outputs, versions = asyncio.run(generate_on_both(pool.urls))
     assert taken not in pool.ports and len(set(pool.ports)) == 2
+    assert "address already in use" in (tmp_path / "logs" / "sglang-0.log").read_text().lower()  # the failed attempt's log is kept
     assert pool.urls == [f"http://127.0.0.1:{port}" for port in pool.ports]
     assert all(np.array_equal(o, outputs[0]) and len(o) == 3 for o in outputs)
     assert len(versions) == 2

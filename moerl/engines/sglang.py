@@ -119,22 +119,23 @@ class SGLangPool:
         start = self.cfg.gpu_offset + replica * self.cfg.gpus_per_replica
         return ",".join(devices[start : start + self.cfg.gpus_per_replica])
 
-    def _spawn(self, args: list[str], env: dict, name: str) -> subprocess.Popen:
+    def _spawn(self, args: list[str], env: dict, name: str, append: bool = False) -> subprocess.Popen:
         log, path = subprocess.DEVNULL, None
         if self.cfg.log_dir:
             Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
             path = Path(self.cfg.log_dir) / f"{name}.log"
-            log = open(path, "w")
+            log = open(path, "a" if append else "w")
         # Own process group: stopping the pool stops each server's workers too.
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         if path is not None:
             self.logs[proc.pid] = path
         return proc
 
-    def _spawn_replica(self, replica: int, port: int) -> subprocess.Popen:
+    def _spawn_replica(self, replica: int, port: int, restart: bool = False) -> subprocess.Popen:
+        """A replica's server; a restart appends to its log, so the failed attempt's stays readable."""
         gpus = self._gpus(replica)
         env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
-        return self._spawn([self.python, *launch_args(self.cfg, port)], env, f"{self.cfg.server}-{replica}")
+        return self._spawn([self.python, *launch_args(self.cfg, port)], env, f"{self.cfg.server}-{replica}", append=restart)
 
     def start(self, timeout_s: float = 900) -> list[str]:
         """Start every replica (and the router) and wait until each answers ``/health``.
@@ -170,7 +171,7 @@ class SGLangPool:
                 if i < len(self.ports) and not self.cfg.base_port and "address already in use" in text.lower() and restarts < 3:
                     restarts += 1
                     self.ports[i] = free_port()
-                    self.procs[i] = self._spawn_replica(i, self.ports[i])
+                    self.procs[i] = self._spawn_replica(i, self.ports[i], restart=True)
                     continue
                 tail = f"; the end of {log}:\n{text[-3000:]}" if log else " (set log_dir to keep its log)"
                 raise RuntimeError(f"an engine process exited during start-up: {proc.args}{tail}")
@@ -181,9 +182,10 @@ class SGLangPool:
                             healthy.add(url)
                 except (urllib.error.URLError, OSError):
                     pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {[u for u in pending if u not in healthy]}")
-            if any(url not in healthy for url in urls()):
+            waiting = [url for url in urls() if url not in healthy]
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {waiting}")
+            if waiting:
                 time.sleep(1)
 
     def stop(self, grace_s: float = 30) -> None:
