@@ -78,12 +78,14 @@ def test_cispo_keeps_gradients_of_clipped_tokens_with_a_capped_weight():
 @pytest.mark.parametrize("kind, expected", [
     ("none", [1.0, 1.0, 1.0]),
     ("tis", [math.exp(0.5), math.exp(0.3), math.exp(-1.0)]),  # exp(old - behaviour), under the cap of 2
-    ("icepop", [1.0, 1.0, 0.0]),  # kept only where the weight lies in [0.5, 2]
+    # IcePop: k = old/behaviour where k lies in [0.5, 2], else 0 (e^-1 < 0.5 is zeroed).
+    ("icepop", [math.exp(0.5), math.exp(0.3), 0.0]),
+    ("token_mask", [1.0, 1.0, 0.0]),  # the same band, kept tokens unweighted
     ("seq_is", [2.0, 2.0, math.exp(-1.0)]),  # exp(0.5 + 0.3) > 2 is capped; sequence 1 alone
     ("geo_is", [math.exp(0.4), math.exp(0.4), math.exp(-1.0)]),  # exp(mean over the sequence)
 ])
 def test_behaviour_to_proximal_corrections(kind, expected):
-    cfg = LossConfig(correction=kind, is_cap=2.0, icepop_low=0.5, icepop_high=2.0)
+    cfg = LossConfig(correction=kind, is_cap=2.0, band_low=0.5, band_high=2.0)
     old = T([0.0, 0.0, 0.0])
     behaviour = T([-0.5, -0.3, 1.0])
     w = objectives.correction(old, behaviour, T([0, 0, 1]), 2, cfg)
@@ -102,6 +104,59 @@ def test_bad_loss_config_names_the_field():
         LossConfig(policy_loss="grpo")
     with pytest.raises(ValueError, match="loss.dual_clip"):
         LossConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="loss.band_low"):
+        LossConfig(band_low=2.0, band_high=0.5)
+
+
+def test_icepop_band_edges_are_inclusive():
+    low, high = 0.5, 2.0
+    behaviour = -T([math.log(low), math.log(high), math.log(high) + 1e-3])
+    w = objectives.correction(torch.zeros(3), behaviour, torch.zeros(3, dtype=torch.long), 1,
+                              LossConfig(correction="icepop", band_low=low, band_high=high))
+    np.testing.assert_allclose(w.numpy(), [low, high, 0.0], rtol=1e-5)
+
+
+EXTREME = [50.0, -50.0, 0.0, 50.0, -50.0]  # log-ratios of badly stale or mismatched tokens
+ADV = [1.0, 1.0, 0.0, -1.0, -1.0]
+
+
+@pytest.mark.parametrize("policy_loss", objectives.POLICY_LOSSES)
+def test_extreme_policy_ratios_give_finite_losses_and_gradients(policy_loss):
+    cfg = LossConfig(policy_loss=policy_loss, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    new = T(EXTREME, requires_grad=True)
+    terms, _ = objectives.policy_terms(new, torch.zeros(5), T(ADV), T([0, 1, 2, 3, 4]), 5, cfg)
+    terms.sum().backward()
+    assert torch.isfinite(terms).all() and torch.isfinite(new.grad).all()
+    e20, e10 = math.exp(20.0), math.exp(10.0)
+    expected = {
+        # verl: ratio = exp(clamp(log r, -20, 20)); PPO with dual clip 3 for negative advantages.
+        "ppo": [-1.28, -math.exp(-20.0), 0.0, 3.0, 0.8],
+        # verl: the sequence log-ratio (here one token per sequence) is clamped at 10, from above only.
+        "gspo": [-1.28, -math.exp(-50.0), 0.0, e10, 0.8],
+        # CISPO: -A * min(r, 1 + clip_high) * log pi_new.
+        "cispo": [-1.28 * 50.0, -math.exp(-20.0) * -50.0, 0.0, 1.28 * 50.0, math.exp(-20.0) * -50.0],
+    }[policy_loss]
+    np.testing.assert_allclose(terms.detach().numpy(), expected, rtol=1e-5, atol=1e-12)
+    assert e20 > 1e8  # the bound itself stays finite in fp32
+
+
+@pytest.mark.parametrize("kind", objectives.CORRECTIONS)
+def test_extreme_behaviour_ratios_give_finite_corrections(kind):
+    old = T(EXTREME)
+    w = objectives.correction(old, torch.zeros(5), T([0, 0, 1, 2, 2]), 3, LossConfig(correction=kind))
+    assert torch.isfinite(w).all() and (w >= 0).all()
+    if kind in ("icepop", "token_mask"):
+        assert w[[0, 1, 3, 4]].eq(0).all() and w[2] == 1.0  # far outside the band: no weight at all
+
+
+def test_extreme_kl_is_clamped_like_verl():
+    new = T(EXTREME, requires_grad=True)
+    kl = objectives.kl_terms(new, torch.zeros(5), "k3")
+    kl.sum().backward()
+    # log r = ref - new clamped to +-20, then k3 = r - log r - 1 clamped to 10.
+    np.testing.assert_allclose(kl.detach().numpy(), [10.0, 10.0, 0.0, 10.0, 10.0])
+    assert torch.isfinite(new.grad).all()
+    assert torch.isfinite(objectives.kl_terms(new, torch.zeros(5), "k1")).all()
 
 
 def test_tis_truncates_at_the_cap():

@@ -9,6 +9,10 @@ Three log-probs meet here: ``behaviour`` (the engine that sampled, possibly seve
 ``old`` (the proximal policy: the trainer's weights before this update, scored by the trainer) and
 ``new`` (being optimised). The policy ratio is new/old; the correction for stale or mismatched
 rollouts is old/behaviour.
+
+Every ratio is formed from a log-ratio clamped to [-20, 20] (GSPO's sequence log-ratio to at most 10,
+the k3 estimate to at most 10), as verl does: a token sampled many versions ago, or one the engine
+and trainer disagree on wildly, then weighs at most e^20 instead of making the loss inf or NaN.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ import torch
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-CORRECTIONS = ("none", "tis", "seq_is", "geo_is", "icepop")
+CORRECTIONS = ("none", "tis", "seq_is", "geo_is", "icepop", "token_mask")
 KL_ESTIMATORS = ("k1", "k3")
+LOG_RATIO_BOUND = 20.0  # |log r| before exp: e^20 is finite in fp32 even times any advantage
+SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence ratio is at most e^10
+K3_MAX = 10.0
 
 
 @dataclass
@@ -31,12 +38,14 @@ class LossConfig:
     clip_high: float = 0.28
     dual_clip: float | None = 3.0  # for negative advantages, the loss is capped at -A * dual_clip (PPO only)
     aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr. GRPO)
-    max_response_len: int | None = None  # Dr. GRPO's constant normaliser (default: the batch's longest)
+    max_response_len: int | None = None  # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
     std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
-    correction: str = "tis"  # behaviour -> proximal: none | tis | seq_is | geo_is | icepop
+    correction: str = "tis"  # behaviour -> proximal: none | tis | seq_is | geo_is | icepop | token_mask
     is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights
-    icepop_low: float = 0.5  # icepop: tokens with old/behaviour outside [low, high] are masked out
-    icepop_high: float = 2.0
+    # icepop weighs a token by k = old/behaviour inside [band_low, band_high] and zeroes it outside;
+    # token_mask keeps the in-band tokens unweighted (rejection only, no correction).
+    band_low: float = 0.5
+    band_high: float = 2.0
     kl_coef: float = 0.0  # reference KL penalty (0: no reference model)
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
@@ -50,6 +59,8 @@ class LossConfig:
             raise ValueError(f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"loss.dual_clip must be > 1 (or null), got {self.dual_clip}")
+        if not 0 <= self.band_low < self.band_high:
+            raise ValueError(f"loss.band_low must be >= 0 and below band_high, got {self.band_low}, {self.band_high}")
 
 
 def grpo_advantages(rewards: np.ndarray, group_ids: np.ndarray, std_normalize: bool, eps: float = 1e-6) -> np.ndarray:
@@ -90,20 +101,27 @@ def _per_seq_sum(x: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Ten
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq, x)
 
 
+def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """A ratio from its log, the log clamped to +-LOG_RATIO_BOUND so it stays finite."""
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+
+
 def correction(old: torch.Tensor, behaviour: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
     """Per-token weight for the behaviour -> proximal mismatch (a constant: no gradient)."""
     log_w = (old - behaviour).detach()
     if cfg.correction == "none":
         return torch.ones_like(log_w)
-    if cfg.correction == "tis":
-        return log_w.exp().clamp(max=cfg.is_cap)
-    if cfg.correction == "icepop":
-        w = log_w.exp()
-        return ((w >= cfg.icepop_low) & (w <= cfg.icepop_high)).to(w.dtype)
+    if cfg.correction in ("tis", "icepop", "token_mask"):
+        w = safe_exp(log_w)
+        if cfg.correction == "tis":
+            return w.clamp(max=cfg.is_cap)
+        # IcePop (Ring-1T, arXiv 2510.18855): in-band tokens keep their correction k, the rest none at all.
+        in_band = (w >= cfg.band_low) & (w <= cfg.band_high)
+        return torch.where(in_band, w, 0.0) if cfg.correction == "icepop" else in_band.to(w.dtype)
     per_seq = _per_seq_sum(log_w, seq, num_seqs)
     if cfg.correction == "geo_is":
         per_seq = per_seq / _per_seq_sum(torch.ones_like(log_w), seq, num_seqs)
-    return per_seq.exp().clamp(max=cfg.is_cap)[seq]
+    return safe_exp(per_seq).clamp(max=cfg.is_cap)[seq]
 
 
 def policy_terms(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int,
@@ -114,7 +132,7 @@ def policy_terms(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
     low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
     if cfg.policy_loss == "cispo":
         # CISPO: the clipped ratio is a constant weight on the REINFORCE term; no token loses its gradient.
-        ratio = log_ratio.detach().exp()
+        ratio = safe_exp(log_ratio.detach())
         weight = ratio.clamp(max=high)
         return -advantages * weight * new, (ratio > high).float()
     if cfg.policy_loss == "gspo":
@@ -122,9 +140,9 @@ def policy_terms(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
         # gradient flows through each token as exp(new_t - sg(new_t)).
         lengths = _per_seq_sum(torch.ones_like(new), seq, num_seqs)
         seq_log_ratio = (_per_seq_sum(log_ratio.detach(), seq, num_seqs) / lengths)[seq]
-        ratio = (seq_log_ratio + new - new.detach()).exp()
+        ratio = (seq_log_ratio + new - new.detach()).clamp(max=SEQ_LOG_RATIO_MAX).exp()
     else:
-        ratio = log_ratio.exp()
+        ratio = safe_exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(low, high)
     terms = torch.maximum(unclipped, clipped)
@@ -138,8 +156,10 @@ def policy_terms(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
 
 
 def kl_terms(new: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(new || ref) estimate from samples of the policy: k1 = log(new/ref), k3 = r - log r - 1 with r = ref/new."""
+    """Per-token KL(new || ref) estimate from samples of the policy: k1 = log(new/ref), k3 = r - log r - 1 with
+    r = ref/new (log r clamped to +-LOG_RATIO_BOUND, the estimate to at most K3_MAX)."""
     log_r = ref.detach() - new
     if estimator == "k1":
         return -log_r
-    return log_r.exp() - log_r - 1.0
+    log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return (log_r.exp() - log_r - 1.0).clamp(max=K3_MAX)

@@ -228,11 +228,11 @@ class Trainer:
             if count and not mb.dummy:
                 with torch.no_grad():
                     delta = (old - behaviour).double()
-                    ratio = (new - old).double().exp()
-                    is_weight = delta.exp()
+                    ratio = objectives.safe_exp((new - old).double())
+                    is_weight = objectives.safe_exp(delta)
                     values = {
                         "loss": loss.double(), "tokens": torch.tensor(float(mb.num_tokens)), "clipped": clipped.double().sum(),
-                        "abs_delta": delta.abs().sum(), "k3": ((-delta).exp() + delta - 1).sum(), "is_weight": is_weight.sum(),
+                        "abs_delta": delta.abs().sum(), "k3": (objectives.safe_exp(-delta) + delta - 1).sum(), "is_weight": is_weight.sum(),
                         "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(), "entropy": ent.double().sum(),
                         "ref_kl": kl.double().sum(),
                     }
