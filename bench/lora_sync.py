@@ -80,8 +80,8 @@ def timings(work: Path, model: Path, repeats: int) -> dict[str, float]:
     with running_server(model, work / f"{model.name}-engine-logs") as url:
         full = BroadcastSync([url], "127.0.0.1", "gloo", group_name=f"bench-{model.name}", bucket_bytes=512 << 20)
         full.connect()
-        tensor_sync = AdapterSync([url], LORA, hf_config)
-        disk_sync = AdapterSync([url], LORA, hf_config, directory=work / f"{model.name}-adapters")
+        tensor_sync = AdapterSync([url], LORA, hf_config, str(model))
+        disk_sync = AdapterSync([url], LORA, hf_config, str(model), directory=work / f"{model.name}-adapters")
         disk_sync.connect()
         try:
             runs = {"full_s": [], "adapter_tensors_s": [], "adapter_disk_s": []}

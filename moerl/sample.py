@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from moerl.errors import MoerlError
 
-class SampleError(ValueError):
+
+class SampleError(MoerlError):
     """A sample whose arrays do not fit together; the message names the field."""
 
 

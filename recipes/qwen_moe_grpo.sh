@@ -24,5 +24,6 @@ fi
 if [[ " ${args[*]} " != *" run.dir="* ]]; then
   args+=("run.dir=runs/qwen_moe_grpo/$(date +%Y%m%d-%H%M%S)")  # a new directory per run unless one is named
 fi
-nproc="$("$PYTHON" -m moerl.cli train --print-world-size "${args[@]}")"
+# Config, model, task and engine URLs are checked before any rank starts: a mistake is one error line.
+nproc="$("$PYTHON" -m moerl.cli train --check "${args[@]}")"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m moerl.cli train "${args[@]}"

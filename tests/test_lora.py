@@ -144,7 +144,15 @@ def test_convert_adapter_only_and_merged(trained, models, tmp_path, capsys):
         written = load_file(str(adapter / "adapter_model.safetensors"))
         assert written.keys() == expected.keys()
         assert all(torch.equal(written[k], expected[k]) for k in expected)  # saved at TP2+EP2, read at TP1
-        assert json.loads((adapter / "adapter_config.json").read_text())["r"] == LORA.rank
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["r"] == LORA.rank
+        assert config["base_model_name_or_path"] == str(hf.resolve())  # the model the checkpoint was converted from
+        if name == "qwen3-all-moe":  # PEFT finds the base model from the adapter alone
+            from peft import AutoPeftModelForCausalLM
+
+            with torch.no_grad():
+                logits = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32).eval()(INPUT_IDS).logits
+            assert (logits - run["logits"]).abs().max() < 1e-4
 
         assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(merged), "--merge-lora", "--no-progress"]) == 0
         model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()

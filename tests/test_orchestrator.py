@@ -158,19 +158,36 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_results(cache, t
     assert accounting(killed)["balanced"] and accounting(killed)["trained"] == accounting(straight)["trained"]
 
 
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory) -> Path:
+    """Model directories a user might point model.path at by mistake."""
+    from moerl.models.tiny import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("bad-models")
+    gelu = save_tiny_hf("Qwen3MoeForCausalLM", root / "gelu")
+    config = json.loads((gelu / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    (root / "broken").mkdir()
+    (root / "broken" / "config.json").write_text('{"architectures": [')
+    return root
+
+
 @pytest.mark.parametrize("override, message", [
     ("run.bogus=1", "run.bogus"),
     ("run.trainer_ranks=3", "world size 3 is not divisible"),
     ("engines.urls=[http://127.0.0.1:9]", "http://127.0.0.1:9 unreachable"),
     ("run.mode=fast", "run.mode='fast'"),
     ("lora.rank=0", "lora.rank=0"),
+    ("model.path={bad}/gelu", "hidden_act='gelu': only 'silu' is supported"),
+    ("model.path={bad}/broken", "config.json: not valid JSON"),
 ])
-def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, override, message):
+def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, bad_models, override, message):
     start = time.monotonic()
-    out = job(cache, tmp_path, override, timeout=180)
+    out = job(cache, tmp_path, override.format(bad=bad_models), timeout=180)
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and message in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]  # checked before torchrun starts a rank
     assert not (tmp_path / "metrics.jsonl").exists()
     assert time.monotonic() - start < 120
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moerl.checkpoint.hf import CheckpointError
-from moerl.megatron.parallel import Layout, LayoutError
-from moerl.models import ConfigError
-
-USER_ERRORS = (CheckpointError, ConfigError, LayoutError)
+from moerl.errors import MoerlError
+from moerl.megatron.parallel import Layout
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a LoRA-trained checkpoint: write its adapters only, as a HF PEFT directory (per-expert modules)")
     lora.add_argument("--merge-lora", action="store_true",
                       help="a LoRA-trained checkpoint: write the full model with the adapters merged into its weights")
+    p.add_argument("--base-model", default=None,
+                   help="with --adapter-only: the base model the adapter's config names (base_model_name_or_path; "
+                        "default: the HF directory the checkpoint was converted from)")
 
     p = sub.add_parser("verify", help="compare logits of the HF model and the Megatron checkpoint")
     p.add_argument("--hf", required=True, help="HF model directory")
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             from moerl.checkpoint.convert import mcore_to_hf
 
             lora = "adapter" if args.adapter_only else "merge" if args.merge_lora else "none"
-            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3), lora=lora)
+            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3), lora=lora,
+                              base_model=args.base_model)
             print(f"wrote {'PEFT adapter' if lora == 'adapter' else 'HF model'} {out}")
         else:
             from moerl.checkpoint.verify import verify
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = diff <= args.tolerance
             print(f"verify {layout}: max |logit diff| = {diff:.3e} ({'OK' if ok else 'FAIL'}, tolerance {args.tolerance:.1e})")
             return 0 if ok else 1
-    except USER_ERRORS as e:
+    except MoerlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

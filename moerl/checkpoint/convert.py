@@ -146,17 +146,21 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
         merge_pieces(staging, piece_dirs)
         (staging / HF_SUBDIR).mkdir()
         copy_carried_files(hf_dir, staging / HF_SUBDIR)
-        meta = {"format_version": FORMAT_VERSION, "architecture": family.architecture, "dtype": _dtype_name(dtype)}
+        # hf_source: the base model that adapters trained from this checkpoint apply to (their PEFT config names it).
+        meta = {"format_version": FORMAT_VERSION, "architecture": family.architecture, "dtype": _dtype_name(dtype),
+                "hf_source": str(hf_dir.resolve())}
         (staging / MOERL_META).write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
 def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = True, max_shard_bytes: int = 2 * 1024**3,
-                lora: str = "none") -> Path:
+                lora: str = "none", base_model: str | None = None) -> Path:
     """Convert a moerl Megatron checkpoint back to a HF directory that transformers and SGLang load.
 
     A checkpoint trained with LoRA converts with ``lora="adapter"`` (a PEFT adapter directory: the
-    adapters only) or ``lora="merge"`` (the full model with every adapter's update folded in)."""
+    adapters only, naming ``base_model`` as the model they apply to, by default the HF directory the
+    checkpoint was converted from) or ``lora="merge"`` (the full model with every adapter's update
+    folded in)."""
     mcore_dir, out = Path(mcore_dir), Path(out_dir)
     meta = read_moerl_meta(mcore_dir)
     raw = hf_config_of(mcore_dir)
@@ -168,6 +172,10 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
         raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only/--merge-lora")
     if lora_cfg is not None and lora == "none":
         raise CheckpointError(f"{mcore_dir} was trained with LoRA: pass --adapter-only (PEFT adapter) or --merge-lora (merged full weights)")
+    base_model = base_model or meta.get("hf_source")
+    if lora == "adapter" and not base_model:
+        raise CheckpointError(f"{mcore_dir} does not record the HF model it was converted from: pass --base-model "
+                              "(a directory or Hub id) so the adapter's config names the model it applies to")
     with _staging_dir(out) as staging:
         model = _meta_model(cfg, dtype, lora_cfg)
         params = dict(model.named_parameters())
@@ -178,7 +186,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
             state = dist_checkpointing.load({n: t for n, t in sharded.items() if is_lora_param(n)}, str(mcore_dir))
             tensors = peft_tensors(family, cfg, {n: state[n] for n in adapters})
-            write_adapter_files(staging, adapter_config(lora_cfg, tensors), tensors)
+            write_adapter_files(staging, adapter_config(lora_cfg, tensors, base_model), tensors)
             return out
         writer = HFWriter(staging, max_shard_bytes)
         for prefix, rules in tqdm(layer_pieces(family, cfg), desc="mcore-to-hf", unit="layer", disable=not progress):

@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moerl.errors import MoerlError
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 # Files that travel with the weights: what transformers and SGLang need to load and tokenize.
@@ -33,7 +35,7 @@ CARRIED_FILES = (
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(MoerlError):
     """A checkpoint directory that is missing files or tensors, or holds tensors of the wrong shape."""
 
 

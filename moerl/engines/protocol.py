@@ -13,8 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from moerl.errors import MoerlError
 
-class ProtocolError(ValueError):
+
+class ProtocolError(MoerlError):
     """A request the engine refuses (HTTP 400); the message says which field and why."""
 
 

@@ -36,13 +36,10 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from moerl.errors import LoRAError
 from moerl.megatron.weights import global_name
 
 LORA_PARAMS = ("lora_A", "lora_B")
-
-
-class LoRAError(ValueError):
-    """A LoRA configuration the model or layout cannot take; the message says what to change."""
 
 
 @dataclass

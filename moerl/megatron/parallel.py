@@ -12,10 +12,11 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from moerl.env import free_port
+from moerl.errors import MoerlError
 from moerl.megatron import cpu_compat
 
 
-class LayoutError(ValueError):
+class LayoutError(MoerlError):
     """A parallel layout that does not fit the model or the world size."""
 
 

@@ -20,12 +20,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moerl.errors import ConfigError
 from moerl.megatron.parallel import Layout, LayoutError
 from moerl.models.norm import RMSNorm
-
-
-class ConfigError(ValueError):
-    """A Hugging Face config that moerl cannot reproduce exactly."""
 
 
 # Keys of every transformers config that never change the forward math.

@@ -1,38 +1,53 @@
 """The main job's config: typed omegaconf sections, read from YAML plus ``key=value`` overrides.
 
 Unknown keys, wrong types and impossible combinations fail at load time with the key named.
+
+Values are read as YAML 1.2 reads them, not YAML 1.1: only ``true``/``false`` are booleans, so an enum
+value such as ``trainer.replay.routing=off`` stays the string ``off`` (boolean fields still take
+``on``/``off``/``yes``/``no``: omegaconf converts those strings). On the command line a string field
+takes its text verbatim (``task.system_prompt=Answer: yes`` is that sentence, ``run.dir=0123`` a
+directory named 0123); quote it to have it read as YAML.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from moerl.config import check_choices, choice, choice_problems
+from moerl.errors import ConfigError, MoerlError
 from moerl.megatron.lora import LoRAConfig
 from moerl.tasks import TaskConfig
 from moerl.trainer.config import TrainerConfig
 
 MODES = ("sync", "periodic", "async")
 PARTIAL = ("in_place", "retry")
-
-
-class ConfigError(ValueError):
-    """A config the job cannot run with; the message names the key and what to do."""
+SERVERS = ("auto", "sglang", "embedded")
+ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 with CUDA, float32 without
+SYNC_METHODS = ("broadcast", "disk")
 
 
 @dataclass
 class RunSection:
     dir: str = "runs/qwen_moe_grpo"
-    mode: str = "async"  # sync (generate, train, sync) | periodic (on-policy, overlapped) | async (bounded staleness)
+    mode: str = choice("async", MODES)  # sync (generate, train, sync) | periodic (on-policy, overlapped) | async (bounded staleness)
     steps: int = 40  # optimizer steps (policy versions) to reach
     save_every: int = 0  # trainer checkpoint every N steps (0: only the last step)
     resume: bool = False  # continue from the newest checkpoint under dir
     cache_dir: str = "~/.cache/moerl"  # the tiny demo model and converted checkpoints, made once
     progress: bool = True  # a progress bar on stderr (rank 0)
     trainer_ranks: int = 0  # torchrun ranks of the trainer (0: trainer.tp * pp * ep); the rest of the node's GPUs serve
+
+    def __post_init__(self):
+        check_choices(self, "run")
 
 
 @dataclass
@@ -43,14 +58,17 @@ class ModelSection:
 
 @dataclass
 class EngineSection:
-    server: str = "auto"  # auto (sglang with CUDA, else embedded) | sglang | embedded
+    server: str = choice("auto", SERVERS)  # auto: sglang with CUDA, else embedded
     urls: list[str] = field(default_factory=list)  # engines already running (multi-node); empty: start them here
     replicas: int = 1
     gpus_per_replica: int = 1
-    dtype: str = "auto"  # auto: bfloat16 with CUDA, float32 without
+    dtype: str = choice("auto", ENGINE_DTYPES)
     mem_fraction_static: float = 0.7
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 900.0
+
+    def __post_init__(self):
+        check_choices(self, "engines")
 
 
 @dataclass
@@ -64,8 +82,11 @@ class RolloutSection:
     stop_token_ids: list[int] = field(default_factory=list)  # stop tokens besides the tokenizer's end token
     max_staleness: int = 1  # async: groups whose oldest token is more versions old than this are dropped
     max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
-    partial: str = "in_place"  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
+    partial: str = choice("in_place", PARTIAL)  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
     seed: int = 0
+
+    def __post_init__(self):
+        check_choices(self, "rollout")
 
     @property
     def outstanding(self) -> int:
@@ -76,10 +97,13 @@ class RolloutSection:
 
 @dataclass
 class SyncSection:
-    method: str = "broadcast"  # broadcast (NCCL/gloo group with the engines) | disk (safetensors + update_weights_from_disk)
+    method: str = choice("broadcast", SYNC_METHODS)  # broadcast (NCCL/gloo group with the engines) | disk (safetensors + update_weights_from_disk)
     bucket_mb: int = 512
     verify: bool = False  # after each update, compare the engines' copy of every tensor (first rows) with the trainer's
     verify_rows: int = 4
+
+    def __post_init__(self):
+        check_choices(self, "sync")
 
 
 @dataclass
@@ -94,6 +118,62 @@ class RunConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # per-expert adapters; enabled: base frozen, adapters synced alone
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's implicit types: booleans are true/false only (YAML 1.1 also
+    reads on/off/yes/no/y/n, which turns ``routing=off`` into False), floats need no dot (1e-6), and
+    nothing is read as a date."""
+
+
+_BOOL, _FLOAT, _TIMESTAMP = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float", "tag:yaml.org,2002:timestamp"
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_BOOL, _FLOAT, _TIMESTAMP)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Yaml12Loader.add_implicit_resolver(_FLOAT, re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"
+    r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
+
+
+def read_yaml(text: str):
+    return yaml.load(text, Loader=_Yaml12Loader)
+
+
+def schema_type(key: str) -> typing.Any:
+    """The declared type of the dotted ``key`` in :class:`RunConfig` (None for a key it does not have)."""
+    tp: typing.Any = RunConfig
+    for part in key.split("."):
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _is_text(tp: typing.Any) -> bool:
+    return tp is str or (isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)})
+
+
+def override_value(key: str, text: str):
+    """The value of ``key=text`` on the command line: a string field's text as typed (``null`` is None
+    where the field may be null; quoted text is read as YAML), anything else read as YAML 1.2."""
+    tp = schema_type(key)
+    if _is_text(tp) and not (len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""):
+        return None if text in ("null", "~") and tp is not str else text
+    return read_yaml(text) if text else None
+
+
+def parse_overrides(overrides: list[str]) -> DictConfig:
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. run.steps=20 run.dir=/tmp/r)")
+    conf = OmegaConf.create()
+    for override in overrides:
+        key, text = override.split("=", 1)
+        OmegaConf.update(conf, key.strip(), override_value(key.strip(), text), merge=True)
+    return conf
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """The YAML file (if any) and ``section.key=value`` overrides on the typed schema."""
     try:
@@ -101,21 +181,33 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"override {bad[0]!r} is not key=value (e.g. trainer.steps=20 run.dir=/tmp/r)")
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            merged = OmegaConf.merge(merged, OmegaConf.create(read_yaml(Path(path).read_text()) or {}))
+        merged = OmegaConf.merge(merged, parse_overrides(list(overrides)))
+        problems = choice_problems(RunConfig, merged, "", nested=True)
+        if problems:
+            raise ConfigError("; ".join(problems))
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config{' ' + key if key else ''}: {str(e).splitlines()[0]}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config: not valid YAML: {str(e).splitlines()[0]}") from None
     except ValueError as e:  # a section's own check (__post_init__)
-        if isinstance(e, ConfigError):
-            raise
+        if isinstance(e, MoerlError):
+            raise ConfigError(str(e)) from None
         raise ConfigError(f"config: {e}") from None
+    resolve_defaults(cfg)
     check(cfg)
     return cfg
+
+
+def resolve_defaults(cfg: RunConfig) -> None:
+    """Defaults that depend on other sections."""
+    loss = cfg.trainer.loss
+    if loss.aggregation == "seq_mean_token_sum_norm" and loss.max_response_len is None:
+        # Dr. GRPO divides by a constant length: the generation limit, not the batch's longest response
+        # (which would move the loss scale from step to step).
+        loss.max_response_len = cfg.rollout.max_new_tokens
 
 
 def served_by(engines: EngineSection) -> str:
@@ -130,10 +222,6 @@ def served_by(engines: EngineSection) -> str:
 def check(cfg: RunConfig) -> None:
     r = cfg.rollout
     problems = []
-    if cfg.run.mode not in MODES:
-        problems.append(f"run.mode={cfg.run.mode!r}: expected one of {', '.join(MODES)}")
-    if r.partial not in PARTIAL:
-        problems.append(f"rollout.partial={r.partial!r}: expected one of {', '.join(PARTIAL)}")
     if r.groups_per_step < 1 or r.samples_per_prompt < 2:
         problems.append("rollout.groups_per_step must be >= 1 and samples_per_prompt >= 2 (GRPO compares within a group)")
     if r.max_staleness < 0:
@@ -142,10 +230,6 @@ def check(cfg: RunConfig) -> None:
         problems.append(f"rollout.max_outstanding_groups={r.max_outstanding_groups} is below groups_per_step={r.groups_per_step}: a step could never fill")
     if cfg.trainer.replay.sampling_mask and not 1 < r.top_k:
         problems.append(f"trainer.replay.sampling_mask needs a finite rollout.top_k > 1 (got {r.top_k})")
-    if cfg.engines.server not in ("auto", "sglang", "embedded"):
-        problems.append(f"engines.server={cfg.engines.server!r}: expected auto, sglang or embedded")
-    if cfg.sync.method not in ("broadcast", "disk"):
-        problems.append(f"sync.method={cfg.sync.method!r}: expected broadcast or disk")
     if cfg.lora.enabled and cfg.sync.method == "broadcast" and served_by(cfg.engines) == "sglang":
         problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
                         "processes on its own machine, so adapters reach it as PEFT directories")

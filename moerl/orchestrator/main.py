@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from moerl.env import child_env
-from moerl.orchestrator.config import ConfigError, RunConfig, load_config, served_by, to_yaml
+from moerl.errors import ConfigError, MoerlError
+from moerl.orchestrator.config import RunConfig, load_config, served_by, to_yaml
 
 log = logging.getLogger("moerl.train")
 RUN_STATE = "run_state.json"
@@ -41,7 +42,8 @@ def parse_args(argv: list[str] | None):
         epilog="Overrides are omegaconf dotlist entries, e.g. run.mode=sync run.steps=20 trainer.ep=2 model.path=/models/Qwen3-30B-A3B",
     )
     p.add_argument("--config", help="YAML config (default: none; the schema's defaults)")
-    p.add_argument("--print-world-size", action="store_true", help="print the number of trainer ranks the config needs and exit")
+    p.add_argument("--check", action="store_true",
+                   help="check the config, model, task and engine URLs as the job would, print the number of trainer ranks it needs, and exit")
     p.add_argument("--show-config", action="store_true", help="print the whole resolved config (every key, with overrides) and exit")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     return p.parse_args(argv)
@@ -80,6 +82,49 @@ def _build_once(target: Path, build) -> Path:
     return target
 
 
+def check_model(cfg: RunConfig, hf: Path, converting: bool) -> None:
+    """The model at ``hf`` can be trained at the configured layout (and, when it is to be converted, its
+    tensors are all there with the right shapes): one error line before minutes of preparation."""
+    from moerl.checkpoint.convert import check_hf_tensors
+    from moerl.checkpoint.hf import HFReader, read_config
+    from moerl.megatron.parallel import Layout
+    from moerl.models import family_for
+
+    raw = read_config(hf)
+    family = family_for(raw)
+    model = family.normalize(raw)
+    family.check(model)
+    family.check_layout(model, Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep))
+    if converting:
+        check_hf_tensors(HFReader(hf), family, model)
+
+
+def preflight(cfg: RunConfig, world: int) -> None:
+    """Everything that can be checked before the ranks start (the recipe runs it before torchrun): the
+    layout, the run directory, the engines given by URL, the task and the model's config and tensors."""
+    check_layout(cfg, world)
+    run_dir = Path(cfg.run.dir)
+    if (run_dir / "metrics.jsonl").exists() and not cfg.run.resume:
+        raise ConfigError(f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir")
+    if cfg.engines.urls:
+        check_engine_urls(cfg.engines.urls)
+    check_task(cfg)
+    if cfg.model.path is not None:
+        hf = Path(cfg.model.path)
+        if not (hf / "config.json").is_file():
+            raise ConfigError(f"model.path={hf} is not a HF model directory (no config.json)")
+        check_model(cfg, hf, converting=not cfg.model.mcore)
+
+
+def check_task(cfg: RunConfig) -> None:
+    """The prompts load and the reward function resolves, before the rollout manager needs them."""
+    from moerl.tasks import load_records
+    from moerl.tasks.rewards import Rewarder
+
+    load_records(cfg.task)
+    Rewarder(cfg.task)
+
+
 def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
     """(HF directory, Megatron checkpoint) of the model to train, made once and cached."""
     cache = Path(cfg.run.cache_dir).expanduser()
@@ -93,8 +138,6 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
         hf = _build_once(cache / TINY_MODEL / "hf", build) / "model"
     else:
         hf = Path(cfg.model.path)
-        if not (hf / "config.json").is_file():
-            raise ConfigError(f"model.path={hf} is not a HF model directory (no config.json)")
     if cfg.model.mcore:
         mcore = Path(cfg.model.mcore)
         if not mcore.is_dir():
@@ -185,11 +228,8 @@ def run(cfg: RunConfig) -> dict:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run_dir = Path(cfg.run.dir)
     check_layout(cfg, world)
-    if (run_dir / "metrics.jsonl").exists() and not cfg.run.resume:
-        raise ConfigError(f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir")
     if rank == 0:
-        if cfg.engines.urls:
-            check_engine_urls(cfg.engines.urls)  # before minutes of model preparation
+        preflight(cfg, world)  # before minutes of model preparation (again: torchrun may have started this rank directly)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
         hf, mcore = prepare_model(cfg)
@@ -200,10 +240,6 @@ def run(cfg: RunConfig) -> dict:
     box = [paths if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     hf, mcore = (Path(p) for p in box[0])
-    hf_config = json.loads((hf / "config.json").read_text())
-    if hf_config.get("num_experts", 0) % cfg.trainer.ep:
-        raise ConfigError(f"trainer.ep={cfg.trainer.ep} does not divide the model's {hf_config.get('num_experts')} experts")
-
     trainer = Trainer(str(mcore), cfg.trainer, lora=cfg.lora)
     lora = trainer.lora is not None
     resume_from = latest_checkpoint(run_dir) if cfg.run.resume else None
@@ -329,7 +365,7 @@ def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path, hf_confi
     if cfg.lora.enabled:
         from moerl.weight_sync.lora import AdapterSync
 
-        return AdapterSync(urls, cfg.lora, hf_config, directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
+        return AdapterSync(urls, cfg.lora, hf_config, str(hf.resolve()), directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
     if cfg.sync.method == "disk":
         from moerl.weight_sync.disk import DiskSync
 
@@ -365,19 +401,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-bucket parameter listings drown the run's own lines
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+    except MoerlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.show_config:
         print(to_yaml(cfg), end="")
         return 0
     try:
-        if args.print_world_size:
-            check_layout(cfg, trainer_world_size(cfg))
+        if args.check:
+            preflight(cfg, trainer_world_size(cfg))
             print(trainer_world_size(cfg))
             return 0
         summary = run(cfg)
-    except ConfigError as e:
+    except MoerlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

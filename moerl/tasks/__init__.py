@@ -16,12 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from moerl.config import ConfigError, check_choices, choice
+
 DATA_DIR = Path(__file__).parent / "data"
+TASKS = {"tiny": "tiny", "gsm8k": "math", "file": "exact"}  # task -> its default reward
 
 
 @dataclass
 class TaskConfig:
-    name: str = "tiny"  # tiny | gsm8k | file
+    name: str = choice("tiny", tuple(TASKS))
     path: str | None = None  # jsonl or parquet records (file; gsm8k: instead of the shipped sample)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
@@ -34,17 +37,16 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.name not in TASKS:
-            raise ValueError(f"task.name={self.name!r}: expected one of {', '.join(TASKS)}")
+        check_choices(self, "task")
         if self.name == "file" and not self.path:
-            raise ValueError("task.name=file needs task.path (a .jsonl or .parquet file of records)")
+            raise ConfigError("task.name=file needs task.path (a .jsonl or .parquet file of records)")
 
 
 def read_records(path: str | Path, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict[str, Any]]:
     """Records of a local jsonl or parquet file as ``{"prompt", "answer"}`` dicts."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"task.path={path}: no such file")
+        raise ConfigError(f"task.path={path}: no such file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -56,15 +58,17 @@ def read_records(path: str | Path, prompt_key: str = "prompt", answer_key: str =
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
+                    raise ConfigError(f"task.path={path}:{n}: not a JSON object ({e})") from None
     else:
-        raise ValueError(f"task.path={path}: expected a .jsonl or .parquet file")
+        raise ConfigError(f"task.path={path}: expected a .jsonl or .parquet file")
     for n, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(f"task.path={path}: record {n} is {type(row).__name__}, not a JSON object")
         missing = [k for k in (prompt_key, answer_key) if k not in row]
         if missing:
-            raise ValueError(f"{path}: record {n} has no {', '.join(missing)} (keys: {', '.join(row)}); set task.prompt_key/answer_key")
+            raise ConfigError(f"task.path={path}: record {n} has no {', '.join(missing)} (keys: {', '.join(row)}); set task.prompt_key/answer_key")
     if not rows:
-        raise ValueError(f"{path}: no records")
+        raise ConfigError(f"task.path={path}: no records")
     return [{"prompt": row[prompt_key], "answer": row[answer_key]} for row in rows]
 
 
@@ -75,9 +79,6 @@ def load_records(cfg: TaskConfig) -> list[dict[str, Any]]:
         return tiny.records()
     path = cfg.path or DATA_DIR / "gsm8k_sample.jsonl"  # gsm8k without a path: the shipped sample
     return read_records(path, cfg.prompt_key, cfg.answer_key)
-
-
-TASKS = {"tiny": "tiny", "gsm8k": "math", "file": "exact"}  # task -> its default reward
 
 
 class PromptStream:

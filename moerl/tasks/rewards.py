@@ -12,6 +12,7 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+from moerl.errors import ConfigError
 from moerl.tasks import TASKS, TaskConfig
 
 
@@ -50,13 +51,13 @@ def resolve(name: str) -> Callable:
         return BUILT_IN[name]
     module, sep, attr = name.partition(":")
     if not sep:
-        raise ValueError(f"task.reward={name!r}: expected one of {', '.join(BUILT_IN)} or 'package.module:function'")
+        raise ConfigError(f"task.reward={name!r}: expected one of {', '.join(BUILT_IN)} or 'package.module:function'")
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"task.reward={name!r} cannot be loaded: {e}") from None
+        raise ConfigError(f"task.reward={name!r} cannot be loaded: {e}") from None
     if not callable(fn):
-        raise ValueError(f"task.reward={name!r} is not callable")
+        raise ConfigError(f"task.reward={name!r} is not callable")
     return fn
 
 

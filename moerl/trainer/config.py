@@ -4,20 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moerl.config import check_choices, choice
 from moerl.trainer.objectives import LossConfig
 from moerl.trainer.routing import ROUTING_MODES
 
 MICRO_BATCH_FORMATS = ("padded", "packed")
+DTYPES = ("auto", "bfloat16", "float32")  # auto: bfloat16 on CUDA, float32 on CPU
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # megatron-core's schedules without extra settings
 
 
 @dataclass
 class ReplayConfig:
-    routing: str = "R3"  # off | R2 (replay the old-policy forward's routing) | R3 (replay the rollout's)
+    routing: str = choice("R3", ROUTING_MODES)  # off | R2 (replay the old-policy forward's routing) | R3 (replay the rollout's)
     sampling_mask: bool = True  # score tokens renormalised over the engine's kept set
 
     def __post_init__(self):
-        if self.routing not in ROUTING_MODES:
-            raise ValueError(f"replay.routing={self.routing!r}: expected one of {', '.join(ROUTING_MODES)}")
+        check_choices(self, "replay")
 
 
 @dataclass
@@ -26,13 +28,16 @@ class OptimConfig:
     min_lr: float = 0.0
     lr_warmup_steps: int = 0
     lr_decay_steps: int | None = None  # default: no decay
-    lr_decay_style: str = "constant"  # constant | linear | cosine
+    lr_decay_style: str = choice("constant", LR_DECAY_STYLES)
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     distributed_optimizer: bool = True  # shard optimizer state over data parallel (CUDA only: gloo has no reduce-scatter)
+
+    def __post_init__(self):
+        check_choices(self, "optim")
 
 
 @dataclass
@@ -41,8 +46,8 @@ class TrainerConfig:
     pp: int = 1
     ep: int = 1
     micro_batch_tokens: int = 4096  # tokens per micro-batch, padding included
-    micro_batch_format: str = "padded"  # padded: [b, s] rows | packed: samples end to end, each attending only to itself
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    micro_batch_format: str = choice("padded", MICRO_BATCH_FORMATS)  # padded: [b, s] rows | packed: samples end to end, each attending only to itself
+    dtype: str = choice("auto", DTYPES)
     seed: int = 1234
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
     loss: LossConfig = field(default_factory=LossConfig)
@@ -50,5 +55,4 @@ class TrainerConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def __post_init__(self):
-        if self.micro_batch_format not in MICRO_BATCH_FORMATS:
-            raise ValueError(f"micro_batch_format={self.micro_batch_format!r}: expected one of {', '.join(MICRO_BATCH_FORMATS)}")
+        check_choices(self, "trainer")

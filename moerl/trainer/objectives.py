@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moerl.config import ConfigError, check_choices, choice
+
 POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 CORRECTIONS = ("none", "tis", "seq_is", "geo_is", "icepop", "token_mask")
@@ -33,34 +35,31 @@ K3_MAX = 10.0
 
 @dataclass
 class LossConfig:
-    policy_loss: str = "ppo"  # ppo | gspo | cispo
+    policy_loss: str = choice("ppo", POLICY_LOSSES)
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28
     dual_clip: float | None = 3.0  # for negative advantages, the loss is capped at -A * dual_clip (PPO only)
-    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (Dr. GRPO)
+    aggregation: str = choice("token_mean", AGGREGATIONS)  # seq_mean_token_sum_norm: Dr. GRPO
     max_response_len: int | None = None  # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
     std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
-    correction: str = "tis"  # behaviour -> proximal: none | tis | seq_is | geo_is | icepop | token_mask
+    correction: str = choice("tis", CORRECTIONS)  # behaviour -> proximal
     is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights
     # icepop weighs a token by k = old/behaviour inside [band_low, band_high] and zeroes it outside;
     # token_mask keeps the in-band tokens unweighted (rejection only, no correction).
     band_low: float = 0.5
     band_high: float = 2.0
     kl_coef: float = 0.0  # reference KL penalty (0: no reference model)
-    kl_estimator: str = "k3"
+    kl_estimator: str = choice("k3", KL_ESTIMATORS)
     entropy_coef: float = 0.0
 
     def __post_init__(self):
-        for name, allowed in (("policy_loss", POLICY_LOSSES), ("aggregation", AGGREGATIONS),
-                              ("correction", CORRECTIONS), ("kl_estimator", KL_ESTIMATORS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"loss.{name}={getattr(self, name)!r}: expected one of {', '.join(allowed)}")
+        check_choices(self, "loss")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ValueError(f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+            raise ConfigError(f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
         if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"loss.dual_clip must be > 1 (or null), got {self.dual_clip}")
+            raise ConfigError(f"loss.dual_clip must be > 1 (or null), got {self.dual_clip}")
         if not 0 <= self.band_low < self.band_high:
-            raise ValueError(f"loss.band_low must be >= 0 and below band_high, got {self.band_low}, {self.band_high}")
+            raise ConfigError(f"loss.band_low must be >= 0 and below band_high, got {self.band_low}, {self.band_high}")
 
 
 def grpo_advantages(rewards: np.ndarray, group_ids: np.ndarray, std_normalize: bool, eps: float = 1e-6) -> np.ndarray:

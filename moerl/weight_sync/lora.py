@@ -31,9 +31,9 @@ def adapter_name(version: int | str) -> str:
 
 
 class AdapterSync(EngineLink):
-    def __init__(self, urls: list[str], lora: LoRAConfig, hf_config: dict, directory: str | Path | None = None):
+    def __init__(self, urls: list[str], lora: LoRAConfig, hf_config: dict, base_model: str, directory: str | Path | None = None):
         super().__init__(urls, "moerl-adapter-sync")
-        self.lora, self.hf_config = lora, hf_config
+        self.lora, self.hf_config, self.base_model = lora, hf_config, base_model
         self.directory = Path(directory) if directory is not None else None
 
     def connect(self) -> None:
@@ -44,7 +44,7 @@ class AdapterSync(EngineLink):
         start = time.perf_counter()
         family = family_for(self.hf_config)
         tensors = peft_tensors(family, family.normalize(self.hf_config), lora)
-        config = adapter_config(self.lora, tensors)
+        config = adapter_config(self.lora, tensors, self.base_model)
         name = adapter_name(version)
         if self.directory is None:
             self.run(self.client.load_lora_from_tensors(name, config, tensors))

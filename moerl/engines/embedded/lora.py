@@ -18,12 +18,9 @@ import torch
 from safetensors.torch import load, load_file
 
 from moerl.engines.embedded.runner import hub_tensor_targets, hub_tensor_view
+from moerl.errors import LoRAError
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be loaded; the message says why."""
 
 
 @dataclass

@@ -1,0 +1,152 @@
+"""The job's config as users type it: every enum value unquoted, every key that docs and messages name,
+the README's command lines verbatim."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import shlex
+import subprocess
+import sys
+import tokenize
+import typing
+from pathlib import Path
+
+import pytest
+
+from moerl.env import child_env
+from moerl.errors import ConfigError
+from moerl.orchestrator.config import RunConfig, load_config, schema_type
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+# Overrides some values need to form a valid config on their own.
+NEEDS = {("task.name", "file"): ["task.path=prompts.jsonl"]}
+
+
+def choice_fields(section_type=RunConfig, prefix: str = "") -> list[tuple[str, tuple[str, ...]]]:
+    out = []
+    hints = typing.get_type_hints(section_type)
+    for f in dataclasses.fields(section_type):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if "choices" in f.metadata:
+            out.append((key, f.metadata["choices"]))
+        elif dataclasses.is_dataclass(hints[f.name]):
+            out += choice_fields(hints[f.name], key)
+    return out
+
+
+ENUM_VALUES = [(key, value) for key, options in choice_fields() for value in options]
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_the_config_declares_its_enums():
+    keys = {key for key, _ in choice_fields()}
+    assert {"run.mode", "trainer.replay.routing", "trainer.loss.correction", "sync.method", "task.name"} <= keys
+
+
+@pytest.mark.parametrize("key, value", ENUM_VALUES, ids=[f"{k}={v}" for k, v in ENUM_VALUES])
+def test_every_enum_value_can_be_typed_unquoted(tmp_path, key, value):
+    extra = NEEDS.get((key, value), [])
+    assert _get(load_config(None, [f"{key}={value}", *extra]), key) == value
+    # The same value in a YAML file, unquoted.
+    *sections, leaf = key.split(".")
+    text = "".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections)) + f"{'  ' * len(sections)}{leaf}: {value}\n"
+    (tmp_path / "c.yaml").write_text(text)
+    assert _get(load_config(tmp_path / "c.yaml", extra), key) == value
+
+
+def test_the_routing_ablation_through_the_recipe_as_typed():
+    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "trainer.replay.routing=off", "--show-config"],
+                         env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "routing: 'off'" in out.stdout
+
+
+def test_yaml_11_booleans_still_set_boolean_fields():
+    for text, expected in (("off", False), ("on", True), ("no", False), ("yes", True), ("false", False), ("true", True)):
+        assert load_config(None, [f"trainer.replay.sampling_mask={text}"]).trainer.replay.sampling_mask is expected
+
+
+def test_string_fields_take_the_text_as_typed():
+    cfg = load_config(None, ["task.system_prompt=Answer: yes # briefly", "run.dir=0123", "model.path=null", "task.reward='exact'"])
+    assert cfg.task.system_prompt == "Answer: yes # briefly" and cfg.run.dir == "0123"
+    assert cfg.model.path is None and cfg.task.reward == "exact"
+
+
+def test_a_bad_enum_names_the_full_key():
+    with pytest.raises(ConfigError, match=r"trainer\.replay\.routing='R4': expected one of off, R2, R3"):
+        load_config(None, ["trainer.replay.routing=R4"])
+
+
+def test_dr_grpo_divides_by_the_generation_limit():
+    cfg = load_config(None, ["trainer.loss.aggregation=seq_mean_token_sum_norm", "rollout.max_new_tokens=96"])
+    assert cfg.trainer.loss.max_response_len == 96
+    cfg = load_config(None, ["trainer.loss.aggregation=seq_mean_token_sum_norm", "trainer.loss.max_response_len=128"])
+    assert cfg.trainer.loss.max_response_len == 128
+    assert load_config(None, []).trainer.loss.max_response_len is None  # token_mean needs none
+
+
+# ---- keys that docs, recipes, help texts and messages name ------------------------------------------
+KEY = re.compile(rf"(?<![\w.])(?:{'|'.join(SECTIONS)})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*")
+
+
+def _python_strings(path: Path) -> str:
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    kinds = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}  # f-strings are STRING tokens before 3.12
+    return "\n".join(t.string for t in tokens if t.type in kinds)
+
+
+def named_keys() -> dict[str, set[str]]:
+    """key -> where it is named: ``key=value`` anywhere in docs, recipes and moerl's strings, and every
+    backticked key in the markdown."""
+    found: dict[str, set[str]] = {}
+    texts = {p: p.read_text() for p in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("recipes/*")]}
+    texts.update({p: _python_strings(p) for p in [*REPO.glob("moerl/**/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("bench/*.py")]})
+    for path, text in texts.items():
+        for match in re.finditer(KEY.pattern + "=", text):
+            found.setdefault(match.group()[:-1], set()).add(path.name)
+        if path.suffix == ".md":  # `key` or `key=value` spans (not `moerl.trainer.config`, `trainer.step(...)`)
+            for code in re.findall(r"`([^`]+)`", text):
+                match = KEY.match(code)
+                if match and code[match.end():][:1] in ("", "="):
+                    found.setdefault(match.group(), set()).add(path.name)
+    return found
+
+
+def test_every_key_named_in_docs_and_messages_exists():
+    found = named_keys()
+    assert "trainer.replay.routing" in found and "run.steps" in found  # the scan sees what it should
+    stale = {key: sorted(where) for key, where in found.items() if schema_type(key) is None}
+    assert not stale, stale
+
+
+def readme_recipe_lines() -> list[list[str]]:
+    lines = []
+    for text in [(REPO / "README.md").read_text(), *(p.read_text() for p in REPO.glob("docs/*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+            for line in block.splitlines():
+                line = line.split("#", 1)[0].strip()
+                if "recipes/qwen_moe_grpo.sh" in line:
+                    lines.append(shlex.split(line))
+    return lines
+
+
+def test_the_readmes_recipe_lines_load_verbatim():
+    lines = readme_recipe_lines()
+    assert len(lines) >= 4
+    for words in lines:
+        args = words[words.index(next(w for w in words if w.endswith("recipes/qwen_moe_grpo.sh"))) + 1 :]
+        args = [a for a in args if a not in ("--show-config", "--help")]
+        config = REPO / "recipes" / "qwen_moe_grpo.yaml"
+        if "--config" in args:
+            i = args.index("--config")
+            config = REPO / args[i + 1]
+            args = args[:i] + args[i + 2 :]
+        load_config(config, [a for a in args if "=" in a])
