@@ -24,6 +24,7 @@ setup(
         "transformers>=5",
         "tqdm",
         "aiohttp>=3.9",
+        "pydantic>=2.5",  # the engine wire contract: typed, strict request bodies (SGLang validates its own with pydantic too)
         "numpy",
         "math-verify",  # answer checking of the math tasks
         "pyarrow",  # parquet prompt datasets
@@ -35,8 +36,8 @@ setup(
         # NVIDIA Apex is not on PyPI (the "apex" there is an unrelated project); it builds from source.
         "gpu": ["transformer-engine[pytorch]", "apex @ git+https://github.com/NVIDIA/apex.git"],
         "sglang": ["sglang", "sglang-router"],
-        # peft: tests load the exported adapters with it.
-        "dev": ["pytest>=8", "pytest-timeout", "peft>=0.21"],
+        # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed.
+        "dev": ["pytest>=8", "pytest-timeout", "peft>=0.21", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
 )

@@ -51,7 +51,8 @@ def run_generate_loop(model, requests, batch_size: int, pad_id: int) -> float:
 
 def run_engine(model_dir: Path, requests, batch_size: int, routing_and_masks: bool) -> float:
     from moerl.engines.embedded.runner import ModelRunner
-    from moerl.engines.embedded.scheduler import Request, SamplingParams, Scheduler
+    from moerl.engines.embedded.scheduler import Request, Scheduler
+    from moerl.engines.protocol import SamplingParams
 
     scheduler = Scheduler(ModelRunner(model_dir, device="cpu"), eos_token_ids=set(), max_running=batch_size)
     scheduler.start()

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moerl.engines.client import EngineClient, EngineError
-from moerl.engines.protocol import ModelShape
+from moerl.engines.protocol import ModelShape, ProtocolError
 from moerl.models.tiny import save_tiny_hf
 from tests.engine_server import running_server
 
@@ -164,7 +164,7 @@ async def _post(url, route, body):
 @pytest.mark.parametrize("body, message", [
     ({"input_ids": [1, 2], "return_routed_expert": True}, "unknown or unsupported field(s): return_routed_expert"),
     ({"input_ids": []}, "input_ids is empty"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens must be >= 0"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens: Input should be greater than or equal to 0"),
     ({"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": -1}}, "return_sampling_mask needs a finite top_k"),
     ({"input_ids": [1], "lora_path": "nope"}, "LoRA adapter 'nope' is not loaded"),
     ({"input_ids": [1, 9999]}, "outside the vocabulary"),
@@ -177,9 +177,13 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, shape, body, 
 
 
 def test_client_raises_the_engines_message_on_a_refusal(server, shape):
-    async def go():
+    async def go(ids, params):
         async with EngineClient([server], shape) as client:
-            await client.generate([1, 2], {"top_p": 0})
+            await client.generate(ids, params)
 
-    with pytest.raises(EngineError, match=r"refused \(400\): sampling_params.top_p must be in \(0, 1\]"):
-        run(go())
+    # What only the engine can know (its vocabulary) comes back as its 400 message ...
+    with pytest.raises(EngineError, match=r"refused \(400\): input_ids has ids outside the vocabulary \[0, 256\)"):
+        run(go([1, 9999], {}))
+    # ... and a body the contract refuses is never sent.
+    with pytest.raises(ProtocolError, match=r"top_p: Input should be greater than 0"):
+        run(go([1, 2], {"top_p": 0}))

@@ -10,7 +10,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from moerl.engines.client import EngineClient
+from moerl.engines.client import EngineClient, EngineError
 from moerl.models.tiny import save_tiny_hf
 from tests.engine_server import running_server
 
@@ -75,7 +75,7 @@ def test_in_place_update_mid_generation_splits_the_version_spans(server, models)
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 0}}
             finish = await _stream_until_tokens(session, server, body, 3)
             await client.pause("in_place")
-            await client.update_weights_from_disk(str(models[1]), weight_version="v2")
+            await client.update_weights_from_disk(str(models[1]), weight_version="v2", flush_cache=False)
             await client.resume()
             return await finish
 
@@ -90,14 +90,14 @@ def test_in_place_update_mid_generation_splits_the_version_spans(server, models)
 def test_abort_returns_the_partial_output(server):
     async def go():
         async with aiohttp.ClientSession() as session, EngineClient([server]) as client:
-            body = {"input_ids": PROMPT, "rid": "long-one", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+            body = {"input_ids": PROMPT, "rid": "long-one", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
             finish = await _stream_until_tokens(session, server, body, 2)
             await client.abort("long-one")
             return await finish
 
     final = asyncio.run(go())
     assert final["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 2 <= len(final["output_ids"]) < 2000
+    assert 2 <= len(final["output_ids"]) < 500
 
 
 def test_pause_holds_requests_until_continue(server):
@@ -118,7 +118,7 @@ def test_pause_holds_requests_until_continue(server):
 def test_pause_with_abort_finishes_running_requests(server):
     async def go():
         async with aiohttp.ClientSession() as session, EngineClient([server]) as client:
-            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
             finish = await _stream_until_tokens(session, server, body, 2)
             await client.pause("abort")
             final = await finish
@@ -175,7 +175,12 @@ def test_weight_update_from_distributed_broadcast(server, models, load_format):
                 dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
                 shapes = [list(t.shape) for _, t in named]
                 send = asyncio.to_thread(lambda: [dist.broadcast(t, 0, group) for _, t in named])
+            # Outside a weight-update session the engine refuses before receiving anything (SGLang 0.5.23).
+            with pytest.raises(EngineError, match="must run between /begin_weight_update and /end_weight_update"):
+                await client.update_weights_from_distributed(names, dtypes, shapes, group_name, load_format=load_format)
+            await client.begin_weight_update()
             await asyncio.gather(send, client.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version="step-1", load_format=load_format))
+            await client.end_weight_update()
             pushed = (await client.generate(PROMPT, GREEDY))[0]
             await client.update_weights_from_disk(str(models[1]))
             from_disk = (await client.generate(PROMPT, GREEDY))[0]
@@ -197,7 +202,7 @@ def test_a_mismatched_weight_update_is_refused_and_changes_nothing(server):
             return before, after, status, answer
 
     before, after, status, answer = asyncio.run(go())
-    assert status == 400 and "group 'nope' is not initialised" in answer["error"]["message"]
+    assert status == 400 and "model.norm.weight: shape (3,) != served (64,)" in answer["error"]["message"]
     assert np.array_equal(before.output_ids, after.output_ids)
 
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from moerl.checkpoint.cli import main as convert_main
 from moerl.checkpoint.convert import hf_to_mcore
 from moerl.checkpoint.peft import adapter_config, peft_tensors, save_adapter
-from moerl.engines.embedded.lora import AdapterSet, adapter_from_dir
+from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.megatron.launch import run_ranks
 from moerl.megatron.lora import LoRAConfig, LoRAError
@@ -124,7 +124,7 @@ def test_exported_adapter_matches_peft_and_merged_models(trained, models, tmp_pa
     run = trained["qwen2"][-1]
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     adapters = AdapterSet(model)
-    adapters.add(adapter_from_dir("trained", _peft_dir(tmp_path, "qwen2", hf, run["lora"])))
+    adapters.add(adapters.from_dir("trained", _peft_dir(tmp_path, "qwen2", hf, run["lora"])))
     adapters.activate("trained")
     with torch.no_grad():
         assert (model(INPUT_IDS).logits - run["logits"]).abs().max() < 1e-4
@@ -186,7 +186,7 @@ def serve(model_dir, adapter=None) -> list:
     """Token ids and log-probs of seeded samples from an in-process embedded engine (with ``adapter``)."""
     engine = EmbeddedEngine(str(model_dir), dtype=torch.float32, device="cpu")
     if adapter is not None:
-        engine.scheduler.adapters.add(adapter_from_dir("trained", adapter))
+        engine.adapters.add(engine.adapters.from_dir("trained", adapter))
     engine.scheduler.start()
     try:
         body = {"input_ids": INPUT_IDS[0].tolist(), "return_logprob": True, "lora_path": "trained" if adapter else None,

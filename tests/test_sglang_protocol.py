@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moerl.engines.client import EngineClient
-from moerl.engines.protocol import ModelShape, ProtocolError, decode_routed_experts, decode_sampling_masks, encode_routed_experts, parse_generate
+from moerl.engines.protocol import GenerateReqInput, ModelShape, ProtocolError, decode_routed_experts, decode_sampling_masks, encode_routed_experts
 from moerl.engines.sglang import SGLangConfig, SGLangPool, router_args, server_args
 from moerl.models.tiny import save_tiny_hf
 
@@ -129,7 +129,7 @@ def test_server_args_parse_with_sglangs_parser(sglang_io):
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(server_args(SGLangConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8), replica=0))
+    ns = parser.parse_args(server_args(SGLangConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8), port=30000))
     assert ns.enable_return_routed_experts and ns.enable_memory_saver and ns.enable_lora
     assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend) == (2, 8, "triton_v2", "none")
     assert ns.sampling_mask_max_tokens == SGLangConfig.sampling_mask_max_tokens
@@ -140,9 +140,9 @@ def _captured_bodies() -> list[tuple[str, dict]]:
     sent: list[tuple[str, dict]] = []
 
     class Capturing(EngineClient):
-        async def _call(self, url, method, route, body=None):
-            sent.append((route, body))
-            if route == "/generate":
+        async def _call(self, url, route, request=None):
+            sent.append((route.path, request.body() if request is not None else None))
+            if route.path == "/generate":
                 return {"output_ids": [1], "meta_info": {"id": "r", "prompt_tokens": 2, "finish_reason": {"type": "length"},
                                                           "routed_experts": encode_routed_experts(np.zeros((2, 2, 2), np.int32)),
                                                           "output_token_sampling_mask": [[1]]}}
@@ -161,7 +161,9 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.set_weight_version("7")
         await client.update_weights_from_disk("/ckpt", weight_version="3")
         await client.init_weights_update_group("127.0.0.1", 29500, 2, "g", "nccl")
+        await client.begin_weight_update()
         await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], "g", weight_version="4", load_format="flattened_bucket")
+        await client.end_weight_update()
         await client.load_lora("a", "/adapters/a")
         await client.load_lora_from_tensors("t", {"r": 2}, {"w": torch.ones(2)})
         await client.unload_lora("a")
@@ -180,6 +182,7 @@ def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
         "/continue_generation": io.ContinueGenerationReqInput, "/abort_request": io.AbortReq,
         "/update_weight_version": io.UpdateWeightVersionReqInput, "/update_weights_from_disk": io.UpdateWeightFromDiskReqInput,
         "/init_weights_update_group": io.InitWeightsUpdateGroupReqInput,
+        "/begin_weight_update": io.BeginWeightUpdateReqInput, "/end_weight_update": io.EndWeightUpdateReqInput,
         "/update_weights_from_distributed": io.UpdateWeightsFromDistributedReqInput,
         "/load_lora_adapter": io.LoadLoRAAdapterReqInput, "/load_lora_adapter_from_tensors": io.LoadLoRAAdapterFromTensorsReqInput,
         "/unload_lora_adapter": io.UnloadLoRAAdapterReqInput,
@@ -213,10 +216,10 @@ def test_generate_bodies_sglangs_contract_refuses_are_refused_here(sglang_io, bo
 
     theirs = generate_contract_error(body)
     if theirs is None:
-        parse_generate(body, vocab_size=100)
+        GenerateReqInput.parse(body)
     else:
         with pytest.raises(ProtocolError):
-            parse_generate(body, vocab_size=100)
+            GenerateReqInput.parse(body)
 
 
 def test_routing_and_mask_codecs_match_sglangs(sglang_io):

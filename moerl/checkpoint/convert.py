@@ -20,7 +20,7 @@ import torch
 from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
-from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, copy_carried_files, read_config
+from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, check_hf_tensors, copy_carried_files, read_config
 from moerl.checkpoint.mcore import (HF_SUBDIR, MOERL_META, SHARDED_METADATA, TRAINER_STATE, hf_config_of, merge_pieces,
                                    read_moerl_meta)
 from moerl.checkpoint.peft import adapter_config, merge_into, peft_tensors, write_adapter_files
@@ -77,37 +77,6 @@ def layer_pieces(family: QwenMoeFamily, cfg: dict) -> list[tuple[str, list[Tenso
 
 def in_piece(name: str, prefix: str) -> bool:
     return name.startswith(prefix) if prefix else not name.startswith("decoder.layers.")
-
-
-def check_hf_tensors(reader: HFReader, family: QwenMoeFamily, cfg: dict) -> torch.dtype:
-    """Every tensor the model needs is present with the right shape, and none would be dropped.
-
-    Reads only safetensors headers. Returns the checkpoint dtype (one for all tensors)."""
-    rules = family.all_rules(cfg)
-    expected = {name: shape for r in rules for name, shape in zip(r.hf, r.hf_shapes)}
-    present = reader.names()
-    problems = []
-    missing = sorted(set(expected) - present)
-    if missing:
-        problems.append(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
-    extra = present - set(expected)
-    if cfg.get("tie_word_embeddings"):
-        extra.discard("lm_head.weight")  # some writers save the tied copy too
-    if extra:
-        problems.append(f"{len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}")
-    wrong = [
-        f"{n}: {reader.shape(n)} != expected {tuple(s)}"
-        for n, s in expected.items()
-        if n in present and reader.shape(n) != tuple(s)
-    ]
-    if wrong:
-        problems.append(f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:3]}")
-    if problems:
-        raise CheckpointError(f"{reader.directory}: " + "; ".join(problems))
-    dtypes = {reader.dtype(n) for n in expected}
-    if len(dtypes) != 1:
-        raise CheckpointError(f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one parameter dtype")
-    return dtypes.pop()
 
 
 def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -44,9 +44,12 @@ def read_config(directory: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{directory}: no config.json (is this a Hugging Face model directory?)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
 
 
 class HFReader:
@@ -56,7 +59,7 @@ class HFReader:
         self.directory = Path(directory)
         index = self.directory / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
         elif (self.directory / SINGLE_NAME).is_file():
             weight_map = None
         else:
@@ -67,7 +70,7 @@ class HFReader:
             raise CheckpointError(f"{directory}: shard files listed in the index are missing: {missing}")
         self.file_of: dict[str, str] = {}
         for f in files:
-            with safe_open(str(self.directory / f), framework="pt") as handle:
+            with _open(self.directory / f) as handle:
                 for name in handle.keys():
                     self.file_of[name] = f
         if weight_map:
@@ -86,7 +89,7 @@ class HFReader:
         file = self.file_of[name]
         if file != self._open_file:
             self._open_handle = None
-            self._open_handle = safe_open(str(self.directory / file), framework="pt")
+            self._open_handle = _open(self.directory / file)
             self._open_file = file
         return self._open_handle
 
@@ -100,7 +103,62 @@ class HFReader:
         return _SAFETENSORS_DTYPES[self._handle(name).get_slice(name).get_dtype()]
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        try:
+            return self._handle(name).get_tensor(name)
+        except Exception as e:  # safetensors' own error types: a file damaged past its header
+            raise CheckpointError(f"{self.directory / self.file_of[name]}: tensor {name} cannot be read ({e})") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+    odd = sorted({v for v in weight_map.values() if not v or "/" in v or "\0" in v or v in (".", "..")})
+    if odd:
+        raise CheckpointError(f"{index}: shards must be plain file names beside the index, got {odd[:3]}")
+    return weight_map
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for a damaged or foreign file
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def check_hf_tensors(reader: HFReader, family, cfg: dict) -> torch.dtype:
+    """Every tensor the model (a :class:`~moerl.models.QwenMoeFamily` and its normalised config) needs is
+    present with the right shape, and none would be dropped.
+
+    Reads only safetensors headers. Returns the checkpoint dtype (one for all tensors)."""
+    rules = family.all_rules(cfg)
+    expected = {name: shape for r in rules for name, shape in zip(r.hf, r.hf_shapes)}
+    present = reader.names()
+    problems = []
+    missing = sorted(set(expected) - present)
+    if missing:
+        problems.append(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+    extra = present - set(expected)
+    if cfg.get("tie_word_embeddings"):
+        extra.discard("lm_head.weight")  # some writers save the tied copy too
+    if extra:
+        problems.append(f"{len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}")
+    wrong = [
+        f"{n}: {reader.shape(n)} != expected {tuple(s)}"
+        for n, s in expected.items()
+        if n in present and reader.shape(n) != tuple(s)
+    ]
+    if wrong:
+        problems.append(f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:3]}")
+    if problems:
+        raise CheckpointError(f"{reader.directory}: " + "; ".join(problems))
+    dtypes = {reader.dtype(n) for n in expected}
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one parameter dtype")
+    return dtypes.pop()
 
 
 class HFWriter:

@@ -1,8 +1,10 @@
 """One async client for every engine replica, SGLang or embedded: same routes, same decoding.
 
 Requests go to the least-loaded replica (fewest in flight). Each completion is returned as soon as
-it finishes; transport failures and 5xx answers are retried a bounded number of times; a 4xx answer
-is the caller's mistake and raises at once with the engine's message.
+it finishes; transport failures and 5xx answers are retried a bounded number of times on routes where
+a second attempt is harmless (never a group join, a broadcast or an adapter load); a 4xx answer is the
+caller's mistake and raises at once with the engine's message. Every body is built with the route's
+type from :mod:`moerl.engines.protocol`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, AsyncIterator, Iterable
 
 import aiohttp
 
-from moerl.engines.protocol import Completion, ModelShape, decode_generate
+from moerl.engines import protocol as P
+from moerl.engines.protocol import Completion, ModelShape, Route, SamplingParams, WireModel, decode_generate
 
 log = logging.getLogger(__name__)
 
@@ -56,47 +59,54 @@ class EngineClient:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self._session
 
-    async def _call(self, url: str, method: str, route: str, body: dict | None = None) -> Any:
+    async def _call(self, url: str, route: Route, request: WireModel | None = None) -> Any:
+        """One route on one engine; transport errors and 5xx are retried where the route is idempotent."""
+        body = request.body() if request is not None else None
         last: Exception | None = None
-        for attempt in range(self.retries + 1):
+        attempts = self.retries + 1 if route.idempotent else 1
+        for attempt in range(attempts):
             try:
-                async with self._http().request(method, url + route, json=body) as resp:
+                async with self._http().request(route.method, url + route.path, json=body) as resp:
                     text = await resp.text()
                     if resp.status < 400:
                         return json.loads(text) if text and resp.content_type == "application/json" else text
                     message = _error_message(text)
                     if resp.status < 500:
-                        raise EngineError(url, f"{route} refused ({resp.status}): {message}", resp.status)
-                    last = EngineError(url, f"{route} failed ({resp.status}): {message}", resp.status)
+                        raise EngineError(url, f"{route.path} refused ({resp.status}): {message}", resp.status)
+                    last = EngineError(url, f"{route.path} failed ({resp.status}): {message}", resp.status)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                last = EngineError(url, f"{route}: {type(e).__name__}: {e}")
-            if attempt < self.retries:
+                last = EngineError(url, f"{route.path}: {type(e).__name__}: {e}")
+            if attempt + 1 < attempts:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise last
 
-    async def _everywhere(self, method: str, route: str, body: dict | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._call(u, method, route, body) for u in self.urls)))
+    async def _everywhere(self, route: Route, request: WireModel | None = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._call(u, route, request) for u in self.urls)))
 
     # ---- generation -----------------------------------------------------------------------------
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
                        return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
                        return_sampling_mask: bool = False, rid: str | None = None, lora_path: str | None = None) -> list[Completion]:
-        """All ``sampling_params['n']`` completions of one prompt, from the least-loaded replica."""
-        body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        """All ``sampling_params.n`` completions of one prompt, from the least-loaded replica."""
+        if isinstance(sampling_params, dict):
+            sampling_params = SamplingParams.parse(sampling_params)
+        fields: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or SamplingParams(),
+                                  "return_logprob": return_logprob}
         if return_routed_experts:
             if self.shape is None:
                 raise ValueError("return_routed_experts needs EngineClient(shape=ModelShape...) to decode the routing")
-            body.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start_len)
+            fields.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start_len)
         if return_sampling_mask:
-            body.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
+            fields.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
         if rid is not None:
-            body["rid"] = rid
+            fields["rid"] = rid
         if lora_path is not None:
-            body["lora_path"] = lora_path
+            fields["lora_path"] = lora_path
+        request = P.GenerateReqInput(**fields)
         url = min(self.urls, key=self.in_flight.__getitem__)
         self.in_flight[url] += 1
         try:
-            out = await self._call(url, "POST", "/generate", body)
+            out = await self._call(url, P.GENERATE, request)
         finally:
             self.in_flight[url] -= 1
         responses = out if isinstance(out, list) else [out]
@@ -114,49 +124,54 @@ class EngineClient:
 
     # ---- control ------------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:
-        await self._everywhere("POST", "/pause_generation", {"mode": mode})
+        await self._everywhere(P.PAUSE, P.PauseGenerationReqInput(mode=mode))
 
     async def resume(self) -> None:
-        await self._everywhere("POST", "/continue_generation", {})
+        await self._everywhere(P.CONTINUE, P.ContinueGenerationReqInput())
 
     async def abort(self, rid: str | None = None) -> None:
-        await self._everywhere("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None})
+        await self._everywhere(P.ABORT, P.AbortReq(rid=rid or "", abort_all=rid is None))
 
     async def weight_versions(self) -> list[str]:
-        return [info["weight_version"] for info in await self._everywhere("GET", "/model_info")]
+        return [info["weight_version"] for info in await self._everywhere(P.MODEL_INFO)]
 
     async def set_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
-        await self._everywhere("POST", "/update_weight_version", {"new_version": version, "abort_all_requests": abort_all_requests})
+        await self._everywhere(P.UPDATE_WEIGHT_VERSION, P.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=abort_all_requests))
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
-        await self._everywhere("POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> None:
+        await self._everywhere(P.UPDATE_FROM_DISK, P.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version,
+                                                                                 flush_cache=flush_cache))
 
     async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                         backend: str, rank_offsets: list[int] | None = None) -> None:
         """Each replica joins the trainer's broadcast group at its own rank offset (default 1, 2, ...)."""
         offsets = rank_offsets or list(range(1, len(self.urls) + 1))
         await asyncio.gather(*(
-            self._call(u, "POST", "/init_weights_update_group", {
-                "master_address": master_address, "master_port": master_port, "rank_offset": off,
-                "world_size": world_size, "group_name": group_name, "backend": backend,
-            })
-            for u, off in zip(self.urls, offsets)
+            self._call(u, P.INIT_GROUP, P.InitWeightsUpdateGroupReqInput(
+                master_address=master_address, master_port=master_port, rank_offset=offset, world_size=world_size,
+                group_name=group_name, backend=backend))
+            for u, offset in zip(self.urls, offsets)
         ))
+
+    async def begin_weight_update(self) -> None:
+        await self._everywhere(P.BEGIN_UPDATE, P.BeginWeightUpdateReqInput())
+
+    async def end_weight_update(self) -> None:
+        await self._everywhere(P.END_UPDATE, P.EndWeightUpdateReqInput())
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                                               weight_version: str | None = None, load_format: str | None = None,
                                               flush_cache: bool = True) -> None:
-        await self._everywhere("POST", "/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "weight_version": weight_version, "load_format": load_format, "flush_cache": flush_cache,
-        })
+        await self._everywhere(P.UPDATE_FROM_DISTRIBUTED, P.UpdateWeightsFromDistributedReqInput(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
+            load_format=load_format, flush_cache=flush_cache))
 
     async def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """Each engine's copy of the Hub tensor ``name`` as nested lists, first ``truncate_size`` rows."""
-        return await self._everywhere("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        return await self._everywhere(P.GET_WEIGHTS, P.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size))
 
     async def load_lora(self, name: str, path: str) -> None:
-        await self._everywhere("POST", "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        await self._everywhere(P.LOAD_LORA, P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
 
     async def load_lora_from_tensors(self, name: str, config: dict[str, Any], tensors: dict[str, Any]) -> None:
         """Push an adapter's PEFT tensors without a shared filesystem, as base64 safetensors bytes
@@ -166,17 +181,16 @@ class EngineClient:
         from safetensors.torch import save
 
         payload = base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode("ascii")
-        await self._everywhere("POST", "/load_lora_adapter_from_tensors", {
-            "lora_name": name, "config_dict": config, "serialized_named_tensors": [payload], "load_format": "safetensors",
-        })
+        await self._everywhere(P.LOAD_LORA_TENSORS, P.LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, config_dict=config, serialized_named_tensors=[payload], load_format="safetensors"))
 
     async def unload_lora(self, name: str) -> None:
-        await self._everywhere("POST", "/unload_lora_adapter", {"lora_name": name})
+        await self._everywhere(P.UNLOAD_LORA, P.UnloadLoRAAdapterReqInput(lora_name=name))
 
     async def healthy(self) -> list[bool]:
         async def one(url):
             try:
-                async with self._http().get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                async with self._http().get(url + P.HEALTH.path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     return resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 return False

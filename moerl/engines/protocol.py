@@ -1,17 +1,21 @@
-"""The engine wire contract: SGLang 0.5.23's HTTP API, the subset RL uses, in one module.
+"""The engine wire contract: SGLang 0.5.23's HTTP API, the subset RL uses, every route in one module.
 
-The embedded engine parses requests with it and builds responses with it; the client builds
-requests with it and decodes responses with it. Field names, defaults and encodings are SGLang's
-(``sglang.srt.managers.io_struct.GenerateReqInput``, ``sglang.srt.sampling.sampling_params``).
+Each route has one request type, strict (a wrong type, an unknown field, a non-finite number or a value
+out of range is refused with the field named), and its answer's shape. The embedded engine parses with
+these types, the client builds its bodies with them, and tests check them against SGLang's own types.
+Field names, defaults and encodings are SGLang's (``sglang/srt/managers/io_struct.py``,
+``sglang/srt/sampling/sampling_params.py``); what depends on the served model (ids inside the vocabulary,
+the context length) is checked by :func:`check_generate`.
 """
 
 from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal, TypedDict
 
 import numpy as np
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moerl.errors import MoerlError
 
@@ -20,145 +24,321 @@ class ProtocolError(MoerlError):
     """A request the engine refuses (HTTP 400); the message says which field and why."""
 
 
-# ---- /generate request ------------------------------------------------------------------------
-
-SAMPLING_DEFAULTS: dict[str, Any] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_p": 0.0,
-    "max_new_tokens": 128,
-    "stop_token_ids": None,
-    "ignore_eos": False,
-    "n": 1,
-    "sampling_seed": None,
-}
-
-GENERATE_DEFAULTS: dict[str, Any] = {
-    "text": None,
-    "input_ids": None,
-    "sampling_params": None,
-    "rid": None,
-    "return_logprob": False,
-    "logprob_start_len": -1,
-    "return_routed_experts": False,
-    "routed_experts_start_len": 0,
-    "return_sampling_mask": False,
-    "sampling_logprobs_mode": "selected",
-    "lora_path": None,
-    "stream": False,
-}
-
-SAMPLING_LOGPROBS_MODES = ("selected", "support")
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
+GREEDY_BELOW = 1e-6  # SGLang samples greedily (temperature 1, top_k 1) below this temperature
+MAX_N = 1024  # completions of one prompt per request (SGLang sets no bound; one request must not flood the engine)
+INT64 = (-(2**63), 2**63 - 1)
+TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8")
 
 
-@dataclass
-class GenerateRequest:
-    """One validated /generate body (a single prompt; ``n`` completions of it)."""
-
-    input_ids: list[int] | None
-    text: str | None
-    sampling: dict[str, Any]
-    rid: str | None
-    return_logprob: bool
-    logprob_start_len: int
-    return_routed_experts: bool
-    routed_experts_start_len: int
-    return_sampling_mask: bool
-    sampling_logprobs_mode: str
-    lora_path: str | None
-    stream: bool
+def _no_nul(path: str) -> str:
+    if "\0" in path:
+        raise ValueError("a path cannot contain a NUL character")
+    return path
 
 
-def _check_type(name: str, value: Any, kinds: tuple[type, ...]) -> None:
-    if isinstance(value, bool) and bool not in kinds:
-        raise ProtocolError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
-    if not isinstance(value, kinds):
-        raise ProtocolError(f"{name} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+LocalPath = Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]  # a path on the engine's machine
 
 
-def parse_generate(body: Any, vocab_size: int, mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS) -> GenerateRequest:
-    """Validate a /generate JSON body. Raises :class:`ProtocolError` naming the first problem."""
-    if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
-    unknown = sorted(set(body) - set(GENERATE_DEFAULTS))
-    if unknown:
-        raise ProtocolError(f"unknown or unsupported field(s): {', '.join(unknown)}")
-    b = {**GENERATE_DEFAULTS, **{k: v for k, v in body.items() if v is not None}}
-    if (b["text"] is None) == (b["input_ids"] is None):
-        raise ProtocolError("give exactly one of text and input_ids")
-    if b["input_ids"] is not None:
-        ids = b["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ProtocolError("input_ids must be a list of token ids (one prompt per request)")
-        if not ids:
-            raise ProtocolError("input_ids is empty")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
+class WireModel(BaseModel):
+    """A JSON body: strict types, no unknown fields, finite numbers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @classmethod
+    def parse(cls, body: bytes | str | dict):
+        """The validated request of a raw JSON body (or an already decoded one); :class:`ProtocolError` if bad."""
+        try:
+            return cls.model_validate_json(body) if isinstance(body, (bytes, str)) else cls.model_validate(body)
+        except ValidationError as e:
+            raise ProtocolError(describe(e)) from None
+
+    def body(self) -> dict[str, Any]:
+        """What a client sends: the fields it set (the server applies the defaults)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+def describe(error: ValidationError) -> str:
+    """A validation error as ``field: problem`` parts, without echoing the (possibly huge) input."""
+    problems = error.errors(include_url=False, include_input=False)
+    unknown = [".".join(map(str, p["loc"])) for p in problems if p["type"] == "extra_forbidden"]
+    parts = [f"unknown or unsupported field(s): {', '.join(unknown)}"] if unknown else []
+    for p in problems:
+        if p["type"] != "extra_forbidden":
+            where = ".".join(map(str, p["loc"]))
+            message = p["msg"].removeprefix("Value error, ")  # our own checks' messages, as raised
+            parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts[:5])
+
+
+class _NullMeansDefault(WireModel):
+    """SGLang's /generate takes ``null`` for any field as "use the default"."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+# ---- /generate ----------------------------------------------------------------------------------
+
+
+class SamplingParams(_NullMeansDefault):
+    """``sampling_params`` of /generate."""
+
+    temperature: float = Field(1.0, ge=0)  # below GREEDY_BELOW: greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, le=INT64[1])  # -1: the whole vocabulary; 0 is refused
+    min_p: float = Field(0.0, ge=0, le=1)
+    max_new_tokens: int = Field(128, ge=0, le=INT64[1])
+    stop_token_ids: list[int] | None = None  # stop on any of these, besides the model's end token
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=MAX_N)  # completions of the prompt; completion i is seeded sampling_seed + i
+    sampling_seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("must be -1 (no limit) or >= 1")
+        return value
+
+    def resolved(self) -> "SamplingParams":
+        """What is sampled: a temperature below GREEDY_BELOW means greedy, as in SGLang (temperature 1, top_k 1)."""
+        return self.model_copy(update={"temperature": 1.0, "top_k": 1}) if self.temperature < GREEDY_BELOW else self
+
+
+class GenerateReqInput(_NullMeansDefault):
+    """One prompt (``text`` or ``input_ids``) and ``n`` completions of it."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = SamplingParams()
+    rid: str | None = None  # n > 1: completion i is "<rid>-<i>"; aborting rid aborts them all
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1)  # prompt log-probs from this position (-1: none)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)  # routing rows from this position
+    return_sampling_mask: bool = False  # each output token's kept set (needs a finite top_k)
+    sampling_logprobs_mode: Literal["selected", "support"] = "selected"
+    lora_path: str | None = None  # name of a loaded LoRA adapter
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "GenerateReqInput":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        if self.input_ids is not None and not self.input_ids:
+            raise ValueError("input_ids is empty")
+        if self.text is not None and not self.text:
+            raise ValueError("text is empty")
+        return self
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request is checked against on the serving engine."""
+
+    vocab_size: int
+    context_len: int
+    sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS
+
+
+def check_generate(req: GenerateReqInput, prompt: list[int], limits: EngineLimits) -> None:
+    """Refuse what the served model cannot take (as SGLang does, plus ids outside the vocabulary)."""
+    outside = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if outside:
+        raise ProtocolError(f"input_ids has ids outside the vocabulary [0, {limits.vocab_size}): {outside[:5]}")
+    s = req.sampling_params.resolved()
+    stops = [t for t in s.stop_token_ids or [] if not 0 <= t < limits.vocab_size]
+    if stops:
+        raise ProtocolError(f"sampling_params.stop_token_ids has ids outside the vocabulary [0, {limits.vocab_size}): {stops[:5]}")
+    if len(prompt) >= limits.context_len:
+        raise ProtocolError(f"The input ({len(prompt)} tokens) is longer than the model's context length ({limits.context_len} tokens).")
+    if len(prompt) + s.max_new_tokens > limits.context_len:
+        raise ProtocolError(f"Requested token count exceeds the model's maximum context length of {limits.context_len} tokens: "
+                            f"{len(prompt)} prompt + {s.max_new_tokens} max_new_tokens; reduce either")
+    if req.return_logprob and req.logprob_start_len >= len(prompt):
+        raise ProtocolError(f"logprob_start_len={req.logprob_start_len} must be < the prompt length {len(prompt)}")
+    if req.routed_experts_start_len > len(prompt):
+        raise ProtocolError(f"routed_experts_start_len={req.routed_experts_start_len} exceeds the prompt length {len(prompt)}")
+    if req.return_sampling_mask and not 1 <= s.top_k <= limits.sampling_mask_max_tokens:
+        raise ProtocolError(f"return_sampling_mask needs a finite top_k in [1, {limits.sampling_mask_max_tokens}] "
+                            f"(--sampling-mask-max-tokens), got top_k={s.top_k}")
+
+
+class GenerateMetaInfo(TypedDict, total=False):
+    id: str
+    finish_reason: dict  # {"type": "stop" | "length" | "abort", ...}
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str  # of the last output token
+    weight_versions: list[dict]  # spans {version, start, end} (end exclusive) over output positions
+    output_token_logprobs: list[list]  # [logprob, token id, None]: temperature-scaled, before truncation
+    input_token_logprobs: list[list]  # [logprob | None, token id, None] from logprob_start_len
+    routed_experts: str  # base64 of int32 [positions, num_hidden_layers, topk] (dense layers -1)
+    output_token_sampling_mask: list[list[int]]  # each output token's kept ids, ascending
+    output_token_sampling_mask_length: int
+    output_token_sampling_logprobs: list  # selected: the token's log-prob over its kept set; support: the set's
+
+
+class GenerateResponse(TypedDict, total=False):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+    index: int  # which of n completions a stream chunk belongs to
+
+
+# ---- control routes -----------------------------------------------------------------------------
+
+
+class PauseGenerationReqInput(WireModel):
+    # abort: finish running requests now; retract: drop their KV, re-prefill on continue; in_place: hold them
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(WireModel):
+    pass
+
+
+class AbortReq(WireModel):
+    rid: str = ""  # this request (and its n > 1 completions)
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _something(self) -> "AbortReq":
+        if not self.abort_all and not self.rid:
+            raise ValueError("give rid or abort_all=true")
+        return self
+
+
+class UpdateWeightVersionReqInput(WireModel):
+    new_version: str = Field(min_length=1)
+    abort_all_requests: bool = True
+
+
+class UpdateWeightFromDiskReqInput(WireModel):
+    model_path: LocalPath  # a HF directory with the served model's tensors
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True  # refused while requests run (an in_place pause): send false then
+
+
+class InitWeightsUpdateGroupReqInput(WireModel):
+    master_address: str = Field(min_length=1)  # where the trainer hosts the group's rendezvous store
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)  # this replica's first rank (the trainer is rank 0)
+    world_size: int = Field(ge=2, le=1 << 16)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_inside(self) -> "InitWeightsUpdateGroupReqInput":
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset={self.rank_offset} must be below world_size={self.world_size}")
+        return self
+
+
+class BeginWeightUpdateReqInput(WireModel):
+    """Opens a weight-update session: distributed updates are refused outside one (SGLang 0.5.23)."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReqInput(WireModel):
+    pass
+
+
+class UpdateWeightsFromDistributedReqInput(WireModel):
+    names: list[str] = Field(min_length=1)  # Hub tensor names
+    dtypes: list[Literal[TORCH_DTYPES]]
+    shapes: list[list[int]]
+    group_name: str = Field("weight_update_group", min_length=1)
+    flush_cache: bool = True  # refused while requests run (an in_place pause): send false then
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: Literal["flattened_bucket"] | None = None  # one uint8 broadcast of every tensor back to back
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "UpdateWeightsFromDistributedReqInput":
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(self.names)}, {len(self.dtypes)}, {len(self.shapes)})")
+        bad = [i for i, shape in enumerate(self.shapes) if any(d < 0 for d in shape)]
         if bad:
-            raise ProtocolError(f"input_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    else:
-        _check_type("text", b["text"], (str,))
-        if not b["text"]:
-            raise ProtocolError("text is empty")
-    for name in ("return_logprob", "return_routed_experts", "return_sampling_mask", "stream"):
-        _check_type(name, b[name], (bool,))
-    for name in ("logprob_start_len", "routed_experts_start_len"):
-        _check_type(name, b[name], (int,))
-    if b["rid"] is not None:
-        _check_type("rid", b["rid"], (str,))
-    if b["lora_path"] is not None:
-        _check_type("lora_path", b["lora_path"], (str,))
-    if b["sampling_logprobs_mode"] not in SAMPLING_LOGPROBS_MODES:
-        raise ProtocolError(f"sampling_logprobs_mode must be one of {SAMPLING_LOGPROBS_MODES}, got {b['sampling_logprobs_mode']!r}")
-    if b["routed_experts_start_len"] < 0:
-        raise ProtocolError("routed_experts_start_len must be >= 0")
-    sampling = _parse_sampling(b["sampling_params"] or {})
-    if b["return_sampling_mask"] and not 1 <= sampling["top_k"] <= mask_max_tokens:
-        raise ProtocolError(
-            f"return_sampling_mask needs a finite top_k in [1, {mask_max_tokens}] (--sampling-mask-max-tokens), "
-            f"got top_k={sampling['top_k']}"
-        )
-    return GenerateRequest(
-        input_ids=b["input_ids"], text=b["text"], sampling=sampling, rid=b["rid"],
-        return_logprob=b["return_logprob"], logprob_start_len=b["logprob_start_len"],
-        return_routed_experts=b["return_routed_experts"], routed_experts_start_len=b["routed_experts_start_len"],
-        return_sampling_mask=b["return_sampling_mask"], sampling_logprobs_mode=b["sampling_logprobs_mode"],
-        lora_path=b["lora_path"], stream=b["stream"],
-    )
+            raise ValueError(f"shapes[{bad[0]}]={self.shapes[bad[0]]} has a negative dimension")
+        return self
 
 
-def _parse_sampling(params: Any) -> dict[str, Any]:
-    if not isinstance(params, dict):
-        raise ProtocolError("sampling_params must be a JSON object")
-    unknown = sorted(set(params) - set(SAMPLING_DEFAULTS))
-    if unknown:
-        raise ProtocolError(f"unknown or unsupported sampling_params: {', '.join(unknown)}")
-    s = {**SAMPLING_DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
-    for name in ("temperature", "top_p", "min_p"):
-        _check_type(f"sampling_params.{name}", s[name], (int, float))
-    for name in ("top_k", "max_new_tokens", "n"):
-        _check_type(f"sampling_params.{name}", s[name], (int,))
-    _check_type("sampling_params.ignore_eos", s["ignore_eos"], (bool,))
-    if s["temperature"] < 0:
-        raise ProtocolError(f"sampling_params.temperature must be >= 0, got {s['temperature']}")
-    if not 0 < s["top_p"] <= 1:
-        raise ProtocolError(f"sampling_params.top_p must be in (0, 1], got {s['top_p']}")
-    if not 0 <= s["min_p"] <= 1:
-        raise ProtocolError(f"sampling_params.min_p must be in [0, 1], got {s['min_p']}")
-    if s["top_k"] == 0 or s["top_k"] < -1:
-        raise ProtocolError(f"sampling_params.top_k must be -1 (no limit) or >= 1, got {s['top_k']}")
-    if s["max_new_tokens"] < 0:
-        raise ProtocolError(f"sampling_params.max_new_tokens must be >= 0, got {s['max_new_tokens']}")
-    if s["n"] < 1:
-        raise ProtocolError(f"sampling_params.n must be >= 1, got {s['n']}")
-    stop = s["stop_token_ids"] or []
-    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
-        raise ProtocolError("sampling_params.stop_token_ids must be a list of token ids")
-    s["stop_token_ids"] = stop
-    if s["sampling_seed"] is not None:
-        _check_type("sampling_params.sampling_seed", s["sampling_seed"], (int,))
-    return s
+class GetWeightsByNameReqInput(WireModel):
+    name: str = Field(min_length=1)
+    truncate_size: int = Field(100, ge=1)
+
+
+class LoadLoRAAdapterReqInput(WireModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: LocalPath  # a PEFT directory
+    pinned: bool = False
+
+
+class LoadLoRAAdapterFromTensorsReqInput(WireModel):
+    lora_name: str = Field(min_length=1)
+    config_dict: dict[str, Any]  # the PEFT adapter_config.json
+    # SGLang: one serialized copy per TP rank. The embedded engine (one rank) takes one base64 safetensors
+    # payload with load_format="safetensors"; SGLang's own is a CUDA-IPC pickle that cannot cross machines.
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterReqInput(WireModel):
+    lora_name: str = Field(min_length=1)
+
+
+class ControlResponse(TypedDict, total=False):
+    success: bool
+    message: str
+    aborted: int  # /abort_request: completions aborted
+    loaded_adapters: list[str]  # LoRA routes
+    num_paused_requests: int  # /update_weights_from_disk
+
+
+class ModelInfo(TypedDict):
+    model_path: str
+    tokenizer_path: str | None
+    is_generation: bool
+    weight_version: str
+    num_hidden_layers: int
+    moe_layers: list[int]
+    num_experts_per_tok: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    method: str
+    # Retried after a transport error or a 5xx: only where doing it twice is harmless. A join or a broadcast
+    # sent again would wait for peers that never come; an adapter loaded twice is refused.
+    idempotent: bool = True
+
+
+GENERATE = Route("/generate", "POST")
+HEALTH = Route("/health", "GET")
+MODEL_INFO = Route("/model_info", "GET")
+PAUSE = Route("/pause_generation", "POST")
+CONTINUE = Route("/continue_generation", "POST")
+ABORT = Route("/abort_request", "POST")
+FLUSH_CACHE = Route("/flush_cache", "POST")
+UPDATE_WEIGHT_VERSION = Route("/update_weight_version", "POST")
+UPDATE_FROM_DISK = Route("/update_weights_from_disk", "POST")
+INIT_GROUP = Route("/init_weights_update_group", "POST", idempotent=False)
+BEGIN_UPDATE = Route("/begin_weight_update", "POST", idempotent=False)
+END_UPDATE = Route("/end_weight_update", "POST", idempotent=False)
+UPDATE_FROM_DISTRIBUTED = Route("/update_weights_from_distributed", "POST", idempotent=False)
+GET_WEIGHTS = Route("/get_weights_by_name", "POST")
+LOAD_LORA = Route("/load_lora_adapter", "POST", idempotent=False)
+LOAD_LORA_TENSORS = Route("/load_lora_adapter_from_tensors", "POST", idempotent=False)
+UNLOAD_LORA = Route("/unload_lora_adapter", "POST", idempotent=False)
 
 
 # ---- encodings -------------------------------------------------------------------------------
@@ -179,10 +359,6 @@ def decode_routed_experts(payload: str, num_layers: int, topk: int, moe_layers: 
     if routing.size and (routing.min() < 0 or routing.max() >= num_experts):
         raise ProtocolError(f"routed_experts has expert ids outside [0, {num_experts}) in MoE layers")
     return routing.astype(np.uint8 if num_experts <= 256 else np.int16)
-
-
-def encode_sampling_masks(kept: list[np.ndarray]) -> list[list[int]]:
-    return [k.tolist() for k in kept]
 
 
 def decode_sampling_masks(masks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -225,10 +401,6 @@ class Completion:
     mask_ids: np.ndarray | None = None  # int32
     sampling_logprobs: np.ndarray | None = None  # float32 [T] ("selected" mode)
 
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason.get("type") == "abort"
-
     def kept_ids(self, t: int) -> np.ndarray:
         return self.mask_ids[self.mask_offsets[t] : self.mask_offsets[t + 1]]
 
@@ -252,7 +424,7 @@ class ModelShape:
         return cls(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], [i for i, moe in enumerate(pattern) if moe], cfg["num_experts"])
 
 
-def decode_generate(response: dict[str, Any], shape: ModelShape | None, routing_start: int = 0) -> Completion:
+def decode_generate(response: GenerateResponse, shape: ModelShape | None, routing_start: int = 0) -> Completion:
     meta = response["meta_info"]
     completion = Completion(
         rid=meta["id"],
@@ -278,8 +450,6 @@ def decode_generate(response: dict[str, Any], shape: ModelShape | None, routing_
 
 # ---- weight broadcast payloads ------------------------------------------------------------------
 
-TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8")
-
 
 def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int, int]]:
     """Byte ``(start, end)`` of each tensor in a ``flattened_bucket`` broadcast: the tensors' raw
@@ -289,10 +459,6 @@ def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int,
 
     spans, offset = [], 0
     for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
-        if dtype not in TORCH_DTYPES:
-            raise ProtocolError(f"dtypes[{i}]={dtype!r} is not one of {TORCH_DTYPES}")
-        if any(d < 0 for d in shape):
-            raise ProtocolError(f"shapes[{i}]={shape} has a negative dimension")
         itemsize = getattr(torch, dtype).itemsize
         if offset % itemsize:
             raise ProtocolError(f"tensor {i} ({dtype}) would start at byte {offset}, not a multiple of {itemsize}")

@@ -8,7 +8,9 @@ engine alike. Kept out of the default process group: both sides have their own.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import threading
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
@@ -35,3 +37,28 @@ def join_weight_group(backend: str, store: dist.Store, world_size: int, rank: in
     # Collectives on a group take global ranks; here the group is its own world.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def in_daemon_thread(fn, *args) -> asyncio.Future:
+    """``fn(*args)`` (a collective with the engines) in a daemon thread, as a future of this event loop.
+
+    An engine that refuses its side of a collective leaves ours waiting until the group's timeout; a
+    daemon thread lets the sync fail at once with the engine's answer and the process exit, where
+    ``asyncio.to_thread``'s worker would be joined at exit for as long as the wait lasts."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(outcome, failed: bool) -> None:
+        if not future.done():
+            future.set_exception(outcome) if failed else future.set_result(outcome)
+
+    def work():
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, e, True)
+        else:
+            loop.call_soon_threadsafe(settle, result, False)
+
+    threading.Thread(target=work, name="moerl-collective", daemon=True).start()
+    return future

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moerl.config import check_choices, choice, choice_problems
+from moerl.engines.protocol import MAX_N
 from moerl.errors import ConfigError, MoerlError
 from moerl.megatron.lora import LoRAConfig
 from moerl.tasks import TaskConfig
@@ -222,8 +223,8 @@ def served_by(engines: EngineSection) -> str:
 def check(cfg: RunConfig) -> None:
     r = cfg.rollout
     problems = []
-    if r.groups_per_step < 1 or r.samples_per_prompt < 2:
-        problems.append("rollout.groups_per_step must be >= 1 and samples_per_prompt >= 2 (GRPO compares within a group)")
+    if r.groups_per_step < 1 or not 2 <= r.samples_per_prompt <= MAX_N:
+        problems.append(f"rollout.groups_per_step must be >= 1 and samples_per_prompt in [2, {MAX_N}] (GRPO compares within a group)")
     if r.max_staleness < 0:
         problems.append("rollout.max_staleness must be >= 0")
     if r.outstanding < r.groups_per_step:

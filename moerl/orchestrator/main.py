@@ -85,8 +85,7 @@ def _build_once(target: Path, build) -> Path:
 def check_model(cfg: RunConfig, hf: Path, converting: bool) -> None:
     """The model at ``hf`` can be trained at the configured layout (and, when it is to be converted, its
     tensors are all there with the right shapes): one error line before minutes of preparation."""
-    from moerl.checkpoint.convert import check_hf_tensors
-    from moerl.checkpoint.hf import HFReader, read_config
+    from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
     from moerl.megatron.parallel import Layout
     from moerl.models import family_for
 
@@ -366,14 +365,18 @@ def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path, hf_confi
         from moerl.weight_sync.lora import AdapterSync
 
         return AdapterSync(urls, cfg.lora, hf_config, str(hf.resolve()), directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
+    # Updates that land while requests keep running (async, continued in place) cannot flush the engines'
+    # cache: SGLang refuses. Everywhere else nothing runs during an update and the cache is flushed.
+    flush = not (cfg.run.mode == "async" and cfg.rollout.partial == "in_place")
     if cfg.sync.method == "disk":
         from moerl.weight_sync.disk import DiskSync
 
-        return DiskSync(urls, run_dir / "weights", hf)
+        return DiskSync(urls, run_dir / "weights", hf, flush_cache=flush)
     from moerl.weight_sync.broadcast import BroadcastSync
 
     address = os.environ.get("MOERL_SYNC_ADDRESS", "127.0.0.1" if not cfg.engines.urls else _host_address())
-    return BroadcastSync(urls, address, "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20)
+    return BroadcastSync(urls, address, "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20,
+                         flush_cache=flush)
 
 
 def _host_address() -> str:

@@ -21,7 +21,7 @@ import zmq
 import zmq.asyncio
 
 from moerl.engines.client import EngineClient
-from moerl.engines.protocol import ModelShape
+from moerl.engines.protocol import ModelShape, SamplingParams
 from moerl.orchestrator.config import RunConfig, load_config
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
@@ -115,9 +115,9 @@ class RolloutManager:
             attempt, start = 0, time.perf_counter()
             while True:
                 adapter, adapter_version = self.adapter
-                params = {"n": r.samples_per_prompt, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
-                          "max_new_tokens": r.max_new_tokens, "stop_token_ids": self.stop_ids,
-                          "sampling_seed": sampling_seed(r.seed, index, attempt)}
+                params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                        max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids,
+                                        sampling_seed=sampling_seed(r.seed, index, attempt))
                 if adapter is not None:
                     self.users[adapter] = self.users.get(adapter, 0) + 1
                 try:

@@ -21,9 +21,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".
 
 
 class DiskSync(EngineLink):
-    def __init__(self, urls: list[str], directory: str | Path, hf_dir: str | Path, shard_bytes: int = 2 << 30):
+    def __init__(self, urls: list[str], directory: str | Path, hf_dir: str | Path, shard_bytes: int = 2 << 30, flush_cache: bool = True):
+        """``flush_cache``: as for :class:`~moerl.weight_sync.broadcast.BroadcastSync`."""
         super().__init__(urls, "moerl-disk-sync")
-        self.directory, self.hf_dir, self.shard_bytes = Path(directory), Path(hf_dir), shard_bytes
+        self.directory, self.hf_dir, self.shard_bytes, self.flush_cache = Path(directory), Path(hf_dir), shard_bytes, flush_cache
         self._previous: Path | None = None
 
     def connect(self) -> None:
@@ -48,7 +49,7 @@ class DiskSync(EngineLink):
             stats.bytes += sum(t.numel() * t.element_size() for _, t in shard)
         (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": index}))
         staging.rename(out)  # engines only ever see complete directories
-        self.run(self.client.update_weights_from_disk(str(out.resolve()), weight_version=version))
+        self.run(self.client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
         if self._previous is not None:
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = out

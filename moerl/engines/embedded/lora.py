@@ -1,112 +1,199 @@
-"""LoRA adapters in the embedded engine: PEFT-format adapters (per-expert keys
-``...mlp.experts.<i>.<proj>`` as SGLang's triton_v2 backend takes them), applied by merging.
+"""LoRA adapters in the embedded engine: PEFT-format adapters (per-expert keys ``...mlp.experts.<i>.<proj>``
+as SGLang's triton_v2 backend takes them), applied unmerged.
 
-A running batch shares one adapter (or none). Switching merges ``scale * B @ A`` into the touched
-weights after restoring their saved base values, so unloading gives back the base model bit for bit.
-Adapters are kept as their A/B factors (adapter-sized) and each update is formed when merged, so
-loading one costs what its bytes cost, not a model-sized set of deltas.
+The base weights are never written: each adapted linear layer adds ``scale * B(A(x))`` to its output,
+computed in fp32 from factors kept on the model's device, and each adapted MoE layer runs its experts
+with their own updates. So the served base stays exactly what the trainer sent (``/get_weights_by_name``
+reads it), updates too small for a bf16 weight are not rounded away, and a weight update never has to
+undo an adapter. A running batch shares one adapter (or none), chosen by name before each forward.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load, load_file
 
-from moerl.engines.embedded.runner import hub_tensor_targets, hub_tensor_view
+from moerl.engines.embedded.runner import hub_tensor_view
 from moerl.errors import LoRAError
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+Factors = tuple[torch.Tensor, torch.Tensor]  # A [r, in], B [out, r]: fp32 on the model's device
 
 
 @dataclass
 class Adapter:
     name: str
-    factors: dict[str, tuple[torch.Tensor, torch.Tensor]]  # Hub weight name -> (A [r, in], B [out, r])
     scale: float
-
-    def shapes(self) -> list[tuple[str, torch.Tensor]]:
-        """(Hub name, a meta tensor of the update's shape) per adapted weight."""
-        return [(k, torch.empty(b.shape[0], a.shape[1], device="meta")) for k, (a, b) in self.factors.items()]
+    linear: dict[str, Factors]  # module path (Hub name) -> factors
+    experts: dict[str, dict[int, dict[str, Factors]]]  # experts module path -> expert -> gate/up/down_proj -> factors
 
 
-def adapter_from_tensors(name: str, config: dict, tensors: dict[str, torch.Tensor]) -> Adapter:
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or r <= 0 or not isinstance(alpha, (int, float)):
-        raise LoRAError(f"adapter {name!r}: config needs a positive integer r and a numeric lora_alpha")
-    scale = alpha / r**0.5 if config.get("use_rslora") else alpha / r
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if not match:
-            raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight")
-        pairs.setdefault(match.group(1) + ".weight", {})[match.group(2)] = tensor
-    incomplete = sorted(k for k, ab in pairs.items() if set(ab) != {"A", "B"})
-    if incomplete:
-        raise LoRAError(f"adapter {name!r}: modules without both lora_A and lora_B: {incomplete[:5]}")
-    if not pairs:
-        raise LoRAError(f"adapter {name!r} has no tensors")
-    bad = sorted(k for k, ab in pairs.items() if ab["A"].dim() != 2 or ab["B"].dim() != 2 or ab["A"].shape[0] != ab["B"].shape[1])
-    if bad:
-        raise LoRAError(f"adapter {name!r}: lora_A [r, in] and lora_B [out, r] disagree in shape for {bad[:5]}")
-    return Adapter(name, {k: (ab["A"], ab["B"]) for k, ab in pairs.items()}, scale)
-
-
-def adapter_from_dir(name: str, path: str | Path) -> Adapter:
-    path = Path(path)
-    config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights.is_file():
-        raise LoRAError(f"{path}: expected adapter_config.json and adapter_model.safetensors (PEFT format)")
-    return adapter_from_tensors(name, json.loads(config_file.read_text()), load_file(str(weights)))
-
-
-def adapter_from_bytes(name: str, config: dict, payload: bytes) -> Adapter:
-    return adapter_from_tensors(name, config, load(payload))
+def _delta(x: torch.Tensor, factors: Factors, scale: float) -> torch.Tensor:
+    a, b = factors
+    return (scale * F.linear(F.linear(x.float(), a), b)).to(x.dtype)
 
 
 class AdapterSet:
-    """Loaded adapters and which one is merged into the model now."""
+    """The adapters loaded into one model, and which one its forwards use now."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.params = dict(model.named_parameters())
+        self.device = next(model.parameters()).device
         self.adapters: dict[str, Adapter] = {}
-        self.active: str | None = None
-        self._base: list[tuple[torch.Tensor, torch.Tensor]] = []  # (view into the model, saved base values)
+        self.active: Adapter | None = None
+        self.expert_modules: dict[str, torch.nn.Module] = {}
+        for path, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_hook(self._linear_hook(path))
+            elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter):
+                self.expert_modules[path] = module
+                module.forward = self._experts_forward(path, module, module.forward)
+
+    # ---- the forward pass ---------------------------------------------------------------------
+    def _linear_hook(self, path: str):
+        def hook(module, args, output):
+            factors = self.active.linear.get(path) if self.active is not None else None
+            return None if factors is None else output + _delta(args[0], factors, self.active.scale).to(output.dtype)
+
+        return hook
+
+    def _experts_forward(self, path: str, experts: torch.nn.Module, plain):
+        """transformers' eager expert loop with each expert's update added, where the active adapter has one."""
+
+        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+            adapted = self.active.experts.get(path) if self.active is not None else None
+            if not adapted:
+                return plain(hidden_states, top_k_index, top_k_weights)
+            scale = self.active.scale
+            out = torch.zeros_like(hidden_states)
+            for expert in top_k_index.unique().tolist():
+                tokens, slot = torch.where(top_k_index == expert)
+                x = hidden_states[tokens]
+                gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+                own = adapted.get(expert, {})
+                if "gate_proj" in own:
+                    gate = gate + _delta(x, own["gate_proj"], scale)
+                if "up_proj" in own:
+                    up = up + _delta(x, own["up_proj"], scale)
+                h = experts.act_fn(gate) * up
+                y = F.linear(h, experts.down_proj[expert])
+                if "down_proj" in own:
+                    y = y + _delta(h, own["down_proj"], scale)
+                out.index_add_(0, tokens, (y * top_k_weights[tokens, slot, None]).to(out.dtype))
+            return out
+
+        return forward
+
+    # ---- loading --------------------------------------------------------------------------------
+    def from_dir(self, name: str, path: str | Path) -> Adapter:
+        path = Path(path)
+        config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+        if not config_file.is_file() or not weights.is_file():
+            raise LoRAError(f"{path}: expected adapter_config.json and adapter_model.safetensors (PEFT format)")
+        try:
+            config = json.loads(config_file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LoRAError(f"{config_file}: not valid JSON ({e})") from None
+        try:
+            tensors = load_file(str(weights))
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise LoRAError(f"{weights}: not a readable safetensors file ({e})") from None
+        return self.from_tensors(name, config, tensors)
+
+    def from_base64(self, name: str, config: dict, payload: str) -> Adapter:
+        try:
+            tensors = load(base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError) as e:
+            raise LoRAError(f"adapter {name!r}: serialized_named_tensors[0] is not base64 of a safetensors file ({e})") from None
+        except Exception as e:
+            raise LoRAError(f"adapter {name!r}: serialized_named_tensors[0] is not a readable safetensors payload ({e})") from None
+        return self.from_tensors(name, config, tensors)
+
+    def from_tensors(self, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> Adapter:
+        """An adapter of PEFT tensors, checked against its config and the served model before anything is kept."""
+        rank, scale = _rank_and_scale(name, config)
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            match = _KEY.match(key)
+            if not match:
+                raise LoRAError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight")
+            pairs.setdefault(match.group(1), {})[match.group(2)] = tensor
+        if not pairs:
+            raise LoRAError(f"adapter {name!r} has no tensors")
+        problems = []
+        targets = config.get("target_modules")
+        adapter = Adapter(name, scale, {}, {})
+        for module, ab in sorted(pairs.items()):
+            a, b = ab.get("A"), ab.get("B")
+            if a is None or b is None:
+                problems.append(f"{module}: needs both lora_A and lora_B")
+                continue
+            if isinstance(targets, list) and module.rsplit(".", 1)[-1] not in targets:
+                problems.append(f"{module}: not among its config's target_modules {targets}")
+            if not (a.is_floating_point() and b.is_floating_point()):
+                problems.append(f"{module}: factors must be floating point, got {a.dtype} and {b.dtype}")
+                continue
+            weight = hub_tensor_view(self.params, module + ".weight")
+            if weight is None or weight.dim() != 2:
+                problems.append(f"{module}: not a linear layer of the served model")
+                continue
+            out_features, in_features = weight.shape
+            if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+                problems.append(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} should be "
+                                f"({rank}, {in_features}) and ({out_features}, {rank}) for r={rank}")
+                continue
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                problems.append(f"{module}: factors hold NaN or infinite values")
+                continue
+            factors = (a.to(self.device, torch.float32), b.to(self.device, torch.float32))
+            expert = _EXPERT.match(module)
+            if expert:
+                adapter.experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[expert.group(3)] = factors
+            else:
+                adapter.linear[module] = factors
+        if problems:
+            raise LoRAError(f"adapter {name!r} does not fit the served model or its own config: " + "; ".join(problems[:5]))
+        return adapter
 
     def add(self, adapter: Adapter) -> None:
         if adapter.name in self.adapters:
             raise LoRAError(f"adapter {adapter.name!r} is already loaded; unload it first")
-        try:
-            hub_tensor_targets(self.model, adapter.shapes())  # names and shapes fit the model
-        except ValueError as e:
-            raise LoRAError(f"adapter {adapter.name!r} does not fit the served model: {e}") from None
         self.adapters[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
         if name not in self.adapters:
             raise LoRAError(f"adapter {name!r} is not loaded")
-        if self.active == name:
-            self.activate(None)
+        if self.active is not None and self.active.name == name:
+            self.active = None
         del self.adapters[name]
 
-    @torch.no_grad()
     def activate(self, name: str | None) -> None:
-        if name == self.active:
-            return
         if name is not None and name not in self.adapters:
             raise LoRAError(f"adapter {name!r} is not loaded")
-        for view, base in self._base:
-            view.copy_(base)
-        self._base = []
-        if name is not None:
-            adapter = self.adapters[name]
-            params = dict(self.model.named_parameters())
-            for hub_name, (a, b) in adapter.factors.items():
-                view = hub_tensor_view(params, hub_name)
-                self._base.append((view, view.clone()))
-                view.add_((adapter.scale * (b.float() @ a.float())).to(view.dtype))
-        self.active = name
+        self.active = None if name is None else self.adapters[name]
+
+
+def _rank_and_scale(name: str, config: dict) -> tuple[int, float]:
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise LoRAError(f"adapter {name!r}: config r={r!r} must be a positive integer")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoRAError(f"adapter {name!r}: config lora_alpha={alpha!r} must be a finite number")
+    unsupported = {key: config[key] for key, plain in (("fan_in_fan_out", False), ("bias", "none"), ("use_dora", False))
+                   if config.get(key, plain) != plain}
+    if config.get("modules_to_save"):
+        unsupported["modules_to_save"] = config["modules_to_save"]
+    if unsupported:
+        raise LoRAError(f"adapter {name!r}: unsupported settings {unsupported} (plain LoRA only)")
+    return r, alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r

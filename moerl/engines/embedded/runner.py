@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from moerl.engines.protocol import ProtocolError
+
 DENSE_LAYER = -1  # routing placeholder for layers without a router (as SGLang-JAX documents)
 
 
@@ -60,10 +62,6 @@ class ModelRunner:
             routing[:, layer] = self._captured[layer].to("cpu", torch.int32)
         self._captured.clear()
         return routing
-
-    @property
-    def batch_size(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[0]
 
     @torch.no_grad()
     def prefill(self, token_ids: list[int], logprob_start: int | None = None) -> PrefillResult:
@@ -128,6 +126,8 @@ def hub_tensor_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor 
     if param_name not in params:
         return None
     dst = params[param_name].data
+    if index and not index[0] < dst.shape[0]:
+        return None  # an expert the model does not have
     if len(index) == 2:  # one half of a fused [gate; up] expert
         width = dst.shape[1] // 2
         return dst[index[0], index[1] * width : (index[1] + 1) * width]
@@ -147,11 +147,5 @@ def hub_tensor_targets(model: torch.nn.Module, named: list[tuple[str, torch.Tens
         else:
             pairs.append((dst, tensor))
     if problems:
-        raise ValueError("weight update refused, nothing was changed: " + "; ".join(problems[:5]))
+        raise ProtocolError("weight update refused, nothing was changed: " + "; ".join(problems[:5]))
     return pairs
-
-
-@torch.no_grad()
-def load_hub_tensors(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> None:
-    for dst, src in hub_tensor_targets(model, named):
-        dst.copy_(src)

@@ -23,8 +23,8 @@ class Draw:
 
 
 def sample_batch(logits: torch.Tensor, params: list, generators: list[torch.Generator], want_kept: list[bool]) -> list[Draw]:
-    """Draw one token per row of ``logits`` [B, V] under each row's own sampling ``params`` (objects
-    with temperature, top_k, top_p, min_p) and generator; temperature 0 is greedy.
+    """Draw one token per row of ``logits`` [B, V] under each row's own sampling ``params`` (resolved
+    :class:`~moerl.engines.protocol.SamplingParams`: greedy is top_k 1) and generator.
 
     Truncation follows SGLang's order: top-k, then top-p (the smallest prefix of the descending
     distribution whose mass reaches top_p; the token crossing the threshold is kept), then min-p
@@ -36,9 +36,7 @@ def sample_batch(logits: torch.Tensor, params: list, generators: list[torch.Gene
     batch, vocab = logits.shape
     device = logits.device
     column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
-    temperature = column([p.temperature for p in params])
-    greedy = temperature <= 0.0
-    logprobs = torch.log_softmax(logits.float() / torch.where(greedy, 1.0, temperature), dim=-1)
+    logprobs = torch.log_softmax(logits.float() / column([p.temperature for p in params]), dim=-1)
     sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
     sorted_probs = sorted_logprobs.exp()
     rank = torch.arange(vocab, device=device)[None, :]
@@ -48,7 +46,6 @@ def sample_batch(logits: torch.Tensor, params: list, generators: list[torch.Gene
     # top_p = 1 keeps everything: no float-rounding loss of the tail.
     keep &= mass_before < column([p.top_p if p.top_p < 1.0 else float("inf") for p in params]) * truncated.sum(-1, keepdim=True)
     keep &= sorted_probs >= column([p.min_p for p in params]) * sorted_probs[:, :1]
-    keep &= ~greedy | (rank == 0)
     keep[:, 0] = True
     counts = keep.sum(-1)
 

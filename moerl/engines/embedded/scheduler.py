@@ -9,6 +9,7 @@ between decode steps, so the model and the batch are only ever touched by that t
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,28 +17,21 @@ from typing import Any, Callable
 
 import torch
 
-from moerl.engines.embedded.lora import AdapterSet, LoRAError
+from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import ModelRunner
 from moerl.engines.embedded.sampler import Draw, sample_batch
+from moerl.engines.protocol import SamplingParams
+from moerl.errors import LoRAError
 
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    max_new_tokens: int = 128
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    sampling_seed: int | None = None
+log = logging.getLogger("moerl.serve")
 
 
 @dataclass
 class Request:
     rid: str
     input_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # resolved (greedy is top_k 1)
+    parent: str | None = None  # the rid of the request this is one of n > 1 completions of
     logprob_start_len: int | None = None  # prompt log-probs from here (None: none)
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
@@ -85,6 +79,10 @@ class Scheduler:
             self._wake.notify()
         self._thread.join()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def submit(self, request: Request) -> None:
         self.call(lambda: self.waiting.append(request))
 
@@ -107,6 +105,8 @@ class Scheduler:
                 commands = list(self._commands)
                 self._commands.clear()
             for fn, future in commands:
+                if not future.set_running_or_notify_cancel():
+                    continue  # the caller gave up before it ran (its client went away)
                 try:
                     future.set_result(fn())
                 except BaseException as e:  # the caller gets it; the engine keeps serving
@@ -118,6 +118,7 @@ class Scheduler:
                 if self.running:
                     self._decode_step()
             except BaseException as e:  # a model failure fails the requests in flight, not the server
+                log.exception("decode step failed: aborting the %d running request(s)", len(self.running))
                 for request in list(self.running) + list(self.waiting):
                     self._finish(request, {"type": "abort", "message": f"engine error: {e!r}"})
                 self.runner.keep_rows([])
@@ -132,38 +133,42 @@ class Scheduler:
                 return
             request = self.waiting.popleft()
             try:
-                self.adapters.activate(request.lora)
-            except LoRAError as e:
-                self._finish(request, {"type": "abort", "message": str(e)})
+                kv = self._prefill(request)
+            except Exception as e:  # this request fails alone; the batch and the queue go on
+                log.exception("request %s failed at admission", request.rid)
+                self._finish(request, {"type": "abort", "message": f"engine error: {e!r}"})
                 continue
-            resumed = bool(request.output_ids)  # retracted earlier: its next token is already sampled
-            prefill = self.runner.prefill(request.fed_tokens if resumed else request.input_ids, None if resumed else request.logprob_start_len)
-            if request.return_routed_experts:
-                request.routing = [prefill.routing]
-            if resumed:
-                self.runner.join(prefill.kv)
+            if kv is not None:
+                self.runner.join(kv)
                 self.running.append(request)
-                continue
-            request.prompt_logprobs = prefill.prompt_logprobs
-            if request.params.max_new_tokens == 0:
-                self._finish(request, {"type": "length", "length": 0})
-                continue
-            if request.generator is None:
-                request.generator = torch.Generator(device=self.runner.device)
-                seed = request.params.sampling_seed
-                request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-            (draw,) = sample_batch(prefill.last_logits[None], [request.params], [request.generator], [request.return_sampling_mask])
-            self._accept(request, draw)
-            if request.finish_reason is None:
-                self.runner.join(prefill.kv)
-                self.running.append(request)
+
+    def _prefill(self, request: Request):
+        """Prefill ``request`` (and sample its first token); its cache to join the batch, or None if it finished."""
+        self.adapters.activate(request.lora)
+        resumed = bool(request.output_ids)  # retracted earlier: its next token is already sampled
+        prefill = self.runner.prefill(request.fed_tokens if resumed else request.input_ids, None if resumed else request.logprob_start_len)
+        if request.return_routed_experts:
+            request.routing = [prefill.routing]
+        if resumed:
+            return prefill.kv
+        request.prompt_logprobs = prefill.prompt_logprobs
+        if request.params.max_new_tokens == 0:
+            self._finish(request, {"type": "length", "length": 0})
+            return None
+        if request.generator is None:
+            request.generator = torch.Generator(device=self.runner.device)
+            seed = request.params.sampling_seed
+            request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        (draw,) = sample_batch(prefill.last_logits[None], [request.params], [request.generator], [request.return_sampling_mask])
+        self._accept(request, draw)
+        return prefill.kv if request.finish_reason is None else None
 
     def _accept(self, request: Request, draw: Draw) -> None:
         p = request.params
         request.output_ids.append(draw.token)
         request.draws.append(draw)
         request.versions.append(self.weight_version)
-        if draw.token in p.stop_token_ids or (not p.ignore_eos and draw.token in self.eos_token_ids):
+        if draw.token in (p.stop_token_ids or ()) or (not p.ignore_eos and draw.token in self.eos_token_ids):
             self._finish(request, {"type": "stop", "matched": draw.token})
         elif len(request.output_ids) >= p.max_new_tokens:
             self._finish(request, {"type": "length", "length": p.max_new_tokens})
@@ -197,8 +202,13 @@ class Scheduler:
 
     # ---- control (run through call()) -----------------------------------------------------------
     def abort(self, rid: str | None = None, message: str = "aborted") -> int:
-        """Finish matching requests (all when ``rid`` is None) with their partial output."""
-        hits = [r for r in list(self.waiting) + self.running if rid is None or r.rid == rid]
+        """Finish matching requests (all when ``rid`` is None; else that request and its n > 1
+        completions) with their partial output."""
+        return self.abort_these([r for r in list(self.waiting) + self.running if rid is None or rid in (r.rid, r.parent)], message)
+
+    def abort_these(self, requests: list[Request], message: str) -> int:
+        """Finish those of ``requests`` still queued or running with their partial output."""
+        hits = [r for r in requests if r.finish_reason is None]
         for request in hits:
             self._finish(request, {"type": "abort", "message": message})
         self.waiting = deque(r for r in self.waiting if r.finish_reason is None)
@@ -225,6 +235,11 @@ class Scheduler:
     def resume(self) -> None:
         self.paused = False
 
+    def idle(self) -> bool:
+        """Whether a cache flush is allowed, by SGLang's rule: nothing running, and nothing queued unless
+        generation is paused (a retract pause queues what it retracted: those are prefilled again anyway)."""
+        return not self.running and (self.paused or not self.waiting)
+
     def flush_cache(self) -> bool:
-        # There is no prefix cache to flush; SGLang refuses while requests run, and so do we.
-        return not (self.running or self.waiting)
+        # There is no prefix cache to flush; SGLang refuses unless idle, and so do we.
+        return self.idle()

@@ -1,27 +1,45 @@
-"""The embedded engine's HTTP server: SGLang's RL routes over moerl's scheduler (``moerl serve``)."""
+"""The embedded engine's HTTP server: SGLang's RL routes over moerl's scheduler (``moerl serve``).
+
+Every body is parsed with the route's type from :mod:`moerl.engines.protocol` before anything happens,
+so a bad request is a JSON 400 naming the field and never reaches the model. Weight updates check every
+name and shape (and read every tensor) before the first write: a refused update leaves the served
+weights and version as they were. Slow control work runs in pools of its own (group joins, broadcasts,
+disk loads, adapter loads), so one stuck join cannot starve the others; the model belongs to the
+scheduler's thread alone.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
+import functools
 import json
 import logging
+import socket
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from aiohttp import web
 
+from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
 from moerl.engines import protocol
-from moerl.engines.embedded import lora
-from moerl.engines.embedded.runner import ModelRunner, hub_tensor_view
-from moerl.engines.embedded.scheduler import Request, SamplingParams, Scheduler
+from moerl.engines.embedded.lora import AdapterSet
+from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
+from moerl.engines.embedded.scheduler import Request, Scheduler
+from moerl.engines.protocol import ProtocolError
+from moerl.engines.weight_group import in_daemon_thread, join_weight_group, weight_store
+from moerl.errors import MoerlError
+from moerl.models import family_for
 
 log = logging.getLogger("moerl.serve")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DISCONNECT_POLL_S = 1.0  # how often a waiting /generate checks that its client is still there (SGLang: 4 s)
+STORE_PROBE_S = 5.0  # a weight group's store that does not accept a connection in this long is unreachable
+MAX_JOINING = 16  # weight-group joins waiting for their peers at once
+_dumps = functools.partial(json.dumps, allow_nan=False)  # a NaN in a response is a bug, never invalid JSON on the wire
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -37,11 +55,25 @@ class EmbeddedEngine:
         self.runner = ModelRunner(model_dir, dtype, device)
         self.tokenizer = self._load_tokenizer(model_dir)
         config = self.runner.model.config
+        raw = read_config(model_dir)
+        self.family = family_for(raw)
+        self.hub_config = self.family.normalize(raw)
+        self.limits = protocol.EngineLimits(self.runner.vocab_size, getattr(config, "max_position_embeddings", 1 << 30),
+                                            sampling_mask_max_tokens)
         eos = getattr(getattr(self.runner.model, "generation_config", None), "eos_token_id", None) or config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.scheduler = Scheduler(self.runner, eos_ids, max_running)
-        self.mask_max_tokens = sampling_mask_max_tokens
         self.weight_groups: dict[str, object] = {}
+        self.joining: set[str] = set()
+        self.update_session = False  # between /begin_weight_update and /end_weight_update
+        # Slow loads, each kind in its own thread, so a large disk load does not hold up an adapter. Group
+        # joins and broadcasts run in daemon threads of their own (weight_group.in_daemon_thread): a peer
+        # that never comes keeps one waiting until the group's timeout, holding up nothing else, not even exit.
+        self.pools = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"moerl-{kind}") for kind in ("disk", "lora")}
+
+    @property
+    def adapters(self) -> AdapterSet:
+        return self.scheduler.adapters
 
     @staticmethod
     def _load_tokenizer(model_dir: str):
@@ -52,10 +84,10 @@ class EmbeddedEngine:
         return AutoTokenizer.from_pretrained(model_dir)
 
     # ---- /generate --------------------------------------------------------------------------
-    def generate(self, body: dict) -> list[dict]:
+    def generate(self, body: dict) -> list[protocol.GenerateResponse]:
         """A /generate body served in-process, blocking, without HTTP (library use, tests): one
         SGLang-shaped response per completion. The scheduler must be running."""
-        req = protocol.parse_generate(body, self.runner.vocab_size, self.mask_max_tokens)
+        req = protocol.GenerateReqInput.parse(body)
         finished = threading.Semaphore(0)
         requests = self.make_requests(req, lambda r, done: finished.release() if done else None)
         for r in requests:
@@ -64,42 +96,39 @@ class EmbeddedEngine:
             finished.acquire()
         return [self.response(r, req) for r in requests]
 
-    def make_requests(self, req: protocol.GenerateRequest, on_update) -> list[Request]:
+    def make_requests(self, req: protocol.GenerateReqInput, on_update) -> list[Request]:
+        """The scheduler's requests for one /generate: ``n`` completions, checked against the served model."""
         if req.input_ids is None:
             if self.tokenizer is None:
-                raise protocol.ProtocolError(f"{self.model_dir} has no tokenizer: send input_ids instead of text")
-            input_ids = self.tokenizer(req.text)["input_ids"]
-            if not input_ids:
-                raise protocol.ProtocolError("text tokenizes to no tokens")
+                raise ProtocolError(f"{self.model_dir} has no tokenizer: send input_ids instead of text")
+            try:
+                prompt = self.tokenizer(req.text)["input_ids"]
+            except UnicodeError as e:
+                raise ProtocolError(f"text is not valid Unicode: {e}") from None
+            if not prompt:
+                raise ProtocolError("text tokenizes to no tokens")
         else:
-            input_ids = list(req.input_ids)
-        if req.return_logprob and req.logprob_start_len >= len(input_ids):
-            raise protocol.ProtocolError(f"logprob_start_len={req.logprob_start_len} must be < the prompt length {len(input_ids)}")
-        if req.routed_experts_start_len > len(input_ids):
-            raise protocol.ProtocolError(f"routed_experts_start_len={req.routed_experts_start_len} exceeds the prompt length {len(input_ids)}")
-        if req.lora_path is not None and req.lora_path not in self.scheduler.adapters.adapters:
-            raise protocol.ProtocolError(f"LoRA adapter {req.lora_path!r} is not loaded")
-        s = req.sampling
+            prompt = list(req.input_ids)
+        protocol.check_generate(req, prompt, self.limits)
+        if req.lora_path is not None and req.lora_path not in self.adapters.adapters:
+            raise ProtocolError(f"LoRA adapter {req.lora_path!r} is not loaded")
+        params = req.sampling_params.resolved()
         rid = req.rid or uuid.uuid4().hex
         requests = []
-        for i in range(s["n"]):
-            seed = None if s["sampling_seed"] is None else s["sampling_seed"] + i
-            params = SamplingParams(
-                temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=s["top_k"], min_p=float(s["min_p"]),
-                max_new_tokens=s["max_new_tokens"], stop_token_ids=list(s["stop_token_ids"]), ignore_eos=s["ignore_eos"],
-                sampling_seed=seed,
-            )
+        for i in range(params.n):
+            seed = None if params.sampling_seed is None else params.sampling_seed + i
             requests.append(Request(
-                rid=rid if s["n"] == 1 else f"{rid}-{i}", input_ids=input_ids, params=params,
+                rid=rid if params.n == 1 else f"{rid}-{i}", parent=None if params.n == 1 else rid, input_ids=prompt,
+                params=params.model_copy(update={"sampling_seed": seed}),
                 logprob_start_len=max(req.logprob_start_len, 0) if req.return_logprob else None,
                 return_routed_experts=req.return_routed_experts, return_sampling_mask=req.return_sampling_mask,
                 lora=req.lora_path, on_update=on_update,
             ))
         return requests
 
-    def response(self, request: Request, req: protocol.GenerateRequest) -> dict[str, Any]:
+    def response(self, request: Request, req: protocol.GenerateReqInput) -> protocol.GenerateResponse:
         n_out = len(request.output_ids)
-        meta: dict[str, Any] = {
+        meta: protocol.GenerateMetaInfo = {
             "id": request.rid,
             "finish_reason": request.finish_reason,
             "prompt_tokens": len(request.input_ids),
@@ -112,7 +141,7 @@ class EmbeddedEngine:
             if request.prompt_logprobs is not None:
                 start = max(req.logprob_start_len, 0)
                 meta["input_token_logprobs"] = [
-                    [None if np.isnan(lp) else float(lp), tok, None]
+                    [None if lp != lp else float(lp), tok, None]  # the first prompt token has no log-prob
                     for lp, tok in zip(request.prompt_logprobs.tolist(), request.input_ids[start:])
                 ]
         if req.return_routed_experts:
@@ -126,12 +155,63 @@ class EmbeddedEngine:
                 meta["output_token_sampling_logprobs"] = [d.selected_logprob for d in request.draws]
             else:
                 meta["output_token_sampling_logprobs"] = [d.kept_logprobs.tolist() for d in request.draws]
-        out = {"output_ids": list(request.output_ids), "meta_info": meta}
-        out["text"] = self.tokenizer.decode(request.output_ids) if self.tokenizer is not None else ""
-        return out
+        text = self.tokenizer.decode(request.output_ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
+
+    # ---- weights -----------------------------------------------------------------------------
+    def read_model_dir(self, path: str) -> list[tuple[str, torch.Tensor]]:
+        """Every Hub tensor of the served model from the HF directory ``path``, all read before any is used:
+        a directory that is not this model (missing, extra or misshapen tensors, a damaged file) is refused."""
+        directory = Path(path)
+        if not directory.is_dir():
+            raise ProtocolError(f"model_path {path!r} is not a directory")
+        reader = HFReader(directory)
+        check_hf_tensors(reader, self.family, self.hub_config)
+        return [(name, reader.get(name)) for rule in self.family.all_rules(self.hub_config) for name in rule.hf]
+
+    def apply_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool, flush: bool) -> None:
+        """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
+        sched = self.scheduler
+        pairs = hub_tensor_targets(self.runner.model, named)
+        if flush and not abort_all and not sched.idle():
+            raise ProtocolError("weights not updated: the cache cannot be flushed while requests are running "
+                                "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
+        if abort_all:
+            sched.abort(message="weights updated")
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+        if version is not None:
+            sched.weight_version = version
+
+    def join_group(self, req: protocol.InitWeightsUpdateGroupReqInput) -> object:
+        try:  # fail fast where nothing listens, instead of waiting out the store's timeout
+            socket.create_connection((req.master_address, req.master_port), timeout=STORE_PROBE_S).close()
+        except OSError as e:
+            raise ProtocolError(f"weight group {req.group_name!r}: cannot reach the trainer's store at "
+                                f"{req.master_address}:{req.master_port} ({e})") from None
+        try:
+            store = weight_store(req.master_address, req.master_port, req.world_size, req.rank_offset)
+            return join_weight_group(req.backend, store, req.world_size, req.rank_offset, req.group_name)
+        except RuntimeError as e:  # the rendezvous failed or timed out (torch's DistError and its kin)
+            raise ProtocolError(f"weight group {req.group_name!r}: could not join as rank {req.rank_offset}: {e}") from None
+
+    def receive(self, req: protocol.UpdateWeightsFromDistributedReqInput, group) -> list[tuple[str, torch.Tensor]]:
+        import torch.distributed as dist
+
+        device = self.runner.device
+        if req.load_format == "flattened_bucket":
+            spans = protocol.bucket_layout(req.dtypes, req.shapes)
+            flat = torch.empty(spans[-1][1], dtype=torch.uint8, device=device)
+            dist.broadcast(flat, 0, group)
+            return protocol.unflatten_bucket(flat, req.names, req.dtypes, req.shapes)
+        named = [(n, torch.empty(s, dtype=getattr(torch, d), device=device)) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
+        for _, tensor in named:
+            dist.broadcast(tensor, 0, group)
+        return named
 
     # ---- info --------------------------------------------------------------------------------
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> protocol.ModelInfo:
         return {
             "model_path": self.model_dir,
             "tokenizer_path": self.model_dir if self.tokenizer is not None else None,
@@ -144,28 +224,35 @@ class EmbeddedEngine:
         }
 
 
+def _gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def build_app(engine: EmbeddedEngine) -> web.Application:
     routes = web.RouteTableDef()
     sched = engine.scheduler
+    P = protocol
 
-    async def body_of(request: web.Request) -> dict:
-        if not request.can_read_body:
-            return {}
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            raise protocol.ProtocolError(f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise protocol.ProtocolError("the request body must be a JSON object")
-        return body
+    async def parse(request: web.Request, kind: type[P.WireModel]):
+        charset = request.charset
+        if charset is not None and charset.lower().replace("-", "").replace("_", "") != "utf8":
+            raise ProtocolError(f"charset {charset!r}: JSON bodies are UTF-8")
+        raw = await request.read()
+        return kind.parse(raw if raw.strip() else b"{}")
 
     async def on_engine(fn):
         return await asyncio.wrap_future(sched.call(fn))
 
-    @routes.post("/generate")
+    async def in_pool(kind: str, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(engine.pools[kind], functools.partial(fn, *args))
+
+    def ok(message: str, **extra) -> web.Response:
+        return web.json_response({"success": True, "message": message, **extra}, dumps=_dumps)
+
+    @routes.post(P.GENERATE.path)
     async def generate(request: web.Request) -> web.StreamResponse:
-        body = await body_of(request)
-        req = protocol.parse_generate(body, engine.runner.vocab_size, engine.mask_max_tokens)
+        req = await parse(request, P.GenerateReqInput)
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -178,240 +265,205 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         index_of = {r.rid: i for i, r in enumerate(requests)} if len(requests) > 1 else {}
         for r in requests:
             sched.submit(r)
+
+        async def next_update():
+            """The next update, or None once the client has gone away (its requests are then aborted)."""
+            while True:
+                try:
+                    return await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if _gone(request):
+                        await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
+                        return None
+
         if req.stream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             remaining = len(requests)
-            while remaining:
-                rid, finished, payload = await updates.get()
-                remaining -= finished
-                if index_of:
-                    payload["index"] = index_of[rid]
-                await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
+            try:
+                while remaining:
+                    update = await next_update()
+                    if update is None:
+                        return resp
+                    rid, finished, payload = update
+                    remaining -= finished
+                    if index_of:
+                        payload["index"] = index_of[rid]
+                    await resp.write(f"data: {_dumps(payload)}\n\n".encode())
+                await resp.write(b"data: [DONE]\n\n")
+            except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
+                await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
             return resp
         results: dict[str, dict] = {}
         while len(results) < len(requests):
-            rid, finished, payload = await updates.get()
+            update = await next_update()
+            if update is None:
+                return web.Response(status=499, text="client disconnected")
+            rid, finished, payload = update
             if finished:
                 results[rid] = payload
         ordered = [results[r.rid] for r in requests]
-        return web.json_response(ordered[0] if len(ordered) == 1 else ordered)
+        return web.json_response(ordered[0] if len(ordered) == 1 else ordered, dumps=_dumps)
 
-    @routes.get("/health")
+    @routes.get(P.HEALTH.path)
     async def health(request):
         return web.Response(text="")
 
     @routes.get("/health_generate")
     async def health_generate(request):
-        return web.Response(text="" if engine.scheduler._thread.is_alive() else "engine thread stopped", status=200 if engine.scheduler._thread.is_alive() else 503)
+        alive = sched.alive
+        return web.Response(text="" if alive else "engine thread stopped", status=200 if alive else 503)
 
-    @routes.get("/model_info")
+    @routes.get(P.MODEL_INFO.path)
     @routes.get("/get_model_info")
     async def model_info(request):
-        return web.json_response(engine.model_info())
+        return web.json_response(engine.model_info(), dumps=_dumps)
 
-    @routes.post("/pause_generation")
+    @routes.post(P.PAUSE.path)
     async def pause_generation(request):
-        body = await body_of(request)
-        mode = body.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise protocol.ProtocolError(f"mode must be abort, retract or in_place, got {mode!r}")
-        await on_engine(lambda: sched.pause(mode))
-        return web.json_response({"success": True, "message": f"paused ({mode})"})
+        req = await parse(request, P.PauseGenerationReqInput)
+        await on_engine(lambda: sched.pause(req.mode))
+        return ok(f"paused ({req.mode})")
 
-    @routes.post("/continue_generation")
+    @routes.post(P.CONTINUE.path)
     async def continue_generation(request):
+        await parse(request, P.ContinueGenerationReqInput)
         await on_engine(sched.resume)
-        return web.json_response({"success": True, "message": "continued"})
+        return ok("continued")
 
-    @routes.post("/abort_request")
+    @routes.post(P.ABORT.path)
     async def abort_request(request):
-        body = await body_of(request)
-        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
-        if not abort_all and not rid:
-            raise protocol.ProtocolError("give rid or abort_all=true")
-        count = await on_engine(lambda: sched.abort(None if abort_all else rid))
-        return web.json_response({"success": True, "aborted": count})
+        req = await parse(request, P.AbortReq)
+        count = await on_engine(lambda: sched.abort(None if req.abort_all else req.rid))
+        return ok(f"aborted {count}", aborted=count)
 
-    @routes.route("*", "/flush_cache")
+    @routes.get(P.FLUSH_CACHE.path)
+    @routes.post(P.FLUSH_CACHE.path)
     async def flush_cache(request):
-        ok = await on_engine(sched.flush_cache)
-        return web.Response(text="Cache flushed." if ok else "Cache not flushed: requests are running.", status=200 if ok else 400)
+        flushed = await on_engine(sched.flush_cache)
+        return web.Response(text="Cache flushed." if flushed else "Cache not flushed: requests are running.", status=200 if flushed else 400)
 
-    @routes.route("*", "/get_weights_by_name")
+    @routes.post(P.GET_WEIGHTS.path)
     async def get_weights_by_name(request):
-        body = await body_of(request)
-        name, truncate = body.get("name"), body.get("truncate_size", 100)
-        if not isinstance(name, str) or not isinstance(truncate, int) or truncate < 1:
-            raise protocol.ProtocolError("get_weights_by_name takes a name (string) and truncate_size (int >= 1)")
+        req = await parse(request, P.GetWeightsByNameReqInput)
 
         def read():
-            view = hub_tensor_view(dict(engine.runner.model.named_parameters()), name)
-            return None if view is None else view.float().cpu().tolist()[:truncate]
+            view = hub_tensor_view(dict(engine.runner.model.named_parameters()), req.name)
+            return None if view is None else view[: req.truncate_size].float().cpu().tolist()
 
         values = await on_engine(read)
         if values is None:
-            raise protocol.ProtocolError(f"{name!r} is not a weight of the served model (give a Hub tensor name)")
-        return web.json_response(values)
+            raise ProtocolError(f"{req.name!r} is not a weight of the served model (give a Hub tensor name)")
+        return web.json_response(values, dumps=_dumps)
 
-    @routes.post("/update_weight_version")
+    @routes.post(P.UPDATE_WEIGHT_VERSION.path)
     async def update_weight_version(request):
-        body = await body_of(request)
-        version = body.get("new_version")
-        if not isinstance(version, str) or not version:
-            raise protocol.ProtocolError("new_version must be a non-empty string")
+        req = await parse(request, P.UpdateWeightVersionReqInput)
 
         def apply():
-            if body.get("abort_all_requests", True):
+            if req.abort_all_requests:
                 sched.abort(message="weight version changed")
-            sched.weight_version = version
+            sched.weight_version = req.new_version
 
         await on_engine(apply)
-        return web.json_response({"success": True, "message": f"weight version {version}"})
+        return ok(f"weight version {req.new_version}")
 
-    @routes.post("/update_weights_from_disk")
+    @routes.post(P.UPDATE_FROM_DISK.path)
     async def update_weights_from_disk(request):
-        body = await body_of(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not Path(path).is_dir():
-            raise protocol.ProtocolError(f"model_path {path!r} is not a directory")
-        from transformers import AutoModelForCausalLM
+        req = await parse(request, P.UpdateWeightFromDiskReqInput)
+        named = await in_pool("disk", engine.read_model_dir, req.model_path)
+        await on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache))
+        return ok(f"loaded {req.model_path}", num_paused_requests=0)
 
-        new = await asyncio.to_thread(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=engine.runner.model.dtype))
-        missing = set(engine.runner.model.state_dict()) ^ set(new.state_dict())
-        if missing:
-            raise protocol.ProtocolError(f"{path} does not match the served model: {sorted(missing)[:5]}")
-
-        def apply():
-            sched.adapters.activate(None)
-            if body.get("abort_all_requests", False):
-                sched.abort(message="weights updated")
-            engine.runner.model.load_state_dict(new.state_dict())
-            if body.get("weight_version") is not None:
-                sched.weight_version = str(body["weight_version"])
-
-        await on_engine(apply)
-        return web.json_response({"success": True, "message": f"loaded {path}", "num_paused_requests": 0})
-
-    @routes.post("/init_weights_update_group")
+    @routes.post(P.INIT_GROUP.path)
     async def init_weights_update_group(request):
-        body = await body_of(request)
-        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
-        if missing:
-            raise protocol.ProtocolError(f"missing field(s): {', '.join(missing)}")
-        name = body.get("group_name", "weight_update_group")
-        backend = body.get("backend", "nccl" if engine.runner.device.type == "cuda" else "gloo")
-        if backend == "nccl" and engine.runner.device.type != "cuda":
-            raise protocol.ProtocolError("backend nccl needs a CUDA engine; this one runs on the CPU (use gloo)")
-        from moerl.engines.weight_group import join_weight_group, weight_store
-
-        world, rank = int(body["world_size"]), int(body["rank_offset"])
-        engine.weight_groups[name] = await asyncio.to_thread(
-            lambda: join_weight_group(backend, weight_store(body["master_address"], int(body["master_port"]), world, rank), world, rank, name)
-        )
-        return web.json_response({"success": True, "message": f"joined {name} as rank {body['rank_offset']}"})
-
-    @routes.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request):
-        body = await body_of(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) or not names:
-            raise protocol.ProtocolError("names, dtypes and shapes must be non-empty lists")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise protocol.ProtocolError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        name = body.get("group_name", "weight_update_group")
-        if name not in engine.weight_groups:
-            raise protocol.ProtocolError(f"group {name!r} is not initialised: call /init_weights_update_group first")
-        group = engine.weight_groups[name]
-        device = engine.runner.device
-        import torch.distributed as dist
-
-        if body.get("load_format") == "flattened_bucket":
-            spans = protocol.bucket_layout(dtypes, shapes)
-            flat = torch.empty(spans[-1][1], dtype=torch.uint8, device=device)
-            await asyncio.to_thread(dist.broadcast, flat, 0, group)
-            named = protocol.unflatten_bucket(flat, names, dtypes, shapes)
-        elif body.get("load_format") is None:
-            for i, d in enumerate(dtypes):
-                if d not in protocol.TORCH_DTYPES:
-                    raise protocol.ProtocolError(f"dtypes[{i}]={d!r} is not one of {protocol.TORCH_DTYPES}")
-            named = [(n, torch.empty(s, dtype=getattr(torch, d), device=device)) for n, d, s in zip(names, dtypes, shapes)]
-
-            def receive():
-                for _, t in named:
-                    dist.broadcast(t, 0, group)
-
-            await asyncio.to_thread(receive)
-        else:
-            raise protocol.ProtocolError(f"load_format {body['load_format']!r}: expected null or 'flattened_bucket'")
-        return web.json_response(await apply_weights(body, named))
-
-    async def apply_weights(body: dict, named: list) -> dict:
-        from moerl.engines.embedded.runner import hub_tensor_targets
-
-        def apply():
-            pairs = hub_tensor_targets(engine.runner.model, named)  # all checked before any write
-            sched.adapters.activate(None)  # write base weights, not adapter-merged ones
-            if body.get("abort_all_requests", False):
-                sched.abort(message="weights updated")
-            with torch.no_grad():
-                for dst, src in pairs:
-                    dst.copy_(src)
-            if body.get("weight_version") is not None:
-                sched.weight_version = str(body["weight_version"])
-
+        req = await parse(request, P.InitWeightsUpdateGroupReqInput)
+        name = req.group_name
+        if name in engine.weight_groups or name in engine.joining:
+            raise ProtocolError(f"weight group {name!r} is already initialised (or being joined)")
+        if len(engine.joining) >= MAX_JOINING:
+            raise ProtocolError(f"{MAX_JOINING} weight-group joins are already waiting for their peers; retry later")
+        if req.backend == "nccl" and engine.runner.device.type != "cuda":
+            raise ProtocolError("backend nccl needs a CUDA engine; this one runs on the CPU (use gloo)")
+        engine.joining.add(name)
         try:
-            await on_engine(apply)
-        except ValueError as e:
-            raise protocol.ProtocolError(str(e)) from None
-        return {"success": True, "message": f"updated {len(named)} tensors"}
+            engine.weight_groups[name] = await in_daemon_thread(engine.join_group, req)
+        finally:
+            engine.joining.discard(name)
+        return ok(f"joined {name} as rank {req.rank_offset}")
 
-    @routes.post("/load_lora_adapter")
+    @routes.post(P.BEGIN_UPDATE.path)
+    async def begin_weight_update(request):
+        await parse(request, P.BeginWeightUpdateReqInput)
+        if engine.update_session:
+            raise ProtocolError("a weight-update session is already open; call /end_weight_update first")
+        engine.update_session = True
+        return ok("weight-update session open")
+
+    @routes.post(P.END_UPDATE.path)
+    async def end_weight_update(request):
+        await parse(request, P.EndWeightUpdateReqInput)
+        if not engine.update_session:
+            raise ProtocolError("no weight-update session is open; call /begin_weight_update first")
+        engine.update_session = False
+        return ok("weight-update session closed")
+
+    @routes.post(P.UPDATE_FROM_DISTRIBUTED.path)
+    async def update_weights_from_distributed(request):
+        req = await parse(request, P.UpdateWeightsFromDistributedReqInput)
+        # Names, shapes and layout are checked before a byte is received: never allocate what a request claims.
+        shapes = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta")) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
+        hub_tensor_targets(engine.runner.model, shapes)
+        if req.load_format == "flattened_bucket":
+            protocol.bucket_layout(req.dtypes, req.shapes)
+        group = engine.weight_groups.get(req.group_name)
+        if group is None:
+            raise ProtocolError(f"group {req.group_name!r} is not initialised: call /init_weights_update_group first")
+        if not engine.update_session:
+            raise ProtocolError("update_weights_from_distributed must run between /begin_weight_update and /end_weight_update")
+        if req.flush_cache and not req.abort_all_requests and not sched.idle():
+            raise ProtocolError("weights not received: the cache cannot be flushed while requests are running "
+                                "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
+        named = await in_daemon_thread(engine.receive, req, group)
+        await on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache))
+        return ok(f"updated {len(named)} tensors")
+
+    @routes.post(P.LOAD_LORA.path)
     async def load_lora_adapter(request):
-        body = await body_of(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str):
-            raise protocol.ProtocolError("lora_name and lora_path must be strings")
-        adapter = await asyncio.to_thread(lora.adapter_from_dir, name, path)
-        await on_engine(lambda: sched.adapters.add(adapter))
-        return web.json_response({"success": True, "loaded_adapters": sorted(sched.adapters.adapters)})
+        req = await parse(request, P.LoadLoRAAdapterReqInput)
+        adapter = await in_pool("lora", engine.adapters.from_dir, req.lora_name, req.lora_path)
+        await on_engine(lambda: engine.adapters.add(adapter))
+        return ok(f"loaded {req.lora_name}", loaded_adapters=sorted(engine.adapters.adapters))
 
-    @routes.post("/load_lora_adapter_from_tensors")
+    @routes.post(P.LOAD_LORA_TENSORS.path)
     async def load_lora_adapter_from_tensors(request):
-        body = await body_of(request)
-        name, config, payloads = body.get("lora_name"), body.get("config_dict"), body.get("serialized_named_tensors")
-        if not isinstance(name, str) or not name or not isinstance(config, dict):
-            raise protocol.ProtocolError("lora_name must be a string and config_dict an object")
-        if body.get("load_format") != "safetensors":
-            raise protocol.ProtocolError(
-                "the embedded engine takes serialized_named_tensors with load_format='safetensors' "
-                "(base64 safetensors bytes; SGLang's default is a CUDA-IPC pickle that cannot cross machines)"
-            )
-        if not isinstance(payloads, list) or len(payloads) != 1:
-            raise protocol.ProtocolError("serialized_named_tensors must hold one entry (the embedded engine has one rank)")
-        import base64
+        req = await parse(request, P.LoadLoRAAdapterFromTensorsReqInput)
+        if req.load_format != "safetensors":
+            raise ProtocolError("the embedded engine takes serialized_named_tensors with load_format='safetensors' "
+                                "(base64 safetensors bytes; SGLang's default is a CUDA-IPC pickle that cannot cross machines)")
+        if len(req.serialized_named_tensors) != 1:
+            raise ProtocolError("serialized_named_tensors must hold one entry (the embedded engine has one rank)")
+        adapter = await in_pool("lora", engine.adapters.from_base64, req.lora_name, req.config_dict, req.serialized_named_tensors[0])
+        await on_engine(lambda: engine.adapters.add(adapter))
+        return ok(f"loaded {req.lora_name}", loaded_adapters=sorted(engine.adapters.adapters))
 
-        adapter = lora.adapter_from_bytes(name, config, base64.b64decode(payloads[0]))
-        await on_engine(lambda: sched.adapters.add(adapter))
-        return web.json_response({"success": True, "loaded_adapters": sorted(sched.adapters.adapters)})
-
-    @routes.post("/unload_lora_adapter")
+    @routes.post(P.UNLOAD_LORA.path)
     async def unload_lora_adapter(request):
-        body = await body_of(request)
-        name = body.get("lora_name")
-        await on_engine(lambda: sched.unload_adapter(name))
-        return web.json_response({"success": True, "loaded_adapters": sorted(sched.adapters.adapters)})
+        req = await parse(request, P.UnloadLoRAAdapterReqInput)
+        await on_engine(lambda: sched.unload_adapter(req.lora_name))
+        return ok(f"unloaded {req.lora_name}", loaded_adapters=sorted(engine.adapters.adapters))
 
     @web.middleware
     async def errors(request, handler):
         try:
             return await handler(request)
-        except (protocol.ProtocolError, lora.LoRAError) as e:
+        except MoerlError as e:
             return _error(400, str(e))
-        except web.HTTPException:
-            raise
-        except Exception as e:  # the server keeps serving; the caller learns what failed
+        except web.HTTPException as e:  # no such route, a wrong method, a body over the size limit
+            if e.status < 400:
+                raise
+            return _error(e.status, f"{request.method} {request.path}: {e.reason}")
+        except Exception as e:  # a bug: the server keeps serving and the caller learns what failed
             log.exception("request %s failed", request.path)
             return _error(500, f"{type(e).__name__}: {e}")
 
@@ -423,6 +475,8 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
 
     async def stop_engine(app):
         await asyncio.to_thread(sched.stop)
+        for pool in engine.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app.on_startup.append(start_engine)
     app.on_cleanup.append(stop_engine)
@@ -452,5 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.model} is not a HF model directory (no config.json)", flush=True)
         return 2
     engine = EmbeddedEngine(args.model, DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens)
-    web.run_app(build_app(engine), host=args.host, port=args.port, print=lambda *a: log.info("serving %s on http://%s:%d", args.model, args.host, args.port))
+    # On SIGTERM, requests still open (a join whose peers never came, say) get a few seconds, not a minute.
+    web.run_app(build_app(engine), host=args.host, port=args.port, shutdown_timeout=5,
+                print=lambda *a: log.info("serving %s on http://%s:%d", args.model, args.host, args.port))
     return 0
