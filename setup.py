@@ -35,7 +35,8 @@ setup(
     extras_require={
         # NVIDIA Apex is not on PyPI (the "apex" there is an unrelated project); it builds from source.
         "gpu": ["transformer-engine[pytorch]", "apex @ git+https://github.com/NVIDIA/apex.git"],
-        "sglang": ["sglang", "sglang-router"],
+        # The release moerl's wire contract and driver are tested against (moerl.engines.protocol.SGLANG_VERSION).
+        "sglang": ["sglang==0.5.23", "sglang-router"],
         # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed.
         "dev": ["pytest>=8", "pytest-timeout", "peft>=0.21", "hypothesis>=6"],
     },

@@ -1,6 +1,12 @@
 """moerl: Megatron-core MoE reinforcement learning with SGLang engines."""
 
 import warnings
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("moerl")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 # Messages megatron-core and torch print on every import or call in setups moerl supports on purpose
 # (no Transformer Engine / Apex on CPU, megatron's own use of deprecated torch APIs). Hidden so that

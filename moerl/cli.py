@@ -1,4 +1,5 @@
-"""The ``moerl`` command: ``moerl serve`` (embedded engine), ``convert-ckpt``, ``train`` (one rank of the job), ``plot``."""
+"""The ``moerl`` command: ``moerl serve`` (embedded engine), ``engines`` (SGLang replicas), ``convert-ckpt``,
+``train`` (one rank of the job), ``plot``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import sys
 
 COMMANDS = {
     "serve": ("moerl.engines.embedded.server", "serve a HF MoE model over SGLang's HTTP API (embedded engine)"),
+    "engines": ("moerl.engines.sglang", "start SGLang replicas on this node for a job whose trainer runs elsewhere"),
     "convert-ckpt": ("moerl.checkpoint.cli", "convert checkpoints between HF and Megatron layouts"),
     "train": ("moerl.orchestrator.main", "the GRPO job on one rank (launched by recipes/qwen_moe_grpo.sh via torchrun)"),
     "plot": ("moerl.orchestrator.metrics", "plot a run's metrics.jsonl as PNG curves"),

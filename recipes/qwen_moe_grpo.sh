@@ -18,7 +18,7 @@ args=("$@")
 if [[ " ${args[*]:-} " != *" --config "* ]]; then
   args=(--config "$here/qwen_moe_grpo.yaml" "${args[@]}")
 fi
-if [ -n "${LOCAL_RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ] || [[ " ${args[*]} " =~ " "(-h|--help|--show-config)" " ]]; then
+if [ -n "${LOCAL_RANK:-}" ] && [ -n "${WORLD_SIZE:-}" ] || [[ " ${args[*]} " =~ " "(-h|--help|--show-config|--show-plan)" " ]]; then
   exec "$PYTHON" -m moerl.cli train "${args[@]}"
 fi
 if [[ " ${args[*]} " != *" run.dir="* ]]; then

@@ -1,10 +1,25 @@
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import shlex
+import sys
 
-from moerl.checkpoint.convert import hf_to_mcore
-from moerl.models.tiny import ARCHITECTURES, save_tiny_hf
+
+def _gpu_tests_selected(args: list[str]) -> bool:
+    expr = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "-m"), None)
+    expr = expr or next((a[2:] for a in args if a.startswith("-m") and len(a) > 2 and not a.startswith("--")), "")
+    return "gpu" in expr and "not gpu" not in expr
+
+
+# `python3 -m pytest` is the CPU suite on every machine: CUDA is hidden from it, and from every process it
+# starts, before anything asks torch about devices. `-m gpu` selects the CUDA tests and leaves the GPUs visible.
+if not _gpu_tests_selected(sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moerl.models.tiny import ARCHITECTURES, save_tiny_hf  # noqa: E402
 
 ARCHS = ARCHITECTURES
 
@@ -16,6 +31,8 @@ def tiny_ckpts(tmp_path_factory) -> dict:
     Qwen3 is saved in several shards with an index, Qwen2 (tied embeddings, shared experts) as a
     single file, so both HF layouts are read.
     """
+    from moerl.checkpoint.convert import hf_to_mcore
+
     root = tmp_path_factory.mktemp("tiny")
     out = {}
     for arch in ARCHS:

@@ -40,9 +40,9 @@ def long_tailed(tmp_path_factory) -> list[str]:
 
 
 def job_args(cache: Path, run_dir: Path, *overrides: str) -> list[str]:
-    # sync.verify: after every update the run reads every tensor back from the engine and fails on any difference.
+    # sync.verify: after every update each engine must serve the trainer's policy (fp32: probe log-probs within 1e-4).
     return ["bash", str(RECIPE), f"run.dir={run_dir}", f"run.cache_dir={cache}", "run.progress=false", f"rollout.groups_per_step={GROUPS}",
-            "sync.verify=true", "sync.verify_rows=100000", *overrides]
+            "sync.verify=true", *overrides]
 
 
 def job(cache: Path, run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -95,8 +95,7 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
 def test_lora_job_moves_adapters_only(cache, tmp_path):
     """lora.enabled=true through the same recipe: adapters pushed after every step under a new name; on-policy
     (sync, fp32) the engine with the adapter reproduces the trainer's log-probs, so it serves what was trained."""
-    out = job(cache, tmp_path, "run.mode=sync", "run.steps=3", "lora.enabled=true", "lora.rank=4", "trainer.optim.lr=5e-2",
-              "sync.verify=false")
+    out = job(cache, tmp_path, "run.mode=sync", "run.steps=3", "lora.enabled=true", "lora.rank=4", "trainer.optim.lr=5e-2")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -209,3 +209,61 @@ def lora_train_export(mcore_dir: str, trainer_cfg, lora_cfg, samples: list, inpu
         "base_unchanged": all(torch.equal(before[n], after[n]) for n in before),
         "lora_names": sorted(n for n in named if is_lora_param(n)),
     }
+
+
+def te_norm_names(arch: str) -> dict:
+    """Where Transformer Engine's layer spec keeps each norm (megatron-core's own spec, built with stand-in
+    TE classes since TE needs CUDA), beside the local spec's checkpoint keys and weight export's names."""
+    from unittest import mock
+
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    from moerl.checkpoint.mcore import SHARDED_METADATA
+    from moerl.megatron.model import build_model
+    from moerl.megatron.parallel import Layout, init_distributed
+    from moerl.megatron.weights import global_name
+    from moerl.models import family_for
+    from moerl.models.tiny import TINY_QWEN2, TINY_QWEN3
+
+    class Norm:  # TENorm: parameter "weight"
+        pass
+
+    class LayerNormLinear:  # TELayerNormColumnParallelLinear: its norm's parameter is "layer_norm_weight"
+        pass
+
+    class Other:
+        pass
+
+    class Backend:
+        def __getattr__(self, name):
+            return {"column_parallel_layer_norm_linear": lambda: LayerNormLinear, "layer_norm": lambda **kw: Norm,
+                    "fuse_layernorm_and_linear": lambda: True,
+                    "grouped_mlp_modules": lambda *a, **kw: (Other, MLPSubmodules(linear_fc1=Other, linear_fc2=Other))}.get(name, lambda *a, **kw: Other)
+
+    init_distributed(Layout())
+    cfg = dict(TINY_QWEN3 if arch.startswith("Qwen3") else TINY_QWEN2, architectures=[arch])
+    family = family_for(cfg)
+    config = family.transformer_config(family.normalize(cfg), Layout())
+    with mock.patch.object(gpt_layer_specs, "TESpecProvider", Backend, create=True), mock.patch.object(gpt_layer_specs, "TENorm", Norm, create=True):
+        layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=True, normalization="RMSNorm")
+    te_names = set()
+    for i, layer in enumerate(layers):
+        sub, prefix = layer.submodules, f"decoder.layers.{i}."
+        attention = sub.self_attention.submodules
+        te_names |= {prefix + name for name, module in (
+            ("input_layernorm.weight", sub.input_layernorm), ("self_attention.q_layernorm.weight", attention.q_layernorm),
+            ("self_attention.k_layernorm.weight", attention.k_layernorm), ("pre_mlp_layernorm.weight", sub.pre_mlp_layernorm)) if module is Norm}
+        if attention.linear_qkv is LayerNormLinear:
+            te_names.add(prefix + "self_attention.linear_qkv.layer_norm_weight")
+        fc1 = getattr(sub.mlp.submodules, "linear_fc1", None)
+        if fc1 is LayerNormLinear:
+            te_names.add(prefix + "mlp.linear_fc1.layer_norm_weight")
+    with torch.device("meta"):
+        model = build_model(cfg, Layout())
+    local_keys = {v.key for v in model.sharded_state_dict(metadata=SHARDED_METADATA).values()
+                  if "layernorm" in v.key or "layer_norm" in v.key}
+    rule_names = {r.mcore for r in family.all_rules(family.normalize(cfg)) if r.mcore.startswith("decoder.layers.") and "norm" in r.mcore}
+    return {"te_names": te_names, "local_keys": {k for k in local_keys if k.startswith("decoder.layers.")},
+            "exported": {global_name(model, n) for n in te_names}, "rule_names": rule_names,
+            "pattern": family.moe_layer_pattern(family.normalize(cfg))}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moerl.errors import MoerlError
@@ -69,6 +70,9 @@ def _release_freed_tensors_to_the_os() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "verify":
+        # Conversion runs on the CPU whatever the host has; hidden before anything asks CUDA, the CPU path
+        # runs in this process (elsewhere convert.py starts a fresh process for it).
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         _release_freed_tensors_to_the_os()
     try:
         if args.command == "hf-to-mcore":

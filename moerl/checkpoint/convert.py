@@ -9,6 +9,7 @@ and renamed into place only when complete: a failed conversion leaves nothing be
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -21,15 +22,14 @@ from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
 from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, check_hf_tensors, copy_carried_files, read_config
-from moerl.checkpoint.mcore import (HF_SUBDIR, MOERL_META, SHARDED_METADATA, TRAINER_STATE, hf_config_of, merge_pieces,
-                                   read_moerl_meta)
+from moerl.checkpoint.mcore import (HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, hf_config_of, load_sharded, merge_pieces,
+                                   read_moerl_meta, write_moerl_meta)
 from moerl.checkpoint.peft import adapter_config, merge_into, peft_tensors, write_adapter_files
 from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import Layout, ensure_single_process_env, init_distributed
 from moerl.models import QwenMoeFamily, TensorRule, family_for
 
-FORMAT_VERSION = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,6 +86,27 @@ def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
     module._parameters[param_name] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
+def _on_the_cpu(convert):
+    """Conversion never needs a GPU, and megatron-core on a CUDA host would place the meta model's layers on
+    GPU 0 (``use_cpu_initialization`` is off there) and ``.cuda()`` them: where CUDA is visible, the
+    conversion runs in a fresh process that sees none, on the CPU path (one layer plus one shard in memory)."""
+
+    @functools.wraps(convert)
+    def on_the_cpu(*args, **kwargs):
+        if torch.cuda.is_available():
+            from moerl.megatron.launch import run_ranks
+
+            return run_ranks(_call, 1, convert.__name__, args, kwargs, use_cuda=False)[0]
+        return convert(*args, **kwargs)
+
+    return on_the_cpu
+
+
+def _call(name: str, args: tuple, kwargs: dict):
+    return globals()[name].__wrapped__(*args, **kwargs)
+
+
+@_on_the_cpu
 def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     """Convert a HF directory (Hub names, per-expert tensors) to a moerl Megatron checkpoint."""
     hf_dir, out = Path(hf_dir), Path(out_dir)
@@ -115,13 +136,11 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
         merge_pieces(staging, piece_dirs)
         (staging / HF_SUBDIR).mkdir()
         copy_carried_files(hf_dir, staging / HF_SUBDIR)
-        # hf_source: the base model that adapters trained from this checkpoint apply to (their PEFT config names it).
-        meta = {"format_version": FORMAT_VERSION, "architecture": family.architecture, "dtype": _dtype_name(dtype),
-                "hf_source": str(hf_dir.resolve())}
-        (staging / MOERL_META).write_text(json.dumps(meta, indent=2) + "\n")
+        write_moerl_meta(staging, family.architecture, _dtype_name(dtype), str(hf_dir.resolve()))
     return out
 
 
+@_on_the_cpu
 def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = True, max_shard_bytes: int = 2 * 1024**3,
                 lora: str = "none", base_model: str | None = None) -> Path:
     """Convert a moerl Megatron checkpoint back to a HF directory that transformers and SGLang load.
@@ -153,7 +172,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
             for name in adapters:
                 _set_param(model, name, torch.empty_like(params[name], device="cpu"))
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
-            state = dist_checkpointing.load({n: t for n, t in sharded.items() if is_lora_param(n)}, str(mcore_dir))
+            state = load_sharded({n: t for n, t in sharded.items() if is_lora_param(n)}, mcore_dir)
             tensors = peft_tensors(family, cfg, {n: state[n] for n in adapters})
             write_adapter_files(staging, adapter_config(lora_cfg, tensors, base_model), tensors)
             return out
@@ -164,7 +183,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
             for name in names:
                 _set_param(model, name, torch.empty_like(params[name], device="cpu"))
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
-            state = dist_checkpointing.load({n: t for n, t in sharded.items() if in_piece(n, prefix)}, str(mcore_dir))
+            state = load_sharded({n: t for n, t in sharded.items() if in_piece(n, prefix)}, mcore_dir)
             for rule in rules:
                 weight, module = state[rule.mcore], rule.mcore.removesuffix(".weight")
                 if f"{module}.lora_A" in state:

@@ -20,6 +20,9 @@ from megatron.core import dist_checkpointing
 from moerl.checkpoint.hf import CheckpointError
 
 SHARDED_METADATA = {"non_homogeneous_layers": True}
+# 2: a MoE layer's pre-MLP norm is stored as "pre_mlp_layernorm.weight", as Transformer Engine's spec stores
+#    it (1 stored it as "mlp.linear_fc1.layer_norm_weight", which a TE model does not load).
+FORMAT_VERSION = 2
 HF_SUBDIR = "hf"
 MOERL_META = "moerl.json"
 TRAINER_STATE = "trainer.json"  # a trainer checkpoint's version, schedule and config (incl. LoRA), by Trainer.save
@@ -38,11 +41,29 @@ def hf_config_of(ckpt_dir: str | Path) -> dict:
     return read_config(Path(ckpt_dir) / HF_SUBDIR)
 
 
+def load_sharded(sharded: dict, ckpt_dir: str | Path) -> dict:
+    """``dist_checkpointing.load`` of a moerl checkpoint of any format version."""
+    if read_moerl_meta(ckpt_dir).get("format_version", 1) < 2:
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+        def legacy(item):
+            if hasattr(item, "key") and ".pre_mlp_layernorm." in item.key:  # only MoE layers still have one
+                item.key = item.key.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
+            return item
+
+        dict_list_map_inplace(legacy, sharded)
+    return dist_checkpointing.load(sharded, str(ckpt_dir))
+
+
+def write_moerl_meta(ckpt_dir: str | Path, architecture: str, dtype: str, hf_source: str) -> None:
+    """``hf_source``: the base model that adapters trained from this checkpoint apply to (their PEFT config names it)."""
+    meta = {"format_version": FORMAT_VERSION, "architecture": architecture, "dtype": dtype, "hf_source": hf_source}
+    (Path(ckpt_dir) / MOERL_META).write_text(json.dumps(meta, indent=2) + "\n")
+
+
 def load_model_weights(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     """Load this rank's shards of a moerl Megatron checkpoint into ``model`` (any layout)."""
-    read_moerl_meta(ckpt_dir)
-    sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
-    state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    state = load_sharded(model.sharded_state_dict(metadata=SHARDED_METADATA), ckpt_dir)
     model.load_state_dict(state, strict=True)
 
 

@@ -16,6 +16,7 @@ import logging
 from typing import Any, AsyncIterator, Iterable
 
 import aiohttp
+import numpy as np
 
 from moerl.engines import protocol as P
 from moerl.engines.protocol import Completion, ModelShape, Route, SamplingParams, WireModel, decode_generate
@@ -132,6 +133,9 @@ class EngineClient:
     async def abort(self, rid: str | None = None) -> None:
         await self._everywhere(P.ABORT, P.AbortReq(rid=rid or "", abort_all=rid is None))
 
+    async def server_info(self) -> list[P.ServerInfo]:
+        return await self._everywhere(P.SERVER_INFO)
+
     async def weight_versions(self) -> list[str]:
         return [info["weight_version"] for info in await self._everywhere(P.MODEL_INFO)]
 
@@ -169,6 +173,25 @@ class EngineClient:
     async def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """Each engine's copy of the Hub tensor ``name`` as nested lists, first ``truncate_size`` rows."""
         return await self._everywhere(P.GET_WEIGHTS, P.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size))
+
+    async def prompt_logprobs(self, input_ids: list[int], lora_path: str | None = None) -> list[np.ndarray]:
+        """Each engine's log-probs of ``input_ids[1:]`` given the tokens before them (float32 [len - 1])."""
+        request = P.GenerateReqInput(input_ids=list(input_ids), return_logprob=True, logprob_start_len=0, lora_path=lora_path,
+                                     sampling_params=SamplingParams(max_new_tokens=1, temperature=1.0))
+        answers = await self._everywhere(P.GENERATE, request)
+        return [np.asarray([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]], dtype=np.float32) for a in answers]
+
+    async def weight_checksums(self) -> list[str | None]:
+        """Each engine's checksum over all its weights, None where it has no /weights_checker."""
+        async def one(url):
+            try:
+                return (await self._call(url, P.WEIGHTS_CHECKER, P.CheckWeightsReqInput()))["per_engine_checksum"]
+            except EngineError as e:
+                if e.status == 404:
+                    return None
+                raise
+
+        return list(await asyncio.gather(*(one(u) for u in self.urls)))
 
     async def load_lora(self, name: str, path: str) -> None:
         await self._everywhere(P.LOAD_LORA, P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))

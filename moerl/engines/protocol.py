@@ -24,6 +24,7 @@ class ProtocolError(MoerlError):
     """A request the engine refuses (HTTP 400); the message says which field and why."""
 
 
+SGLANG_VERSION = "0.5.23"  # the release this contract is written and tested against (the sglang extra pins it)
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
 GREEDY_BELOW = 1e-6  # SGLang samples greedily (temperature 1, top_k 1) below this temperature
 MAX_N = 1024  # completions of one prompt per request (SGLang sets no bound; one request must not flood the engine)
@@ -274,6 +275,10 @@ class GetWeightsByNameReqInput(WireModel):
     truncate_size: int = Field(100, ge=1)
 
 
+class CheckWeightsReqInput(WireModel):
+    action: Literal["checksum"] = "checksum"  # SGLang also snapshots and compares; moerl asks for checksums only
+
+
 class LoadLoRAAdapterReqInput(WireModel):
     lora_name: str = Field(min_length=1)
     lora_path: LocalPath  # a PEFT directory
@@ -300,6 +305,15 @@ class ControlResponse(TypedDict, total=False):
     aborted: int  # /abort_request: completions aborted
     loaded_adapters: list[str]  # LoRA routes
     num_paused_requests: int  # /update_weights_from_disk
+    per_engine_checksum: str  # /weights_checker: one hash over every weight of the engine (every TP rank)
+
+
+class ServerInfo(TypedDict, total=False):
+    """/server_info: SGLang's resolved server arguments and more; the fields moerl reads."""
+
+    tp_size: int  # ranks the engine takes in a weight-update group
+    version: str  # SGLang's version (the embedded engine: moerl's, with engine "moerl-embedded")
+    engine: str
 
 
 class ModelInfo(TypedDict):
@@ -325,6 +339,7 @@ class Route:
 GENERATE = Route("/generate", "POST")
 HEALTH = Route("/health", "GET")
 MODEL_INFO = Route("/model_info", "GET")
+SERVER_INFO = Route("/server_info", "GET")
 PAUSE = Route("/pause_generation", "POST")
 CONTINUE = Route("/continue_generation", "POST")
 ABORT = Route("/abort_request", "POST")
@@ -336,6 +351,7 @@ BEGIN_UPDATE = Route("/begin_weight_update", "POST", idempotent=False)
 END_UPDATE = Route("/end_weight_update", "POST", idempotent=False)
 UPDATE_FROM_DISTRIBUTED = Route("/update_weights_from_distributed", "POST", idempotent=False)
 GET_WEIGHTS = Route("/get_weights_by_name", "POST")
+WEIGHTS_CHECKER = Route("/weights_checker", "POST")
 LOAD_LORA = Route("/load_lora_adapter", "POST", idempotent=False)
 LOAD_LORA_TENSORS = Route("/load_lora_adapter_from_tensors", "POST", idempotent=False)
 UNLOAD_LORA = Route("/unload_lora_adapter", "POST", idempotent=False)

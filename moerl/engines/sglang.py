@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
+from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SGLANG_VERSION
 from moerl.env import child_env, free_port
 
 
@@ -41,6 +41,26 @@ class SGLangConfig:
     log_dir: str | None = None
     extra_args: list[str] = field(default_factory=list)
     gpu_offset: int = 0  # first visible GPU for the engines (the trainer's ranks use those before it)
+
+
+def sglang_problem(installed: str | None = None) -> str | None:
+    """Why SGLang servers cannot be used here (None: they can): not installed, or older than the release
+    whose API moerl speaks (weight-update sessions, sampling masks, triton_v2 LoRA). ``installed``: a
+    version reported by a running server instead of this machine's package."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    if installed is None:
+        try:
+            installed = version("sglang")
+        except PackageNotFoundError:
+            return f"sglang is not installed (bash tools/install.sh sglang installs {SGLANG_VERSION})"
+    try:
+        too_old = Version(installed) < Version(SGLANG_VERSION)
+    except InvalidVersion:
+        return f"sglang version {installed!r} is not a version number"
+    return f"sglang {installed} is older than {SGLANG_VERSION}, whose HTTP API moerl speaks" if too_old else None
 
 
 def server_args(cfg: SGLangConfig, port: int) -> list[str]:
@@ -213,3 +233,40 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``moerl engines``: SGLang replicas on this node for a job whose trainer runs on other nodes."""
+    import argparse
+    import socket
+
+    p = argparse.ArgumentParser(prog="moerl engines", description=(
+        "Start SGLang replicas on this node's GPUs with the flags moerl's RL loop needs (routed experts, sampling "
+        "masks, memory saver, LoRA), wait until each is healthy, print their URLs and keep them up until interrupted. "
+        "Give the URLs to the job: engines.urls=[...]."))
+    p.add_argument("--model", required=True, help="HF model directory (the one the job trains)")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--gpus-per-replica", type=int, default=1, help="tensor-parallel size of each replica")
+    p.add_argument("--base-port", type=int, default=30000, help="replica i serves on base-port + i")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mem-fraction-static", type=float, default=0.8)
+    p.add_argument("--lora-max-rank", type=int, default=None, help="serve LoRA adapters up to this rank (the job's lora.rank)")
+    p.add_argument("--log-dir", default="engine-logs")
+    args = p.parse_args(argv)
+    problem = sglang_problem()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    pool = SGLangPool(SGLangConfig(model_path=args.model, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+                                   host="0.0.0.0", base_port=args.base_port, dtype=args.dtype, log_dir=args.log_dir,
+                                   mem_fraction_static=args.mem_fraction_static, lora_max_rank=args.lora_max_rank))
+    pool.start()
+    node = socket.gethostname()
+    print("engines.urls=[" + ",".join(f"http://{node}:{port}" for port in pool.ports) + "]", flush=True)
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait, not as KeyboardInterrupt
+    try:
+        signal.sigwait(stop)
+    finally:
+        pool.stop()
+    return 0

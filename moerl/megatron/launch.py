@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moerl.errors import MoerlError
 from moerl.megatron.parallel import destroy_distributed
 
 
@@ -32,8 +33,9 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, use_cuda: bool, 
     try:
         result = fn(*args)
         torch.save({"ok": result}, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException as e:
+        # A user's mistake (a MoerlError) travels as itself, so callers report it as one line.
+        torch.save({"error": traceback.format_exc(), "mistake": e if isinstance(e, MoerlError) else None}, Path(out_dir) / f"rank{rank}.pt")
         raise
     finally:
         destroy_distributed()
@@ -80,6 +82,8 @@ def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda
         if not path.exists():
             continue
         data = torch.load(path, weights_only=False)
+        if data.get("mistake") is not None:
+            raise data["mistake"]
         if "error" in data:
             raise RuntimeError(f"rank {r} failed:\n{data['error']}")
         results.append(data["ok"])

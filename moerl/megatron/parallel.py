@@ -66,20 +66,34 @@ class Layout:
         return f"TP{self.tp} PP{self.pp} EP{self.ep} ETP{self.etp}"
 
 
+def init_process_group(timeout_s: float = 600) -> None:
+    """The trainer ranks' default process group (from torchrun's environment): NCCL on this rank's own
+    GPU (``LOCAL_RANK``), chosen before the group exists, else gloo. The only place moerl creates it.
+
+    No ``device_id=`` is passed: torch would then build later groups by splitting the default
+    communicator, and the weight-sync group shared with the engines is not a split of it."""
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must be for a collective of the default group: this rank's GPU under NCCL (which
+    refuses CPU tensors), the CPU under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def init_distributed(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> None:
-    """Initialise torch.distributed (from torchrun's environment) and megatron parallel state.
+    """Initialise torch.distributed (:func:`init_process_group`, unless done) and megatron parallel state.
 
     Uses NCCL with CUDA, gloo (plus the CPU compatibility layer) without.
     """
-    cuda = torch.cuda.is_available()
-    if not cuda:
+    if not torch.cuda.is_available():
         cpu_compat.apply()
-    if not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(
-            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-        )
+    init_process_group(timeout_s)
     layout.check_world(dist.get_world_size())
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -19,6 +19,10 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 # Transformer Engine's TEGroupedMLP names local expert i "experts.linear_fc1.weight{i}".
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+# Transformer Engine fuses the attention's input norm into linear_qkv, and a dense layer's pre-MLP norm
+# into linear_fc1: their weights carry the local spec's names in the global model.
+_TE_FUSED_NORMS = ((".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+                   (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"))
 
 
 def global_name(model, name: str) -> str:
@@ -28,6 +32,9 @@ def global_name(model, name: str) -> str:
         layer = model.decoder.layers[int(match.group(1))].layer_number - 1
         name = f"decoder.layers.{layer}." + name[match.end():]
     name = _GROUPED_EXPERT.sub(r".experts.local_experts.\3.\1.\2", name)
+    for fused, plain in _TE_FUSED_NORMS:
+        if name.endswith(fused):
+            name = name[: -len(fused)] + plain
     match = _EXPERT.search(name)
     if match:
         num_local = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()

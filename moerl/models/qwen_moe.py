@@ -81,6 +81,22 @@ def _replace_norms(spec: Any, norm_types: tuple[type, ...]) -> Any:
     return spec
 
 
+def _checkpoint_keys_as_te(block: Any) -> Any:
+    """Make the local spec checkpoint every norm under Transformer Engine's key, so a checkpoint loads
+    under either spec. Its layers save ``input_layernorm`` and ``pre_mlp_layernorm`` under the names of
+    TE's fused layer-norm linears; but TE fuses the pre-MLP norm only into a dense MLP's ``linear_fc1``,
+    and a MoE layer keeps it as ``pre_mlp_layernorm``, so the MoE layers' rename is dropped."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for layer in block.layer_specs:
+        mlp = layer.submodules.mlp
+        if isinstance(mlp, ModuleSpec) and isinstance(mlp.module, type) and issubclass(mlp.module, MoELayer):
+            keys = dict(layer.submodules.sharded_state_dict_keys_map)
+            keys.pop("pre_mlp_layernorm.", None)
+            layer.submodules.sharded_state_dict_keys_map = keys
+    return block
+
+
 def _fallback_norm_types() -> tuple[type, ...]:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -295,7 +311,7 @@ class QwenMoeFamily:
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )
-        return spec if te else _replace_norms(spec, _fallback_norm_types())
+        return spec if te else _checkpoint_keys_as_te(_replace_norms(spec, _fallback_norm_types()))
 
     def gpt_model_kwargs(self, cfg: dict) -> dict:
         return dict(

@@ -46,6 +46,7 @@ class RunSection:
     cache_dir: str = "~/.cache/moerl"  # the tiny demo model and converted checkpoints, made once
     progress: bool = True  # a progress bar on stderr (rank 0)
     trainer_ranks: int = 0  # torchrun ranks of the trainer (0: trainer.tp * pp * ep); the rest of the node's GPUs serve
+    device_memory_gb: float | None = None  # GPU memory the memory plan is made for (default: the visible GPU's, else 80)
 
     def __post_init__(self):
         check_choices(self, "run")
@@ -100,8 +101,10 @@ class RolloutSection:
 class SyncSection:
     method: str = choice("broadcast", SYNC_METHODS)  # broadcast (NCCL/gloo group with the engines) | disk (safetensors + update_weights_from_disk)
     bucket_mb: int = 512
-    verify: bool = False  # after each update, compare the engines' copy of every tensor (first rows) with the trainer's
-    verify_rows: int = 4
+    # After each update: every engine reports the new version, engines agree on their weight checksums, and
+    # each one's log-probs of a fixed probe are within verify_tolerance (mean |delta|) of the trainer's.
+    verify: bool = False
+    verify_tolerance: float | None = None  # default: 1e-4 where engines and trainer compute in fp32, else 5e-2
 
     def __post_init__(self):
         check_choices(self, "sync")
@@ -212,12 +215,15 @@ def resolve_defaults(cfg: RunConfig) -> None:
 
 
 def served_by(engines: EngineSection) -> str:
-    """The engine server the job starts: ``engines.server``, with auto meaning SGLang where CUDA is."""
+    """The engine server the job starts: ``engines.server``, with auto meaning SGLang where CUDA is and a
+    usable SGLang is installed (:func:`~moerl.engines.sglang.sglang_problem`), else the embedded engine."""
     if engines.server != "auto":
         return engines.server
     import torch
 
-    return "sglang" if torch.cuda.is_available() else "embedded"
+    from moerl.engines.sglang import sglang_problem
+
+    return "sglang" if torch.cuda.is_available() and sglang_problem() is None else "embedded"
 
 
 def check(cfg: RunConfig) -> None:
@@ -234,8 +240,9 @@ def check(cfg: RunConfig) -> None:
     if cfg.lora.enabled and cfg.sync.method == "broadcast" and served_by(cfg.engines) == "sglang":
         problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
                         "processes on its own machine, so adapters reach it as PEFT directories")
-    if cfg.lora.enabled and cfg.sync.verify:
-        problems.append("sync.verify reads the engines' weights back, which a LoRA run never changes: set sync.verify=false")
+    if served_by(cfg.engines) == "embedded" and cfg.engines.gpus_per_replica != 1 and not cfg.engines.urls:
+        problems.append(f"engines.gpus_per_replica={cfg.engines.gpus_per_replica}: the embedded engine serves on one device; "
+                        "use engines.server=sglang for tensor-parallel replicas")
     if cfg.run.steps < 1:
         problems.append("run.steps must be >= 1")
     if problems:

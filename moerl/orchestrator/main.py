@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import hashlib
 import json
 import logging
@@ -45,8 +44,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--check", action="store_true",
                    help="check the config, model, task and engine URLs as the job would, print the number of trainer ranks it needs, and exit")
     p.add_argument("--show-config", action="store_true", help="print the whole resolved config (every key, with overrides) and exit")
+    p.add_argument("--show-plan", action="store_true",
+                   help="print the memory plan (per trainer rank and engine GPU, from the model's config.json alone) and exit")
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # flags and overrides in any order
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
@@ -107,12 +108,33 @@ def preflight(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir")
     if cfg.engines.urls:
         check_engine_urls(cfg.engines.urls)
+    elif cfg.engines.server == "sglang":
+        from moerl.engines.sglang import sglang_problem
+
+        if problem := sglang_problem():
+            raise ConfigError(f"engines.server=sglang: {problem}; or set engines.server=embedded")
     check_task(cfg)
     if cfg.model.path is not None:
         hf = Path(cfg.model.path)
         if not (hf / "config.json").is_file():
             raise ConfigError(f"model.path={hf} is not a HF model directory (no config.json)")
         check_model(cfg, hf, converting=not cfg.model.mcore)
+    print(memory_plan(cfg, world, checked=True).table(), file=sys.stderr)
+
+
+def memory_plan(cfg: RunConfig, world: int, checked: bool):
+    """The memory plan (:mod:`moerl.orchestrator.memory`) of the configured model on ``world`` trainer ranks;
+    ``checked``: a plan that does not fit raises :class:`ConfigError`."""
+    from moerl.checkpoint.hf import read_config
+    from moerl.orchestrator import memory
+
+    if cfg.model.path is None:
+        from moerl.models.tiny import TINY_QWEN3
+
+        model_config = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
+    else:
+        model_config = read_config(cfg.model.path)
+    return (memory.check if checked else memory.plan_for)(cfg, model_config, world)
 
 
 def check_task(cfg: RunConfig) -> None:
@@ -170,20 +192,32 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
         dtype=dtype, mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
         gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
     ))
+    if e.server == "auto" and cuda and server == "embedded":
+        from moerl.engines.sglang import sglang_problem
+
+        log.warning("engines.server=auto: %s; serving with moerl's embedded engine instead", sglang_problem())
     log.info("starting %d %s engine(s); logs in %s", e.replicas, server, run_dir / "logs")
     return pool.start(e.start_timeout_s), pool
 
 
 def check_engine_urls(urls: list[str]) -> None:
+    """Every engine answers, and those that are SGLang servers run a release whose API moerl speaks."""
     from moerl.engines.client import EngineClient
+    from moerl.engines.sglang import sglang_problem
 
     async def health():
         async with EngineClient(urls, retries=0) as client:
-            return await client.healthy()
+            up = await client.healthy()
+            return up, (await client.server_info() if all(up) else [])
 
-    down = [u for u, ok in zip(urls, asyncio.run(health())) if not ok]
+    up, infos = asyncio.run(health())
+    down = [u for u, ok in zip(urls, up) if not ok]
     if down:
         raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
+    for url, info in zip(urls, infos):
+        problem = None if info.get("engine") == "moerl-embedded" else sglang_problem(str(info.get("version")))
+        if problem:
+            raise ConfigError(f"engines.urls: {url} runs {problem}")
 
 
 def start_manager(cfg_path: Path, hf: Path, urls: list[str], buffer, cursor: int, reissue: list[int], run_dir: Path) -> subprocess.Popen:
@@ -218,10 +252,11 @@ def run(cfg: RunConfig) -> dict:
     import zmq
     from tqdm import tqdm
 
+    from moerl.megatron.parallel import init_process_group
     from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
     from moerl.orchestrator.metrics import MetricsWriter
     from moerl.trainer.trainer import Trainer
-    from moerl.weight_sync.base import sync_weights
+    from moerl.weight_sync.base import sync_weights, verify_engines
     from moerl.weight_sync.lora import adapter_name, sync_adapters
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -233,9 +268,8 @@ def run(cfg: RunConfig) -> dict:
         (run_dir / "logs").mkdir(exist_ok=True)
         hf, mcore = prepare_model(cfg)
         paths = [str(hf), str(mcore)]
-    if not dist.is_initialized():
-        # Generation in sync mode can outlast any default collective timeout.
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(hours=6))
+    # Generation in sync mode can outlast any default collective timeout.
+    init_process_group(timeout_s=6 * 3600)
     box = [paths if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     hf, mcore = (Path(p) for p in box[0])
@@ -251,7 +285,6 @@ def run(cfg: RunConfig) -> dict:
 
     mode, B = cfg.run.mode, cfg.rollout.groups_per_step
     full_bytes = full_weight_bytes(trainer)  # what a full-weight sync moves, beside what each sync moved
-    verify_rows = cfg.sync.verify_rows if cfg.sync.verify else 0
     pool = sync = manager = buffer = writer = bar = None
     ctx = zmq.Context() if rank == 0 else None
     try:
@@ -278,15 +311,26 @@ def run(cfg: RunConfig) -> dict:
                 buffer.use_adapter(adapter_name(trainer.version), trainer.version)
             return stats
 
+        def verify() -> dict[str, float]:
+            """With sync.verify, every engine serves the trainer's policy (after the engines resumed)."""
+            if not cfg.sync.verify:
+                return {}
+            adapter = adapter_name(trainer.version) if lora and trainer.version else None
+            # A LoRA run's engines keep their base weight version: the adapter's name carries the policy's.
+            version = None if lora else str(trainer.version)
+            return verify_engines(trainer.model.module, trainer.hf_config, sync, version, tolerance, adapter) or {}
+
+        tolerance = verify_tolerance(cfg)
         # The engines serve the trainer's weights from the first token: a resumed run pushes its own. A new
         # LoRA run's policy is the base model itself (every B starts at zero): requests use no adapter.
         if resume_from is not None:
             if lora:
                 push_adapters()
             else:
-                sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
+                sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version))
         elif rank == 0 and not lora:
             sync.run(sync.client.set_weight_version(str(trainer.version)))
+        verify()
         if rank == 0 and mode == "async":
             buffer.order(cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
 
@@ -308,10 +352,11 @@ def run(cfg: RunConfig) -> dict:
             else:
                 if rank == 0:
                     sync.run(sync.client.pause("abort" if cfg.rollout.partial == "retry" else "in_place"))
-                stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version), verify_rows)
+                stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version))
                 if rank == 0:
                     sync.run(sync.client.resume())
             end = time.perf_counter()
+            metrics.update(verify())
             if rank == 0:
                 buffer.trained(taken)
                 buffer.drain()
@@ -351,6 +396,17 @@ def run(cfg: RunConfig) -> dict:
             if ctx is not None:
                 ctx.term()
     return summary
+
+
+def verify_tolerance(cfg: RunConfig) -> float:
+    """sync.verify's bound on the mean |log-prob delta| of the probe: tight where engine and trainer both
+    compute in fp32 (only summation order differs), loose where either rounds to bf16."""
+    if cfg.sync.verify_tolerance is not None:
+        return cfg.sync.verify_tolerance
+    cuda = torch.cuda.is_available()
+    engine = cfg.engines.dtype if cfg.engines.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    trainer = cfg.trainer.dtype if cfg.trainer.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    return 1e-4 if engine == trainer == "float32" else 5e-2
 
 
 def full_weight_bytes(trainer) -> int:
@@ -411,10 +467,20 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     try:
-        if args.check:
-            preflight(cfg, trainer_world_size(cfg))
-            print(trainer_world_size(cfg))
+        if args.check:  # the recipe's single-node launch: torchrun will start this many ranks here
+            world = trainer_world_size(cfg)
+            if torch.cuda.is_available() and world > torch.cuda.device_count():
+                raise ConfigError(f"the trainer needs {world} GPUs and this node has {torch.cuda.device_count()}: launch it across "
+                                  "nodes with torchrun --nnodes N ... --no-python recipes/qwen_moe_grpo.sh (see recipes/qwen3_30b_a3b.yaml)")
+            preflight(cfg, world)
+            print(world)
             return 0
+        if args.show_plan:
+            plan = memory_plan(cfg, int(os.environ.get("WORLD_SIZE", trainer_world_size(cfg))), checked=False)
+            print(plan.table())
+            for problem in plan.problems:
+                print(f"error: memory plan: {problem}", file=sys.stderr)
+            return 2 if plan.problems else 0
         summary = run(cfg)
     except MoerlError as e:
         print(f"error: {e}", file=sys.stderr)

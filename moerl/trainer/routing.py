@@ -13,6 +13,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moerl.megatron.parallel import collective_device
+
 ROUTING_MODES = ("off", "R2", "R3")
 
 
@@ -136,6 +138,8 @@ class RoutingProbe:
                 counts[1, column] += ((self.native[i][m] == target).all(-1) & real).sum()
                 counts[2, column] += ((self.used[i][m] == target).all(-1) & real).sum()
         if dist.is_initialized():
+            counts = counts.to(collective_device())  # NCCL refuses CPU tensors
             dist.all_reduce(counts)
+            counts = counts.cpu()
         tokens = counts[0].clamp(min=1)
         return {"tokens": counts[0].numpy(), "native": (counts[1] / tokens).numpy(), "used": (counts[2] / tokens).numpy()}

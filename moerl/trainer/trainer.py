@@ -25,11 +25,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from moerl.checkpoint.mcore import HF_SUBDIR, MOERL_META, SHARDED_METADATA, TRAINER_STATE
+from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, load_sharded, read_moerl_meta, write_moerl_meta
 from moerl.megatron.forward import run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
 from moerl.megatron.model import load_megatron_model
-from moerl.megatron.parallel import Layout
+from moerl.megatron.parallel import Layout, collective_device
 from moerl.models import family_for
 from moerl.sample import Sample
 from moerl.trainer import objectives
@@ -89,8 +89,11 @@ class Trainer:
         if cfg.recompute:
             replay_through_recompute()
         self.version = 0  # policy version of the current weights
-        # The reference policy of the KL term is the initial model; its trainable weights wait on the host.
-        self.reference = [p.detach().cpu().clone() for p in _trainable(model)] if cfg.loss.kl_coef else None
+        # The reference policy of the KL term is the initial model: its trainable weights wait beside the
+        # current ones, on their device, so the reference pass swaps them in place (the memory plan counts them).
+        self.reference = [p.detach().clone() for p in _trainable(model)] if cfg.loss.kl_coef else None
+        if dtype != torch.float32:
+            _fp32_output_layer(model)
 
     # ---- batch preparation -------------------------------------------------------------------
     def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
@@ -146,7 +149,7 @@ class Trainer:
         @contextlib.contextmanager
         def around(mb: MicroBatch):
             if mode == "R3":
-                RouterReplay.set_replay_data([t.to(_device()) for t in self.routers.replay_targets(mb.routing)])
+                RouterReplay.set_replay_data([t.to(collective_device()) for t in self.routers.replay_targets(mb.routing)])
             elif mode == "R2-replay":
                 RouterReplay.set_replay_data(mb.r2_targets)
             yield
@@ -182,18 +185,14 @@ class Trainer:
 
     @contextlib.contextmanager
     def _reference_weights(self):
-        """The initial weights (kept on the host) in place of the current ones, for the reference pass."""
+        """The initial weights in place of the current ones, for the reference pass: each parameter and its
+        reference swap places on the device (one parameter of scratch), and swap back after."""
         params = _trainable(self.model.module)
-        current = [p.detach().cpu().clone() for p in params]
-        with torch.no_grad():
-            for p, ref in zip(params, self.reference):
-                p.copy_(ref)
+        _swap(params, self.reference)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, cur in zip(params, current):
-                    p.copy_(cur)
+            _swap(params, self.reference)
 
     def step(self, samples: list[Sample] | Iterable[list[Sample]]) -> dict[str, float]:
         """One optimizer step on a global batch: ``samples``, or an iterable of pieces of it (each whole
@@ -218,8 +217,9 @@ class Trainer:
             terms, clipped = objectives.policy_terms(new, old, adv, seq, mb.num_seqs, loss_cfg)
             corr = objectives.correction(old, behaviour, seq, mb.num_seqs, loss_cfg)
             per_token = corr * terms
-            ent = entropy(rows if loss_cfg.entropy_coef else rows.detach())  # a TP collective: every rank computes it
-            if loss_cfg.entropy_coef:
+            # The exact entropy costs a pass over [T, V/tp] and a TP collective: only when it is in the loss.
+            ent = entropy(rows) if loss_cfg.entropy_coef else None
+            if ent is not None:
                 per_token = per_token - loss_cfg.entropy_coef * ent
             kl = objectives.kl_terms(new, mb.ref.to(device), loss_cfg.kl_estimator) if mb.ref is not None else torch.zeros_like(new)
             if loss_cfg.kl_coef:
@@ -233,7 +233,8 @@ class Trainer:
                     values = {
                         "loss": loss.double(), "tokens": torch.tensor(float(mb.num_tokens)), "clipped": clipped.double().sum(),
                         "abs_delta": delta.abs().sum(), "k3": (objectives.safe_exp(-delta) + delta - 1).sum(), "is_weight": is_weight.sum(),
-                        "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(), "entropy": ent.double().sum(),
+                        "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(),
+                        "entropy": ent.double().sum() if ent is not None else torch.zeros((), dtype=torch.float64),
                         "ref_kl": kl.double().sum(),
                     }
                     for i, name in enumerate(_SUMS):
@@ -273,7 +274,7 @@ class Trainer:
         return self._metrics(sums, maxes, lag_hist, agreement, grad_norm, ok)
 
     def _metrics(self, sums, maxes, lag_hist, agreement, grad_norm, ok) -> dict[str, float]:
-        device = _device()
+        device = collective_device()
         packed = torch.cat([sums, lag_hist]).to(device)
         maxes = maxes.to(device)
         dist.all_reduce(packed)
@@ -284,12 +285,14 @@ class Trainer:
         out = {
             "train/loss": s["loss"], "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/update_skipped": float(not ok), "train/lr": self.optimizer.param_groups[0]["lr"],
-            "train/entropy": s["entropy"] / tokens, "train/clip_fraction": s["clipped"] / tokens, "train/ratio_mean": s["ratio"] / tokens,
+            "train/clip_fraction": s["clipped"] / tokens, "train/ratio_mean": s["ratio"] / tokens,
             "train/ratio_max": maxes[1].item(), "train/tokens": s["tokens"],
             "mismatch/abs_logprob_delta": s["abs_delta"] / tokens, "mismatch/k3_kl": s["k3"] / tokens,
             "is/weight_mean": s["is_weight"] / tokens, "is/weight_max": maxes[0].item(), "is/kept_fraction": s["is_kept"] / tokens,
             "staleness/max": maxes[2].item(), "train/ref_kl": s["ref_kl"] / tokens,
         }
+        if self.cfg.loss.entropy_coef:
+            out["train/entropy"] = s["entropy"] / tokens
         for lag, n in enumerate(packed[len(_SUMS) :].tolist()):
             out[f"staleness/lag_{lag}{'+' if lag == LAG_BINS - 1 else ''}"] = n / tokens
         if agreement is not None:
@@ -313,9 +316,9 @@ class Trainer:
         dist.barrier()
         dist_checkpointing.save(self._sharded_state(loading=False), str(ckpt_dir))
         if dist.get_rank() == 0:
-            for name in (HF_SUBDIR, MOERL_META):
-                source = Path(self.ckpt_dir) / name
-                (shutil.copytree if source.is_dir() else shutil.copy2)(source, ckpt_dir / name)
+            shutil.copytree(Path(self.ckpt_dir) / HF_SUBDIR, ckpt_dir / HF_SUBDIR)
+            base = read_moerl_meta(self.ckpt_dir)  # written now in the current format, whatever the base's
+            write_moerl_meta(ckpt_dir, base["architecture"], base["dtype"], base.get("hf_source"))
             state = {"version": self.version, "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg),
                      "lora": asdict(self.lora) if self.lora is not None else None}
             (ckpt_dir / TRAINER_STATE).write_text(json.dumps(state, indent=1))
@@ -327,7 +330,7 @@ class Trainer:
         meta = ckpt_dir / TRAINER_STATE
         if not meta.is_file():
             raise FileNotFoundError(f"{ckpt_dir}: no {TRAINER_STATE}; not a trainer checkpoint (Trainer.save writes one)")
-        state = dist_checkpointing.load(self._sharded_state(loading=True), str(ckpt_dir))
+        state = load_sharded(self._sharded_state(loading=True), ckpt_dir)
         self.model.module.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         saved = json.loads(meta.read_text())
@@ -361,6 +364,29 @@ def _experts_own_optimizer(model) -> None:
             param.allreduce = False
 
 
+def _swap(params: list[torch.nn.Parameter], others: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, other in zip(params, others):
+            scratch = p.detach().clone()
+            p.copy_(other)
+            other.copy_(scratch)
+
+
+def _fp32_output_layer(model) -> None:
+    """Compute the output layer's logits in fp32 from the bf16 hidden states and weight: logits rounded to
+    bf16 first (then upcast) carry errors of ~1e-2 in log-probs, as large as the mismatches being corrected."""
+    layer = getattr(model, "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        return
+    plain = layer.forward
+
+    def forward(input_, weight=None, **kwargs):
+        weight = layer.weight if weight is None else weight  # a tied embedding is passed in by GPTModel
+        return plain(input_.float(), weight=weight.float(), **kwargs)
+
+    layer.forward = forward
+
+
 def _trainable(model) -> list[torch.nn.Parameter]:
     return [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
 
@@ -368,6 +394,3 @@ def _trainable(model) -> list[torch.nn.Parameter]:
 def _has_routing(samples: list[Sample]) -> bool:
     return all(s.routing is not None for s in samples)
 
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -7,6 +7,8 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from moerl.engines.client import EngineClient
 
 
@@ -36,16 +38,11 @@ class EngineLink:
 
 
 class WeightSyncError(RuntimeError):
-    """An engine's weights differ from the trainer's after a sync; the message names the tensor."""
+    """An engine does not serve the trainer's weights after a sync; the message names the engine."""
 
 
-def sync_weights(model, hf_config: dict, sync: "EngineLink | None", version: str, verify_rows: int = 0) -> SyncStats | None:
-    """Collective over the trainer's ranks: all export, global rank 0 (holding ``sync``) pushes.
-
-    With ``verify_rows``, every engine's copy of the first rows of every tensor is read back and
-    compared bitwise with what was sent."""
-    import torch
-
+def sync_weights(model, hf_config: dict, sync: "EngineLink | None", version: str) -> SyncStats | None:
+    """Collective over the trainer's ranks: all export, global rank 0 (holding ``sync``) pushes."""
     from moerl.weight_sync.export import hf_named_tensors
 
     named = hf_named_tensors(model, hf_config)
@@ -53,17 +50,51 @@ def sync_weights(model, hf_config: dict, sync: "EngineLink | None", version: str
         for _ in named:
             pass
         return None
-    sent: list[tuple[str, torch.Tensor]] = []
+    return sync.push(named, version)
 
-    def recording():
-        for name, tensor in named:
-            if verify_rows:
-                sent.append((name, tensor[:verify_rows].clone()))
-            yield name, tensor
 
-    stats = sync.push(recording(), version)
-    for name, head in sent:
-        for url, served in zip(sync.client.urls, sync.run(sync.client.weights_by_name(name, truncate_size=verify_rows))):
-            if not torch.equal(torch.tensor(served, dtype=head.dtype), head):
-                raise WeightSyncError(f"{url} serves a different {name} than the trainer sent (version {version})")
-    return stats
+PROBE_TOKENS = 64
+
+
+def probe_ids(vocab_size: int) -> list[int]:
+    """A fixed prompt that touches many rows of the embedding and many experts."""
+    return [(7919 * i + 17) % vocab_size for i in range(PROBE_TOKENS)]
+
+
+def verify_engines(model, hf_config: dict, sync: "EngineLink | None", version: str | None, tolerance: float,
+                   lora_path: str | None = None) -> dict[str, float] | None:
+    """Collective over the trainer's ranks: check that every engine serves what the trainer holds.
+
+    Each engine must report ``version`` (unless None); engines that checksum their weights (SGLang's /weights_checker)
+    must agree with each other; and each engine's log-probs of a fixed probe (``lora_path``: through that
+    adapter) must be within ``tolerance`` (mean |delta|) of the trainer's own forward of it. The probe is
+    a generation request: call it after the engines resume. Returns the worst deltas (on global rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    from moerl.megatron.forward import forward_logits
+
+    ids = probe_ids(hf_config["vocab_size"])
+    logits = forward_logits(model, torch.tensor([ids]))
+    ours = None if logits is None else torch.log_softmax(logits[0, :-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None].to(logits.device))[:, 0].cpu()
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, ours)  # PROBE_TOKENS floats from each rank: the last stage's are the answer
+    if sync is None:
+        return None
+    ours = next(t for t in held if t is not None).numpy()
+    served_versions = sync.run(sync.client.weight_versions()) if version is not None else []
+    for url, served in zip(sync.client.urls, served_versions):
+        if served != version:
+            raise WeightSyncError(f"{url} serves weight version {served!r}, not {version!r}")
+    checksums = {c for c in sync.run(sync.client.weight_checksums()) if c is not None}
+    if len(checksums) > 1:
+        raise WeightSyncError(f"the engines hold different weights after the update to version {version}: {sorted(checksums)}")
+    worst = {"sync/verify_mean_abs_delta": 0.0, "sync/verify_max_abs_delta": 0.0}
+    for url, theirs in zip(sync.client.urls, sync.run(sync.client.prompt_logprobs(ids, lora_path))):
+        delta = np.abs(theirs - ours)
+        if delta.mean() > tolerance:
+            raise WeightSyncError(f"{url} does not serve the trainer's weights (version {version}): its log-probs of the probe "
+                                  f"differ by {delta.mean():.3g} on average (max {delta.max():.3g}), tolerance {tolerance:g}")
+        worst = {"sync/verify_mean_abs_delta": max(worst["sync/verify_mean_abs_delta"], float(delta.mean())),
+                 "sync/verify_max_abs_delta": max(worst["sync/verify_max_abs_delta"], float(delta.max()))}
+    return worst

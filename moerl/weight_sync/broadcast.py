@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.engines.protocol import flatten_bucket
-from moerl.engines.weight_group import in_daemon_thread, join_weight_group, weight_store
+from moerl.engines.weight_group import group_ranks, in_daemon_thread, join_weight_group, weight_store
 from moerl.weight_sync.base import EngineLink, SyncStats
 
 
@@ -46,15 +46,15 @@ class BroadcastSync(EngineLink):
         self.group: dist.ProcessGroup | None = None
 
     def connect(self) -> None:
-        """Form the group: the trainer is rank 0, engine ``i`` joins at rank ``i + 1``."""
-        world = 1 + len(self.client.urls)
+        """Form the group: the trainer is rank 0, and each engine takes as many ranks as its tensor-parallel size."""
+        offsets, world = group_ranks([info["tp_size"] for info in self.run(self.client.server_info())])
         store = weight_store(self.master_address, self.master_port, world, 0)
         self.master_port = store.port
 
         async def both():
             joined = in_daemon_thread(join_weight_group, self.backend, store, world, 0, self.group_name)
             group, _ = await asyncio.gather(joined, self.client.init_weights_update_group(
-                self.master_address, self.master_port, world, self.group_name, self.backend))
+                self.master_address, self.master_port, world, self.group_name, self.backend, rank_offsets=offsets))
             return group
 
         self.group = self.run(both())

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import functools
+import hashlib
 import json
 import logging
 import socket
@@ -314,6 +315,13 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         alive = sched.alive
         return web.Response(text="" if alive else "engine thread stopped", status=200 if alive else 503)
 
+    @routes.get(P.SERVER_INFO.path)
+    async def server_info(request):
+        from moerl import __version__
+
+        info: P.ServerInfo = {"tp_size": 1, "version": __version__, "engine": "moerl-embedded"}
+        return web.json_response(info, dumps=_dumps)
+
     @routes.get(P.MODEL_INFO.path)
     @routes.get("/get_model_info")
     async def model_info(request):
@@ -355,6 +363,20 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         if values is None:
             raise ProtocolError(f"{req.name!r} is not a weight of the served model (give a Hub tensor name)")
         return web.json_response(values, dumps=_dumps)
+
+    @routes.post(P.WEIGHTS_CHECKER.path)
+    async def weights_checker(request):
+        await parse(request, P.CheckWeightsReqInput)
+
+        def checksum() -> str:  # SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes
+            digest = hashlib.sha256()
+            for name, param in sorted(engine.runner.model.named_parameters()):
+                tensor = hashlib.sha256(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+                digest.update(name.encode())
+                digest.update(tensor.encode())
+            return digest.hexdigest()
+
+        return ok("checksums computed", per_engine_checksum=await on_engine(checksum))
 
     @routes.post(P.UPDATE_WEIGHT_VERSION.path)
     async def update_weight_version(request):

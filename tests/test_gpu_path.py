@@ -1,0 +1,339 @@
+"""The GPU path's logic, exercised on the CPU: which device and process group, which names Transformer
+Engine's spec gives, which ranks engines take, what is retried, what is flushed, what fits in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moerl.errors import ConfigError
+from moerl.megatron.launch import run_ranks
+from moerl.models.tiny import save_tiny_hf
+from tests.workers import te_norm_names
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN3_30B = REPO / "tests" / "data" / "qwen3_30b_a3b"
+
+
+def test_the_unmarked_suite_runs_on_the_cpu():
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == "" and not torch.cuda.is_available()
+
+
+# ---- 1, 2: one process group, on this rank's GPU; collectives on the collective's device ---------------
+def test_the_process_group_is_made_after_the_device_is_chosen(monkeypatch):
+    from moerl.megatron import parallel
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, sorted(kw))))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    parallel.init_process_group()
+    assert calls == [("set_device", 3), ("init", "nccl", ["timeout"])]  # no device_id: the weight group is no split of it
+
+
+def test_only_one_place_creates_the_process_group():
+    callers = [p.relative_to(REPO).as_posix() for p in (REPO / "moerl").rglob("*.py") if "dist.init_process_group(" in p.read_text()]
+    assert callers == ["moerl/megatron/parallel.py"]
+
+
+def test_collectives_take_tensors_on_this_ranks_gpu_under_nccl(monkeypatch):
+    from moerl.megatron.parallel import collective_device
+
+    assert collective_device() == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert collective_device() == torch.device("cuda", 5)
+
+
+# ---- 3: conversion is CPU-only, also where CUDA is visible ------------------------------------------------
+def test_conversion_on_a_cuda_host_runs_on_the_cpu(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from moerl.checkpoint import convert
+    from moerl.checkpoint.hf import CheckpointError
+
+    hf = save_tiny_hf("Qwen2MoeForCausalLM", tmp_path / "hf")
+    # As on a GPU box: the conversion runs in a fresh process that sees no GPU (in this one it would .cuda()).
+    monkeypatch.setattr(convert.torch.cuda, "is_available", lambda: True)
+    mcore = convert.hf_to_mcore(hf, tmp_path / "mcore", progress=False)
+    back = convert.mcore_to_hf(mcore, tmp_path / "back", progress=False)
+    original, round_trip = load_file(hf / "model.safetensors"), {}
+    for shard in back.glob("*.safetensors"):
+        round_trip.update(load_file(shard))
+    assert original.keys() - {"lm_head.weight"} == round_trip.keys() and all(torch.equal(original[k], round_trip[k]) for k in round_trip)
+    with pytest.raises(CheckpointError, match="already exists"):  # a user's mistake comes back as itself, not a traceback
+        convert.hf_to_mcore(hf, tmp_path / "mcore", progress=False)
+
+
+# ---- 4: Transformer Engine's names ------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
+def test_norms_are_checkpointed_and_exported_under_transformer_engines_names(arch):
+    """megatron-core's own TE layer spec (with stand-in TE classes) says where TE keeps each norm; the local
+    spec must checkpoint every norm under that name, and weight export must map TE's names to the Hub's."""
+    result = run_ranks(te_norm_names, 1, arch)[0]
+    assert result["te_names"] == result["local_keys"], (result["te_names"] ^ result["local_keys"])
+    assert result["exported"] == result["rule_names"]
+    dense = [i for i, moe in enumerate(result["pattern"]) if not moe]
+    assert dense and any(f"layers.{dense[0]}.mlp.linear_fc1.layer_norm_weight" in n for n in result["te_names"])  # fused in dense layers
+    moe = result["pattern"].index(1)
+    assert f"decoder.layers.{moe}.pre_mlp_layernorm.weight" in result["te_names"]  # kept apart in MoE layers
+
+
+def test_a_checkpoint_in_the_previous_format_still_loads(tmp_path, monkeypatch):
+    from moerl.checkpoint import convert, mcore
+    from moerl.checkpoint.verify import verify
+    from moerl.models import qwen_moe
+
+    hf = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "hf")
+    with monkeypatch.context() as m:  # format 1 kept a MoE layer's pre-MLP norm under the fused name
+        m.setattr(qwen_moe, "_checkpoint_keys_as_te", lambda block: block)
+        old = convert.hf_to_mcore(hf, tmp_path / "old", progress=False)
+    meta = json.loads((old / mcore.MOERL_META).read_text())
+    (old / mcore.MOERL_META).write_text(json.dumps({**meta, "format_version": 1}))
+    assert verify(hf, old) < 1e-4
+
+
+# ---- 6: weight-group ranks of tensor-parallel engines -------------------------------------------------
+def test_engines_take_as_many_group_ranks_as_their_tensor_parallel_size(monkeypatch):
+    from moerl.engines.client import EngineClient
+    from moerl.engines.weight_group import group_ranks
+    from moerl.weight_sync import broadcast
+
+    assert group_ranks([1, 1]) == ([1, 2], 3)
+    assert group_ranks([2, 2, 4]) == ([1, 3, 5], 9)
+    joined = {}
+
+    async def server_info(self):
+        return [{"tp_size": 2}, {"tp_size": 2}]
+
+    async def init(self, address, port, world, name, backend, rank_offsets=None):
+        joined.update(world=world, offsets=rank_offsets)
+
+    monkeypatch.setattr(EngineClient, "server_info", server_info)
+    monkeypatch.setattr(EngineClient, "init_weights_update_group", init)
+    monkeypatch.setattr(broadcast, "join_weight_group", lambda backend, store, world, rank, name: ("group", world))
+    sync = broadcast.BroadcastSync(["http://a", "http://b"], "127.0.0.1", "gloo")
+    try:
+        sync.connect()
+    finally:
+        sync.close()
+    assert joined == {"world": 5, "offsets": [1, 3]} and sync.group == ("group", 5)
+
+
+# ---- 7: LoRA in a bf16 engine --------------------------------------------------------------------------
+def test_a_bf16_engine_applies_adapters_unmerged_in_fp32_on_the_models_device(tmp_path):
+    """Merging an update into bf16 weights rounds it at the weights' resolution (and added a CPU delta to a
+    CUDA weight); the adapter is applied instead to each layer's output from fp32 factors on the model's device,
+    as the trainer applies it, and the bf16 base weight is never written."""
+    from safetensors.torch import save_file
+
+    from moerl.engines.embedded.server import EmbeddedEngine
+
+    hf = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    h, out = config["hidden_size"], config["num_attention_heads"] * config["head_dim"]
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, h, generator=g) * 1e-2,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(out, 2, generator=g) * 1e-2},
+              str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
+    engine = EmbeddedEngine(str(hf), dtype=torch.bfloat16, device="cpu")
+    q_proj = engine.runner.model.get_submodule("model.layers.0.self_attn.q_proj")
+    base_weight = q_proj.weight.detach().clone()
+    engine.adapters.add(engine.adapters.from_dir("small", adapter))
+    a, b = engine.adapters.adapters["small"].linear["model.layers.0.self_attn.q_proj"]
+    assert a.dtype == b.dtype == torch.float32 and a.device == b.device == q_proj.weight.device
+    x = torch.randn(5, h, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        plain = q_proj(x)
+        engine.adapters.activate("small")
+        adapted = q_proj(x)
+        engine.adapters.activate(None)
+    expected = plain + (2.0 * torch.nn.functional.linear(torch.nn.functional.linear(x.float(), a), b)).to(torch.bfloat16)
+    assert torch.equal(adapted, expected) and not torch.equal(adapted, plain)
+    assert torch.equal(q_proj.weight, base_weight)
+
+
+# ---- 8: only idempotent routes are retried ------------------------------------------------------------
+def test_joins_and_broadcasts_are_never_retried():
+    from aiohttp import web
+
+    from moerl.engines.client import EngineClient, EngineError
+
+    hits = {}
+
+    async def failing(request):
+        hits[request.path] = hits.get(request.path, 0) + 1
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+
+    async def go():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", failing)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with EngineClient([url], retries=2, backoff_s=0.01) as client:
+                for call in (client.weight_versions(), client.init_weights_update_group("127.0.0.1", 1, 2, "g", "gloo"),
+                             client.update_weights_from_distributed(["w"], ["float32"], [[1]], "g"), client.load_lora("a", "/x")):
+                    with pytest.raises(EngineError, match="503"):
+                        await call
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert hits == {"/model_info": 3, "/init_weights_update_group": 1, "/update_weights_from_distributed": 1, "/load_lora_adapter": 1}
+
+
+# ---- 9: SGLang present and recent enough, or said why not ---------------------------------------------
+def test_sglang_is_used_only_when_it_is_installed_and_recent(monkeypatch):
+    from importlib import metadata
+
+    from moerl.engines import sglang
+    from moerl.orchestrator.config import EngineSection, served_by
+
+    def installed(version):
+        def lookup(name):
+            if version is None:
+                raise metadata.PackageNotFoundError(name)
+            return version
+        monkeypatch.setattr(metadata, "version", lookup)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    installed(None)
+    assert "not installed" in sglang.sglang_problem() and served_by(EngineSection()) == "embedded"
+    installed("0.5.10")
+    assert "0.5.10 is older than 0.5.23" in sglang.sglang_problem() and served_by(EngineSection()) == "embedded"
+    installed("0.5.23")
+    assert sglang.sglang_problem() is None and served_by(EngineSection()) == "sglang"
+    assert sglang.sglang_problem("0.4.9") and sglang.sglang_problem("0.6.0") is None  # a running server's version
+
+
+def test_an_explicit_sglang_without_sglang_is_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    from moerl.env import child_env
+
+    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "engines.server=sglang", f"run.dir={tmp_path}/r",
+                          f"run.cache_dir={tmp_path}/c"], env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: engines.server=sglang: sglang is not installed")
+
+
+# ---- 13: the trainer's memory ------------------------------------------------------------------------
+def test_the_output_layer_computes_logits_in_fp32_from_bf16_weights():
+    result = run_ranks(bf16_output_layer, 1)[0]
+    assert result["dtype"] == torch.float32
+    assert torch.equal(result["logits"], result["expected"])  # the fp32 product, not bf16 logits upcast
+    assert not torch.equal(result["expected"].to(torch.bfloat16).float(), result["expected"])
+
+
+def bf16_output_layer() -> dict:
+    from moerl.megatron.model import build_model
+    from moerl.megatron.parallel import Layout, init_distributed
+    from moerl.models.tiny import TINY_QWEN3
+    from moerl.trainer.trainer import _fp32_output_layer
+
+    init_distributed(Layout())
+    torch.manual_seed(0)
+    model = build_model(dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"]), Layout(), torch.bfloat16)
+    _fp32_output_layer(model)
+    seen = {}
+    model.output_layer.register_forward_pre_hook(lambda module, args: seen.update(hidden=args[0]))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        logits = model(ids, torch.arange(4)[None], None)
+        expected = seen["hidden"].float() @ model.output_layer.weight.float().t()
+    return {"dtype": logits.dtype, "logits": logits[0], "expected": expected[:, 0]}
+
+
+# ---- the memory plan ---------------------------------------------------------------------------------
+def _plan(*overrides: str, config: str = "recipes/qwen3_30b_a3b.yaml", world: int | None = None):
+    from moerl.orchestrator import memory
+    from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.main import trainer_world_size
+
+    cfg = load_config(REPO / config, [f"model.path={QWEN3_30B}", "engines.urls=[]", *overrides])
+    return memory.plan(cfg, json.loads((QWEN3_30B / "config.json").read_text()), world or trainer_world_size(cfg), 80.0)
+
+
+def test_the_plan_counts_qwen3_30b_a3b_as_published():
+    from moerl.models import family_for
+
+    config = json.loads((QWEN3_30B / "config.json").read_text())
+    family = family_for(config)
+    assert family.hub_numel(family.normalize(config)) == 30_532_122_624  # "30.5B in total"
+    one = _plan("trainer.tp=1", "trainer.ep=1", "run.trainer_ranks=1")
+    assert one.trainer.params == 30_532_122_624
+    assert one.trainer.terms["weights"] == 2 * one.trainer.params  # bf16
+    assert one.trainer.terms["gradients (fp32)"] == 4 * one.trainer.params
+    assert one.trainer.terms["optimizer state"] == 12 * one.trainer.params  # no data parallelism to divide it
+
+
+def test_the_old_30b_layout_is_refused_and_says_what_to_change():
+    plan = _plan("trainer.ep=2", "run.trainer_ranks=4", "engines.gpus_per_replica=1")  # the previous recipe
+    assert 15.2e9 < plan.trainer.params < 15.4e9  # experts over EP2, the rest over TP2
+    (problem,) = [p for p in plan.problems if "trainer rank" in p]
+    assert "the largest term is optimizer state" in problem and "distributed_optimizer" in problem
+    assert "run.trainer_ranks" in problem
+
+
+def test_the_30b_recipe_fits_and_its_terms_add_up():
+    plan = _plan()
+    assert not plan.problems, plan.problems
+    terms = plan.trainer.terms
+    assert terms["optimizer state"] < 12 * plan.trainer.params / 2 + 1  # experts over expert-DP 2, the rest over DP 8
+    assert plan.trainer.total < 0.9 * 80 * 2**30
+    lora = _plan("lora.enabled=true", "lora.rank=16", "sync.method=disk")
+    assert lora.trainer.trainable < plan.trainer.params / 20 and lora.trainer.total < plan.trainer.total / 2
+
+
+def test_engines_that_cannot_hold_the_model_are_refused():
+    plan = _plan("engines.gpus_per_replica=1", "engines.mem_fraction_static=0.6")
+    assert any("raise engines.gpus_per_replica" in p for p in plan.problems)
+
+
+def test_the_job_refuses_a_plan_that_does_not_fit_before_any_preparation(tmp_path):
+    import subprocess
+    import sys
+
+    from moerl.env import child_env
+
+    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), f"model.path={QWEN3_30B}", "trainer.ep=1", "run.trainer_ranks=1",
+                          "rollout.max_new_tokens=64", "model.mcore=/nonexistent", f"run.dir={tmp_path}/r"],
+                         env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("error: memory plan: a trainer rank needs")
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_plan_is_printed_with_show_plan():
+    import subprocess
+    import sys
+
+    from moerl.env import child_env
+
+    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "--config", "recipes/qwen3_30b_a3b.yaml",
+                          f"model.path={QWEN3_30B}", "--show-plan"], env=child_env(PYTHON=sys.executable), capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "4,400,822,272 parameters" in out.stdout and "optimizer state" in out.stdout
+
+
+def test_an_embedded_engine_on_several_gpus_is_refused():
+    with pytest.raises(ConfigError, match="embedded engine serves on one device"):
+        from moerl.orchestrator.config import load_config
+
+        load_config(None, ["engines.server=embedded", "engines.gpus_per_replica=2"])
