@@ -38,7 +38,7 @@ setup(
         # The release moerl's wire contract and driver are tested against (moerl.engines.protocol.SGLANG_VERSION).
         "sglang": ["sglang==0.5.23", "sglang-router"],
         # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed.
-        "dev": ["pytest>=8", "pytest-timeout", "peft>=0.21", "hypothesis>=6"],
+        "dev": ["pytest>=8", "pytest-timeout", "peft==0.21.2", "hypothesis>=6"],
     },
     entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
 )

@@ -3,7 +3,7 @@
 For each model, one embedded engine serves it and one process pushes to it what the main job pushes
 after a step: every Hub-named weight through ``BroadcastSync`` (gloo, 512 MiB flattened buckets), or
 the per-expert LoRA adapters of every linear layer (rank 8, the default targets) through
-``AdapterSync`` (PEFT tensors over HTTP, and a PEFT directory + /load_lora_adapter). The adapters are
+``AdapterSync`` (adapter tensors over HTTP, and an adapter directory + /load_lora_adapter). The adapters are
 random tensors of the exact shapes the trainer exports; gathering them across ranks is not timed
 (the full-weight path gathers too). Bytes are also computed, without tensors, for Qwen3-30B-A3B's
 shape (128 experts, top-8, 48 layers).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from moerl.checkpoint.peft import adapter_config, peft_tensors
+from moerl.checkpoint.peft import export_adapter
 from moerl.megatron.lora import LoRAConfig
 from moerl.models import family_for
 
@@ -95,8 +95,7 @@ def timings(work: Path, model: Path, repeats: int) -> dict[str, float]:
             for sync in (full, tensor_sync, disk_sync):
                 sync.close()
     family = family_for(hf_config)
-    tensors = peft_tensors(family, family.normalize(hf_config), lora)
-    assert adapter_config(LORA, tensors)["r"] == LORA.rank
+    tensors = export_adapter(family, family.normalize(hf_config), lora, LORA, "sglang", str(model)).tensors
     out["adapter_bytes"] = sum(t.numel() * t.element_size() for t in tensors.values())
     out["full_bytes"] = sum(t.numel() * t.element_size() for t in weights.values())
     return out

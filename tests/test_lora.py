@@ -1,10 +1,9 @@
-"""Per-expert LoRA: training on gloo ranks at several layouts, export to PEFT, conversion, serving.
+"""Per-expert LoRA: training on gloo ranks at several layouts, export to adapter directories, conversion, serving.
 
-Two models: an all-MoE Qwen3-MoE (every MLP a routed-expert layer, as in Qwen3-30B-A3B), whose
-exported adapter PEFT itself loads over transformers; and the tiny Qwen2-MoE (shared experts, dense
-layers, tied embeddings), checked against the model with the adapters merged into its weights
-(PEFT 0.21 maps per-expert adapters onto transformers 5's fused experts for Qwen3-MoE only, and then
-drops dense-layer and shared-expert MLP adapters).
+Three shapes: an all-MoE Qwen3-MoE (every MLP routed, as in Qwen3-30B-A3B), the tiny Qwen3-MoE with a dense layer
+interleaved, and the tiny Qwen2-MoE (shared experts and their gate, dense layers, tied embeddings). Each exported
+adapter must mean the merged model in the consumer its format is for: PEFT over transformers (``peft``) and the
+embedded engine standing in for SGLang (``sglang``).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from moerl.checkpoint.cli import main as convert_main
 from moerl.checkpoint.convert import hf_to_mcore
-from moerl.checkpoint.peft import adapter_config, peft_tensors, save_adapter
+from moerl.checkpoint.peft import export_adapter, peft_would_drop, save_adapter
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.megatron.launch import run_ranks
@@ -31,11 +30,13 @@ from tests.workers import lora_train_export, save_and_resume
 LORA = LoRAConfig(enabled=True, rank=4, alpha=8.0)
 INPUT_IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]])
 STEPS = 2
-# (name, layouts): EP1 first, the reference of the others; the last one also saves a checkpoint.
+# (name, layouts): EP1 first, the reference of the others; layouts in SAVED also save a checkpoint to export.
 MODELS = {
     "qwen3-all-moe": [dict(), dict(ep=2), dict(tp=2), dict(tp=2, ep=2)],  # tp=2 alone: experts split over ETP 2
+    "qwen3-dense": [dict(), dict(pp=2), dict(tp=2, ep=2)],
     "qwen2": [dict(), dict(pp=2), dict(tp=2, ep=2)],
 }
+SAVED = (dict(pp=2), dict(tp=2, ep=2))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def models(tmp_path_factory, tiny_ckpts) -> dict:
     root = tmp_path_factory.mktemp("lora-models")
     hf = save_tiny_hf("Qwen3MoeForCausalLM", root / "qwen3-hf", mlp_only_layers=[])
     return {"qwen3-all-moe": (hf, hf_to_mcore(hf, root / "qwen3-mcore", progress=False)),
-            "qwen2": tiny_ckpts["Qwen2MoeForCausalLM"]}
+            "qwen3-dense": tiny_ckpts["Qwen3MoeForCausalLM"], "qwen2": tiny_ckpts["Qwen2MoeForCausalLM"]}
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +67,20 @@ def trained(models, rollouts, tmp_path_factory) -> dict:
         hf, mcore = models[name]
         samples = rollouts[name]
         out[name] = []
-        for i, layout in enumerate(layouts):
+        for layout in layouts:
             cfg = trainer_config(**layout)
             world = max(layout.get("tp", 1), layout.get("ep", 1)) * layout.get("pp", 1)  # EP folds over the TP ranks
-            save = str(root / f"{name}-ckpt") if i == len(layouts) - 1 else None
+            save = str(root / f"{name}-{'-'.join(f'{k}{v}' for k, v in layout.items())}-ckpt") if layout in SAVED else None
             result = run_ranks(lora_train_export, world, str(mcore), cfg, LORA, samples, INPUT_IDS, STEPS, save)
             logits = next(r["logits"] for r in result if r["logits"] is not None)  # the last pipeline stage's
             out[name].append({**result[0], "logits": logits, "layout": layout, "checkpoint": save})
     return out
 
 
-def _peft_dir(tmp_path, name: str, hf, lora: dict):
+def _adapter_files(hf, lora: dict, fmt: str):
     raw = json.loads((hf / "config.json").read_text())
     family = family_for(raw)
-    tensors = peft_tensors(family, family.normalize(raw), lora)
-    return save_adapter(tmp_path / f"{name}-adapter", adapter_config(LORA, tensors), tensors)
+    return export_adapter(family, family.normalize(raw), lora, LORA, fmt, str(hf))
 
 
 def test_only_adapters_train(trained):
@@ -107,67 +107,96 @@ def test_layouts_train_the_same_adapters(trained):
             assert abs(run["metrics"][-1]["train/loss"] - reference["metrics"][-1]["train/loss"]) < 1e-5
 
 
-def test_exported_adapter_matches_peft_and_merged_models(trained, models, tmp_path):
-    from peft import PeftModel
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_each_export_means_the_trained_model_in_its_consumer(trained, models, tmp_path, capsys, name):
+    """Every saved checkpoint (TP2+EP2; PP2 where there are dense layers): merged export == Megatron+LoRA; the
+    peft-format adapter under PEFT == merged; the sglang-format adapter served by the embedded engine == merged."""
+    from peft import AutoPeftModelForCausalLM
 
-    hf, _ = models["qwen3-all-moe"]
-    run = trained["qwen3-all-moe"][-1]  # TP2+EP2: adapters gathered across TP shards and EP ranks
-    adapter = _peft_dir(tmp_path, "qwen3", hf, run["lora"])
-    base = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    with torch.no_grad():
-        plain = base(INPUT_IDS).logits
-        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(INPUT_IDS).logits
-    assert (peft_logits - plain).abs().max() > 1e-2  # the adapter changes the model
-    assert (peft_logits - run["logits"]).abs().max() < 1e-4
-
-    hf, _ = models["qwen2"]
-    run = trained["qwen2"][-1]
-    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    adapters = AdapterSet(model)
-    adapters.add(adapters.from_dir("trained", _peft_dir(tmp_path, "qwen2", hf, run["lora"])))
-    adapters.activate("trained")
-    with torch.no_grad():
-        assert (model(INPUT_IDS).logits - run["logits"]).abs().max() < 1e-4
-
-
-def test_convert_adapter_only_and_merged(trained, models, tmp_path, capsys):
-    for name, runs in trained.items():
-        hf, _ = models[name]
-        run = runs[-1]
-        adapter, merged = tmp_path / f"{name}-adapter", tmp_path / f"{name}-merged"
-        assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(adapter), "--adapter-only", "--no-progress"]) == 0
-        raw = json.loads((hf / "config.json").read_text())
-        family = family_for(raw)
-        expected = peft_tensors(family, family.normalize(raw), run["lora"])
-        from safetensors.torch import load_file
-
-        written = load_file(str(adapter / "adapter_model.safetensors"))
-        assert written.keys() == expected.keys()
-        assert all(torch.equal(written[k], expected[k]) for k in expected)  # saved at TP2+EP2, read at TP1
-        config = json.loads((adapter / "adapter_config.json").read_text())
-        assert config["r"] == LORA.rank
-        assert config["base_model_name_or_path"] == str(hf.resolve())  # the model the checkpoint was converted from
-        if name == "qwen3-all-moe":  # PEFT finds the base model from the adapter alone
-            from peft import AutoPeftModelForCausalLM
-
-            with torch.no_grad():
-                logits = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32).eval()(INPUT_IDS).logits
-            assert (logits - run["logits"]).abs().max() < 1e-4
-
+    hf, _ = models[name]
+    for run in (r for r in trained[name] if r["checkpoint"]):
+        where = tmp_path / "-".join(f"{k}{v}" for k, v in run["layout"].items())
+        merged = where / "merged"
         assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(merged), "--merge-lora", "--no-progress"]) == 0
-        model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
         with torch.no_grad():
-            assert (model(INPUT_IDS).logits - run["logits"]).abs().max() < 1e-4
+            merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(INPUT_IDS).logits
+        assert (merged_logits - run["logits"]).abs().max() < 1e-4, run["layout"]
 
-        # The embedded engine serving the adapter over the base model samples what the merged model does.
-        with_adapter, from_merged, from_base = serve(hf, adapter), serve(merged), serve(hf)
+        for fmt in ("peft", "sglang"):
+            adapter = where / fmt
+            assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(adapter), "--adapter-only",
+                                 "--adapter-format", fmt, "--no-progress"]) == 0
+            config = json.loads((adapter / "adapter_config.json").read_text())
+            assert config["r"] == LORA.rank and config["base_model_name_or_path"] == str(hf.resolve())
+        # PEFT finds the base model from the adapter alone and applies every module.
+        with torch.no_grad():
+            peft_logits = AutoPeftModelForCausalLM.from_pretrained(where / "peft", dtype=torch.float32).eval()(INPUT_IDS).logits
+            plain = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(INPUT_IDS).logits
+        assert (peft_logits - merged_logits).abs().max() < 1e-4, (name, run["layout"])
+        assert (peft_logits - plain).abs().max() > 1e-2  # the adapter changes the model
+        # The embedded engine serving the sglang-format adapter samples what the merged model does.
+        with_adapter, from_merged = serve(hf, where / "sglang"), serve(merged)
         assert [ids for ids, _ in with_adapter] == [ids for ids, _ in from_merged]
         assert all(abs(x - y) < 1e-4 for (_, a), (_, b) in zip(with_adapter, from_merged) for x, y in zip(a, b))
-        assert with_adapter != from_base
 
-    # A LoRA checkpoint converted as if it held full weights would silently drop the training.
+    # A LoRA checkpoint converted as if it held full weights would silently drop the training; an adapter needs its consumer.
     assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(tmp_path / "plain"), "--no-progress"]) == 2
-    assert "--adapter-only" in capsys.readouterr().err
+    assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(tmp_path / "a"), "--adapter-only", "--no-progress"]) == 2
+    assert "--adapter-format peft" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_what_peft_would_drop_is_named_and_is_what_peft_drops(trained, models, tmp_path, name):
+    """PEFT over transformers 5 loads parts of the sglang layout into nothing: the modules the export warns about
+    are exactly those, since PEFT's model equals the base with every adapter merged but them."""
+    from peft import PeftModel
+
+    from moerl.checkpoint.peft import hub_factors
+    from moerl.engines.embedded.runner import hub_tensor_view
+
+    hf, _ = models[name]
+    raw = json.loads((hf / "config.json").read_text())
+    family = family_for(raw)
+    lora = trained[name][0]["lora"]
+    files = _adapter_files(hf, lora, "sglang")
+    dropped = set(peft_would_drop(files, family.model_type))
+    assert bool(dropped) == (name != "qwen3-all-moe")  # Qwen3's dense MLPs; Qwen2's experts
+    expected = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    params = dict(expected.named_parameters())
+    with torch.no_grad():
+        for module, (a, b) in hub_factors(family, family.normalize(raw), lora).items():
+            if module not in dropped:
+                hub_tensor_view(params, module + ".weight").add_(LORA.scale * (b @ a))
+        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), save_adapter(tmp_path / "a", files))
+        got = peft_model.eval()(INPUT_IDS).logits
+        assert (got - expected(INPUT_IDS).logits).abs().max() < 1e-4
+        if dropped:  # so PEFT's model is not the trained one
+            assert (got - trained[name][0]["logits"]).abs().max() > 1e-3
+
+
+def test_a_planted_drop_is_detected(trained, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    run = next(r for r in trained["qwen2"] if r["checkpoint"])
+    adapter = tmp_path / "adapter"
+    assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(adapter), "--adapter-only", "--adapter-format", "peft",
+                         "--no-progress"]) == 0
+    assert convert_main(["check-adapter", "--mcore", run["checkpoint"], "--adapter", str(adapter), "--adapter-format", "peft"]) == 0
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    planted = [k for k in tensors if ".shared_expert.down_proj." in k]
+    save_file({k: v for k, v in tensors.items() if k not in planted}, str(adapter / "adapter_model.safetensors"))
+    capsys.readouterr()
+    assert convert_main(["check-adapter", "--mcore", run["checkpoint"], "--adapter", str(adapter), "--adapter-format", "peft"]) == 1
+    err = capsys.readouterr().err
+    assert f"{len(planted)} tensor(s) missing" in err and "shared_expert.down_proj" in err
+
+
+def test_the_engine_refuses_the_peft_layout_with_what_to_do(trained, models):
+    hf, _ = models["qwen2"]
+    files = _adapter_files(hf, trained["qwen2"][0]["lora"], "peft")
+    adapters = AdapterSet(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32))
+    with pytest.raises(LoRAError, match="--adapter-format sglang"):
+        adapters.from_tensors("p", files.config, files.tensors)
 
 
 def test_lora_trainer_resumes_exactly(models, rollouts, tmp_path):
@@ -203,3 +232,48 @@ def test_bad_lora_config():
         LoRAConfig(enabled=True, dropout=1.0)
     assert LoRAConfig(targets=["*.local_experts.*.linear_fc1"]).targets_module("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1")
     assert not LoRAConfig(targets=["*.local_experts.*.linear_fc1"]).targets_module("decoder.layers.0.mlp.shared_experts.linear_fc1")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_sglangs_loader_reads_every_module_of_the_sglang_format(trained, models, tmp_path, name):
+    """SGLang 0.5.23's own adapter parsing (config, names, q/k/v and gate/up stacking, expert ids, the shared-outer
+    detection) over the sglang-format files: every trained module lands, once, with its factors and scale."""
+    pytest.importorskip("sglang.srt.lora.lora", reason="sglang is not importable here")
+    import re
+
+    from safetensors.torch import load_file
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.lora.lora_config import LoRAConfig as SGLangLoRAConfig
+    from sglang.srt.lora.utils import get_normalized_target_modules, get_target_module_name
+    from transformers import AutoConfig
+
+    from moerl.checkpoint.peft import hub_factors
+
+    hf, _ = models[name]
+    raw = json.loads((hf / "config.json").read_text())
+    family = family_for(raw)
+    lora = trained[name][0]["lora"]
+    directory = save_adapter(tmp_path / "a", _adapter_files(hf, lora, "sglang"))
+    config = SGLangLoRAConfig(str(directory))
+    adapter = LoRAAdapter("a", config, AutoConfig.from_pretrained(hf), load_config=None, lora_backend=None)
+    adapter.initialize_weights_from_tensors(load_file(str(directory / "adapter_model.safetensors")))
+    assert adapter.scaling == LORA.scale
+
+    expected = hub_factors(family, family.normalize(raw), lora)
+    stacks = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    targets = get_normalized_target_modules(config.target_modules)
+    seen = []
+    for layer in adapter.layers:
+        for key, a in layer.weights.items():
+            if ".lora_A." not in key:
+                continue
+            b = layer.weights[key.replace(".lora_A.", ".lora_B.")]
+            module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+            target = get_target_module_name(module, targets)
+            assert not re.search(r"experts\.\d+\.", module) or a.dim() == 2  # per expert, not shared-outer
+            parts = [module.replace(target, leaf) for leaf in stacks.get(target, (target,))]
+            rows = [expected[p][1].shape[0] for p in parts]
+            for part, a_part, b_part in zip(parts, a.chunk(len(parts)), b.split(rows)):
+                assert torch.equal(a_part, expected[part][0]) and torch.equal(b_part, expected[part][1]), part
+            seen += parts
+    assert sorted(seen) == sorted(expected)

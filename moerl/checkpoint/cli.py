@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from moerl.checkpoint.peft import FORMATS
 from moerl.errors import MoerlError
 from moerl.megatron.parallel import Layout
 
@@ -31,12 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     lora = p.add_mutually_exclusive_group()
     lora.add_argument("--adapter-only", action="store_true",
-                      help="a LoRA-trained checkpoint: write its adapters only, as a HF PEFT directory (per-expert modules)")
+                      help="a LoRA-trained checkpoint: write its adapters only, as a PEFT adapter directory (give --adapter-format)")
     lora.add_argument("--merge-lora", action="store_true",
                       help="a LoRA-trained checkpoint: write the full model with the adapters merged into its weights")
-    p.add_argument("--base-model", default=None,
-                   help="with --adapter-only: the base model the adapter's config names (base_model_name_or_path; "
-                        "default: the HF directory the checkpoint was converted from)")
+    _adapter_options(p)
+
+    p = sub.add_parser("check-adapter", help="check an adapter directory against the LoRA checkpoint it came from")
+    p.add_argument("--mcore", required=True, help="the LoRA-trained Megatron checkpoint")
+    p.add_argument("--adapter", required=True, help="the adapter directory to check")
+    _adapter_options(p)
 
     p = sub.add_parser("verify", help="compare logits of the HF model and the Megatron checkpoint")
     p.add_argument("--hf", required=True, help="HF model directory")
@@ -47,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max allowed |logit difference| in fp32 (default 1e-3)")
     return parser
+
+
+def _adapter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter-format", choices=FORMATS, default=None,
+                   help="the layout for the adapter's consumer: peft (PEFT over transformers, e.g. to evaluate or publish) or "
+                        "sglang (SGLang and moerl serve: one module per expert). Each drops parts of the other's layout.")
+    p.add_argument("--base-model", default=None,
+                   help="the base model the adapter's config names (base_model_name_or_path; default: the HF directory "
+                        "the checkpoint was converted from)")
 
 
 def _release_freed_tensors_to_the_os() -> None:
@@ -67,6 +80,13 @@ def _release_freed_tensors_to_the_os() -> None:
             libc.mallopt(m_mmap_threshold, 64 * 1024)
 
 
+def _adapter_format(args) -> str:
+    if args.adapter_format is None:
+        raise MoerlError("give --adapter-format peft (PEFT over transformers) or sglang (SGLang, moerl serve): "
+                         "an adapter in one consumer's layout loads with parts missing in the other")
+    return args.adapter_format
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command != "verify":
@@ -80,13 +100,29 @@ def main(argv: list[str] | None = None) -> int:
 
             out = hf_to_mcore(args.hf, args.out, progress=not args.no_progress)
             print(f"wrote Megatron checkpoint {out}")
+        elif args.command == "mcore-to-hf" and args.adapter_only:
+            from moerl.checkpoint.convert import export_adapter_dir
+
+            out, dropped = export_adapter_dir(args.mcore, args.out, _adapter_format(args), args.base_model)
+            print(f"wrote {args.adapter_format} adapter {out}")
+            if dropped:
+                print(f"warning: PEFT over transformers 5 would load {len(dropped)} module(s) of this adapter into nothing "
+                      f"(e.g. {dropped[0]}) and serve another model; for PEFT, export it with --adapter-format peft", file=sys.stderr)
         elif args.command == "mcore-to-hf":
             from moerl.checkpoint.convert import mcore_to_hf
 
-            lora = "adapter" if args.adapter_only else "merge" if args.merge_lora else "none"
-            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3), lora=lora,
-                              base_model=args.base_model)
-            print(f"wrote {'PEFT adapter' if lora == 'adapter' else 'HF model'} {out}")
+            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3),
+                              merge_lora=args.merge_lora)
+            print(f"wrote HF model {out}")
+        elif args.command == "check-adapter":
+            from moerl.checkpoint.convert import check_adapter_dir
+
+            problems = check_adapter_dir(args.mcore, args.adapter, _adapter_format(args), args.base_model)
+            for problem in problems:
+                print(f"error: {args.adapter}: {problem}", file=sys.stderr)
+            if not problems:
+                print(f"{args.adapter}: every adapter of {args.mcore} is there, as trained ({args.adapter_format} format)")
+            return 1 if problems else 0
         else:
             from moerl.checkpoint.verify import verify
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, check_hf_tensors, copy_carried_files, read_config
 from moerl.checkpoint.mcore import (HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, hf_config_of, load_sharded, merge_pieces,
                                    read_moerl_meta, write_moerl_meta)
-from moerl.checkpoint.peft import adapter_config, merge_into, peft_tensors, write_adapter_files
+from moerl.checkpoint.peft import AdapterFiles, check_adapter, export_adapter, merge_into, peft_would_drop, write_adapter_files
 from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import Layout, ensure_single_process_env, init_distributed
@@ -140,15 +140,58 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
     return out
 
 
+def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> AdapterFiles:
+    """The adapters of a LoRA-trained checkpoint as the files of ``fmt`` (read without the base weights)."""
+    meta = read_moerl_meta(mcore_dir)
+    raw = hf_config_of(mcore_dir)
+    family = family_for(raw)
+    cfg = family.normalize(raw)
+    lora_cfg = checkpoint_lora(mcore_dir)
+    if lora_cfg is None:
+        raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only")
+    base_model = base_model or meta.get("hf_source")
+    if not base_model:
+        raise CheckpointError(f"{mcore_dir} does not record the HF model it was converted from: pass --base-model "
+                              "(a directory or Hub id) so the adapter's config names the model it applies to")
+    model = _meta_model(cfg, _DTYPES[meta["dtype"]], lora_cfg)
+    params = dict(model.named_parameters())
+    adapters = [n for n in params if is_lora_param(n)]
+    for name in adapters:
+        _set_param(model, name, torch.empty_like(params[name], device="cpu"))
+    sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
+    state = load_sharded({n: t for n, t in sharded.items() if is_lora_param(n)}, mcore_dir)
+    return export_adapter(family, cfg, {n: state[n] for n in adapters}, lora_cfg, fmt, base_model)
+
+
+@_on_the_cpu
+def export_adapter_dir(mcore_dir: str | Path, out_dir: str | Path, fmt: str, base_model: str | None = None) -> tuple[Path, list[str]]:
+    """A LoRA-trained checkpoint's adapters as an adapter directory of format ``fmt`` (``peft``: what PEFT over
+    transformers loads; ``sglang``: what SGLang and ``moerl serve`` load), read back and checked before it
+    appears. Returns it and the modules PEFT would drop from it (``sglang`` format with dense or shared MLPs)."""
+    mcore_dir, out = Path(mcore_dir), Path(out_dir)
+    files = _adapter_files(mcore_dir, fmt, base_model)
+    with _staging_dir(out) as staging:
+        write_adapter_files(staging, files)
+        problems = check_adapter(staging, files)
+        if problems:
+            raise CheckpointError(f"the adapter written to {out} does not read back as written: " + "; ".join(problems))
+    return out, peft_would_drop(files, family_for(hf_config_of(mcore_dir)).model_type) if fmt == "sglang" else []
+
+
+@_on_the_cpu
+def check_adapter_dir(mcore_dir: str | Path, adapter_dir: str | Path, fmt: str, base_model: str | None = None) -> list[str]:
+    """Where an adapter directory differs from what the checkpoint's adapters export to in ``fmt`` (with the same
+    ``base_model`` as at export)."""
+    return check_adapter(adapter_dir, _adapter_files(Path(mcore_dir), fmt, base_model))
+
+
 @_on_the_cpu
 def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = True, max_shard_bytes: int = 2 * 1024**3,
-                lora: str = "none", base_model: str | None = None) -> Path:
+                merge_lora: bool = False) -> Path:
     """Convert a moerl Megatron checkpoint back to a HF directory that transformers and SGLang load.
 
-    A checkpoint trained with LoRA converts with ``lora="adapter"`` (a PEFT adapter directory: the
-    adapters only, naming ``base_model`` as the model they apply to, by default the HF directory the
-    checkpoint was converted from) or ``lora="merge"`` (the full model with every adapter's update
-    folded in)."""
+    A checkpoint trained with LoRA converts with ``merge_lora`` (the full model with every adapter's update
+    folded in), or to an adapter directory with :func:`export_adapter_dir`."""
     mcore_dir, out = Path(mcore_dir), Path(out_dir)
     meta = read_moerl_meta(mcore_dir)
     raw = hf_config_of(mcore_dir)
@@ -156,26 +199,14 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
     cfg = family.normalize(raw)
     dtype = _DTYPES[meta["dtype"]]
     lora_cfg = checkpoint_lora(mcore_dir)
-    if lora_cfg is None and lora != "none":
-        raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only/--merge-lora")
-    if lora_cfg is not None and lora == "none":
-        raise CheckpointError(f"{mcore_dir} was trained with LoRA: pass --adapter-only (PEFT adapter) or --merge-lora (merged full weights)")
-    base_model = base_model or meta.get("hf_source")
-    if lora == "adapter" and not base_model:
-        raise CheckpointError(f"{mcore_dir} does not record the HF model it was converted from: pass --base-model "
-                              "(a directory or Hub id) so the adapter's config names the model it applies to")
+    if lora_cfg is None and merge_lora:
+        raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --merge-lora")
+    if lora_cfg is not None and not merge_lora:
+        raise CheckpointError(f"{mcore_dir} was trained with LoRA: pass --adapter-only --adapter-format peft|sglang (the adapter) "
+                              "or --merge-lora (merged full weights)")
     with _staging_dir(out) as staging:
         model = _meta_model(cfg, dtype, lora_cfg)
         params = dict(model.named_parameters())
-        if lora == "adapter":
-            adapters = [n for n in params if is_lora_param(n)]
-            for name in adapters:
-                _set_param(model, name, torch.empty_like(params[name], device="cpu"))
-            sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
-            state = load_sharded({n: t for n, t in sharded.items() if is_lora_param(n)}, mcore_dir)
-            tensors = peft_tensors(family, cfg, {n: state[n] for n in adapters})
-            write_adapter_files(staging, adapter_config(lora_cfg, tensors, base_model), tensors)
-            return out
         writer = HFWriter(staging, max_shard_bytes)
         for prefix, rules in tqdm(layer_pieces(family, cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
             names = [rule.mcore for rule in rules]

@@ -1,8 +1,8 @@
 """Adapter-only weight sync: after a LoRA step only the adapters move (megabytes, not the model).
 
 Every trainer rank joins the gather (TP shards, each EP rank's experts, each PP stage's layers);
-global rank 0 converts them to the PEFT format and loads them into every engine under a versioned
-name (``/load_lora_adapter_from_tensors``, or a PEFT directory and ``/load_lora_adapter`` when
+global rank 0 converts them to the ``sglang`` adapter layout and loads them into every engine under a versioned
+name (``/load_lora_adapter_from_tensors``, or an adapter directory and ``/load_lora_adapter`` when
 ``directory`` is set: SGLang takes tensors only from processes on its own machine). The engines'
 base weights never change; requests name the adapter they sample with.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from moerl.checkpoint.peft import adapter_config, peft_tensors, save_adapter
+from moerl.checkpoint.peft import export_adapter, save_adapter
 from moerl.megatron.lora import LoRAConfig, is_lora_param
 from moerl.megatron.weights import full_tensors
 from moerl.models import family_for
@@ -43,14 +43,15 @@ class AdapterSync(EngineLink):
     def push(self, lora: dict[str, torch.Tensor], version: int) -> SyncStats:
         start = time.perf_counter()
         family = family_for(self.hf_config)
-        tensors = peft_tensors(family, family.normalize(self.hf_config), lora)
-        config = adapter_config(self.lora, tensors, self.base_model)
+        # The engines (SGLang, moerl serve) take one module per expert.
+        files = export_adapter(family, family.normalize(self.hf_config), lora, self.lora, "sglang", self.base_model)
         name = adapter_name(version)
         if self.directory is None:
-            self.run(self.client.load_lora_from_tensors(name, config, tensors))
+            self.run(self.client.load_lora_from_tensors(name, files.config, files.tensors))
         else:
-            path = save_adapter(self.directory / name, config, tensors)
+            path = save_adapter(self.directory / name, files)
             self.run(self.client.load_lora(name, str(path.resolve())))
+        tensors = files.tensors
         return SyncStats(tensors=len(tensors), bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
                          buckets=1, seconds=time.perf_counter() - start)
 

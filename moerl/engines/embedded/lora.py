@@ -123,6 +123,9 @@ class AdapterSet:
     def from_tensors(self, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> Adapter:
         """An adapter of PEFT tensors, checked against its config and the served model before anything is kept."""
         rank, scale = _rank_and_scale(name, config)
+        if config.get("target_parameters"):
+            raise LoRAError(f"adapter {name!r} is in transformers 5's layout (target_parameters: fused experts), which PEFT "
+                            "loads; moerl serve and SGLang take one module per expert: export it with --adapter-format sglang")
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.match(key)
