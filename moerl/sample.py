@@ -20,6 +20,11 @@ class SampleError(MoerlError):
     """A sample whose arrays do not fit together; the message names the field."""
 
 
+def kept_ids(offsets: np.ndarray, ids: np.ndarray, t: int) -> np.ndarray:
+    """Token ``t``'s kept set from kept sets held as CSR (``offsets`` [T+1], ``ids``), as engines return them."""
+    return ids[offsets[t] : offsets[t + 1]]
+
+
 @dataclass
 class Sample:
     prompt_ids: np.ndarray  # int32 [P]
@@ -53,9 +58,6 @@ class Sample:
 
     def fed_ids(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, self.response_ids])[:-1]
-
-    def kept_ids(self, j: int) -> np.ndarray:
-        return self.mask_ids[self.mask_offsets[j] : self.mask_offsets[j + 1]]
 
     def validate(self) -> "Sample":
         p, r = self.prompt_len, self.response_len

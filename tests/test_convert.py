@@ -15,7 +15,7 @@ from moerl.checkpoint import convert
 from moerl.checkpoint.cli import main as cli
 from moerl.checkpoint.convert import hf_to_mcore, mcore_to_hf
 from moerl.checkpoint.hf import CheckpointError, HFReader
-from moerl.models import ConfigError
+from moerl.errors import ConfigError
 from moerl.models.tiny import save_tiny_hf
 from tests.conftest import ARCHS
 

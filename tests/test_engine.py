@@ -13,8 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moerl.engines.client import EngineClient, EngineError
-from moerl.engines.protocol import ModelShape, ProtocolError
+from moerl.engines.protocol import ProtocolError
+from moerl.models import model_shape
 from moerl.models.tiny import save_tiny_hf
+from moerl.sample import kept_ids
 from tests.engine_server import running_server
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -35,7 +37,7 @@ def server(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def shape(models):
-    return ModelShape.from_hf_config(json.loads((models[0] / "config.json").read_text()))
+    return model_shape(json.loads((models[0] / "config.json").read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_sampled_tokens_lie_in_their_kept_set_and_logprobs_match(server, shape, 
         logits, _ = _recompute(reference, prompt, c.output_ids)
         logprobs = torch.log_softmax(logits[len(prompt) - 1 :].float() / temperature, -1)
         for t, token in enumerate(c.output_ids):
-            kept = c.kept_ids(t)
+            kept = kept_ids(c.mask_offsets, c.mask_ids, t)
             assert token in kept
             assert len(kept) <= params["top_k"]
             if params["top_k"] == 1:

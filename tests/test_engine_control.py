@@ -154,8 +154,7 @@ def test_weight_update_from_distributed_broadcast(server, models, load_format):
     import torch.distributed as dist
 
     from moerl.checkpoint.hf import HFReader
-    from moerl.engines.protocol import flatten_bucket
-    from moerl.engines.weight_group import join_weight_group, weight_store
+    from moerl.engines.weight_group import flatten_bucket, join_weight_group, weight_store
 
     reader = HFReader(models[1])
     named = [(n, reader.get(n)) for n in sorted(reader.names())]

@@ -241,8 +241,9 @@ def test_the_output_layer_computes_logits_in_fp32_from_bf16_weights():
 
 
 def bf16_output_layer() -> dict:
+    from moerl.layout import Layout
     from moerl.megatron.model import build_model
-    from moerl.megatron.parallel import Layout, init_distributed
+    from moerl.megatron.parallel import init_distributed
     from moerl.models.tiny import TINY_QWEN3
     from moerl.trainer.trainer import _fp32_output_layer
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moerl.megatron.parallel import Layout, LayoutError
 from moerl.checkpoint.verify import world_size_for
+from moerl.layout import Layout, LayoutError
 
 
 def test_expert_tensor_parallel_defaults():

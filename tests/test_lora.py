@@ -166,7 +166,7 @@ def test_what_peft_would_drop_is_named_and_is_what_peft_drops(trained, models, t
     with torch.no_grad():
         for module, (a, b) in hub_factors(family, family.normalize(raw), lora).items():
             if module not in dropped:
-                hub_tensor_view(params, module + ".weight").add_(LORA.scale * (b @ a))
+                hub_tensor_view(family, params, module + ".weight").add_(LORA.scale * (b @ a))
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), save_adapter(tmp_path / "a", files))
         got = peft_model.eval()(INPUT_IDS).logits
         assert (got - expected(INPUT_IDS).logits).abs().max() < 1e-4

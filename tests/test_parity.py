@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from moerl.layout import Layout
 from moerl.megatron.launch import run_ranks
-from moerl.megatron.parallel import Layout
 from moerl.models import family_for
 from tests.conftest import ARCHS, hub_grads
 from tests.workers import parity

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.sample import Sample, SampleError
+from moerl.sample import Sample, SampleError, kept_ids
 
 
 def _sample(prompt, response, version, routing_rows_from=0):
@@ -30,7 +30,8 @@ def test_a_resumed_rollout_keeps_what_produced_each_token():
     assert joined.behaviour_logprobs.tolist() == [-4, -4, -5, -5, -5]
     # positions 0..3 were fed by the first engine; 4.. (token 11 onwards) by the continuation's prefill/decode
     assert joined.routing[:, 0, 0].tolist() == [0, 1, 2, 3, 104, 105, 106]
-    assert joined.kept_ids(2).tolist() == [12, 13] and joined.kept_ids(1).tolist() == [11, 12]
+    assert kept_ids(joined.mask_offsets, joined.mask_ids, 2).tolist() == [12, 13]
+    assert kept_ids(joined.mask_offsets, joined.mask_ids, 1).tolist() == [11, 12]
     assert joined.fed_len == 7
 
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from moerl.engines.client import EngineClient
-from moerl.engines.protocol import GenerateReqInput, ModelShape, ProtocolError, decode_routed_experts, decode_sampling_masks, encode_routed_experts
+from moerl.engines.protocol import GenerateReqInput, ProtocolError, decode_routed_experts, decode_sampling_masks, encode_routed_experts
 from moerl.engines.sglang import SGLangConfig, SGLangPool, router_args, server_args
+from moerl.models import ModelShape
 from moerl.models.tiny import save_tiny_hf
 
 

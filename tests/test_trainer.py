@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from moerl.engines.embedded.server import EmbeddedEngine
-from moerl.engines.protocol import ModelShape, decode_generate
+from moerl.engines.protocol import decode_generate
 from moerl.megatron.launch import run_ranks
+from moerl.models import model_shape
 from moerl.sample import Sample, SampleError
 from moerl.trainer.config import OptimConfig, ReplayConfig, TrainerConfig
 from moerl.trainer.objectives import LossConfig
@@ -29,7 +30,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [20, 21, 22, 23, 24, 25], [40, 41]]
 
 def rollout(hf_dir, dtype: torch.dtype) -> list[Sample]:
     engine = EmbeddedEngine(str(hf_dir), dtype=dtype, device="cpu")
-    shape = ModelShape.from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    shape = model_shape(json.loads((hf_dir / "config.json").read_text()))
     engine.scheduler.start()
     samples = []
     try:

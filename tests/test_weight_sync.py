@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moerl.checkpoint.hf import HFReader
+from moerl.layout import Layout
 from moerl.megatron.launch import run_ranks
-from moerl.megatron.parallel import Layout
 from tests.conftest import ARCHS
 from tests.workers import export_hf
 

@@ -9,9 +9,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moerl.checkpoint.mcore import load_megatron_model
+from moerl.layout import Layout
 from moerl.megatron.forward import forward_logits, run_schedule
-from moerl.megatron.model import load_megatron_model
-from moerl.megatron.parallel import Layout
 from moerl.megatron.weights import full_tensors
 
 
@@ -220,8 +220,9 @@ def te_norm_names(arch: str) -> dict:
     from megatron.core.transformer.mlp import MLPSubmodules
 
     from moerl.checkpoint.mcore import SHARDED_METADATA
+    from moerl.layout import Layout
     from moerl.megatron.model import build_model
-    from moerl.megatron.parallel import Layout, init_distributed
+    from moerl.megatron.parallel import init_distributed
     from moerl.megatron.weights import global_name
     from moerl.models import family_for
     from moerl.models.tiny import TINY_QWEN2, TINY_QWEN3

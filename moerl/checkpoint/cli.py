@@ -8,7 +8,7 @@ import sys
 
 from moerl.checkpoint.peft import FORMATS
 from moerl.errors import MoerlError
-from moerl.megatron.parallel import Layout
+from moerl.layout import Layout
 
 
 def build_parser() -> argparse.ArgumentParser:

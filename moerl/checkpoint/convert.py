@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from megatron.core import dist_checkpointing
@@ -25,30 +21,21 @@ from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, check_hf_te
 from moerl.checkpoint.mcore import (HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, hf_config_of, load_sharded, merge_pieces,
                                    read_moerl_meta, write_moerl_meta)
 from moerl.checkpoint.peft import AdapterFiles, check_adapter, export_adapter, merge_into, peft_would_drop, write_adapter_files
+from moerl.dtypes import MODEL_DTYPES, dtype_name
+from moerl.files import staged_dir
+from moerl.layout import Layout
 from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
 from moerl.megatron.model import build_model
-from moerl.megatron.parallel import Layout, ensure_single_process_env, init_distributed
-from moerl.models import QwenMoeFamily, TensorRule, family_for
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {v: k for k, v in _DTYPES.items()}[dtype]
+from moerl.megatron.parallel import ensure_single_process_env, init_distributed
+from moerl.models import family_for
+from moerl.models.family import in_piece
 
 
-@contextmanager
-def _staging_dir(out: Path) -> Iterator[Path]:
+
+def _staging_dir(out: Path):
     if out.exists():
         raise CheckpointError(f"output directory {out} already exists; choose a new path or remove it")
-    staging = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    return staged_dir(out)
 
 
 def _meta_model(cfg: dict, dtype: torch.dtype, lora: LoRAConfig | None = None):
@@ -66,17 +53,6 @@ def checkpoint_lora(mcore_dir: str | Path) -> LoRAConfig | None:
     state = Path(mcore_dir) / TRAINER_STATE
     saved = json.loads(state.read_text()).get("lora") if state.is_file() else None
     return LoRAConfig(**saved) if saved else None
-
-
-def layer_pieces(family: QwenMoeFamily, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
-    """(state-dict prefix test, rules) per piece: the non-layer tensors, then each layer."""
-    pieces = [("", family.global_rules(cfg))]
-    pieces += [(f"decoder.layers.{i}.", family.layer_rules(cfg, i)) for i in range(cfg["num_hidden_layers"])]
-    return pieces
-
-
-def in_piece(name: str, prefix: str) -> bool:
-    return name.startswith(prefix) if prefix else not name.startswith("decoder.layers.")
 
 
 def _set_param(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -120,7 +96,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
         model = _meta_model(cfg, dtype)
         params = dict(model.named_parameters())
         piece_dirs = []
-        for k, (prefix, rules) in enumerate(tqdm(layer_pieces(family, cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
+        for k, (prefix, rules) in enumerate(tqdm(family.layer_pieces(cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
             for rule in rules:
                 tensor = family.to_mcore(rule, [reader.get(n) for n in rule.hf], cfg).to(dtype)
                 _set_param(model, rule.mcore, tensor)
@@ -136,7 +112,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
         merge_pieces(staging, piece_dirs)
         (staging / HF_SUBDIR).mkdir()
         copy_carried_files(hf_dir, staging / HF_SUBDIR)
-        write_moerl_meta(staging, family.architecture, _dtype_name(dtype), str(hf_dir.resolve()))
+        write_moerl_meta(staging, family.architecture, dtype_name(dtype), str(hf_dir.resolve()))
     return out
 
 
@@ -153,7 +129,7 @@ def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> Adapter
     if not base_model:
         raise CheckpointError(f"{mcore_dir} does not record the HF model it was converted from: pass --base-model "
                               "(a directory or Hub id) so the adapter's config names the model it applies to")
-    model = _meta_model(cfg, _DTYPES[meta["dtype"]], lora_cfg)
+    model = _meta_model(cfg, MODEL_DTYPES[meta["dtype"]], lora_cfg)
     params = dict(model.named_parameters())
     adapters = [n for n in params if is_lora_param(n)]
     for name in adapters:
@@ -197,7 +173,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
     raw = hf_config_of(mcore_dir)
     family = family_for(raw)
     cfg = family.normalize(raw)
-    dtype = _DTYPES[meta["dtype"]]
+    dtype = MODEL_DTYPES[meta["dtype"]]
     lora_cfg = checkpoint_lora(mcore_dir)
     if lora_cfg is None and merge_lora:
         raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --merge-lora")
@@ -208,7 +184,7 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
         model = _meta_model(cfg, dtype, lora_cfg)
         params = dict(model.named_parameters())
         writer = HFWriter(staging, max_shard_bytes)
-        for prefix, rules in tqdm(layer_pieces(family, cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
+        for prefix, rules in tqdm(family.layer_pieces(cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
             names = [rule.mcore for rule in rules]
             names += [n for n in params if is_lora_param(n) and in_piece(n, prefix)]
             for name in names:

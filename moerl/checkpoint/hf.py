@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moerl.errors import MoerlError
+from moerl.models import ModelFamily
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -129,8 +130,8 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def check_hf_tensors(reader: HFReader, family, cfg: dict) -> torch.dtype:
-    """Every tensor the model (a :class:`~moerl.models.QwenMoeFamily` and its normalised config) needs is
+def check_hf_tensors(reader: HFReader, family: ModelFamily, cfg: dict) -> torch.dtype:
+    """Every tensor the model (of ``family``, its normalised config ``cfg``) needs is
     present with the right shape, and none would be dropped.
 
     Reads only safetensors headers. Returns the checkpoint dtype (one for all tensors)."""

@@ -17,7 +17,11 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing
 
-from moerl.checkpoint.hf import CheckpointError
+from moerl.checkpoint.hf import CheckpointError, read_config
+from moerl.layout import Layout
+from moerl.megatron.model import build_model
+from moerl.megatron.parallel import init_distributed
+from moerl.models import family_for
 
 SHARDED_METADATA = {"non_homogeneous_layers": True}
 # 2: a MoE layer's pre-MLP norm is stored as "pre_mlp_layernorm.weight", as Transformer Engine's spec stores
@@ -36,8 +40,6 @@ def read_moerl_meta(ckpt_dir: str | Path) -> dict:
 
 
 def hf_config_of(ckpt_dir: str | Path) -> dict:
-    from moerl.checkpoint.hf import read_config
-
     return read_config(Path(ckpt_dir) / HF_SUBDIR)
 
 
@@ -65,6 +67,20 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     """Load this rank's shards of a moerl Megatron checkpoint into ``model`` (any layout)."""
     state = load_sharded(model.sharded_state_dict(metadata=SHARDED_METADATA), ckpt_dir)
     model.load_state_dict(state, strict=True)
+
+
+def load_megatron_model(ckpt_dir, layout: Layout, dtype: torch.dtype = torch.float32, transformer_engine: bool | None = None,
+                        **config_overrides):
+    """Initialise parallel state for ``layout`` and load a moerl Megatron checkpoint into this rank's model.
+
+    Returns ``(hf_config, model)``.
+    """
+    init_distributed(layout)
+    raw = hf_config_of(ckpt_dir)
+    cfg = family_for(raw).normalize(raw)
+    model = build_model(cfg, layout, dtype, transformer_engine, **config_overrides)
+    load_model_weights(model, ckpt_dir)
+    return cfg, model
 
 
 def merge_pieces(root: Path, pieces: list[Path]) -> None:

@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from moerl.files import staged_dir
 from moerl.megatron.lora import LoRAConfig
+from moerl.models import ModelFamily
 
 FORMATS = ("peft", "sglang")
 PEFT_PREFIX = "base_model.model."
@@ -47,7 +48,7 @@ class AdapterFiles:
     tensors: dict[str, torch.Tensor]
 
 
-def hub_factors(family, cfg: dict, lora: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def hub_factors(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Hub module name -> its (A [r, in], B [out, r]), one per Hub module (experts and gate/up apart)."""
     rules = {rule.mcore: rule for rule in family.all_rules(cfg)}
     out = {}
@@ -59,7 +60,7 @@ def hub_factors(family, cfg: dict, lora: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def export_adapter(family, cfg: dict, lora: dict[str, torch.Tensor], lora_cfg: LoRAConfig, fmt: str,
+def export_adapter(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor], lora_cfg: LoRAConfig, fmt: str,
                    base_model: str | None) -> AdapterFiles:
     """The adapters ``lora`` (full megatron names) as the files of format ``fmt`` (one of :data:`FORMATS`)."""
     factors = hub_factors(family, cfg, lora)
@@ -179,14 +180,9 @@ def write_adapter_files(directory: Path, files: AdapterFiles) -> None:
 
 def save_adapter(out_dir: str | Path, files: AdapterFiles) -> Path:
     """Write (or replace) an adapter directory; it appears only when complete."""
-    out = Path(out_dir)
-    staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    write_adapter_files(staging, files)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
-    return out
+    with staged_dir(out_dir) as staging:
+        write_adapter_files(staging, files)
+    return Path(out_dir)
 
 
 def merge_into(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import torch
 
-from moerl.megatron.parallel import Layout
+from moerl.checkpoint.mcore import hf_config_of, load_megatron_model
+from moerl.layout import Layout
+from moerl.megatron.forward import forward_logits
+from moerl.megatron.launch import run_ranks
+from moerl.models import family_for
 
 PROMPTS = (
     "The capital of France is",
@@ -31,9 +35,6 @@ def prompt_ids(hf_dir: str | Path, vocab_size: int) -> list[torch.Tensor]:
 def _verify_rank(hf_dir: str, mcore_dir: str, layout: Layout) -> float | None:
     from megatron.core import parallel_state
     from transformers import AutoModelForCausalLM
-
-    from moerl.megatron.forward import forward_logits
-    from moerl.megatron.model import load_megatron_model
 
     cfg, model = load_megatron_model(mcore_dir, layout)
     holder = (
@@ -60,8 +61,6 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, layout: Layout = Layout())
 
     Under torchrun it runs as the launched ranks; otherwise it spawns the ranks the layout needs.
     """
-    from moerl.checkpoint.mcore import hf_config_of
-    from moerl.models import family_for
 
     raw = hf_config_of(mcore_dir)
     family = family_for(raw)
@@ -75,7 +74,6 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, layout: Layout = Layout())
         dist.all_gather_object(gathered, results[0])
         results = gathered
     else:
-        from moerl.megatron.launch import run_ranks
 
         results = run_ranks(_verify_rank, world_size_for(layout), *args)
     return max(r for r in results if r is not None)

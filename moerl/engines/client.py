@@ -19,7 +19,8 @@ import aiohttp
 import numpy as np
 
 from moerl.engines import protocol as P
-from moerl.engines.protocol import Completion, ModelShape, Route, SamplingParams, WireModel, decode_generate
+from moerl.engines.protocol import Completion, Route, SamplingParams, WireModel, decode_generate
+from moerl.models.family import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +220,16 @@ class EngineClient:
                 return False
 
         return list(await asyncio.gather(*(one(u) for u in self.urls)))
+
+
+def health(urls: list[str]) -> list[bool]:
+    """Whether each engine answers ``/health`` with 200, from code that runs no event loop."""
+
+    async def ask():
+        async with EngineClient(urls, retries=0) as client:
+            return await client.healthy()
+
+    return asyncio.run(ask())
 
 
 def _error_message(text: str) -> str:

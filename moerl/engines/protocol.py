@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from moerl.dtypes import WIRE_DTYPES
 from moerl.errors import MoerlError
+
+if TYPE_CHECKING:
+    from moerl.models.family import ModelShape
 
 
 class ProtocolError(MoerlError):
@@ -29,7 +33,6 @@ DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens d
 GREEDY_BELOW = 1e-6  # SGLang samples greedily (temperature 1, top_k 1) below this temperature
 MAX_N = 1024  # completions of one prompt per request (SGLang sets no bound; one request must not flood the engine)
 INT64 = (-(2**63), 2**63 - 1)
-TORCH_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8")
 
 
 def _no_nul(path: str) -> str:
@@ -252,7 +255,7 @@ class EndWeightUpdateReqInput(WireModel):
 
 class UpdateWeightsFromDistributedReqInput(WireModel):
     names: list[str] = Field(min_length=1)  # Hub tensor names
-    dtypes: list[Literal[TORCH_DTYPES]]
+    dtypes: list[Literal[WIRE_DTYPES]]
     shapes: list[list[int]]
     group_name: str = Field("weight_update_group", min_length=1)
     flush_cache: bool = True  # refused while requests run (an in_place pause): send false then
@@ -417,28 +420,6 @@ class Completion:
     mask_ids: np.ndarray | None = None  # int32
     sampling_logprobs: np.ndarray | None = None  # float32 [T] ("selected" mode)
 
-    def kept_ids(self, t: int) -> np.ndarray:
-        return self.mask_ids[self.mask_offsets[t] : self.mask_offsets[t + 1]]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What decoding routing needs to know about the served model (from /model_info)."""
-
-    num_layers: int
-    topk: int
-    moe_layers: list[int]
-    num_experts: int
-
-    @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> "ModelShape":
-        from moerl.models import family_for
-
-        family = family_for(config)
-        cfg = family.normalize(config)
-        pattern = family.moe_layer_pattern(cfg)
-        return cls(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], [i for i, moe in enumerate(pattern) if moe], cfg["num_experts"])
-
 
 def decode_generate(response: GenerateResponse, shape: ModelShape | None, routing_start: int = 0) -> Completion:
     meta = response["meta_info"]
@@ -462,41 +443,3 @@ def decode_generate(response: GenerateResponse, shape: ModelShape | None, routin
         if lps and not isinstance(lps[0], list):
             completion.sampling_logprobs = np.asarray(lps, dtype=np.float32)
     return completion
-
-
-# ---- weight broadcast payloads ------------------------------------------------------------------
-
-
-def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int, int]]:
-    """Byte ``(start, end)`` of each tensor in a ``flattened_bucket`` broadcast: the tensors' raw
-    bytes back to back in request order, each starting at a multiple of its element size (SGLang
-    refuses unaligned buckets; order tensors by element size, largest first, to keep them aligned)."""
-    import torch
-
-    spans, offset = [], 0
-    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
-        itemsize = getattr(torch, dtype).itemsize
-        if offset % itemsize:
-            raise ProtocolError(f"tensor {i} ({dtype}) would start at byte {offset}, not a multiple of {itemsize}")
-        size = itemsize * int(np.prod(shape, dtype=np.int64))
-        spans.append((offset, offset + size))
-        offset += size
-    return spans
-
-
-def flatten_bucket(named: list[tuple[str, Any]]):
-    """Sender side: ``(uint8 tensor, names, dtypes, shapes)`` for one flattened_bucket broadcast."""
-    import torch
-
-    named = sorted(named, key=lambda nt: -nt[1].element_size())
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
-    return flat, [n for n, _ in named], [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named]
-
-
-def unflatten_bucket(flat, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, Any]]:
-    import torch
-
-    return [
-        (name, flat[start:end].view(getattr(torch, dtype)).reshape(shape))
-        for name, dtype, shape, (start, end) in zip(names, dtypes, shapes, bucket_layout(dtypes, shapes))
-    ]

@@ -12,12 +12,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SGLANG_VERSION
 from moerl.env import child_env, free_port
 
@@ -195,13 +194,7 @@ class SGLangPool:
                     continue
                 tail = f"; the end of {log}:\n{text[-3000:]}" if log else " (set log_dir to keep its log)"
                 raise RuntimeError(f"an engine process exited during start-up: {proc.args}{tail}")
-            for url in pending:
-                try:
-                    with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            healthy.add(url)
-                except (urllib.error.URLError, OSError):
-                    pass
+            healthy.update(url for url, up in zip(pending, health(pending)) if up)
             waiting = [url for url in urls() if url not in healthy]
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {waiting}")

@@ -3,7 +3,9 @@
 Built the way SGLang's ``init_custom_process_group`` builds it (a TCP rendezvous at
 ``master_address:master_port`` with the trainer as rank 0, keys under a ``group_name`` prefix), so a
 trainer that joins with :func:`join_weight_group` talks to real SGLang servers and to the embedded
-engine alike. Kept out of the default process group: both sides have their own.
+engine alike. Kept out of the default process group: both sides have their own. What a broadcast
+carries is one ``flattened_bucket``: the tensors' bytes back to back, described by the HTTP request
+that announces it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,14 @@ from __future__ import annotations
 import asyncio
 import datetime
 import threading
+from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+from moerl.engines.protocol import ProtocolError
 
 
 def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
@@ -72,3 +79,32 @@ def in_daemon_thread(fn, *args) -> asyncio.Future:
 
     threading.Thread(target=work, name="moerl-collective", daemon=True).start()
     return future
+
+
+def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int, int]]:
+    """Byte ``(start, end)`` of each tensor in a ``flattened_bucket`` broadcast: the tensors' raw
+    bytes back to back in request order, each starting at a multiple of its element size (SGLang
+    refuses unaligned buckets; order tensors by element size, largest first, to keep them aligned)."""
+    spans, offset = [], 0
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        itemsize = getattr(torch, dtype).itemsize
+        if offset % itemsize:
+            raise ProtocolError(f"tensor {i} ({dtype}) would start at byte {offset}, not a multiple of {itemsize}")
+        size = itemsize * int(np.prod(shape, dtype=np.int64))
+        spans.append((offset, offset + size))
+        offset += size
+    return spans
+
+
+def flatten_bucket(named: list[tuple[str, Any]]):
+    """Sender side: ``(uint8 tensor, names, dtypes, shapes)`` for one flattened_bucket broadcast."""
+    named = sorted(named, key=lambda nt: -nt[1].element_size())
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+    return flat, [n for n, _ in named], [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named]
+
+
+def unflatten_bucket(flat, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, Any]]:
+    return [
+        (name, flat[start:end].view(getattr(torch, dtype)).reshape(shape))
+        for name, dtype, shape, (start, end) in zip(names, dtypes, shapes, bucket_layout(dtypes, shapes))
+    ]

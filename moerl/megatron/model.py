@@ -7,7 +7,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
-from moerl.megatron.parallel import Layout
+from moerl.layout import Layout
 from moerl.models import family_for
 
 
@@ -37,20 +37,3 @@ def build_model(cfg: dict, layout: Layout, dtype: torch.dtype = torch.float32, t
     if torch.cuda.is_available():
         model.cuda()
     return model
-
-
-def load_megatron_model(ckpt_dir, layout: Layout, dtype: torch.dtype = torch.float32, transformer_engine: bool | None = None,
-                        **config_overrides):
-    """Initialise parallel state for ``layout`` and load a moerl Megatron checkpoint into this rank's model.
-
-    Returns ``(hf_config, model)``.
-    """
-    from moerl.checkpoint.mcore import hf_config_of, load_model_weights
-    from moerl.megatron.parallel import init_distributed
-
-    init_distributed(layout)
-    raw = hf_config_of(ckpt_dir)
-    cfg = family_for(raw).normalize(raw)
-    model = build_model(cfg, layout, dtype, transformer_engine, **config_overrides)
-    load_model_weights(model, ckpt_dir)
-    return cfg, model

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from moerl.models import qwen2_moe, qwen3_moe
-from moerl.models.qwen_moe import ConfigError, QwenMoeFamily, TensorRule
+from moerl.errors import ConfigError
+from moerl.models.family import ModelFamily, ModelShape, TensorRule
 
-FAMILIES: dict[str, QwenMoeFamily] = {f.architecture: f for f in (qwen3_moe.FAMILY, qwen2_moe.FAMILY)}
+FAMILIES: dict[str, ModelFamily] = {f.architecture: f for f in (qwen3_moe.FAMILY, qwen2_moe.FAMILY)}
 
 
-def family_for(cfg: dict) -> QwenMoeFamily:
+def family_for(cfg: dict) -> ModelFamily:
     """The family of a HF ``config.json`` (as a dict), chosen by its ``architectures`` entry."""
     archs = cfg.get("architectures") or []
     if not archs:
@@ -21,4 +22,10 @@ def family_for(cfg: dict) -> QwenMoeFamily:
     return FAMILIES[archs[0]]
 
 
-__all__ = ["ConfigError", "FAMILIES", "QwenMoeFamily", "TensorRule", "family_for"]
+def model_shape(raw: dict) -> ModelShape:
+    """The routing shape of the model of a HF ``config.json`` (as a dict)."""
+    family = family_for(raw)
+    return family.model_shape(family.normalize(raw))
+
+
+__all__ = ["FAMILIES", "ModelFamily", "ModelShape", "TensorRule", "family_for", "model_shape"]

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +19,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moerl.errors import ConfigError
-from moerl.megatron.parallel import Layout, LayoutError
+from moerl.layout import Layout, LayoutError
+from moerl.models.family import ModelShape, TensorRule
 from moerl.models.norm import RMSNorm
 
 
@@ -36,20 +35,6 @@ _GENERIC_KEYS = frozenset(
 
 
 _HUB_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-@dataclass(frozen=True)
-class TensorRule:
-    """One megatron parameter (full, unsharded name) and the Hub tensors that form it.
-
-    kind: ``copy`` (one tensor), ``concat`` (Hub tensors stacked along dim 0: [gate; up]) or
-    ``qkv`` (q, k, v interleaved per query group, megatron's fused layout).
-    """
-
-    mcore: str
-    hf: tuple[str, ...]
-    hf_shapes: tuple[tuple[int, ...], ...]
-    kind: str = "copy"
 
 
 def _te_usable() -> bool:
@@ -212,6 +197,10 @@ class QwenMoeFamily:
             for i in range(cfg["num_hidden_layers"])
         ]
 
+    def model_shape(self, cfg: dict) -> ModelShape:
+        pattern = self.moe_layer_pattern(cfg)
+        return ModelShape(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], [i for i, moe in enumerate(pattern) if moe], cfg["num_experts"])
+
     @staticmethod
     def head_dim(cfg: dict) -> int:
         return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -358,15 +347,16 @@ class QwenMoeFamily:
             rules += _glu_rules(dst + "mlp.", src + "mlp.", h, cfg["intermediate_size"])
         return rules
 
+    def layer_pieces(self, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
+        pieces = [("", self.global_rules(cfg))]
+        return pieces + [(f"decoder.layers.{i}.", self.layer_rules(cfg, i)) for i in range(cfg["num_hidden_layers"])]
+
     def hub_numel(self, cfg: dict) -> int:
         """Elements of the whole HF checkpoint (what a full-weight sync moves), from the shapes alone."""
         return sum(math.prod(shape) for rule in self.all_rules(cfg) for shape in rule.hf_shapes)
 
     def all_rules(self, cfg: dict) -> list[TensorRule]:
-        rules = self.global_rules(cfg)
-        for i in range(cfg["num_hidden_layers"]):
-            rules += self.layer_rules(cfg, i)
-        return rules
+        return [rule for _, rules in self.layer_pieces(cfg) for rule in rules]
 
     def to_mcore(self, rule: TensorRule, tensors: list[torch.Tensor], cfg: dict) -> torch.Tensor:
         """Fuse the Hub tensors of one rule into the full megatron parameter."""

@@ -147,16 +147,12 @@ class RolloutBuffer:
                 yield piece
                 piece = []
 
-    def start_async(self) -> None:
-        self.order(self.cfg.outstanding)
-
     def trained(self, groups: list[Group]) -> None:
         for g in groups:
             self.acct.finish(g.index, "trained")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the manager; every prompt still live ends dropped with its reason."""
-        self._stopped = False
         self.orders.send_pyobj({"cmd": "stop"})
         deadline = time.monotonic() + timeout_s
         while not self._stopped and time.monotonic() < deadline:

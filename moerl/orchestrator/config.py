@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from moerl.config import check_choices, choice, choice_problems
+from moerl.dtypes import MODEL_DTYPES
 from moerl.engines.protocol import MAX_N
 from moerl.errors import ConfigError, MoerlError
 from moerl.megatron.lora import LoRAConfig
@@ -32,7 +33,7 @@ from moerl.trainer.config import TrainerConfig
 MODES = ("sync", "periodic", "async")
 PARTIAL = ("in_place", "retry")
 SERVERS = ("auto", "sglang", "embedded")
-ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: bfloat16 with CUDA, float32 without
+ENGINE_DTYPES = ("auto", *MODEL_DTYPES)  # auto: bfloat16 with CUDA, float32 without
 SYNC_METHODS = ("broadcast", "disk")
 
 

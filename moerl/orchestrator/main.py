@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moerl.dtypes import resolve as resolve_dtype
 from moerl.env import child_env
+from moerl.files import staged_dir
 from moerl.errors import ConfigError, MoerlError
 from moerl.orchestrator.config import RunConfig, load_config, served_by, to_yaml
 
@@ -56,7 +58,7 @@ def trainer_world_size(cfg: RunConfig) -> int:
 
 
 def check_layout(cfg: RunConfig, world: int) -> None:
-    from moerl.megatron.parallel import Layout, LayoutError
+    from moerl.layout import Layout, LayoutError
 
     try:
         Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep).check_world(world)
@@ -73,13 +75,9 @@ def _build_once(target: Path, build) -> Path:
     """``build(staging)`` into a staging directory renamed to ``target``: a crash never leaves a half model."""
     if _done(target):
         return target
-    staging = target.with_name(target.name + f".staging-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.parent.mkdir(parents=True, exist_ok=True)
-    build(staging)
-    (staging / ".complete").write_text("")
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
+    with staged_dir(target) as staging:
+        build(staging)
+        (staging / ".complete").write_text("")
     return target
 
 
@@ -87,7 +85,7 @@ def check_model(cfg: RunConfig, hf: Path, converting: bool) -> None:
     """The model at ``hf`` can be trained at the configured layout (and, when it is to be converted, its
     tensors are all there with the right shapes): one error line before minutes of preparation."""
     from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
-    from moerl.megatron.parallel import Layout
+    from moerl.layout import Layout
     from moerl.models import family_for
 
     raw = read_config(hf)
@@ -186,10 +184,9 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
         return list(e.urls), None
     cuda = torch.cuda.is_available()
     server = served_by(e)
-    dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if cuda else "float32")
     pool = SGLangPool(SGLangConfig(
         model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=0,
-        dtype=dtype, mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
+        dtype=resolve_dtype(e.dtype), mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
         gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
     ))
     if e.server == "auto" and cuda and server == "embedded":
@@ -403,10 +400,7 @@ def verify_tolerance(cfg: RunConfig) -> float:
     compute in fp32 (only summation order differs), loose where either rounds to bf16."""
     if cfg.sync.verify_tolerance is not None:
         return cfg.sync.verify_tolerance
-    cuda = torch.cuda.is_available()
-    engine = cfg.engines.dtype if cfg.engines.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    trainer = cfg.trainer.dtype if cfg.trainer.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    return 1e-4 if engine == trainer == "float32" else 5e-2
+    return 1e-4 if resolve_dtype(cfg.engines.dtype) == resolve_dtype(cfg.trainer.dtype) == "float32" else 5e-2
 
 
 def full_weight_bytes(trainer) -> int:

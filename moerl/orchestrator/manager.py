@@ -21,7 +21,8 @@ import zmq
 import zmq.asyncio
 
 from moerl.engines.client import EngineClient
-from moerl.engines.protocol import ModelShape, SamplingParams
+from moerl.engines.protocol import SamplingParams
+from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
@@ -44,7 +45,7 @@ class RolloutManager:
         self.stream = PromptStream(cfg.task, self.tokenizer)
         self.rewarder = Rewarder(cfg.task)
         config = json.loads(open(f"{hf_dir}/config.json").read())
-        self.client = EngineClient(urls, shape=ModelShape.from_hf_config(config))
+        self.client = EngineClient(urls, shape=model_shape(config))
         self.addresses = commands, events
         self.cursor, self.reissue = cursor, deque(reissue)
         self.tasks: set[asyncio.Task] = set()

@@ -80,7 +80,7 @@ def _stage_params(family, cfg: dict, tp: int, ep: int, etp: int, pp: int, stage:
 
 def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> MemoryPlan:
     """The plan for the job config ``cfg`` (a RunConfig) on ``world`` trainer ranks."""
-    from moerl.megatron.parallel import Layout
+    from moerl.layout import Layout
     from moerl.models import family_for
 
     family = family_for(model_config)

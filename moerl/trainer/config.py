@@ -48,7 +48,6 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # tokens per micro-batch, padding included
     micro_batch_format: str = choice("padded", MICRO_BATCH_FORMATS)  # padded: [b, s] rows | packed: samples end to end, each attending only to itself
     dtype: str = choice("auto", DTYPES)
-    seed: int = 1234
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
     loss: LossConfig = field(default_factory=LossConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)

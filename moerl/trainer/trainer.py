@@ -25,11 +25,12 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, load_sharded, read_moerl_meta, write_moerl_meta
+from moerl.dtypes import torch_dtype
+from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, load_megatron_model, load_sharded, read_moerl_meta, write_moerl_meta
+from moerl.layout import Layout
 from moerl.megatron.forward import run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
-from moerl.megatron.model import load_megatron_model
-from moerl.megatron.parallel import Layout, collective_device
+from moerl.megatron.parallel import collective_device
 from moerl.models import family_for
 from moerl.sample import Sample
 from moerl.trainer import objectives
@@ -48,7 +49,7 @@ class Trainer:
         self.cfg, self.ckpt_dir = cfg, str(ckpt_dir)
         self.lora = lora if lora is not None and lora.enabled else None
         cuda = torch.cuda.is_available()
-        dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+        dtype = torch_dtype(cfg.dtype)
         self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
         # Low-precision router logits flip near-tied experts; megatron-core can compute them in fp32.
         overrides = {} if dtype == torch.float32 else {"moe_router_dtype": "fp32"}

@@ -14,8 +14,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from moerl.engines.protocol import flatten_bucket
-from moerl.engines.weight_group import group_ranks, in_daemon_thread, join_weight_group, weight_store
+from moerl.engines.weight_group import flatten_bucket, group_ranks, in_daemon_thread, join_weight_group, weight_store
 from moerl.weight_sync.base import EngineLink, SyncStats
 
 

@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 from safetensors.torch import save_file
 
+from moerl.files import staged_dir
 from moerl.weight_sync.base import EngineLink, SyncStats
 from moerl.weight_sync.broadcast import buckets
 
@@ -33,9 +34,16 @@ class DiskSync(EngineLink):
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
         stats, start = SyncStats(), time.perf_counter()
         out = self.directory / f"v{version}"
-        staging = out.with_name(out.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
+        with staged_dir(out) as staging:  # engines only ever see complete directories
+            self._write(staging, named, stats)
+        self.run(self.client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
+        if self._previous is not None:
+            shutil.rmtree(self._previous, ignore_errors=True)
+        self._previous = out
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _write(self, staging: Path, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
         for item in self.hf_dir.iterdir():
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(item, staging / item.name)
@@ -48,10 +56,3 @@ class DiskSync(EngineLink):
             stats.tensors += len(shard)
             stats.bytes += sum(t.numel() * t.element_size() for _, t in shard)
         (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": index}))
-        staging.rename(out)  # engines only ever see complete directories
-        self.run(self.client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
-        if self._previous is not None:
-            shutil.rmtree(self._previous, ignore_errors=True)
-        self._previous = out
-        stats.seconds = time.perf_counter() - start
-        return stats

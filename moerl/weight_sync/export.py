@@ -11,16 +11,16 @@ from typing import Iterator
 
 import torch
 
-from moerl.checkpoint.convert import in_piece, layer_pieces
 from moerl.megatron.weights import full_tensors
 from moerl.models import family_for
+from moerl.models.family import in_piece
 
 
 def hf_named_tensors(model, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on the CPU."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
-    for prefix, rules in layer_pieces(family, cfg):
+    for prefix, rules in family.layer_pieces(cfg):
         full = full_tensors(model, select=lambda name: in_piece(name, prefix), keep_dtype=True)
         for rule in rules:
             yield from zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))

@@ -24,6 +24,7 @@ from safetensors.torch import load, load_file
 
 from moerl.engines.embedded.runner import hub_tensor_view
 from moerl.errors import LoRAError
+from moerl.models import family_for
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
@@ -48,6 +49,7 @@ class AdapterSet:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.family = family_for(model.config.to_dict())
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
         self.adapters: dict[str, Adapter] = {}
@@ -147,7 +149,7 @@ class AdapterSet:
             if not (a.is_floating_point() and b.is_floating_point()):
                 problems.append(f"{module}: factors must be floating point, got {a.dtype} and {b.dtype}")
                 continue
-            weight = hub_tensor_view(self.params, module + ".weight")
+            weight = hub_tensor_view(self.family, self.params, module + ".weight")
             if weight is None or weight.dim() != 2:
                 problems.append(f"{module}: not a linear layer of the served model")
                 continue

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from moerl.engines.protocol import ProtocolError
+from moerl.models import ModelFamily
 
 DENSE_LAYER = -1  # routing placeholder for layers without a router (as SGLang-JAX documents)
 
@@ -118,11 +119,9 @@ class ModelRunner:
         return out.logits[:, -1], self._routing(len(tokens))
 
 
-def hub_tensor_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """The slice of a transformers model's parameters that holds the Hub tensor ``name`` (None if none)."""
-    from moerl.models.qwen_moe import QwenMoeFamily
-
-    param_name, index = QwenMoeFamily.transformers_slot(name)
+def hub_tensor_view(family: ModelFamily, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a transformers model's parameters (of ``family``) that holds the Hub tensor ``name`` (None if none)."""
+    param_name, index = family.transformers_slot(name)
     if param_name not in params:
         return None
     dst = params[param_name].data
@@ -134,12 +133,12 @@ def hub_tensor_view(params: dict[str, torch.Tensor], name: str) -> torch.Tensor 
     return dst[index[0]] if index else dst
 
 
-def hub_tensor_targets(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def hub_tensor_targets(family: ModelFamily, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination view, source) for each Hub-named tensor, all checked before anything is written."""
     params = dict(model.named_parameters())
     pairs, problems = [], []
     for name, tensor in named:
-        dst = hub_tensor_view(params, name)
+        dst = hub_tensor_view(family, params, name)
         if dst is None:
             problems.append(f"{name}: not a weight of the served model")
         elif tuple(dst.shape) != tuple(tensor.shape):

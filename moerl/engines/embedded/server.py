@@ -26,17 +26,17 @@ import torch
 from aiohttp import web
 
 from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
+from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
 from moerl.engines.embedded.scheduler import Request, Scheduler
 from moerl.engines.protocol import ProtocolError
-from moerl.engines.weight_group import in_daemon_thread, join_weight_group, weight_store
+from moerl.engines.weight_group import bucket_layout, in_daemon_thread, join_weight_group, unflatten_bucket, weight_store
 from moerl.errors import MoerlError
 from moerl.models import family_for
 
 log = logging.getLogger("moerl.serve")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DISCONNECT_POLL_S = 1.0  # how often a waiting /generate checks that its client is still there (SGLang: 4 s)
 STORE_PROBE_S = 5.0  # a weight group's store that does not accept a connection in this long is unreachable
 MAX_JOINING = 16  # weight-group joins waiting for their peers at once
@@ -173,7 +173,7 @@ class EmbeddedEngine:
     def apply_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool, flush: bool) -> None:
         """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
         sched = self.scheduler
-        pairs = hub_tensor_targets(self.runner.model, named)
+        pairs = hub_tensor_targets(self.family, self.runner.model, named)
         if flush and not abort_all and not sched.idle():
             raise ProtocolError("weights not updated: the cache cannot be flushed while requests are running "
                                 "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
@@ -202,10 +202,10 @@ class EmbeddedEngine:
 
         device = self.runner.device
         if req.load_format == "flattened_bucket":
-            spans = protocol.bucket_layout(req.dtypes, req.shapes)
+            spans = bucket_layout(req.dtypes, req.shapes)
             flat = torch.empty(spans[-1][1], dtype=torch.uint8, device=device)
             dist.broadcast(flat, 0, group)
-            return protocol.unflatten_bucket(flat, req.names, req.dtypes, req.shapes)
+            return unflatten_bucket(flat, req.names, req.dtypes, req.shapes)
         named = [(n, torch.empty(s, dtype=getattr(torch, d), device=device)) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
         for _, tensor in named:
             dist.broadcast(tensor, 0, group)
@@ -356,7 +356,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         req = await parse(request, P.GetWeightsByNameReqInput)
 
         def read():
-            view = hub_tensor_view(dict(engine.runner.model.named_parameters()), req.name)
+            view = hub_tensor_view(engine.family, dict(engine.runner.model.named_parameters()), req.name)
             return None if view is None else view[: req.truncate_size].float().cpu().tolist()
 
         values = await on_engine(read)
@@ -435,9 +435,9 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         req = await parse(request, P.UpdateWeightsFromDistributedReqInput)
         # Names, shapes and layout are checked before a byte is received: never allocate what a request claims.
         shapes = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta")) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
-        hub_tensor_targets(engine.runner.model, shapes)
+        hub_tensor_targets(engine.family, engine.runner.model, shapes)
         if req.load_format == "flattened_bucket":
-            protocol.bucket_layout(req.dtypes, req.shapes)
+            bucket_layout(req.dtypes, req.shapes)
         group = engine.weight_groups.get(req.group_name)
         if group is None:
             raise ProtocolError(f"group {req.group_name!r} is not initialised: call /init_weights_update_group first")
@@ -514,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local HF model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="float32")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--sampling-mask-max-tokens", type=int, default=protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS)
@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(args.model, "config.json").is_file():
         print(f"error: {args.model} is not a HF model directory (no config.json)", flush=True)
         return 2
-    engine = EmbeddedEngine(args.model, DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens)
+    engine = EmbeddedEngine(args.model, MODEL_DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens)
     # On SIGTERM, requests still open (a join whose peers never came, say) get a few seconds, not a minute.
     web.run_app(build_app(engine), host=args.host, port=args.port, shutdown_timeout=5,
                 print=lambda *a: log.info("serving %s on http://%s:%d", args.model, args.host, args.port))

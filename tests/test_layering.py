@@ -1,0 +1,78 @@
+"""The package's layers: every import, at module level or inside a function, goes to the same or a lower
+layer, and no modules import each other in a cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import moerl
+
+ROOT = Path(moerl.__file__).parent
+# Lowest first. A module imports from its own layer or lower ones.
+LAYERS = [
+    {"moerl", "moerl.errors", "moerl.env", "moerl.config", "moerl.dtypes", "moerl.files", "moerl.layout", "moerl.sample"},
+    {"moerl.models"},
+    {"moerl.megatron"},
+    {"moerl.checkpoint"},
+    {"moerl.engines", "moerl.tasks"},
+    {"moerl.trainer"},
+    {"moerl.weight_sync"},
+    {"moerl.orchestrator", "moerl.cli"},
+]
+
+
+def module_name(path: Path) -> str:
+    parts = ["moerl", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """Each moerl module -> the moerl modules it imports anywhere in its body."""
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    out = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        out[name] = {m for m in found if m.split(".")[0] == "moerl" and m != name}
+    return out
+
+
+def layer(module: str) -> int:
+    for i, members in enumerate(LAYERS):
+        if any(module == m or module.startswith(m + ".") for m in members if m != "moerl") or module == "moerl":
+            return i
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = sorted(f"{a} -> {b}" for a, bs in imports().items() for b in bs if layer(b) > layer(a))
+    assert not upward, upward
+
+
+def test_no_import_cycle():
+    graph = imports()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt in graph and not state.get(nxt):
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if not state.get(node):
+            visit(node, [node])
+    assert not cycles, cycles
