@@ -89,7 +89,7 @@ def timings(work: Path, model: Path, repeats: int) -> dict[str, float]:
                 runs["full_s"].append(full.push(sorted(weights.items()), version=f"full{i}").seconds)
                 for key, sync, version in (("adapter_tensors_s", tensor_sync, 2 * i), ("adapter_disk_s", disk_sync, 2 * i + 1)):
                     runs[key].append(sync.push(lora, version).seconds)
-                    sync.run(sync.client.unload_lora(f"moerl-lora-v{version}"))
+                    sync.link.run(sync.link.client.unload_lora(f"moerl-lora-v{version}"))
             out = {k: statistics.median(v) for k, v in runs.items()}
         finally:
             for sync in (full, tensor_sync, disk_sync):

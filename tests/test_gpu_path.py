@@ -104,8 +104,8 @@ def test_a_checkpoint_in_the_previous_format_still_loads(tmp_path, monkeypatch):
 # ---- 6: weight-group ranks of tensor-parallel engines -------------------------------------------------
 def test_engines_take_as_many_group_ranks_as_their_tensor_parallel_size(monkeypatch):
     from moerl.engines.client import EngineClient
-    from moerl.engines.weight_group import group_ranks
     from moerl.weight_sync import broadcast
+    from moerl.weight_sync.broadcast import group_ranks
 
     assert group_ranks([1, 1]) == ([1, 2], 3)
     assert group_ranks([2, 2, 4]) == ([1, 3, 5], 9)

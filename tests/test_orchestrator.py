@@ -197,3 +197,16 @@ def test_a_directory_holding_a_run_is_continued_only_on_request(cache, tmp_path)
     assert out.returncode != 0
     assert any("already holds a run: pass run.resume=true" in line for line in out.stderr.splitlines() if line.startswith("error:"))
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
+    from moerl.orchestrator.messages import EVENTS, ORDERS, Generate, GroupDone, ManagerSpec, Stop, checked
+
+    assert checked(Generate(3), ORDERS) == Generate(3) and checked(Stop(), ORDERS) == Stop()
+    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, UseAdapter, Stop"):
+        checked({"cmd": "generate", "groups": 3}, ORDERS)
+    with pytest.raises(TypeError, match="unexpected message Generate"):
+        checked(Generate(1), EVENTS)  # an order is not an event
+    assert checked(GroupDone(4, [], 0, 1.5), EVENTS).index == 4
+    spec = ManagerSpec(config="c.yaml", hf_dir="hf", urls=["http://a"], orders="tcp://o", events="tcp://e", cursor=7, reissue=[3, 5])
+    assert ManagerSpec.read(spec.write(tmp_path / "spec.json")) == spec

@@ -39,7 +39,7 @@ def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(ti
     reader = HFReader(hf_dir)
     stats = out["stats"]
     assert stats.buckets > 1 and stats.tensors == len(reader.names())
-    assert out["versions"] == ["v1"]
+    assert out["versions"] == ["1"]  # the policy version after one step
     changed = 0
     for name, tensor in out["trained"]:
         assert torch.equal(torch.tensor(out["served"][name], dtype=tensor.dtype), tensor), name

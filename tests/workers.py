@@ -146,26 +146,25 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dic
     """One trainer step, then a broadcast sync to the engine at ``url``; the engine's copy of every
     tensor read back next to the trainer's."""
     from moerl.trainer.trainer import Trainer
-    from moerl.weight_sync.base import sync_weights
     from moerl.weight_sync.broadcast import BroadcastSync
     from moerl.weight_sync.export import hf_named_tensors
 
     trainer = Trainer(mcore_dir, trainer_cfg)
     trainer.step(samples)
     rank0 = torch.distributed.get_rank() == 0
-    sync = BroadcastSync([url], "127.0.0.1", "gloo", bucket_bytes=64 << 10) if rank0 else None
-    if sync is not None:
-        sync.connect()
-    stats = sync_weights(trainer.model.module, trainer.hf_config, sync, version=f"v{trainer.version}")
+    sync = BroadcastSync([url] if rank0 else None, "127.0.0.1", "gloo", bucket_bytes=64 << 10)
+    sync.connect()
+    stats = sync.update(trainer)
     trained = list(hf_named_tensors(trainer.model.module, trainer.hf_config))
-    if sync is None:
+    if not rank0:
         return {}
+    link = sync.link
 
     async def read_back():
-        return {name: (await sync.client.weights_by_name(name, truncate_size=1 << 30))[0] for name, _ in trained}
+        return {name: (await link.client.weights_by_name(name, truncate_size=1 << 30))[0] for name, _ in trained}
 
-    served = sync.run(read_back())
-    versions = sync.run(sync.client.weight_versions())
+    served = link.run(read_back())
+    versions = link.run(link.client.weight_versions())
     sync.close()
     return {"stats": stats, "trained": trained, "served": served, "versions": versions}
 

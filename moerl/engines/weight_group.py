@@ -23,16 +23,6 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from moerl.engines.protocol import ProtocolError
 
 
-def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
-    """``(rank offset of each engine, world size)`` of a weight group of the trainer (rank 0) and engines of
-    these tensor-parallel sizes: SGLang joins replica ``i``'s ranks at ``rank_offset + tp_rank``."""
-    offsets, next_rank = [], 1
-    for size in tp_sizes:
-        offsets.append(next_rank)
-        next_rank += size
-    return offsets, next_rank
-
-
 def weight_store(master_address: str, master_port: int, world_size: int, rank: int, timeout_s: float = 600) -> dist.TCPStore:
     """The group's rendezvous store, hosted by rank 0. On rank 0, ``master_port=0`` binds a free port
     (read it back as ``store.port``): a port chosen beforehand and bound later can be taken in between

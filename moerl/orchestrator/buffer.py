@@ -19,6 +19,7 @@ import numpy as np
 import zmq
 
 from moerl.orchestrator.config import RolloutSection
+from moerl.orchestrator.messages import EVENTS, Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped, UseAdapter, checked
 from moerl.sample import Sample
 
 
@@ -82,27 +83,25 @@ class RolloutBuffer:
     # ---- manager traffic ----------------------------------------------------------------------
     def order(self, groups: int) -> None:
         if groups > 0:
-            self.orders.send_pyobj({"cmd": "generate", "groups": groups})
+            self.orders.send_pyobj(Generate(groups))
 
     def use_adapter(self, name: str, version: int) -> None:
         """New requests sample with the LoRA adapter ``name`` (loaded on every engine), policy ``version``."""
-        self.orders.send_pyobj({"cmd": "adapter", "name": name, "version": version})
+        self.orders.send_pyobj(UseAdapter(name, version))
 
-    def _handle(self, event: dict) -> None:
-        kind = event["type"]
-        if kind == "issued":
-            index = event["index"]
-            if event["new"]:  # a resumed run's re-issued prompts were counted when first issued
+    def _handle(self, event: Issued | GroupDone | RolloutFailed | Stopped) -> None:
+        if isinstance(event, Issued):
+            if event.new:  # a resumed run's re-issued prompts were counted when first issued
                 self.acct.issued += 1
-                self.cursor = max(self.cursor, index + 1)
-            self.acct.set(index, "in_flight")
-        elif kind == "group":
-            self.ready.append(Group(event["index"], event["samples"], event["retries"], event["seconds"]))
-            self.acct.set(event["index"], "ready")
-        elif kind == "error":
-            raise RolloutError(f"rollout of prompt {event['index']} failed: {event['message']}")
-        elif kind == "stopped":
-            for index in event["cancelled"]:
+                self.cursor = max(self.cursor, event.index + 1)
+            self.acct.set(event.index, "in_flight")
+        elif isinstance(event, GroupDone):
+            self.ready.append(Group(event.index, event.samples, event.retries, event.seconds))
+            self.acct.set(event.index, "ready")
+        elif isinstance(event, RolloutFailed):
+            raise RolloutError(f"rollout of prompt {event.index} failed: {event.message}")
+        else:
+            for index in event.cancelled:
                 self.acct.finish(index, "in_flight_at_stop")
             self._stopped = True
 
@@ -110,7 +109,7 @@ class RolloutBuffer:
         """Handle one event, waiting up to ``timeout_s`` (None: forever). False on timeout."""
         if not self.events.poll(None if timeout_s is None else int(timeout_s * 1000)):
             return False
-        self._handle(self.events.recv_pyobj())
+        self._handle(checked(self.events.recv_pyobj(), EVENTS))
         return True
 
     def drain(self) -> None:
@@ -153,7 +152,7 @@ class RolloutBuffer:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the manager; every prompt still live ends dropped with its reason."""
-        self.orders.send_pyobj({"cmd": "stop"})
+        self.orders.send_pyobj(Stop())
         deadline = time.monotonic() + timeout_s
         while not self._stopped and time.monotonic() < deadline:
             self._receive(1.0)

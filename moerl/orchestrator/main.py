@@ -28,7 +28,16 @@ from moerl.dtypes import resolve as resolve_dtype
 from moerl.env import child_env
 from moerl.files import staged_dir
 from moerl.errors import ConfigError, MoerlError
+from moerl.megatron.parallel import init_process_group
+from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
 from moerl.orchestrator.config import RunConfig, load_config, served_by, to_yaml
+from moerl.orchestrator.messages import ManagerSpec
+from moerl.orchestrator.metrics import MetricsWriter
+from moerl.trainer.trainer import Trainer
+from moerl.weight_sync.base import WeightSync
+from moerl.weight_sync.broadcast import BroadcastSync
+from moerl.weight_sync.disk import DiskSync
+from moerl.weight_sync.lora import AdapterSync
 
 log = logging.getLogger("moerl.train")
 RUN_STATE = "run_state.json"
@@ -218,12 +227,10 @@ def check_engine_urls(urls: list[str]) -> None:
 
 
 def start_manager(cfg_path: Path, hf: Path, urls: list[str], buffer, cursor: int, reissue: list[int], run_dir: Path) -> subprocess.Popen:
-    spec = {"config": str(cfg_path), "hf_dir": str(hf), "urls": urls, "commands": buffer.orders_address, "events": buffer.events_address,
-            "cursor": cursor, "reissue": reissue}
-    spec_path = run_dir / "manager_spec.json"
-    spec_path.write_text(json.dumps(spec, indent=1))
+    spec = ManagerSpec(config=str(cfg_path), hf_dir=str(hf), urls=urls, orders=buffer.orders_address, events=buffer.events_address,
+                       cursor=cursor, reissue=reissue).write(run_dir / "manager_spec.json")
     log_file = open(run_dir / "logs" / "rollout_manager.log", "a")
-    return subprocess.Popen([sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec_path)], stdout=log_file,
+    return subprocess.Popen([sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec)], stdout=log_file,
                             stderr=subprocess.STDOUT, env=child_env())
 
 
@@ -244,155 +251,152 @@ def shared_pieces(source):
         yield box[0]
 
 
-def run(cfg: RunConfig) -> dict:
-    """The whole job on this rank; rank 0 returns the final accounting."""
-    import zmq
-    from tqdm import tqdm
+class Job:
+    """The main job on one trainer rank. Every rank trains and takes part in each weight sync; global rank 0 also
+    prepares the model, runs the engines, the rollout manager and the rollout buffer, and writes the metrics."""
 
-    from moerl.megatron.parallel import init_process_group
-    from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
-    from moerl.orchestrator.metrics import MetricsWriter
-    from moerl.trainer.trainer import Trainer
-    from moerl.weight_sync.base import sync_weights, verify_engines
-    from moerl.weight_sync.lora import adapter_name, sync_adapters
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        self.run_dir = Path(cfg.run.dir)
+        self.lead = self.rank == 0
+        self.pool = self.sync = self.manager = self.buffer = self.writer = self.bar = self.zmq = None
 
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    run_dir = Path(cfg.run.dir)
-    check_layout(cfg, world)
-    if rank == 0:
-        preflight(cfg, world)  # before minutes of model preparation (again: torchrun may have started this rank directly)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "logs").mkdir(exist_ok=True)
-        hf, mcore = prepare_model(cfg)
-        paths = [str(hf), str(mcore)]
-    # Generation in sync mode can outlast any default collective timeout.
-    init_process_group(timeout_s=6 * 3600)
-    box = [paths if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    hf, mcore = (Path(p) for p in box[0])
-    trainer = Trainer(str(mcore), cfg.trainer, lora=cfg.lora)
-    lora = trainer.lora is not None
-    resume_from = latest_checkpoint(run_dir) if cfg.run.resume else None
-    state = {"cursor": 0, "pending": [], "accounting": {}}
-    if resume_from is not None:
-        trainer.load(resume_from)
-        state = json.loads((resume_from / RUN_STATE).read_text())
-    elif cfg.run.resume and rank == 0:
-        log.warning("run.resume=true but %s has no checkpoint: starting fresh", run_dir / "checkpoints")
+    def run(self) -> dict | None:
+        """The whole job; rank 0 returns the final accounting."""
+        resumed = self.setup()
+        try:
+            self.start_rollouts()
+            self.sync.start(self.trainer, resumed)
+            self.verify()
+            if self.lead and self.cfg.run.mode == "async":
+                self.buffer.order(self.cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
+            while self.trainer.version < self.cfg.run.steps:
+                self.step()
+        finally:
+            summary = self.teardown()
+        return summary
 
-    mode, B = cfg.run.mode, cfg.rollout.groups_per_step
-    full_bytes = full_weight_bytes(trainer)  # what a full-weight sync moves, beside what each sync moved
-    pool = sync = manager = buffer = writer = bar = None
-    ctx = zmq.Context() if rank == 0 else None
-    try:
-        if rank == 0:
-            (run_dir / "config.yaml").write_text(to_yaml(cfg))
-            urls, pool = start_engines(cfg, hf, run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-            sync = make_sync(cfg, urls, hf, run_dir, trainer.hf_config)
-            sync.connect()
-            acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
-            acct.dropped.update(state["accounting"].get("dropped", {}))
-            for index in state["pending"]:
-                acct.set(index, "in_flight")
-            buffer = RolloutBuffer(ctx, cfg.rollout, mode, acct, cursor=state["cursor"])
-            manager = start_manager(run_dir / "config.yaml", hf, urls, buffer, state["cursor"], state["pending"], run_dir)
-            writer = MetricsWriter(run_dir, resume_after=trainer.version if cfg.run.resume else None)
-            if cfg.run.progress:
-                bar = tqdm(total=cfg.run.steps, initial=trainer.version, desc=f"GRPO {mode}", unit="step", dynamic_ncols=True)
-
-        def push_adapters():
-            # Loading an adapter disturbs no request: the engines keep serving, requests in flight finish
-            # with the adapter they started with (and their tokens carry its version), new ones take this one.
-            stats = sync_adapters(trainer.model.module, sync, trainer.version)
-            if rank == 0:
-                buffer.use_adapter(adapter_name(trainer.version), trainer.version)
-            return stats
-
-        def verify() -> dict[str, float]:
-            """With sync.verify, every engine serves the trainer's policy (after the engines resumed)."""
-            if not cfg.sync.verify:
-                return {}
-            adapter = adapter_name(trainer.version) if lora and trainer.version else None
-            # A LoRA run's engines keep their base weight version: the adapter's name carries the policy's.
-            version = None if lora else str(trainer.version)
-            return verify_engines(trainer.model.module, trainer.hf_config, sync, version, tolerance, adapter) or {}
-
-        tolerance = verify_tolerance(cfg)
-        # The engines serve the trainer's weights from the first token: a resumed run pushes its own. A new
-        # LoRA run's policy is the base model itself (every B starts at zero): requests use no adapter.
+    # ---- phases --------------------------------------------------------------------------------
+    def setup(self) -> bool:
+        """Checks, the model, the process group (the one place it is made) and the trainer, resumed where there is a
+        checkpoint; whether it was."""
+        cfg = self.cfg
+        check_layout(cfg, self.world)
+        if self.lead:
+            preflight(cfg, self.world)  # before minutes of model preparation (again: torchrun may have started this rank directly)
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            paths = [str(p) for p in prepare_model(cfg)]
+        # Generation in sync mode can outlast any default collective timeout.
+        init_process_group(timeout_s=6 * 3600)
+        box = [paths if self.lead else None]
+        dist.broadcast_object_list(box, src=0)
+        self.hf, mcore = (Path(p) for p in box[0])
+        self.trainer = Trainer(str(mcore), cfg.trainer, lora=cfg.lora)
+        self.full_bytes = full_weight_bytes(self.trainer)  # what a full-weight sync moves, beside what each sync moved
+        self.tolerance = verify_tolerance(cfg)
+        resume_from = latest_checkpoint(self.run_dir) if cfg.run.resume else None
+        self.state = {"cursor": 0, "pending": [], "accounting": {}}
         if resume_from is not None:
-            if lora:
-                push_adapters()
-            else:
-                sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version))
-        elif rank == 0 and not lora:
-            sync.run(sync.client.set_weight_version(str(trainer.version)))
-        verify()
-        if rank == 0 and mode == "async":
-            buffer.order(cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
+            self.trainer.load(resume_from)
+            self.state = json.loads((resume_from / RUN_STATE).read_text())
+        elif cfg.run.resume and self.lead:
+            log.warning("run.resume=true but %s has no checkpoint: starting fresh", self.run_dir / "checkpoints")
+        return resume_from is not None
 
-        while trainer.version < cfg.run.steps:
-            start = time.perf_counter()
-            waited = buffer.waited_s if rank == 0 else 0.0
-            taken = []
+    def start_rollouts(self) -> None:
+        """The engines and the weight sync to them; on rank 0 the rollout buffer, the manager and the metrics."""
+        import zmq
+        from tqdm import tqdm
 
-            def pieces():
-                for piece in buffer.pieces(trainer.version, B, whole=mode == "sync"):
-                    piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
-                    taken.extend(piece)
-                    yield [s for g in piece for s in g.samples]
+        cfg, state = self.cfg, self.state
+        urls = None
+        if self.lead:
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            urls, self.pool = start_engines(cfg, self.hf, self.run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        self.sync = make_sync(cfg, urls, self.hf, self.run_dir, self.trainer.hf_config)
+        self.sync.connect()
+        if not self.lead:
+            return
+        acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
+        acct.dropped.update(state["accounting"].get("dropped", {}))
+        for index in state["pending"]:
+            acct.set(index, "in_flight")
+        self.zmq = zmq.Context()
+        self.buffer = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
+        self.manager = start_manager(self.run_dir / "config.yaml", self.hf, urls, self.buffer, state["cursor"], state["pending"], self.run_dir)
+        self.writer = MetricsWriter(self.run_dir, resume_after=self.trainer.version if cfg.run.resume else None)
+        if cfg.run.progress:
+            self.bar = tqdm(total=cfg.run.steps, initial=self.trainer.version, desc=f"GRPO {cfg.run.mode}", unit="step", dynamic_ncols=True)
 
-            metrics = trainer.step(shared_pieces(pieces() if rank == 0 else None))
-            trained_at = time.perf_counter()
-            if lora:
-                stats = push_adapters()
-            else:
-                if rank == 0:
-                    sync.run(sync.client.pause("abort" if cfg.rollout.partial == "retry" else "in_place"))
-                stats = sync_weights(trainer.model.module, trainer.hf_config, sync, str(trainer.version))
-                if rank == 0:
-                    sync.run(sync.client.resume())
-            end = time.perf_counter()
-            metrics.update(verify())
-            if rank == 0:
-                buffer.trained(taken)
-                buffer.drain()
-                metrics.update(rollout_metrics(taken))
-                metrics.update(buffer.acct.counts())
-                metrics.update({
-                    "step": trainer.version, "mode": mode, "sync/seconds": stats.seconds, "sync/pause_seconds": 0.0 if lora else end - trained_at,  # adapters load while the engines serve
-                    "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "sync/full_weight_bytes": full_bytes, "time/step_seconds": end - start,
-                    "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
-                    "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
-                })
-                writer.write(metrics)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",
-                                    stale=int(metrics["staleness/max"]))
-            if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
-                save_checkpoint(trainer, buffer, run_dir)
-    finally:
+    def step(self) -> None:
+        """Take the step's groups, train on them, bring the engines to the new policy, record, maybe save."""
+        cfg, trainer = self.cfg, self.trainer
+        start = time.perf_counter()
+        waited = self.buffer.waited_s if self.lead else 0.0
+        taken = []
+
+        def pieces():
+            for piece in self.buffer.pieces(trainer.version, cfg.rollout.groups_per_step, whole=cfg.run.mode == "sync"):
+                piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
+                taken.extend(piece)
+                yield [s for g in piece for s in g.samples]
+
+        metrics = trainer.step(shared_pieces(pieces() if self.lead else None))
+        trained_at = time.perf_counter()
+        stats = self.sync.update(trainer)
+        if self.lead and self.sync.adapter is not None:
+            self.buffer.use_adapter(self.sync.adapter, trainer.version)
+        end = time.perf_counter()
+        metrics.update(self.verify())
+        if self.lead:
+            self.record(metrics, taken, stats, start, trained_at, end, waited)
+        if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
+            save_checkpoint(trainer, self.buffer, self.run_dir)
+
+    def verify(self) -> dict[str, float]:
+        """With sync.verify, every engine serves the trainer's policy (after the engines resumed)."""
+        return self.sync.verify(self.trainer, self.tolerance) if self.cfg.sync.verify else {}
+
+    def record(self, metrics: dict, taken: list, stats, start: float, trained_at: float, end: float, waited: float) -> None:
+        buffer = self.buffer
+        buffer.trained(taken)
+        buffer.drain()
+        metrics.update(rollout_metrics(taken))
+        metrics.update(buffer.acct.counts())
+        metrics.update({
+            "step": self.trainer.version, "mode": self.cfg.run.mode, "sync/seconds": stats.seconds, "sync/pause_seconds": stats.pause_seconds,
+            "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "sync/full_weight_bytes": self.full_bytes, "time/step_seconds": end - start,
+            "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
+            "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
+        })
+        self.writer.write(metrics)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",
+                                 stale=int(metrics["staleness/max"]))
+
+    def teardown(self) -> dict | None:
+        """Stop the manager (every live prompt accounted for), close the sync and the metrics, stop the engines."""
         summary = None
-        if rank == 0:
-            if buffer is not None:
-                buffer.stop()
-                summary = {**buffer.acct.state(), "balanced": buffer.acct.balanced(), "live": len(buffer.acct.live)}
-                (run_dir / "accounting.json").write_text(json.dumps(summary, indent=1))
-                buffer.close()
-            if manager is not None:
-                try:
-                    manager.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    manager.kill()
-            for closeable in (sync, writer, bar):
-                if closeable is not None:
-                    closeable.close()
-            if pool is not None:
-                pool.stop()
-            if ctx is not None:
-                ctx.term()
-    return summary
+        if self.buffer is not None:
+            self.buffer.stop()
+            summary = {**self.buffer.acct.state(), "balanced": self.buffer.acct.balanced(), "live": len(self.buffer.acct.live)}
+            (self.run_dir / "accounting.json").write_text(json.dumps(summary, indent=1))
+            self.buffer.close()
+        if self.manager is not None:
+            try:
+                self.manager.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.manager.kill()
+        for closeable in (self.sync, self.writer, self.bar):
+            if closeable is not None:
+                closeable.close()
+        if self.pool is not None:
+            self.pool.stop()
+        if self.zmq is not None:
+            self.zmq.term()
+        return summary
 
 
 def verify_tolerance(cfg: RunConfig) -> float:
@@ -410,23 +414,19 @@ def full_weight_bytes(trainer) -> int:
     return family.hub_numel(family.normalize(trainer.hf_config)) * next(trainer.model.module.parameters()).element_size()
 
 
-def make_sync(cfg: RunConfig, urls: list[str], hf: Path, run_dir: Path, hf_config: dict):
+def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
+    """The configured weight-sync strategy; ``urls``: the engines, on global rank 0, None on the other ranks."""
     if cfg.lora.enabled:
-        from moerl.weight_sync.lora import AdapterSync
-
         return AdapterSync(urls, cfg.lora, hf_config, str(hf.resolve()), directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
+    pause = "abort" if cfg.rollout.partial == "retry" else "in_place"
     # Updates that land while requests keep running (async, continued in place) cannot flush the engines'
     # cache: SGLang refuses. Everywhere else nothing runs during an update and the cache is flushed.
     flush = not (cfg.run.mode == "async" and cfg.rollout.partial == "in_place")
     if cfg.sync.method == "disk":
-        from moerl.weight_sync.disk import DiskSync
-
-        return DiskSync(urls, run_dir / "weights", hf, flush_cache=flush)
-    from moerl.weight_sync.broadcast import BroadcastSync
-
+        return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
     address = os.environ.get("MOERL_SYNC_ADDRESS", "127.0.0.1" if not cfg.engines.urls else _host_address())
     return BroadcastSync(urls, address, "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20,
-                         flush_cache=flush)
+                         pause=pause, flush_cache=flush)
 
 
 def _host_address() -> str:
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             for problem in plan.problems:
                 print(f"error: memory plan: {problem}", file=sys.stderr)
             return 2 if plan.problems else 0
-        summary = run(cfg)
+        summary = Job(cfg).run()
     except MoerlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

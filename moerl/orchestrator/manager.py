@@ -1,6 +1,7 @@
 """The rollout manager: its own process, asyncio, keeping the engines full.
 
-It takes orders from the trainer ("generate N more groups", "stop") over one ZMQ socket and streams
+It takes orders from the trainer ("generate N more groups", "use this adapter", "stop"; the types are in
+:mod:`moerl.orchestrator.messages`) over one ZMQ socket and streams
 events back over another: a prompt issued, a finished group (its samples carry per-token policy
 versions, routing and kept sets, and rewards), or an error. Groups are sent the moment they are
 scored, in finishing order, so the trainer is never gated by the slowest response of a batch.
@@ -24,6 +25,7 @@ from moerl.engines.client import EngineClient
 from moerl.engines.protocol import SamplingParams
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config
+from moerl.orchestrator.messages import ORDERS, Generate, GroupDone, Issued, ManagerSpec, RolloutFailed, Stopped, UseAdapter, checked
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
@@ -37,17 +39,17 @@ def sampling_seed(run_seed: int, index: int, attempt: int) -> int:
 
 
 class RolloutManager:
-    def __init__(self, cfg: RunConfig, hf_dir: str, urls: list[str], commands: str, events: str, cursor: int, reissue: list[int]):
+    def __init__(self, cfg: RunConfig, spec: ManagerSpec):
         from transformers import AutoTokenizer
 
-        self.cfg, self.r = cfg, cfg.rollout
+        self.cfg, self.r, self.spec = cfg, cfg.rollout, spec
+        hf_dir = spec.hf_dir
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.stream = PromptStream(cfg.task, self.tokenizer)
         self.rewarder = Rewarder(cfg.task)
         config = json.loads(open(f"{hf_dir}/config.json").read())
-        self.client = EngineClient(urls, shape=model_shape(config))
-        self.addresses = commands, events
-        self.cursor, self.reissue = cursor, deque(reissue)
+        self.client = EngineClient(spec.urls, shape=model_shape(config))
+        self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
         # LoRA runs: the adapter new requests use and its policy version (none: the base model, version 0),
         # how many requests use each adapter, and the older ones still loaded on the engines.
@@ -60,21 +62,21 @@ class RolloutManager:
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
         self.commands, self.events = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        self.commands.connect(self.addresses[0])
-        self.events.connect(self.addresses[1])
+        self.commands.connect(self.spec.orders)
+        self.events.connect(self.spec.events)
         try:
             while True:
-                order = await self.commands.recv_pyobj()
-                if order["cmd"] == "generate":
-                    for _ in range(order["groups"]):
+                order = checked(await self.commands.recv_pyobj(), ORDERS)
+                if isinstance(order, Generate):
+                    for _ in range(order.groups):
                         self._start(*((self.reissue.popleft(), False) if self.reissue else (self._next(), True)))
-                elif order["cmd"] == "adapter":
+                elif isinstance(order, UseAdapter):
                     if self.adapter[0] is not None:
                         self.retired.add(self.adapter[0])
-                    self.adapter = (order["name"], order["version"])
+                    self.adapter = (order.name, order.version)
                     log.info("new requests use adapter %s (policy version %d)", *self.adapter)
                     await self._unload_unused()
-                elif order["cmd"] == "stop":
+                else:
                     break
         finally:
             live = [t for t in self.tasks if not t.done()]
@@ -84,7 +86,7 @@ class RolloutManager:
                 for t in live:
                     t.cancel()
                 await asyncio.gather(*live, return_exceptions=True)
-            await self.events.send_pyobj({"type": "stopped", "cancelled": cancelled})
+            await self.events.send_pyobj(Stopped(cancelled))
             await self.client.close()
             await self.rewarder.close()
             self.commands.close(linger=0)
@@ -110,7 +112,7 @@ class RolloutManager:
 
     async def _group(self, index: int, new: bool) -> None:
         try:
-            await self.events.send_pyobj({"type": "issued", "index": index, "new": new})
+            await self.events.send_pyobj(Issued(index, new))
             record, ids = self.stream.get(index)
             r = self.r
             attempt, start = 0, time.perf_counter()
@@ -142,12 +144,11 @@ class RolloutManager:
                         if self.cfg.lora.enabled else None)
             samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
                        for c, x in zip(completions, rewards)]
-            await self.events.send_pyobj({"type": "group", "index": index, "samples": samples, "retries": attempt,
-                                          "seconds": time.perf_counter() - start})
+            await self.events.send_pyobj(GroupDone(index, samples, attempt, time.perf_counter() - start))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the trainer stops the run with this message
-            await self.events.send_pyobj({"type": "error", "index": index, "message": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+            await self.events.send_pyobj(RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", required=True, help="JSON written by the trainer: config, engines, sockets, data position")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    spec = json.loads(open(args.spec).read())
-    cfg = load_config(spec["config"], [])
-    manager = RolloutManager(cfg, spec["hf_dir"], spec["urls"], spec["commands"], spec["events"], spec["cursor"], spec["reissue"])
+    spec = ManagerSpec.read(args.spec)
+    manager = RolloutManager(load_config(spec.config, []), spec)
     asyncio.run(manager.run())
     return 0
 

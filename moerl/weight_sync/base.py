@@ -1,15 +1,28 @@
-"""What every weight-sync transport shares: an engine client driven from the (synchronous) training
-loop through an event loop of its own, in a thread."""
+"""What every weight-sync strategy shares, and the interface the job drives.
+
+A strategy (broadcast, disk, adapters: sibling modules) owns the whole sequence that brings the engines to
+the trainer's policy: what it gathers, whether and how it pauses the engines, how the bytes travel, what
+requests then name. Every trainer rank builds one and calls each method, since gathering the weights is
+collective; global rank 0's, given the engines' URLs, also talks to them (``link``), the others' take part
+in the gathers only.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from moerl.engines.client import EngineClient
+from moerl.megatron.forward import forward_logits
+from moerl.weight_sync.export import hf_named_tensors
 
 
 @dataclass
@@ -18,9 +31,12 @@ class SyncStats:
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    pause_seconds: float = 0.0  # how long the engines stopped generating for it
 
 
 class EngineLink:
+    """An engine client driven from the (synchronous) training loop through an event loop of its own, in a thread."""
+
     def __init__(self, urls: list[str], name: str):
         self.client = EngineClient(urls)
         self._loop = asyncio.new_event_loop()
@@ -37,20 +53,83 @@ class EngineLink:
         self._thread.join()
 
 
+class WeightSync(ABC):
+    """One way of bringing the engines to the trainer's policy. Each method is collective over the trainer's ranks."""
+
+    def __init__(self, urls: list[str] | None, name: str):
+        """``urls``: the engines, on global rank 0; None on the other ranks."""
+        self.link = EngineLink(urls, name) if urls is not None else None
+        self.adapter: str | None = None  # what requests name after the last update (LoRA); None: the base weights
+
+    def connect(self) -> None:
+        """Prepare the transport (a process group with the engines, a directory)."""
+
+    @abstractmethod
+    def start(self, trainer, resumed: bool) -> None:
+        """Before the first rollout: the engines serve ``trainer``'s policy (a resumed run's own weights)."""
+
+    @abstractmethod
+    def update(self, trainer) -> SyncStats | None:
+        """After an optimizer step: the engines serve ``trainer``'s new policy. Its stats on rank 0, None elsewhere."""
+
+    @abstractmethod
+    def served(self, version: int) -> tuple[str | None, str | None]:
+        """(weight version the engines report, adapter requests name) once policy ``version`` is served."""
+
+    def verify(self, trainer, tolerance: float) -> dict[str, float]:
+        """Every engine serves ``trainer``'s policy (see :func:`verify_engines`); call it after the engines resume."""
+        version, adapter = self.served(trainer.version)
+        return verify_engines(trainer.model.module, trainer.hf_config, self.link, version, tolerance, adapter) or {}
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+
+
+class FullWeightSync(WeightSync):
+    """Every weight of the model to the engines: paused around the update, they resume under the new version."""
+
+    def __init__(self, urls: list[str] | None, name: str, pause: str = "abort", flush_cache: bool = True):
+        """``pause``: ``abort`` (requests in flight end, to be regenerated) or ``in_place`` (they continue under the new
+        weights); ``flush_cache``: whether the engines flush their cache with the update, false where updates land while
+        requests run (an in_place pause), which SGLang refuses to flush."""
+        super().__init__(urls, name)
+        self.pause, self.flush_cache = pause, flush_cache
+
+    def start(self, trainer, resumed: bool) -> None:
+        if resumed:
+            self._push_policy(trainer)
+        elif self.link is not None:  # the engines loaded the checkpoint the trainer starts from
+            self.link.run(self.link.client.set_weight_version(str(trainer.version)))
+
+    def update(self, trainer) -> SyncStats | None:
+        start = time.perf_counter()
+        if self.link is not None:
+            self.link.run(self.link.client.pause(self.pause))
+        stats = self._push_policy(trainer)
+        if self.link is not None:
+            self.link.run(self.link.client.resume())
+            stats.pause_seconds = time.perf_counter() - start
+        return stats
+
+    def served(self, version: int) -> tuple[str | None, str | None]:
+        return str(version), None
+
+    def _push_policy(self, trainer) -> SyncStats | None:
+        named = hf_named_tensors(trainer.model.module, trainer.hf_config)  # every rank iterates: the gathers are collective
+        if self.link is None:
+            for _ in named:
+                pass
+            return None
+        return self.push(named, str(trainer.version))
+
+    @abstractmethod
+    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
+        """Rank 0: send the Hub-named tensors; the engines take ``version`` with the last of them."""
+
+
 class WeightSyncError(RuntimeError):
     """An engine does not serve the trainer's weights after a sync; the message names the engine."""
-
-
-def sync_weights(model, hf_config: dict, sync: "EngineLink | None", version: str) -> SyncStats | None:
-    """Collective over the trainer's ranks: all export, global rank 0 (holding ``sync``) pushes."""
-    from moerl.weight_sync.export import hf_named_tensors
-
-    named = hf_named_tensors(model, hf_config)
-    if sync is None:
-        for _ in named:
-            pass
-        return None
-    return sync.push(named, version)
 
 
 PROBE_TOKENS = 64
@@ -61,7 +140,7 @@ def probe_ids(vocab_size: int) -> list[int]:
     return [(7919 * i + 17) % vocab_size for i in range(PROBE_TOKENS)]
 
 
-def verify_engines(model, hf_config: dict, sync: "EngineLink | None", version: str | None, tolerance: float,
+def verify_engines(model, hf_config: dict, link: EngineLink | None, version: str | None, tolerance: float,
                    lora_path: str | None = None) -> dict[str, float] | None:
     """Collective over the trainer's ranks: check that every engine serves what the trainer holds.
 
@@ -69,28 +148,23 @@ def verify_engines(model, hf_config: dict, sync: "EngineLink | None", version: s
     must agree with each other; and each engine's log-probs of a fixed probe (``lora_path``: through that
     adapter) must be within ``tolerance`` (mean |delta|) of the trainer's own forward of it. The probe is
     a generation request: call it after the engines resume. Returns the worst deltas (on global rank 0)."""
-    import torch
-    import torch.distributed as dist
-
-    from moerl.megatron.forward import forward_logits
-
     ids = probe_ids(hf_config["vocab_size"])
     logits = forward_logits(model, torch.tensor([ids]))
     ours = None if logits is None else torch.log_softmax(logits[0, :-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None].to(logits.device))[:, 0].cpu()
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, ours)  # PROBE_TOKENS floats from each rank: the last stage's are the answer
-    if sync is None:
+    if link is None:
         return None
     ours = next(t for t in held if t is not None).numpy()
-    served_versions = sync.run(sync.client.weight_versions()) if version is not None else []
-    for url, served in zip(sync.client.urls, served_versions):
+    served_versions = link.run(link.client.weight_versions()) if version is not None else []
+    for url, served in zip(link.client.urls, served_versions):
         if served != version:
             raise WeightSyncError(f"{url} serves weight version {served!r}, not {version!r}")
-    checksums = {c for c in sync.run(sync.client.weight_checksums()) if c is not None}
+    checksums = {c for c in link.run(link.client.weight_checksums()) if c is not None}
     if len(checksums) > 1:
         raise WeightSyncError(f"the engines hold different weights after the update to version {version}: {sorted(checksums)}")
     worst = {"sync/verify_mean_abs_delta": 0.0, "sync/verify_max_abs_delta": 0.0}
-    for url, theirs in zip(sync.client.urls, sync.run(sync.client.prompt_logprobs(ids, lora_path))):
+    for url, theirs in zip(link.client.urls, link.run(link.client.prompt_logprobs(ids, lora_path))):
         delta = np.abs(theirs - ours)
         if delta.mean() > tolerance:
             raise WeightSyncError(f"{url} does not serve the trainer's weights (version {version}): its log-probs of the probe "

@@ -14,8 +14,18 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from moerl.engines.weight_group import flatten_bucket, group_ranks, in_daemon_thread, join_weight_group, weight_store
-from moerl.weight_sync.base import EngineLink, SyncStats
+from moerl.engines.weight_group import flatten_bucket, in_daemon_thread, join_weight_group, weight_store
+from moerl.weight_sync.base import FullWeightSync, SyncStats
+
+
+def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """``(rank offset of each engine, world size)`` of a weight group of the trainer (rank 0) and engines of
+    these tensor-parallel sizes: SGLang joins replica ``i``'s ranks at ``rank_offset + tp_rank``."""
+    offsets, next_rank = [], 1
+    for size in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += size
+    return offsets, next_rank
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -32,38 +42,39 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
         yield bucket
 
 
-class BroadcastSync(EngineLink):
-    """The trainer side (global rank 0 only) of broadcast weight sync to the engines behind ``urls``."""
+class BroadcastSync(FullWeightSync):
+    """The trainer side of broadcast weight sync to the engines behind ``urls`` (global rank 0; None elsewhere)."""
 
-    def __init__(self, urls: list[str], master_address: str, backend: str, master_port: int = 0,
-                 group_name: str = "moerl-weight-sync", bucket_bytes: int = 512 << 20, flush_cache: bool = True):
-        """``flush_cache``: whether the engines flush their cache with the last bucket; false where updates
-        land while requests run (an in_place pause), which SGLang refuses to flush."""
-        super().__init__(urls, "moerl-weight-sync")
+    def __init__(self, urls: list[str] | None, master_address: str, backend: str, master_port: int = 0,
+                 group_name: str = "moerl-weight-sync", bucket_bytes: int = 512 << 20, pause: str = "abort", flush_cache: bool = True):
+        """``pause``, ``flush_cache``: see :class:`~moerl.weight_sync.base.FullWeightSync`."""
+        super().__init__(urls, "moerl-weight-sync", pause, flush_cache)
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
-        self.group_name, self.bucket_bytes, self.flush_cache = group_name, bucket_bytes, flush_cache
+        self.group_name, self.bucket_bytes = group_name, bucket_bytes
         self.group: dist.ProcessGroup | None = None
 
     def connect(self) -> None:
         """Form the group: the trainer is rank 0, and each engine takes as many ranks as its tensor-parallel size."""
-        offsets, world = group_ranks([info["tp_size"] for info in self.run(self.client.server_info())])
+        if self.link is None:
+            return
+        client = self.link.client
+        offsets, world = group_ranks([info["tp_size"] for info in self.link.run(client.server_info())])
         store = weight_store(self.master_address, self.master_port, world, 0)
         self.master_port = store.port
 
         async def both():
             joined = in_daemon_thread(join_weight_group, self.backend, store, world, 0, self.group_name)
-            group, _ = await asyncio.gather(joined, self.client.init_weights_update_group(
+            group, _ = await asyncio.gather(joined, client.init_weights_update_group(
                 self.master_address, self.master_port, world, self.group_name, self.backend, rank_offsets=offsets))
             return group
 
-        self.group = self.run(both())
+        self.group = self.link.run(both())
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
-        """Send every tensor; the engines take ``version`` with the last bucket."""
         if self.group is None:
             raise RuntimeError("BroadcastSync.push before connect()")
         stats, start = SyncStats(), time.perf_counter()
-        self.run(self.client.begin_weight_update())
+        self.link.run(self.link.client.begin_weight_update())
         pending = None
         for bucket in buckets(named, self.bucket_bytes):
             if pending is not None:
@@ -75,7 +86,7 @@ class BroadcastSync(EngineLink):
         if pending is not None:
             self._send(pending, version)
             stats.buckets += 1
-        self.run(self.client.end_weight_update())
+        self.link.run(self.link.client.end_weight_update())
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -87,8 +98,8 @@ class BroadcastSync(EngineLink):
         async def both():
             await asyncio.gather(
                 in_daemon_thread(dist.broadcast, flat, 0, self.group),
-                self.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, weight_version=version,
+                self.link.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, weight_version=version,
                                                             load_format="flattened_bucket", flush_cache=self.flush_cache and version is not None),
             )
 
-        self.run(both())
+        self.link.run(both())

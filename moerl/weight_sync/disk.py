@@ -14,29 +14,32 @@ import torch
 from safetensors.torch import save_file
 
 from moerl.files import staged_dir
-from moerl.weight_sync.base import EngineLink, SyncStats
+from moerl.weight_sync.base import FullWeightSync, SyncStats
 from moerl.weight_sync.broadcast import buckets
 
 # Everything of a HF model directory but its weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
 
 
-class DiskSync(EngineLink):
-    def __init__(self, urls: list[str], directory: str | Path, hf_dir: str | Path, shard_bytes: int = 2 << 30, flush_cache: bool = True):
-        """``flush_cache``: as for :class:`~moerl.weight_sync.broadcast.BroadcastSync`."""
-        super().__init__(urls, "moerl-disk-sync")
-        self.directory, self.hf_dir, self.shard_bytes, self.flush_cache = Path(directory), Path(hf_dir), shard_bytes, flush_cache
+class DiskSync(FullWeightSync):
+    def __init__(self, urls: list[str] | None, directory: str | Path, hf_dir: str | Path, shard_bytes: int = 2 << 30,
+                 pause: str = "abort", flush_cache: bool = True):
+        """``urls``: the engines, on global rank 0 (None elsewhere); ``pause``, ``flush_cache``: see
+        :class:`~moerl.weight_sync.base.FullWeightSync`."""
+        super().__init__(urls, "moerl-disk-sync", pause, flush_cache)
+        self.directory, self.hf_dir, self.shard_bytes = Path(directory), Path(hf_dir), shard_bytes
         self._previous: Path | None = None
 
     def connect(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.link is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
         stats, start = SyncStats(), time.perf_counter()
         out = self.directory / f"v{version}"
         with staged_dir(out) as staging:  # engines only ever see complete directories
             self._write(staging, named, stats)
-        self.run(self.client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
+        self.link.run(self.link.client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
         if self._previous is not None:
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = out

@@ -18,7 +18,7 @@ from moerl.checkpoint.peft import export_adapter, save_adapter
 from moerl.megatron.lora import LoRAConfig, is_lora_param
 from moerl.megatron.weights import full_tensors
 from moerl.models import family_for
-from moerl.weight_sync.base import EngineLink, SyncStats
+from moerl.weight_sync.base import SyncStats, WeightSync
 
 
 def lora_tensors(model) -> dict[str, torch.Tensor]:
@@ -30,33 +30,48 @@ def adapter_name(version: int | str) -> str:
     return f"moerl-lora-v{version}"
 
 
-class AdapterSync(EngineLink):
-    def __init__(self, urls: list[str], lora: LoRAConfig, hf_config: dict, base_model: str, directory: str | Path | None = None):
+class AdapterSync(WeightSync):
+    """Adapters only, while the engines keep serving: requests in flight finish with the adapter they started with
+    (their tokens carry its version), new ones name the new adapter (:attr:`adapter`). Unloading adapters nothing
+    uses any more is the rollout manager's part, as only it knows which requests use which."""
+
+    def __init__(self, urls: list[str] | None, lora: LoRAConfig, hf_config: dict, base_model: str, directory: str | Path | None = None):
+        """``urls``: the engines, on global rank 0 (None elsewhere); ``directory``: load adapters from directories
+        written there (SGLang on other machines) instead of as tensors over HTTP."""
         super().__init__(urls, "moerl-adapter-sync")
         self.lora, self.hf_config, self.base_model = lora, hf_config, base_model
         self.directory = Path(directory) if directory is not None else None
 
     def connect(self) -> None:
-        if self.directory is not None:
+        if self.directory is not None and self.link is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
+    def start(self, trainer, resumed: bool) -> None:
+        # A new run's policy is the base model itself (every B starts at zero): requests name no adapter.
+        if resumed:
+            self.update(trainer)
+
+    def update(self, trainer) -> SyncStats | None:
+        lora = lora_tensors(trainer.model.module)  # every rank: the gather is collective
+        self.adapter = adapter_name(trainer.version)
+        return self.push(lora, trainer.version) if self.link is not None else None
+
+    def served(self, version: int) -> tuple[str | None, str | None]:
+        # The engines keep their base weight version: the adapter's name carries the policy's.
+        return None, adapter_name(version) if version else None
+
     def push(self, lora: dict[str, torch.Tensor], version: int) -> SyncStats:
+        """Rank 0: load the adapters ``lora`` (full megatron names) into every engine as policy ``version``."""
         start = time.perf_counter()
         family = family_for(self.hf_config)
         # The engines (SGLang, moerl serve) take one module per expert.
         files = export_adapter(family, family.normalize(self.hf_config), lora, self.lora, "sglang", self.base_model)
         name = adapter_name(version)
         if self.directory is None:
-            self.run(self.client.load_lora_from_tensors(name, files.config, files.tensors))
+            self.link.run(self.link.client.load_lora_from_tensors(name, files.config, files.tensors))
         else:
             path = save_adapter(self.directory / name, files)
-            self.run(self.client.load_lora(name, str(path.resolve())))
+            self.link.run(self.link.client.load_lora(name, str(path.resolve())))
         tensors = files.tensors
         return SyncStats(tensors=len(tensors), bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
                          buckets=1, seconds=time.perf_counter() - start)
-
-
-def sync_adapters(model, sync: AdapterSync | None, version: int) -> SyncStats | None:
-    """Collective over the trainer's ranks: all gather the adapters, global rank 0 (holding ``sync``) pushes."""
-    lora = lora_tensors(model)
-    return sync.push(lora, version) if sync is not None else None

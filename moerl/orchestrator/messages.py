@@ -1,0 +1,93 @@
+"""Every message between the trainer (rank 0's rollout buffer) and the rollout manager, and the manager's
+spec file: one type each, written and read only through this module.
+
+Orders go trainer -> manager over one ZMQ PUSH/PULL pair, events manager -> trainer over another; both
+carry these dataclasses pickled (the two processes run the same moerl), and each side refuses anything
+else, so a message that changes shape fails at the first send, not as a KeyError somewhere later.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moerl.sample import Sample
+
+
+# ---- orders: trainer -> manager ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Generate:
+    groups: int  # this many more prompts' groups: re-issued prompts first, then new ones from the cursor
+
+
+@dataclass(frozen=True)
+class UseAdapter:
+    name: str  # the LoRA adapter new requests sample with (loaded on every engine)
+    version: int  # the policy version it holds: the version of every token sampled with it
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Abort what is in flight and exit; answered by :class:`Stopped`."""
+
+
+ORDERS = (Generate, UseAdapter, Stop)
+
+
+# ---- events: manager -> trainer ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Issued:
+    index: int  # the prompt's index in the task's stream
+    new: bool  # False: a resumed run's re-issue of a prompt its accounting already counts
+
+
+@dataclass(frozen=True)
+class GroupDone:
+    index: int
+    samples: list[Sample]  # the prompt's completions, scored, per-token versions / routing / kept sets attached
+    retries: int  # regenerations after weight updates aborted it (rollout.partial=retry)
+    seconds: float  # from issue to scored
+
+
+@dataclass(frozen=True)
+class RolloutFailed:
+    index: int
+    message: str  # the exception and its traceback
+
+
+@dataclass(frozen=True)
+class Stopped:
+    cancelled: list[int]  # prompts that were in flight at the stop
+
+
+EVENTS = (Issued, GroupDone, RolloutFailed, Stopped)
+
+
+def checked(message, kinds: tuple[type, ...]):
+    """``message`` if it is one of ``kinds``; otherwise a TypeError naming what arrived."""
+    if not isinstance(message, kinds):
+        raise TypeError(f"unexpected message {type(message).__name__}: expected one of {', '.join(k.__name__ for k in kinds)}")
+    return message
+
+
+# ---- the manager's spec file ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ManagerSpec:
+    """What the trainer tells the manager process it starts (``--spec``, a JSON file in the run directory)."""
+
+    config: str  # the run's resolved config.yaml
+    hf_dir: str  # the model's HF directory (tokenizer, config.json)
+    urls: list[str]  # the engines
+    orders: str  # ZMQ address the manager pulls orders from
+    events: str  # ZMQ address it pushes events to
+    cursor: int  # the next new prompt index
+    reissue: list[int]  # prompts to issue before new ones (a resumed run's pending ones)
+
+    def write(self, path: Path) -> Path:
+        path.write_text(json.dumps(asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> "ManagerSpec":
+        return cls(**json.loads(Path(path).read_text()))
