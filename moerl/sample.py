@@ -20,11 +20,6 @@ class SampleError(MoerlError):
     """A sample whose arrays do not fit together; the message names the field."""
 
 
-def kept_ids(offsets: np.ndarray, ids: np.ndarray, t: int) -> np.ndarray:
-    """Token ``t``'s kept set from kept sets held as CSR (``offsets`` [T+1], ``ids``), as engines return them."""
-    return ids[offsets[t] : offsets[t + 1]]
-
-
 @dataclass
 class Sample:
     prompt_ids: np.ndarray  # int32 [P]
@@ -81,34 +76,6 @@ class Sample:
             if not inside.all():
                 raise SampleError(f"response token {int(np.argmin(inside))} is not in its own kept set")
         return self
-
-    def continued_by(self, continuation: "Sample") -> "Sample":
-        """This partial rollout joined with its ``continuation`` (a rollout whose prompt is this one's
-        prompt + response, e.g. resumed after an abort under newer weights) into one sample.
-
-        Each token keeps what produced it: the log-probs, kept set and version of the piece that
-        sampled it, and the routing of the forward that fed it. The position that feeds the first
-        continued token was fed by the continuation's prefill, so routing switches there.
-        """
-        p, r = self.prompt_len, self.response_len
-        if not np.array_equal(continuation.prompt_ids, np.concatenate([self.prompt_ids, self.response_ids])):
-            raise SampleError("the continuation's prompt must be this sample's prompt + response")
-        cat = lambda a, b: None if a is None or b is None else np.concatenate([a, b])  # noqa: E731
-        routing = None
-        if self.routing is not None and continuation.routing is not None:
-            routing = np.concatenate([self.routing, continuation.routing[p + r - 1 :]])
-        offsets = None
-        if self.mask_offsets is not None and continuation.mask_offsets is not None:
-            offsets = np.concatenate([self.mask_offsets, continuation.mask_offsets[1:] + self.mask_offsets[-1]])
-        return Sample(
-            prompt_ids=self.prompt_ids, response_ids=np.concatenate([self.response_ids, continuation.response_ids]),
-            behaviour_logprobs=cat(self.behaviour_logprobs, continuation.behaviour_logprobs),
-            versions=cat(self.versions, continuation.versions), temperature=self.temperature,
-            selected_logprobs=cat(self.selected_logprobs, continuation.selected_logprobs), routing=routing,
-            mask_offsets=offsets, mask_ids=cat(self.mask_ids, continuation.mask_ids), reward=continuation.reward,
-            token_rewards=cat(self.token_rewards, continuation.token_rewards), group_id=self.group_id,
-            finish_reason=continuation.finish_reason, engine=continuation.engine,
-        ).validate()
 
     @classmethod
     def from_completion(cls, completion, prompt_ids, *, temperature: float, reward: float = 0.0, group_id: int = 0,

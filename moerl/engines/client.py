@@ -13,7 +13,7 @@ import asyncio
 import base64
 import json
 import logging
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, Iterable
 
 import aiohttp
 import numpy as np
@@ -113,16 +113,6 @@ class EngineClient:
             self.in_flight[url] -= 1
         responses = out if isinstance(out, list) else [out]
         return [decode_generate(r, self.shape, routed_experts_start_len) for r in responses]
-
-    async def generate_as_completed(self, prompts: Iterable[tuple[list[int], dict[str, Any]]], **kwargs) -> AsyncIterator[list[Completion]]:
-        """Yield each prompt's completions the moment they finish, in finishing order."""
-        tasks = [asyncio.ensure_future(self.generate(ids, params, **kwargs)) for ids, params in prompts]
-        try:
-            for next_done in asyncio.as_completed(tasks):
-                yield await next_done
-        finally:
-            for t in tasks:
-                t.cancel()
 
     # ---- control ------------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:

@@ -27,21 +27,11 @@ TINY_QWEN3 = dict(
     rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
 )
 
-TINY_QWEN2 = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    moe_intermediate_size=32,
+# Qwen2-MoE's differences: shared experts and their gate, dense layers by sparse step, tied embeddings.
+TINY_QWEN2 = {k: v for k, v in TINY_QWEN3.items() if k not in ("head_dim", "mlp_only_layers")} | dict(
     shared_expert_intermediate_size=48,
-    num_experts=8,
-    num_experts_per_tok=2,
     norm_topk_prob=False,
     decoder_sparse_step=2,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=512,
     tie_word_embeddings=True,
     rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
 )
