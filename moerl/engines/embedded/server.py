@@ -249,7 +249,8 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         return await asyncio.get_running_loop().run_in_executor(engine.pools[kind], functools.partial(fn, *args))
 
     def ok(message: str, **extra) -> web.Response:
-        return web.json_response({"success": True, "message": message, **extra}, dumps=_dumps)
+        body: protocol.ControlResponse = {"success": True, "message": message, **extra}
+        return web.json_response(body, dumps=_dumps)
 
     @routes.post(P.GENERATE.path)
     async def generate(request: web.Request) -> web.StreamResponse:
