@@ -210,3 +210,36 @@ def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
     assert checked(GroupDone(4, [], 0, 1.5), EVENTS).index == 4
     spec = ManagerSpec(config="c.yaml", hf_dir="hf", urls=["http://a"], orders="tcp://o", events="tcp://e", cursor=7, reissue=[3, 5])
     assert ManagerSpec.read(spec.write(tmp_path / "spec.json")) == spec
+
+
+def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(monkeypatch):
+    """The adapter a resumed run's sync loads at start is what the rollout manager's first requests name."""
+    from types import SimpleNamespace
+
+    from moerl.orchestrator import main as job_module
+    from moerl.orchestrator.config import load_config
+
+    ordered = []
+
+    class Sync:
+        adapter = None
+
+        def start(self, trainer, resumed):
+            self.adapter = "moerl-lora-v3" if resumed else None
+
+    class Buffer:
+        def use_adapter(self, name, version):
+            ordered.append(("adapter", name, version))
+
+        def order(self, groups):
+            ordered.append(("generate", groups))
+
+    def start_rollouts(self):
+        self.sync, self.buffer = Sync(), Buffer()
+
+    job = job_module.Job(load_config(None, ["run.mode=async", "run.steps=3", "sync.verify=false"]))
+    monkeypatch.setattr(job_module.Job, "setup", lambda self: setattr(self, "trainer", SimpleNamespace(version=3)) or True)
+    monkeypatch.setattr(job_module.Job, "start_rollouts", start_rollouts)
+    monkeypatch.setattr(job_module.Job, "teardown", lambda self: None)
+    job.run()
+    assert ordered[:2] == [("adapter", "moerl-lora-v3", 3), ("generate", job.cfg.rollout.outstanding)]

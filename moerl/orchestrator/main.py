@@ -268,6 +268,7 @@ class Job:
         try:
             self.start_rollouts()
             self.sync.start(self.trainer, resumed)
+            self.serve_policy()
             self.verify()
             if self.lead and self.cfg.run.mode == "async":
                 self.buffer.order(self.cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
@@ -345,14 +346,18 @@ class Job:
         metrics = trainer.step(shared_pieces(pieces() if self.lead else None))
         trained_at = time.perf_counter()
         stats = self.sync.update(trainer)
-        if self.lead and self.sync.adapter is not None:
-            self.buffer.use_adapter(self.sync.adapter, trainer.version)
+        self.serve_policy()
         end = time.perf_counter()
         metrics.update(self.verify())
         if self.lead:
             self.record(metrics, taken, stats, start, trained_at, end, waited)
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
             save_checkpoint(trainer, self.buffer, self.run_dir)
+
+    def serve_policy(self) -> None:
+        """New requests name the adapter the last sync loaded (LoRA runs; full-weight syncs change the weights themselves)."""
+        if self.lead and self.sync.adapter is not None:
+            self.buffer.use_adapter(self.sync.adapter, self.trainer.version)
 
     def verify(self) -> dict[str, float]:
         """With sync.verify, every engine serves the trainer's policy (after the engines resumed)."""
