@@ -12,6 +12,7 @@ import zmq
 from moerl.models.tiny import tiny_tokenizer
 from moerl.orchestrator.buffer import RolloutBuffer, RolloutError
 from moerl.orchestrator.config import RolloutSection
+from moerl.orchestrator.messages import Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped
 from moerl.sample import Sample
 from moerl.tasks import PromptStream, TaskConfig, read_records
 from moerl.tasks.rewards import Rewarder, math
@@ -120,11 +121,11 @@ def test_remote_verifier_is_called_per_response():
 
 
 # ---- the buffer ------------------------------------------------------------------------------
-def group_event(index: int, versions: list[int]) -> dict:
+def group_event(index: int, versions: list[int]) -> GroupDone:
     samples = [Sample(prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3, 4], np.int32),
                       behaviour_logprobs=np.zeros(2, np.float32), versions=np.array([v, v], np.int64), reward=float(i), group_id=index)
                for i, v in enumerate(versions)]
-    return {"type": "group", "index": index, "samples": samples, "retries": 0, "seconds": 0.1}
+    return GroupDone(index, samples, retries=0, seconds=0.1)
 
 
 @pytest.fixture
@@ -144,30 +145,30 @@ def wired():
 def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     buffer, orders, events = wired
     for index in range(4):
-        events.send_pyobj({"type": "issued", "index": index, "new": True})
+        events.send_pyobj(Issued(index, new=True))
     events.send_pyobj(group_event(0, [3, 3]))  # version 3 at trainer version 5: too old
     events.send_pyobj(group_event(1, [4, 5]))  # oldest token 1 version behind: kept
     events.send_pyobj(group_event(2, [5, 5]))
     pieces = list(buffer.pieces(version=5, groups=2, whole=False))
     taken = [g.index for piece in pieces for g in piece]
     assert taken == [1, 2]
-    assert [orders.recv_pyobj()["groups"] for _ in range(3)] == [1, 1, 1]  # one more group for each taken or dropped
+    assert [orders.recv_pyobj() for _ in range(3)] == [Generate(1)] * 3  # one more group for each taken or dropped
     counts = buffer.acct.counts()
     assert counts["prompts/dropped"] == 1 and counts["prompts/in_flight"] == 1 and counts["prompts/taken"] == 2
     buffer.trained([g for piece in pieces for g in piece])
     assert buffer.acct.trained == 2 and buffer.pending() == [3] and buffer.acct.balanced()
     assert buffer.cursor == 4  # where a resumed run continues
-    events.send_pyobj({"type": "issued", "index": 3, "new": False})  # re-issued after a resume: counted once
+    events.send_pyobj(Issued(3, new=False))  # re-issued after a resume: counted once
     buffer.drain()
     assert buffer.acct.issued == 4 and buffer.acct.balanced()
-    events.send_pyobj({"type": "stopped", "cancelled": [3]})
+    events.send_pyobj(Stopped([3]))
     buffer.stop(timeout_s=5)
-    assert orders.recv_pyobj() == {"cmd": "stop"}
+    assert orders.recv_pyobj() == Stop()
     assert dict(buffer.acct.dropped) == {"stale": 1, "in_flight_at_stop": 1} and buffer.acct.balanced() and not buffer.acct.live
 
 
 def test_a_failed_rollout_stops_the_run_with_its_message(wired):
     buffer, _, events = wired
-    events.send_pyobj({"type": "error", "index": 7, "message": "EngineError: http://e:1: /generate refused (400): bad top_k"})
+    events.send_pyobj(RolloutFailed(7, "EngineError: http://e:1: /generate refused (400): bad top_k"))
     with pytest.raises(RolloutError, match="prompt 7 failed: EngineError.*bad top_k"):
         next(buffer.pieces(version=0, groups=1, whole=True))
