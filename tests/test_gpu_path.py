@@ -299,6 +299,9 @@ def test_the_30b_recipe_fits_and_its_terms_add_up():
     assert plan.trainer.total < 0.9 * 80 * 2**30
     lora = _plan("lora.enabled=true", "lora.rank=16", "sync.method=disk")
     assert lora.trainer.trainable < plan.trainer.params / 20 and lora.trainer.total < plan.trainer.total / 2
+    # The plan counts the modules lora.targets names, as add_lora adapts them: attention alone trains far less.
+    attention = _plan("lora.enabled=true", "lora.rank=16", "sync.method=disk", "lora.targets=[linear_qkv,linear_proj]")
+    assert 0 < attention.trainer.trainable < lora.trainer.trainable / 10
 
 
 def test_engines_that_cannot_hold_the_model_are_refused():

@@ -94,7 +94,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     def trainable(rule, n) -> float:
         if not lora.enabled:
             return n
-        if not any(part in rule.mcore for part in (".linear_qkv.", ".linear_proj.", ".linear_fc1.", ".linear_fc2.")):
+        if not lora.targets_module(rule.mcore.removesuffix(".weight")):
             return 0
         out_features = sum(shape[0] for shape in rule.hf_shapes)
         in_features = rule.hf_shapes[0][1]
