@@ -50,11 +50,13 @@ def run_generate_loop(model, requests, batch_size: int, pad_id: int) -> float:
 
 
 def run_engine(model_dir: Path, requests, batch_size: int, routing_and_masks: bool) -> float:
+    from moerl.checkpoint.hf import read_config
     from moerl.engines.embedded.runner import ModelRunner
     from moerl.engines.embedded.scheduler import Request, Scheduler
     from moerl.engines.protocol import SamplingParams
+    from moerl.models import family_for
 
-    scheduler = Scheduler(ModelRunner(model_dir, device="cpu"), eos_token_ids=set(), max_running=batch_size)
+    scheduler = Scheduler(ModelRunner(model_dir, device="cpu"), family_for(read_config(model_dir)), eos_token_ids=set(), max_running=batch_size)
     scheduler.start()
     done = threading.Semaphore(0)
     bar = tqdm(total=len(requests), desc="embedded engine", leave=False)

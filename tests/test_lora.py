@@ -194,7 +194,7 @@ def test_a_planted_drop_is_detected(trained, tmp_path, capsys):
 def test_the_engine_refuses_the_peft_layout_with_what_to_do(trained, models):
     hf, _ = models["qwen2"]
     files = _adapter_files(hf, trained["qwen2"][0]["lora"], "peft")
-    adapters = AdapterSet(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32))
+    adapters = AdapterSet(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), family_for(json.loads((hf / "config.json").read_text())))
     with pytest.raises(LoRAError, match="--adapter-format sglang"):
         adapters.from_tensors("p", files.config, files.tensors)
 

@@ -27,7 +27,7 @@ from moerl.layout import Layout
 from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import ensure_single_process_env, init_distributed
-from moerl.models import family_for
+from moerl.models import ModelFamily, family_for
 from moerl.models.family import in_piece
 
 
@@ -116,13 +116,17 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
     return out
 
 
-def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> AdapterFiles:
-    """The adapters of a LoRA-trained checkpoint as the files of ``fmt`` (read without the base weights)."""
+def _read_checkpoint(mcore_dir: Path) -> tuple[dict, ModelFamily, dict, LoRAConfig | None]:
+    """A moerl checkpoint's (metadata, model family, normalised HF config, LoRA config or None)."""
     meta = read_moerl_meta(mcore_dir)
     raw = hf_config_of(mcore_dir)
     family = family_for(raw)
-    cfg = family.normalize(raw)
-    lora_cfg = checkpoint_lora(mcore_dir)
+    return meta, family, family.normalize(raw), checkpoint_lora(mcore_dir)
+
+
+def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> tuple[AdapterFiles, ModelFamily]:
+    """The adapters of a LoRA-trained checkpoint as the files of ``fmt`` (read without the base weights), and its family."""
+    meta, family, cfg, lora_cfg = _read_checkpoint(mcore_dir)
     if lora_cfg is None:
         raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only")
     base_model = base_model or meta.get("hf_source")
@@ -136,7 +140,7 @@ def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> Adapter
         _set_param(model, name, torch.empty_like(params[name], device="cpu"))
     sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
     state = load_sharded({n: t for n, t in sharded.items() if is_lora_param(n)}, mcore_dir)
-    return export_adapter(family, cfg, {n: state[n] for n in adapters}, lora_cfg, fmt, base_model)
+    return export_adapter(family, cfg, {n: state[n] for n in adapters}, lora_cfg, fmt, base_model), family
 
 
 @_on_the_cpu
@@ -145,20 +149,20 @@ def export_adapter_dir(mcore_dir: str | Path, out_dir: str | Path, fmt: str, bas
     transformers loads; ``sglang``: what SGLang and ``moerl serve`` load), read back and checked before it
     appears. Returns it and the modules PEFT would drop from it (``sglang`` format with dense or shared MLPs)."""
     mcore_dir, out = Path(mcore_dir), Path(out_dir)
-    files = _adapter_files(mcore_dir, fmt, base_model)
+    files, family = _adapter_files(mcore_dir, fmt, base_model)
     with _staging_dir(out) as staging:
         write_adapter_files(staging, files)
         problems = check_adapter(staging, files)
         if problems:
             raise CheckpointError(f"the adapter written to {out} does not read back as written: " + "; ".join(problems))
-    return out, peft_would_drop(files, family_for(hf_config_of(mcore_dir)).model_type) if fmt == "sglang" else []
+    return out, peft_would_drop(files, family.model_type) if fmt == "sglang" else []
 
 
 @_on_the_cpu
 def check_adapter_dir(mcore_dir: str | Path, adapter_dir: str | Path, fmt: str, base_model: str | None = None) -> list[str]:
     """Where an adapter directory differs from what the checkpoint's adapters export to in ``fmt`` (with the same
     ``base_model`` as at export)."""
-    return check_adapter(adapter_dir, _adapter_files(Path(mcore_dir), fmt, base_model))
+    return check_adapter(adapter_dir, _adapter_files(Path(mcore_dir), fmt, base_model)[0])
 
 
 @_on_the_cpu
@@ -169,12 +173,8 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
     A checkpoint trained with LoRA converts with ``merge_lora`` (the full model with every adapter's update
     folded in), or to an adapter directory with :func:`export_adapter_dir`."""
     mcore_dir, out = Path(mcore_dir), Path(out_dir)
-    meta = read_moerl_meta(mcore_dir)
-    raw = hf_config_of(mcore_dir)
-    family = family_for(raw)
-    cfg = family.normalize(raw)
+    meta, family, cfg, lora_cfg = _read_checkpoint(mcore_dir)
     dtype = MODEL_DTYPES[meta["dtype"]]
-    lora_cfg = checkpoint_lora(mcore_dir)
     if lora_cfg is None and merge_lora:
         raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --merge-lora")
     if lora_cfg is not None and not merge_lora:

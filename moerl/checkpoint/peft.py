@@ -33,7 +33,7 @@ from moerl.models import ModelFamily
 FORMATS = ("peft", "sglang")
 PEFT_PREFIX = "base_model.model."
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+EXPERT_MODULE = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
 _MLP_LEAVES = ("gate_proj", "up_proj", "down_proj")
 # transformers 5's fused expert parameters, in the order the experts module defines them: PEFT wraps them in
 # that order, each wrapper around the one before, so all but the last adapted one sit under ".base_layer".
@@ -68,7 +68,7 @@ def export_adapter(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor]
         tensors = _per_module(factors)
         extra = {"target_modules": sorted({m.rsplit(".", 1)[-1] for m in factors})}
     elif fmt == "peft":
-        plain = {m: f for m, f in factors.items() if not _EXPERT.match(m)}
+        plain = {m: f for m, f in factors.items() if not EXPERT_MODULE.match(m)}
         tensors = {**_per_module(plain), **_fused_experts(factors, cfg["num_experts"])}
         params = [m for m in plain if m.rsplit(".", 1)[-1] in _MLP_LEAVES]
         extra = {"target_modules": sorted({m.rsplit(".", 1)[-1] for m in plain if m not in params}),
@@ -100,14 +100,14 @@ def _parameter_suffix(module: str) -> str:
 
 
 def _adapted_fused(factors) -> list[str]:
-    leaves = {m.group(3) for m in map(_EXPERT.match, factors) if m}
+    leaves = {m.group(3) for m in map(EXPERT_MODULE.match, factors) if m}
     return [fused for fused, parts in _FUSED if leaves & set(parts)]
 
 
 def _fused_experts(factors, num_experts: int) -> dict[str, torch.Tensor]:
     per_layer: dict[str, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}
     for module, f in factors.items():
-        if m := _EXPERT.match(module):
+        if m := EXPERT_MODULE.match(module):
             per_layer.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = f
     adapted = _adapted_fused(factors)
     out = {}
@@ -147,7 +147,7 @@ def peft_would_drop(files: AdapterFiles, model_type: str) -> list[str]:
     modules = {key.removeprefix(PEFT_PREFIX).split(".lora_")[0] for key in files.tensors}
     mlp = [m for m in modules if m.rsplit(".", 1)[-1] in _MLP_LEAVES]
     rewrites = model_type in _PEFT_REWRITES_MLP_TARGETS
-    return sorted(m for m in mlp if bool(_EXPERT.match(m)) != rewrites)
+    return sorted(m for m in mlp if bool(EXPERT_MODULE.match(m)) != rewrites)
 
 
 def check_adapter(directory: str | Path, expected: AdapterFiles) -> list[str]:

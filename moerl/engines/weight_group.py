@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
+from moerl.dtypes import dtype_name
 from moerl.engines.protocol import ProtocolError
 
 
@@ -90,7 +91,7 @@ def flatten_bucket(named: list[tuple[str, Any]]):
     """Sender side: ``(uint8 tensor, names, dtypes, shapes)`` for one flattened_bucket broadcast."""
     named = sorted(named, key=lambda nt: -nt[1].element_size())
     flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
-    return flat, [n for n, _ in named], [str(t.dtype).removeprefix("torch.") for _, t in named], [list(t.shape) for _, t in named]
+    return flat, [n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named]
 
 
 def unflatten_bucket(flat, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, Any]]:

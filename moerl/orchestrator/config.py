@@ -238,10 +238,11 @@ def check(cfg: RunConfig) -> None:
         problems.append(f"rollout.max_outstanding_groups={r.max_outstanding_groups} is below groups_per_step={r.groups_per_step}: a step could never fill")
     if cfg.trainer.replay.sampling_mask and not 1 < r.top_k:
         problems.append(f"trainer.replay.sampling_mask needs a finite rollout.top_k > 1 (got {r.top_k})")
-    if cfg.lora.enabled and cfg.sync.method == "broadcast" and served_by(cfg.engines) == "sglang":
+    server = served_by(cfg.engines)
+    if cfg.lora.enabled and cfg.sync.method == "broadcast" and server == "sglang":
         problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
                         "processes on its own machine, so adapters reach it as adapter directories")
-    if served_by(cfg.engines) == "embedded" and cfg.engines.gpus_per_replica != 1 and not cfg.engines.urls:
+    if server == "embedded" and cfg.engines.gpus_per_replica != 1 and not cfg.engines.urls:
         problems.append(f"engines.gpus_per_replica={cfg.engines.gpus_per_replica}: the embedded engine serves on one device; "
                         "use engines.server=sglang for tensor-parallel replicas")
     if cfg.run.steps < 1:

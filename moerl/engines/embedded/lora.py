@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load, load_file
 
+from moerl.checkpoint.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_MODULE, PEFT_PREFIX
 from moerl.engines.embedded.runner import hub_tensor_view
 from moerl.errors import LoRAError
-from moerl.models import family_for
+from moerl.models import ModelFamily
 
-_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
-_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+_KEY = re.compile(rf"^(?:{re.escape(PEFT_PREFIX)})?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
 Factors = tuple[torch.Tensor, torch.Tensor]  # A [r, in], B [out, r]: fp32 on the model's device
 
 
@@ -47,19 +47,17 @@ def _delta(x: torch.Tensor, factors: Factors, scale: float) -> torch.Tensor:
 class AdapterSet:
     """The adapters loaded into one model, and which one its forwards use now."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, family: ModelFamily):
         self.model = model
-        self.family = family_for(model.config.to_dict())
+        self.family = family
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
         self.adapters: dict[str, Adapter] = {}
         self.active: Adapter | None = None
-        self.expert_modules: dict[str, torch.nn.Module] = {}
         for path, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_hook(self._linear_hook(path))
             elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter):
-                self.expert_modules[path] = module
                 module.forward = self._experts_forward(path, module, module.forward)
 
     # ---- the forward pass ---------------------------------------------------------------------
@@ -100,9 +98,9 @@ class AdapterSet:
     # ---- loading --------------------------------------------------------------------------------
     def from_dir(self, name: str, path: str | Path) -> Adapter:
         path = Path(path)
-        config_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+        config_file, weights = path / ADAPTER_CONFIG, path / ADAPTER_WEIGHTS
         if not config_file.is_file() or not weights.is_file():
-            raise LoRAError(f"{path}: expected adapter_config.json and adapter_model.safetensors (PEFT format)")
+            raise LoRAError(f"{path}: expected {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (PEFT format)")
         try:
             config = json.loads(config_file.read_text())
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -162,7 +160,7 @@ class AdapterSet:
                 problems.append(f"{module}: factors hold NaN or infinite values")
                 continue
             factors = (a.to(self.device, torch.float32), b.to(self.device, torch.float32))
-            expert = _EXPERT.match(module)
+            expert = EXPERT_MODULE.match(module)
             if expert:
                 adapter.experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[expert.group(3)] = factors
             else:

@@ -22,6 +22,7 @@ from moerl.engines.embedded.runner import ModelRunner
 from moerl.engines.embedded.sampler import Draw, sample_batch
 from moerl.engines.protocol import SamplingParams
 from moerl.errors import LoRAError
+from moerl.models import ModelFamily
 
 log = logging.getLogger("moerl.serve")
 
@@ -54,9 +55,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, eos_token_ids: set[int], max_running: int = 64, weight_version: str = "default"):
+    def __init__(self, runner: ModelRunner, family: ModelFamily, eos_token_ids: set[int], max_running: int = 64,
+                 weight_version: str = "default"):
         self.runner = runner
-        self.adapters = AdapterSet(runner.model)
+        self.adapters = AdapterSet(runner.model, family)
         self.eos_token_ids = eos_token_ids
         self.max_running = max_running
         self.weight_version = weight_version

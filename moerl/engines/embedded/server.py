@@ -59,11 +59,10 @@ class EmbeddedEngine:
         raw = read_config(model_dir)
         self.family = family_for(raw)
         self.hub_config = self.family.normalize(raw)
-        self.limits = protocol.EngineLimits(self.runner.vocab_size, getattr(config, "max_position_embeddings", 1 << 30),
-                                            sampling_mask_max_tokens)
         eos = getattr(getattr(self.runner.model, "generation_config", None), "eos_token_id", None) or config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.scheduler = Scheduler(self.runner, eos_ids, max_running)
+        self.scheduler = Scheduler(self.runner, self.family, eos_ids, max_running)
+        self.limits = protocol.EngineLimits(self.runner.vocab_size, self.scheduler.max_length, sampling_mask_max_tokens)
         self.weight_groups: dict[str, object] = {}
         self.joining: set[str] = set()
         self.update_session = False  # between /begin_weight_update and /end_weight_update
@@ -170,13 +169,17 @@ class EmbeddedEngine:
         check_hf_tensors(reader, self.family, self.hub_config)
         return [(name, reader.get(name)) for rule in self.family.all_rules(self.hub_config) for name in rule.hf]
 
+    def check_flush(self, flush: bool, abort_all: bool, refused: str) -> None:
+        """SGLang's rule: an update cannot flush the cache while requests run, unless it aborts them."""
+        if flush and not abort_all and not self.scheduler.idle():
+            raise ProtocolError(f"{refused}: the cache cannot be flushed while requests are running "
+                                "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
+
     def apply_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool, flush: bool) -> None:
         """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
         sched = self.scheduler
         pairs = hub_tensor_targets(self.family, self.runner.model, named)
-        if flush and not abort_all and not sched.idle():
-            raise ProtocolError("weights not updated: the cache cannot be flushed while requests are running "
-                                "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
+        self.check_flush(flush, abort_all, "weights not updated")
         if abort_all:
             sched.abort(message="weights updated")
         with torch.no_grad():
@@ -444,9 +447,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             raise ProtocolError(f"group {req.group_name!r} is not initialised: call /init_weights_update_group first")
         if not engine.update_session:
             raise ProtocolError("update_weights_from_distributed must run between /begin_weight_update and /end_weight_update")
-        if req.flush_cache and not req.abort_all_requests and not sched.idle():
-            raise ProtocolError("weights not received: the cache cannot be flushed while requests are running "
-                                "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
+        engine.check_flush(req.flush_cache, req.abort_all_requests, "weights not received")  # before a byte is received
         named = await in_daemon_thread(engine.receive, req, group)
         await on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache))
         return ok(f"updated {len(named)} tensors")
