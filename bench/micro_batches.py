@@ -49,7 +49,7 @@ def steps(mcore_dir: str, cfg, samples: list, repeats: int) -> dict:
     from moerl.trainer.trainer import Trainer
 
     trainer = Trainer(mcore_dir, cfg)
-    batches = trainer.micro_batches(samples)
+    batches = trainer.micro_batches(trainer.batches.scatter(samples))
     fed = sum(sum(mb.fed_lengths) for mb in batches)
     positions = sum(mb.input_ids.numel() for mb in batches)
     trainer.step(samples)  # warm-up

@@ -69,7 +69,7 @@ def config(routing: str, lr: float = 1e-3, **layout) -> TrainerConfig:
 
 
 PACKED = {"micro_batch_format": "packed"}
-LAYOUTS = {"TP1": (1, {}), "TP2+SP": (2, {"tp": 2}), "EP2": (2, {"ep": 2}), "PP2": (2, {"pp": 2}),
+LAYOUTS = {"TP1": (1, {}), "DP2": (2, {}), "TP2+SP": (2, {"tp": 2}), "EP2": (2, {"ep": 2}), "PP2": (2, {"pp": 2}), "PP4": (4, {"pp": 4}),
            "packed TP2+SP+EP2": (2, {"tp": 2, "ep": 2, **PACKED}), "packed PP2": (2, {"pp": 2, **PACKED})}
 
 
@@ -99,6 +99,48 @@ def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
     for name, grad in reference["grads"].items():
         assert grad.abs().max() > 0 or name.endswith("bias"), name
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2, "ep": 2}, {"pp": 4}], ids=["PP2xDP2", "PP4"])
+def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckpts, fp32_samples, layout):
+    """PP2xDP2 (EP2): two replicas of two stages; PP4: one layer per stage, the second dense. MoE layers 0, 2 and 3
+    are routing columns 0, 1 and 2; the first stage reads token ids, the last ids and what the loss reads, a middle one
+    only its routing. Each rank's bytes are its own shard's arrays plus the plan."""
+    from moerl.trainer.batch import shard_by_tokens
+    from tests.workers import scatter_piece
+
+    ranks = run_ranks(scatter_piece, 4, str(tiny_ckpts[ARCH][1]), config("R3", **layout), fp32_samples)
+    replicas = 4 // layout["pp"]
+    shards = shard_by_tokens([s.fed_len for s in fp32_samples], replicas)
+    plan_bytes = 5 * 8 + len(fp32_samples) * 6 * 8  # header, and six numbers per sample
+    assert {out["needs"].dp_rank for out in ranks} == set(range(replicas))
+    columns = {2: [(0,), (1, 2)], 4: [(0,), (), (1,), (2,)]}[layout["pp"]]
+    for rank, out in enumerate(ranks):
+        needs, mine = out["needs"], [fp32_samples[i] for i in shards[out["needs"].dp_rank]]
+        stage = rank // replicas
+        assert needs.columns == columns[stage] and needs.last == (stage == layout["pp"] - 1)
+        assert needs.ids == (stage in (0, layout["pp"] - 1))
+        assert len(out["samples"]) == len(mine)
+        shard_bytes = 0
+        for got, sent in zip(out["samples"], mine):
+            assert np.array_equal(got.routing, sent.routing[:, list(needs.columns)])
+            assert got.prompt_len == sent.prompt_len and got.response_len == sent.response_len and got.temperature == sent.temperature
+            shard_bytes += got.routing.nbytes
+            if needs.ids:
+                assert np.array_equal(got.prompt_ids, sent.prompt_ids) and np.array_equal(got.response_ids, sent.response_ids)
+                shard_bytes += 4 * (sent.prompt_len + sent.response_len)
+            else:
+                assert not got.prompt_ids.any() and not got.response_ids.any()
+            if needs.last:
+                for name in ("selected_logprobs", "versions", "mask_offsets", "mask_ids"):
+                    assert np.array_equal(getattr(got, name), getattr(sent, name)), name
+                shard_bytes += sent.response_len * (4 + 8 + 4) + 4 * len(sent.mask_ids)
+            else:
+                assert got.mask_ids is None and not got.versions.any()  # what the loss reads stays on the last stage
+        if rank == 0:
+            assert out["received"] == 0
+        else:  # fields are 8-byte aligned
+            assert shard_bytes <= out["received"] - plan_bytes < shard_bytes + 8 * 5, rank
 
 
 def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, bf16_samples):

@@ -12,7 +12,13 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moerl.checkpoint.mcore import load_megatron_model
 from moerl.layout import Layout
 from moerl.megatron.forward import forward_logits, run_schedule
-from moerl.megatron.weights import full_tensors
+from moerl.megatron.weights import Gather
+
+
+def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] | None:
+    """The whole model's parameters (or gradients) under TP1/EP1/PP1 names on global rank 0, None on the other
+    ranks: gathered as the weight export gathers them."""
+    return Gather(model, grads=grads).gather()
 
 
 def next_token_loss(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -86,7 +92,7 @@ def train_steps(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
     out: dict = {"metrics": [], "objective": []}
 
     def weighted_loglik() -> float:
-        batches = trainer.micro_batches(samples)
+        batches = trainer.micro_batches(trainer.batches.scatter(samples))
         trainer.score(batches)
         total = sum(float((mb.advantages * mb.old).sum()) for mb in batches if mb.old is not None)
         total = torch.tensor(total if parallel_state_counts() else 0.0, dtype=torch.float64)
@@ -100,6 +106,15 @@ def train_steps(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
             out["grads"] = full_tensors(trainer.model.module, grads=True)
         out["objective"].append(weighted_loglik())
     return out
+
+
+def scatter_piece(mcore_dir: str, trainer_cfg, samples: list) -> dict:
+    """What this rank receives of ``samples`` (given on rank 0) and what it reads."""
+    from moerl.trainer.trainer import Trainer
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    piece = trainer.batches.scatter(samples if torch.distributed.get_rank() == 0 else None)
+    return {"needs": trainer.batches.needs, "samples": piece.samples, "received": piece.received, "advantages": piece.advantages}
 
 
 def parallel_state_counts() -> bool:
@@ -134,12 +149,18 @@ def resume_and_step(mcore_dir: str, trainer_cfg, samples: list, save_dir: str) -
     return {"got": trainer.step(samples), "weights": full_tensors(trainer.model.module)}
 
 
-def export_hf(mcore_dir: str, layout: Layout) -> list:
-    """The Megatron model's tensors under Hub names, as the weight sync streams them."""
+def export_hf(mcore_dir: str, layout: Layout) -> dict:
+    """The Megatron model's tensors under Hub names as the weight sync streams them (on rank 0), what each rank's
+    collectives took in, and the global layers each rank holds."""
+    from megatron.core import parallel_state
+
     from moerl.weight_sync.export import hf_named_tensors
 
     cfg, model = load_megatron_model(mcore_dir, layout)
-    return list(hf_named_tensors(model, cfg))
+    gather = Gather(model)
+    stream = [(name, tensor.clone()) for name, tensor in hf_named_tensors(gather, cfg)]
+    return {"stream": stream, "received": gather.received, "lead": gather.lead,
+            "layers": sorted(layer.layer_number - 1 for layer in model.decoder.layers), "last": parallel_state.is_pipeline_last_stage()}
 
 
 def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dict:
@@ -155,7 +176,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dic
     sync = BroadcastSync([url] if rank0 else None, "127.0.0.1", "gloo", bucket_bytes=64 << 10)
     sync.connect()
     stats = sync.update(trainer)
-    trained = list(hf_named_tensors(trainer.model.module, trainer.hf_config))
+    trained = list(hf_named_tensors(Gather(trainer.model.module), trainer.hf_config))
     if not rank0:
         return {}
     link = sync.link
@@ -188,11 +209,10 @@ def lora_train_export(mcore_dir: str, trainer_cfg, lora_cfg, samples: list, inpu
     """``steps`` LoRA steps on ``samples``; what trains, what changed, the exported adapter and logits."""
     from moerl.megatron.lora import is_lora_param
     from moerl.trainer.trainer import Trainer
-    from moerl.weight_sync.lora import lora_tensors
 
     trainer = Trainer(mcore_dir, trainer_cfg, lora=lora_cfg)
     model = trainer.model.module
-    before = {n: t for n, t in full_tensors(model).items() if not is_lora_param(n)}
+    before = {n: t.clone() for n, t in (full_tensors(model) or {}).items() if not is_lora_param(n)}
     metrics = [trainer.step(samples) for _ in range(steps)]
     named = dict(model.named_parameters())
     by_id = {id(p): n for n, p in named.items()}
@@ -200,12 +220,12 @@ def lora_train_export(mcore_dir: str, trainer_cfg, lora_cfg, samples: list, inpu
         trainer.save(save_dir)
     after = full_tensors(model)
     return {
-        "metrics": metrics, "lora": lora_tensors(model), "logits": forward_logits(model, input_ids),
+        "metrics": metrics, "lora": Gather(model, select=is_lora_param).gather(), "logits": forward_logits(model, input_ids),
         "trainable": sorted(n for n, p in named.items() if p.requires_grad),
         # fp32 on the CPU: megatron's optimizers wrap torch's Adam, whose state is keyed by the parameters themselves
         "with_state": sorted(by_id.get(id(p), "?") for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
                              for p in opt.optimizer.state),
-        "base_unchanged": all(torch.equal(before[n], after[n]) for n in before),
+        "base_unchanged": after is None or all(torch.equal(before[n], after[n]) for n in before),
         "lora_names": sorted(n for n in named if is_lora_param(n)),
     }
 

@@ -133,6 +133,10 @@ class EngineClient:
     async def set_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
         await self._everywhere(P.UPDATE_WEIGHT_VERSION, P.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=abort_all_requests))
 
+    async def flush_cache(self) -> None:
+        """Drop every engine's prefix cache (refused while requests run)."""
+        await self._everywhere(P.FLUSH_CACHE)
+
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> None:
         await self._everywhere(P.UPDATE_FROM_DISK, P.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version,
                                                                                  flush_cache=flush_cache))

@@ -1,19 +1,29 @@
-"""Full (unsharded, global-name) views of a sharded Megatron model's parameters or gradients.
+"""Whole (unsharded, global-name) parameters or gradients of a sharded Megatron model, gathered toward global rank 0.
 
 Undoes every split a layout makes: TP shards along each parameter's ``partition_dim`` (GLU
 ``linear_fc1`` shards are [gate_r; up_r] each), expert-parallel local expert indices, and
 pipeline-stage local layer numbers. The result is keyed like a TP1/EP1/PP1 model, which is what
 the HF mapping rules speak.
+
+Each tensor travels only toward the rank that needs it, on its device, as a tensor (nothing is
+pickled): a TP-sharded parameter is gathered over its TP (or expert-TP) group into that group's first
+rank, an expert's weights over the expert-parallel group into its first rank, and only the first
+data-parallel replica takes part (the others hold copies). The first rank of each pipeline stage then
+holds its stage's tensors whole, and sends them to global rank 0 point to point. So rank 0 takes in
+at most the model once, every other rank at most its own group's share, most ranks nothing.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from moerl.megatron.parallel import collective_device
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -43,54 +53,137 @@ def global_name(model, name: str) -> str:
     return name
 
 
-def _gather_tp(param: torch.nn.Parameter, tensor: torch.Tensor, name: str, glu: bool) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    expert = ".experts." in name
-    group = (
-        parallel_state.get_expert_tensor_parallel_group() if expert else parallel_state.get_tensor_model_parallel_group()
-    )
-    size = dist.get_world_size(group)
-    if size == 1:
-        return tensor
-    shards = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(shards, tensor.contiguous(), group=group)
-    dim = param.partition_dim
-    if glu and name.endswith(("linear_fc1.weight", "linear_fc1.lora_B")):  # a LoRA B splits like its weight
-        halves = [s.chunk(2, dim=dim) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
-    return torch.cat(shards, dim=dim)
+@dataclass
+class _Entry:
+    """One local parameter this rank takes part in gathering."""
+
+    param: torch.nn.Parameter
+    names: list[str]  # the global names it yields at its stage's first rank: one, or one per expert-parallel rank
+    shape: tuple[int, ...]  # whole (TP-gathered) shape
+    group: object | None  # the TP or expert-TP group that shards it (None: not sharded, or a group of one)
+    ep_group: object | None  # routed experts under expert parallelism: the group gathered over next
+    glu: bool  # a GLU linear_fc1 (or its LoRA B): each TP shard is [gate_r; up_r]
 
 
-def full_tensors(model, grads: bool = False, select: Callable[[str], bool] | None = None,
-                 keep_dtype: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter (or its gradient) of the whole model, full size, on every rank, on the CPU.
+class Gather:
+    """Collects a sharded model's parameters (or gradients) whole on global rank 0, piece by piece.
 
-    ``select(global_name)`` limits it to some parameters (e.g. one layer at a time); tensors are
-    fp32 unless ``keep_dtype``. Collective over the world: call on all ranks. It moves tensors
-    through ``all_gather_object``, which suits verification and small models.
+    Built once per model on every rank (collective: each pipeline stage's first rank tells rank 0 the
+    names, shapes and dtypes it will send); :meth:`gather` is collective too. ``select(global_name)``
+    fixes the parameters it can ever return; :attr:`received` counts the bytes this rank's collectives
+    took in, for tests and benchmarks.
     """
-    glu = model.config.gated_linear_unit
-    local: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        # A last pipeline stage keeps its own copy of tied embeddings (kept equal, and its
-        # gradient summed with the first stage's, by megatron); the first stage's is the one.
-        if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-            continue
-        full_name = global_name(model, name)
-        if select is not None and not select(full_name):
-            continue
-        tensor = param.data
-        if grads:
-            tensor = getattr(param, "main_grad", None)
+
+    def __init__(self, model, grads: bool = False, select: Callable[[str], bool] | None = None):
+        self.model, self.grads = model, grads
+        self.received = 0
+        ps = parallel_state
+        glu_names = ("linear_fc1.weight", "linear_fc1.lora_B")  # a LoRA B splits like its weight
+        ep = ps.get_expert_model_parallel_world_size()
+        num_local = (model.config.num_moe_experts or ep) // ep
+        dense_copy = ps.get_data_parallel_rank() == 0
+        expert_copy = ps.get_expert_data_parallel_rank() == 0
+        self._entries: list[_Entry] = []
+        for name, param in model.named_parameters():
+            # A last pipeline stage keeps its own copy of tied embeddings (kept equal, and its
+            # gradient summed with the first stage's, by megatron); the first stage's is the one.
+            if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+                continue
+            full = global_name(model, name)
+            if select is not None and not select(full):
+                continue
+            expert = ".experts." in full
+            if not (expert_copy if expert else dense_copy):
+                continue
+            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
+            size = dist.get_world_size(group)
+            sharded = getattr(param, "tensor_model_parallel", False) and size > 1
+            if not sharded and size > 1 and dist.get_rank(group) != 0:
+                continue  # a replicated copy: the group's first rank has it
+            shape = list(param.shape)
+            if sharded:
+                shape[param.partition_dim] *= size
+            names = [full]
+            if expert and ep > 1:
+                local = int(_EXPERT.search(full).group(1)) % num_local
+                names = [_EXPERT.sub(f".local_experts.{j * num_local + local}.", full, count=1) for j in range(ep)]
+            self._entries.append(_Entry(param, names, tuple(shape), group if sharded else None,
+                                        ps.get_expert_model_parallel_group() if expert and ep > 1 else None,
+                                        glu=model.config.gated_linear_unit and full.endswith(glu_names)))
+        self.lead = ps.get_tensor_model_parallel_rank() == 0 and dense_copy and ps.get_expert_model_parallel_rank() == 0 \
+            and ps.get_expert_tensor_parallel_rank() == 0 and expert_copy
+        self.stage, self.stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        # What each stage's first rank yields, in its order: rank 0 receives the later stages' by it.
+        manifest = [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
+        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((self.stage, manifest), everyone, dst=0)  # once per model: names and shapes, no tensor
+        self._senders: list[tuple[int, list]] = []  # (rank, manifest) of each stage's first rank
+        if dist.get_rank() == 0:
+            for stage in range(self.stages):
+                leads = [(rank, m) for rank, (s, m) in enumerate(everyone) if s == stage and m is not None]
+                if len(leads) != 1 or (stage == 0 and leads[0][0] != 0):
+                    raise RuntimeError(f"pipeline stage {stage}: ranks {[r for r, _ in leads]} are first in all their groups; "
+                                       "the export needs exactly one, and global rank 0 for stage 0")
+                self._senders.append(leads[0])
+
+    def _tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
+        if not self.grads:
+            return param.data
+        grad = getattr(param, "main_grad", None)
+        if grad is None:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        return grad
+
+    def gather(self, select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor] | None:
+        """The selected tensors whole, on rank 0's device (None on every other rank); collective: call on all ranks."""
+        def wanted(names: list[str]) -> bool:
+            return select is None or select(names[0])
+
+        mine: list[tuple[str, torch.Tensor]] = []
+        for entry in self._entries:
+            if wanted(entry.names):
+                mine += self._gather_entry(entry)
+        if dist.get_rank() != 0:
+            for _, tensor in mine:  # only a stage's first rank holds any
+                dist.send(tensor.contiguous(), 0)
+            return None
+        full = dict(mine)
+        device = collective_device()
+        for rank, manifest in self._senders[1:]:
+            for name, shape, dtype in manifest:
+                if select is None or select(name):
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                    dist.recv(tensor, rank)
+                    self.received += tensor.numel() * tensor.element_size()
+                    full[name] = tensor
+        return full
+
+    def _gather_entry(self, entry: _Entry) -> list[tuple[str, torch.Tensor]]:
+        """This entry whole on its stage's first rank (nothing on the others)."""
+        tensor = self._tensor(entry.param).detach()
+        if entry.group is not None:
+            tensor = self._gather_into_first(tensor, entry.group)
             if tensor is None:
-                tensor = param.grad if param.grad is not None else torch.zeros_like(param)
-        tensor = tensor.detach() if keep_dtype else tensor.detach().float()
-        local[full_name] = _gather_tp(param, tensor, full_name, glu).cpu()
-    gathered: list[dict] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
-    full: dict[str, torch.Tensor] = {}
-    for part in gathered:
-        for name, tensor in part.items():
-            full.setdefault(name, tensor)
-    return full
+                return []
+            dim = entry.param.partition_dim
+            if entry.glu:  # each shard is [gate_r; up_r]: the whole is [gate; up]
+                halves = [s.chunk(2, dim=dim) for s in tensor]
+                tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+            else:
+                tensor = torch.cat(tensor, dim=dim)
+        if entry.ep_group is None:
+            return [(entry.names[0], tensor)]
+        parts = self._gather_into_first(tensor, entry.ep_group)
+        return [] if parts is None else list(zip(entry.names, parts))
+
+    def _gather_into_first(self, tensor: torch.Tensor, group) -> list[torch.Tensor] | None:
+        """Every member's ``tensor`` (same shape on all), on the group's first rank; None on the others."""
+        tensor = tensor.contiguous()
+        first = dist.get_global_rank(group, 0)
+        if dist.get_rank() != first:
+            dist.gather(tensor, None, dst=first, group=group)
+            return None
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.gather(tensor, parts, dst=first, group=group)
+        self.received += tensor.numel() * tensor.element_size() * (len(parts) - 1)
+        return parts

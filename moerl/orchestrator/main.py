@@ -240,17 +240,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda d: int(d.name.split("_")[1])) if done else None
 
 
-def shared_pieces(source):
-    """Rank 0's pieces (lists of samples), broadcast so every trainer rank iterates the same ones."""
-    while True:
-        box = [next(source, None)] if dist.get_rank() == 0 else [None]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            return
-        yield box[0]
-
-
 class Job:
     """The main job on one trainer rank. Every rank trains and takes part in each weight sync; global rank 0 also
     prepares the model, runs the engines, the rollout manager and the rollout buffer, and writes the metrics."""
@@ -343,7 +332,7 @@ class Job:
                 taken.extend(piece)
                 yield [s for g in piece for s in g.samples]
 
-        metrics = trainer.step(shared_pieces(pieces() if self.lead else None))
+        metrics = trainer.step(pieces() if self.lead else None)  # rank 0 sends each rank its part
         trained_at = time.perf_counter()
         stats = self.sync.update(trainer)
         self.serve_policy()

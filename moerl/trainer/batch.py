@@ -3,9 +3,9 @@
 The global batch is split across data-parallel ranks balanced by tokens, then into micro-batches
 under a token budget. A micro-batch is padded (``[b, s]``, right-padded rows, the budget counting
 the padding) or packed (``[1, s]``: the samples end to end, each attending only to itself); the
-response tokens are flattened to ``[T]`` for the loss either way. Routing is kept only for this
-micro-batch's own samples; :mod:`moerl.trainer.routing` cuts it further to the tokens and layers
-this rank's routers see, which in packed form is the packed order.
+response tokens are flattened to ``[T]`` for the loss either way. Samples arrive carrying only this
+rank's MoE layers' routing (:mod:`moerl.trainer.distribute`); :mod:`moerl.trainer.routing` cuts it
+further to the tokens this rank's routers see, which in packed form is the packed order.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class MicroBatch:
     fed_lengths: list[int]
     mask_offsets: torch.Tensor | None = None  # int64 [T+1]: kept sets, CSR over the T tokens
     mask_ids: torch.Tensor | None = None  # int64
-    routing: np.ndarray | None = None  # [b, s, moe_layers, topk] rollout routing, padding rows filled
+    routing: np.ndarray | None = None  # [b, s, local routers, topk] rollout routing of this rank's MoE layers, padding rows filled
     old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
@@ -143,7 +143,8 @@ class MicroBatch:
 def build_micro_batch(samples: list[Sample], advantages: list[float], weights: list[float], multiple: int,
                       use_masks: bool, use_routing: bool, packed: bool = False) -> MicroBatch:
     """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
-    sequence parallelism)."""
+    sequence parallelism). ``use_masks``/``use_routing``: every sample carries kept sets / routing
+    (checked where the batch is planned, :class:`~moerl.trainer.distribute.BatchDistributor`)."""
     fed = np.array([s.fed_len for s in samples])
     if packed:
         width = _round_up(int(fed.sum()), multiple)
@@ -164,10 +165,6 @@ def build_micro_batch(samples: list[Sample], advantages: list[float], weights: l
         adv.append(np.full(r, advantages[b], dtype=np.float32))
     cat = lambda parts, dtype=torch.long: torch.from_numpy(np.concatenate(parts)).to(dtype)  # noqa: E731
     if use_masks:
-        missing = [i for i, s in enumerate(samples) if s.selected_logprobs is None or s.mask_offsets is None]
-        if missing:
-            raise ValueError(f"sampling-mask replay is on but {len(missing)} sample(s) carry no kept sets or "
-                             "selected log-probs (request return_sampling_mask with sampling_logprobs_mode='selected')")
         behaviour = cat([s.selected_logprobs for s in samples], torch.float32)
     else:
         behaviour = cat([s.behaviour_logprobs for s in samples], torch.float32)
@@ -186,9 +183,6 @@ def build_micro_batch(samples: list[Sample], advantages: list[float], weights: l
         batch.mask_offsets = cat(offsets)
         batch.mask_ids = cat([s.mask_ids for s in samples])
     if use_routing:
-        missing = [i for i, s in enumerate(samples) if s.routing is None]
-        if missing:
-            raise ValueError(f"routing replay R3 is on but {len(missing)} sample(s) carry no routing (request return_routed_experts)")
         _, layers, topk = samples[0].routing.shape
         # Padding positions still pass through the routers: give them a valid, distinct expert set.
         routing = np.broadcast_to(np.arange(topk, dtype=samples[0].routing.dtype), (*input_ids.shape, layers, topk)).copy()

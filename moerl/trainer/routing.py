@@ -25,7 +25,8 @@ def _unwrap(model):
 
 
 class LocalRouters:
-    """This rank's routers, each with its column in the rollout routing (which lists MoE layers only)."""
+    """This rank's routers, each with its column in the rollout routing (which lists MoE layers only); the trainer
+    receives only these columns, in this order."""
 
     def __init__(self, model, moe_layers: list[int]):
         self.moe_layers = moe_layers
@@ -50,9 +51,10 @@ class LocalRouters:
         return local.reshape(chunk * b, *array.shape[2:])
 
     def replay_targets(self, routing: np.ndarray) -> list[torch.Tensor]:
-        """One int64 ``[s_local * b, topk]`` tensor per local router from ``[b, s, moe_layers, topk]``."""
+        """One int64 ``[s_local * b, topk]`` tensor per local router from ``[b, s, local routers, topk]`` (the
+        rollout routing of this rank's MoE layers only, as :mod:`moerl.trainer.distribute` delivers it)."""
         ordered = self.token_order(routing)
-        return [torch.from_numpy(ordered[:, c].astype(np.int64)) for c in self.columns]
+        return [torch.from_numpy(ordered[:, i].astype(np.int64)) for i in range(len(self.routers))]
 
 
 def replay_through_recompute() -> None:
@@ -124,7 +126,7 @@ class RoutingProbe:
     def agreement(self, batches: list) -> dict[str, np.ndarray]:
         """Per MoE layer (global, over all ranks): tokens counted, tokens whose native top-k set equals
         the rollout's, tokens whose used set equals the rollout's. ``batches`` are the micro-batches
-        in the order they ran, each with ``routing`` [b, s, L, k] and :meth:`real_positions`."""
+        in the order they ran, each with ``routing`` [b, s, local routers, k] and :meth:`real_positions`."""
         layers = len(self.routers.moe_layers)
         counts = torch.zeros(3, layers, dtype=torch.float64)
         for m, batch in enumerate(batches):
@@ -133,7 +135,7 @@ class RoutingProbe:
             real = torch.from_numpy(self.routers.token_order(batch.real_positions()))
             rollout = self.routers.token_order(batch.routing)
             for i, column in enumerate(self.routers.columns):
-                target = torch.from_numpy(np.sort(rollout[:, column].astype(np.int64), axis=-1))
+                target = torch.from_numpy(np.sort(rollout[:, i].astype(np.int64), axis=-1))
                 counts[0, column] += real.sum()
                 counts[1, column] += ((self.native[i][m] == target).all(-1) & real).sum()
                 counts[2, column] += ((self.used[i][m] == target).all(-1) & real).sum()

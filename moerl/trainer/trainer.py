@@ -34,8 +34,9 @@ from moerl.megatron.parallel import collective_device
 from moerl.models import family_for
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, shard_by_tokens, split_by_budget, split_into
+from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, split_by_budget, split_into
 from moerl.trainer.config import TrainerConfig
+from moerl.trainer.distribute import BatchDistributor, LocalPiece
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
 from moerl.trainer.routing import LocalRouters, RoutingProbe, replay_through_recompute, set_action
 
@@ -85,6 +86,7 @@ class Trainer:
         family = family_for(self.hf_config)
         self.moe_layers = [i for i, moe in enumerate(family.moe_layer_pattern(self.hf_config)) if moe]
         self.routers = LocalRouters(self.model, self.moe_layers)
+        self.batches = BatchDistributor(cfg, self.routers.columns)
         # Packed micro-batches go to Transformer Engine's attention as THD, to megatron-core's own as a mask.
         self.thd = any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
         if cfg.recompute:
@@ -97,32 +99,24 @@ class Trainer:
             _fp32_output_layer(model)
 
     # ---- batch preparation -------------------------------------------------------------------
-    def micro_batches(self, samples: list[Sample]) -> list[MicroBatch]:
-        """This rank's micro-batches of ``samples`` (whole GRPO groups, the same list on every rank).
+    def micro_batches(self, piece: LocalPiece) -> list[MicroBatch]:
+        """This rank's micro-batches of ``piece`` (its part of whole GRPO groups, from :attr:`batches`).
 
         Token weights are each sample's own part of the aggregation (:func:`objectives.sample_weights`);
         :meth:`step` divides by the whole batch's normaliser once every piece has been seen."""
-        loss = self.cfg.loss
-        advantages = objectives.grpo_advantages(np.array([s.reward for s in samples]), np.array([s.group_id for s in samples]), loss.std_normalize)
-        weights = objectives.sample_weights(np.array([s.response_len for s in samples]), loss.aggregation)
-        dp_size, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-        if len(samples) < dp_size:
-            raise ValueError(f"{len(samples)} samples cannot feed {dp_size} data-parallel ranks: give each piece at least {dp_size}")
-        shards = shard_by_tokens([s.fed_len for s in samples], dp_size)
-        # Every rank knows every shard, so all agree on the micro-batch count without communicating.
+        # Every rank knows every shard's lengths, so all agree on the micro-batch count without communicating.
         packed = self.cfg.micro_batch_format == "packed"
         group_by = pack_by_budget if packed else split_by_budget
-        split = [group_by([samples[i].fed_len for i in shard], self.cfg.micro_batch_tokens, multiple=self.layout.tp) for shard in shards]
+        split = [group_by(lengths, self.cfg.micro_batch_tokens, multiple=self.layout.tp) for lengths in piece.shard_lengths]
         count = max(len(g) for g in split)
-        mine = shards[dp_rank]
-        groups = split_into(split[dp_rank], count)
-        replay = self.cfg.replay
+        groups = split_into(split[parallel_state.get_data_parallel_rank()], count)
+        samples = piece.samples
+        use_masks = self.cfg.replay.sampling_mask and parallel_state.is_pipeline_last_stage()  # only the loss reads kept sets
 
         def build(g: list[int], zero: bool = False) -> MicroBatch:
-            return build_micro_batch([samples[mine[i]] for i in g], [0.0 if zero else float(advantages[mine[i]]) for i in g],
-                                     [0.0 if zero else float(weights[mine[i]]) for i in g], multiple=self.layout.tp,
-                                     use_masks=replay.sampling_mask, use_routing=replay.routing == "R3" or _has_routing(samples),
-                                     packed=packed)
+            return build_micro_batch([samples[i] for i in g], [0.0 if zero else float(piece.advantages[i]) for i in g],
+                                     [0.0 if zero else float(piece.weights[i]) for i in g], multiple=self.layout.tp,
+                                     use_masks=use_masks, use_routing=piece.routing, packed=packed)
 
         batches = [build(g) for g in groups]
         for _ in range(count - len(groups)):  # fewer samples here than micro-batches elsewhere
@@ -195,11 +189,12 @@ class Trainer:
         finally:
             _swap(params, self.reference)
 
-    def step(self, samples: list[Sample] | Iterable[list[Sample]]) -> dict[str, float]:
+    def step(self, samples: list[Sample] | Iterable[list[Sample]] | None) -> dict[str, float]:
         """One optimizer step on a global batch: ``samples``, or an iterable of pieces of it (each whole
-        GRPO groups; the same pieces on every rank). Each piece is scored and its gradient accumulated
-        as soon as it arrives, so training overlaps generation that is still producing later pieces;
-        the gradient is normalised over the whole batch before the update."""
+        GRPO groups), read on global rank 0 only (pass None elsewhere), which sends each rank its part.
+        Each piece is scored and its gradient accumulated as soon as it arrives, so training overlaps
+        generation that is still producing later pieces; the gradient is normalised over the whole batch
+        before the update."""
         pieces = [samples] if isinstance(samples, list) else samples
         loss_cfg = self.cfg.loss
         mode = self.cfg.replay.routing
@@ -248,8 +243,8 @@ class Trainer:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for piece in pieces:
-            lengths += [s.response_len for s in piece]
+        for piece in self.batches.pieces(pieces):
+            lengths += piece.response_lengths.tolist()
             batches = self.micro_batches(piece)
             if self.reference is not None:
                 with self._reference_weights():
@@ -390,8 +385,4 @@ def _fp32_output_layer(model) -> None:
 
 def _trainable(model) -> list[torch.nn.Parameter]:
     return [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
-
-
-def _has_routing(samples: list[Sample]) -> bool:
-    return all(s.routing is not None for s in samples)
 

@@ -10,6 +10,7 @@ in the gathers only.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from moerl.engines.client import EngineClient
 from moerl.megatron.forward import forward_logits
+from moerl.megatron.weights import Gather
 from moerl.weight_sync.export import hf_named_tensors
 
 
@@ -45,7 +47,11 @@ class EngineLink:
 
     def run(self, coroutine):
         """Run a coroutine of the engine client on this object's event loop; its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        return self.submit(coroutine).result()
+
+    def submit(self, coroutine) -> concurrent.futures.Future:
+        """Start a coroutine of the engine client on this object's event loop; a future of its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def close(self) -> None:
         self.run(self.client.close())
@@ -95,6 +101,7 @@ class FullWeightSync(WeightSync):
         requests run (an in_place pause), which SGLang refuses to flush."""
         super().__init__(urls, name)
         self.pause, self.flush_cache = pause, flush_cache
+        self._gather: Gather | None = None  # made at the first push (collective), kept for the model's life
 
     def start(self, trainer, resumed: bool) -> None:
         if resumed:
@@ -116,7 +123,9 @@ class FullWeightSync(WeightSync):
         return str(version), None
 
     def _push_policy(self, trainer) -> SyncStats | None:
-        named = hf_named_tensors(trainer.model.module, trainer.hf_config)  # every rank iterates: the gathers are collective
+        if self._gather is None:
+            self._gather = Gather(trainer.model.module)
+        named = hf_named_tensors(self._gather, trainer.hf_config)  # every rank iterates: the gathers are collective
         if self.link is None:
             for _ in named:
                 pass

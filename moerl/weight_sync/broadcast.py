@@ -1,6 +1,7 @@
 """Weight sync by broadcast: the trainer's rank 0 and every engine share one process group (NCCL on
 GPU, gloo on CPU); the Hub-named tensors go out in ``flattened_bucket`` buckets, each announced to the
-engines over HTTP while its bytes are broadcast, so an engine never holds more than one bucket extra.
+engines over HTTP while its bytes are broadcast, so an engine never holds more than one bucket extra, and
+the trainer two (the one on the wire and the one being gathered).
 The buckets of one update go inside a weight-update session (``/begin_weight_update`` ...
 ``/end_weight_update``), which SGLang 0.5.23 requires around distributed updates.
 """
@@ -71,35 +72,38 @@ class BroadcastSync(FullWeightSync):
         self.group = self.link.run(both())
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
+        """Double-buffered: while one bucket is on the wire, the next is gathered and flattened (on the device, in the
+        model dtype). The version, and the cache flush, follow the last bucket."""
         if self.group is None:
             raise RuntimeError("BroadcastSync.push before connect()")
         stats, start = SyncStats(), time.perf_counter()
-        self.link.run(self.link.client.begin_weight_update())
-        pending = None
-        for bucket in buckets(named, self.bucket_bytes):
-            if pending is not None:
-                self._send(pending, None)
-                stats.buckets += 1
-            pending = bucket
-            stats.tensors += len(bucket)
-            stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        if pending is not None:
-            self._send(pending, version)
-            stats.buckets += 1
-        self.link.run(self.link.client.end_weight_update())
+        client = self.link.client
+        self.link.run(client.begin_weight_update())
+        on_wire = None
+        try:
+            for bucket in buckets(named, self.bucket_bytes):
+                flat, names, dtypes, shapes = flatten_bucket(bucket)
+                stats.buckets, stats.tensors, stats.bytes = stats.buckets + 1, stats.tensors + len(names), stats.bytes + flat.numel()
+                del bucket
+                if on_wire is not None:
+                    on_wire.result()
+                on_wire = self.link.submit(self._send(flat, names, dtypes, shapes))
+        finally:
+            if on_wire is not None:
+                on_wire.result()
+        self.link.run(client.end_weight_update())
+        self.link.run(client.set_weight_version(version))
+        if self.flush_cache:
+            self.link.run(client.flush_cache())
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _send(self, bucket: list[tuple[str, torch.Tensor]], version: str | None) -> None:
-        flat, names, dtypes, shapes = flatten_bucket(bucket)
+    async def _send(self, flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+        """One bucket: its bytes broadcast while the engines are told what they are."""
         if self.backend == "nccl":
-            flat = flat.cuda()
-
-        async def both():
-            await asyncio.gather(
-                in_daemon_thread(dist.broadcast, flat, 0, self.group),
-                self.link.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, weight_version=version,
-                                                            load_format="flattened_bucket", flush_cache=self.flush_cache and version is not None),
-            )
-
-        self.link.run(both())
+            flat = flat.cuda()  # already there when the model is
+        await asyncio.gather(
+            in_daemon_thread(dist.broadcast, flat, 0, self.group),
+            self.link.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, load_format="flattened_bucket",
+                                                             flush_cache=False),
+        )

@@ -1,8 +1,9 @@
 """The trainer's weights under the Hub names the engines load, one layer at a time.
 
-Each piece (the non-layer tensors, then each decoder layer) is gathered across TP, EP and PP from
-whichever ranks hold it and split into its Hub tensors by the model family's mapping, so peak
-memory is one layer, not the model. Collective over the world: every rank iterates.
+Each piece (the non-layer tensors, then each decoder layer) is gathered whole on global rank 0 over
+the groups that shard it (:class:`~moerl.megatron.weights.Gather`) and split into its Hub tensors by
+the model family's mapping, so peak memory is one layer, not the model. Collective over the world:
+every rank iterates.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from typing import Iterator
 
 import torch
 
-from moerl.megatron.weights import full_tensors
+from moerl.megatron.weights import Gather
 from moerl.models import family_for
 from moerl.models.family import in_piece
 
 
-def hf_named_tensors(model, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on the CPU."""
+def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on rank 0's device; on
+    every other rank nothing (but iterate it to the end there too: the gathers are collective)."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
     for prefix, rules in family.layer_pieces(cfg):
-        full = full_tensors(model, select=lambda name: in_piece(name, prefix), keep_dtype=True)
-        for rule in rules:
-            yield from zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
+        full = gather.gather(lambda name: in_piece(name, prefix))
+        if full is not None:
+            for rule in rules:
+                yield from zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))

@@ -1,7 +1,7 @@
 """Adapter-only weight sync: after a LoRA step only the adapters move (megabytes, not the model).
 
-Every trainer rank joins the gather (TP shards, each EP rank's experts, each PP stage's layers);
-global rank 0 converts them to the ``sglang`` adapter layout and loads them into every engine under a versioned
+Every trainer rank joins the gather toward global rank 0 (:class:`~moerl.megatron.weights.Gather`: TP shards,
+each EP rank's experts, each PP stage's layers); rank 0 converts them to the ``sglang`` adapter layout and loads them into every engine under a versioned
 name (``/load_lora_adapter_from_tensors``, or an adapter directory and ``/load_lora_adapter`` when
 ``directory`` is set: SGLang takes tensors only from processes on its own machine). The engines'
 base weights never change; requests name the adapter they sample with.
@@ -16,14 +16,9 @@ import torch
 
 from moerl.checkpoint.peft import export_adapter, save_adapter
 from moerl.megatron.lora import LoRAConfig, is_lora_param
-from moerl.megatron.weights import full_tensors
+from moerl.megatron.weights import Gather
 from moerl.models import family_for
 from moerl.weight_sync.base import SyncStats, WeightSync
-
-
-def lora_tensors(model) -> dict[str, torch.Tensor]:
-    """Every adapter factor of the whole model under its full megatron name, on every rank (collective)."""
-    return full_tensors(model, select=is_lora_param, keep_dtype=True)
 
 
 def adapter_name(version: int | str) -> str:
@@ -41,6 +36,7 @@ class AdapterSync(WeightSync):
         super().__init__(urls, "moerl-adapter-sync")
         self.lora, self.hf_config, self.base_model = lora, hf_config, base_model
         self.directory = Path(directory) if directory is not None else None
+        self._gather: Gather | None = None
 
     def connect(self) -> None:
         if self.directory is not None and self.link is not None:
@@ -52,7 +48,9 @@ class AdapterSync(WeightSync):
             self.update(trainer)
 
     def update(self, trainer) -> SyncStats | None:
-        lora = lora_tensors(trainer.model.module)  # every rank: the gather is collective
+        if self._gather is None:
+            self._gather = Gather(trainer.model.module, select=is_lora_param)  # every adapter factor, whole, on rank 0
+        lora = self._gather.gather()  # every rank: the gather is collective
         self.adapter = adapter_name(trainer.version)
         return self.push(lora, trainer.version) if self.link is not None else None
 

@@ -1,0 +1,271 @@
+"""Batch distribution: global rank 0 holds the step's samples, and each rank receives only its own.
+
+Rank 0 plans each piece of a step: GRPO advantages and aggregation weights over the whole piece, and
+the token-balanced data-parallel shards (:func:`~moerl.trainer.batch.shard_by_tokens`). Every rank
+receives the plan, a few numbers per sample (lengths, advantages, weights, temperatures, kept-set sizes),
+so all agree on the shards and on the micro-batch count without further talk. Then each rank receives,
+point to point and as one flat tensor, only its own shard and only what its pipeline stage reads:
+token ids on the first stage (its inputs) and the last (its targets); behaviour log-probs, versions and
+kept sets on the last; routing on every stage that has MoE layers, only those layers' columns.
+Tensor-parallel peers of a replica receive the same samples. So a rank's host memory for routing is
+proportional to its own tokens and layers, and nothing batch-sized goes to every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from moerl.megatron.parallel import collective_device
+from moerl.sample import Sample
+from moerl.trainer import objectives
+from moerl.trainer.batch import shard_by_tokens
+from moerl.trainer.config import TrainerConfig
+
+ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allows, by code in the header
+_PIECE, _END, _FAILED = 1, 0, -1  # header status
+_PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature", "kept")
+_ALIGN = 8
+
+
+class BatchFailed(RuntimeError):
+    """Global rank 0 could not plan a piece of the batch; its own error says why."""
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one rank reads of its samples."""
+
+    dp_rank: int
+    ids: bool  # first stage (inputs) or last (targets)
+    last: bool  # the loss: behaviour log-probs, versions, kept sets
+    columns: tuple[int, ...]  # the rollout-routing columns (MoE layers) of its routers, in build order
+
+
+@dataclass
+class LocalPiece:
+    """One piece of a step as this rank trains on it."""
+
+    samples: list[Sample]  # this replica's shard in piece order; arrays its stage does not read are zeros made here
+    advantages: np.ndarray  # float64, per local sample
+    weights: np.ndarray  # float64, per local sample: its part of the aggregation
+    shard_lengths: list[list[int]]  # fed lengths of every replica's shard: all ranks agree on the micro-batch count
+    response_lengths: np.ndarray  # of every sample of the piece: the step's normaliser counts them all
+    routing: bool  # the samples carry routing (this rank's columns only)
+    received: int  # bytes this rank took in for it (plan and shard)
+
+
+def _fields(needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.ndarray, routing: tuple | None,
+            masks: bool) -> list[tuple[str, np.dtype, tuple]]:
+    """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths."""
+    fields = []
+    if needs.ids:
+        fields.append(("ids", np.dtype(np.int32), (int((prompt + response).sum()),)))
+    if needs.last:
+        tokens = int(response.sum())
+        fields += [("behaviour", np.dtype(np.float32), (tokens,)), ("versions", np.dtype(np.int64), (tokens,))]
+        if masks:
+            fields += [("kept_counts", np.dtype(np.int32), (tokens,)), ("kept_ids", np.dtype(np.int32), (int(kept.sum()),))]
+    if routing is not None:  # a stage without MoE layers gets zero columns
+        dtype, topk = routing
+        fields.append(("routing", np.dtype(dtype), (int((prompt + response - 1).sum()), len(needs.columns), topk)))
+    return fields
+
+
+def _spans(fields) -> tuple[list[tuple[int, int]], int]:
+    spans, offset = [], 0
+    for _, dtype, shape in fields:
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        spans.append((offset, offset + size))
+        offset += -(-size // _ALIGN) * _ALIGN
+    return spans, offset
+
+
+def _pack(samples: list[Sample], needs: Needs, fields, masks: bool) -> np.ndarray:
+    spans, total = _spans(fields)
+    buffer = np.zeros(total, dtype=np.uint8)
+    for (name, dtype, shape), (start, end) in zip(fields, spans):
+        if name == "ids":
+            parts = [np.concatenate([s.prompt_ids, s.response_ids]) for s in samples]
+        elif name == "behaviour":
+            parts = [s.selected_logprobs if masks else s.behaviour_logprobs for s in samples]
+        elif name == "versions":
+            parts = [s.versions for s in samples]
+        elif name == "kept_counts":
+            parts = [np.diff(s.mask_offsets) for s in samples]
+        elif name == "kept_ids":
+            parts = [s.mask_ids for s in samples]
+        else:
+            parts = [s.routing[:, list(needs.columns)] for s in samples]
+        array = np.concatenate([np.asarray(p, dtype=dtype) for p in parts]).reshape(shape)
+        buffer[start:end] = array.reshape(-1).view(np.uint8)
+    return buffer
+
+
+def _unpack(buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray,
+            masks: bool) -> list[Sample]:
+    spans, _ = _spans(fields)
+    arrays = {name: buffer[start:end].view(dtype).reshape(shape) for (name, dtype, shape), (start, end) in zip(fields, spans)}
+    ids_at = np.concatenate([[0], np.cumsum(prompt + response)])
+    tokens_at = np.concatenate([[0], np.cumsum(response)])
+    fed_at = np.concatenate([[0], np.cumsum(prompt + response - 1)])
+    kept_at = np.concatenate([[0], np.cumsum(arrays["kept_counts"])]) if "kept_counts" in arrays else None
+    samples = []
+    for i, (p, r) in enumerate(zip(prompt.tolist(), response.tolist())):
+        tokens = slice(tokens_at[i], tokens_at[i + 1])
+        if "ids" in arrays:
+            ids = arrays["ids"][ids_at[i] : ids_at[i + 1]]
+            prompt_ids, response_ids = ids[:p], ids[p:]
+        else:  # a middle stage: inputs come from the previous stage, only the lengths matter here
+            prompt_ids, response_ids = np.zeros(p, dtype=np.int32), np.zeros(r, dtype=np.int32)
+        behaviour = arrays["behaviour"][tokens] if "behaviour" in arrays else np.zeros(r, dtype=np.float32)
+        sample = Sample(prompt_ids=prompt_ids, response_ids=response_ids, behaviour_logprobs=behaviour,
+                        versions=arrays["versions"][tokens] if "versions" in arrays else np.zeros(r, dtype=np.int64),
+                        temperature=float(temperature[i]),
+                        routing=arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None)
+        if kept_at is not None and masks:
+            offsets = kept_at[tokens_at[i] : tokens_at[i + 1] + 1]
+            sample.selected_logprobs = behaviour
+            sample.mask_offsets = offsets - offsets[0]
+            sample.mask_ids = arrays["kept_ids"][offsets[0] : offsets[-1]]
+        samples.append(sample)
+    return samples
+
+
+class BatchDistributor:
+    """Hands each trainer rank its own part of the step's pieces (see the module's docstring). Built once per
+    trainer on every rank (collective: rank 0 learns what each rank reads); :meth:`pieces` is collective too."""
+
+    def __init__(self, cfg: TrainerConfig, columns: list[int]):
+        """``columns``: the rollout-routing column (MoE layer) of each of this rank's routers, in build order."""
+        self.cfg = cfg
+        ps = parallel_state
+        self.needs = Needs(dp_rank=ps.get_data_parallel_rank(), ids=ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage(),
+                           last=ps.is_pipeline_last_stage(), columns=tuple(columns))
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        everyone = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(self.needs, everyone, dst=0)  # once: a few numbers per rank
+        self.everyone: list[Needs] = everyone or []
+        self.received = 0  # bytes taken in over this distributor's life
+
+    def pieces(self, source: Iterable[list[Sample]] | None) -> Iterator[LocalPiece]:
+        """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends."""
+        source = iter(source) if self.rank == 0 else None
+        while True:
+            if self.rank == 0:
+                try:
+                    piece = next(source, None)
+                except BaseException:
+                    self._header(_FAILED)
+                    raise
+            local = self.scatter(piece if self.rank == 0 else None)
+            if local is None:
+                return
+            yield local
+
+    def scatter(self, piece: list[Sample] | None) -> LocalPiece | None:
+        """Collective: rank 0 plans ``piece`` (None: the end) and sends each rank its part; this rank's part, None at the end."""
+        if self.rank != 0:
+            return self._receive()
+        if piece is None:
+            self._header(_END)
+            return None
+        try:
+            plan, routing, masks = self._plan(piece)
+        except BaseException:
+            self._header(_FAILED)
+            raise
+        self._header(_PIECE, len(piece), routing, masks)
+        plan_tensor = torch.from_numpy(plan).to(collective_device())
+        dist.broadcast(plan_tensor, 0)
+        shards = shard_by_tokens((plan[0] + plan[1] - 1).astype(np.int64).tolist(), self.dp_size)
+        prompt, response, kept = plan[0].astype(np.int64), plan[1].astype(np.int64), plan[5].astype(np.int64)
+        sends, mine = [], None
+        for rank, needs in enumerate(self.everyone):
+            shard = shards[needs.dp_rank]
+            fields = _fields(needs, prompt[shard], response[shard], kept[shard], routing, masks)
+            payload = _pack([piece[i] for i in shard], needs, fields, masks)
+            if rank == 0:
+                mine = payload  # unpacked like everyone else's: every rank trains on what the wire format carries
+            else:
+                tensor = torch.from_numpy(payload).to(collective_device())
+                sends.append((tensor, dist.isend(tensor, rank)))
+        for _, request in sends:
+            request.wait()
+        return self._local(plan, shards, routing, masks, mine, received=0)
+
+    def _plan(self, piece: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
+        """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel)."""
+        if not piece:
+            raise ValueError("an empty piece of a batch")
+        if len(piece) < self.dp_size:
+            raise ValueError(f"{len(piece)} samples cannot feed {self.dp_size} data-parallel ranks: give each piece at least {self.dp_size}")
+        replay, loss = self.cfg.replay, self.cfg.loss
+        masks = replay.sampling_mask
+        if masks:
+            missing = sum(s.selected_logprobs is None or s.mask_offsets is None for s in piece)
+            if missing:
+                raise ValueError(f"sampling-mask replay is on but {missing} sample(s) carry no kept sets or selected "
+                                 "log-probs (request return_sampling_mask with sampling_logprobs_mode='selected')")
+        with_routing = [s.routing is not None for s in piece]
+        routing = None
+        if all(with_routing):  # R3 replays it; otherwise it measures agreement
+            dtypes = {s.routing.dtype for s in piece}
+            if len(dtypes) != 1 or next(iter(dtypes)) not in ROUTING_DTYPES:
+                raise ValueError(f"routing dtypes {sorted(map(str, dtypes))}: expected one of {[np.dtype(d).name for d in ROUTING_DTYPES]}")
+            routing = (next(iter(dtypes)), piece[0].routing.shape[2])
+        elif replay.routing == "R3":
+            raise ValueError(f"routing replay R3 is on but {len(piece) - sum(with_routing)} sample(s) carry no routing "
+                             "(request return_routed_experts)")
+        rewards, groups = np.array([s.reward for s in piece]), np.array([s.group_id for s in piece])
+        response = np.array([s.response_len for s in piece])
+        plan = np.stack([
+            np.array([s.prompt_len for s in piece], dtype=np.float64), response.astype(np.float64),
+            objectives.grpo_advantages(rewards, groups, loss.std_normalize).astype(np.float64),
+            objectives.sample_weights(response, loss.aggregation).astype(np.float64),
+            np.array([s.temperature for s in piece], dtype=np.float64),
+            np.array([len(s.mask_ids) if masks else 0 for s in piece], dtype=np.float64),
+        ])
+        return plan, routing, masks
+
+    def _header(self, status: int, n: int = 0, routing: tuple | None = None, masks: bool = False) -> None:
+        code = -1 if routing is None else [np.dtype(d) for d in ROUTING_DTYPES].index(np.dtype(routing[0]))
+        header = torch.tensor([status, n, code, routing[1] if routing else 0, int(masks)], dtype=torch.int64, device=collective_device())
+        dist.broadcast(header, 0)
+
+    def _receive(self) -> LocalPiece | None:
+        header = torch.empty(5, dtype=torch.int64, device=collective_device())
+        dist.broadcast(header, 0)
+        status, n, code, topk, masks = header.tolist()
+        if status == _END:
+            return None
+        if status == _FAILED:
+            raise BatchFailed("global rank 0 failed while preparing the batch (its error says why)")
+        routing = None if code < 0 else (ROUTING_DTYPES[code], topk)
+        plan_tensor = torch.empty(len(_PLAN_ROWS), n, dtype=torch.float64, device=collective_device())
+        dist.broadcast(plan_tensor, 0)
+        plan = plan_tensor.cpu().numpy()
+        shards = shard_by_tokens((plan[0] + plan[1] - 1).astype(np.int64).tolist(), self.dp_size)
+        shard = shards[self.needs.dp_rank]
+        fields = _fields(self.needs, plan[0, shard].astype(np.int64), plan[1, shard].astype(np.int64), plan[5, shard].astype(np.int64),
+                         routing, bool(masks))
+        payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
+        dist.recv(payload, 0)
+        received = header.numel() * 8 + plan_tensor.numel() * 8 + payload.numel()
+        return self._local(plan, shards, routing, bool(masks), payload.cpu().numpy(), received)
+
+    def _local(self, plan: np.ndarray, shards: list[list[int]], routing, masks: bool, payload: np.ndarray, received: int) -> LocalPiece:
+        shard = shards[self.needs.dp_rank]
+        prompt, response = plan[0].astype(np.int64), plan[1].astype(np.int64)
+        fields = _fields(self.needs, prompt[shard], response[shard], plan[5, shard].astype(np.int64), routing, masks)
+        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], masks and self.needs.last)
+        self.received += received
+        return LocalPiece(samples=samples, advantages=plan[2, shard], weights=plan[3, shard],
+                          shard_lengths=[(prompt[s] + response[s] - 1).tolist() for s in shards], response_lengths=response,
+                          routing=routing is not None, received=received)
