@@ -171,7 +171,9 @@ def distribute_worker(layout: Layout, samples: list, moe_layers: int) -> dict:
     distributor = BatchDistributor(TrainerConfig(replay=ReplayConfig(routing="R3", sampling_mask=True)), columns)
     with PeakRSS() as rss:
         piece = distributor.scatter(samples if dist.get_rank() == 0 else None)
-    own = sum(s.routing.nbytes + 4 * (s.prompt_len + s.response_len) + s.response_len * 16 + 4 * len(s.mask_ids) for s in piece.samples)
+    needs = distributor.needs
+    own = sum(s.routing.nbytes + (4 * (s.prompt_len + s.response_len) if needs.ids else 0)
+              + (s.response_len * (4 + 8 + 4) + 4 * len(s.mask_ids) if needs.last else 0) for s in piece.samples)
     return {"received": piece.received, "own": own, "rss_growth": rss.growth}
 
 
@@ -258,10 +260,9 @@ def main() -> None:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    lines = ["## Data plane per rank (`bench/data_plane.py`)", ""]
-    sync_lines, _ = weight_sync(work, args.repeats)
-    lines += sync_lines + distribution(args.samples) + on_paper()
-    publish(lines, args.out)
+    publish(["## Data plane per rank (`bench/data_plane.py`)", ""] + on_paper(), args.out)
+    publish(distribution(args.samples), args.out)
+    publish(weight_sync(work, args.repeats)[0], args.out)
 
 
 if __name__ == "__main__":

@@ -118,13 +118,19 @@ class Gather:
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object((self.stage, manifest), everyone, dst=0)  # once per model: names and shapes, no tensor
         self._senders: list[tuple[int, list]] = []  # (rank, manifest) of each stage's first rank
+        problem = None
         if dist.get_rank() == 0:
             for stage in range(self.stages):
                 leads = [(rank, m) for rank, (s, m) in enumerate(everyone) if s == stage and m is not None]
                 if len(leads) != 1 or (stage == 0 and leads[0][0] != 0):
-                    raise RuntimeError(f"pipeline stage {stage}: ranks {[r for r, _ in leads]} are first in all their groups; "
-                                       "the export needs exactly one, and global rank 0 for stage 0")
+                    problem = (f"pipeline stage {stage}: ranks {[r for r, _ in leads]} are first in all their groups; "
+                               "the export needs exactly one, and global rank 0 for stage 0")
+                    break
                 self._senders.append(leads[0])
+        ok = torch.tensor([problem is None], dtype=torch.int32, device=collective_device())
+        dist.broadcast(ok, 0)  # every rank fails together, none waits in a gather for a rank that gave up
+        if not ok.item():
+            raise RuntimeError(problem or "the weight gather's layout check failed on global rank 0 (its error says why)")
 
     def _tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
         if not self.grads:
@@ -136,13 +142,13 @@ class Gather:
 
     def gather(self, select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor] | None:
         """The selected tensors whole, on rank 0's device (None on every other rank); collective: call on all ranks."""
-        def wanted(names: list[str]) -> bool:
-            return select is None or select(names[0])
+        def wanted(name: str) -> bool:
+            return select is None or select(name)
 
         mine: list[tuple[str, torch.Tensor]] = []
-        for entry in self._entries:
-            if wanted(entry.names):
-                mine += self._gather_entry(entry)
+        for entry in self._entries:  # each group's members gather alike; every side then keeps the names ``select`` takes
+            if any(wanted(name) for name in entry.names):
+                mine += [(name, tensor) for name, tensor in self._gather_entry(entry) if wanted(name)]
         if dist.get_rank() != 0:
             for _, tensor in mine:  # only a stage's first rank holds any
                 dist.send(tensor.contiguous(), 0)
@@ -151,7 +157,7 @@ class Gather:
         device = collective_device()
         for rank, manifest in self._senders[1:]:
             for name, shape, dtype in manifest:
-                if select is None or select(name):
+                if wanted(name):
                     tensor = torch.empty(shape, dtype=dtype, device=device)
                     dist.recv(tensor, rank)
                     self.received += tensor.numel() * tensor.element_size()

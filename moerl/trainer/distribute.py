@@ -176,29 +176,30 @@ class BatchDistributor:
         if piece is None:
             self._header(_END)
             return None
-        try:
+        try:  # everything that can fail, before any rank is told a piece is coming
             plan, routing, masks = self._plan(piece)
+            shards = shard_by_tokens((plan[0] + plan[1] - 1).astype(np.int64).tolist(), self.dp_size)
+            prompt, response, kept = plan[0].astype(np.int64), plan[1].astype(np.int64), plan[5].astype(np.int64)
+            packed: dict[Needs, np.ndarray] = {}  # tensor-parallel peers read the same: packed once
+            for needs in self.everyone:
+                if needs not in packed:
+                    shard = shards[needs.dp_rank]
+                    fields = _fields(needs, prompt[shard], response[shard], kept[shard], routing, masks)
+                    packed[needs] = _pack([piece[i] for i in shard], needs, fields, masks)
+            payloads = [packed[needs] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
             raise
         self._header(_PIECE, len(piece), routing, masks)
-        plan_tensor = torch.from_numpy(plan).to(collective_device())
-        dist.broadcast(plan_tensor, 0)
-        shards = shard_by_tokens((plan[0] + plan[1] - 1).astype(np.int64).tolist(), self.dp_size)
-        prompt, response, kept = plan[0].astype(np.int64), plan[1].astype(np.int64), plan[5].astype(np.int64)
-        sends, mine = [], None
-        for rank, needs in enumerate(self.everyone):
-            shard = shards[needs.dp_rank]
-            fields = _fields(needs, prompt[shard], response[shard], kept[shard], routing, masks)
-            payload = _pack([piece[i] for i in shard], needs, fields, masks)
-            if rank == 0:
-                mine = payload  # unpacked like everyone else's: every rank trains on what the wire format carries
-            else:
-                tensor = torch.from_numpy(payload).to(collective_device())
-                sends.append((tensor, dist.isend(tensor, rank)))
+        dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
+        sends = []
+        for rank, payload in enumerate(payloads[1:], start=1):
+            tensor = torch.from_numpy(payload).to(collective_device())
+            sends.append((tensor, dist.isend(tensor, rank)))
         for _, request in sends:
             request.wait()
-        return self._local(plan, shards, routing, masks, mine, received=0)
+        # Rank 0's own part is unpacked like everyone else's: every rank trains on what the wire format carries.
+        return self._local(plan, shards, routing, masks, payloads[0], received=0)
 
     def _plan(self, piece: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
         """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel)."""

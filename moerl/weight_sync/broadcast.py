@@ -9,6 +9,7 @@ The buckets of one update go inside a weight-update session (``/begin_weight_upd
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from typing import Iterable, Iterator
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.engines.weight_group import flatten_bucket, in_daemon_thread, join_weight_group, weight_store
+from moerl.megatron.parallel import collective_device
 from moerl.weight_sync.base import FullWeightSync, SyncStats
 
 
@@ -83,14 +85,19 @@ class BroadcastSync(FullWeightSync):
         try:
             for bucket in buckets(named, self.bucket_bytes):
                 flat, names, dtypes, shapes = flatten_bucket(bucket)
-                stats.buckets, stats.tensors, stats.bytes = stats.buckets + 1, stats.tensors + len(names), stats.bytes + flat.numel()
                 del bucket
+                if self.backend == "nccl":
+                    flat = flat.to(collective_device())  # here, on this rank's device: the loop's thread defaults to GPU 0
+                stats.buckets, stats.tensors, stats.bytes = stats.buckets + 1, stats.tensors + len(names), stats.bytes + flat.numel()
                 if on_wire is not None:
                     on_wire.result()
                 on_wire = self.link.submit(self._send(flat, names, dtypes, shapes))
-        finally:
             if on_wire is not None:
                 on_wire.result()
+        except BaseException:
+            if on_wire is not None:  # its bucket leaves the wire before the error goes up, and does not replace it
+                concurrent.futures.wait([on_wire])
+            raise
         self.link.run(client.end_weight_update())
         self.link.run(client.set_weight_version(version))
         if self.flush_cache:
@@ -100,8 +107,6 @@ class BroadcastSync(FullWeightSync):
 
     async def _send(self, flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
         """One bucket: its bytes broadcast while the engines are told what they are."""
-        if self.backend == "nccl":
-            flat = flat.cuda()  # already there when the model is
         await asyncio.gather(
             in_daemon_thread(dist.broadcast, flat, 0, self.group),
             self.link.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, load_format="flattened_bucket",

@@ -51,7 +51,8 @@ class DiskSync(FullWeightSync):
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(item, staging / item.name)
         index = {}
-        for n, shard in enumerate(buckets(named, self.shard_bytes)):
+        on_host = ((name, tensor.cpu()) for name, tensor in named)  # a shard is written from host memory, not held on the GPU
+        for n, shard in enumerate(buckets(on_host, self.shard_bytes)):
             name = f"model-{n:05d}.safetensors"
             save_file({k: t.contiguous() for k, t in shard}, str(staging / name), metadata={"format": "pt"})
             index.update({k: name for k, _ in shard})

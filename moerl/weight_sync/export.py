@@ -27,3 +27,4 @@ def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, tor
         if full is not None:
             for rule in rules:
                 yield from zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
+        del full  # before the next piece is gathered: one layer held at a time, not two
