@@ -241,8 +241,8 @@ def on_paper() -> list[str]:
         f"| sync: rank 0 to the engines | {total / g:.1f} GB | {total / g:.1f} GB | {total / ib:.2f} s at 400 Gb/s IB (one NIC) |",
         f"| step: routing taken in per rank | {routing / g:.1f} GB, pickled | {shard / g:.2f} GB (its replica's shard) | "
         f"{shard / ib:.3f} s at 400 Gb/s IB |",
-        f"| step: routing sent by rank 0 | {routing * (world - 1) / g:.0f} GB | {shard * (world - 1) / g:.1f} GB (each TP peer its own copy) | "
-        f"{shard * (world - 1) / ib:.2f} s at 400 Gb/s IB |",
+        f"| step: routing sent by rank 0 | {routing * (world - 1) / g:.0f} GB | {shard * (world // tp - 1) / g:.1f} GB (each other replica's "
+        f"shard once, to its TP group's first rank) | {shard * (world // tp - 1) / ib:.2f} s at 400 Gb/s IB |",
         "",
         "Peers, as published: verl checkpoint-engine 4.4 s, miles 2.7 s (NCCL) / 2.2 s (RDMA) on 2 H100 nodes, NeMo-RL reshard "
         "0.74-1.0 s on H100. With one sender, the sync here is bounded by rank 0's link to the engines; one sender per "

@@ -101,23 +101,24 @@ def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2, "ep": 2}, {"pp": 4}], ids=["PP2xDP2", "PP4"])
+@pytest.mark.parametrize("layout", [{"pp": 2, "ep": 2}, {"pp": 4}, {"tp": 2, "pp": 2}], ids=["PP2xDP2", "PP4", "TP2xPP2"])
 def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckpts, fp32_samples, layout):
     """PP2xDP2 (EP2): two replicas of two stages; PP4: one layer per stage, the second dense. MoE layers 0, 2 and 3
     are routing columns 0, 1 and 2; the first stage reads token ids, the last ids and what the loss reads, a middle one
-    only its routing. Each rank's bytes are its own shard's arrays plus the plan."""
+    only its routing; TP2xPP2: a TP peer gets its group's samples from the group's first rank. Each rank's bytes are its
+    own shard's arrays plus the plan."""
     from moerl.trainer.batch import shard_by_tokens
     from tests.workers import scatter_piece
 
     ranks = run_ranks(scatter_piece, 4, str(tiny_ckpts[ARCH][1]), config("R3", **layout), fp32_samples)
-    replicas = 4 // layout["pp"]
+    replicas = 4 // (layout["pp"] * layout.get("tp", 1))
     shards = shard_by_tokens([s.fed_len for s in fp32_samples], replicas)
     plan_bytes = 5 * 8 + len(fp32_samples) * 6 * 8  # header, and six numbers per sample
     assert {out["needs"].dp_rank for out in ranks} == set(range(replicas))
     columns = {2: [(0,), (1, 2)], 4: [(0,), (), (1,), (2,)]}[layout["pp"]]
     for rank, out in enumerate(ranks):
         needs, mine = out["needs"], [fp32_samples[i] for i in shards[out["needs"].dp_rank]]
-        stage = rank // replicas
+        stage = rank // (4 // layout["pp"])
         assert needs.columns == columns[stage] and needs.last == (stage == layout["pp"] - 1)
         assert needs.ids == (stage in (0, layout["pp"] - 1))
         assert len(out["samples"]) == len(mine)

@@ -4,10 +4,11 @@ Rank 0 plans each piece of a step: GRPO advantages and aggregation weights over 
 the token-balanced data-parallel shards (:func:`~moerl.trainer.batch.shard_by_tokens`). Every rank
 receives the plan, a few numbers per sample (lengths, advantages, weights, temperatures, kept-set sizes),
 so all agree on the shards and on the micro-batch count without further talk. Then each rank receives,
-point to point and as one flat tensor, only its own shard and only what its pipeline stage reads:
+as one flat tensor, only its own shard and only what its pipeline stage reads:
 token ids on the first stage (its inputs) and the last (its targets); behaviour log-probs, versions and
 kept sets on the last; routing on every stage that has MoE layers, only those layers' columns.
-Tensor-parallel peers of a replica receive the same samples. So a rank's host memory for routing is
+Tensor-parallel peers of a replica receive the same samples: rank 0 sends them once, point to point, to the
+TP group's first rank, which broadcasts them within the group. So a rank's host memory for routing is
 proportional to its own tokens and layers, and nothing batch-sized goes to every rank.
 """
 
@@ -149,9 +150,13 @@ class BatchDistributor:
                            last=ps.is_pipeline_last_stage(), columns=tuple(columns))
         self.dp_size = ps.get_data_parallel_world_size()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Rank 0 sends each replica's stage once, to the first rank of its TP group, which passes it on to its TP peers.
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.tp_first = dist.get_global_rank(self.tp_group, 0)
         everyone = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(self.needs, everyone, dst=0)  # once: a few numbers per rank
-        self.everyone: list[Needs] = everyone or []
+        dist.gather_object((self.needs, self.rank == self.tp_first), everyone, dst=0)  # once: a few numbers per rank
+        self.everyone: list[Needs] = [needs for needs, _ in everyone or []]
+        self.receivers = [rank for rank, (_, first) in enumerate(everyone or []) if first and rank != 0]
         self.received = 0  # bytes taken in over this distributor's life
 
     def pieces(self, source: Iterable[list[Sample]] | None) -> Iterator[LocalPiece]:
@@ -193,9 +198,10 @@ class BatchDistributor:
         self._header(_PIECE, len(piece), routing, masks)
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
         sends = []
-        for rank, payload in enumerate(payloads[1:], start=1):
-            tensor = torch.from_numpy(payload).to(collective_device())
+        for rank in self.receivers:
+            tensor = torch.from_numpy(payloads[rank]).to(collective_device())
             sends.append((tensor, dist.isend(tensor, rank)))
+        self._to_tp_peers(torch.from_numpy(payloads[0]).to(collective_device()))
         for _, request in sends:
             request.wait()
         # Rank 0's own part is unpacked like everyone else's: every rank trains on what the wire format carries.
@@ -257,9 +263,16 @@ class BatchDistributor:
         fields = _fields(self.needs, plan[0, shard].astype(np.int64), plan[1, shard].astype(np.int64), plan[5, shard].astype(np.int64),
                          routing, bool(masks))
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
-        dist.recv(payload, 0)
+        if self.rank == self.tp_first:
+            dist.recv(payload, 0)
+        self._to_tp_peers(payload)
         received = header.numel() * 8 + plan_tensor.numel() * 8 + payload.numel()
         return self._local(plan, shards, routing, bool(masks), payload.cpu().numpy(), received)
+
+    def _to_tp_peers(self, payload: torch.Tensor) -> None:
+        """The TP group's first rank hands its payload to the others (they all read the same samples)."""
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.broadcast(payload, self.tp_first, group=self.tp_group)
 
     def _local(self, plan: np.ndarray, shards: list[list[int]], routing, masks: bool, payload: np.ndarray, received: int) -> LocalPiece:
         shard = shards[self.needs.dp_rank]
