@@ -75,7 +75,7 @@ class Gather:
     """
 
     def __init__(self, model, grads: bool = False, select: Callable[[str], bool] | None = None):
-        self.model, self.grads = model, grads
+        self.grads = grads
         self.received = 0
         ps = parallel_state
         glu_names = ("linear_fc1.weight", "linear_fc1.lora_B")  # a LoRA B splits like its weight
@@ -112,15 +112,14 @@ class Gather:
                                         glu=model.config.gated_linear_unit and full.endswith(glu_names)))
         self.lead = ps.get_tensor_model_parallel_rank() == 0 and dense_copy and ps.get_expert_model_parallel_rank() == 0 \
             and ps.get_expert_tensor_parallel_rank() == 0 and expert_copy
-        self.stage, self.stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         # What each stage's first rank yields, in its order: rank 0 receives the later stages' by it.
         manifest = [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((self.stage, manifest), everyone, dst=0)  # once per model: names and shapes, no tensor
+        dist.gather_object((ps.get_pipeline_model_parallel_rank(), manifest), everyone, dst=0)  # once per model: names and shapes, no tensor
         self._senders: list[tuple[int, list]] = []  # (rank, manifest) of each stage's first rank
         problem = None
         if dist.get_rank() == 0:
-            for stage in range(self.stages):
+            for stage in range(ps.get_pipeline_model_parallel_world_size()):
                 leads = [(rank, m) for rank, (s, m) in enumerate(everyone) if s == stage and m is not None]
                 if len(leads) != 1 or (stage == 0 and leads[0][0] != 0):
                     problem = (f"pipeline stage {stage}: ranks {[r for r, _ in leads]} are first in all their groups; "

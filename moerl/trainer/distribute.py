@@ -108,8 +108,7 @@ def _pack(samples: list[Sample], needs: Needs, fields, masks: bool) -> np.ndarra
     return buffer
 
 
-def _unpack(buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray,
-            masks: bool) -> list[Sample]:
+def _unpack(buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray) -> list[Sample]:
     spans, _ = _spans(fields)
     arrays = {name: buffer[start:end].view(dtype).reshape(shape) for (name, dtype, shape), (start, end) in zip(fields, spans)}
     ids_at = np.concatenate([[0], np.cumsum(prompt + response)])
@@ -129,7 +128,7 @@ def _unpack(buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray
                         versions=arrays["versions"][tokens] if "versions" in arrays else np.zeros(r, dtype=np.int64),
                         temperature=float(temperature[i]),
                         routing=arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None)
-        if kept_at is not None and masks:
+        if kept_at is not None:
             offsets = kept_at[tokens_at[i] : tokens_at[i + 1] + 1]
             sample.selected_logprobs = behaviour
             sample.mask_offsets = offsets - offsets[0]
@@ -161,7 +160,7 @@ class BatchDistributor:
 
     def pieces(self, source: Iterable[list[Sample]] | None) -> Iterator[LocalPiece]:
         """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends."""
-        source = iter(source) if self.rank == 0 else None
+        source, piece = iter(source) if self.rank == 0 else None, None
         while True:
             if self.rank == 0:
                 try:
@@ -169,7 +168,7 @@ class BatchDistributor:
                 except BaseException:
                     self._header(_FAILED)
                     raise
-            local = self.scatter(piece if self.rank == 0 else None)
+            local = self.scatter(piece)
             if local is None:
                 return
             yield local
@@ -183,15 +182,14 @@ class BatchDistributor:
             return None
         try:  # everything that can fail, before any rank is told a piece is coming
             plan, routing, masks = self._plan(piece)
-            shards = shard_by_tokens((plan[0] + plan[1] - 1).astype(np.int64).tolist(), self.dp_size)
-            prompt, response, kept = plan[0].astype(np.int64), plan[1].astype(np.int64), plan[5].astype(np.int64)
-            packed: dict[Needs, np.ndarray] = {}  # tensor-parallel peers read the same: packed once
+            lengths, shards = self._lengths(plan)
+            packed: dict[Needs, tuple[list, np.ndarray]] = {}  # (fields, payload); tensor-parallel peers read the same: packed once
             for needs in self.everyone:
                 if needs not in packed:
                     shard = shards[needs.dp_rank]
-                    fields = _fields(needs, prompt[shard], response[shard], kept[shard], routing, masks)
-                    packed[needs] = _pack([piece[i] for i in shard], needs, fields, masks)
-            payloads = [packed[needs] for needs in self.everyone]
+                    fields = _fields(needs, *lengths[:, shard], routing, masks)
+                    packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks)
+            payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
             raise
@@ -205,7 +203,7 @@ class BatchDistributor:
         for _, request in sends:
             request.wait()
         # Rank 0's own part is unpacked like everyone else's: every rank trains on what the wire format carries.
-        return self._local(plan, shards, routing, masks, payloads[0], received=0)
+        return self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
 
     def _plan(self, piece: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
         """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel)."""
@@ -258,27 +256,30 @@ class BatchDistributor:
         plan_tensor = torch.empty(len(_PLAN_ROWS), n, dtype=torch.float64, device=collective_device())
         dist.broadcast(plan_tensor, 0)
         plan = plan_tensor.cpu().numpy()
-        shards = shard_by_tokens((plan[0] + plan[1] - 1).astype(np.int64).tolist(), self.dp_size)
-        shard = shards[self.needs.dp_rank]
-        fields = _fields(self.needs, plan[0, shard].astype(np.int64), plan[1, shard].astype(np.int64), plan[5, shard].astype(np.int64),
-                         routing, bool(masks))
+        lengths, shards = self._lengths(plan)
+        fields = _fields(self.needs, *lengths[:, shards[self.needs.dp_rank]], routing, bool(masks))
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
         if self.rank == self.tp_first:
             dist.recv(payload, 0)
         self._to_tp_peers(payload)
         received = header.numel() * 8 + plan_tensor.numel() * 8 + payload.numel()
-        return self._local(plan, shards, routing, bool(masks), payload.cpu().numpy(), received)
+        return self._local(plan, lengths, shards, fields, payload.cpu().numpy(), routing, received)
 
     def _to_tp_peers(self, payload: torch.Tensor) -> None:
         """The TP group's first rank hands its payload to the others (they all read the same samples)."""
         if dist.get_world_size(self.tp_group) > 1:
             dist.broadcast(payload, self.tp_first, group=self.tp_group)
 
-    def _local(self, plan: np.ndarray, shards: list[list[int]], routing, masks: bool, payload: np.ndarray, received: int) -> LocalPiece:
+    def _lengths(self, plan: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
+        """(int64 [prompt, response, kept] x samples, each replica's sample indices) of a plan: the same on every rank."""
+        lengths = plan[[0, 1, 5]].astype(np.int64)
+        return lengths, shard_by_tokens((lengths[0] + lengths[1] - 1).tolist(), self.dp_size)
+
+    def _local(self, plan: np.ndarray, lengths: np.ndarray, shards: list[list[int]], fields, payload: np.ndarray, routing,
+               received: int) -> LocalPiece:
         shard = shards[self.needs.dp_rank]
-        prompt, response = plan[0].astype(np.int64), plan[1].astype(np.int64)
-        fields = _fields(self.needs, prompt[shard], response[shard], plan[5, shard].astype(np.int64), routing, masks)
-        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], masks and self.needs.last)
+        prompt, response, _ = lengths
+        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard])
         self.received += received
         return LocalPiece(samples=samples, advantages=plan[2, shard], weights=plan[3, shard],
                           shard_lengths=[(prompt[s] + response[s] - 1).tolist() for s in shards], response_lengths=response,
