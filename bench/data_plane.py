@@ -45,6 +45,7 @@ from moerl.layout import Layout  # noqa: E402
 from report import publish  # noqa: E402
 
 LAYOUTS = {"world 1": (1, Layout()), "EP2": (2, Layout(ep=2)), "EP4": (4, Layout(ep=4)), "TP2xEP2": (4, Layout(tp=2, ep=2))}
+SYNC_LAYOUTS = {**LAYOUTS, "PP2": (2, Layout(pp=2)), "EP2xPP2": (4, Layout(ep=2, pp=2))}  # several senders: per stage, per EP rank
 BUCKET = 64 << 20
 
 
@@ -74,32 +75,25 @@ def sync_worker(mcore_dir: str, layout: Layout, url: str, repeats: int) -> dict:
     import torch.distributed as dist
 
     from moerl.checkpoint.mcore import load_megatron_model
-    from moerl.megatron.weights import Gather
     from moerl.weight_sync.broadcast import BroadcastSync
-    from moerl.weight_sync.export import hf_named_tensors
 
     cfg, model = load_megatron_model(mcore_dir, layout)
     rank0 = dist.get_rank() == 0
     sync = BroadcastSync([url] if rank0 else None, "127.0.0.1", "gloo", group_name=f"bench-{layout}", bucket_bytes=BUCKET)
     sync.connect()
-    gather = Gather(model)
     seconds, received = [], []
     with PeakRSS() as rss:
         for i in range(repeats):
-            gather.received = 0
+            if sync.gather is not None:
+                sync.gather.received = 0
             dist.barrier()
             start = time.perf_counter()
-            named = hf_named_tensors(gather, cfg)
-            if rank0:
-                sync.push(named, f"{layout}-{i}")
-            else:
-                for _ in named:
-                    pass
+            sync.push_model(model, cfg, f"{layout}-{i}")
             dist.barrier()
             seconds.append(time.perf_counter() - start)
-            received.append(gather.received)
+            received.append(sync.gather.received)
     sync.close()
-    return {"seconds": statistics.median(seconds), "received": max(received), "rss_growth": rss.growth}
+    return {"seconds": statistics.median(seconds), "received": max(received), "rss_growth": rss.growth, "sends": sync.sender is not None}
 
 
 def raw_push(model: Path, url: str, repeats: int) -> float:
@@ -138,17 +132,17 @@ def weight_sync(work: Path, repeats: int) -> tuple[list[str], int]:
     results = {}
     with running_server(hf, work / "engine-logs") as url:
         raw_s = raw_push(hf, url, repeats)
-        for name, (world, layout) in LAYOUTS.items():
+        for name, (world, layout) in SYNC_LAYOUTS.items():
             results[name] = run_ranks(sync_worker, world, str(mcore), layout, url, repeats)
     base = results["world 1"][0]["seconds"]
     lines = [f"### Weight sync per rank (x86_64, 2 cores; generated Qwen3-MoE, 32 experts, 2 layers, {model_bytes / 2**20:.0f} MiB "
              f"in fp32; one embedded engine over gloo; {BUCKET >> 20} MiB buckets; median of {repeats})", "",
-             "| layout | ranks | sync s | vs world 1 | vs raw push | taken in, rank 0 (x model) | most taken in by another rank (x model) | "
-             "peak RSS growth per rank (MiB) |", "|---|---|---|---|---|---|---|---|"]
+             "| layout | ranks | senders | sync s | vs world 1 | vs raw push | taken in, rank 0 (x model) | most taken in by another rank "
+             "(x model) | peak RSS growth per rank (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for name, ranks in results.items():
         others = max((r["received"] for r in ranks[1:]), default=0)
         growth = " / ".join(f"{r['rss_growth'] / 2**20:.0f}" for r in ranks)
-        lines.append(f"| {name} | {len(ranks)} | {ranks[0]['seconds']:.2f} | {ranks[0]['seconds'] / base:.2f}x | "
+        lines.append(f"| {name} | {len(ranks)} | {sum(r['sends'] for r in ranks)} | {ranks[0]['seconds']:.2f} | {ranks[0]['seconds'] / base:.2f}x | "
                      f"{ranks[0]['seconds'] / raw_s:.2f}x | {ranks[0]['received'] / model_bytes:.2f} | {others / model_bytes:.2f} | {growth} |")
     lines += ["", f"Raw push of the same {model_bytes / 2**20:.0f} MiB from one process (tensors in memory): {raw_s:.2f} s.", ""]
     return lines, model_bytes
@@ -223,8 +217,9 @@ def on_paper() -> list[str]:
     total = family.hub_numel(cfg) * 2
     dense = total - expert
     world, tp, ep = 16, 2, 8
-    # What rank 0 takes in: the other TP half of every TP-sharded dense tensor (about all of them), and 7/8 of the experts.
-    rank0 = dense * (tp - 1) / tp + expert * (ep - 1) / ep
+    # What rank 0 takes in: the other TP half of every TP-sharded dense tensor (about all of them). Experts (ETP1) are
+    # not gathered: each EP rank sends its own.
+    rank0 = dense * (tp - 1) / tp
     # The gather it replaced: every rank received every rank's pickled TP-gathered tensors.
     old = (world - 1) * dense + expert * world / ep - expert / ep
     routing = 512 * 32768 * 48 * 8  # 512 samples x 32K tokens x 48 MoE layers x top-8, one byte per expert id
@@ -235,18 +230,22 @@ def on_paper() -> list[str]:
         "### On paper: Qwen3-30B-A3B (bf16) on 2 nodes x 8 H100, TP2xEP8 (the recipe's 16 ranks), 512 x 32K-token samples per step", "",
         "| what | before (world-wide object gathers / broadcasts) | now | seconds now |", "|---|---|---|---|",
         f"| model (Hub bytes) | {total / g:.1f} GB | | |",
-        f"| sync: taken in by rank 0 | {old / g:.0f} GB, pickled | {rank0 / g:.1f} GB (TP peer + its node's EP group, NVLink) | "
-        f"{rank0 / nvlink:.2f} s at NVLink |",
+        f"| sync: taken in by rank 0 | {old / g:.0f} GB, pickled | {rank0 / g:.1f} GB (its TP peer's halves, NVLink) | "
+        f"{rank0 / nvlink:.3f} s at NVLink |",
         f"| sync: taken in by any other rank | {old / g:.0f} GB, pickled | 0 | 0 |",
-        f"| sync: rank 0 to the engines | {total / g:.1f} GB | {total / g:.1f} GB | {total / ib:.2f} s at 400 Gb/s IB (one NIC) |",
+        f"| sync: sent to the engines by rank 0 | {total / g:.1f} GB | {(dense + expert / ep) / g:.1f} GB (dense + its experts) | "
+        f"{(dense + expert / ep) / ib:.2f} s at 400 Gb/s IB (its NIC) |",
+        f"| sync: sent by each other EP rank's sender (7) | 0 | {expert / ep / g:.1f} GB (its experts) | {expert / ep / ib:.2f} s (its NIC) |",
+        f"| sync: taken in by each engine GPU | {total / g:.1f} GB | {total / g:.1f} GB | {total / ib:.2f} s at 400 Gb/s IB |",
         f"| step: routing taken in per rank | {routing / g:.1f} GB, pickled | {shard / g:.2f} GB (its replica's shard) | "
         f"{shard / ib:.3f} s at 400 Gb/s IB |",
         f"| step: routing sent by rank 0 | {routing * (world - 1) / g:.0f} GB | {shard * (world // tp - 1) / g:.1f} GB (each other replica's "
         f"shard once, to its TP group's first rank) | {shard * (world // tp - 1) / ib:.2f} s at 400 Gb/s IB |",
         "",
         "Peers, as published: verl checkpoint-engine 4.4 s, miles 2.7 s (NCCL) / 2.2 s (RDMA) on 2 H100 nodes, NeMo-RL reshard "
-        "0.74-1.0 s on H100. With one sender, the sync here is bounded by rank 0's link to the engines; one sender per "
-        "pipeline stage or per EP rank (not built yet) would divide that by the number of senders.", "",
+        "0.74-1.0 s on H100. With a sender per EP rank no trainer link carries more than the dense weights and an eighth of the "
+        "experts; the bound moves to the engines, whose every GPU takes in the whole model (SGLang broadcasts each bucket to all "
+        "of a replica's ranks, and its scheduler takes one group's update at a time).", "",
     ]
 
 

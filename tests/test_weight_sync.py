@@ -15,7 +15,7 @@ from tests.workers import export_hf
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("world, layout", [(2, Layout(tp=2)), (2, Layout(ep=2)), (2, Layout(pp=2)), (4, Layout(tp=2, ep=2, pp=2))],
                          ids=["TP2", "EP2", "PP2", "TP2xEP2xPP2"])
-def test_export_streams_the_hf_checkpoint_bitwise_and_only_rank_0_takes_in_the_model(tiny_ckpts, arch, world, layout):
+def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_senders(tiny_ckpts, arch, world, layout):
     hf_dir, mcore_dir = tiny_ckpts[arch]
     reader = HFReader(hf_dir)
     ranks = run_ranks(export_hf, world, str(mcore_dir), layout)
@@ -40,6 +40,21 @@ def test_export_streams_the_hf_checkpoint_bitwise_and_only_rank_0_takes_in_the_m
         assert out["received"] < nbytes(stage), rank
         assert (out["received"] > 0) == (layout.tp > 1 or layout.ep > 1), rank
 
+    # Several senders: together their shares are the checkpoint, bitwise, each tensor once; a sender takes in only
+    # its TP peers' shards of what it sends (experts are not gathered across EP ranks), any other rank nothing.
+    shares = [(name, tensor) for out in ranks for name, tensor in out["share"]]
+    assert sorted(name for name, _ in shares) == sorted(reader.names())
+    for name, tensor in shares:
+        assert torch.equal(tensor, reader.get(name)), name
+    assert sum(out["sends"] for out in ranks) == layout.pp * layout.ep
+    for rank, out in enumerate(ranks):
+        assert bool(out["share"]) == out["sends"], rank
+        # At most the other half of what it sends (norms and routers are replicated; experts at ETP1 not sharded).
+        assert out["share_received"] <= nbytes(name for name, _ in out["share"]) // 2, rank
+        if layout.tp == 1 or not out["sends"]:
+            assert out["share_received"] == 0, rank
+    assert (ranks[0]["share_received"] > 0) == (layout.tp > 1)
+
 
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["EP2", "PP2"])
 def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(tiny_ckpts, tmp_path, layout):
@@ -52,10 +67,17 @@ def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(ti
     samples = rollout(hf_dir, torch.float32)
     cfg = TrainerConfig(optim=OptimConfig(lr=1e-2), **layout)
     with running_server(hf_dir, tmp_path / "logs") as url:
-        out = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, url)[0]
+        ranks = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, url)
+    out = ranks[0]
     reader = HFReader(hf_dir)
     stats = out["stats"]
     assert stats.buckets > 1 and stats.tensors == len(reader.names())
+    # Both ranks send, each over a group of its own: each stage its own layers (PP2), each EP rank its own experts
+    # (EP2). Without TP nothing is gathered at all: no rank takes in another's weights.
+    assert len({r["group"] for r in ranks}) == 2 and None not in {r["group"] for r in ranks}
+    assert all(r["sent"].bytes > 0 for r in ranks) and sum(r["sent"].bytes for r in ranks) == stats.bytes
+    assert sum(r["sent"].tensors for r in ranks) == stats.tensors
+    assert [r["received"] for r in ranks] == [0, 0]
     assert out["versions"] == ["1"]  # the policy version after one step
     changed = 0
     for name, tensor in out["trained"]:

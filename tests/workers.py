@@ -159,7 +159,10 @@ def export_hf(mcore_dir: str, layout: Layout) -> dict:
     cfg, model = load_megatron_model(mcore_dir, layout)
     gather = Gather(model)
     stream = [(name, tensor.clone()) for name, tensor in hf_named_tensors(gather, cfg)]
+    senders = Gather(model, per_sender=True)  # what broadcast sync sends: each sender its own share
+    share = [(name, tensor.clone()) for name, tensor in hf_named_tensors(senders, cfg)]
     return {"stream": stream, "received": gather.received, "lead": gather.lead,
+            "share": share, "share_received": senders.received, "sends": senders.sends,
             "layers": sorted(layer.layer_number - 1 for layer in model.decoder.layers), "last": parallel_state.is_pipeline_last_stage()}
 
 
@@ -177,8 +180,10 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dic
     sync.connect()
     stats = sync.update(trainer)
     trained = list(hf_named_tensors(Gather(trainer.model.module), trainer.hf_config))
+    mine = {"sent": sync.sent, "received": sync.gather.received, "group": sync.group_name if sync.sender else None}
     if not rank0:
-        return {}
+        sync.close()
+        return mine
     link = sync.link
 
     async def read_back():
@@ -187,7 +192,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dic
     served = link.run(read_back())
     versions = link.run(link.client.weight_versions())
     sync.close()
-    return {"stats": stats, "trained": trained, "served": served, "versions": versions}
+    return {**mine, "stats": stats, "trained": trained, "served": served, "versions": versions}
 
 
 def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict:

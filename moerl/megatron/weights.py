@@ -9,8 +9,13 @@ Each tensor travels only toward the rank that needs it, on its device, as a tens
 pickled): a TP-sharded parameter is gathered over its TP (or expert-TP) group into that group's first
 rank, an expert's weights over the expert-parallel group into its first rank, and only the first
 data-parallel replica takes part (the others hold copies). The first rank of each pipeline stage then
-holds its stage's tensors whole, and sends them to global rank 0 point to point. So rank 0 takes in
-at most the model once, every other rank at most its own group's share, most ranks nothing.
+holds its stage's tensors whole and sends them to global rank 0 point to point. So rank 0 takes in at
+most the model once, every other rank at most its own group's share, most ranks nothing.
+
+With ``per_sender`` nothing goes to rank 0, and experts are not gathered over the expert-parallel group:
+each tensor stays whole where its TP (or expert-TP) gather ends, so a stage's dense tensors are on its
+first rank and each expert-parallel rank's own experts on its expert-TP group's first rank
+(:func:`sends_weights`), each of which sends them to the engines itself.
 """
 
 from __future__ import annotations
@@ -65,17 +70,35 @@ class _Entry:
     glu: bool  # a GLU linear_fc1 (or its LoRA B): each TP shard is [gate_r; up_r]
 
 
+def stage_lead() -> bool:
+    """Whether this rank is its pipeline stage's first in every group (TP, DP, EP, expert-TP, expert-DP): the
+    rank where :class:`Gather` assembles the stage."""
+    ps = parallel_state
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+            and ps.get_expert_model_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
+            and ps.get_expert_data_parallel_rank() == 0)
+
+
+def sends_weights() -> bool:
+    """Whether a ``per_sender`` :class:`Gather` leaves whole tensors on this rank: its stage's first rank, and
+    under expert parallelism the first expert-TP rank of each expert-parallel rank (first expert-DP replica)."""
+    ps = parallel_state
+    return stage_lead() or (ps.get_expert_model_parallel_world_size() > 1 and ps.get_expert_tensor_parallel_rank() == 0
+                            and ps.get_expert_data_parallel_rank() == 0)
+
+
 class Gather:
-    """Collects a sharded model's parameters (or gradients) whole on global rank 0, piece by piece.
+    """Collects a sharded model's parameters (or gradients) whole on global rank 0, piece by piece; or, with
+    ``per_sender``, on the ranks that send them (:func:`sends_weights`), each its own share.
 
     Built once per model on every rank (collective: each pipeline stage's first rank tells rank 0 the
-    names, shapes and dtypes it will send); :meth:`gather` is collective too. ``select(global_name)``
+    names, shapes and dtypes it holds); :meth:`gather` is collective too. ``select(global_name)``
     fixes the parameters it can ever return; :attr:`received` counts the bytes this rank's collectives
     took in, for tests and benchmarks.
     """
 
-    def __init__(self, model, grads: bool = False, select: Callable[[str], bool] | None = None):
-        self.grads = grads
+    def __init__(self, model, grads: bool = False, select: Callable[[str], bool] | None = None, per_sender: bool = False):
+        self.grads, self.per_sender = grads, per_sender
         self.received = 0
         ps = parallel_state
         glu_names = ("linear_fc1.weight", "linear_fc1.lora_B")  # a LoRA B splits like its weight
@@ -104,14 +127,15 @@ class Gather:
             if sharded:
                 shape[param.partition_dim] *= size
             names = [full]
-            if expert and ep > 1:
+            gathers_experts = expert and ep > 1 and not per_sender
+            if gathers_experts:
                 local = int(_EXPERT.search(full).group(1)) % num_local
                 names = [_EXPERT.sub(f".local_experts.{j * num_local + local}.", full, count=1) for j in range(ep)]
             self._entries.append(_Entry(param, names, tuple(shape), group if sharded else None,
-                                        ps.get_expert_model_parallel_group() if expert and ep > 1 else None,
+                                        ps.get_expert_model_parallel_group() if gathers_experts else None,
                                         glu=model.config.gated_linear_unit and full.endswith(glu_names)))
-        self.lead = ps.get_tensor_model_parallel_rank() == 0 and dense_copy and ps.get_expert_model_parallel_rank() == 0 \
-            and ps.get_expert_tensor_parallel_rank() == 0 and expert_copy
+        self.lead = stage_lead()
+        self.sends = sends_weights() if per_sender else dist.get_rank() == 0  # where gather() returns tensors
         # What each stage's first rank yields, in its order: rank 0 receives the later stages' by it.
         manifest = [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -140,7 +164,8 @@ class Gather:
         return grad
 
     def gather(self, select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor] | None:
-        """The selected tensors whole, on rank 0's device (None on every other rank); collective: call on all ranks."""
+        """The selected tensors whole, on rank 0's device (None on every other rank); ``per_sender``: on each rank
+        that :attr:`sends`, its share of them (None on the others). Collective: call on all ranks."""
         def wanted(name: str) -> bool:
             return select is None or select(name)
 
@@ -148,6 +173,8 @@ class Gather:
         for entry in self._entries:  # each group's members gather alike; every side then keeps the names ``select`` takes
             if any(wanted(name) for name in entry.names):
                 mine += [(name, tensor) for name, tensor in self._gather_entry(entry) if wanted(name)]
+        if self.per_sender:
+            return dict(mine) if self.sends else None
         if dist.get_rank() != 0:
             for _, tensor in mine:  # only a stage's first rank holds any
                 dist.send(tensor.contiguous(), 0)

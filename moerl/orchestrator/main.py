@@ -418,7 +418,10 @@ def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, h
     flush = not (cfg.run.mode == "async" and cfg.rollout.partial == "in_place")
     if cfg.sync.method == "disk":
         return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
-    address = os.environ.get("MOERL_SYNC_ADDRESS", "127.0.0.1" if not cfg.engines.urls else _host_address())
+    # Each pipeline stage's first rank hosts its own weight group: the engines must reach this rank's node.
+    # Engines the job starts itself run beside rank 0, on the first node (torchrun's GROUP_RANK 0).
+    local = not cfg.engines.urls and os.environ.get("GROUP_RANK", "0") == "0"
+    address = os.environ.get("MOERL_SYNC_ADDRESS", "127.0.0.1" if local else _host_address())
     return BroadcastSync(urls, address, "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20,
                          pause=pause, flush_cache=flush)
 

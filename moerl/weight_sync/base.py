@@ -101,11 +101,11 @@ class FullWeightSync(WeightSync):
         requests run (an in_place pause), which SGLang refuses to flush."""
         super().__init__(urls, name)
         self.pause, self.flush_cache = pause, flush_cache
-        self._gather: Gather | None = None  # made at the first push (collective), kept for the model's life
+        self.gather: Gather | None = None  # made at the first push (collective), kept for the model's life
 
     def start(self, trainer, resumed: bool) -> None:
         if resumed:
-            self._push_policy(trainer)
+            self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
         elif self.link is not None:  # the engines loaded the checkpoint the trainer starts from
             self.link.run(self.link.client.set_weight_version(str(trainer.version)))
 
@@ -113,7 +113,7 @@ class FullWeightSync(WeightSync):
         start = time.perf_counter()
         if self.link is not None:
             self.link.run(self.link.client.pause(self.pause))
-        stats = self._push_policy(trainer)
+        stats = self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
         if self.link is not None:
             self.link.run(self.link.client.resume())
             stats.pause_seconds = time.perf_counter() - start
@@ -122,15 +122,16 @@ class FullWeightSync(WeightSync):
     def served(self, version: int) -> tuple[str | None, str | None]:
         return str(version), None
 
-    def _push_policy(self, trainer) -> SyncStats | None:
-        if self._gather is None:
-            self._gather = Gather(trainer.model.module)
-        named = hf_named_tensors(self._gather, trainer.hf_config)  # every rank iterates: the gathers are collective
+    def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
+        """Collective: ``model``'s weights to the engines under ``version``; the stats on rank 0, None elsewhere."""
+        if self.gather is None:
+            self.gather = Gather(model)
+        named = hf_named_tensors(self.gather, hf_config)  # every rank iterates: the gathers are collective
         if self.link is None:
             for _ in named:
                 pass
             return None
-        return self.push(named, str(trainer.version))
+        return self.push(named, version)
 
     @abstractmethod
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:

@@ -1,9 +1,14 @@
-"""Weight sync by broadcast: the trainer's rank 0 and every engine share one process group (NCCL on
-GPU, gloo on CPU); the Hub-named tensors go out in ``flattened_bucket`` buckets, each announced to the
-engines over HTTP while its bytes are broadcast, so an engine never holds more than one bucket extra, and
-the trainer two (the one on the wire and the one being gathered).
-The buckets of one update go inside a weight-update session (``/begin_weight_update`` ...
-``/end_weight_update``), which SGLang 0.5.23 requires around distributed updates.
+"""Weight sync by broadcast from several senders at once: the first rank of each pipeline stage sends
+its stage's dense tensors, and under expert parallelism each expert-parallel rank its own experts
+(:func:`~moerl.megatron.weights.sends_weights`), each over a process group of its own with every engine
+(NCCL on GPU, gloo on CPU; SGLang keeps one per ``group_name``). So the senders' gathers and
+broadcasts run side by side, experts are never gathered across expert-parallel ranks, and no rank
+holds weights it does not send. The Hub-named tensors go out in
+``flattened_bucket`` buckets, each announced to the engines over HTTP while its bytes are broadcast,
+so an engine never holds more than one bucket extra, and a sender two (the one on the wire and the
+one being gathered). Global rank 0 alone steers the engines: it opens the weight-update session
+(``/begin_weight_update`` ... ``/end_weight_update``, which SGLang 0.5.23 requires around distributed
+updates) before any stage sends, and closes it, sets the version and flushes once every stage is done.
 """
 
 from __future__ import annotations
@@ -15,10 +20,11 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-
 from moerl.engines.weight_group import flatten_bucket, in_daemon_thread, join_weight_group, weight_store
 from moerl.megatron.parallel import collective_device
-from moerl.weight_sync.base import FullWeightSync, SyncStats
+from moerl.megatron.weights import Gather, sends_weights
+from moerl.weight_sync.base import EngineLink, FullWeightSync, SyncStats, WeightSyncError
+from moerl.weight_sync.export import hf_named_tensors
 
 
 def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
@@ -46,24 +52,41 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
 
 
 class BroadcastSync(FullWeightSync):
-    """The trainer side of broadcast weight sync to the engines behind ``urls`` (global rank 0; None elsewhere)."""
+    """The trainer side of broadcast weight sync; every trainer rank makes one (``urls``: the engines, on global
+    rank 0; None elsewhere) and calls each method, all collective."""
 
     def __init__(self, urls: list[str] | None, master_address: str, backend: str, master_port: int = 0,
                  group_name: str = "moerl-weight-sync", bucket_bytes: int = 512 << 20, pause: str = "abort", flush_cache: bool = True):
-        """``pause``, ``flush_cache``: see :class:`~moerl.weight_sync.base.FullWeightSync`."""
+        """``master_address``: where the engines reach this rank (it hosts its stage's group if it sends one);
+        ``master_port``: 0 binds a free one, else global rank ``r`` binds ``master_port + r``; ``pause``,
+        ``flush_cache``: see :class:`~moerl.weight_sync.base.FullWeightSync`."""
         super().__init__(urls, "moerl-weight-sync", pause, flush_cache)
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
         self.group_name, self.bucket_bytes = group_name, bucket_bytes
-        self.group: dist.ProcessGroup | None = None
+        self.sender: EngineLink | None = None  # this rank's link to the engines if it sends (rank 0's: ``link``)
+        self.group: dist.ProcessGroup | None = None  # its group with the engines
+        self.sent = SyncStats()  # what this rank itself sent in the last push (all zero on a rank that sends nothing)
 
     def connect(self) -> None:
-        """Form the group: the trainer is rank 0, and each engine takes as many ranks as its tensor-parallel size."""
-        if self.link is None:
+        """Each sender forms a group of its own with the engines: it is rank 0 there, and each engine takes as many
+        ranks as its tensor-parallel size. A process outside any trainer group (a tool, a benchmark) is the one
+        sender."""
+        in_trainer = dist.is_initialized()
+        sends, rank = (sends_weights(), dist.get_rank()) if in_trainer else (True, 0)
+        engines = [None, None]
+        if self.link is not None:
+            engines = [self.link.client.urls, [info["tp_size"] for info in self.link.run(self.link.client.server_info())]]
+        if in_trainer and dist.get_world_size() > 1:
+            dist.broadcast_object_list(engines, src=0)  # once per run: a few URLs and sizes
+        if not sends:
             return
-        client = self.link.client
-        offsets, world = group_ranks([info["tp_size"] for info in self.link.run(client.server_info())])
-        store = weight_store(self.master_address, self.master_port, world, 0)
+        urls, tp_sizes = engines
+        self.sender = self.link or EngineLink(urls, f"moerl-weight-sync-{rank}")
+        self.group_name = f"{self.group_name}-{rank}"
+        offsets, world = group_ranks(tp_sizes)
+        store = weight_store(self.master_address, self.master_port + rank if self.master_port else 0, world, 0)
         self.master_port = store.port
+        client = self.sender.client
 
         async def both():
             joined = in_daemon_thread(join_weight_group, self.backend, store, world, 0, self.group_name)
@@ -71,16 +94,62 @@ class BroadcastSync(FullWeightSync):
                 self.master_address, self.master_port, world, self.group_name, self.backend, rank_offsets=offsets))
             return group
 
-        self.group = self.link.run(both())
+        self.group = self.sender.run(both())
+
+    def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
+        """Every sender sends its share at once, inside one session that rank 0 opens and closes. A sender whose
+        send fails keeps taking part in its gathers to the end, so every rank raises together after."""
+        if dist.get_world_size() == 1:
+            return super().push_model(model, hf_config, version)
+        if self.gather is None:
+            self.gather = Gather(model, per_sender=True)
+        start = time.perf_counter()
+        opened = None
+        if self.link is not None:
+            try:
+                self.link.run(self.link.client.begin_weight_update())
+            except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it goes up here
+                opened = e
+        _agree(opened is None, "the weight-update session did not open on the engines (global rank 0's error says why)", opened)
+        named = hf_named_tensors(self.gather, hf_config)  # every rank iterates: the gathers are collective
+        self.sent, failed = SyncStats(), None
+        if self.sender is not None:
+            try:
+                self._send_buckets(named, self.sent)
+            except Exception as e:  # noqa: BLE001
+                failed = e
+        for _ in named:  # a rank that sends nothing, or whose send failed: its peers still gather with it
+            pass
+        totals = torch.tensor([self.sent.tensors, self.sent.bytes, self.sent.buckets], dtype=torch.int64, device=collective_device())
+        dist.reduce(totals, 0)
+        _agree(failed is None, "a sender's weights did not reach the engines (that rank's error says why)", failed)
+        if self.link is None:
+            return None
+        self._close_session(version)
+        tensors, nbytes, count = totals.tolist()
+        return SyncStats(tensors=tensors, bytes=nbytes, buckets=count, seconds=time.perf_counter() - start)
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
-        """Double-buffered: while one bucket is on the wire, the next is gathered and flattened (on the device, in the
-        model dtype). The version, and the cache flush, follow the last bucket."""
-        if self.group is None:
-            raise RuntimeError("BroadcastSync.push before connect()")
+        """The one sender: the whole update, session included."""
         stats, start = SyncStats(), time.perf_counter()
+        self.link.run(self.link.client.begin_weight_update())
+        self._send_buckets(named, stats)
+        self._close_session(version)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _close_session(self, version: str) -> None:
         client = self.link.client
-        self.link.run(client.begin_weight_update())
+        self.link.run(client.end_weight_update())
+        self.link.run(client.set_weight_version(version))
+        if self.flush_cache:
+            self.link.run(client.flush_cache())
+
+    def _send_buckets(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
+        """Double-buffered: while one bucket is on the wire, the next is gathered and flattened (on the device, in the
+        model dtype)."""
+        if self.group is None:
+            raise RuntimeError("BroadcastSync: a push before connect()")
         on_wire = None
         try:
             for bucket in buckets(named, self.bucket_bytes):
@@ -91,24 +160,33 @@ class BroadcastSync(FullWeightSync):
                 stats.buckets, stats.tensors, stats.bytes = stats.buckets + 1, stats.tensors + len(names), stats.bytes + flat.numel()
                 if on_wire is not None:
                     on_wire.result()
-                on_wire = self.link.submit(self._send(flat, names, dtypes, shapes))
+                on_wire = self.sender.submit(self._send(flat, names, dtypes, shapes))
             if on_wire is not None:
                 on_wire.result()
         except BaseException:
             if on_wire is not None:  # its bucket leaves the wire before the error goes up, and does not replace it
                 concurrent.futures.wait([on_wire])
             raise
-        self.link.run(client.end_weight_update())
-        self.link.run(client.set_weight_version(version))
-        if self.flush_cache:
-            self.link.run(client.flush_cache())
-        stats.seconds = time.perf_counter() - start
-        return stats
 
     async def _send(self, flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
         """One bucket: its bytes broadcast while the engines are told what they are."""
         await asyncio.gather(
             in_daemon_thread(dist.broadcast, flat, 0, self.group),
-            self.link.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, load_format="flattened_bucket",
-                                                             flush_cache=False),
+            self.sender.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, load_format="flattened_bucket",
+                                                               flush_cache=False),
         )
+
+    def close(self) -> None:
+        if self.sender is not None and self.sender is not self.link:
+            self.sender.close()
+        super().close()
+
+
+def _agree(ok: bool, message: str, error: BaseException | None) -> None:
+    """Collective: every rank raises if any rank is not ``ok`` (that rank its own ``error``, the others ``message``)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(flag)
+    if error is not None:
+        raise error
+    if flag.item():
+        raise WeightSyncError(message)

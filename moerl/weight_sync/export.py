@@ -19,12 +19,17 @@ from moerl.models.family import in_piece
 
 def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on rank 0's device; on
-    every other rank nothing (but iterate it to the end there too: the gathers are collective)."""
+    every other rank nothing (but iterate it to the end there too: the gathers are collective). With a
+    ``per_sender`` gather: on each rank that sends, its own share (a stage's dense tensors, an EP rank's experts)."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
     for prefix, rules in family.layer_pieces(cfg):
         full = gather.gather(lambda name: in_piece(name, prefix))
         if full is not None:
             for rule in rules:
+                # A sender holds its stage's layers only, and of their experts only its own; the non-layer piece is
+                # split between the first stage and the last.
+                if gather.per_sender and rule.mcore not in full:
+                    continue
                 yield from zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
         del full  # before the next piece is gathered: one layer held at a time, not two

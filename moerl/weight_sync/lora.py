@@ -36,7 +36,7 @@ class AdapterSync(WeightSync):
         super().__init__(urls, "moerl-adapter-sync")
         self.lora, self.hf_config, self.base_model = lora, hf_config, base_model
         self.directory = Path(directory) if directory is not None else None
-        self._gather: Gather | None = None
+        self.gather: Gather | None = None
 
     def connect(self) -> None:
         if self.directory is not None and self.link is not None:
@@ -48,9 +48,9 @@ class AdapterSync(WeightSync):
             self.update(trainer)
 
     def update(self, trainer) -> SyncStats | None:
-        if self._gather is None:
-            self._gather = Gather(trainer.model.module, select=is_lora_param)  # every adapter factor, whole, on rank 0
-        lora = self._gather.gather()  # every rank: the gather is collective
+        if self.gather is None:
+            self.gather = Gather(trainer.model.module, select=is_lora_param)  # every adapter factor, whole, on rank 0
+        lora = self.gather.gather()  # every rank: the gather is collective
         self.adapter = adapter_name(trainer.version)
         return self.push(lora, trainer.version) if self.link is not None else None
 
