@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -118,6 +119,59 @@ def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, lo
     assert all(r["staleness/max"] <= 1 for r in rows) and accounting(tmp_path)["balanced"]
 
 
+def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tailed):
+    """Two replicas; one is SIGKILLed at a seeded random moment, and again once the job has restarted it and it is back
+    in rotation: every step completes, no prompt is lost, and with sync.verify each update's engines (the restarted
+    one from the update that brings it back) serve the trainer's weights."""
+    rng = random.Random(0)
+    steps = 30
+    proc = subprocess.Popen(job_args(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2",
+                                     "engines.health_interval_s=0.2", "engines.health_failures=2", *long_tailed),
+                            env=child_env(PYTHON=sys.executable), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")] if metrics.exists() else []
+
+    def wait_until(condition) -> None:
+        deadline = time.monotonic() + 300
+        while not condition():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the engines were back"
+            time.sleep(0.1)
+
+    try:
+        killed_after = 0
+        for _ in range(2):
+            # Both replicas up and in rotation, in a step after the last kill.
+            wait_until(lambda: any(r["step"] > killed_after and r["engines/healthy"] == 2 for r in rows()))
+            time.sleep(rng.uniform(0, 1))
+            engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
+            assert len(engines) == 2
+            killed_after = len(rows())
+            os.killpg(rng.choice(engines).pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    assert proc.returncode == 0, stderr[-4000:]
+    done = rows()
+    assert [r["step"] for r in done] == list(range(1, steps + 1))
+    acct = accounting(tmp_path)
+    assert acct["balanced"], acct
+    assert acct["live"] == 0 and "engine_failure" not in acct["dropped"] and acct["trained"] == steps * GROUPS, acct
+    assert done[-1]["engines/restarts"] == 2, done[-1]
+    assert done[-1]["prompts/dropped_engine_failure"] == 0, done[-1]
+    assert any(r["engines/healthy"] < 2 for r in done)  # the kills were seen
+
+
+def _is_engine(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE and "serve" in process.cmdline()
+    except psutil.Error:  # gone, or a zombie not yet reaped
+        return False
+
+
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the job and everything it started (engines run in sessions of their own)."""
     family = psutil.Process(proc.pid).children(recursive=True)
@@ -203,7 +257,7 @@ def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
     from moerl.orchestrator.messages import EVENTS, ORDERS, Generate, GroupDone, ManagerSpec, Stop, checked
 
     assert checked(Generate(3), ORDERS) == Generate(3) and checked(Stop(), ORDERS) == Stop()
-    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, UseAdapter, Stop"):
+    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, UseAdapter, Served, Restarting, Stop"):
         checked({"cmd": "generate", "groups": 3}, ORDERS)
     with pytest.raises(TypeError, match="unexpected message Generate"):
         checked(Generate(1), EVENTS)  # an order is not an event
@@ -223,13 +277,20 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
 
     class Sync:
         adapter = None
+        link = SimpleNamespace(client=SimpleNamespace(targets=["http://a"]))
 
         def start(self, trainer, resumed):
             self.adapter = "moerl-lora-v3" if resumed else None
 
+        def served(self, version):
+            return None, self.adapter
+
     class Buffer:
         def use_adapter(self, name, version):
             ordered.append(("adapter", name, version))
+
+        def served(self, weight_version, engines):
+            ordered.append(("served", weight_version, engines))
 
         def order(self, groups):
             ordered.append(("generate", groups))
@@ -242,4 +303,4 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
     monkeypatch.setattr(job_module.Job, "start_rollouts", start_rollouts)
     monkeypatch.setattr(job_module.Job, "teardown", lambda self: None)
     job.run()
-    assert ordered[:2] == [("adapter", "moerl-lora-v3", 3), ("generate", job.cfg.rollout.outstanding)]
+    assert ordered[:3] == [("adapter", "moerl-lora-v3", 3), ("served", None, ["http://a"]), ("generate", job.cfg.rollout.outstanding)]

@@ -1,9 +1,12 @@
 """One async client for every engine replica, SGLang or embedded: same routes, same decoding.
 
-Requests go to the least-loaded replica (fewest in flight). Each completion is returned as soon as
-it finishes; transport failures and 5xx answers are retried a bounded number of times on routes where
-a second attempt is harmless (never a group join, a broadcast or an adapter load); a 4xx answer is the
-caller's mistake and raises at once with the engine's message. Every body is built with the route's
+Generation goes to the least-loaded healthy replica (fewest in flight; :mod:`moerl.engines.health`).
+Each completion is returned as soon as it finishes; a generation that fails in transport, answers
+5xx or runs past the client's deadline takes its replica out of rotation and raises
+:class:`ReplicaDown`, for the caller to re-issue elsewhere. On control routes transport failures and
+5xx answers are retried a bounded number of times where a second attempt is harmless (never a group
+join, a broadcast or an adapter load); a 4xx answer is the caller's mistake and raises at once with
+the engine's message. Every body is built with the route's
 type from :mod:`moerl.engines.protocol`.
 """
 
@@ -19,6 +22,7 @@ import aiohttp
 import numpy as np
 
 from moerl.engines import protocol as P
+from moerl.engines.health import ReplicaHealth
 from moerl.engines.protocol import Completion, Route, SamplingParams, WireModel, decode_generate
 from moerl.models.family import ModelShape
 
@@ -33,12 +37,23 @@ class EngineError(RuntimeError):
         self.url, self.status = url, status
 
 
+class ReplicaDown(EngineError):
+    """A generation failed because of its replica (transport error, 5xx, deadline): re-issue it to another."""
+
+
+class NoHealthyEngine(RuntimeError):
+    """Every replica is out of rotation."""
+
+
 class EngineClient:
     def __init__(self, urls: Iterable[str], shape: ModelShape | None = None, timeout_s: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5):
+                 retries: int = 3, backoff_s: float = 0.5, failures_to_dead: int = 3):
+        """``timeout_s``: each request's deadline; ``failures_to_dead``: see :class:`ReplicaHealth`."""
         self.urls = [u.rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("EngineClient needs at least one engine URL")
+        self.health = ReplicaHealth(self.urls, failures_to_dead)
+        self.targets = list(self.urls)  # where control calls go (a weight sync narrows it to the engines that are up)
         self.shape = shape
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries, self.backoff_s = retries, backoff_s
@@ -61,11 +76,12 @@ class EngineClient:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self._session
 
-    async def _call(self, url: str, route: Route, request: WireModel | None = None) -> Any:
-        """One route on one engine; transport errors and 5xx are retried where the route is idempotent."""
+    async def _call(self, url: str, route: Route, request: WireModel | None = None, retries: int | None = None) -> Any:
+        """One route on one engine; transport errors and 5xx are retried (``retries``, default the client's) where the
+        route is idempotent."""
         body = request.body() if request is not None else None
         last: Exception | None = None
-        attempts = self.retries + 1 if route.idempotent else 1
+        attempts = (self.retries if retries is None else retries) + 1 if route.idempotent else 1
         for attempt in range(attempts):
             try:
                 async with self._http().request(route.method, url + route.path, json=body) as resp:
@@ -76,20 +92,20 @@ class EngineClient:
                     if resp.status < 500:
                         raise EngineError(url, f"{route.path} refused ({resp.status}): {message}", resp.status)
                     last = EngineError(url, f"{route.path} failed ({resp.status}): {message}", resp.status)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:  # a broken answer is a transport failure
                 last = EngineError(url, f"{route.path}: {type(e).__name__}: {e}")
             if attempt + 1 < attempts:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise last
 
     async def _everywhere(self, route: Route, request: WireModel | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._call(u, route, request) for u in self.urls)))
+        return list(await asyncio.gather(*(self._call(u, route, request) for u in self.targets)))
 
     # ---- generation -----------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
                        return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
                        return_sampling_mask: bool = False, rid: str | None = None, lora_path: str | None = None) -> list[Completion]:
-        """All ``sampling_params.n`` completions of one prompt, from the least-loaded replica."""
+        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica."""
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams.parse(sampling_params)
         fields: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or SamplingParams(),
@@ -105,10 +121,18 @@ class EngineClient:
         if lora_path is not None:
             fields["lora_path"] = lora_path
         request = P.GenerateReqInput(**fields)
-        url = min(self.urls, key=self.in_flight.__getitem__)
+        usable = self.health.usable()
+        if not usable:
+            raise NoHealthyEngine("no engine replica is healthy: " + ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls))
+        url = min(usable, key=self.in_flight.__getitem__)
         self.in_flight[url] += 1
         try:
-            out = await self._call(url, P.GENERATE, request)
+            out = await self._call(url, P.GENERATE, request, retries=0)  # not again here: the caller re-issues elsewhere
+        except EngineError as e:
+            if e.status is not None and e.status < 500:
+                raise
+            self.health.request_failed(url, str(e))
+            raise ReplicaDown(url, str(e).removeprefix(f"{url}: "), e.status) from None
         finally:
             self.in_flight[url] -= 1
         responses = out if isinstance(out, list) else [out]
@@ -121,8 +145,14 @@ class EngineClient:
     async def resume(self) -> None:
         await self._everywhere(P.CONTINUE, P.ContinueGenerationReqInput())
 
-    async def abort(self, rid: str | None = None) -> None:
-        await self._everywhere(P.ABORT, P.AbortReq(rid=rid or "", abort_all=rid is None))
+    async def abort(self, rid: str | None = None, quietly: bool = False) -> None:
+        """Abort request ``rid`` (None: all) everywhere; ``quietly``: on the healthy replicas only, once each, whatever
+        they answer (a stop that must not wait on a replica that is down)."""
+        request = P.AbortReq(rid=rid or "", abort_all=rid is None)
+        if not quietly:
+            await self._everywhere(P.ABORT, request)
+            return
+        await asyncio.gather(*(self._call(u, P.ABORT, request, retries=0) for u in self.health.usable()), return_exceptions=True)
 
     async def server_info(self) -> list[P.ServerInfo]:
         return await self._everywhere(P.SERVER_INFO)
@@ -144,12 +174,12 @@ class EngineClient:
     async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                                         backend: str, rank_offsets: list[int] | None = None) -> None:
         """Each replica joins the trainer's broadcast group at its own rank offset (default 1, 2, ...)."""
-        offsets = rank_offsets or list(range(1, len(self.urls) + 1))
+        offsets = rank_offsets or list(range(1, len(self.targets) + 1))
         await asyncio.gather(*(
             self._call(u, P.INIT_GROUP, P.InitWeightsUpdateGroupReqInput(
                 master_address=master_address, master_port=master_port, rank_offset=offset, world_size=world_size,
                 group_name=group_name, backend=backend))
-            for u, offset in zip(self.urls, offsets)
+            for u, offset in zip(self.targets, offsets, strict=True)
         ))
 
     async def begin_weight_update(self) -> None:
@@ -157,6 +187,11 @@ class EngineClient:
 
     async def end_weight_update(self) -> None:
         await self._everywhere(P.END_UPDATE, P.EndWeightUpdateReqInput())
+
+    async def abandon_weight_update(self) -> None:
+        """After a failed update: end the session wherever one is open (engines without one, or gone, are passed over)."""
+        await asyncio.gather(*(self._call(u, P.END_UPDATE, P.EndWeightUpdateReqInput(), retries=0) for u in self.targets),
+                             return_exceptions=True)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
                                               weight_version: str | None = None, load_format: str | None = None,
@@ -186,7 +221,7 @@ class EngineClient:
                     return None
                 raise
 
-        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+        return list(await asyncio.gather(*(one(u) for u in self.targets)))
 
     async def load_lora(self, name: str, path: str) -> None:
         await self._everywhere(P.LOAD_LORA, P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
@@ -205,15 +240,25 @@ class EngineClient:
     async def unload_lora(self, name: str) -> None:
         await self._everywhere(P.UNLOAD_LORA, P.UnloadLoRAAdapterReqInput(lora_name=name))
 
-    async def healthy(self) -> list[bool]:
-        async def one(url):
-            try:
-                async with self._http().get(url + P.HEALTH.path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                    return resp.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                return False
+    async def probe(self, url: str) -> tuple[bool, str | None]:
+        """Whether ``url`` answers ``/health`` (within 5 s), and the weight version it then reports."""
+        if not (await self._healthy(url)):
+            return False, None
+        try:
+            info = await self._call(url, P.MODEL_INFO, retries=0)
+        except EngineError:
+            return False, None
+        return (True, info.get("weight_version")) if isinstance(info, dict) else (False, None)
 
-        return list(await asyncio.gather(*(one(u) for u in self.urls)))
+    async def _healthy(self, url: str) -> bool:
+        try:
+            async with self._http().get(url + P.HEALTH.path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def healthy(self) -> list[bool]:
+        return list(await asyncio.gather(*(self._healthy(u) for u in self.urls)))
 
 
 def health(urls: list[str]) -> list[bool]:

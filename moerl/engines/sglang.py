@@ -7,6 +7,7 @@ the router's single URL; both speak the same HTTP API.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,8 @@ from typing import Callable
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SGLANG_VERSION
 from moerl.env import child_env, free_port
+
+log = logging.getLogger("moerl.engines")
 
 
 @dataclass
@@ -116,6 +119,8 @@ class SGLangPool:
         self.procs: list[subprocess.Popen] = []  # the replicas in order, then the router
         self.ports: list[int] = [cfg.base_port + i for i in range(cfg.replicas)] if cfg.base_port else []
         self.logs: dict[int, Path] = {}  # pid -> log file
+        self.restarts: dict[int, int] = {}  # replica -> times restarted by revive()
+        self._next_restart: dict[int, float] = {}  # replica -> earliest monotonic time of its next restart (backoff)
 
     @property
     def replica_urls(self) -> list[str]:
@@ -200,6 +205,28 @@ class SGLangPool:
                 raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {waiting}")
             if waiting:
                 time.sleep(1)
+
+    def revive(self, max_restarts: int) -> list[str]:
+        """Start again, on its own port and devices, each replica whose process has exited: at most ``max_restarts``
+        times each, the n-th restart no sooner than 2**(n-1) s after the one before. Returns the URLs restarted; each
+        is reachable once it answers /health, and serves the model it started from until a weight sync reaches it."""
+        now, restarted = time.monotonic(), []
+        for i, port in enumerate(self.ports):
+            proc = self.procs[i]
+            done = self.restarts.get(i, 0)
+            if proc.poll() is None or done >= max_restarts or now < self._next_restart.get(i, 0.0):
+                continue
+            log.warning("engine %d (port %d) exited with %s: restart %d of %d; its log: %s", i, port, proc.returncode, done + 1,
+                        max_restarts, self.logs.get(proc.pid))
+            try:  # its workers (SGLang's scheduler processes) may outlive it, holding its GPUs
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.procs[i] = self._spawn_replica(i, port, restart=True)
+            self.restarts[i] = done + 1
+            self._next_restart[i] = now + 2.0**done
+            restarted.append(self.replica_urls[i])
+        return restarted
 
     def stop(self, grace_s: float = 30) -> None:
         for p in self.procs:

@@ -19,7 +19,8 @@ import numpy as np
 import zmq
 
 from moerl.orchestrator.config import RolloutSection
-from moerl.orchestrator.messages import EVENTS, Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped, UseAdapter, checked
+from moerl.orchestrator.messages import (EVENTS, Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop,
+                                         Stopped, UseAdapter, checked)
 from moerl.sample import Sample
 
 
@@ -33,6 +34,7 @@ class Group:
     samples: list[Sample]
     retries: int = 0
     seconds: float = 0.0
+    engine_retries: int = 0
 
     def oldest_version(self) -> int:
         return min(int(s.versions.min()) for s in self.samples)
@@ -78,7 +80,9 @@ class RolloutBuffer:
         self.acct = accounting or Accounting()
         self.waited_s = 0.0  # time spent blocked waiting for groups
         self.cursor = cursor  # the next new prompt index: where a resumed run's data continues
-        self._stopped = False
+        self.engines: dict[str, str] = {}  # every replica's health state, as the manager last reported it
+        self.engine_retries = 0  # re-issues after replica failures, of prompts finished since the last read
+        self._stopping = self._stopped = False
 
     # ---- manager traffic ----------------------------------------------------------------------
     def order(self, groups: int) -> None:
@@ -89,20 +93,44 @@ class RolloutBuffer:
         """New requests sample with the LoRA adapter ``name`` (loaded on every engine), policy ``version``."""
         self.orders.send_pyobj(UseAdapter(name, version))
 
-    def _handle(self, event: Issued | GroupDone | RolloutFailed | Stopped) -> None:
+    def served(self, weight_version: str | None, engines: list[str]) -> None:
+        """The last weight sync reached ``engines``, which now report ``weight_version``."""
+        self.orders.send_pyobj(Served(weight_version, engines))
+
+    def restarting(self, urls: list[str]) -> None:
+        """The job started these replicas' processes again."""
+        if urls:
+            self.orders.send_pyobj(Restarting(urls))
+
+    def take_engine_retries(self) -> int:
+        count, self.engine_retries = self.engine_retries, 0
+        return count
+
+    def _handle(self, event: Issued | GroupDone | Dropped | EnginesChanged | RolloutFailed | Stopped) -> None:
         if isinstance(event, Issued):
             if event.new:  # a resumed run's re-issued prompts were counted when first issued
                 self.acct.issued += 1
                 self.cursor = max(self.cursor, event.index + 1)
             self.acct.set(event.index, "in_flight")
         elif isinstance(event, GroupDone):
-            self.ready.append(Group(event.index, event.samples, event.retries, event.seconds))
+            self.ready.append(Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries))
             self.acct.set(event.index, "ready")
+            self.engine_retries += event.engine_retries
+        elif isinstance(event, Dropped):
+            self.acct.finish(event.index, event.reason)
+            self.engine_retries += event.engine_retries
+            if not self._stopping:
+                self.order(1)  # a prompt in its place: the step still needs its groups, the async queue its depth
+        elif isinstance(event, EnginesChanged):
+            self.engines = event.states
         elif isinstance(event, RolloutFailed):
+            if self._stopping:  # the run already stops (on the first such error, most likely): the prompt ends live, at stop
+                return
             raise RolloutError(f"rollout of prompt {event.index} failed: {event.message}")
         else:
             for index in event.cancelled:
-                self.acct.finish(index, "in_flight_at_stop")
+                if index in self.acct.live:
+                    self.acct.finish(index, "in_flight_at_stop")
             self._stopped = True
 
     def _receive(self, timeout_s: float | None) -> bool:
@@ -153,6 +181,7 @@ class RolloutBuffer:
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the manager; every prompt still live ends dropped with its reason."""
         self.orders.send_pyobj(Stop())
+        self._stopping = True
         deadline = time.monotonic() + timeout_s
         while not self._stopped and time.monotonic() < deadline:
             self._receive(1.0)

@@ -69,6 +69,14 @@ class EngineSection:
     mem_fraction_static: float = 0.7
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 900.0
+    # Health: a generate request past this deadline marks its replica suspect, as a transport error does (a hung
+    # engine is caught by it); a suspect replica is probed every health_interval_s and is dead after health_failures
+    # failed probes in a row; with no healthy replica for down_timeout_s the run stops with one error.
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    health_failures: int = 3
+    down_timeout_s: float = 600.0
+    max_restarts: int = 3  # per replica the job started itself (engines given by URL are polled back in instead)
 
     def __post_init__(self):
         check_choices(self, "engines")
@@ -86,6 +94,7 @@ class RolloutSection:
     max_staleness: int = 1  # async: groups whose oldest token is more versions old than this are dropped
     max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
     partial: str = choice("in_place", PARTIAL)  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
+    engine_retries: int = 3  # re-issues of a prompt whose replica failed (same seed, another replica); then dropped as engine_failure
     seed: int = 0
 
     def __post_init__(self):
@@ -247,6 +256,12 @@ def check(cfg: RunConfig) -> None:
                         "use engines.server=sglang for tensor-parallel replicas")
     if cfg.run.steps < 1:
         problems.append("run.steps must be >= 1")
+    if r.engine_retries < 0:
+        problems.append("rollout.engine_retries must be >= 0")
+    e = cfg.engines
+    if min(e.request_timeout_s, e.health_interval_s, e.down_timeout_s) <= 0 or e.health_failures < 1 or e.max_restarts < 0:
+        problems.append("engines.request_timeout_s, health_interval_s and down_timeout_s must be > 0, health_failures >= 1 "
+                        "and max_restarts >= 0")
     if problems:
         raise ConfigError("; ".join(problems))
 

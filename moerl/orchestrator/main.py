@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moerl.dtypes import resolve as resolve_dtype
+from moerl.engines.health import State
 from moerl.env import child_env
 from moerl.files import staged_dir
 from moerl.errors import ConfigError, MoerlError
@@ -334,6 +335,8 @@ class Job:
 
         metrics = trainer.step(pieces() if self.lead else None)  # rank 0 sends each rank its part
         trained_at = time.perf_counter()
+        if self.pool is not None:
+            self.buffer.restarting(self.pool.revive(cfg.engines.max_restarts))  # the sync reaches those that answer by then
         stats = self.sync.update(trainer)
         self.serve_policy()
         end = time.perf_counter()
@@ -344,9 +347,14 @@ class Job:
             save_checkpoint(trainer, self.buffer, self.run_dir)
 
     def serve_policy(self) -> None:
-        """New requests name the adapter the last sync loaded (LoRA runs; full-weight syncs change the weights themselves)."""
-        if self.lead and self.sync.adapter is not None:
+        """New requests name the adapter the last sync loaded (LoRA runs; full-weight syncs change the weights themselves),
+        and a replica out of rotation comes back once it reports the weight version the others now serve."""
+        if not self.lead:
+            return
+        if self.sync.adapter is not None:
             self.buffer.use_adapter(self.sync.adapter, self.trainer.version)
+        weight_version, _ = self.sync.served(self.trainer.version)
+        self.buffer.served(weight_version, self.sync.link.client.targets)
 
     def verify(self) -> dict[str, float]:
         """With sync.verify, every engine serves the trainer's policy (after the engines resumed)."""
@@ -363,12 +371,18 @@ class Job:
             "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "sync/full_weight_bytes": self.full_bytes, "time/step_seconds": end - start,
             "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
             "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
+            "rollout/retries_engine_failure": float(buffer.take_engine_retries()),
+            "prompts/dropped_engine_failure": float(buffer.acct.dropped["engine_failure"]),
         })
+        states = list(buffer.engines.values())
+        metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})
+        metrics["engines/restarts"] = float(sum(self.pool.restarts.values())) if self.pool is not None else 0.0
         self.writer.write(metrics)
         if self.bar is not None:
             self.bar.update(1)
+            down = len(states) - states.count(State.HEALTHY.value)
             self.bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",
-                                 stale=int(metrics["staleness/max"]))
+                                 stale=int(metrics["staleness/max"]), **({"engines_down": down} if down else {}))
 
     def teardown(self) -> dict | None:
         """Stop the manager (every live prompt accounted for), close the sync and the metrics, stop the engines."""
@@ -410,6 +424,12 @@ def full_weight_bytes(trainer) -> int:
 
 def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
     """The configured weight-sync strategy; ``urls``: the engines, on global rank 0, None on the other ranks."""
+    sync = _sync_strategy(cfg, urls, hf, run_dir, hf_config)
+    sync.down_timeout_s = cfg.engines.down_timeout_s
+    return sync
+
+
+def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
     if cfg.lora.enabled:
         return AdapterSync(urls, cfg.lora, hf_config, str(hf.resolve()), directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
     pause = "abort" if cfg.rollout.partial == "retry" else "in_place"

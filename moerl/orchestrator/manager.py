@@ -5,6 +5,12 @@ It takes orders from the trainer ("generate N more groups", "use this adapter", 
 events back over another: a prompt issued, a finished group (its samples carry per-token policy
 versions, routing and kept sets, and rewards), or an error. Groups are sent the moment they are
 scored, in finishing order, so the trainer is never gated by the slowest response of a batch.
+
+Engines fail: a prompt whose replica fails (transport error, 5xx, past ``engines.request_timeout_s``) is
+re-issued to another healthy replica with the same seed, up to ``rollout.engine_retries`` times, then
+dropped as ``engine_failure``; the trainer's accounting counts both. Replicas out of rotation are probed
+every ``engines.health_interval_s`` and come back once they answer and report the weight version the
+trainer last served; with none healthy for ``engines.down_timeout_s`` the run stops with one error.
 """
 
 from __future__ import annotations
@@ -21,11 +27,13 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from moerl.engines.client import EngineClient
+from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, ReplicaDown
+from moerl.engines.health import State
 from moerl.engines.protocol import SamplingParams
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config
-from moerl.orchestrator.messages import ORDERS, Generate, GroupDone, Issued, ManagerSpec, RolloutFailed, Stopped, UseAdapter, checked
+from moerl.orchestrator.messages import (ORDERS, Dropped, EnginesChanged, Generate, GroupDone, Issued, ManagerSpec, Restarting, RolloutFailed,
+                                         Served, Stopped, UseAdapter, checked)
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
@@ -48,7 +56,13 @@ class RolloutManager:
         self.stream = PromptStream(cfg.task, self.tokenizer)
         self.rewarder = Rewarder(cfg.task)
         config = json.loads(open(f"{hf_dir}/config.json").read())
-        self.client = EngineClient(spec.urls, shape=model_shape(config))
+        e = cfg.engines
+        self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=e.request_timeout_s, failures_to_dead=e.health_failures)
+        # What the last weight sync reached, which a replica out of rotation must hold to come back: its weight
+        # version (None: not known yet, or a LoRA run, whose weights do not change) and its engines (None: all).
+        self.served: str | None = None
+        self.synced: set[str] | None = None
+        self.reported: dict[str, str] = {}  # the replicas' states as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
         # LoRA runs: the adapter new requests use and its policy version (none: the base model, version 0),
@@ -64,6 +78,7 @@ class RolloutManager:
         self.commands, self.events = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
         self.commands.connect(self.spec.orders)
         self.events.connect(self.spec.events)
+        watch = asyncio.create_task(self._watch(), name="watch")
         try:
             while True:
                 order = checked(await self.commands.recv_pyobj(), ORDERS)
@@ -76,16 +91,27 @@ class RolloutManager:
                     self.adapter = (order.name, order.version)
                     log.info("new requests use adapter %s (policy version %d)", *self.adapter)
                     await self._unload_unused()
+                elif isinstance(order, Served):
+                    self.served, self.synced = order.weight_version, set(order.engines)
+                    for url in self.client.health.usable():
+                        if url not in self.synced:  # it answered too late for the sync: it holds the previous policy
+                            self.client.health.set(url, State.STALE, "the last weight sync did not reach it")
+                    await self._report()
+                elif isinstance(order, Restarting):
+                    for url in order.urls:
+                        self.client.health.set(url, State.RESTARTING, "the job started its process again")
                 else:
                     break
         finally:
+            watch.cancel()
             live = [t for t in self.tasks if not t.done()]
-            cancelled = sorted(int(t.get_name()) for t in live)
+            for t in live:
+                t.cancel()
+            await asyncio.gather(*live, return_exceptions=True)
+            # Only these end at the stop: a task that finished meanwhile has sent its own event.
+            cancelled = sorted(int(t.get_name()) for t in live if t.cancelled())
             if live:
-                await self.client.abort()  # engines stop generating what nobody will read
-                for t in live:
-                    t.cancel()
-                await asyncio.gather(*live, return_exceptions=True)
+                await self.client.abort(quietly=True)  # engines stop generating what nobody will read
             await self.events.send_pyobj(Stopped(cancelled))
             await self.client.close()
             await self.rewarder.close()
@@ -107,7 +133,11 @@ class RolloutManager:
         # must leave ``retired`` before anyone awaits its unload.
         while unused := sorted(n for n in self.retired if not self.users.get(n)):
             self.retired.discard(unused[0])
-            await self.client.unload_lora(unused[0])
+            try:
+                await self.client.unload_lora(unused[0])
+            except EngineError as e:  # a replica that is down lost it anyway; one that restarts never had it
+                log.warning("unloading adapter %s: %s", unused[0], e)
+                continue
             log.info("unloaded adapter %s: no request uses it", unused[0])
 
     async def _group(self, index: int, new: bool) -> None:
@@ -115,7 +145,7 @@ class RolloutManager:
             await self.events.send_pyobj(Issued(index, new))
             record, ids = self.stream.get(index)
             r = self.r
-            attempt, start = 0, time.perf_counter()
+            attempt, engine_retries, start = 0, 0, time.perf_counter()
             while True:
                 adapter, adapter_version = self.adapter
                 params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
@@ -124,10 +154,24 @@ class RolloutManager:
                 if adapter is not None:
                     self.users[adapter] = self.users.get(adapter, 0) + 1
                 try:
+                    await self._until_healthy()
                     completions = await self.client.generate(
                         # Routing comes back under every replay mode: the agreement metrics compare against it.
                         ids, params, return_routed_experts=True, lora_path=adapter,
-                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}")
+                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}-e{engine_retries}")
+                except NoHealthyEngine:
+                    continue  # the last healthy replica left between the wait and the request: wait again
+                except ReplicaDown as e:
+                    await self._report()
+                    engine_retries += 1
+                    if engine_retries > r.engine_retries:
+                        log.warning("prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e)
+                        await self.events.send_pyobj(Dropped(index, "engine_failure", engine_retries - 1))
+                        return
+                    log.warning("prompt %d re-issued (%d of %d): %s", index, engine_retries, r.engine_retries, e)
+                    if adapter in self.retired:
+                        await self._unload_unused()
+                    continue  # the same seed, on another replica
                 finally:
                     if adapter is not None:
                         self.users[adapter] -= 1
@@ -144,11 +188,51 @@ class RolloutManager:
                         if self.cfg.lora.enabled else None)
             samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
                        for c, x in zip(completions, rewards)]
-            await self.events.send_pyobj(GroupDone(index, samples, attempt, time.perf_counter() - start))
+            await self.events.send_pyobj(GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the trainer stops the run with this message
             await self.events.send_pyobj(RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+    async def _until_healthy(self) -> None:
+        """Wait for a healthy replica, at most ``engines.down_timeout_s``."""
+        e = self.cfg.engines
+        deadline = time.monotonic() + e.down_timeout_s
+        while not self.client.health.usable():
+            if time.monotonic() > deadline:
+                states = ", ".join(f"{r.url} {r.state.value} ({r.reason})" for r in self.client.health.replicas.values())
+                raise EnginesDown(f"no engine replica has been healthy for engines.down_timeout_s={e.down_timeout_s:g} s: {states}")
+            await asyncio.sleep(min(e.health_interval_s, 0.5))
+
+    async def _watch(self) -> None:
+        """Probe the replicas out of rotation; tell the trainer when any replica's state changes."""
+        health = self.client.health
+        while True:
+            for url, replica in health.replicas.items():
+                if replica.state is State.HEALTHY:
+                    continue
+                try:
+                    answered, version = await self.client.probe(url)
+                except Exception as e:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
+                    log.warning("probing %s: %s: %s", url, type(e).__name__, e)
+                    answered, version = False, None
+                if answered and self.synced is not None and url not in self.synced:
+                    health.set(url, State.STALE, "up, but the last weight sync did not reach it")
+                else:
+                    health.probed(url, answered, version, self.served)
+            await self._report()
+            await asyncio.sleep(self.cfg.engines.health_interval_s)
+
+    async def _report(self) -> None:
+        states = {url: r.state.value for url, r in self.client.health.replicas.items()}
+        if states != self.reported:
+            self.reported = states
+            await self.events.send_pyobj(EnginesChanged(states))
+
+
+class EnginesDown(RuntimeError):
+    """No replica was healthy for engines.down_timeout_s."""
 
 
 def main(argv: list[str] | None = None) -> int:

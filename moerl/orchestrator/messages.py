@@ -28,11 +28,25 @@ class UseAdapter:
 
 
 @dataclass(frozen=True)
+class Served:
+    """After each weight sync: a replica out of rotation comes back once it is among ``engines`` and reports
+    ``weight_version``; a healthy one not among them is stale (it answered too late for the sync)."""
+
+    weight_version: str | None  # what they report (None: a LoRA run, whose base weights keep their version)
+    engines: list[str]  # the engines the sync reached
+
+
+@dataclass(frozen=True)
+class Restarting:
+    urls: list[str]  # replicas whose processes the job has just started again (out of rotation until they serve the policy)
+
+
+@dataclass(frozen=True)
 class Stop:
     """Abort what is in flight and exit; answered by :class:`Stopped`."""
 
 
-ORDERS = (Generate, UseAdapter, Stop)
+ORDERS = (Generate, UseAdapter, Served, Restarting, Stop)
 
 
 # ---- events: manager -> trainer ------------------------------------------------------------------
@@ -48,6 +62,19 @@ class GroupDone:
     samples: list[Sample]  # the prompt's completions, scored, per-token versions / routing / kept sets attached
     retries: int  # regenerations after weight updates aborted it (rollout.partial=retry)
     seconds: float  # from issue to scored
+    engine_retries: int = 0  # re-issues after its replica failed (transport error, deadline)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    index: int
+    reason: str  # engine_failure: its replicas failed more than rollout.engine_retries times
+    engine_retries: int
+
+
+@dataclass(frozen=True)
+class EnginesChanged:
+    states: dict[str, str]  # every replica's URL -> its health state (moerl.engines.health.State)
 
 
 @dataclass(frozen=True)
@@ -61,7 +88,7 @@ class Stopped:
     cancelled: list[int]  # prompts that were in flight at the stop
 
 
-EVENTS = (Issued, GroupDone, RolloutFailed, Stopped)
+EVENTS = (Issued, GroupDone, Dropped, EnginesChanged, RolloutFailed, Stopped)
 
 
 def checked(message, kinds: tuple[type, ...]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,10 +22,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moerl.engines.client import EngineClient
+from moerl.engines.client import EngineClient, EngineError
 from moerl.megatron.forward import forward_logits
 from moerl.megatron.weights import Gather
 from moerl.weight_sync.export import hf_named_tensors
+
+log = logging.getLogger("moerl.sync")
 
 
 @dataclass
@@ -60,7 +63,12 @@ class EngineLink:
 
 
 class WeightSync(ABC):
-    """One way of bringing the engines to the trainer's policy. Each method is collective over the trainer's ranks."""
+    """One way of bringing the engines to the trainer's policy. Each method is collective over the trainer's ranks.
+
+    An update goes to the engines that answer when it starts (:meth:`choose_engines`): one that is down is passed
+    over, and one that is back (restarted, or continued after a hang) gets the whole policy with the others."""
+
+    down_timeout_s = 600.0  # how long an update waits for at least one engine to answer
 
     def __init__(self, urls: list[str] | None, name: str):
         """``urls``: the engines, on global rank 0; None on the other ranks."""
@@ -81,6 +89,37 @@ class WeightSync(ABC):
     @abstractmethod
     def served(self, version: int) -> tuple[str | None, str | None]:
         """(weight version the engines report, adapter requests name) once policy ``version`` is served."""
+
+    def choose_engines(self) -> list[str]:
+        """Global rank 0: the engines this update goes to, those answering /health (at least one: it waits up to
+        :attr:`down_timeout_s`); every control call then goes to them only."""
+        client = self.link.client
+        deadline = time.monotonic() + self.down_timeout_s
+        while not (up := [url for url, ok in zip(client.urls, self.link.run(client.healthy())) if ok]):
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"no engine answered /health for {self.down_timeout_s:g} s (engines.down_timeout_s): "
+                                      f"{', '.join(client.urls)}")
+            time.sleep(1.0)
+        if up != client.targets:
+            left, back = sorted(set(client.targets) - set(up)), sorted(set(up) - set(client.targets))
+            log.warning("weight sync: %d of %d engines answer%s%s", len(up), len(client.urls),
+                        f"; passed over: {', '.join(left)}" if left else "", f"; back: {', '.join(back)}" if back else "")
+        client.targets = up
+        return up
+
+    def on_engines(self, call) -> None:
+        """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines; if one of them has gone since,
+        again on those that are left."""
+        try:
+            self.link.run(call(self.link.client))
+        except EngineError:
+            client = self.link.client
+            before = list(client.targets)
+            left = [url for url in self.choose_engines() if url in before]  # not one that came back: it missed the push
+            if set(left) >= set(before):
+                raise
+            client.targets = left
+            self.link.run(call(client))
 
     def verify(self, trainer, tolerance: float) -> dict[str, float]:
         """Every engine serves ``trainer``'s policy (see :func:`verify_engines`); call it after the engines resume."""
@@ -112,10 +151,11 @@ class FullWeightSync(WeightSync):
     def update(self, trainer) -> SyncStats | None:
         start = time.perf_counter()
         if self.link is not None:
-            self.link.run(self.link.client.pause(self.pause))
+            self.choose_engines()
+            self.on_engines(lambda client: client.pause(self.pause))
         stats = self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
         if self.link is not None:
-            self.link.run(self.link.client.resume())
+            self.on_engines(lambda client: client.resume())
             stats.pause_seconds = time.perf_counter() - start
         return stats
 
@@ -167,14 +207,14 @@ def verify_engines(model, hf_config: dict, link: EngineLink | None, version: str
         return None
     ours = next(t for t in held if t is not None).numpy()
     served_versions = link.run(link.client.weight_versions()) if version is not None else []
-    for url, served in zip(link.client.urls, served_versions):
+    for url, served in zip(link.client.targets, served_versions):
         if served != version:
             raise WeightSyncError(f"{url} serves weight version {served!r}, not {version!r}")
     checksums = {c for c in link.run(link.client.weight_checksums()) if c is not None}
     if len(checksums) > 1:
         raise WeightSyncError(f"the engines hold different weights after the update to version {version}: {sorted(checksums)}")
     worst = {"sync/verify_mean_abs_delta": 0.0, "sync/verify_max_abs_delta": 0.0}
-    for url, theirs in zip(link.client.urls, link.run(link.client.prompt_logprobs(ids, lora_path))):
+    for url, theirs in zip(link.client.targets, link.run(link.client.prompt_logprobs(ids, lora_path))):
         delta = np.abs(theirs - ours)
         if delta.mean() > tolerance:
             raise WeightSyncError(f"{url} does not serve the trainer's weights (version {version}): its log-probs of the probe "

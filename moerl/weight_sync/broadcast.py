@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from typing import Iterable, Iterator
 
@@ -25,6 +26,8 @@ from moerl.megatron.parallel import collective_device
 from moerl.megatron.weights import Gather, sends_weights
 from moerl.weight_sync.base import EngineLink, FullWeightSync, SyncStats, WeightSyncError
 from moerl.weight_sync.export import hf_named_tensors
+
+log = logging.getLogger("moerl.sync")
 
 
 def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
@@ -62,17 +65,21 @@ class BroadcastSync(FullWeightSync):
         ``flush_cache``: see :class:`~moerl.weight_sync.base.FullWeightSync`."""
         super().__init__(urls, "moerl-weight-sync", pause, flush_cache)
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
-        self.group_name, self.bucket_bytes = group_name, bucket_bytes
+        self.base_name, self.bucket_bytes = group_name, bucket_bytes
         self.sender: EngineLink | None = None  # this rank's link to the engines if it sends (rank 0's: ``link``)
         self.group: dist.ProcessGroup | None = None  # its group with the engines
+        self.group_name = group_name  # that group's name, as the engines know it
+        self.members: list[str] = []  # the engines in it
+        self.tp_sizes: dict[str, int] = {}  # each engine's tensor-parallel size: its ranks in a group
         self.sent = SyncStats()  # what this rank itself sent in the last push (all zero on a rank that sends nothing)
+        self._rank, self._groups = 0, 0
 
     def connect(self) -> None:
         """Each sender forms a group of its own with the engines: it is rank 0 there, and each engine takes as many
         ranks as its tensor-parallel size. A process outside any trainer group (a tool, a benchmark) is the one
         sender."""
         in_trainer = dist.is_initialized()
-        sends, rank = (sends_weights(), dist.get_rank()) if in_trainer else (True, 0)
+        sends, self._rank = (sends_weights(), dist.get_rank()) if in_trainer else (True, 0)
         engines = [None, None]
         if self.link is not None:
             engines = [self.link.client.urls, [info["tp_size"] for info in self.link.run(self.link.client.server_info())]]
@@ -81,28 +88,72 @@ class BroadcastSync(FullWeightSync):
         if not sends:
             return
         urls, tp_sizes = engines
-        self.sender = self.link or EngineLink(urls, f"moerl-weight-sync-{rank}")
-        self.group_name = f"{self.group_name}-{rank}"
-        offsets, world = group_ranks(tp_sizes)
-        store = weight_store(self.master_address, self.master_port + rank if self.master_port else 0, world, 0)
-        self.master_port = store.port
+        self.tp_sizes = dict(zip(urls, tp_sizes))
+        self.sender = self.link or EngineLink(urls, f"moerl-weight-sync-{self._rank}")
+        self._form_group(urls)
+
+    def _form_group(self, members: list[str]) -> None:
+        """This sender's group with the engines ``members`` (a new one, under a new name, each time they change: an
+        engine that died leaves its groups unusable, one that restarted has none)."""
         client = self.sender.client
+        client.targets = members
+        name = f"{self.base_name}-{self._rank}" + (f"-g{self._groups}" if self._groups else "")
+        offsets, world = group_ranks([self.tp_sizes[url] for url in members])
+        port = self.master_port + self._rank if self.master_port and not self._groups else 0
+        store = weight_store(self.master_address, port, world, 0)
 
         async def both():
-            joined = in_daemon_thread(join_weight_group, self.backend, store, world, 0, self.group_name)
+            joined = in_daemon_thread(join_weight_group, self.backend, store, world, 0, name)
             group, _ = await asyncio.gather(joined, client.init_weights_update_group(
-                self.master_address, self.master_port, world, self.group_name, self.backend, rank_offsets=offsets))
+                self.master_address, store.port, world, name, self.backend, rank_offsets=offsets))
             return group
 
         self.group = self.sender.run(both())
+        self.group_name, self.members, self._groups = name, members, self._groups + 1
 
     def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
-        """Every sender sends its share at once, inside one session that rank 0 opens and closes. A sender whose
-        send fails keeps taking part in its gathers to the end, so every rank raises together after."""
-        if dist.get_world_size() == 1:
-            return super().push_model(model, hf_config, version)
+        """Every sender sends its share at once, inside one session that rank 0 opens and closes, to the engines
+        rank 0 chose (:meth:`choose_engines`): the senders' groups are formed again when those change. A push that
+        fails (an engine left during it, or came back restarted, without its groups) is made once more, in new groups,
+        to the engines that answer then. Every rank raises together."""
         if self.gather is None:
             self.gather = Gather(model, per_sender=True)
+        gave_up = None
+        for attempt in range(2):
+            try:
+                self._regroup(gave_up)
+                return self._push_once(hf_config, version)
+            except Exception as e:  # noqa: BLE001 - every rank is here together: each step above ends agreed
+                if attempt:
+                    raise
+                if self.link is not None:
+                    self.link.run(self.link.client.abandon_weight_update())
+                    log.warning("weight sync failed (%s); pushing once more, in new groups, to the engines that answer", e)
+                    try:
+                        self.choose_engines()
+                    except Exception as err:  # noqa: BLE001 - told to every rank by the next _regroup
+                        gave_up = err
+                self.members = []  # every sender forms its group again
+
+    def _regroup(self, gave_up: BaseException | None) -> None:
+        """Collective: every rank learns the engines rank 0 chose (rank 0 may have none to offer: ``gave_up``), and each
+        sender whose group does not hold exactly those forms a new one."""
+        members = [None if gave_up is not None else self.link.client.targets if self.link is not None else None]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(members, src=0)  # a few URLs
+        if members[0] is None:
+            if gave_up is not None:
+                raise gave_up
+            raise WeightSyncError("no engine to push to (global rank 0's error says why)")
+        formed = None
+        if self.sender is not None and members[0] != self.members:
+            try:
+                self._form_group(members[0])
+            except Exception as e:  # noqa: BLE001
+                formed = e
+        _agree(formed is None, "a sender could not form its group with the engines (that rank's error says why)", formed)
+
+    def _push_once(self, hf_config: dict, version: str) -> SyncStats | None:
         start = time.perf_counter()
         opened = None
         if self.link is not None:
@@ -123,9 +174,15 @@ class BroadcastSync(FullWeightSync):
         totals = torch.tensor([self.sent.tensors, self.sent.bytes, self.sent.buckets], dtype=torch.int64, device=collective_device())
         dist.reduce(totals, 0)
         _agree(failed is None, "a sender's weights did not reach the engines (that rank's error says why)", failed)
+        closed = None
+        if self.link is not None:
+            try:
+                self._close_session(version)
+            except Exception as e:  # noqa: BLE001
+                closed = e
+        _agree(closed is None, "the weight-update session did not close on the engines (global rank 0's error says why)", closed)
         if self.link is None:
             return None
-        self._close_session(version)
         tensors, nbytes, count = totals.tolist()
         return SyncStats(tensors=tensors, bytes=nbytes, buckets=count, seconds=time.perf_counter() - start)
 

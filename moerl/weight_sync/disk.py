@@ -39,7 +39,7 @@ class DiskSync(FullWeightSync):
         out = self.directory / f"v{version}"
         with staged_dir(out) as staging:  # engines only ever see complete directories
             self._write(staging, named, stats)
-        self.link.run(self.link.client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
+        self.on_engines(lambda client: client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
         if self._previous is not None:
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = out

@@ -52,7 +52,10 @@ class AdapterSync(WeightSync):
             self.gather = Gather(trainer.model.module, select=is_lora_param)  # every adapter factor, whole, on rank 0
         lora = self.gather.gather()  # every rank: the gather is collective
         self.adapter = adapter_name(trainer.version)
-        return self.push(lora, trainer.version) if self.link is not None else None
+        if self.link is None:
+            return None
+        self.choose_engines()
+        return self.push(lora, trainer.version)
 
     def served(self, version: int) -> tuple[str | None, str | None]:
         # The engines keep their base weight version: the adapter's name carries the policy's.

@@ -1,0 +1,81 @@
+"""Which engine replicas may take requests: every replica's health state and how it changes.
+
+A replica is ``healthy`` (takes requests), ``suspect`` (a request to it failed in transport or ran past its
+deadline: it takes none until a probe says more), ``dead`` (``/health`` failed ``failures_to_dead`` probes in a
+row, or its process exited), ``restarting`` (its process is being started again) or ``stale`` (it answers, but
+does not hold the policy the others serve: it takes requests again only once it reports that weight version).
+Requests go to healthy replicas only, so a hung replica (alive, not answering) is caught by its requests'
+deadlines and taken out of rotation like a crashed one. Every change is logged with the replica and the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import Enum
+
+log = logging.getLogger("moerl.engines")
+
+
+class State(str, Enum):
+    HEALTHY = "healthy"
+    SUSPECT = "suspect"
+    DEAD = "dead"
+    RESTARTING = "restarting"
+    STALE = "stale"
+
+
+@dataclass
+class Replica:
+    url: str
+    state: State = State.HEALTHY
+    failed_probes: int = 0  # consecutive /health failures since it was last seen answering
+    reason: str = ""  # why it left the healthy state
+
+
+@dataclass
+class ReplicaHealth:
+    """The health table of a set of replicas (one per client)."""
+
+    urls: list[str]
+    failures_to_dead: int = 3
+    replicas: dict[str, Replica] = field(init=False)
+
+    def __post_init__(self):
+        self.replicas = {url: Replica(url) for url in self.urls}
+
+    def usable(self) -> list[str]:
+        return [url for url, r in self.replicas.items() if r.state is State.HEALTHY]
+
+    def state(self, url: str) -> State:
+        return self.replicas[url].state
+
+    def set(self, url: str, state: State, reason: str) -> None:
+        replica = self.replicas[url]
+        if replica.state is state:
+            return
+        level = logging.INFO if state is State.HEALTHY else logging.WARNING
+        log.log(level, "engine %s: %s -> %s (%s)", url, replica.state.value, state.value, reason)
+        replica.state, replica.reason = state, reason
+        if state is State.HEALTHY:
+            replica.failed_probes = 0
+
+    def request_failed(self, url: str, reason: str) -> None:
+        """A request to ``url`` failed in transport or past its deadline."""
+        if self.replicas[url].state is State.HEALTHY:
+            self.set(url, State.SUSPECT, reason)
+
+    def probed(self, url: str, answered: bool, version: str | None, served: str | None) -> None:
+        """A /health probe of a replica out of rotation: ``answered`` and, if so, the weight ``version`` it reports;
+        ``served``: the version the healthy replicas serve (None: not known yet, any version will do)."""
+        replica = self.replicas[url]
+        if not answered:
+            replica.failed_probes += 1
+            if replica.state in (State.SUSPECT, State.STALE) and replica.failed_probes >= self.failures_to_dead:
+                self.set(url, State.DEAD, f"/health failed {replica.failed_probes} times in a row")
+            return
+        replica.failed_probes = 0
+        if served is None or version == served:
+            self.set(url, State.HEALTHY, f"answers and serves weight version {version}")
+        else:
+            self.set(url, State.STALE, f"answers but serves weight version {version}, not {served}")

@@ -1,0 +1,138 @@
+"""Engines fail, prompts are not lost: the real rollout manager against embedded engines that are killed,
+hung and lost for good, the trainer side's rollout buffer counting every prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+
+from moerl.engines.client import EngineClient
+from moerl.engines.sglang import SGLangConfig, SGLangPool
+from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
+from moerl.orchestrator.buffer import RolloutBuffer, RolloutError
+from moerl.orchestrator.config import load_config, to_yaml
+from moerl.orchestrator.main import start_manager
+
+GROUPS = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("ft") / "model")
+
+
+@contextmanager
+def rollouts(model: Path, run_dir: Path, replicas: int, *overrides: str):
+    """``replicas`` embedded engines, the rollout manager on them, and the buffer it reports to (sync mode)."""
+    stops = ",".join(str(tiny_tokenizer().convert_tokens_to_ids(c)) for c in "eat ")
+    cfg = load_config(None, [f"model.path={model}", "run.mode=sync", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=48",
+                             f"rollout.stop_token_ids=[{stops}]", "engines.health_interval_s=0.2", "engines.health_failures=2",
+                             *overrides])
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    pool = SGLangPool(SGLangConfig(model_path=str(model), server="embedded", replicas=replicas, base_port=0, dtype="float32",
+                                   log_dir=str(run_dir / "logs")))
+    ctx = zmq.Context()
+    buffer = RolloutBuffer(ctx, cfg.rollout, "sync")
+    manager = None
+    try:
+        urls = pool.start()
+        asyncio.run(serve_version_0(urls))
+        manager = start_manager(run_dir / "config.yaml", model, urls, buffer, 0, [], run_dir)
+        yield pool, buffer
+    finally:
+        if manager is not None:
+            buffer.stop(timeout_s=10)
+            manager.wait(timeout=30)
+        buffer.close()
+        pool.stop()
+        ctx.term()
+
+
+async def serve_version_0(urls: list[str]) -> None:
+    """What the job's first sync does: the engines' weights are policy version 0."""
+    async with EngineClient(urls) as client:
+        await client.set_weight_version("0")
+
+
+def take(buffer: RolloutBuffer, groups: int) -> list:
+    """``groups`` finished groups (sync mode orders them)."""
+    return [group for piece in buffer.pieces(0, groups, whole=False) for group in piece]
+
+
+def signal_replica(pool: SGLangPool, replica: int, sig: int) -> None:
+    os.killpg(pool.procs[replica].pid, sig)
+
+
+def wait_for(predicate, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_prompts_on_a_killed_or_hung_replica_are_reissued_and_every_prompt_is_accounted(model, tmp_path):
+    with rollouts(model, tmp_path / "run", 2, "engines.request_timeout_s=10") as (pool, buffer):
+        url0, url1 = pool.urls
+        # Hung (SIGSTOP): the requests it is given pass their deadline and go to the other replica; it is probed dead,
+        # and comes back when continued.
+        signal_replica(pool, 1, signal.SIGSTOP)
+        got = take(buffer, GROUPS)
+        assert buffer.engines[url1] in ("suspect", "dead")
+        hung_retries = buffer.take_engine_retries()
+        signal_replica(pool, 1, signal.SIGCONT)
+        wait_for(lambda: (buffer.drain(), set(buffer.engines.values()) == {"healthy"})[1])
+        # Killed (SIGKILL) as the prompts are issued: what it was given (in flight, or refused if not yet sent) goes to
+        # the replica that is left; either way it gets some, being healthy until one of its requests fails.
+        kill = threading.Timer(0.05, signal_replica, (pool, 1, signal.SIGKILL))
+        kill.start()
+        got += take(buffer, GROUPS)
+        kill.join()
+        wait_for(lambda: (buffer.drain(), buffer.engines[url1] == "dead")[1])
+        killed_retries = buffer.take_engine_retries()
+        acct = buffer.acct
+        assert len({g.index for g in got}) == 2 * GROUPS == acct.issued  # every prompt came back, none twice
+        assert hung_retries > 0 and killed_retries > 0  # both failures caught prompts in flight
+        assert sum(g.engine_retries for g in got) == hung_retries + killed_retries
+        assert not acct.dropped and acct.balanced()
+        for group in got:
+            assert len(group.samples) == 2 and all(s.response_len > 0 for s in group.samples)
+
+
+def test_with_every_engine_gone_prompts_past_their_budget_are_dropped_and_the_run_stops_with_one_error(model, tmp_path):
+    with rollouts(model, tmp_path / "run", 1, "rollout.engine_retries=0", "engines.down_timeout_s=2") as (pool, buffer):
+        signal_replica(pool, 0, signal.SIGKILL)
+        with pytest.raises(RolloutError, match="no engine replica has been healthy for engines.down_timeout_s=2"):
+            take(buffer, GROUPS)
+        acct = buffer.acct
+        assert acct.dropped["engine_failure"] > 0 and acct.balanced()
+
+
+def test_replica_health_states_follow_failures_probes_and_versions():
+    from moerl.engines.health import ReplicaHealth, State
+
+    health = ReplicaHealth(["a", "b"], failures_to_dead=2)
+    health.request_failed("a", "connection refused")
+    assert health.usable() == ["b"] and health.state("a") is State.SUSPECT
+    health.probed("a", True, "3", "3")  # a blip: it answers and serves the policy
+    assert health.state("a") is State.HEALTHY
+    health.request_failed("a", "deadline")
+    health.probed("a", False, None, "3")
+    assert health.state("a") is State.SUSPECT  # one failed probe is not enough
+    health.probed("a", False, None, "3")
+    assert health.state("a") is State.DEAD
+    health.set("a", State.RESTARTING, "restarted")
+    health.probed("a", False, None, "3")
+    assert health.state("a") is State.RESTARTING  # still starting
+    health.probed("a", True, "default", "3")
+    assert health.state("a") is State.STALE and health.usable() == ["b"]  # up, but not holding the policy
+    health.probed("a", True, "4", "4")
+    assert health.state("a") is State.HEALTHY and health.usable() == ["a", "b"]
