@@ -13,7 +13,7 @@ from typing import Any
 
 from moerl.errors import ConfigError
 
-__all__ = ["ConfigError", "choice", "choice_problems", "check_choices"]
+__all__ = ["ConfigError", "choice", "choice_problems", "check_choices", "unbool_choices"]
 
 
 def choice(default: str, options: tuple[str, ...]) -> Any:
@@ -36,6 +36,20 @@ def choice_problems(section_type: type, values: Any, prefix: str, nested: bool =
         elif nested and dataclasses.is_dataclass(types[f.name]):
             problems += choice_problems(types[f.name], value, _key(prefix, f.name), nested=True)
     return problems
+
+
+def unbool_choices(section_type: type, node: Any) -> None:
+    """A choice field whose options include ``true``/``false`` (``run.resume``) written as a YAML boolean reaches it as
+    ``True``/``False``: give it back its option's spelling, in ``node`` (an omegaconf node of ``section_type``) and the
+    sections inside."""
+    types = typing.get_type_hints(section_type)
+    for f in dataclasses.fields(section_type):
+        value = getattr(node, f.name)
+        options = f.metadata.get("choices")
+        if options is not None and value in ("True", "False") and value.lower() in options:
+            setattr(node, f.name, value.lower())
+        elif options is None and dataclasses.is_dataclass(types[f.name]):
+            unbool_choices(types[f.name], value)
 
 
 def _key(prefix: str, name: str) -> str:

@@ -1,9 +1,12 @@
-"""Process environments and ports of the children a trainer rank starts."""
+"""Process environments, ports and lifetimes of the children a trainer rank starts."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
+import sys
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                       "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
@@ -24,3 +27,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()  # looked up here, in the parent: between fork and exec nothing should be loaded
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of the engines and the rollout manager: the kernel SIGKILLs the child when the thread that started
+    it ends, however the trainer rank ends (a SIGKILLed rank 0 leaves no engine holding GPUs, no manager waiting on
+    a socket). So start them from a thread that lives as long as they should (the main thread). Linux only."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -26,4 +26,7 @@ if [[ " ${args[*]} " != *" run.dir="* ]]; then
 fi
 # Config, model, task and engine URLs are checked before any rank starts: a mistake is one error line.
 nproc="$("$PYTHON" -m moerl.cli train --check "${args[@]}")"
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m moerl.cli train "${args[@]}"
+# MOERL_MAX_RESTARTS=N: torchrun starts the ranks again after a crash, up to N times (with run.resume=auto each
+# start continues from the newest checkpoint).
+exec "$PYTHON" -m torch.distributed.run --standalone --max-restarts "${MOERL_MAX_RESTARTS:-0}" --nproc-per-node "$nproc" \
+  -m moerl.cli train "${args[@]}"

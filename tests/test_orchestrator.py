@@ -184,19 +184,27 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def start_until_checkpoint(cache: Path, run_dir: Path, overrides: list[str], step: int) -> subprocess.Popen:
+    """The job, started in the background and running once its checkpoint of ``step`` is complete."""
+    proc = subprocess.Popen(job_args(cache, run_dir, *overrides), env=child_env(PYTHON=sys.executable), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / f"step_{step}" / "run_state.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
+            time.sleep(0.1)
+    except BaseException:
+        _kill_tree(proc)
+        raise
+    return proc
+
+
 def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_results(cache, tmp_path):
     steps = ["run.mode=sync", "run.steps=6", "run.save_every=2", "sync.verify=false"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert job(cache, straight, *steps).returncode == 0
-    proc = subprocess.Popen(job_args(cache, killed, *steps), env=child_env(PYTHON=sys.executable), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (killed / "checkpoints" / "step_2" / "run_state.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
-            time.sleep(0.1)
-    finally:
-        _kill_tree(proc)
+    proc = start_until_checkpoint(cache, killed, steps, 2)
+    _kill_tree(proc)
     saved = sorted(int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists())
     assert saved and saved[-1] < 6, saved
     out = job(cache, killed, *steps, "run.resume=true")
@@ -209,6 +217,32 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_results(cache, t
         assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-6)
         assert x["prompts/trained"] == y["prompts/trained"]
     assert accounting(killed)["balanced"] and accounting(killed)["trained"] == accounting(straight)["trained"]
+
+
+def test_a_killed_trainer_rank_leaves_no_process_behind_and_the_run_resumes(cache, tmp_path):
+    """SIGKILL of trainer rank 1: torchrun stops rank 0, which tears down (engines and rollout manager stopped,
+    accounting written; had it been killed too, they would die with it), the job exits non-zero, and
+    run.resume=auto continues from the newest checkpoint."""
+    steps = ["run.mode=sync", "run.steps=4", "run.save_every=1", "sync.verify=false"]
+    proc = start_until_checkpoint(cache, tmp_path, steps, 1)
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+        ranks = {int(p.environ()["RANK"]): p for p in family if p.ppid() == proc.pid}  # torchrun's workers
+        assert sorted(ranks) == [0, 1]
+        children = [p for p in family if p.ppid() == ranks[0].pid]
+        assert any(_is_engine(p) for p in children) and any("moerl.orchestrator.manager" in p.cmdline() for p in children)
+        ranks[1].kill()
+        assert proc.wait(timeout=120) != 0
+        _, alive = psutil.wait_procs([ranks[0], *children], timeout=30)
+        assert alive == [], [p.cmdline() for p in alive]
+        assert accounting(tmp_path)["balanced"]
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    out = job(cache, tmp_path, *steps, "run.resume=auto")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+    assert accounting(tmp_path)["balanced"]
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typing import Callable
 
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SGLANG_VERSION
-from moerl.env import child_env, free_port
+from moerl.env import child_env, die_with_parent, free_port
 
 log = logging.getLogger("moerl.engines")
 
@@ -150,7 +150,7 @@ class SGLangPool:
             path = Path(self.cfg.log_dir) / f"{name}.log"
             log = open(path, "a" if append else "w")
         # Own process group: stopping the pool stops each server's workers too.
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
         if path is not None:
             self.logs[proc.pid] = path
         return proc

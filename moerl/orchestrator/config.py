@@ -22,7 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moerl.config import check_choices, choice, choice_problems
+from moerl.config import check_choices, choice, choice_problems, unbool_choices
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines.protocol import MAX_N
 from moerl.errors import ConfigError, MoerlError
@@ -35,6 +35,7 @@ PARTIAL = ("in_place", "retry")
 SERVERS = ("auto", "sglang", "embedded")
 ENGINE_DTYPES = ("auto", *MODEL_DTYPES)  # auto: bfloat16 with CUDA, float32 without
 SYNC_METHODS = ("broadcast", "disk")
+RESUME = ("false", "true", "auto")
 
 
 @dataclass
@@ -43,7 +44,9 @@ class RunSection:
     mode: str = choice("async", MODES)  # sync (generate, train, sync) | periodic (on-policy, overlapped) | async (bounded staleness)
     steps: int = 40  # optimizer steps (policy versions) to reach
     save_every: int = 0  # trainer checkpoint every N steps (0: only the last step)
-    resume: bool = False  # continue from the newest checkpoint under dir
+    # false: a new run (refused where dir holds one) | true: continue from the newest checkpoint under dir (one must be
+    # there) | auto: continue if there is one, else start: for launchers that start the job again (torchrun --max-restarts)
+    resume: str = choice("false", RESUME)
     cache_dir: str = "~/.cache/moerl"  # the tiny demo model and converted checkpoints, made once
     progress: bool = True  # a progress bar on stderr (rank 0)
     trainer_ranks: int = 0  # torchrun ranks of the trainer (0: trainer.tp * pp * ep); the rest of the node's GPUs serve
@@ -197,6 +200,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                 raise ConfigError(f"config file {path} does not exist")
             merged = OmegaConf.merge(merged, OmegaConf.create(read_yaml(Path(path).read_text()) or {}))
         merged = OmegaConf.merge(merged, parse_overrides(list(overrides)))
+        unbool_choices(RunConfig, merged)
         problems = choice_problems(RunConfig, merged, "", nested=True)
         if problems:
             raise ConfigError("; ".join(problems))

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from moerl.dtypes import resolve as resolve_dtype
 from moerl.engines.health import State
-from moerl.env import child_env
+from moerl.env import child_env, die_with_parent
 from moerl.files import staged_dir
 from moerl.errors import ConfigError, MoerlError
 from moerl.megatron.parallel import init_process_group
@@ -112,8 +113,11 @@ def preflight(cfg: RunConfig, world: int) -> None:
     layout, the run directory, the engines given by URL, the task and the model's config and tensors."""
     check_layout(cfg, world)
     run_dir = Path(cfg.run.dir)
-    if (run_dir / "metrics.jsonl").exists() and not cfg.run.resume:
+    if (run_dir / "metrics.jsonl").exists() and cfg.run.resume == "false":
         raise ConfigError(f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir")
+    if cfg.run.resume == "true" and latest_checkpoint(run_dir) is None:
+        raise ConfigError(f"run.resume=true: {run_dir / 'checkpoints'} holds no checkpoint to continue from "
+                          "(run.resume=auto starts the run where there is none)")
     if cfg.engines.urls:
         check_engine_urls(cfg.engines.urls)
     elif cfg.engines.server == "sglang":
@@ -231,8 +235,10 @@ def start_manager(cfg_path: Path, hf: Path, urls: list[str], buffer, cursor: int
     spec = ManagerSpec(config=str(cfg_path), hf_dir=str(hf), urls=urls, orders=buffer.orders_address, events=buffer.events_address,
                        cursor=cursor, reissue=reissue).write(run_dir / "manager_spec.json")
     log_file = open(run_dir / "logs" / "rollout_manager.log", "a")
+    # A session of its own: a signal to the job's process group (a launcher stopping it) reaches rank 0, whose teardown
+    # stops the manager in order and reads its last events; the manager dies with rank 0 if rank 0 dies first.
     return subprocess.Popen([sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec)], stdout=log_file,
-                            stderr=subprocess.STDOUT, env=child_env())
+                            stderr=subprocess.STDOUT, env=child_env(), start_new_session=True, preexec_fn=die_with_parent)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -286,13 +292,11 @@ class Job:
         self.trainer = Trainer(str(mcore), cfg.trainer, lora=cfg.lora)
         self.full_bytes = full_weight_bytes(self.trainer)  # what a full-weight sync moves, beside what each sync moved
         self.tolerance = verify_tolerance(cfg)
-        resume_from = latest_checkpoint(self.run_dir) if cfg.run.resume else None
+        resume_from = latest_checkpoint(self.run_dir) if cfg.run.resume != "false" else None
         self.state = {"cursor": 0, "pending": [], "accounting": {}}
         if resume_from is not None:
             self.trainer.load(resume_from)
             self.state = json.loads((resume_from / RUN_STATE).read_text())
-        elif cfg.run.resume and self.lead:
-            log.warning("run.resume=true but %s has no checkpoint: starting fresh", self.run_dir / "checkpoints")
         return resume_from is not None
 
     def start_rollouts(self) -> None:
@@ -316,7 +320,7 @@ class Job:
         self.zmq = zmq.Context()
         self.buffer = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
         self.manager = start_manager(self.run_dir / "config.yaml", self.hf, urls, self.buffer, state["cursor"], state["pending"], self.run_dir)
-        self.writer = MetricsWriter(self.run_dir, resume_after=self.trainer.version if cfg.run.resume else None)
+        self.writer = MetricsWriter(self.run_dir, resume_after=self.trainer.version if cfg.run.resume != "false" else None)
         if cfg.run.progress:
             self.bar = tqdm(total=cfg.run.steps, initial=self.trainer.version, desc=f"GRPO {cfg.run.mode}", unit="step", dynamic_ncols=True)
 
@@ -492,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
             for problem in plan.problems:
                 print(f"error: memory plan: {problem}", file=sys.stderr)
             return 2 if plan.problems else 0
+        # torchrun stops the other ranks with SIGTERM when one fails: the job's teardown still runs (engines and
+        # rollout manager stopped, accounting written).
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         summary = Job(cfg).run()
     except MoerlError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -502,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None:
         print(f"done: {cfg.run.dir} (metrics.jsonl, tensorboard/, accounting.json; plot with: moerl plot {cfg.run.dir})")
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
