@@ -121,6 +121,7 @@ class SGLangPool:
         self.logs: dict[int, Path] = {}  # pid -> log file
         self.restarts: dict[int, int] = {}  # replica -> times restarted by revive()
         self._next_restart: dict[int, float] = {}  # replica -> earliest monotonic time of its next restart (backoff)
+        self._failed_starts: dict[int, int] = {}  # replica -> restarts in a row not yet seen answering /health
 
     @property
     def replica_urls(self) -> list[str]:
@@ -207,10 +208,15 @@ class SGLangPool:
                 time.sleep(1)
 
     def revive(self, max_restarts: int) -> list[str]:
-        """Start again, on its own port and devices, each replica whose process has exited: at most ``max_restarts``
-        times each, the n-th restart no sooner than 2**(n-1) s after the one before. Returns the URLs restarted; each
-        is reachable once it answers /health, and serves the model it started from until a weight sync reaches it."""
+        """Start again, on its own port and devices, each replica whose process has exited, at most ``max_restarts``
+        times each. Restarts that follow each other without the replica ever answering /health in between (a crash
+        loop) back off: 1, 2, 4 ... s; one that came up resets that. Returns the URLs restarted; each is reachable once
+        it answers /health, and serves the model it started from until a weight sync reaches it."""
         now, restarted = time.monotonic(), []
+        unconfirmed = [i for i in range(len(self.ports)) if self._failed_starts.get(i) and self.procs[i].poll() is None]
+        for i, up in zip(unconfirmed, health([self.replica_urls[i] for i in unconfirmed]) if unconfirmed else []):
+            if up:
+                self._failed_starts[i], self._next_restart[i] = 0, 0.0
         for i, port in enumerate(self.ports):
             proc = self.procs[i]
             done = self.restarts.get(i, 0)
@@ -224,7 +230,9 @@ class SGLangPool:
                 pass
             self.procs[i] = self._spawn_replica(i, port, restart=True)
             self.restarts[i] = done + 1
-            self._next_restart[i] = now + 2.0**done
+            failed = self._failed_starts.get(i, 0)
+            self._next_restart[i] = now + (2.0 ** (failed - 1) if failed else 0.0)
+            self._failed_starts[i] = failed + 1
             restarted.append(self.replica_urls[i])
         return restarted
 
