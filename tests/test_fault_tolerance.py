@@ -120,19 +120,26 @@ def test_replica_health_states_follow_failures_probes_and_versions():
     from moerl.engines.health import ReplicaHealth, State
 
     health = ReplicaHealth(["a", "b"], failures_to_dead=2)
+    health.sync_reached("3", ["a", "b"])
     health.request_failed("a", "connection refused")
     assert health.usable() == ["b"] and health.state("a") is State.SUSPECT
-    health.probed("a", True, "3", "3")  # a blip: it answers and serves the policy
+    health.probed("a", True, "3")  # a blip: it answers and serves the policy
     assert health.state("a") is State.HEALTHY
     health.request_failed("a", "deadline")
-    health.probed("a", False, None, "3")
+    health.probed("a", False, None)
     assert health.state("a") is State.SUSPECT  # one failed probe is not enough
-    health.probed("a", False, None, "3")
+    health.probed("a", False, None)
     assert health.state("a") is State.DEAD
     health.set("a", State.RESTARTING, "restarted")
-    health.probed("a", False, None, "3")
+    health.probed("a", False, None)
     assert health.state("a") is State.RESTARTING  # still starting
-    health.probed("a", True, "default", "3")
+    health.probed("a", True, "default")
     assert health.state("a") is State.STALE and health.usable() == ["b"]  # up, but not holding the policy
-    health.probed("a", True, "4", "4")
+    health.sync_reached("4", ["b"])
+    health.probed("a", True, "4")
+    assert health.state("a") is State.STALE  # the version matches, but that sync did not reach it
+    health.sync_reached("4", ["a", "b"])
+    health.probed("a", True, "4")
     assert health.state("a") is State.HEALTHY and health.usable() == ["a", "b"]
+    health.sync_reached("5", ["a"])
+    assert health.state("b") is State.STALE and health.usable() == ["a"]  # healthy, but the sync missed it

@@ -40,6 +40,10 @@ class ReplicaHealth:
     urls: list[str]
     failures_to_dead: int = 3
     replicas: dict[str, Replica] = field(init=False)
+    # What the last weight sync reached, which a replica out of rotation must hold to come back: the weight version
+    # it left (None: not known yet, or a LoRA run, whose base weights keep theirs) and the engines (None: all).
+    served: str | None = None
+    synced: set[str] | None = None
 
     def __post_init__(self):
         self.replicas = {url: Replica(url) for url in self.urls}
@@ -65,9 +69,17 @@ class ReplicaHealth:
         if self.replicas[url].state is State.HEALTHY:
             self.set(url, State.SUSPECT, reason)
 
-    def probed(self, url: str, answered: bool, version: str | None, served: str | None) -> None:
-        """A /health probe of a replica out of rotation: ``answered`` and, if so, the weight ``version`` it reports;
-        ``served``: the version the healthy replicas serve (None: not known yet, any version will do)."""
+    def sync_reached(self, version: str | None, engines: list[str]) -> None:
+        """A weight sync left ``version`` on ``engines``; a healthy replica it missed (it answered too late for the sync)
+        holds the previous policy."""
+        self.served, self.synced = version, set(engines)
+        for url in self.usable():
+            if url not in self.synced:
+                self.set(url, State.STALE, "the last weight sync did not reach it")
+
+    def probed(self, url: str, answered: bool, version: str | None) -> None:
+        """A /health probe of a replica out of rotation: ``answered`` and, if so, the weight ``version`` it reports.
+        It is back once the last sync reached it and it reports what that sync left."""
         replica = self.replicas[url]
         if not answered:
             replica.failed_probes += 1
@@ -75,7 +87,9 @@ class ReplicaHealth:
                 self.set(url, State.DEAD, f"/health failed {replica.failed_probes} times in a row")
             return
         replica.failed_probes = 0
-        if served is None or version == served:
+        if self.synced is not None and url not in self.synced:
+            self.set(url, State.STALE, "up, but the last weight sync did not reach it")
+        elif self.served is None or version == self.served:
             self.set(url, State.HEALTHY, f"answers and serves weight version {version}")
         else:
-            self.set(url, State.STALE, f"answers but serves weight version {version}, not {served}")
+            self.set(url, State.STALE, f"answers but serves weight version {version}, not {self.served}")

@@ -136,6 +136,8 @@ class Gather:
                                         glu=model.config.gated_linear_unit and full.endswith(glu_names)))
         self.lead = stage_lead()
         self.sends = sends_weights() if per_sender else dist.get_rank() == 0  # where gather() returns tensors
+        if per_sender:
+            return  # each sender keeps its own share: rank 0 receives nothing, needs no manifest
         # What each stage's first rank yields, in its order: rank 0 receives the later stages' by it.
         manifest = [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -58,10 +58,6 @@ class RolloutManager:
         config = json.loads(open(f"{hf_dir}/config.json").read())
         e = cfg.engines
         self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=e.request_timeout_s, failures_to_dead=e.health_failures)
-        # What the last weight sync reached, which a replica out of rotation must hold to come back: its weight
-        # version (None: not known yet, or a LoRA run, whose weights do not change) and its engines (None: all).
-        self.served: str | None = None
-        self.synced: set[str] | None = None
         self.reported: dict[str, str] = {}  # the replicas' states as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
@@ -92,10 +88,7 @@ class RolloutManager:
                     log.info("new requests use adapter %s (policy version %d)", *self.adapter)
                     await self._unload_unused()
                 elif isinstance(order, Served):
-                    self.served, self.synced = order.weight_version, set(order.engines)
-                    for url in self.client.health.usable():
-                        if url not in self.synced:  # it answered too late for the sync: it holds the previous policy
-                            self.client.health.set(url, State.STALE, "the last weight sync did not reach it")
+                    self.client.health.sync_reached(order.weight_version, order.engines)
                     await self._report()
                 elif isinstance(order, Restarting):
                     for url in order.urls:
@@ -194,7 +187,6 @@ class RolloutManager:
         except Exception as e:  # the trainer stops the run with this message
             await self.events.send_pyobj(RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
-
     async def _until_healthy(self) -> None:
         """Wait for a healthy replica, at most ``engines.down_timeout_s``."""
         e = self.cfg.engines
@@ -217,10 +209,7 @@ class RolloutManager:
                 except Exception as e:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
                     log.warning("probing %s: %s: %s", url, type(e).__name__, e)
                     answered, version = False, None
-                if answered and self.synced is not None and url not in self.synced:
-                    health.set(url, State.STALE, "up, but the last weight sync did not reach it")
-                else:
-                    health.probed(url, answered, version, self.served)
+                health.probed(url, answered, version)
             await self._report()
             await asyncio.sleep(self.cfg.engines.health_interval_s)
 
