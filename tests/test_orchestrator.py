@@ -279,6 +279,19 @@ def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, bad_models,
     assert time.monotonic() - start < 120
 
 
+def test_engines_given_by_url_get_the_runs_weights_before_the_first_rollout(cache, tmp_path, long_tailed):
+    """An engine given by URL may hold anything (here another model of the same shape, as after an earlier run):
+    the job pushes its own weights before the first request; sync.verify checks the engine at version 0."""
+    from moerl.models.tiny import save_tiny_hf
+    from tests.engine_server import running_server
+
+    other = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "other", seed=1)
+    with running_server(other, tmp_path / "engine-logs") as url:
+        run = job(cache, tmp_path / "run", *long_tailed, f"engines.urls=[{url}]", "run.mode=sync", "run.steps=1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert accounting(tmp_path / "run")["balanced"]
+
+
 def test_a_directory_holding_a_run_is_continued_only_on_request(cache, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     out = job(cache, tmp_path, timeout=180)
@@ -313,8 +326,8 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
         adapter = None
         link = SimpleNamespace(client=SimpleNamespace(targets=["http://a"]))
 
-        def start(self, trainer, resumed):
-            self.adapter = "moerl-lora-v3" if resumed else None
+        def start(self, trainer, engines_hold_it):
+            self.adapter = None if engines_hold_it else "moerl-lora-v3"
 
         def served(self, version):
             return None, self.adapter

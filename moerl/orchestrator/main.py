@@ -263,7 +263,8 @@ class Job:
         resumed = self.setup()
         try:
             self.start_rollouts()
-            self.sync.start(self.trainer, resumed)
+            # Engines given by URL may hold another run's weights: they get this run's before the first rollout.
+            self.sync.start(self.trainer, engines_hold_it=not resumed and not self.cfg.engines.urls)
             self.serve_policy()
             self.verify()
             if self.lead and self.cfg.run.mode == "async":

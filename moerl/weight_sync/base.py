@@ -79,8 +79,10 @@ class WeightSync(ABC):
         """Prepare the transport (a process group with the engines, a directory)."""
 
     @abstractmethod
-    def start(self, trainer, resumed: bool) -> None:
-        """Before the first rollout: the engines serve ``trainer``'s policy (a resumed run's own weights)."""
+    def start(self, trainer, engines_hold_it: bool) -> None:
+        """Before the first rollout: the engines serve ``trainer``'s policy. ``engines_hold_it``: they were started
+        here from the checkpoint the trainer starts from; otherwise (a resumed run, engines given by URL, which may
+        hold another run's weights) the policy is pushed."""
 
     @abstractmethod
     def update(self, trainer) -> SyncStats | None:
@@ -142,10 +144,10 @@ class FullWeightSync(WeightSync):
         self.pause, self.flush_cache = pause, flush_cache
         self.gather: Gather | None = None  # made at the first push (collective), kept for the model's life
 
-    def start(self, trainer, resumed: bool) -> None:
-        if resumed:
+    def start(self, trainer, engines_hold_it: bool) -> None:
+        if not engines_hold_it:
             self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
-        elif self.link is not None:  # the engines loaded the checkpoint the trainer starts from
+        elif self.link is not None:
             self.link.run(self.link.client.set_weight_version(str(trainer.version)))
 
     def update(self, trainer) -> SyncStats | None:

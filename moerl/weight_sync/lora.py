@@ -42,9 +42,10 @@ class AdapterSync(WeightSync):
         if self.directory is not None and self.link is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
-    def start(self, trainer, resumed: bool) -> None:
-        # A new run's policy is the base model itself (every B starts at zero): requests name no adapter.
-        if resumed:
+    def start(self, trainer, engines_hold_it: bool) -> None:
+        # A new run's policy is the base model itself (every B starts at zero): engines started here from it need
+        # no adapter. Engines given by URL are sent it as on a resume; their base model must be this run's (sync.verify).
+        if not engines_hold_it:
             self.update(trainer)
 
     def update(self, trainer) -> SyncStats | None:
