@@ -73,6 +73,17 @@ def test_conversion_on_a_cuda_host_runs_on_the_cpu(tmp_path, monkeypatch):
         convert.hf_to_mcore(hf, tmp_path / "mcore", progress=False)
 
 
+def test_cpu_ranks_are_started_without_a_gpu_in_view(monkeypatch):
+    """A spawned rank imports megatron-core while unpickling its function, before any of its code runs, and torch
+    remembers what CUDA it saw then: on an H100, the conversion's meta model was .cuda()'d. The variable must be in
+    the environment the rank starts with, and the launching process keeps its own."""
+    from tests.workers import cuda_visible_at_start
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run_ranks(cuda_visible_at_start, 1, use_cuda=False) == [""]
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+
 # ---- 4: Transformer Engine's names ------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
 def test_norms_are_checkpointed_and_exported_under_transformer_engines_names(arch):
@@ -258,6 +269,39 @@ def bf16_output_layer() -> dict:
         logits = model(ids, torch.arange(4)[None], None)
         expected = seen["hidden"].float() @ model.output_layer.weight.float().t()
     return {"dtype": logits.dtype, "logits": logits[0], "expected": expected[:, 0]}
+
+
+# ---- megatron-core without Transformer Engine or Apex on a GPU (found on an H100) -----------------------
+def test_the_routers_gemm_works_without_transformer_engine_on_a_gpu_too(monkeypatch):
+    """megatron-core's router_gating_linear tests a name only Transformer Engine's import binds: the first MoE
+    forward on an H100 without TE raised NameError. init_distributed binds it on every device."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    from moerl.layout import Layout
+    from moerl.megatron import parallel
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU: the CPU layer stays off
+    monkeypatch.setattr(parallel, "init_process_group", lambda timeout_s: None)
+    monkeypatch.setattr(parallel, "model_parallel_cuda_manual_seed", lambda seed: None)
+    monkeypatch.setattr(parallel.parallel_state, "destroy_model_parallel", lambda: None)
+    monkeypatch.setattr(parallel.parallel_state, "initialize_model_parallel", lambda **kw: None)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 1)
+    parallel.init_distributed(Layout())
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    torch.testing.assert_close(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
+
+
+def test_a_fresh_optimizer_is_readied_for_a_checkpoint_load(tiny_ckpts):
+    """megatron-core's DistributedOptimizer without Apex or TE reads one common Adam step of every parameter before
+    it loads (a resumed run with the distributed optimizer failed there on an H100); a fresh torch Adam has none. The
+    trainer gives every parameter torch's first-step state (zero moments, step 0) for the checkpoint to overwrite."""
+    from moerl.trainer.config import TrainerConfig
+    from tests.workers import adam_steps_before_loading
+
+    (out,) = run_ranks(adam_steps_before_loading, 1, str(tiny_ckpts["Qwen3MoeForCausalLM"][1]), TrainerConfig())
+    assert out["fresh"] == 0 and out["params"] > 0
+    assert out["with_state"] == out["params"] and out["steps"] == [0.0] and out["moments_zero"]
 
 
 # ---- the memory plan ---------------------------------------------------------------------------------

@@ -14,17 +14,40 @@ from moerl.layout import Layout
 from moerl.megatron.forward import forward_logits, run_schedule
 from moerl.megatron.weights import Gather
 
+# What this process was started with, before any of its code ran (the spawned ranks import this module first).
+CUDA_VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def cuda_visible_at_start() -> str | None:
+    return CUDA_VISIBLE_AT_START
+
+
+def adam_steps_before_loading(mcore_dir: str, trainer_cfg) -> dict:
+    """A fresh trainer's optimizer readied for a checkpoint load: megatron-core's DistributedOptimizer (without Apex
+    or Transformer Engine) then asserts every parameter's Adam state holds one common ``step``."""
+    from moerl.trainer.trainer import Trainer, _adam_state_before_loading
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    inners = [opt.optimizer for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]
+    fresh = sum(len(inner.state) for inner in inners)
+    _adam_state_before_loading(trainer.optimizer)
+    states = [inner.state.get(p) for inner in inners for g in inner.param_groups for p in g["params"]]
+    return {"fresh": fresh, "params": len(states), "steps": sorted({s["step"].item() for s in states if s and "step" in s}),
+            "with_state": sum(1 for s in states if s and "step" in s),
+            "moments_zero": all(torch.count_nonzero(s["exp_avg"]) == 0 and torch.count_nonzero(s["exp_avg_sq"]) == 0 for s in states if s)}
+
 
 def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] | None:
     """The whole model's parameters (or gradients) under TP1/EP1/PP1 names on global rank 0, None on the other
-    ranks: gathered as the weight export gathers them."""
-    return Gather(model, grads=grads).gather()
+    ranks: gathered as the weight export gathers them, then brought to the CPU, where the tests compare."""
+    full = Gather(model, grads=grads).gather()
+    return None if full is None else {name: tensor.cpu() for name, tensor in full.items()}
 
 
 def next_token_loss(vocab_parallel_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy; vocab-parallel so it works at any TP."""
     logits = vocab_parallel_logits[:, :-1].transpose(0, 1).contiguous().float()  # [s-1, b, V/tp]
-    labels = input_ids[:, 1:].transpose(0, 1).contiguous()
+    labels = input_ids[:, 1:].transpose(0, 1).contiguous().to(logits.device)
     return vocab_parallel_cross_entropy(logits, labels).mean()
 
 

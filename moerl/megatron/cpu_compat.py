@@ -9,7 +9,8 @@ functions) are patched by name below.  Each patch names its target; :func:`apply
 :class:`CompatError` when a target has moved, so a megatron-core upgrade fails loudly instead of
 running with half a compatibility layer.
 
-Applied only when ``torch.cuda.is_available()`` is false: with a GPU nothing here is touched.
+Applied only when ``torch.cuda.is_available()`` is false: with a GPU nothing here is touched, except
+:func:`bind_te_general_gemm`, which repairs megatron-core without Transformer Engine on every device.
 """
 
 from __future__ import annotations
@@ -152,17 +153,17 @@ def apply() -> bool:
         return False
     for module_name, attr, value in _patches():
         _patch(module_name, attr, value)
-    _bind_te_general_gemm()
     _patch_alltoall_split_sizes()
     CudaToCpuMode().__enter__()  # stays on the mode stack for the life of the process
     _applied = True
     return True
 
 
-def _bind_te_general_gemm() -> None:
+def bind_te_general_gemm() -> None:
     """``megatron.core.transformer.moe.moe_utils.router_gating_linear`` tests
     ``te_general_gemm is not None``, but without Transformer Engine the import fails and the name
-    is never bound (NameError): bind it to None."""
+    is never bound (NameError): bind it to None. Needed on a GPU without Transformer Engine as much as on
+    the CPU (the router's first forward on an H100 raised it), so applied on every device."""
     import inspect
 
     import megatron.core.transformer.moe.moe_utils as moe_utils

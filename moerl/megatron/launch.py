@@ -6,6 +6,7 @@ gets torchrun's environment variables; results and tracebacks come back through 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -20,15 +21,12 @@ from moerl.errors import MoerlError
 from moerl.megatron.parallel import destroy_distributed
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, use_cuda: bool, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
     # As under torchrun, the launching process hosts the rendezvous store and every rank is its client.
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
     )
-    if not use_cuda:
-        # Set before anything touches CUDA in this fresh process, so it takes the CPU/gloo path.
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(1)
     try:
         result = fn(*args)
@@ -39,6 +37,19 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, use_cuda: bool, 
         raise
     finally:
         destroy_distributed()
+
+
+@contextlib.contextmanager
+def _cuda_hidden():
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES")
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def run_ranks(fn, world_size: int, *args, use_cuda: bool | None = None, timeout_s: float = 900) -> list:
@@ -62,10 +73,14 @@ def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda
     # rank 0 seconds later (after its imports) could be taken in between by another process.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, store.port, str(out), use_cuda, fn, args)) for r in range(world_size)
+        ctx.Process(target=_entry, args=(r, world_size, store.port, str(out), fn, args)) for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # CPU ranks must never see a GPU: a spawned child imports megatron-core (which asks torch about CUDA, and
+    # torch remembers the answer) while unpickling ``fn``, before any code of ours runs in it, so the
+    # variable has to be in the environment it starts with.
+    with _cuda_hidden() if not use_cuda else contextlib.nullcontext():
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout_s
     # One failed rank leaves the others blocked in a collective: stop them all at once.
     while any(p.is_alive() for p in procs):

@@ -42,6 +42,7 @@ def init_distributed(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> 
     """
     if not torch.cuda.is_available():
         cpu_compat.apply()
+    cpu_compat.bind_te_general_gemm()
     init_process_group(timeout_s)
     layout.check_world(dist.get_world_size())
     parallel_state.destroy_model_parallel()

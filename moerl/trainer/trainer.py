@@ -301,7 +301,7 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------
     def _sharded_state(self, loading: bool) -> dict:
         model = self.model.module.sharded_state_dict(metadata=SHARDED_METADATA)
-        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=SHARDED_METADATA)}
+        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIMIZER_METADATA)}
 
     def save(self, ckpt_dir: str | Path) -> None:
         """Model, optimizer, LR schedule and policy version in ``dist_checkpointing`` format, loadable at
@@ -326,12 +326,36 @@ class Trainer:
         meta = ckpt_dir / TRAINER_STATE
         if not meta.is_file():
             raise FileNotFoundError(f"{ckpt_dir}: no {TRAINER_STATE}; not a trainer checkpoint (Trainer.save writes one)")
+        _adam_state_before_loading(self.optimizer)
         state = load_sharded(self._sharded_state(loading=True), ckpt_dir)
         self.model.module.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         saved = json.loads(meta.read_text())
         self.scheduler.load_state_dict(saved["scheduler"])
         self.version = saved["version"]
+
+
+# The distributed optimizer's default format (fully_sharded_model_space) is refused by megatron-core 0.16.1's
+# own ShardedTensor check (flattened_range; seen on an H100). fully_reshardable keeps the checkpoint loadable at
+# another layout, as the model's is; mem_efficient gathers each DP group's shards into host memory on its first
+# rank over gloo instead of all-gathering the whole optimizer state on every rank's GPU.
+OPTIMIZER_METADATA = {**SHARDED_METADATA, "distrib_optim_sharding_type": "fully_reshardable",
+                      "distrib_optim_fully_reshardable_mem_efficient": True}
+
+def _adam_state_before_loading(optimizer) -> None:
+    """Give a fresh optimizer the state torch's Adam makes at its first step, for the checkpoint to overwrite.
+
+    megatron-core 0.16.1's DistributedOptimizer without Apex or Transformer Engine reads every parameter's Adam
+    ``step`` while building the state dict to load into (``state_dict()``: ``assert len(steps) == 1``), which a
+    fresh torch Adam has not made: a resumed run with the distributed optimizer failed there on an H100."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if opt.init_state_fn is None or inner.state:
+            continue
+        opt.init_state_fn(inner, opt.config)  # megatron-core's own: the moments, in the configured dtypes
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.tensor(0.0))
 
 
 _SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")

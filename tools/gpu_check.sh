@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU paths that CI cannot run, in one pass on one CUDA machine: the `gpu`-marked parity tests (NCCL),
+# the embedded engine on CUDA in bf16, and the main job as a user types it with its trainer rank on the same
+# GPU (bf16, distributed optimizer, weights synced by disk: NCCL cannot pair two processes on one GPU).
+# Each check runs under its own time limit and the next one runs whatever happened; a summary line per
+# check goes to stdout, every log and the runs' metrics into $OUT/gpu_check.tgz (OUT defaults to ./gpu_check).
+#
+#   bash tools/gpu_check.sh            # on a machine with a GPU, moerl's dependencies importable
+#   STEPS=4 bash tools/gpu_check.sh    # shorter main-job runs
+set -uo pipefail
+cd "$(dirname "$0")/.."
+work="$(mktemp -d)"
+out="$work/logs"
+mkdir -p "$out" "${OUT:=gpu_check}"
+steps="${STEPS:-8}"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+device="$(python3 -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')"
+summary=()
+
+check() {  # check NAME SECONDS COMMAND...: one line of summary, the log in $out/NAME.log
+  local name="$1" limit="$2" t0=$SECONDS rc
+  shift 2
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
+  echo "${summary[-1]}"
+  [ "$rc" = 0 ] || grep -E "(Error|Exception|FAILED|ERROR)\b" "$out/$name.log" | grep -vE "ChildFailedError|Warning|^ *raise " | head -n 12
+}
+
+{
+  nvidia-smi -L 2>/dev/null || true
+  python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'
+  python3 -c 'import megatron.core; print("megatron-core", megatron.core.__version__)'
+} 2>&1 | tee "$out/machine.txt"
+
+check imports 120 python3 -c 'import moerl.megatron.model, moerl.trainer.trainer, moerl.engines.embedded.server, moerl.orchestrator.main'
+check pytest_gpu 240 python3 -m pytest -m gpu -p no:cacheprovider
+check tiny_model 120 python3 -c "from moerl.tasks.tiny import save_warm_tiny_model; save_warm_tiny_model('$work/model')"
+
+port=30123
+python3 -m moerl.cli serve --model "$work/model" --device "$device" --dtype bfloat16 --port "$port" >"$out/engine.log" 2>&1 &
+engine=$!
+check engine_up 120 bash -c "until curl -sf http://127.0.0.1:$port/health >/dev/null; do sleep 1; done"
+check job_async "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
+  trainer.ep=1 sync.method=disk sync.verify=true sync.verify_tolerance=0.5 run.steps="$steps" run.dir="$work/async" run.progress=false
+check job_sync_fp32 "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
+  trainer.ep=1 trainer.dtype=float32 trainer.optim.distributed_optimizer=false run.mode=sync sync.method=disk \
+  run.steps="$steps" run.dir="$work/sync" run.progress=false
+kill "$engine" 2>/dev/null
+wait "$engine" 2>/dev/null
+for run in async sync; do
+  [ -f "$work/$run/metrics.jsonl" ] && cp "$work/$run/metrics.jsonl" "$out/metrics_$run.jsonl"
+done
+printf '%s\n' "${summary[@]}" >"$out/summary.txt"
+tar -czf "$OUT/gpu_check.tgz" -C "$work" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.distcp' . 2>/dev/null
