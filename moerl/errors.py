@@ -12,8 +12,18 @@ class MoerlError(ValueError):
     """Bad input or setup; the message names the problem and what to change."""
 
 
+def relayed(error: MoerlError) -> MoerlError:
+    """``error`` as the other trainer ranks raise it when global rank 0 hit the problem: only rank 0 prints it."""
+    error.relayed = True
+    return error
+
+
 class ConfigError(MoerlError):
     """A config moerl cannot run with: a section of the job's, or a model's config.json."""
+
+
+class EnginesDown(MoerlError):
+    """No inference engine answered for ``engines.down_timeout_s``: the job writes a checkpoint and stops."""
 
 
 class LoRAError(MoerlError):

@@ -17,7 +17,8 @@ import zmq
 from moerl.engines.client import EngineClient
 from moerl.engines.sglang import SGLangConfig, SGLangPool
 from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
-from moerl.orchestrator.buffer import RolloutBuffer, RolloutError
+from moerl.errors import EnginesDown
+from moerl.orchestrator.buffer import RolloutBuffer
 from moerl.orchestrator.config import load_config, to_yaml
 from moerl.orchestrator.main import start_manager
 
@@ -110,7 +111,7 @@ def test_prompts_on_a_killed_or_hung_replica_are_reissued_and_every_prompt_is_ac
 def test_with_every_engine_gone_prompts_past_their_budget_are_dropped_and_the_run_stops_with_one_error(model, tmp_path):
     with rollouts(model, tmp_path / "run", 1, "rollout.engine_retries=0", "engines.down_timeout_s=2") as (pool, buffer):
         signal_replica(pool, 0, signal.SIGKILL)
-        with pytest.raises(RolloutError, match="no engine replica has been healthy for engines.down_timeout_s=2"):
+        with pytest.raises(EnginesDown, match="no engine replica has been healthy for engines.down_timeout_s=2"):
             take(buffer, GROUPS)
         acct = buffer.acct
         assert acct.dropped["engine_failure"] > 0 and acct.balanced()
@@ -130,7 +131,7 @@ def test_replica_health_states_follow_failures_probes_and_versions():
     assert health.state("a") is State.SUSPECT  # one failed probe is not enough
     health.probed("a", False, None)
     assert health.state("a") is State.DEAD
-    health.set("a", State.RESTARTING, "restarted")
+    health.restarted("a")
     health.probed("a", False, None)
     assert health.state("a") is State.RESTARTING  # still starting
     health.probed("a", True, "default")
@@ -143,3 +144,14 @@ def test_replica_health_states_follow_failures_probes_and_versions():
     assert health.state("a") is State.HEALTHY and health.usable() == ["a", "b"]
     health.sync_reached("5", ["a"])
     assert health.state("b") is State.STALE and health.usable() == ["a"]  # healthy, but the sync missed it
+
+    # A LoRA run's engines keep their base weight version: a restarted replica reports what the others do, but it lost
+    # the adapters every sync loaded; it is back only once a sync reaches it.
+    lora = ReplicaHealth(["a", "b"])
+    lora.sync_reached(None, ["a", "b"])
+    lora.restarted("a")
+    lora.probed("a", True, "default")
+    assert lora.state("a") is State.STALE and lora.usable() == ["b"]
+    lora.sync_reached(None, ["a"])
+    lora.probed("a", True, "default")
+    assert lora.state("a") is State.HEALTHY

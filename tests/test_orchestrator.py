@@ -51,6 +51,18 @@ def job(cache: Path, run_dir: Path, *overrides: str, timeout: float = 600) -> su
                           text=True, timeout=timeout, cwd=REPO)
 
 
+def start_job(cache: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """The job in the background, in a session of its own, its stderr kept."""
+    return subprocess.Popen(job_args(cache, run_dir, *overrides), env=child_env(PYTHON=sys.executable), cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def rows_so_far(run_dir: Path) -> list[dict]:
+    """The metrics rows a running job has written completely."""
+    metrics = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")] if metrics.exists() else []
+
+
 def accounting(run_dir: Path) -> dict:
     return json.loads((run_dir / "accounting.json").read_text())
 
@@ -119,20 +131,19 @@ def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, lo
     assert all(r["staleness/max"] <= 1 for r in rows) and accounting(tmp_path)["balanced"]
 
 
-def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tailed):
+@pytest.mark.parametrize("partial", ["in_place", "retry"])
+def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tailed, partial):
     """Two replicas; one is SIGKILLed at a seeded random moment, and again once the job has restarted it and it is back
     in rotation: every step completes, no prompt is lost, and with sync.verify each update's engines (the restarted
-    one from the update that brings it back) serve the trainer's weights."""
+    one from the update that brings it back) serve the trainer's weights. Rollouts in flight at an update continue in
+    place or are aborted and regenerated."""
     rng = random.Random(0)
     steps = 30
-    proc = subprocess.Popen(job_args(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2",
-                                     "engines.health_interval_s=0.2", "engines.health_failures=2", *long_tailed),
-                            env=child_env(PYTHON=sys.executable), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    metrics = tmp_path / "metrics.jsonl"
+    proc = start_job(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2", f"rollout.partial={partial}",
+                     "engines.health_interval_s=0.2", "engines.health_failures=2", *long_tailed)
 
     def rows() -> list[dict]:
-        return [json.loads(line) for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")] if metrics.exists() else []
+        return rows_so_far(tmp_path)
 
     def wait_until(condition) -> None:
         deadline = time.monotonic() + 300
@@ -163,6 +174,75 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     assert done[-1]["engines/restarts"] == 2, done[-1]
     assert done[-1]["prompts/dropped_engine_failure"] == 0, done[-1]
     assert any(r["engines/healthy"] < 2 for r in done)  # the kills were seen
+
+
+def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_current_adapter(cache, tmp_path, long_tailed):
+    """One replica, LoRA, sync mode. SIGKILLed as a step's rollouts start, the step waits while the job starts it again,
+    and every rank stops for a catch-up sync that loads it the current adapter (verified) before it takes a request;
+    later SIGSTOPped past a request's deadline and continued, it is probed back in. Every step completes, none lost."""
+    steps = 6
+    proc = start_job(cache, tmp_path, "run.mode=sync", f"run.steps={steps}", "lora.enabled=true", "lora.rank=4",
+                     "engines.health_interval_s=0.2", "engines.health_failures=2", "engines.request_timeout_s=4", *long_tailed)
+
+    def rows() -> list[dict]:
+        return rows_so_far(tmp_path)
+
+    def engine_after(step: int) -> psutil.Process:
+        """The engine as the step after ``step`` starts its rollouts (sync mode: the metrics row ends a step)."""
+        deadline = time.monotonic() + 300
+        while not any(r["step"] > step and r["engines/healthy"] == 1 for r in rows()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its engine was back"
+            time.sleep(0.1)
+        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
+        return engine
+
+    try:
+        os.killpg(engine_after(1).pid, signal.SIGKILL)
+        hung = engine_after(len(rows()))
+        hung.suspend()
+        time.sleep(8)  # past engines.request_timeout_s: the requests on it fail and wait for it
+        hung.resume()
+        _, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    assert proc.returncode == 0, stderr[-4000:]
+    done = rows()
+    assert [r["step"] for r in done] == list(range(1, steps + 1))
+    acct = accounting(tmp_path)
+    assert acct["balanced"] and acct["live"] == 0 and "engine_failure" not in acct["dropped"] and acct["trained"] == steps * GROUPS, acct
+    assert done[-1]["engines/restarts"] == 1 and sum(r["sync/catch_ups"] for r in done) >= 1
+    assert sum(r["rollout/retries_engine_failure"] for r in done) > 0  # both faults caught requests in flight
+    manager_log = (tmp_path / "logs" / "rollout_manager.log").read_text()
+    assert "-> stale" in manager_log and "-> dead" in manager_log  # the restarted replica waited for its adapter; the hung one was probed out
+
+
+def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_and_resumes(cache, tmp_path):
+    """No restarts left: after engines.down_timeout_s the run writes a checkpoint (every prompt not trained pending) and
+    stops with one error line; once engines are back, run.resume=true continues from that checkpoint."""
+    proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0", "engines.max_restarts=0",
+                     "engines.down_timeout_s=3", "engines.health_interval_s=0.2")
+    try:
+        deadline = time.monotonic() + 300
+        while len(rows_so_far(tmp_path)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended early"
+            time.sleep(0.1)
+        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
+        os.killpg(engine.pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            _kill_tree(proc)
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "engines.down_timeout_s" in errors[0] and "run.resume=true" in errors[0], stderr[-4000:]
+    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    state = json.loads((checkpoint / "run_state.json").read_text())
+    stopped_at = state["step"]
+    assert stopped_at >= 2 and state["pending"] and accounting(tmp_path)["balanced"]
+    out = job(cache, tmp_path, "run.mode=async", f"run.steps={stopped_at + 1}", "run.resume=true")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert read_metrics(tmp_path)[-1]["step"] == stopped_at + 1 and accounting(tmp_path)["balanced"]
 
 
 def _is_engine(process: psutil.Process) -> bool:

@@ -69,6 +69,13 @@ class ReplicaHealth:
         if self.replicas[url].state is State.HEALTHY:
             self.set(url, State.SUSPECT, reason)
 
+    def restarted(self, url: str) -> None:
+        """The job started ``url``'s process again: it holds what it started from (the base weights, no adapter), so
+        once it answers it is stale until a weight sync reaches it."""
+        self.set(url, State.RESTARTING, "the job started its process again")
+        if self.synced is not None:
+            self.synced.discard(url)
+
     def sync_reached(self, version: str | None, engines: list[str]) -> None:
         """A weight sync left ``version`` on ``engines``; a healthy replica it missed (it answered too late for the sync)
         holds the previous policy."""

@@ -13,15 +13,19 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import zmq
 
+from moerl.errors import EnginesDown
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (EVENTS, Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop,
                                          Stopped, UseAdapter, checked)
 from moerl.sample import Sample
+
+
+WAITING_POLL_S = 0.5  # how often pieces() calls its waiting hook while no group is ready
 
 
 class RolloutError(RuntimeError):
@@ -126,6 +130,8 @@ class RolloutBuffer:
         elif isinstance(event, RolloutFailed):
             if self._stopping:  # the run already stops (on the first such error, most likely): the prompt ends live, at stop
                 return
+            if event.engines_down:
+                raise EnginesDown(event.message)
             raise RolloutError(f"rollout of prompt {event.index} failed: {event.message}")
         else:
             for index in event.cancelled:
@@ -145,19 +151,25 @@ class RolloutBuffer:
             pass
 
     # ---- what the trainer takes ---------------------------------------------------------------
-    def pieces(self, version: int, groups: int, whole: bool) -> Iterator[list[Group]]:
+    def pieces(self, version: int, groups: int, whole: bool, waiting: Callable[[], Any] | None = None) -> Iterator[list[Group] | Any]:
         """``groups`` groups fit for policy ``version``, as pieces the moment they are ready (``whole``:
-        one piece once all are ready). Stale groups are dropped (and re-ordered in async mode)."""
+        one piece once all are ready). Stale groups are dropped (and re-ordered in async mode). While none is ready,
+        ``waiting()`` is called every :data:`WAITING_POLL_S`; what it returns, unless None, is yielded in between."""
         if self.mode != "async":
             self.order(groups)
         remaining = groups
         piece: list[Group] = []
         while remaining:
             self.drain()
+            hook_at = time.monotonic() + WAITING_POLL_S
             while not self.ready:
                 start = time.perf_counter()
-                self._receive(None)
+                self._receive(None if waiting is None else WAITING_POLL_S)
                 self.waited_s += time.perf_counter() - start
+                if waiting is not None and time.monotonic() >= hook_at:
+                    hook_at = time.monotonic() + WAITING_POLL_S
+                    if (interlude := waiting()) is not None:
+                        yield interlude
             while self.ready and remaining:
                 group = self.ready.popleft()
                 if self.mode == "async":
@@ -178,10 +190,14 @@ class RolloutBuffer:
         for g in groups:
             self.acct.finish(g.index, "trained")
 
+    def halt(self) -> None:
+        """The run is stopping: nothing more is ordered, and a prompt that fails from now on ends live (at stop)."""
+        self._stopping = True
+
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the manager; every prompt still live ends dropped with its reason."""
         self.orders.send_pyobj(Stop())
-        self._stopping = True
+        self.halt()
         deadline = time.monotonic() + timeout_s
         while not self._stopped and time.monotonic() < deadline:
             self._receive(1.0)

@@ -29,12 +29,13 @@ from moerl.dtypes import resolve as resolve_dtype
 from moerl.engines.health import State
 from moerl.env import child_env, die_with_parent
 from moerl.files import staged_dir
-from moerl.errors import ConfigError, MoerlError
+from moerl.errors import ConfigError, EnginesDown, MoerlError, relayed
 from moerl.megatron.parallel import init_process_group
 from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
 from moerl.orchestrator.config import RunConfig, load_config, served_by, to_yaml
 from moerl.orchestrator.messages import ManagerSpec
 from moerl.orchestrator.metrics import MetricsWriter
+from moerl.trainer.distribute import Interlude
 from moerl.trainer.trainer import Trainer
 from moerl.weight_sync.base import WeightSync
 from moerl.weight_sync.broadcast import BroadcastSync
@@ -247,6 +248,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda d: int(d.name.split("_")[1])) if done else None
 
 
+# What every rank stops to do between two pieces of a step (Interlude kinds).
+CATCH_UP = 1  # no replica serves and one came back: push it the current policy, so the step can get its groups
+STOP = 2  # no replica served for engines.down_timeout_s: write a checkpoint, then stop with that error
+
+
 class Job:
     """The main job on one trainer rank. Every rank trains and takes part in each weight sync; global rank 0 also
     prepares the model, runs the engines, the rollout manager and the rollout buffer, and writes the metrics."""
@@ -257,6 +263,10 @@ class Job:
         self.run_dir = Path(cfg.run.dir)
         self.lead = self.rank == 0
         self.pool = self.sync = self.manager = self.buffer = self.writer = self.bar = self.zmq = None
+        self.caught_up: set[str] = set()  # rank 0: replicas a catch-up sync already went to, at the current version
+        self.back: list[str] = []  # rank 0: the replicas the next catch-up sync goes to
+        self.catch_ups = 0  # rank 0: catch-up syncs in the current step
+        self.engines_down: EnginesDown | None = None  # rank 0: why the step stops
 
     def run(self) -> dict | None:
         """The whole job; rank 0 returns the final accounting."""
@@ -271,6 +281,11 @@ class Job:
                 self.buffer.order(self.cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
             while self.trainer.version < self.cfg.run.steps:
                 self.step()
+        except Exception as e:
+            # One rank's failure makes torchrun stop the others, maybe this one in its teardown, before the error below
+            # is printed: said now.
+            log.error("stopping at step %d: %s: %s", self.trainer.version, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            raise
         finally:
             summary = self.teardown()
         return summary
@@ -332,17 +347,32 @@ class Job:
         waited = self.buffer.waited_s if self.lead else 0.0
         taken = []
 
-        def pieces():
-            for piece in self.buffer.pieces(trainer.version, cfg.rollout.groups_per_step, whole=cfg.run.mode == "sync"):
-                piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
-                taken.extend(piece)
-                yield [s for g in piece for s in g.samples]
+        self.caught_up, self.catch_ups = set(), 0
 
-        metrics = trainer.step(pieces() if self.lead else None)  # rank 0 sends each rank its part
+        def pieces():
+            try:
+                for piece in self.buffer.pieces(trainer.version, cfg.rollout.groups_per_step, whole=cfg.run.mode == "sync",
+                                                waiting=self.while_waiting):
+                    if isinstance(piece, Interlude):
+                        yield piece
+                        continue
+                    piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
+                    taken.extend(piece)
+                    yield [s for g in piece for s in g.samples]
+            except EnginesDown as e:
+                self.engines_down = e
+                yield Interlude(STOP)
+
+        metrics = trainer.step(pieces() if self.lead else None, self.interlude)  # rank 0 sends each rank its part
         trained_at = time.perf_counter()
         if self.pool is not None:
             self.buffer.restarting(self.pool.revive(cfg.engines.max_restarts))  # the sync reaches those that answer by then
-        stats = self.sync.update(trainer)
+        try:
+            stats = self.sync.update(trainer)
+        except EnginesDown as e:
+            if self.lead:
+                self.buffer.trained(taken)  # in the step just made: not to be re-issued on resume
+            self.stop_for_engines(e)
         self.serve_policy()
         end = time.perf_counter()
         metrics.update(self.verify())
@@ -350,6 +380,50 @@ class Job:
             self.record(metrics, taken, stats, start, trained_at, end, waited)
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
             save_checkpoint(trainer, self.buffer, self.run_dir)
+
+    def while_waiting(self) -> Interlude | None:
+        """Rank 0, while the step waits for groups: replicas that died are started again; when none serves and one is
+        back (stale: it holds what it started from), every rank stops to bring it to the current policy."""
+        if self.pool is not None:
+            restarted = self.pool.revive(self.cfg.engines.max_restarts)
+            self.buffer.restarting(restarted)
+            self.caught_up -= set(restarted)
+        states = self.buffer.engines
+        back = sorted(url for url, state in states.items() if state == State.STALE.value and url not in self.caught_up)
+        if back and State.HEALTHY.value not in states.values():
+            self.caught_up.update(back)
+            self.back = back
+            return Interlude(CATCH_UP)
+        return None
+
+    def interlude(self, kind: int) -> None:
+        """Collective, between two pieces of a step; the weights are still the last update's."""
+        if kind == STOP:
+            self.stop_for_engines(self.engines_down)
+        try:
+            stats = self.sync.update(self.trainer, only=self.back if self.lead else None)
+        except EnginesDown as e:
+            self.stop_for_engines(e)
+        if not self.sync.reached:  # gone again before the sync: the wait goes on
+            return
+        if self.lead:
+            log.info("catch-up sync of version %d to %s in %.2f s", self.trainer.version, ", ".join(self.sync.link.client.targets), stats.seconds)
+            self.catch_ups += 1
+        self.serve_policy()
+        self.verify()  # with sync.verify: what came back serves the policy before it takes a request
+
+    def stop_for_engines(self, error: EnginesDown | None) -> None:
+        """Collective: the run's checkpoint (every prompt not yet trained pending, to be issued again), then ``error``
+        (global rank 0's; the other ranks say rank 0 stopped the run)."""
+        if self.lead:
+            self.buffer.halt()  # the other prompts waiting for an engine fail too, while the checkpoint is written
+        save_checkpoint(self.trainer, self.buffer, self.run_dir)
+        where = f"checkpoint {self.run_dir / 'checkpoints' / f'step_{self.trainer.version}'} written; run.resume=true continues from it"
+        if error is None:
+            raise relayed(EnginesDown(f"global rank 0 stopped the run: no engine answered; {where}"))
+        stopped = EnginesDown(f"{error}; {where}")
+        stopped.relayed = getattr(error, "relayed", False)
+        raise stopped
 
     def serve_policy(self) -> None:
         """New requests name the adapter the last sync loaded (LoRA runs; full-weight syncs change the weights themselves),
@@ -376,7 +450,7 @@ class Job:
             "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "sync/full_weight_bytes": self.full_bytes, "time/step_seconds": end - start,
             "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
             "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
-            "rollout/retries_engine_failure": float(buffer.take_engine_retries()),
+            "rollout/retries_engine_failure": float(buffer.take_engine_retries()), "sync/catch_ups": float(self.catch_ups),
             "prompts/dropped_engine_failure": float(buffer.acct.dropped["engine_failure"]),
         })
         states = list(buffer.engines.values())
@@ -502,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         summary = Job(cfg).run()
     except MoerlError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not getattr(e, "relayed", False):
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

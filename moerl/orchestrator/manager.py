@@ -30,6 +30,7 @@ import zmq.asyncio
 from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, ReplicaDown
 from moerl.engines.health import State
 from moerl.engines.protocol import SamplingParams
+from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config
 from moerl.orchestrator.messages import (ORDERS, Dropped, EnginesChanged, Generate, GroupDone, Issued, ManagerSpec, Restarting, RolloutFailed,
@@ -82,7 +83,7 @@ class RolloutManager:
                     for _ in range(order.groups):
                         self._start(*((self.reissue.popleft(), False) if self.reissue else (self._next(), True)))
                 elif isinstance(order, UseAdapter):
-                    if self.adapter[0] is not None:
+                    if self.adapter[0] not in (None, order.name):  # the same name again: a catch-up loaded it on a replica that came back
                         self.retired.add(self.adapter[0])
                     self.adapter = (order.name, order.version)
                     log.info("new requests use adapter %s (policy version %d)", *self.adapter)
@@ -92,7 +93,7 @@ class RolloutManager:
                     await self._report()
                 elif isinstance(order, Restarting):
                     for url in order.urls:
-                        self.client.health.set(url, State.RESTARTING, "the job started its process again")
+                        self.client.health.restarted(url)
                 else:
                     break
         finally:
@@ -140,6 +141,8 @@ class RolloutManager:
             r = self.r
             attempt, engine_retries, start = 0, 0, time.perf_counter()
             while True:
+                # Before the adapter is read: a replica that comes back after this wait holds only the current one.
+                await self._until_healthy()
                 adapter, adapter_version = self.adapter
                 params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                         max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids,
@@ -147,7 +150,6 @@ class RolloutManager:
                 if adapter is not None:
                     self.users[adapter] = self.users.get(adapter, 0) + 1
                 try:
-                    await self._until_healthy()
                     completions = await self.client.generate(
                         # Routing comes back under every replay mode: the agreement metrics compare against it.
                         ids, params, return_routed_experts=True, lora_path=adapter,
@@ -184,6 +186,8 @@ class RolloutManager:
             await self.events.send_pyobj(GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries))
         except asyncio.CancelledError:
             raise
+        except EnginesDown as e:
+            await self.events.send_pyobj(RolloutFailed(index, str(e), engines_down=True))
         except Exception as e:  # the trainer stops the run with this message
             await self.events.send_pyobj(RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
@@ -218,10 +222,6 @@ class RolloutManager:
         if states != self.reported:
             self.reported = states
             await self.events.send_pyobj(EnginesChanged(states))
-
-
-class EnginesDown(RuntimeError):
-    """No replica was healthy for engines.down_timeout_s."""
 
 
 def main(argv: list[str] | None = None) -> int:

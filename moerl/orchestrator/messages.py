@@ -81,6 +81,7 @@ class EnginesChanged:
 class RolloutFailed:
     index: int
     message: str  # the exception and its traceback
+    engines_down: bool = False  # no replica was healthy for engines.down_timeout_s: the job checkpoints and stops
 
 
 @dataclass(frozen=True)

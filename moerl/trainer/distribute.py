@@ -10,12 +10,16 @@ kept sets on the last; routing on every stage that has MoE layers, only those la
 Tensor-parallel peers of a replica receive the same samples: rank 0 sends them once, point to point, to the
 TP group's first rank, which broadcasts them within the group. So a rank's host memory for routing is
 proportional to its own tokens and layers, and nothing batch-sized goes to every rank.
+
+Between two pieces rank 0 may call an :class:`Interlude` instead: every rank stops to do the same collective thing
+(the job's: a weight sync to an engine that came back while the step waited, a checkpoint before it stops), then the
+step goes on. The weights have not changed since the last update: the optimizer steps after the last piece.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -29,13 +33,20 @@ from moerl.trainer.batch import shard_by_tokens
 from moerl.trainer.config import TrainerConfig
 
 ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allows, by code in the header
-_PIECE, _END, _FAILED = 1, 0, -1  # header status
+_PIECE, _END, _FAILED, _INTERLUDE = 1, 0, -1, 2  # header status
 _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature", "kept")
 _ALIGN = 8
 
 
 class BatchFailed(RuntimeError):
     """Global rank 0 could not plan a piece of the batch; its own error says why."""
+
+
+@dataclass(frozen=True)
+class Interlude:
+    """What rank 0's source yields in place of a piece for every rank to stop and do ``kind`` (the caller's code)."""
+
+    kind: int
 
 
 @dataclass(frozen=True)
@@ -158,28 +169,39 @@ class BatchDistributor:
         self.receivers = [rank for rank, (_, first) in enumerate(everyone or []) if first and rank != 0]
         self.received = 0  # bytes taken in over this distributor's life
 
-    def pieces(self, source: Iterable[list[Sample]] | None) -> Iterator[LocalPiece]:
-        """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends."""
+    def pieces(self, source: Iterable[list[Sample] | Interlude] | None,
+               interlude: Callable[[int], None] | None = None) -> Iterator[LocalPiece]:
+        """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends.
+        An :class:`Interlude` it yields instead runs ``interlude(kind)`` on every rank, all together."""
         source, piece = iter(source) if self.rank == 0 else None, None
         while True:
             if self.rank == 0:
                 try:
                     piece = next(source, None)
+                    if isinstance(piece, Interlude) and interlude is None:
+                        raise ValueError(f"an interlude ({piece.kind}) in a step given no interlude to run")
                 except BaseException:
                     self._header(_FAILED)
                     raise
             local = self.scatter(piece)
             if local is None:
                 return
+            if isinstance(local, Interlude):
+                interlude(local.kind)
+                continue
             yield local
 
-    def scatter(self, piece: list[Sample] | None) -> LocalPiece | None:
-        """Collective: rank 0 plans ``piece`` (None: the end) and sends each rank its part; this rank's part, None at the end."""
+    def scatter(self, piece: list[Sample] | Interlude | None) -> LocalPiece | Interlude | None:
+        """Collective: rank 0 plans ``piece`` (None: the end) and sends each rank its part; this rank's part, None at the
+        end (an interlude: itself, on every rank)."""
         if self.rank != 0:
             return self._receive()
         if piece is None:
             self._header(_END)
             return None
+        if isinstance(piece, Interlude):
+            self._header(_INTERLUDE, piece.kind)
+            return piece
         try:  # everything that can fail, before any rank is told a piece is coming
             plan, routing, masks = self._plan(piece)
             lengths, shards = self._lengths(plan)
@@ -244,12 +266,14 @@ class BatchDistributor:
         header = torch.tensor([status, n, code, routing[1] if routing else 0, int(masks)], dtype=torch.int64, device=collective_device())
         dist.broadcast(header, 0)
 
-    def _receive(self) -> LocalPiece | None:
+    def _receive(self) -> LocalPiece | Interlude | None:
         header = torch.empty(5, dtype=torch.int64, device=collective_device())
         dist.broadcast(header, 0)
         status, n, code, topk, masks = header.tolist()
         if status == _END:
             return None
+        if status == _INTERLUDE:
+            return Interlude(n)
         if status == _FAILED:
             raise BatchFailed("global rank 0 failed while preparing the batch (its error says why)")
         routing = None if code < 0 else (ROUTING_DTYPES[code], topk)

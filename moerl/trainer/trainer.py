@@ -14,7 +14,7 @@ import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from moerl.sample import Sample
 from moerl.trainer import objectives
 from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, split_by_budget, split_into
 from moerl.trainer.config import TrainerConfig
-from moerl.trainer.distribute import BatchDistributor, LocalPiece
+from moerl.trainer.distribute import BatchDistributor, Interlude, LocalPiece
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
 from moerl.trainer.routing import LocalRouters, RoutingProbe, replay_through_recompute, set_action
 
@@ -189,12 +189,14 @@ class Trainer:
         finally:
             _swap(params, self.reference)
 
-    def step(self, samples: list[Sample] | Iterable[list[Sample]] | None) -> dict[str, float]:
+    def step(self, samples: list[Sample] | Iterable[list[Sample] | Interlude] | None,
+             interlude: Callable[[int], None] | None = None) -> dict[str, float]:
         """One optimizer step on a global batch: ``samples``, or an iterable of pieces of it (each whole
         GRPO groups), read on global rank 0 only (pass None elsewhere), which sends each rank its part.
         Each piece is scored and its gradient accumulated as soon as it arrives, so training overlaps
         generation that is still producing later pieces; the gradient is normalised over the whole batch
-        before the update."""
+        before the update. An :class:`~moerl.trainer.distribute.Interlude` in ``samples`` runs ``interlude(kind)`` on
+        every rank between two pieces (the weights are still the last update's)."""
         pieces = [samples] if isinstance(samples, list) else samples
         loss_cfg = self.cfg.loss
         mode = self.cfg.replay.routing
@@ -243,7 +245,7 @@ class Trainer:
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for piece in self.batches.pieces(pieces):
+        for piece in self.batches.pieces(pieces, interlude):
             lengths += piece.response_lengths.tolist()
             batches = self.micro_batches(piece)
             if self.reference is not None:

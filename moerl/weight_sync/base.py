@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from moerl.engines.client import EngineClient, EngineError
+from moerl.errors import EnginesDown, relayed
 from moerl.megatron.forward import forward_logits
+from moerl.megatron.parallel import collective_device
 from moerl.megatron.weights import Gather
 from moerl.weight_sync.export import hf_named_tensors
 
@@ -74,6 +76,7 @@ class WeightSync(ABC):
         """``urls``: the engines, on global rank 0; None on the other ranks."""
         self.link = EngineLink(urls, name) if urls is not None else None
         self.adapter: str | None = None  # what requests name after the last update (LoRA); None: the base weights
+        self.reached = False  # every rank: whether the last update found an engine to go to (see reach_engines)
 
     def connect(self) -> None:
         """Prepare the transport (a process group with the engines, a directory)."""
@@ -85,22 +88,45 @@ class WeightSync(ABC):
         hold another run's weights) the policy is pushed."""
 
     @abstractmethod
-    def update(self, trainer) -> SyncStats | None:
-        """After an optimizer step: the engines serve ``trainer``'s new policy. Its stats on rank 0, None elsewhere."""
+    def update(self, trainer, only: list[str] | None = None) -> SyncStats | None:
+        """After an optimizer step: the engines serve ``trainer``'s new policy. Its stats on rank 0, None elsewhere (and
+        where no engine was there to take it). ``only`` (read on rank 0): a catch-up of the replicas that came back
+        since the last update, those of them that answer now (see :meth:`reach_engines`)."""
 
     @abstractmethod
     def served(self, version: int) -> tuple[str | None, str | None]:
         """(weight version the engines report, adapter requests name) once policy ``version`` is served."""
 
-    def choose_engines(self) -> list[str]:
+    def reach_engines(self, only: list[str] | None = None) -> bool:
+        """Collective: global rank 0 chooses the engines an update goes to (:meth:`choose_engines`) and every rank learns
+        whether there are any. Where none answered for :attr:`down_timeout_s` every rank raises :class:`EnginesDown`
+        (rank 0 its own); with ``only``, nothing is waited for and False means none of them answers now."""
+        error, found = None, True
+        if self.link is not None:
+            try:
+                found = bool(self.choose_engines(only))
+            except EnginesDown as e:
+                error = e
+        outcome = torch.tensor([2 if error is not None else int(found)], dtype=torch.int32, device=collective_device())
+        if dist.get_world_size() > 1:
+            dist.broadcast(outcome, 0)
+        if outcome.item() == 2:
+            raise error or relayed(EnginesDown("no engine answered /health for engines.down_timeout_s (global rank 0's error says which)"))
+        self.reached = bool(outcome.item())
+        return self.reached
+
+    def choose_engines(self, only: list[str] | None = None) -> list[str]:
         """Global rank 0: the engines this update goes to, those answering /health (at least one: it waits up to
-        :attr:`down_timeout_s`); every control call then goes to them only."""
+        :attr:`down_timeout_s`, then raises :class:`EnginesDown`); every control call then goes to them only. ``only``:
+        those of these engines that answer now, perhaps none."""
         client = self.link.client
         deadline = time.monotonic() + self.down_timeout_s
-        while not (up := [url for url, ok in zip(client.urls, self.link.run(client.healthy())) if ok]):
+        while not (up := [url for url, ok in zip(client.urls, self.link.run(client.healthy())) if ok and (only is None or url in only)]):
+            if only is not None:
+                return up
             if time.monotonic() > deadline:
-                raise WeightSyncError(f"no engine answered /health for {self.down_timeout_s:g} s (engines.down_timeout_s): "
-                                      f"{', '.join(client.urls)}")
+                raise EnginesDown(f"no engine answered /health for {self.down_timeout_s:g} s (engines.down_timeout_s): "
+                                  f"{', '.join(client.urls)}")
             time.sleep(1.0)
         if up != client.targets:
             left, back = sorted(set(client.targets) - set(up)), sorted(set(up) - set(client.targets))
@@ -150,10 +176,11 @@ class FullWeightSync(WeightSync):
         elif self.link is not None:
             self.link.run(self.link.client.set_weight_version(str(trainer.version)))
 
-    def update(self, trainer) -> SyncStats | None:
+    def update(self, trainer, only: list[str] | None = None) -> SyncStats | None:
         start = time.perf_counter()
+        if not self.reach_engines(only):
+            return None
         if self.link is not None:
-            self.choose_engines()
             self.on_engines(lambda client: client.pause(self.pause))
         stats = self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
         if self.link is not None:

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 from moerl.engines.weight_group import flatten_bucket, in_daemon_thread, join_weight_group, weight_store
+from moerl.errors import EnginesDown, relayed
 from moerl.megatron.parallel import collective_device
 from moerl.megatron.weights import Gather, sends_weights
 from moerl.weight_sync.base import EngineLink, FullWeightSync, SyncStats, WeightSyncError
@@ -144,7 +145,7 @@ class BroadcastSync(FullWeightSync):
         if members[0] is None:
             if gave_up is not None:
                 raise gave_up
-            raise WeightSyncError("no engine to push to (global rank 0's error says why)")
+            raise relayed(EnginesDown("no engine to push to (global rank 0's error says why)"))
         formed = None
         if self.sender is not None and members[0] != self.members:
             try:

@@ -40,7 +40,7 @@ class DiskSync(FullWeightSync):
         with staged_dir(out) as staging:  # engines only ever see complete directories
             self._write(staging, named, stats)
         self.on_engines(lambda client: client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
-        if self._previous is not None:
+        if self._previous not in (None, out):  # the same version again: a catch-up of a replica that came back
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = out
         stats.seconds = time.perf_counter() - start

@@ -48,14 +48,15 @@ class AdapterSync(WeightSync):
         if not engines_hold_it:
             self.update(trainer)
 
-    def update(self, trainer) -> SyncStats | None:
+    def update(self, trainer, only: list[str] | None = None) -> SyncStats | None:
+        if not self.reach_engines(only):
+            return None
         if self.gather is None:
             self.gather = Gather(trainer.model.module, select=is_lora_param)  # every adapter factor, whole, on rank 0
         lora = self.gather.gather()  # every rank: the gather is collective
         self.adapter = adapter_name(trainer.version)
         if self.link is None:
             return None
-        self.choose_engines()
         return self.push(lora, trainer.version)
 
     def served(self, version: int) -> tuple[str | None, str | None]:
