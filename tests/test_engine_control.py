@@ -280,3 +280,14 @@ def test_lora_adapter_from_tensors_and_bad_adapters(server, models, tmp_path):
 async def _load_and_generate(client, name, load):
     await load()
     return await client.generate(PROMPT, GREEDY, lora_path=name)
+
+
+def test_the_server_reports_what_it_computes_in(server):
+    """A job verifying engines given by URL bounds their log-prob deltas by the dtype they report (as SGLang's
+    /server_info carries its --dtype), not by its own engines.dtype."""
+    async def info():
+        async with EngineClient([server]) as client:
+            return await client.server_info()
+
+    (reported,) = asyncio.run(info())
+    assert reported["engine"] == "moerl-embedded" and reported["dtype"] == "float32"

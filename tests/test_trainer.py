@@ -155,6 +155,15 @@ def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, 
     assert r3["metrics"][0]["mismatch/abs_logprob_delta"] < off["metrics"][0]["mismatch/abs_logprob_delta"]
 
 
+def test_after_a_load_each_parameter_counts_its_own_adam_steps(tiny_ckpts, fp32_samples):
+    """megatron-core's DistributedOptimizer without Apex or TE loads one step tensor into every parameter's state and
+    torch's Adam adds 1 to it in place per parameter; the trainer gives each its own, so the count stays the step's."""
+    from tests.workers import adam_steps_after_a_shared_step_is_loaded
+
+    (steps,) = run_ranks(adam_steps_after_a_shared_step_is_loaded, 1, str(tiny_ckpts[ARCH][1]), config("R3"), fp32_samples)
+    assert len(steps) > 1 and set(steps) == {2.0}
+
+
 @pytest.fixture(scope="module")
 def free_run(tiny_ckpts, fp32_samples):
     """Three steps on one batch without a KL term."""

@@ -18,6 +18,22 @@ from moerl.megatron.weights import Gather
 CUDA_VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
+def adam_steps_after_a_shared_step_is_loaded(mcore_dir: str, trainer_cfg, samples: list) -> list[float]:
+    """One step; then every parameter's Adam step set to one shared tensor, as megatron-core's DistributedOptimizer
+    (without Apex or TE) loads it, and what the trainer does after a load; one more step. Each parameter's step after."""
+    from moerl.trainer.trainer import Trainer, _inner_optimizers, _own_adam_steps
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    trainer.step(samples)
+    shared = torch.tensor(1.0)
+    for inner in _inner_optimizers(trainer.optimizer):
+        for state in inner.state.values():
+            state["step"] = shared
+    _own_adam_steps(trainer.optimizer)
+    trainer.step(samples)
+    return [state["step"].item() for inner in _inner_optimizers(trainer.optimizer) for state in inner.state.values()]
+
+
 def cuda_visible_at_start() -> str | None:
     return CUDA_VISIBLE_AT_START
 
@@ -25,10 +41,10 @@ def cuda_visible_at_start() -> str | None:
 def adam_steps_before_loading(mcore_dir: str, trainer_cfg) -> dict:
     """A fresh trainer's optimizer readied for a checkpoint load: megatron-core's DistributedOptimizer (without Apex
     or Transformer Engine) then asserts every parameter's Adam state holds one common ``step``."""
-    from moerl.trainer.trainer import Trainer, _adam_state_before_loading
+    from moerl.trainer.trainer import Trainer, _adam_state_before_loading, _inner_optimizers
 
     trainer = Trainer(mcore_dir, trainer_cfg)
-    inners = [opt.optimizer for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])]
+    inners = _inner_optimizers(trainer.optimizer)
     fresh = sum(len(inner.state) for inner in inners)
     _adam_state_before_loading(trainer.optimizer)
     states = [inner.state.get(p) for inner in inners for g in inner.param_groups for p in g["params"]]

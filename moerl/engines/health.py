@@ -73,6 +73,10 @@ class ReplicaHealth:
         """The job started ``url``'s process again: it holds what it started from (the base weights, no adapter), so
         once it answers it is stale until a weight sync reaches it."""
         self.set(url, State.RESTARTING, "the job started its process again")
+        self._forget(url)
+
+    def _forget(self, url: str) -> None:
+        """``url`` holds none of what the syncs left: it is stale until the next one reaches it."""
         if self.synced is not None:
             self.synced.discard(url)
 
@@ -92,6 +96,7 @@ class ReplicaHealth:
             replica.failed_probes += 1
             if replica.state in (State.SUSPECT, State.STALE) and replica.failed_probes >= self.failures_to_dead:
                 self.set(url, State.DEAD, f"/health failed {replica.failed_probes} times in a row")
+                self._forget(url)  # it may come back restarted by someone else (an engine given by URL), holding nothing
             return
         replica.failed_probes = 0
         if self.synced is not None and url not in self.synced:

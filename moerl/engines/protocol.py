@@ -317,6 +317,7 @@ class ServerInfo(TypedDict, total=False):
     tp_size: int  # ranks the engine takes in a weight-update group
     version: str  # SGLang's version (the embedded engine: moerl's, with engine "moerl-embedded")
     engine: str
+    dtype: str  # what it computes in: SGLang's --dtype ("auto": fp16/bf16 from the checkpoint), the embedded engine's torch dtype
 
 
 class ModelInfo(TypedDict):

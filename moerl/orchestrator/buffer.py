@@ -86,6 +86,7 @@ class RolloutBuffer:
         self.cursor = cursor  # the next new prompt index: where a resumed run's data continues
         self.engines: dict[str, str] = {}  # every replica's health state, as the manager last reported it
         self.engine_retries = 0  # re-issues after replica failures, of prompts finished since the last read
+        self.engines_down: EnginesDown | None = None  # the manager found no engine for engines.down_timeout_s
         self._stopping = self._stopped = False
 
     # ---- manager traffic ----------------------------------------------------------------------
@@ -130,8 +131,9 @@ class RolloutBuffer:
         elif isinstance(event, RolloutFailed):
             if self._stopping:  # the run already stops (on the first such error, most likely): the prompt ends live, at stop
                 return
-            if event.engines_down:
-                raise EnginesDown(event.message)
+            if event.engines_down:  # raised where the step takes its groups, which every rank stops for together
+                self.engines_down = EnginesDown(event.message)
+                return
             raise RolloutError(f"rollout of prompt {event.index} failed: {event.message}")
         else:
             for index in event.cancelled:
@@ -163,6 +165,8 @@ class RolloutBuffer:
             self.drain()
             hook_at = time.monotonic() + WAITING_POLL_S
             while not self.ready:
+                if self.engines_down is not None:
+                    raise self.engines_down
                 start = time.perf_counter()
                 self._receive(None if waiting is None else WAITING_POLL_S)
                 self.waited_s += time.perf_counter() - start

@@ -329,6 +329,8 @@ class Job:
         self.sync.connect()
         if not self.lead:
             return
+        if cfg.engines.urls:  # verify compares on rank 0, at the precision the engines report
+            self.tolerance = verify_tolerance(cfg, [str(info.get("dtype", "auto")) for info in self.sync.link.run(self.sync.link.client.server_info())])
         acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
         acct.dropped.update(state["accounting"].get("dropped", {}))
         for index in state["pending"]:
@@ -347,7 +349,8 @@ class Job:
         waited = self.buffer.waited_s if self.lead else 0.0
         taken = []
 
-        self.caught_up, self.catch_ups = set(), 0
+        # What the last update reached holds this version; the manager's view of it may lag by a probe.
+        self.caught_up, self.catch_ups = set(self.sync.link.client.targets) if self.lead else set(), 0
 
         def pieces():
             try:
@@ -385,10 +388,9 @@ class Job:
         """Rank 0, while the step waits for groups: replicas that died are started again; when none serves and one is
         back (stale: it holds what it started from), every rank stops to bring it to the current policy."""
         if self.pool is not None:
-            restarted = self.pool.revive(self.cfg.engines.max_restarts)
-            self.buffer.restarting(restarted)
-            self.caught_up -= set(restarted)
+            self.buffer.restarting(self.pool.revive(self.cfg.engines.max_restarts))
         states = self.buffer.engines
+        self.caught_up -= {url for url, state in states.items() if state in (State.DEAD.value, State.RESTARTING.value)}  # lost it
         back = sorted(url for url, state in states.items() if state == State.STALE.value and url not in self.caught_up)
         if back and State.HEALTHY.value not in states.values():
             self.caught_up.update(back)
@@ -404,7 +406,8 @@ class Job:
             stats = self.sync.update(self.trainer, only=self.back if self.lead else None)
         except EnginesDown as e:
             self.stop_for_engines(e)
-        if not self.sync.reached:  # gone again before the sync: the wait goes on
+        if not self.sync.reached:  # gone again before the sync: the wait goes on, and it is caught up when it is back
+            self.caught_up -= set(self.back)
             return
         if self.lead:
             log.info("catch-up sync of version %d to %s in %.2f s", self.trainer.version, ", ".join(self.sync.link.client.targets), stats.seconds)
@@ -430,10 +433,11 @@ class Job:
         and a replica out of rotation comes back once it reports the weight version the others now serve."""
         if not self.lead:
             return
-        if self.sync.adapter is not None:
-            self.buffer.use_adapter(self.sync.adapter, self.trainer.version)
+        # What the sync reached first: a replica it passed over is out of rotation before any request names the new adapter.
         weight_version, _ = self.sync.served(self.trainer.version)
         self.buffer.served(weight_version, self.sync.link.client.targets)
+        if self.sync.adapter is not None:
+            self.buffer.use_adapter(self.sync.adapter, self.trainer.version)
 
     def verify(self) -> dict[str, float]:
         """With sync.verify, every engine serves the trainer's policy (after the engines resumed)."""
@@ -486,12 +490,15 @@ class Job:
         return summary
 
 
-def verify_tolerance(cfg: RunConfig) -> float:
+def verify_tolerance(cfg: RunConfig, engine_dtypes: list[str] | None = None) -> float:
     """sync.verify's bound on the mean |log-prob delta| of the probe: tight where engine and trainer both
-    compute in fp32 (only summation order differs), loose where either rounds to bf16."""
+    compute in fp32 (only summation order differs), loose where either rounds to bf16. ``engine_dtypes``: what the
+    engines given by URL report they compute in (their configured dtype is not this job's to set; SGLang's "auto" is
+    never fp32)."""
     if cfg.sync.verify_tolerance is not None:
         return cfg.sync.verify_tolerance
-    return 1e-4 if resolve_dtype(cfg.engines.dtype) == resolve_dtype(cfg.trainer.dtype) == "float32" else 5e-2
+    engines = engine_dtypes if engine_dtypes is not None else [resolve_dtype(cfg.engines.dtype)]
+    return 1e-4 if resolve_dtype(cfg.trainer.dtype) == "float32" and all(d == "float32" for d in engines) else 5e-2
 
 
 def full_weight_bytes(trainer) -> int:
@@ -534,13 +541,17 @@ def _host_address() -> str:
 def save_checkpoint(trainer, buffer, run_dir: Path) -> None:
     """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
     out = run_dir / "checkpoints" / f"step_{trainer.version}"
-    if dist.get_rank() == 0 and out.exists():
-        shutil.rmtree(out)  # a previous attempt at this step that never finished (no run_state.json)
-    trainer.save(out)
+    complete = (out / RUN_STATE).is_file()  # the same version saved already (a stop in the step after it): its state is new
+    if dist.get_rank() == 0 and out.exists() and not complete:
+        shutil.rmtree(out)  # a previous attempt at this step that never finished
+    if not complete:
+        trainer.save(out)
     if dist.get_rank() == 0:
         buffer.drain()
         state = {"step": trainer.version, "cursor": buffer.cursor, "pending": buffer.pending(), "accounting": buffer.acct.state()}
-        (out / RUN_STATE).write_text(json.dumps(state, indent=1))
+        partial = out / f".{RUN_STATE}.partial"
+        partial.write_text(json.dumps(state, indent=1))
+        partial.replace(out / RUN_STATE)  # whole or not at all: it marks the checkpoint complete
     dist.barrier()
 
 

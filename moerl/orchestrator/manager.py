@@ -90,10 +90,12 @@ class RolloutManager:
                     await self._unload_unused()
                 elif isinstance(order, Served):
                     self.client.health.sync_reached(order.weight_version, order.engines)
+                    await self._probe(order.engines)  # those the sync brought back rejoin now, not a probe interval later
                     await self._report()
                 elif isinstance(order, Restarting):
                     for url in order.urls:
                         self.client.health.restarted(url)
+                    await self._report()
                 else:
                     break
         finally:
@@ -203,19 +205,23 @@ class RolloutManager:
 
     async def _watch(self) -> None:
         """Probe the replicas out of rotation; tell the trainer when any replica's state changes."""
-        health = self.client.health
         while True:
-            for url, replica in health.replicas.items():
-                if replica.state is State.HEALTHY:
-                    continue
-                try:
-                    answered, version = await self.client.probe(url)
-                except Exception as e:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
-                    log.warning("probing %s: %s: %s", url, type(e).__name__, e)
-                    answered, version = False, None
-                health.probed(url, answered, version)
+            await self._probe(list(self.client.health.replicas))
             await self._report()
             await asyncio.sleep(self.cfg.engines.health_interval_s)
+
+    async def _probe(self, urls: list[str]) -> None:
+        """Probe those of ``urls`` out of rotation."""
+        health = self.client.health
+        for url in urls:
+            if health.state(url) is State.HEALTHY:
+                continue
+            try:
+                answered, version = await self.client.probe(url)
+            except Exception as e:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
+                log.warning("probing %s: %s: %s", url, type(e).__name__, e)
+                answered, version = False, None
+            health.probed(url, answered, version)
 
     async def _report(self) -> None:
         states = {url: r.state.value for url, r in self.client.health.replicas.items()}

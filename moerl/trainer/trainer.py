@@ -332,6 +332,7 @@ class Trainer:
         state = load_sharded(self._sharded_state(loading=True), ckpt_dir)
         self.model.module.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
+        _own_adam_steps(self.optimizer)
         saved = json.loads(meta.read_text())
         self.scheduler.load_state_dict(saved["scheduler"])
         self.version = saved["version"]
@@ -344,12 +345,22 @@ class Trainer:
 OPTIMIZER_METADATA = {**SHARDED_METADATA, "distrib_optim_sharding_type": "fully_reshardable",
                       "distrib_optim_fully_reshardable_mem_efficient": True}
 
+
+def _inner_optimizers(optimizer) -> list:
+    return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
 def _adam_state_before_loading(optimizer) -> None:
     """Give a fresh optimizer the state torch's Adam makes at its first step, for the checkpoint to overwrite.
 
     megatron-core 0.16.1's DistributedOptimizer without Apex or Transformer Engine reads every parameter's Adam
     ``step`` while building the state dict to load into (``state_dict()``: ``assert len(steps) == 1``), which a
-    fresh torch Adam has not made: a resumed run with the distributed optimizer failed there on an H100."""
+    fresh torch Adam has not made: a resumed run with the distributed optimizer failed there on an H100. (With them,
+    the step lives in the parameter groups and the fused optimizers keep no per-parameter one.)"""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    if HAVE_APEX_OR_TE:
+        return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = opt.optimizer
         if opt.init_state_fn is None or inner.state:
@@ -358,6 +369,16 @@ def _adam_state_before_loading(optimizer) -> None:
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _own_adam_steps(optimizer) -> None:
+    """Each parameter's Adam ``step`` its own tensor. megatron-core's DistributedOptimizer (without Apex or TE) loads one
+    step tensor into every parameter's state, and torch's Adam adds 1 to it in place per parameter: after a resume
+    the count would grow by the number of parameters each update, and the bias correction with it."""
+    for inner in _inner_optimizers(optimizer):
+        for state in inner.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 _SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")

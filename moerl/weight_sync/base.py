@@ -101,19 +101,28 @@ class WeightSync(ABC):
         """Collective: global rank 0 chooses the engines an update goes to (:meth:`choose_engines`) and every rank learns
         whether there are any. Where none answered for :attr:`down_timeout_s` every rank raises :class:`EnginesDown`
         (rank 0 its own); with ``only``, nothing is waited for and False means none of them answers now."""
-        error, found = None, True
-        if self.link is not None:
-            try:
-                found = bool(self.choose_engines(only))
-            except EnginesDown as e:
-                error = e
-        outcome = torch.tensor([2 if error is not None else int(found)], dtype=torch.int32, device=collective_device())
+        found = [True]
+        self.agreed(lambda: found.__setitem__(0, bool(self.choose_engines(only))))
+        outcome = torch.tensor([int(found[0])], dtype=torch.int32, device=collective_device())
         if dist.get_world_size() > 1:
             dist.broadcast(outcome, 0)
-        if outcome.item() == 2:
-            raise error or relayed(EnginesDown("no engine answered /health for engines.down_timeout_s (global rank 0's error says which)"))
         self.reached = bool(outcome.item())
         return self.reached
+
+    def agreed(self, call=None, error: EnginesDown | None = None) -> None:
+        """Collective: ``call()`` on global rank 0 (a step that may find every engine gone: :meth:`choose_engines` waits
+        for one) or rank 0's ``error`` from such a step; if there is one, every rank raises :class:`EnginesDown` together
+        (rank 0 its own), so the job can write its checkpoint on every rank."""
+        if call is not None and self.link is not None:
+            try:
+                call()
+            except EnginesDown as e:
+                error = e
+        down = torch.tensor([int(error is not None)], dtype=torch.int32, device=collective_device())
+        if dist.get_world_size() > 1:
+            dist.broadcast(down, 0)
+        if down.item():
+            raise error or relayed(EnginesDown("no engine answered /health for engines.down_timeout_s (global rank 0's error says which)"))
 
     def choose_engines(self, only: list[str] | None = None) -> list[str]:
         """Global rank 0: the engines this update goes to, those answering /health (at least one: it waits up to
@@ -180,11 +189,15 @@ class FullWeightSync(WeightSync):
         start = time.perf_counter()
         if not self.reach_engines(only):
             return None
-        if self.link is not None:
-            self.on_engines(lambda client: client.pause(self.pause))
-        stats = self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
-        if self.link is not None:
-            self.on_engines(lambda client: client.resume())
+        self.agreed(lambda: self.on_engines(lambda client: client.pause(self.pause)))
+        stats, gone = None, None
+        try:
+            stats = self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
+        except EnginesDown as e:  # rank 0's own (a disk push's load call), or every rank's (a broadcast's, agreed)
+            gone = e
+        self.agreed(error=gone)
+        self.agreed(lambda: self.on_engines(lambda client: client.resume()))
+        if stats is not None:
             stats.pause_seconds = time.perf_counter() - start
         return stats
 

@@ -9,21 +9,22 @@ base weights never change; requests name the adapter they sample with.
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from pathlib import Path
 
 import torch
 
 from moerl.checkpoint.peft import export_adapter, save_adapter
+from moerl.engines.client import EngineError
 from moerl.megatron.lora import LoRAConfig, is_lora_param
 from moerl.megatron.weights import Gather
 from moerl.models import family_for
 from moerl.weight_sync.base import SyncStats, WeightSync
 
 
-def adapter_name(version: int | str) -> str:
-    return f"moerl-lora-v{version}"
-
+log = logging.getLogger("moerl.sync")
 
 class AdapterSync(WeightSync):
     """Adapters only, while the engines keep serving: requests in flight finish with the adapter they started with
@@ -37,6 +38,13 @@ class AdapterSync(WeightSync):
         self.lora, self.hf_config, self.base_model = lora, hf_config, base_model
         self.directory = Path(directory) if directory is not None else None
         self.gather: Gather | None = None
+        # Names unique to this start of the job: engines given by URL may still hold a crashed or earlier run's adapter of
+        # the same version, which an engine refuses to load again.
+        self.run_tag = secrets.token_hex(3)
+        self.pushes: dict[int, int] = {}  # policy version -> adapters loaded for it
+
+    def adapter_name(self, version: int | str) -> str:
+        return f"moerl-lora-{self.run_tag}-v{version}"
 
     def connect(self) -> None:
         if self.directory is not None and self.link is not None:
@@ -54,22 +62,33 @@ class AdapterSync(WeightSync):
         if self.gather is None:
             self.gather = Gather(trainer.model.module, select=is_lora_param)  # every adapter factor, whole, on rank 0
         lora = self.gather.gather()  # every rank: the gather is collective
-        self.adapter = adapter_name(trainer.version)
+        # A catch-up loads the same policy again under a name of its own: a replica that only hung still holds the first.
+        again = self.pushes.get(trainer.version, 0)
+        self.pushes[trainer.version] = again + 1
+        self.adapter = self.adapter_name(trainer.version) + (f".{again}" if again else "")
         if self.link is None:
             return None
-        return self.push(lora, trainer.version)
+        return self.push(lora, self.adapter)
+
+    def close(self) -> None:
+        """Unload the adapter in use: engines given by URL outlive the job, and would keep it."""
+        if self.link is not None and self.adapter is not None:
+            try:
+                self.link.run(self.link.client.unload_lora(self.adapter))
+            except EngineError as e:  # an engine that is down has lost it anyway
+                log.warning("unloading adapter %s at the end: %s", self.adapter, e)
+        super().close()
 
     def served(self, version: int) -> tuple[str | None, str | None]:
         # The engines keep their base weight version: the adapter's name carries the policy's.
-        return None, adapter_name(version) if version else None
+        return None, self.adapter
 
-    def push(self, lora: dict[str, torch.Tensor], version: int) -> SyncStats:
-        """Rank 0: load the adapters ``lora`` (full megatron names) into every engine as policy ``version``."""
+    def push(self, lora: dict[str, torch.Tensor], name: str) -> SyncStats:
+        """Rank 0: load the adapters ``lora`` (full megatron names) into every engine under ``name``."""
         start = time.perf_counter()
         family = family_for(self.hf_config)
         # The engines (SGLang, moerl serve) take one module per expert.
         files = export_adapter(family, family.normalize(self.hf_config), lora, self.lora, "sglang", self.base_model)
-        name = adapter_name(version)
         if self.directory is None:
             self.link.run(self.link.client.load_lora_from_tensors(name, files.config, files.tensors))
         else:

@@ -323,7 +323,8 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     async def server_info(request):
         from moerl import __version__
 
-        info: P.ServerInfo = {"tp_size": 1, "version": __version__, "engine": "moerl-embedded"}
+        info: P.ServerInfo = {"tp_size": 1, "version": __version__, "engine": "moerl-embedded",
+                              "dtype": str(engine.runner.model.dtype).removeprefix("torch.")}
         return web.json_response(info, dumps=_dumps)
 
     @routes.get(P.MODEL_INFO.path)
