@@ -85,6 +85,10 @@ def test_r3_routes_every_token_as_recorded(r3_runs, layout):
     assert metrics["routing/replayed"] == 1.0
     # fp32 engine and fp32 trainer agree natively: the rollout rows reach the right router and token.
     assert metrics["routing/agreement"] == 1.0
+    # so the engine's and the trainer's expert loads are the same counts, every layer gathered once over the ranks
+    load_keys = [k for k in metrics if k.startswith("load/rollout_")]
+    assert len(load_keys) == 2 + 2 * len([k for k in metrics if k.startswith("routing/agreement_layer")])
+    assert all(metrics[k] == metrics[k.replace("rollout", "native")] for k in load_keys)
     # same weights, same routing, same kept sets: the trainer reproduces the engine's log-probs
     assert metrics["mismatch/abs_logprob_delta"] < 1e-5
 
@@ -153,6 +157,25 @@ def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, 
     assert r3["metrics"][0]["routing/replayed"] == 1.0
     # replaying the engine's routing brings the trainer's log-probs closer to the engine's
     assert r3["metrics"][0]["mismatch/abs_logprob_delta"] < off["metrics"][0]["mismatch/abs_logprob_delta"]
+
+
+def test_the_expert_load_of_a_planted_routing_is_what_it_must_be(tiny_ckpts, fp32_samples):
+    """Every rollout token sent to experts 0..k-1 in every layer: that load is experts/k times the mean on its busiest
+    expert, its entropy log k / log experts; the trainer's own routers (replay off) spread the same tokens wider."""
+    import dataclasses
+
+    from moerl.models import family_for
+
+    raw = json.loads((tiny_ckpts[ARCH][0] / "config.json").read_text())
+    hf_config = family_for(raw).normalize(raw)
+    experts, k = hf_config["num_experts"], hf_config["num_experts_per_tok"]
+    planted = [dataclasses.replace(s, routing=np.broadcast_to(np.arange(k, dtype=s.routing.dtype), s.routing.shape).copy())
+               for s in fp32_samples]
+    (off,) = run_ranks(train_steps, 1, str(tiny_ckpts[ARCH][1]), config("off"), planted, 1)
+    metrics = off["metrics"][0]
+    assert metrics["load/rollout_max_over_mean"] == pytest.approx(experts / k)
+    assert metrics["load/rollout_entropy"] == pytest.approx(np.log(k) / np.log(experts))
+    assert metrics["load/native_max_over_mean"] < experts / k and metrics["load/native_entropy"] > np.log(k) / np.log(experts)
 
 
 def test_after_a_load_each_parameter_counts_its_own_adam_steps(tiny_ckpts, fp32_samples):

@@ -40,6 +40,7 @@ class LocalRouters:
         if len(replay) != len(self.routers):
             raise RuntimeError(f"{len(replay)} RouterReplay instances for {len(self.routers)} routers: build the model with "
                                "moe_enable_routing_replay and one model per process (moerl.megatron.model.build_model)")
+        self.num_experts = _unwrap(model).config.num_moe_experts
         sp = parallel_state.get_tensor_model_parallel_world_size()
         self.sp_size, self.sp_rank = (sp, parallel_state.get_tensor_model_parallel_rank()) if sp > 1 else (1, 0)
 
@@ -125,10 +126,13 @@ class RoutingProbe:
 
     def agreement(self, batches: list) -> dict[str, np.ndarray]:
         """Per MoE layer (global, over all ranks): tokens counted, tokens whose native top-k set equals
-        the rollout's, tokens whose used set equals the rollout's. ``batches`` are the micro-batches
-        in the order they ran, each with ``routing`` [b, s, local routers, k] and :meth:`real_positions`."""
-        layers = len(self.routers.moe_layers)
+        the rollout's, tokens whose used set equals the rollout's; and per layer and expert, the tokens the rollout
+        and the trainer's native routing send there (``rollout_load``, ``native_load`` [layers, experts]). ``batches``
+        are the micro-batches in the order they ran, each with ``routing`` [b, s, local routers, k] and
+        :meth:`real_positions`."""
+        layers, experts = len(self.routers.moe_layers), self.routers.num_experts
         counts = torch.zeros(3, layers, dtype=torch.float64)
+        loads = torch.zeros(2, layers, experts, dtype=torch.float64)
         for m, batch in enumerate(batches):
             if batch.dummy:
                 continue
@@ -139,9 +143,24 @@ class RoutingProbe:
                 counts[0, column] += real.sum()
                 counts[1, column] += ((self.native[i][m] == target).all(-1) & real).sum()
                 counts[2, column] += ((self.used[i][m] == target).all(-1) & real).sum()
+                loads[0, column] += torch.bincount(target[real].flatten(), minlength=experts).double()
+                loads[1, column] += torch.bincount(self.native[i][m][real].flatten(), minlength=experts).double()
         if dist.is_initialized():
-            counts = counts.to(collective_device())  # NCCL refuses CPU tensors
-            dist.all_reduce(counts)
-            counts = counts.cpu()
+            both = torch.cat([counts.flatten(), loads.flatten()]).to(collective_device())  # NCCL refuses CPU tensors
+            dist.all_reduce(both)
+            counts, loads = both.cpu().split([counts.numel(), loads.numel()])
+            counts, loads = counts.view(3, layers), loads.view(2, layers, experts)
         tokens = counts[0].clamp(min=1)
-        return {"tokens": counts[0].numpy(), "native": (counts[1] / tokens).numpy(), "used": (counts[2] / tokens).numpy()}
+        return {"tokens": counts[0].numpy(), "native": (counts[1] / tokens).numpy(), "used": (counts[2] / tokens).numpy(),
+                "rollout_load": loads[0].numpy(), "native_load": loads[1].numpy()}
+
+
+def load_balance(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer, from ``load`` [layers, experts] (tokens sent to each expert): the busiest expert's load over the mean
+    (1 when even; experts / topk when every token goes to the same experts) and the entropy of the load over
+    log(experts) (1 when even). NaN for a layer with no tokens."""
+    total = load.sum(-1)
+    share = load / np.where(total > 0, total, np.nan)[:, None]
+    balance = load.max(-1) / np.where(total > 0, load.mean(-1), np.nan)
+    entropy = -np.where(share > 0, share * np.log(np.where(share > 0, share, 1.0)), 0.0).sum(-1) / np.log(load.shape[-1])
+    return balance, np.where(total > 0, entropy, np.nan)

@@ -38,7 +38,7 @@ from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, s
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.distribute import BatchDistributor, Interlude, LocalPiece
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
-from moerl.trainer.routing import LocalRouters, RoutingProbe, replay_through_recompute, set_action
+from moerl.trainer.routing import LocalRouters, RoutingProbe, load_balance, replay_through_recompute, set_action
 
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
 
@@ -298,6 +298,13 @@ class Trainer:
             out["routing/replayed"] = float(np.average(agreement["used"], weights=agreement["tokens"]))
             for layer, value in zip(self.moe_layers, agreement["native"]):
                 out[f"routing/agreement_layer{layer}"] = float(value)
+            # Expert load of the engine's routing and of what the trainer's own routers choose: drift between them, and
+            # imbalance R3 would carry into training, show here.
+            for source in ("rollout", "native"):
+                balance, entropy = load_balance(agreement[f"{source}_load"])
+                out[f"load/{source}_max_over_mean"], out[f"load/{source}_entropy"] = float(np.nanmean(balance)), float(np.nanmean(entropy))
+                for layer, b, h in zip(self.moe_layers, balance, entropy):
+                    out[f"load/{source}_max_over_mean_layer{layer}"], out[f"load/{source}_entropy_layer{layer}"] = float(b), float(h)
         return out
 
     # ---- checkpoints --------------------------------------------------------------------------
@@ -386,12 +393,13 @@ _MAXES = ("is_weight", "ratio", "lag")
 
 
 def _pool_agreement(total: dict | None, piece: dict | None) -> dict | None:
-    """Routing agreement over two sets of tokens, weighted by their token counts per layer."""
+    """Routing agreement over two sets of tokens, weighted by their token counts per layer; their expert loads added."""
     if total is None or piece is None:
         return total or piece
     tokens = total["tokens"] + piece["tokens"]
     share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)  # noqa: E731
-    return {"tokens": tokens, "native": share("native"), "used": share("used")}
+    return {"tokens": tokens, "native": share("native"), "used": share("used"),
+            **{key: total[key] + piece[key] for key in ("rollout_load", "native_load")}}
 
 
 def _experts_own_optimizer(model) -> None:
