@@ -64,6 +64,18 @@ def rows_so_far(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")] if metrics.exists() else []
 
 
+def wait_while_running(proc: subprocess.Popen, condition, what: str, timeout_s: float = 300) -> None:
+    """Until ``condition()``, as long as the job runs (it must not end first)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before {what}"
+        time.sleep(0.1)
+
+
+def engines_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
+
+
 def accounting(run_dir: Path) -> dict:
     return json.loads((run_dir / "accounting.json").read_text())
 
@@ -143,31 +155,23 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     proc = start_job(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2", f"rollout.partial={partial}",
                      "engines.health_interval_s=0.2", "engines.health_failures=2", *long_tailed)
 
-    def rows() -> list[dict]:
-        return rows_so_far(tmp_path)
-
-    def wait_until(condition) -> None:
-        deadline = time.monotonic() + 300
-        while not condition():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before the engines were back"
-            time.sleep(0.1)
-
     try:
         killed_after = 0
         for _ in range(2):
             # Both replicas up and in rotation, in a step after the last kill.
-            wait_until(lambda: any(r["step"] > killed_after and r["engines/healthy"] == 2 for r in rows()))
+            wait_while_running(proc, lambda: any(r["step"] > killed_after and r["engines/healthy"] == 2 for r in rows_so_far(tmp_path)),
+                               "the engines were back")
             time.sleep(rng.uniform(0, 1))
-            engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
+            engines = engines_of(proc)
             assert len(engines) == 2
-            killed_after = len(rows())
+            killed_after = len(rows_so_far(tmp_path))
             os.killpg(rng.choice(engines).pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
     assert proc.returncode == 0, stderr[-4000:]
-    done = rows()
+    done = rows_so_far(tmp_path)
     assert [r["step"] for r in done] == list(range(1, steps + 1))
     acct = accounting(tmp_path)
     assert acct["balanced"], acct
@@ -185,21 +189,16 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
     proc = start_job(cache, tmp_path, "run.mode=sync", f"run.steps={steps}", "lora.enabled=true", "lora.rank=4",
                      "engines.health_interval_s=0.2", "engines.health_failures=2", "engines.request_timeout_s=4", *long_tailed)
 
-    def rows() -> list[dict]:
-        return rows_so_far(tmp_path)
-
     def engine_after(step: int) -> psutil.Process:
         """The engine as the step after ``step`` starts its rollouts (sync mode: the metrics row ends a step)."""
-        deadline = time.monotonic() + 300
-        while not any(r["step"] > step and r["engines/healthy"] == 1 for r in rows()):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its engine was back"
-            time.sleep(0.1)
-        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
+        wait_while_running(proc, lambda: any(r["step"] > step and r["engines/healthy"] == 1 for r in rows_so_far(tmp_path)),
+                           "its engine was back")
+        (engine,) = engines_of(proc)
         return engine
 
     try:
         os.killpg(engine_after(1).pid, signal.SIGKILL)
-        hung = engine_after(len(rows()))
+        hung = engine_after(len(rows_so_far(tmp_path)))
         hung.suspend()
         time.sleep(8)  # past engines.request_timeout_s: the requests on it fail and wait for it
         hung.resume()
@@ -208,7 +207,7 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
         if proc.poll() is None:
             _kill_tree(proc)
     assert proc.returncode == 0, stderr[-4000:]
-    done = rows()
+    done = rows_so_far(tmp_path)
     assert [r["step"] for r in done] == list(range(1, steps + 1))
     acct = accounting(tmp_path)
     assert acct["balanced"] and acct["live"] == 0 and "engine_failure" not in acct["dropped"] and acct["trained"] == steps * GROUPS, acct
@@ -224,11 +223,8 @@ def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_a
     proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0", "engines.max_restarts=0",
                      "engines.down_timeout_s=3", "engines.health_interval_s=0.2")
     try:
-        deadline = time.monotonic() + 300
-        while len(rows_so_far(tmp_path)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended early"
-            time.sleep(0.1)
-        (engine,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
+        wait_while_running(proc, lambda: len(rows_so_far(tmp_path)) >= 2, "its second step")
+        (engine,) = engines_of(proc)
         os.killpg(engine.pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=300)
     finally:
@@ -270,10 +266,7 @@ def start_until_checkpoint(cache: Path, run_dir: Path, overrides: list[str], ste
     proc = subprocess.Popen(job_args(cache, run_dir, *overrides), env=child_env(PYTHON=sys.executable), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / f"step_{step}" / "run_state.json").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its checkpoint"
-            time.sleep(0.1)
+        wait_while_running(proc, (run_dir / "checkpoints" / f"step_{step}" / "run_state.json").exists, "its checkpoint")
     except BaseException:
         _kill_tree(proc)
         raise

@@ -266,7 +266,6 @@ class Job:
         self.caught_up: set[str] = set()  # rank 0: replicas a catch-up sync already went to, at the current version
         self.back: list[str] = []  # rank 0: the replicas the next catch-up sync goes to
         self.catch_ups = 0  # rank 0: catch-up syncs in the current step
-        self.engines_down: EnginesDown | None = None  # rank 0: why the step stops
 
     def run(self) -> dict | None:
         """The whole job; rank 0 returns the final accounting."""
@@ -362,8 +361,7 @@ class Job:
                     piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
                     taken.extend(piece)
                     yield [s for g in piece for s in g.samples]
-            except EnginesDown as e:
-                self.engines_down = e
+            except EnginesDown:  # the buffer keeps it (engines_down) for the stop
                 yield Interlude(STOP)
 
         metrics = trainer.step(pieces() if self.lead else None, self.interlude)  # rank 0 sends each rank its part
@@ -401,7 +399,7 @@ class Job:
     def interlude(self, kind: int) -> None:
         """Collective, between two pieces of a step; the weights are still the last update's."""
         if kind == STOP:
-            self.stop_for_engines(self.engines_down)
+            self.stop_for_engines(self.buffer.engines_down if self.lead else None)
         try:
             stats = self.sync.update(self.trainer, only=self.back if self.lead else None)
         except EnginesDown as e:

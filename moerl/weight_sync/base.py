@@ -101,9 +101,9 @@ class WeightSync(ABC):
         """Collective: global rank 0 chooses the engines an update goes to (:meth:`choose_engines`) and every rank learns
         whether there are any. Where none answered for :attr:`down_timeout_s` every rank raises :class:`EnginesDown`
         (rank 0 its own); with ``only``, nothing is waited for and False means none of them answers now."""
-        found = [True]
-        self.agreed(lambda: found.__setitem__(0, bool(self.choose_engines(only))))
-        outcome = torch.tensor([int(found[0])], dtype=torch.int32, device=collective_device())
+        chosen: list[str] = []
+        self.agreed(lambda: chosen.extend(self.choose_engines(only)))
+        outcome = torch.tensor([int(bool(chosen))], dtype=torch.int32, device=collective_device())  # rank 0's goes to all
         if dist.get_world_size() > 1:
             dist.broadcast(outcome, 0)
         self.reached = bool(outcome.item())
