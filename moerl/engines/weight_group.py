@@ -87,10 +87,19 @@ def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int,
     return spans
 
 
-def flatten_bucket(named: list[tuple[str, Any]]):
-    """Sender side: ``(uint8 tensor, names, dtypes, shapes)`` for one flattened_bucket broadcast."""
+def flatten_bucket(named: list[tuple[str, Any]], into: torch.Tensor | None = None):
+    """Sender side: ``(uint8 tensor, names, dtypes, shapes)`` for one flattened_bucket broadcast. A lone contiguous
+    tensor is sent as it is (no copy); several are copied into the front of ``into`` where it is large enough (a
+    buffer reused from bucket to bucket: a fresh one per bucket costs the page faults of its every byte)."""
     named = sorted(named, key=lambda nt: -nt[1].element_size())
-    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+    raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named]
+    total = sum(r.numel() for r in raw)
+    if len(raw) == 1:
+        flat = raw[0]
+    elif into is not None and into.numel() >= total and into.device == raw[0].device:
+        flat = torch.cat(raw, out=into[:total])
+    else:
+        flat = torch.cat(raw)
     return flat, [n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named]
 
 

@@ -13,13 +13,14 @@ holds its stage's tensors whole and sends them to global rank 0 point to point. 
 most the model once, every other rank at most its own group's share, most ranks nothing.
 
 With ``per_sender`` nothing goes to rank 0, and experts are not gathered over the expert-parallel group:
-each tensor stays whole where its TP (or expert-TP) gather ends, so a stage's dense tensors are on its
-first rank and each expert-parallel rank's own experts on its expert-TP group's first rank
-(:func:`sends_weights`), each of which sends them to the engines itself.
+each tensor stays whole where its TP (or expert-TP) gather ends: a stage's dense tensors on the ranks of
+its first TP group that send (spread by bytes), and each expert-parallel rank's own experts on its
+expert-TP group's first rank (:func:`sends_weights`), each of which sends them to the engines itself.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -68,6 +69,7 @@ class _Entry:
     group: object | None  # the TP or expert-TP group that shards it (None: not sharded, or a group of one)
     ep_group: object | None  # routed experts under expert parallelism: the group gathered over next
     glu: bool  # a GLU linear_fc1 (or its LoRA B): each TP shard is [gate_r; up_r]
+    dst: int = 0  # the rank in ``group`` it is gathered into
 
 
 def stage_lead() -> bool:
@@ -137,6 +139,7 @@ class Gather:
         self.lead = stage_lead()
         self.sends = sends_weights() if per_sender else dist.get_rank() == 0  # where gather() returns tensors
         if per_sender:
+            self._spread_over_senders()
             return  # each sender keeps its own share: rank 0 receives nothing, needs no manifest
         # What each stage's first rank yields, in its order: rank 0 receives the later stages' by it.
         manifest = [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
@@ -156,6 +159,27 @@ class Gather:
         dist.broadcast(ok, 0)  # every rank fails together, none waits in a gather for a rank that gave up
         if not ok.item():
             raise RuntimeError(problem or "the weight gather's layout check failed on global rank 0 (its error says why)")
+
+    def _spread_over_senders(self) -> None:
+        """Gathers each TP-sharded dense tensor into the sender of its TP group that has the fewest bytes to send so
+        far, so that no sender sends the whole stage's dense tensors while its TP peers that send experts wait
+        for it (at TP2xEP2 the stage's first rank sent 0.72 of the model, its peer 0.28). Collective over the
+        TP group of the first data-parallel replica, once per model: each member's flag and byte count."""
+        ps = parallel_state
+        if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_data_parallel_rank() != 0:
+            return
+        def spread(entry: _Entry) -> bool:
+            return entry.group is not None and ".experts." not in entry.names[0]
+
+        dense = [e for e in self._entries if spread(e)]
+        fixed = sum(_nbytes(e.shape, self._tensor(e.param).dtype) * len(e.names) for e in self._entries
+                    if not spread(e) and (e.group is None or dist.get_rank(e.group) == 0))
+        members = [None] * ps.get_tensor_model_parallel_world_size()
+        dist.all_gather_object(members, (self.sends, fixed), group=ps.get_tensor_model_parallel_group())
+        load = {i: nbytes for i, (sends, nbytes) in enumerate(members) if sends}
+        for entry in dense:  # the same entries, in the same order, on every member
+            entry.dst = min(load, key=lambda i: (load[i], i))
+            load[entry.dst] += _nbytes(entry.shape, self._tensor(entry.param).dtype)
 
     def _tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
         if not self.grads:
@@ -196,28 +220,39 @@ class Gather:
         """This entry whole on its stage's first rank (nothing on the others)."""
         tensor = self._tensor(entry.param).detach()
         if entry.group is not None:
-            tensor = self._gather_into_first(tensor, entry.group)
-            if tensor is None:
-                return []
             dim = entry.param.partition_dim
-            if entry.glu:  # each shard is [gate_r; up_r]: the whole is [gate; up]
-                halves = [s.chunk(2, dim=dim) for s in tensor]
+            whole = None
+            if dim == 0 and not entry.glu:  # the shards are consecutive rows of the whole: received in place, not joined
+                whole = torch.empty(entry.shape, dtype=tensor.dtype, device=tensor.device)
+            parts = self._gather_into(tensor, entry.group, entry.dst, whole)
+            if parts is None:
+                return []
+            if whole is not None:
+                tensor = whole
+            elif entry.glu:  # each shard is [gate_r; up_r]: the whole is [gate; up]
+                halves = [s.chunk(2, dim=dim) for s in parts]
                 tensor = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
             else:
-                tensor = torch.cat(tensor, dim=dim)
+                tensor = torch.cat(parts, dim=dim)
         if entry.ep_group is None:
             return [(entry.names[0], tensor)]
-        parts = self._gather_into_first(tensor, entry.ep_group)
+        parts = self._gather_into(tensor, entry.ep_group)
         return [] if parts is None else list(zip(entry.names, parts))
 
-    def _gather_into_first(self, tensor: torch.Tensor, group) -> list[torch.Tensor] | None:
-        """Every member's ``tensor`` (same shape on all), on the group's first rank; None on the others."""
+    def _gather_into(self, tensor: torch.Tensor, group, dst: int = 0, whole: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+        """Every member's ``tensor`` (same shape on all), on the group's rank ``dst`` (into the consecutive rows of
+        ``whole`` when given); None on the others."""
         tensor = tensor.contiguous()
-        first = dist.get_global_rank(group, 0)
-        if dist.get_rank() != first:
-            dist.gather(tensor, None, dst=first, group=group)
+        target = dist.get_global_rank(group, dst)
+        if dist.get_rank() != target:
+            dist.gather(tensor, None, dst=target, group=group)
             return None
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.gather(tensor, parts, dst=first, group=group)
-        self.received += tensor.numel() * tensor.element_size() * (len(parts) - 1)
+        size = dist.get_world_size(group)
+        parts = list(whole.chunk(size)) if whole is not None else [torch.empty_like(tensor) for _ in range(size)]
+        dist.gather(tensor, parts, dst=target, group=group)
+        self.received += tensor.numel() * tensor.element_size() * (size - 1)
         return parts
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize

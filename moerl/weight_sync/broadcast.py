@@ -1,6 +1,7 @@
-"""Weight sync by broadcast from several senders at once: the first rank of each pipeline stage sends
-its stage's dense tensors, and under expert parallelism each expert-parallel rank its own experts
-(:func:`~moerl.megatron.weights.sends_weights`), each over a process group of its own with every engine
+"""Weight sync by broadcast from several senders at once: each pipeline stage's dense tensors are sent by
+the senders of its first TP group (spread by bytes), and under expert parallelism each expert-parallel
+rank sends its own experts (:func:`~moerl.megatron.weights.sends_weights`), each over a process group of
+its own with every engine
 (NCCL on GPU, gloo on CPU; SGLang keeps one per ``group_name``). So the senders' gathers and
 broadcasts run side by side, experts are never gathered across expert-parallel ranks, and no rank
 holds weights it does not send. The Hub-named tensors go out in
@@ -208,10 +209,13 @@ class BroadcastSync(FullWeightSync):
         model dtype)."""
         if self.group is None:
             raise RuntimeError("BroadcastSync: a push before connect()")
-        on_wire = None
+        on_wire, spares = None, []  # two buffers in turn: one on the wire, one being filled
         try:
             for bucket in buckets(named, self.bucket_bytes):
-                flat, names, dtypes, shapes = flatten_bucket(bucket)
+                if len(spares) < 2:
+                    spares.append(torch.empty(self.bucket_bytes, dtype=torch.uint8, device=bucket[0][1].device))
+                spares.reverse()  # the one not on the wire (that bucket was waited for before this one's turn)
+                flat, names, dtypes, shapes = flatten_bucket(bucket, into=spares[0])
                 del bucket
                 if self.backend == "nccl":
                     flat = flat.to(collective_device())  # here, on this rank's device: the loop's thread defaults to GPU 0

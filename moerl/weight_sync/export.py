@@ -23,7 +23,10 @@ def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, tor
     ``per_sender`` gather: on each rank that sends, its own share (a stage's dense tensors, an EP rank's experts)."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
-    for prefix, rules in family.layer_pieces(cfg):
+    pieces = family.layer_pieces(cfg)
+    # The non-layer piece last: its TP gathers (the embedding pair's, the largest) then run while the last layer is on
+    # the wire to the engines, where first they would hold back the first broadcast.
+    for prefix, rules in pieces[1:] + pieces[:1]:
         full = gather.gather(lambda name: in_piece(name, prefix))
         if full is not None:
             for rule in rules:
