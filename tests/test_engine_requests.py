@@ -31,7 +31,10 @@ QUICK_S = 10.0  # every refusal comes back within this
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hostile")
+    return hostile_models(tmp_path_factory.mktemp("hostile"))
+
+
+def hostile_models(root):
     base = save_tiny_hf(ARCH, root / "base")
     other = save_tiny_hf(ARCH, root / "other", seed=1)
     bigger_vocab = save_tiny_hf(ARCH, root / "bigger-vocab", seed=1, vocab_size=300)  # same architecture, other shapes

@@ -40,14 +40,10 @@ class ModelRunner:
         self.topk = config.num_experts_per_tok
         self.vocab_size = config.vocab_size
         self._captured: dict[int, torch.Tensor] = {}
-        self.moe_layers = []
-        for i, layer in enumerate(self.model.model.layers):
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
-                gate.register_forward_hook(self._capture_hook(i))
-                self.moe_layers.append(i)
-        if not self.moe_layers:
-            raise ValueError(f"{model_dir}: no MoE router found; the embedded engine serves MoE models")
+        gates = moe_gates(self.model, model_dir)
+        for i, gate in gates.items():
+            gate.register_forward_hook(self._capture_hook(i))
+        self.moe_layers = list(gates)
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.mask: torch.Tensor | None = None  # [B, L] 1 where the cache holds a real token
 
@@ -117,6 +113,18 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=self.mask, past_key_values=cache, use_cache=True)
         self.kv = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits[:, -1], self._routing(len(tokens))
+
+
+def moe_gates(model: torch.nn.Module, model_dir) -> dict[int, torch.nn.Module]:
+    """The router of each MoE layer of a transformers MoE model, by layer index."""
+    gates = {}
+    for i, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
+            gates[i] = gate
+    if not gates:
+        raise ValueError(f"{model_dir}: no MoE router found; the embedded engine serves MoE models")
+    return gates
 
 
 def hub_tensor_view(family: ModelFamily, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:

@@ -22,7 +22,6 @@ from moerl.engines.embedded.runner import ModelRunner
 from moerl.engines.embedded.sampler import Draw, sample_batch
 from moerl.engines.protocol import SamplingParams
 from moerl.errors import LoRAError
-from moerl.models import ModelFamily
 
 log = logging.getLogger("moerl.serve")
 
@@ -37,6 +36,7 @@ class Request:
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
     lora: str | None = None  # adapter name
+    stream: bool = False  # its client reads each token as it comes
     # Called on the engine thread with (request, finished: bool) after every new token and at the end.
     on_update: Callable[["Request", bool], None] = lambda request, finished: None
 
@@ -55,14 +55,15 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, family: ModelFamily, eos_token_ids: set[int], max_running: int = 64,
-                 weight_version: str = "default"):
+    def __init__(self, runner: ModelRunner | None, adapters: AdapterSet, eos_token_ids: set[int], max_length: int,
+                 max_running: int = 64, weight_version: str = "default"):
+        """``runner``: the model's (None where a subclass computes no tokens); ``max_length``: the context length."""
         self.runner = runner
-        self.adapters = AdapterSet(runner.model, family)
+        self.adapters = adapters
         self.eos_token_ids = eos_token_ids
         self.max_running = max_running
         self.weight_version = weight_version
-        self.max_length = getattr(runner.model.config, "max_position_embeddings", 1 << 30)
+        self.max_length = max_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused = False
@@ -100,32 +101,42 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not (self._stop or self._commands or (not self.paused and (self.waiting or self.running))):
-                    self._wake.wait()
+                self._wait()
                 if self._stop:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
-            for fn, future in commands:
-                if not future.set_running_or_notify_cancel():
-                    continue  # the caller gave up before it ran (its client went away)
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # the caller gets it; the engine keeps serving
-                    future.set_exception(e)
-            if self.paused:
-                continue
+            self._run(commands)
+            if not self.paused:
+                self._work()
+
+    def _wait(self) -> None:
+        """Under ``_wake``: until there is something to do."""
+        while not (self._stop or self._commands or (not self.paused and (self.waiting or self.running))):
+            self._wake.wait()
+
+    def _run(self, commands: list) -> None:
+        for fn, future in commands:
+            if not future.set_running_or_notify_cancel():
+                continue  # the caller gave up before it ran (its client went away)
             try:
-                self._admit()
-                if self.running:
-                    self._decode_step()
-            except BaseException as e:  # a model failure fails the requests in flight, not the server
-                log.exception("decode step failed: aborting the %d running request(s)", len(self.running))
-                for request in list(self.running) + list(self.waiting):
-                    self._finish(request, {"type": "abort", "message": f"engine error: {e!r}"})
-                self.runner.keep_rows([])
-                self.running.clear()
-                self.waiting.clear()
+                future.set_result(fn())
+            except BaseException as e:  # the caller gets it; the engine keeps serving
+                future.set_exception(e)
+
+    def _work(self) -> None:
+        """Admit what fits and take one decode step."""
+        try:
+            self._admit()
+            if self.running:
+                self._decode_step()
+        except BaseException as e:  # a model failure fails the requests in flight, not the server
+            log.exception("decode step failed: aborting the %d running request(s)", len(self.running))
+            for request in list(self.running) + list(self.waiting):
+                self._finish(request, {"type": "abort", "message": f"engine error: {e!r}"})
+            self._keep_cache_rows([])
+            self.running.clear()
+            self.waiting.clear()
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -195,8 +206,11 @@ class Scheduler:
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
         if len(keep) != len(self.running):
-            self.runner.keep_rows(keep)
+            self._keep_cache_rows(keep)
             self.running = [self.running[i] for i in keep]
+
+    def _keep_cache_rows(self, rows: list[int]) -> None:
+        self.runner.keep_rows(rows)
 
     def _finish(self, request: Request, reason: dict) -> None:
         request.finish_reason = reason
@@ -225,7 +239,7 @@ class Scheduler:
             # then) when generation continues.
             self.waiting.extendleft(reversed(self.running))
             self.running = []
-            self.runner.keep_rows([])
+            self._keep_cache_rows([])
         self.paused = True
 
     def unload_adapter(self, name: str) -> None:

@@ -10,7 +10,6 @@ scheduler's thread alone.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import functools
@@ -26,7 +25,6 @@ import torch
 from aiohttp import web
 
 from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
-from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
@@ -50,19 +48,28 @@ def _error(status: int, message: str) -> web.Response:
 class EmbeddedEngine:
     """Owns the model runner, the scheduler and the tokenizer; builds SGLang-shaped responses."""
 
+    engine_name = "moerl-embedded"  # /server_info's engine
+    request_type = Request  # what make_requests queues
+
     def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None,
                  max_running: int = 64, sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS):
-        self.model_dir = model_dir
         self.runner = ModelRunner(model_dir, dtype, device)
+        self._serve(model_dir, self.runner.model, lambda adapters, eos_ids, max_length: Scheduler(
+            self.runner, adapters, eos_ids, max_length, max_running), sampling_mask_max_tokens)
+
+    def _serve(self, model_dir: str, model: torch.nn.Module, scheduler, sampling_mask_max_tokens: int) -> None:
+        """What serving needs besides the computation: ``model`` (the served transformers model: names, shapes,
+        device, dtype) and ``scheduler(adapters, eos_ids, max_length)``, which makes the scheduler."""
+        self.model_dir, self.model = model_dir, model
         self.tokenizer = self._load_tokenizer(model_dir)
-        config = self.runner.model.config
+        config = model.config
         raw = read_config(model_dir)
         self.family = family_for(raw)
         self.hub_config = self.family.normalize(raw)
-        eos = getattr(getattr(self.runner.model, "generation_config", None), "eos_token_id", None) or config.eos_token_id
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.scheduler = Scheduler(self.runner, self.family, eos_ids, max_running)
-        self.limits = protocol.EngineLimits(self.runner.vocab_size, self.scheduler.max_length, sampling_mask_max_tokens)
+        self.scheduler = scheduler(AdapterSet(model, self.family), eos_ids, getattr(config, "max_position_embeddings", 1 << 30))
+        self.limits = protocol.EngineLimits(config.vocab_size, self.scheduler.max_length, sampling_mask_max_tokens)
         self.weight_groups: dict[str, object] = {}
         self.joining: set[str] = set()
         self.update_session = False  # between /begin_weight_update and /end_weight_update
@@ -74,6 +81,15 @@ class EmbeddedEngine:
     @property
     def adapters(self) -> AdapterSet:
         return self.scheduler.adapters
+
+    @property
+    def device(self) -> torch.device:
+        """Where weight broadcasts are received."""
+        return self.runner.device
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return self.runner.moe_layers
 
     @staticmethod
     def _load_tokenizer(model_dir: str):
@@ -117,12 +133,12 @@ class EmbeddedEngine:
         requests = []
         for i in range(params.n):
             seed = None if params.sampling_seed is None else params.sampling_seed + i
-            requests.append(Request(
+            requests.append(self.request_type(
                 rid=rid if params.n == 1 else f"{rid}-{i}", parent=None if params.n == 1 else rid, input_ids=prompt,
                 params=params.model_copy(update={"sampling_seed": seed}),
                 logprob_start_len=max(req.logprob_start_len, 0) if req.return_logprob else None,
                 return_routed_experts=req.return_routed_experts, return_sampling_mask=req.return_sampling_mask,
-                lora=req.lora_path, on_update=on_update,
+                lora=req.lora_path, stream=req.stream, on_update=on_update,
             ))
         return requests
 
@@ -178,15 +194,32 @@ class EmbeddedEngine:
     def apply_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool, flush: bool) -> None:
         """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
         sched = self.scheduler
-        pairs = hub_tensor_targets(self.family, self.runner.model, named)
+        pairs = hub_tensor_targets(self.family, self.model, named)
         self.check_flush(flush, abort_all, "weights not updated")
         if abort_all:
             sched.abort(message="weights updated")
+        self.write_weights(pairs)
+        if version is not None:
+            sched.weight_version = version
+
+    def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.no_grad():
             for dst, src in pairs:
                 dst.copy_(src)
-        if version is not None:
-            sched.weight_version = version
+
+    def weight_values(self, name: str, truncate_size: int) -> list | None:
+        """The first ``truncate_size`` rows of the Hub tensor ``name`` as served (None: not a weight of the model)."""
+        view = hub_tensor_view(self.family, dict(self.model.named_parameters()), name)
+        return None if view is None else view[:truncate_size].float().cpu().tolist()
+
+    def checksum(self) -> str:
+        """SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes."""
+        digest = hashlib.sha256()
+        for name, param in sorted(self.model.named_parameters()):
+            tensor = hashlib.sha256(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+            digest.update(name.encode())
+            digest.update(tensor.encode())
+        return digest.hexdigest()
 
     def join_group(self, req: protocol.InitWeightsUpdateGroupReqInput) -> object:
         try:  # fail fast where nothing listens, instead of waiting out the store's timeout
@@ -203,7 +236,7 @@ class EmbeddedEngine:
     def receive(self, req: protocol.UpdateWeightsFromDistributedReqInput, group) -> list[tuple[str, torch.Tensor]]:
         import torch.distributed as dist
 
-        device = self.runner.device
+        device = self.device
         if req.load_format == "flattened_bucket":
             spans = bucket_layout(req.dtypes, req.shapes)
             flat = torch.empty(spans[-1][1], dtype=torch.uint8, device=device)
@@ -221,10 +254,10 @@ class EmbeddedEngine:
             "tokenizer_path": self.model_dir if self.tokenizer is not None else None,
             "is_generation": True,
             "weight_version": self.scheduler.weight_version,
-            "num_hidden_layers": self.runner.num_layers,
-            "moe_layers": self.runner.moe_layers,
-            "num_experts_per_tok": self.runner.topk,
-            "vocab_size": self.runner.vocab_size,
+            "num_hidden_layers": self.model.config.num_hidden_layers,
+            "moe_layers": self.moe_layers,
+            "num_experts_per_tok": self.model.config.num_experts_per_tok,
+            "vocab_size": self.model.config.vocab_size,
         }
 
 
@@ -323,8 +356,8 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     async def server_info(request):
         from moerl import __version__
 
-        info: P.ServerInfo = {"tp_size": 1, "version": __version__, "engine": "moerl-embedded",
-                              "dtype": str(engine.runner.model.dtype).removeprefix("torch.")}
+        info: P.ServerInfo = {"tp_size": 1, "version": __version__, "engine": engine.engine_name,
+                              "dtype": str(engine.model.dtype).removeprefix("torch.")}
         return web.json_response(info, dumps=_dumps)
 
     @routes.get(P.MODEL_INFO.path)
@@ -359,12 +392,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     @routes.post(P.GET_WEIGHTS.path)
     async def get_weights_by_name(request):
         req = await parse(request, P.GetWeightsByNameReqInput)
-
-        def read():
-            view = hub_tensor_view(engine.family, dict(engine.runner.model.named_parameters()), req.name)
-            return None if view is None else view[: req.truncate_size].float().cpu().tolist()
-
-        values = await on_engine(read)
+        values = await on_engine(lambda: engine.weight_values(req.name, req.truncate_size))
         if values is None:
             raise ProtocolError(f"{req.name!r} is not a weight of the served model (give a Hub tensor name)")
         return web.json_response(values, dumps=_dumps)
@@ -372,16 +400,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     @routes.post(P.WEIGHTS_CHECKER.path)
     async def weights_checker(request):
         await parse(request, P.CheckWeightsReqInput)
-
-        def checksum() -> str:  # SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes
-            digest = hashlib.sha256()
-            for name, param in sorted(engine.runner.model.named_parameters()):
-                tensor = hashlib.sha256(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
-                digest.update(name.encode())
-                digest.update(tensor.encode())
-            return digest.hexdigest()
-
-        return ok("checksums computed", per_engine_checksum=await on_engine(checksum))
+        return ok("checksums computed", per_engine_checksum=await on_engine(engine.checksum))
 
     @routes.post(P.UPDATE_WEIGHT_VERSION.path)
     async def update_weight_version(request):
@@ -410,7 +429,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             raise ProtocolError(f"weight group {name!r} is already initialised (or being joined)")
         if len(engine.joining) >= MAX_JOINING:
             raise ProtocolError(f"{MAX_JOINING} weight-group joins are already waiting for their peers; retry later")
-        if req.backend == "nccl" and engine.runner.device.type != "cuda":
+        if req.backend == "nccl" and engine.device.type != "cuda":
             raise ProtocolError("backend nccl needs a CUDA engine; this one runs on the CPU (use gloo)")
         engine.joining.add(name)
         try:
@@ -440,7 +459,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         req = await parse(request, P.UpdateWeightsFromDistributedReqInput)
         # Names, shapes and layout are checked before a byte is received: never allocate what a request claims.
         shapes = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta")) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
-        hub_tensor_targets(engine.family, engine.runner.model, shapes)
+        hub_tensor_targets(engine.family, engine.model, shapes)
         if req.load_format == "flattened_bucket":
             bucket_layout(req.dtypes, req.shapes)
         group = engine.weight_groups.get(req.group_name)
@@ -506,32 +525,3 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     app.on_startup.append(start_engine)
     app.on_cleanup.append(stop_engine)
     return app
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="moerl serve",
-        description="Serve a HF MoE model with moerl's embedded engine over SGLang's HTTP API "
-        "(routed experts, sampling masks, weight versions, pause/continue, weight updates).",
-    )
-    p.add_argument("--model", required=True, help="local HF model directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="float32")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--sampling-mask-max-tokens", type=int, default=protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if not Path(args.model, "config.json").is_file():
-        print(f"error: {args.model} is not a HF model directory (no config.json)", flush=True)
-        return 2
-    engine = EmbeddedEngine(args.model, MODEL_DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens)
-    # On SIGTERM, requests still open (a join whose peers never came, say) get a few seconds, not a minute.
-    web.run_app(build_app(engine), host=args.host, port=args.port, shutdown_timeout=5,
-                print=lambda *a: log.info("serving %s on http://%s:%d", args.model, args.host, args.port))
-    return 0

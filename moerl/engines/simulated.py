@@ -1,0 +1,393 @@
+"""A simulated engine: the embedded engine's server, routes and scheduler rules with no model computing.
+
+Each request's response length is drawn from the profile's distribution when it is admitted; its tokens then
+accrue at the decode rate the profile gives the engine's current number of running requests, and nothing accrues
+while the engine prefills (prompt tokens at the profile's prefill rate) or is paused, so a long response holds its
+slot as it would on a GPU. Time may run faster than real (``time_scale``): the loop sleeps until the next
+response is due, so a replica idles between events and many fit on one machine. A finished response carries what
+SGLang's would, at its true size: token ids, log-probs, per-token weight versions, the routing of every position
+at the model's layers and top-k (SGLang's encoding), kept sets of the request's top-k. Their values are random:
+the wire, the decoding and the memory are the real costs, the numbers are not a model's.
+
+The control routes are the embedded engine's: pause (abort, retract, in_place), continue, abort, versions, flush,
+LoRA adapters (checked against the model's shapes), weight updates checked name by name. The served model is a
+``meta``-device transformers model: every name and shape of the real one, no bytes. A broadcast update receives
+its bytes (the transport is real) and drops them; a disk update reads the safetensors headers and holds the
+engine for the checkpoint's bytes at the profile's load rate. Nothing can be read back: a weight read or
+checksum is refused.
+
+The profile is a YAML file, checked in full when read, so a typo is one error naming the field::
+
+    name: tests-tiny
+    model: ../tiny-hf        # a directory with the Hub config.json (optional: --model), relative to this file
+    dtype: float32
+    sources: ["where each figure comes from"]
+    engine:
+      max_running_requests: 64
+      prefill_tokens_per_s: 20000
+      decode_tokens_per_s: {1: 100, 64: 1600}   # one engine, all its requests together
+      disk_load_gb_per_s: 1.0
+      response_tokens: {median: 40, p99: 200}   # log-normal, capped at max_new_tokens
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from moerl.checkpoint.hf import HFReader, check_hf_tensors
+from moerl.dtypes import MODEL_DTYPES
+from moerl.engines import protocol
+from moerl.engines.embedded.lora import AdapterSet
+from moerl.engines.embedded.runner import DENSE_LAYER, hub_tensor_view, moe_gates
+from moerl.engines.embedded.scheduler import Request, Scheduler
+from moerl.engines.embedded.server import EmbeddedEngine
+from moerl.engines.protocol import ProtocolError
+from moerl.errors import ConfigError
+
+
+Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LengthProfile(_Strict):
+    """Response lengths in tokens: log-normal with this median and 99th percentile."""
+
+    median: float = Field(gt=0)
+    p99: float = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "LengthProfile":
+        if self.p99 < self.median:
+            raise ValueError(f"p99 ({self.p99}) is below the median ({self.median})")
+        return self
+
+    def draw(self, rng: np.random.Generator) -> float:
+        return float(rng.lognormal(math.log(self.median), math.log(self.p99 / self.median) / Z99))
+
+
+class EngineProfile(_Strict):
+    """One engine replica (all its GPUs) serving the profile's model."""
+
+    max_running_requests: int = Field(gt=0)
+    prefill_tokens_per_s: float = Field(gt=0)  # while it prefills, the engine decodes nothing (SGLang without mixed chunks)
+    # Decode tokens/s of the whole engine by the number of requests running: linear between the points, flat beyond.
+    decode_tokens_per_s: dict[int, float] = Field(min_length=1)
+    disk_load_gb_per_s: float = Field(gt=0)  # a weight update from disk, which holds the engine like SGLang's does
+    response_tokens: LengthProfile
+
+    @model_validator(mode="after")
+    def _positive(self) -> "EngineProfile":
+        bad = {k: v for k, v in self.decode_tokens_per_s.items() if k < 1 or not v > 0}
+        if bad:
+            raise ValueError(f"decode_tokens_per_s needs running requests >= 1 and tokens/s > 0, got {bad}")
+        return self
+
+    def decode_rate(self, running: int) -> float:
+        """Tokens/s each of ``running`` requests gets."""
+        points = sorted(self.decode_tokens_per_s.items())
+        total = float(np.interp(running, [k for k, _ in points], [v for _, v in points]))
+        return total / running
+
+
+class Profile(_Strict):
+    name: str
+    model: str | None = None  # a Hub model directory (config.json at least), relative to the profile's file
+    dtype: str = "bfloat16"
+    sources: list[str] = Field(min_length=1)  # where each figure comes from
+    engine: EngineProfile
+
+    @model_validator(mode="after")
+    def _dtype(self) -> "Profile":
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(MODEL_DTYPES)}")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"simulation profile {path}: cannot be read ({e})") from None
+        try:
+            profile = cls.model_validate(raw)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
+            raise ConfigError(f"simulation profile {path}: {problems}") from None
+        if profile.model is not None:
+            profile.model = str((path.parent / profile.model).resolve())
+        return profile
+
+
+STREAM_INTERVAL_S = 0.05  # how often a streamed request sends what it decoded since (only these wake the loop)
+
+
+@dataclass
+class SimulatedRequest(Request):
+    target: int = -1  # output tokens it ends with (drawn at its first admission)
+    stop_token: int | None = None  # the token it ends on (None: it runs to its length cap)
+    progress: float = 0.0  # output tokens decoded so far, fractional
+    marks: list[tuple[int, str]] = field(default_factory=list)  # (first output position, weight version) per version change
+    rng: np.random.Generator | None = None
+
+
+class SimulatedScheduler(Scheduler):
+    """The embedded scheduler's queues and control, with time in place of a model (``runner`` is None)."""
+
+    def __init__(self, profile: EngineProfile, time_scale: float, vocab_size: int, adapters: AdapterSet,
+                 eos_token_ids: set[int], max_length: int):
+        super().__init__(None, adapters, eos_token_ids, max_length, profile.max_running_requests)
+        self.profile, self.time_scale, self.vocab_size = profile, time_scale, vocab_size
+        self._clock = time.monotonic()  # up to when the running requests' progress is counted
+        self._prefill_ends = 0.0  # the engine decodes nothing before this (monotonic seconds)
+
+    # ---- the loop's phases ----------------------------------------------------------------------
+    def _wait(self) -> None:
+        if not (self._stop or self._commands or (not self.paused and self.waiting and len(self.running) < self.max_running)):
+            self._wake.wait(self._until_next_finish())
+
+    def _run(self, commands: list) -> None:
+        self._advance()  # an abort or a version change sees every token decoded until now
+        super()._run(commands)
+
+    def _work(self) -> None:
+        self._advance()
+        self._admit()
+
+    def _keep_cache_rows(self, rows: list[int]) -> None:
+        pass  # no cache
+
+    # ---- time ----------------------------------------------------------------------------------
+    def _decoding_since(self, now: float) -> float:
+        return max(self._clock, self._prefill_ends) if not self.paused else now
+
+    def _advance(self) -> None:
+        """Count the tokens decoded since the last call and finish the requests that reached their length."""
+        now = time.monotonic()
+        start = self._decoding_since(now)
+        if self.running and now > start:
+            tokens = (now - start) * self.time_scale * self.profile.decode_rate(len(self.running))
+            for request in self.running:
+                if not request.marks or request.marks[-1][1] != self.weight_version:
+                    request.marks.append((int(request.progress), self.weight_version))
+                request.progress += tokens
+                if request.progress >= request.target:
+                    self._finish(request, {"type": "length", "length": request.target} if request.stop_token is None
+                                 else {"type": "stop", "matched": request.stop_token})
+                elif request.stream and self._decoded(request):
+                    request.on_update(request, False)
+            self._drop_finished()
+        self._clock = now
+
+    def _decoded(self, request: SimulatedRequest, upto: int | None = None) -> bool:
+        """Make its output tokens up to ``upto`` (default: as far as it has decoded); whether there are new ones. Drawn
+        in order from its own generator, so a seeded request makes the same tokens however its time is cut."""
+        upto = min(int(request.progress), request.target) if upto is None else upto
+        new = upto - len(request.output_ids)
+        if new > 0:
+            request.output_ids += request.rng.integers(0, self.vocab_size, new).tolist()
+        return new > 0
+
+    def _until_next_finish(self) -> float | None:
+        """Real seconds until the first running request is due (None: nothing runs)."""
+        if self.paused or not self.running:
+            return None
+        remaining = min(r.target - r.progress for r in self.running)
+        now = time.monotonic()
+        simulated = max(remaining, 0.0) / self.profile.decode_rate(len(self.running))
+        due = max(self._prefill_ends - now, 0.0) + simulated / self.time_scale
+        return min(due, STREAM_INTERVAL_S) if any(r.stream for r in self.running) else due
+
+    def _admit(self) -> None:
+        prompt_tokens = 0
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting.popleft()
+            if request.lora is not None and request.lora not in self.adapters.adapters:
+                self._finish(request, {"type": "abort", "message": f"engine error: adapter {request.lora!r} is not loaded"})
+                continue
+            if request.target < 0:
+                self._plan(request)
+            if request.target == 0:
+                self._finish(request, {"type": "length", "length": 0})
+                continue
+            prompt_tokens += len(request.input_ids) + int(request.progress)  # a retracted request is prefilled again whole
+            self.running.append(request)
+        if prompt_tokens:
+            now = time.monotonic()
+            self._prefill_ends = max(self._prefill_ends, now) + prompt_tokens / self.profile.prefill_tokens_per_s / self.time_scale
+
+    def _plan(self, request: SimulatedRequest) -> None:
+        """Its length: where it draws a stop token (at the profile's length distribution), or its cap (max_new_tokens, the
+        context). A seeded request, and a greedy one (same prompt, same weights), is the same each time."""
+        p = request.params
+        seed = p.sampling_seed
+        if seed is None and p.top_k == 1:
+            seed = int.from_bytes(hashlib.sha256(repr((request.input_ids, self.weight_version)).encode()).digest()[:8], "little")
+        request.rng = np.random.default_rng(seed)
+        cap = min(p.max_new_tokens, self.max_length - len(request.input_ids))
+        stop_ids = ([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids or [])
+        drawn = math.ceil(self.profile.response_tokens.draw(request.rng))
+        request.stop_token = stop_ids[0] if stop_ids and drawn < cap else None
+        request.target = max(drawn if request.stop_token is not None else cap, 0)
+
+    def _finish(self, request: SimulatedRequest, reason: dict) -> None:
+        """Its tokens made to the end: all of them, or those decoded before an abort."""
+        if request.target >= 0:
+            if reason["type"] == "abort":
+                self._decoded(request)
+            else:
+                self._decoded(request, request.target - (request.stop_token is not None))
+                if request.stop_token is not None:
+                    request.output_ids.append(request.stop_token)
+        super()._finish(request, reason)
+
+
+class SimulatedEngine(EmbeddedEngine):
+    engine_name = "moerl-simulated"
+    request_type = SimulatedRequest
+
+    def __init__(self, profile: Profile, model_dir: str | None = None, time_scale: float = 1.0,
+                 sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS):
+        """``model_dir``: the Hub model (its config.json and tokenizer) in place of the profile's."""
+        model_dir = model_dir or profile.model
+        if model_dir is None:
+            raise ProtocolError(f"simulation profile {profile.name!r} names no model: give --model")
+        if not time_scale > 0:
+            raise ProtocolError(f"time_scale must be > 0, got {time_scale}")
+        self.profile, self.time_scale = profile, time_scale
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):  # names and shapes, no bytes
+            model = AutoModelForCausalLM.from_config(config, dtype=MODEL_DTYPES[profile.dtype])
+        self._moe_layers = list(moe_gates(model, model_dir))
+        self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        self._serve(model_dir, model, lambda adapters, eos_ids, max_length: SimulatedScheduler(
+            profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length), sampling_mask_max_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return self._moe_layers
+
+    # ---- responses ---------------------------------------------------------------------------
+    def response(self, request: SimulatedRequest, req: protocol.GenerateReqInput) -> protocol.GenerateResponse:
+        n = len(request.output_ids)
+        rng = np.random.default_rng()
+        config = self.model.config
+        spans = _spans(request.marks, n)
+        meta: protocol.GenerateMetaInfo = {
+            "id": request.rid,
+            "finish_reason": request.finish_reason,
+            "prompt_tokens": len(request.input_ids),
+            "completion_tokens": n,
+            "weight_version": spans[-1]["version"] if spans else self.scheduler.weight_version,
+            "weight_versions": spans,
+        }
+        tokens = np.asarray(request.output_ids, dtype=np.int64)
+        params = request.params
+        truncated = 0 < params.top_k < config.vocab_size or params.top_p < 1 or params.min_p > 0
+        kept_sizes = None
+        if req.return_sampling_mask:
+            kept_sizes = np.full(n, params.top_k) if params.top_p >= 1 and params.min_p == 0 else rng.integers(1, params.top_k + 1, n)
+            kept_ids, kept_logprobs, selected = self._kept_sets(rng, tokens, kept_sizes)
+            meta["output_token_sampling_mask"] = kept_ids
+            meta["output_token_sampling_mask_length"] = n
+            meta["output_token_sampling_logprobs"] = selected.tolist() if req.sampling_logprobs_mode == "selected" else kept_logprobs
+        else:
+            selected = -rng.exponential(1.0, n)
+        if req.return_logprob:
+            full = selected + (np.log(rng.uniform(0.5, 1.0, n)) if truncated else 0.0)
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(full.tolist(), request.output_ids)]
+            if request.logprob_start_len is not None:
+                start = request.logprob_start_len
+                prompt = (-rng.exponential(2.0, len(request.input_ids) - start)).tolist()
+                if start == 0:
+                    prompt[0] = None  # the first prompt token has no log-prob
+                meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:])]
+        if req.return_routed_experts:
+            rows = max(len(request.input_ids) + n - 1 - req.routed_experts_start_len, 0)
+            meta["routed_experts"] = protocol.encode_routed_experts(self._routing(rng, rows))
+        return {"text": self.tokenizer.decode(request.output_ids) if self.tokenizer is not None else "",
+                "output_ids": list(request.output_ids), "meta_info": meta}
+
+    def _routing(self, rng: np.random.Generator, rows: int) -> np.ndarray:
+        """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1)."""
+        config = self.model.config
+        topk, experts = config.num_experts_per_tok, self.num_experts
+        routing = np.full((rows, config.num_hidden_layers, topk), DENSE_LAYER, dtype=np.int32)
+        stride = np.arange(topk, dtype=np.int32) * max(experts // topk, 1)  # distinct modulo the experts
+        start = rng.integers(0, experts, (rows, len(self._moe_layers), 1), dtype=np.int32)
+        routing[:, self._moe_layers] = (start + stride) % experts
+        return routing
+
+    def _kept_sets(self, rng: np.random.Generator, tokens: np.ndarray, sizes: np.ndarray) -> tuple[list, list, np.ndarray]:
+        """Each token's kept set (ascending ids that include it), its log-probs over the set, and the token's own."""
+        vocab = self.model.config.vocab_size
+        kept_ids, kept_logprobs, selected = [], [], np.empty(len(tokens))
+        for i, (token, size) in enumerate(zip(tokens.tolist(), sizes.tolist())):
+            ids = np.sort((token + np.arange(size) * max(vocab // size, 1)) % vocab)
+            logits = rng.standard_normal(size)
+            logprobs = logits - np.logaddexp.reduce(logits)
+            selected[i] = logprobs[np.searchsorted(ids, token)]
+            kept_ids.append(ids.tolist())
+            kept_logprobs.append(logprobs.tolist())
+        return kept_ids, kept_logprobs, selected
+
+    # ---- weights -----------------------------------------------------------------------------
+    def read_model_dir(self, path: str) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint's names and shapes, from its safetensors headers (no tensor is read)."""
+        reader = HFReader(_model_dir(path))
+        dtype = check_hf_tensors(reader, self.family, self.hub_config)
+        return [(name, torch.empty(shape, dtype=dtype, device="meta"))
+                for rule in self.family.all_rules(self.hub_config) for name, shape in zip(rule.hf, rule.hf_shapes)]
+
+    def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A disk update holds the engine for its bytes at the profile's load rate; broadcast bytes already came."""
+        from_disk = sum(src.numel() * src.element_size() for _, src in pairs if src.is_meta)
+        time.sleep(from_disk / (self.profile.engine.disk_load_gb_per_s * 1e9) / self.time_scale)
+
+    def weight_values(self, name: str, truncate_size: int) -> list | None:
+        if hub_tensor_view(self.family, dict(self.model.named_parameters()), name) is None:
+            return None
+        raise ProtocolError("the simulated engine holds no weights to read back (run sync.verify against a real engine)")
+
+    def checksum(self) -> str:
+        raise ProtocolError("the simulated engine holds no weights to checksum (run sync.verify against a real engine)")
+
+
+def _model_dir(path: str) -> Path:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ProtocolError(f"model_path {path!r} is not a directory")
+    return directory
+
+
+def _spans(marks: list[tuple[int, str]], n: int) -> list[dict]:
+    """``{version, start, end}`` over the ``n`` output positions from the version marks (each from its position on)."""
+    spans: list[dict] = []
+    for i, (start, version) in enumerate(marks):
+        end = min(marks[i + 1][0] if i + 1 < len(marks) else n, n)
+        if start >= end:
+            continue
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = end
+        else:
+            spans.append({"version": version, "start": start, "end": end})
+    if spans:
+        spans[0]["start"] = 0
+    return spans

@@ -1,0 +1,135 @@
+"""The simulated engine (``moerl serve --simulate``): the embedded engine's protocol tests that need no model, run
+against it, and its lengths, payloads and timings following its profile."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moerl.errors import ConfigError
+from moerl.engines.simulated import Profile
+from tests.engine_server import running_server
+from tests.test_engine_control import (  # noqa: F401  the control tests, with this module's server
+    test_abort_returns_the_partial_output,
+    test_pause_holds_requests_until_continue,
+    test_pause_with_abort_finishes_running_requests,
+    test_retract_then_continue_gives_the_uninterrupted_output,
+)
+from tests.test_engine_requests import (  # noqa: F401  the hostile-request tests, with this module's server
+    PROMPT,
+    hostile_models,
+    reference,
+    request,
+    test_a_client_that_disconnects_has_its_requests_aborted,
+    test_a_disk_update_from_anything_but_this_model_changes_nothing,
+    test_a_flushing_update_during_an_in_place_pause_is_refused_untouched,
+    test_a_join_to_a_refused_port_fails_fast_and_slow_joins_starve_nothing,
+    test_a_tiny_temperature_is_greedy_and_the_answer_is_valid_json,
+    test_abort_by_rid_aborts_all_n_completions,
+    test_any_corrupted_body_on_any_route_is_refused_and_changes_nothing,
+    test_malformed_bodies_get_a_json_400,
+    test_wrong_methods_and_routes_answer_json,
+    test_wrong_types_and_ranges_get_a_400_naming_the_field,
+)
+
+PROFILE = Path(__file__).parent / "data" / "simulation" / "tiny.yaml"
+LAYERS, TOPK, VOCAB = 4, 2, 256  # the tiny model's
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    made = hostile_models(tmp_path_factory.mktemp("hostile"))
+    made[0], made[1] = made["base"], made["other"]  # the control tests take the pair by index
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    with running_server(models["base"], tmp_path_factory.mktemp("log"), "--simulate", str(PROFILE)) as url:
+        yield url
+
+
+def generate(url, body):
+    status, answer, _ = request(url, "/generate", body)
+    assert status == 200, answer
+    return answer if isinstance(answer, list) else [answer]
+
+
+def test_the_server_says_it_is_simulated_and_holds_no_weights(server):
+    status, info, _ = request(server, "/server_info", method="GET")
+    assert status == 200 and info["engine"] == "moerl-simulated" and info["dtype"] == "float32"
+    status, answer, _ = request(server, "/get_weights_by_name", {"name": "model.norm.weight"})
+    assert status == 400 and "holds no weights" in answer["error"]["message"]
+    status, answer, _ = request(server, "/weights_checker", {})
+    assert status == 400 and "holds no weights" in answer["error"]["message"]
+
+
+def test_lengths_and_payloads_follow_the_profile(server):
+    profile = Profile.load(PROFILE).engine
+    body = {"input_ids": PROMPT, "sampling_params": {"n": 200, "max_new_tokens": 400, "top_k": 5, "sampling_seed": 7},
+            "return_logprob": True, "return_routed_experts": True, "return_sampling_mask": True}
+    completions = generate(server, body)
+    lengths = np.array([len(c["output_ids"]) for c in completions])
+    # Seeded: the same 200 draws every run. Their median is within sampling error (about 9% here) of the profile's.
+    assert abs(np.median(lengths) / profile.response_tokens.median - 1) < 0.25, np.median(lengths)
+    assert (lengths > profile.response_tokens.p99).mean() < 0.05
+    for c in completions:
+        meta, n = c["meta_info"], len(c["output_ids"])
+        assert meta["finish_reason"]["type"] == ("stop" if n < 400 else "length")
+        assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": n}]
+        assert [tok for _, tok, _ in meta["output_token_logprobs"]] == c["output_ids"]
+        assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
+        routing = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(-1, LAYERS, TOPK)
+        assert routing.shape[0] == len(PROMPT) + n - 1  # every position fed: the prompt and the output but its last
+        moe = routing[:, (routing >= 0).all(axis=(0, 2))]
+        assert moe.shape[1] > 0 and (moe < 8).all() and all(len(set(row)) == TOPK for row in moe.reshape(-1, TOPK).tolist())
+        kept = meta["output_token_sampling_mask"]
+        assert [len(k) for k in kept] == [5] * n
+        assert all(tok in k and k == sorted(set(k)) for tok, k in zip(c["output_ids"], kept))
+        assert all(max(k) < VOCAB for k in kept)
+
+
+def test_a_response_takes_its_tokens_at_the_profiles_decode_rate(server):
+    profile = Profile.load(PROFILE).engine
+    body = {"input_ids": PROMPT, "sampling_params": {"n": 2, "max_new_tokens": 100, "ignore_eos": True}}
+    start = time.monotonic()
+    completions = generate(server, body)
+    seconds = time.monotonic() - start
+    assert [len(c["output_ids"]) for c in completions] == [100, 100]
+    due = 100 / profile.decode_rate(2)  # two requests share the engine: 100 + 1500/63 tokens/s between them
+    assert due * 0.95 <= seconds < 2 * due + 1.0, (seconds, due)
+
+
+def test_an_in_place_update_splits_the_version_spans_where_it_happened(server, models):
+    from moerl.engines.client import EngineClient
+
+    async def go():
+        async with EngineClient([server]) as client:
+            body = {"max_new_tokens": 150, "ignore_eos": True, "sampling_seed": 3}
+            task = asyncio.ensure_future(client.generate(PROMPT, body))
+            await asyncio.sleep(0.5)  # about 50 tokens in, at 100 tokens/s
+            await client.pause("in_place")
+            await client.update_weights_from_disk(str(models["other"]), weight_version="v2", flush_cache=False)
+            await client.resume()
+            (completion,) = await task
+            await client.set_weight_version("default")  # as the other tests expect to find it
+            return completion
+
+    completion = asyncio.run(go())
+    spans = completion.weight_versions
+    assert [s["version"] for s in spans] == ["default", "v2"], spans
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 150
+    assert 20 <= spans[0]["end"] <= 100
+
+
+def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(PROFILE.read_text().replace("prefill_tokens_per_s: 20000", "prefill_tokens_per_s: -1").replace("p99: 200", "p99: 20"))
+    with pytest.raises(ConfigError) as err:
+        Profile.load(bad)
+    assert "engine.prefill_tokens_per_s" in str(err.value) and "engine.response_tokens" in str(err.value)
