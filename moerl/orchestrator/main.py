@@ -281,9 +281,13 @@ class Job:
             while self.trainer.version < self.cfg.run.steps:
                 self.step()
         except Exception as e:
-            # One rank's failure makes torchrun stop the others, maybe this one in its teardown, before the error below
-            # is printed: said now.
-            log.error("stopping at step %d: %s: %s", self.trainer.version, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            # One rank's failure makes torchrun stop the others, maybe this one in its teardown: said now, not after it.
+            if isinstance(e, MoerlError):
+                if not getattr(e, "relayed", False):
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                e.said = True
+            else:
+                log.error("stopping at step %d: %s: %s", self.trainer.version, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             raise
         finally:
             summary = self.teardown()
@@ -585,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         summary = Job(cfg).run()
     except MoerlError as e:
-        if not getattr(e, "relayed", False):
+        if not (getattr(e, "relayed", False) or getattr(e, "said", False)):
             print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
