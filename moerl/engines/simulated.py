@@ -44,7 +44,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from moerl.checkpoint.hf import HFReader, check_hf_tensors
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
 from moerl.engines.embedded.lora import AdapterSet
@@ -259,12 +258,9 @@ class SimulatedEngine(EmbeddedEngine):
     engine_name = "moerl-simulated"
     request_type = SimulatedRequest
 
-    def __init__(self, profile: Profile, model_dir: str | None = None, time_scale: float = 1.0,
+    def __init__(self, profile: Profile, model_dir: str, time_scale: float = 1.0,
                  sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS):
-        """``model_dir``: the Hub model (its config.json and tokenizer) in place of the profile's."""
-        model_dir = model_dir or profile.model
-        if model_dir is None:
-            raise ProtocolError(f"simulation profile {profile.name!r} names no model: give --model")
+        """``model_dir``: the Hub model (its config.json and tokenizer): the profile's, or one in its place."""
         if not time_scale > 0:
             raise ProtocolError(f"time_scale must be > 0, got {time_scale}")
         self.profile, self.time_scale = profile, time_scale
@@ -289,7 +285,7 @@ class SimulatedEngine(EmbeddedEngine):
         n = len(request.output_ids)
         rng = np.random.default_rng()
         config = self.model.config
-        spans = _spans(request.marks, n)
+        spans = protocol.version_spans(_token_versions(request.marks, n))
         meta: protocol.GenerateMetaInfo = {
             "id": request.rid,
             "finish_reason": request.finish_reason,
@@ -301,7 +297,6 @@ class SimulatedEngine(EmbeddedEngine):
         tokens = np.asarray(request.output_ids, dtype=np.int64)
         params = request.params
         truncated = 0 < params.top_k < config.vocab_size or params.top_p < 1 or params.min_p > 0
-        kept_sizes = None
         if req.return_sampling_mask:
             kept_sizes = np.full(n, params.top_k) if params.top_p >= 1 and params.min_p == 0 else rng.integers(1, params.top_k + 1, n)
             kept_ids, kept_logprobs, selected = self._kept_sets(rng, tokens, kept_sizes)
@@ -351,8 +346,7 @@ class SimulatedEngine(EmbeddedEngine):
     # ---- weights -----------------------------------------------------------------------------
     def read_model_dir(self, path: str) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint's names and shapes, from its safetensors headers (no tensor is read)."""
-        reader = HFReader(_model_dir(path))
-        dtype = check_hf_tensors(reader, self.family, self.hub_config)
+        _, dtype = self.model_dir_reader(path)
         return [(name, torch.empty(shape, dtype=dtype, device="meta"))
                 for rule in self.family.all_rules(self.hub_config) for name, shape in zip(rule.hf, rule.hf_shapes)]
 
@@ -370,24 +364,10 @@ class SimulatedEngine(EmbeddedEngine):
         raise ProtocolError("the simulated engine holds no weights to checksum (run sync.verify against a real engine)")
 
 
-def _model_dir(path: str) -> Path:
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ProtocolError(f"model_path {path!r} is not a directory")
-    return directory
-
-
-def _spans(marks: list[tuple[int, str]], n: int) -> list[dict]:
-    """``{version, start, end}`` over the ``n`` output positions from the version marks (each from its position on)."""
-    spans: list[dict] = []
-    for i, (start, version) in enumerate(marks):
+def _token_versions(marks: list[tuple[int, str]], n: int) -> list[str]:
+    """The weight version of each of the ``n`` output positions, from the marks (each version from its position on)."""
+    versions: list[str] = []
+    for i, (_, version) in enumerate(marks):
         end = min(marks[i + 1][0] if i + 1 < len(marks) else n, n)
-        if start >= end:
-            continue
-        if spans and spans[-1]["version"] == version:
-            spans[-1]["end"] = end
-        else:
-            spans.append({"version": version, "start": start, "end": end})
-    if spans:
-        spans[0]["start"] = 0
-    return spans
+        versions += [version] * max(end - len(versions), 0)
+    return versions

@@ -168,6 +168,7 @@ class Gather:
         ps = parallel_state
         if ps.get_tensor_model_parallel_world_size() == 1 or ps.get_data_parallel_rank() != 0:
             return
+
         def spread(entry: _Entry) -> bool:
             return entry.group is not None and ".experts." not in entry.names[0]
 
@@ -217,7 +218,8 @@ class Gather:
         return full
 
     def _gather_entry(self, entry: _Entry) -> list[tuple[str, torch.Tensor]]:
-        """This entry whole on its stage's first rank (nothing on the others)."""
+        """This entry whole on the rank its gathers end on (its stage's first, or with ``per_sender`` a sender of its TP
+        group); nothing on the others."""
         tensor = self._tensor(entry.param).detach()
         if entry.group is not None:
             dim = entry.param.partition_dim

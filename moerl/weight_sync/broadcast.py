@@ -209,13 +209,14 @@ class BroadcastSync(FullWeightSync):
         model dtype)."""
         if self.group is None:
             raise RuntimeError("BroadcastSync: a push before connect()")
-        on_wire, spares = None, []  # two buffers in turn: one on the wire, one being filled
+        # Two buffers in turn, made when a bucket of several tensors first needs one: the one filled is never the one on
+        # the wire (that bucket was waited for before this one's turn). A bucket of one tensor is sent as it is.
+        on_wire, spares = None, [None, None]
         try:
-            for bucket in buckets(named, self.bucket_bytes):
-                if len(spares) < 2:
-                    spares.append(torch.empty(self.bucket_bytes, dtype=torch.uint8, device=bucket[0][1].device))
-                spares.reverse()  # the one not on the wire (that bucket was waited for before this one's turn)
-                flat, names, dtypes, shapes = flatten_bucket(bucket, into=spares[0])
+            for turn, bucket in enumerate(buckets(named, self.bucket_bytes)):
+                if len(bucket) > 1 and spares[turn % 2] is None:
+                    spares[turn % 2] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=bucket[0][1].device)
+                flat, names, dtypes, shapes = flatten_bucket(bucket, into=spares[turn % 2])
                 del bucket
                 if self.backend == "nccl":
                     flat = flat.to(collective_device())  # here, on this rank's device: the loop's thread defaults to GPU 0

@@ -26,6 +26,7 @@ from moerl.weight_sync.base import SyncStats, WeightSync
 
 log = logging.getLogger("moerl.sync")
 
+
 class AdapterSync(WeightSync):
     """Adapters only, while the engines keep serving: requests in flight finish with the adapter they started with
     (their tokens carry its version), new ones name the new adapter (:attr:`adapter`). Unloading adapters nothing

@@ -178,12 +178,16 @@ class EmbeddedEngine:
     def read_model_dir(self, path: str) -> list[tuple[str, torch.Tensor]]:
         """Every Hub tensor of the served model from the HF directory ``path``, all read before any is used:
         a directory that is not this model (missing, extra or misshapen tensors, a damaged file) is refused."""
+        reader, _ = self.model_dir_reader(path)
+        return [(name, reader.get(name)) for rule in self.family.all_rules(self.hub_config) for name in rule.hf]
+
+    def model_dir_reader(self, path: str) -> tuple[HFReader, torch.dtype]:
+        """A reader of the HF directory ``path`` and its dtype, once its headers say it is the served model."""
         directory = Path(path)
         if not directory.is_dir():
             raise ProtocolError(f"model_path {path!r} is not a directory")
         reader = HFReader(directory)
-        check_hf_tensors(reader, self.family, self.hub_config)
-        return [(name, reader.get(name)) for rule in self.family.all_rules(self.hub_config) for name in rule.hf]
+        return reader, check_hf_tensors(reader, self.family, self.hub_config)
 
     def check_flush(self, flush: bool, abort_all: bool, refused: str) -> None:
         """SGLang's rule: an update cannot flush the cache while requests run, unless it aborts them."""
