@@ -11,7 +11,8 @@ import moerl
 ROOT = Path(moerl.__file__).parent
 # Lowest first. A module imports from its own layer or lower ones.
 LAYERS = [
-    {"moerl", "moerl.errors", "moerl.env", "moerl.config", "moerl.dtypes", "moerl.files", "moerl.layout", "moerl.sample"},
+    {"moerl", "moerl.errors", "moerl.env", "moerl.config", "moerl.dtypes", "moerl.files", "moerl.layout", "moerl.sample",
+     "moerl.simulation"},
     {"moerl.models"},
     {"moerl.megatron"},
     {"moerl.checkpoint"},

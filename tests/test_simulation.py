@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moerl.errors import ConfigError
-from moerl.engines.simulated import Profile
+from moerl.simulation import Profile
 from tests.engine_server import running_server
 from tests.test_engine_control import (  # noqa: F401  the control tests, with this module's server
     test_abort_returns_the_partial_output,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 from pathlib import Path
 
 from aiohttp import web
@@ -11,7 +13,8 @@ from aiohttp import web
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
 from moerl.engines.embedded.server import EmbeddedEngine, build_app
-from moerl.engines.simulated import Profile, SimulatedEngine
+from moerl.engines.simulated import SimulatedEngine
+from moerl.simulation import Profile
 from moerl.errors import ConfigError, MoerlError
 
 log = logging.getLogger("moerl.serve")
@@ -31,12 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--sampling-mask-max-tokens", type=int, default=protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS)
     p.add_argument("--simulate", metavar="PROFILE", help="serve no model: a simulated engine with this profile's throughput "
-                   "and response lengths (a YAML file: see moerl/engines/simulated.py; the tests' is tests/data/simulation/tiny.yaml)")
+                   "and response lengths (a YAML file: see moerl/simulation.py; the tests' is tests/data/simulation/tiny.yaml)")
     p.add_argument("--time-scale", type=float, default=1.0, help="with --simulate: simulated seconds per real second")
+    p.add_argument("--ports", type=_ports, help="with --simulate: serve one replica on each of these ports (comma-separated), "
+                   "all in this process, in place of --port: many simulated replicas cost one interpreter")
     return p
 
 
-def _engine(args: argparse.Namespace) -> EmbeddedEngine:
+def _ports(text: str) -> list[int]:
+    try:
+        ports = [int(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ports") from None
+    if len(set(ports)) != len(ports):
+        raise argparse.ArgumentTypeError(f"{text!r} names a port twice")
+    return ports
+
+
+def _engines(args: argparse.Namespace) -> list[EmbeddedEngine]:
+    """One engine per port served."""
+    if args.ports and not args.simulate:
+        raise ConfigError("--ports serves several simulated replicas: it needs --simulate (a model's engine serves on --port)")
     profile = None
     if args.simulate:
         profile = Profile.load(args.simulate)
@@ -46,19 +64,43 @@ def _engine(args: argparse.Namespace) -> EmbeddedEngine:
     if not Path(model, "config.json").is_file():
         raise ConfigError(f"{model} is not a HF model directory (no config.json)")
     if profile is not None:
-        return SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens)
-    return EmbeddedEngine(model, MODEL_DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens)
+        return [SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens) for _ in args.ports or [args.port]]
+    return [EmbeddedEngine(model, MODEL_DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens)]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        engine = _engine(args)
+        engines = _engines(args)
     except MoerlError as e:
         print(f"error: {e}", flush=True)
         return 2
-    # On SIGTERM, requests still open (a join whose peers never came, say) get a few seconds, not a minute.
-    web.run_app(build_app(engine), host=args.host, port=args.port, shutdown_timeout=5,
-                print=lambda *a: log.info("serving %s on http://%s:%d", engine.model_dir, args.host, args.port))
+    ports = args.ports or [args.port]
+    if len(engines) == 1:
+        # On SIGTERM, requests still open (a join whose peers never came, say) get a few seconds, not a minute.
+        web.run_app(build_app(engines[0]), host=args.host, port=ports[0], shutdown_timeout=5,
+                    print=lambda *a: log.info("serving %s on http://%s:%d", engines[0].model_dir, args.host, ports[0]))
+    else:
+        asyncio.run(_serve_all(engines, args.host, ports))
     return 0
+
+
+async def _serve_all(engines: list[EmbeddedEngine], host: str, ports: list[int]) -> None:
+    """Each engine's app on its port, in this one event loop, until SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runners = []
+    try:
+        for engine, port in zip(engines, ports):
+            runner = web.AppRunner(build_app(engine), shutdown_timeout=5)
+            runners.append(runner)
+            await runner.setup()
+            await web.TCPSite(runner, host, port).start()
+        log.info("serving %d simulated replicas of %s on http://%s:{%s}", len(engines), engines[0].model_dir, host, ",".join(map(str, ports)))
+        await stop.wait()
+    finally:
+        for runner in runners:
+            await runner.cleanup()

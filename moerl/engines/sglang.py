@@ -27,7 +27,7 @@ log = logging.getLogger("moerl.engines")
 @dataclass
 class SGLangConfig:
     model_path: str
-    server: str = "sglang"  # sglang | embedded (moerl serve: the same HTTP API, runs on CPU)
+    server: str = "sglang"  # sglang | embedded (moerl serve: the same HTTP API, runs on CPU) | simulated (moerl serve --simulate)
     replicas: int = 1
     gpus_per_replica: int = 1  # the tensor-parallel size of each replica
     host: str = "127.0.0.1"
@@ -43,6 +43,9 @@ class SGLangConfig:
     log_dir: str | None = None
     extra_args: list[str] = field(default_factory=list)
     gpu_offset: int = 0  # first visible GPU for the engines (the trainer's ranks use those before it)
+    simulate: str | None = None  # server simulated: the profile (moerl.simulation)
+    time_scale: float = 1.0  # server simulated: simulated seconds per real second
+    replicas_per_process: int = 1  # server simulated: replicas one process serves (each costs an interpreter otherwise)
 
 
 def sglang_problem(installed: str | None = None) -> str | None:
@@ -94,8 +97,15 @@ def server_args(cfg: SGLangConfig, port: int) -> list[str]:
     return args + list(cfg.extra_args)
 
 
-def launch_args(cfg: SGLangConfig, port: int) -> list[str]:
-    """``python`` arguments that start one replica of ``cfg.server`` on ``port``."""
+def launch_args(cfg: SGLangConfig, ports: list[int]) -> list[str]:
+    """``python`` arguments that start a replica of ``cfg.server`` on each of ``ports`` (several: simulated replicas only)."""
+    if cfg.server == "simulated":
+        return ["-m", "moerl.cli", "serve", "--simulate", str(cfg.simulate), "--time-scale", str(cfg.time_scale), "--model", cfg.model_path,
+                "--host", cfg.host, "--ports", ",".join(map(str, ports)), "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens),
+                *cfg.extra_args]
+    if len(ports) != 1:
+        raise ValueError(f"engines.server={cfg.server!r} serves one replica per process, not {len(ports)}")
+    port = ports[0]
     if cfg.server == "sglang":
         return ["-m", "sglang.launch_server", *server_args(cfg, port)]
     if cfg.server == "embedded":
@@ -104,7 +114,7 @@ def launch_args(cfg: SGLangConfig, port: int) -> list[str]:
         return ["-m", "moerl.cli", "serve", "--model", cfg.model_path, "--host", cfg.host, "--port", str(port),
                 "--dtype", cfg.dtype, "--device", "cuda" if torch.cuda.is_available() else "cpu",
                 "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens), *cfg.extra_args]
-    raise ValueError(f"engines.server={cfg.server!r}: expected sglang or embedded")
+    raise ValueError(f"engines.server={cfg.server!r}: expected sglang, embedded or simulated")
 
 
 def router_args(cfg: SGLangConfig, urls: list[str]) -> list[str]:
@@ -133,7 +143,7 @@ class SGLangPool:
         return [f"http://{self.cfg.host}:{self.cfg.router_port}"] if self.cfg.router else self.replica_urls
 
     def _gpus(self, replica: int) -> str | None:
-        if self.cfg.server == "embedded" and not _has_cuda():
+        if self.cfg.server == "simulated" or (self.cfg.server == "embedded" and not _has_cuda()):
             return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         need = self.cfg.gpu_offset + self.cfg.replicas * self.cfg.gpus_per_replica
@@ -158,9 +168,13 @@ class SGLangPool:
 
     def _spawn_replica(self, replica: int, port: int, restart: bool = False) -> subprocess.Popen:
         """A replica's server; a restart appends to its log, so the failed attempt's stays readable."""
-        gpus = self._gpus(replica)
+        return self._spawn_replicas(replica, [port], restart)
+
+    def _spawn_replicas(self, first: int, ports: list[int], restart: bool = False) -> subprocess.Popen:
+        """The server of replicas ``first``, ``first + 1`` ... on ``ports`` (one process)."""
+        gpus = self._gpus(first)
         env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
-        return self._spawn([self.python, *launch_args(self.cfg, port)], env, f"{self.cfg.server}-{replica}", append=restart)
+        return self._spawn([self.python, *launch_args(self.cfg, ports)], env, f"{self.cfg.server}-{first}", append=restart)
 
     def start(self, timeout_s: float = 900) -> list[str]:
         """Start every replica (and the router) and wait until each answers ``/health``.
@@ -171,7 +185,12 @@ class SGLangPool:
         try:
             if not self.cfg.base_port:
                 self.ports = [free_port() for _ in range(self.cfg.replicas)]
-            self.procs = [self._spawn_replica(i, port) for i, port in enumerate(self.ports)]
+            # procs[i] is replica i's process, shared by the replicas it serves; a replica restarted gets one of its own.
+            per = self.cfg.replicas_per_process
+            self.procs = []
+            for first in range(0, len(self.ports), per):
+                ports = self.ports[first : first + per]
+                self.procs += [self._spawn_replicas(first, ports)] * len(ports)
             self.wait_healthy(lambda: self.replica_urls, timeout_s)
             if self.cfg.router:
                 self.procs.append(self._spawn([self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg, self.replica_urls)],

@@ -13,21 +13,10 @@ The control routes are the embedded engine's: pause (abort, retract, in_place), 
 LoRA adapters (checked against the model's shapes), weight updates checked name by name. The served model is a
 ``meta``-device transformers model: every name and shape of the real one, no bytes. A broadcast update receives
 its bytes (the transport is real) and drops them; a disk update reads the safetensors headers and holds the
-engine for the checkpoint's bytes at the profile's load rate. Nothing can be read back: a weight read or
+engine for the checkpoint's bytes at the profile's weight-update rate. Nothing can be read back: a weight read or
 checksum is refused.
 
-The profile is a YAML file, checked in full when read, so a typo is one error naming the field::
-
-    name: tests-tiny
-    model: ../tiny-hf        # a directory with the Hub config.json (optional: --model), relative to this file
-    dtype: float32
-    sources: ["where each figure comes from"]
-    engine:
-      max_running_requests: 64
-      prefill_tokens_per_s: 20000
-      decode_tokens_per_s: {1: 100, 64: 1600}   # one engine, all its requests together
-      disk_load_gb_per_s: 1.0
-      response_tokens: {median: 40, p99: 200}   # log-normal, capped at max_new_tokens
+The profile's format is :mod:`moerl.simulation`'s.
 """
 
 from __future__ import annotations
@@ -36,12 +25,9 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moerl.dtypes import MODEL_DTYPES
@@ -51,84 +37,7 @@ from moerl.engines.embedded.runner import DENSE_LAYER, hub_tensor_view, moe_gate
 from moerl.engines.embedded.scheduler import Request, Scheduler
 from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.engines.protocol import ProtocolError
-from moerl.errors import ConfigError
-
-
-Z99 = 2.3263478740408408  # the standard normal's 99th percentile
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class LengthProfile(_Strict):
-    """Response lengths in tokens: log-normal with this median and 99th percentile."""
-
-    median: float = Field(gt=0)
-    p99: float = Field(gt=0)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> "LengthProfile":
-        if self.p99 < self.median:
-            raise ValueError(f"p99 ({self.p99}) is below the median ({self.median})")
-        return self
-
-    def draw(self, rng: np.random.Generator) -> float:
-        return float(rng.lognormal(math.log(self.median), math.log(self.p99 / self.median) / Z99))
-
-
-class EngineProfile(_Strict):
-    """One engine replica (all its GPUs) serving the profile's model."""
-
-    max_running_requests: int = Field(gt=0)
-    prefill_tokens_per_s: float = Field(gt=0)  # while it prefills, the engine decodes nothing (SGLang without mixed chunks)
-    # Decode tokens/s of the whole engine by the number of requests running: linear between the points, flat beyond.
-    decode_tokens_per_s: dict[int, float] = Field(min_length=1)
-    disk_load_gb_per_s: float = Field(gt=0)  # a weight update from disk, which holds the engine like SGLang's does
-    response_tokens: LengthProfile
-
-    @model_validator(mode="after")
-    def _positive(self) -> "EngineProfile":
-        bad = {k: v for k, v in self.decode_tokens_per_s.items() if k < 1 or not v > 0}
-        if bad:
-            raise ValueError(f"decode_tokens_per_s needs running requests >= 1 and tokens/s > 0, got {bad}")
-        return self
-
-    def decode_rate(self, running: int) -> float:
-        """Tokens/s each of ``running`` requests gets."""
-        points = sorted(self.decode_tokens_per_s.items())
-        total = float(np.interp(running, [k for k, _ in points], [v for _, v in points]))
-        return total / running
-
-
-class Profile(_Strict):
-    name: str
-    model: str | None = None  # a Hub model directory (config.json at least), relative to the profile's file
-    dtype: str = "bfloat16"
-    sources: list[str] = Field(min_length=1)  # where each figure comes from
-    engine: EngineProfile
-
-    @model_validator(mode="after")
-    def _dtype(self) -> "Profile":
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(MODEL_DTYPES)}")
-        return self
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Profile":
-        path = Path(path)
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"simulation profile {path}: cannot be read ({e})") from None
-        try:
-            profile = cls.model_validate(raw)
-        except ValidationError as e:
-            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
-            raise ConfigError(f"simulation profile {path}: {problems}") from None
-        if profile.model is not None:
-            profile.model = str((path.parent / profile.model).resolve())
-        return profile
+from moerl.simulation import EngineProfile, Profile
 
 
 STREAM_INTERVAL_S = 0.05  # how often a streamed request sends what it decoded since (only these wake the loop)
@@ -353,7 +262,7 @@ class SimulatedEngine(EmbeddedEngine):
     def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A disk update holds the engine for its bytes at the profile's load rate; broadcast bytes already came."""
         from_disk = sum(src.numel() * src.element_size() for _, src in pairs if src.is_meta)
-        time.sleep(from_disk / (self.profile.engine.disk_load_gb_per_s * 1e9) / self.time_scale)
+        time.sleep(from_disk / (self.profile.engine.weight_update_gb_per_s * 1e9) / self.time_scale)
 
     def weight_values(self, name: str, truncate_size: int) -> list | None:
         if hub_tensor_view(self.family, dict(self.model.named_parameters()), name) is None:

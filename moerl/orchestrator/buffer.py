@@ -83,6 +83,7 @@ class RolloutBuffer:
         self.ready: deque[Group] = deque()
         self.acct = accounting or Accounting()
         self.waited_s = 0.0  # time spent blocked waiting for groups
+        self.cpu_s = 0.0  # CPU time spent taking in the manager's events (unpickling the samples, accounting)
         self.cursor = cursor  # the next new prompt index: where a resumed run's data continues
         self.engines: dict[str, str] = {}  # every replica's health state, as the manager last reported it
         self.engine_retries = 0  # re-issues after replica failures, of prompts finished since the last read
@@ -145,7 +146,9 @@ class RolloutBuffer:
         """Handle one event, waiting up to ``timeout_s`` (None: forever). False on timeout."""
         if not self.events.poll(None if timeout_s is None else int(timeout_s * 1000)):
             return False
+        start = time.thread_time()
         self._handle(checked(self.events.recv_pyobj(), EVENTS))
+        self.cpu_s += time.thread_time() - start
         return True
 
     def drain(self) -> None:

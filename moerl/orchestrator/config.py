@@ -124,6 +124,17 @@ class SyncSection:
 
 
 @dataclass
+class SimulationSection:
+    # A simulation profile (YAML, format in moerl/simulation.py; e.g. bench/profiles/): the job runs its own orchestrator
+    # (rollout manager, buffer, modes, syncs, checkpoints, metrics) against simulated engines and a simulated trainer that
+    # take their time from it, on one process for the trainer. null: a real run.
+    profile: str | None = None
+    time_scale: float = 1.0  # simulated seconds per real second (the orchestrator's own CPU time is real, never scaled)
+    trainer_gpus: int = 8  # GPUs the simulated trainer stands for: its rate is the profile's per-GPU rate times this
+    replicas_per_process: int = 8  # simulated engines one process serves (each process costs an interpreter, ~0.5 GB)
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -133,6 +144,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # per-expert adapters; enabled: base frozen, adapters synced alone
+    simulation: SimulationSection = field(default_factory=SimulationSection)
 
 
 class _Yaml12Loader(yaml.SafeLoader):
@@ -228,9 +240,12 @@ def resolve_defaults(cfg: RunConfig) -> None:
         loss.max_response_len = cfg.rollout.max_new_tokens
 
 
-def served_by(engines: EngineSection) -> str:
-    """The engine server the job starts: ``engines.server``, with auto meaning SGLang where CUDA is and a
-    usable SGLang is installed (:func:`~moerl.engines.sglang.sglang_problem`), else the embedded engine."""
+def served_by(engines: EngineSection, simulation: SimulationSection | None = None) -> str:
+    """The engine server the job starts: simulated engines in a simulation, else ``engines.server``, with auto meaning
+    SGLang where CUDA is and a usable SGLang is installed (:func:`~moerl.engines.sglang.sglang_problem`), else the
+    embedded engine."""
+    if simulation is not None and simulation.profile is not None:
+        return "simulated"
     if engines.server != "auto":
         return engines.server
     import torch
@@ -251,7 +266,7 @@ def check(cfg: RunConfig) -> None:
         problems.append(f"rollout.max_outstanding_groups={r.max_outstanding_groups} is below groups_per_step={r.groups_per_step}: a step could never fill")
     if cfg.trainer.replay.sampling_mask and not 1 < r.top_k:
         problems.append(f"trainer.replay.sampling_mask needs a finite rollout.top_k > 1 (got {r.top_k})")
-    server = served_by(cfg.engines)
+    server = served_by(cfg.engines, cfg.simulation)
     if cfg.lora.enabled and cfg.sync.method == "broadcast" and server == "sglang":
         problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
                         "processes on its own machine, so adapters reach it as adapter directories")
@@ -266,8 +281,26 @@ def check(cfg: RunConfig) -> None:
     if min(e.request_timeout_s, e.health_interval_s, e.down_timeout_s) <= 0 or e.health_failures < 1 or e.max_restarts < 0:
         problems.append("engines.request_timeout_s, health_interval_s and down_timeout_s must be > 0, health_failures >= 1 "
                         "and max_restarts >= 0")
+    problems += simulation_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def simulation_problems(cfg: RunConfig) -> list[str]:
+    """What a simulation cannot do: it has no weights to read back or adapters to train, and one trainer process."""
+    s = cfg.simulation
+    if s.profile is None:
+        return []
+    problems = []
+    if not s.time_scale > 0 or s.trainer_gpus < 1 or s.replicas_per_process < 1:
+        problems.append("simulation.time_scale must be > 0, simulation.trainer_gpus and replicas_per_process >= 1")
+    if cfg.sync.verify:
+        problems.append("sync.verify: simulated engines hold no weights to check; set sync.verify=false")
+    if cfg.lora.enabled:
+        problems.append("lora.enabled: the simulation moves full weights only; set lora.enabled=false")
+    if cfg.engines.server != "auto" and not cfg.engines.urls:
+        problems.append(f"engines.server={cfg.engines.server}: a simulation serves simulated engines; leave engines.server=auto")
+    return problems
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moerl.dtypes import resolve as resolve_dtype
+from moerl.dtypes import MODEL_DTYPES, resolve as resolve_dtype
 from moerl.engines.health import State
 from moerl.env import child_env, die_with_parent
 from moerl.files import staged_dir
@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None):
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
+    if cfg.simulation.profile is not None:
+        return 1  # one process stands for the simulated trainer
     t = cfg.trainer
     return cfg.run.trainer_ranks or t.tp * t.pp * t.ep
 
@@ -72,6 +74,10 @@ def trainer_world_size(cfg: RunConfig) -> int:
 def check_layout(cfg: RunConfig, world: int) -> None:
     from moerl.layout import Layout, LayoutError
 
+    if cfg.simulation.profile is not None:
+        if world != 1:
+            raise ConfigError(f"simulation.profile: a simulated trainer runs as one process, not {world} (launch the recipe, which starts one)")
+        return
     try:
         Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep).check_world(world)
     except LayoutError as e:
@@ -127,12 +133,32 @@ def preflight(cfg: RunConfig, world: int) -> None:
         if problem := sglang_problem():
             raise ConfigError(f"engines.server=sglang: {problem}; or set engines.server=embedded")
     check_task(cfg)
-    if cfg.model.path is not None:
-        hf = Path(cfg.model.path)
+    profile = simulation_profile(cfg)
+    if (model_path := model_dir(cfg, profile)) is not None:
+        hf = Path(model_path)
         if not (hf / "config.json").is_file():
             raise ConfigError(f"model.path={hf} is not a HF model directory (no config.json)")
-        check_model(cfg, hf, converting=not cfg.model.mcore)
-    print(memory_plan(cfg, world, checked=True).table(), file=sys.stderr)
+        check_model(cfg, hf, converting=profile is None and not cfg.model.mcore)
+    if profile is None:  # a simulation's trainer holds no memory to plan
+        print(memory_plan(cfg, world, checked=True).table(), file=sys.stderr)
+
+
+def simulation_profile(cfg: RunConfig):
+    """The :class:`~moerl.simulation.Profile` of a simulation (one that times a trainer too), None for a real run."""
+    from moerl.simulation import Profile
+
+    if cfg.simulation.profile is None:
+        return None
+    profile = Profile.load(cfg.simulation.profile)
+    if profile.trainer is None:
+        raise ConfigError(f"simulation.profile={cfg.simulation.profile} has no trainer section: the job's simulation needs its "
+                          "trainer's rate (tokens_per_s_per_gpu, optimizer_step_s)")
+    return profile
+
+
+def model_dir(cfg: RunConfig, profile) -> str | None:
+    """The HF directory given for the run (a simulation's profile may name one), None for the CPU demo's tiny model."""
+    return cfg.model.path or (profile.model if profile is not None else None)
 
 
 def memory_plan(cfg: RunConfig, world: int, checked: bool):
@@ -159,10 +185,11 @@ def check_task(cfg: RunConfig) -> None:
     Rewarder(cfg.task)
 
 
-def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
-    """(HF directory, Megatron checkpoint) of the model to train, made once and cached."""
+def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
+    """(HF directory, Megatron checkpoint) of the model to train, made once and cached; a simulation has no checkpoint."""
     cache = Path(cfg.run.cache_dir).expanduser()
-    if cfg.model.path is None:
+    profile = simulation_profile(cfg)
+    if model_dir(cfg, profile) is None:
         from moerl.tasks.tiny import save_warm_tiny_model
 
         def build(staging: Path) -> None:
@@ -171,7 +198,9 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path]:
 
         hf = _build_once(cache / TINY_MODEL / "hf", build) / "model"
     else:
-        hf = Path(cfg.model.path)
+        hf = Path(model_dir(cfg, profile))
+    if profile is not None:
+        return hf, None
     if cfg.model.mcore:
         mcore = Path(cfg.model.mcore)
         if not mcore.is_dir():
@@ -198,11 +227,12 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     if e.urls:  # health-checked by run() before the model was prepared
         return list(e.urls), None
     cuda = torch.cuda.is_available()
-    server = served_by(e)
+    server = served_by(e, cfg.simulation)
     pool = SGLangPool(SGLangConfig(
         model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=0,
         dtype=resolve_dtype(e.dtype), mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
         gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
+        simulate=cfg.simulation.profile, time_scale=cfg.simulation.time_scale, replicas_per_process=cfg.simulation.replicas_per_process,
     ))
     if e.server == "auto" and cuda and server == "embedded":
         from moerl.engines.sglang import sglang_problem
@@ -227,7 +257,7 @@ def check_engine_urls(urls: list[str]) -> None:
     if down:
         raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
     for url, info in zip(urls, infos):
-        problem = None if info.get("engine") == "moerl-embedded" else sglang_problem(str(info.get("version")))
+        problem = None if str(info.get("engine")).startswith("moerl-") else sglang_problem(str(info.get("version")))
         if problem:
             raise ConfigError(f"engines.urls: {url} runs {problem}")
 
@@ -262,7 +292,7 @@ class Job:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.run_dir = Path(cfg.run.dir)
         self.lead = self.rank == 0
-        self.pool = self.sync = self.manager = self.buffer = self.writer = self.bar = self.zmq = None
+        self.pool = self.sync = self.manager = self.buffer = self.writer = self.bar = self.zmq = self.cpu = None
         self.caught_up: set[str] = set()  # rank 0: replicas a catch-up sync already went to, at the current version
         self.back: list[str] = []  # rank 0: the replicas the next catch-up sync goes to
         self.catch_ups = 0  # rank 0: catch-up syncs in the current step
@@ -302,13 +332,13 @@ class Job:
         if self.lead:
             preflight(cfg, self.world)  # before minutes of model preparation (again: torchrun may have started this rank directly)
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            paths = [str(p) for p in prepare_model(cfg)]
+            paths = [str(p) if p is not None else None for p in prepare_model(cfg)]
         # Generation in sync mode can outlast any default collective timeout.
         init_process_group(timeout_s=6 * 3600)
         box = [paths if self.lead else None]
         dist.broadcast_object_list(box, src=0)
-        self.hf, mcore = (Path(p) for p in box[0])
-        self.trainer = Trainer(str(mcore), cfg.trainer, lora=cfg.lora)
+        self.hf, mcore = Path(box[0][0]), box[0][1]
+        self.trainer = make_trainer(cfg, self.hf, mcore)
         self.full_bytes = full_weight_bytes(self.trainer)  # what a full-weight sync moves, beside what each sync moved
         self.tolerance = verify_tolerance(cfg)
         resume_from = latest_checkpoint(self.run_dir) if cfg.run.resume != "false" else None
@@ -341,6 +371,7 @@ class Job:
         self.zmq = zmq.Context()
         self.buffer = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
         self.manager = start_manager(self.run_dir / "config.yaml", self.hf, urls, self.buffer, state["cursor"], state["pending"], self.run_dir)
+        self.cpu = CpuMeter(self.manager.pid, self.buffer)
         self.writer = MetricsWriter(self.run_dir, resume_after=self.trainer.version if cfg.run.resume != "false" else None)
         if cfg.run.progress:
             self.bar = tqdm(total=cfg.run.steps, initial=self.trainer.version, desc=f"GRPO {cfg.run.mode}", unit="step", dynamic_ncols=True)
@@ -350,6 +381,8 @@ class Job:
         cfg, trainer = self.cfg, self.trainer
         start = time.perf_counter()
         waited = self.buffer.waited_s if self.lead else 0.0
+        if self.lead:
+            self.cpu.start_step()
         taken = []
 
         # What the last update reached holds this version; the manager's view of it may lag by a probe.
@@ -462,6 +495,7 @@ class Job:
         states = list(buffer.engines.values())
         metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})
         metrics["engines/restarts"] = float(sum(self.pool.restarts.values())) if self.pool is not None else 0.0
+        metrics.update(self.cpu.step_metrics(end - start))
         self.writer.write(metrics)
         if self.bar is not None:
             self.bar.update(1)
@@ -492,6 +526,33 @@ class Job:
         return summary
 
 
+class CpuMeter:
+    """The orchestrator's own CPU cost per step, never scaled in a simulation: the rollout manager process's (the engine
+    client, decoding every response, rewards) and rank 0's rollout buffer's (taking in the finished groups)."""
+
+    def __init__(self, manager_pid: int, buffer: RolloutBuffer):
+        import psutil
+
+        self.manager, self.buffer = psutil.Process(manager_pid), buffer
+        self.manager_s = self.buffer_s = 0.0
+
+    def _manager_total(self) -> float:
+        import psutil
+
+        try:
+            t = self.manager.cpu_times()
+        except psutil.Error:  # it stopped: its time so far is all there is
+            return self.manager_s
+        return t.user + t.system + t.children_user + t.children_system
+
+    def start_step(self) -> None:
+        self.manager_s, self.buffer_s = self._manager_total(), self.buffer.cpu_s
+
+    def step_metrics(self, wall_s: float) -> dict[str, float]:
+        manager = self._manager_total() - self.manager_s
+        return {"cpu/manager_seconds": manager, "cpu/manager_fraction": manager / wall_s, "cpu/buffer_seconds": self.buffer.cpu_s - self.buffer_s}
+
+
 def verify_tolerance(cfg: RunConfig, engine_dtypes: list[str] | None = None) -> float:
     """sync.verify's bound on the mean |log-prob delta| of the probe: tight where engine and trainer both
     compute in fp32 (only summation order differs), loose where either rounds to bf16. ``engine_dtypes``: what the
@@ -503,11 +564,22 @@ def verify_tolerance(cfg: RunConfig, engine_dtypes: list[str] | None = None) -> 
     return 1e-4 if resolve_dtype(cfg.trainer.dtype) == "float32" and all(d == "float32" for d in engines) else 5e-2
 
 
+def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None):
+    """The trainer of the Megatron checkpoint ``mcore``, or in a simulation the simulated one of the model at ``hf``."""
+    profile = simulation_profile(cfg)
+    if profile is None:
+        return Trainer(mcore, cfg.trainer, lora=cfg.lora)
+    from moerl.trainer.simulated import SimulatedTrainer
+
+    s = cfg.simulation
+    return SimulatedTrainer(hf, cfg.trainer, profile.trainer, s.trainer_gpus, s.time_scale, MODEL_DTYPES[profile.dtype])
+
+
 def full_weight_bytes(trainer) -> int:
     from moerl.models import family_for
 
     family = family_for(trainer.hf_config)
-    return family.hub_numel(family.normalize(trainer.hf_config)) * next(trainer.model.module.parameters()).element_size()
+    return family.hub_numel(family.normalize(trainer.hf_config)) * trainer.dtype.itemsize
 
 
 def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
@@ -524,6 +596,10 @@ def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Pa
     # Updates that land while requests keep running (async, continued in place) cannot flush the engines'
     # cache: SGLang refuses. Everywhere else nothing runs during an update and the cache is flushed.
     flush = not (cfg.run.mode == "async" and cfg.rollout.partial == "in_place")
+    if cfg.simulation.profile is not None:
+        from moerl.weight_sync.simulated import SimulatedSync
+
+        return SimulatedSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
     if cfg.sync.method == "disk":
         return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
     # Each pipeline stage's first rank hosts its own weight group: the engines must reach this rank's node.

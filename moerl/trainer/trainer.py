@@ -92,6 +92,7 @@ class Trainer:
         if cfg.recompute:
             replay_through_recompute()
         self.version = 0  # policy version of the current weights
+        self.dtype = dtype  # of the weights, as a sync sends them
         # The reference policy of the KL term is the initial model: its trainable weights wait beside the
         # current ones, on their device, so the reference pass swaps them in place (the memory plan counts them).
         self.reference = [p.detach().clone() for p in _trainable(model)] if cfg.loss.kl_coef else None
@@ -287,12 +288,10 @@ class Trainer:
             "train/ratio_max": maxes[1].item(), "train/tokens": s["tokens"],
             "mismatch/abs_logprob_delta": s["abs_delta"] / tokens, "mismatch/k3_kl": s["k3"] / tokens,
             "is/weight_mean": s["is_weight"] / tokens, "is/weight_max": maxes[0].item(), "is/kept_fraction": s["is_kept"] / tokens,
-            "staleness/max": maxes[2].item(), "train/ref_kl": s["ref_kl"] / tokens,
+            "train/ref_kl": s["ref_kl"] / tokens, **staleness_metrics(packed[len(_SUMS) :].tolist(), maxes[2].item(), tokens),
         }
         if self.cfg.loss.entropy_coef:
             out["train/entropy"] = s["entropy"] / tokens
-        for lag, n in enumerate(packed[len(_SUMS) :].tolist()):
-            out[f"staleness/lag_{lag}{'+' if lag == LAG_BINS - 1 else ''}"] = n / tokens
         if agreement is not None:
             out["routing/agreement"] = float(np.average(agreement["native"], weights=agreement["tokens"]))
             out["routing/replayed"] = float(np.average(agreement["used"], weights=agreement["tokens"]))
@@ -386,6 +385,15 @@ def _own_adam_steps(optimizer) -> None:
         for state in inner.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+def staleness_metrics(lag_tokens: list[float], max_lag: float, tokens: float) -> dict[str, float]:
+    """The step's staleness: its largest version lag, and the fraction of its response tokens at each lag
+    (``lag_tokens``: token counts at lags 0 .. LAG_BINS - 2 and at LAG_BINS - 1 or more)."""
+    out = {"staleness/max": max_lag}
+    for lag, n in enumerate(lag_tokens):
+        out[f"staleness/lag_{lag}{'+' if lag == LAG_BINS - 1 else ''}"] = n / tokens
+    return out
 
 
 _SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")

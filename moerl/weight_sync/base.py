@@ -181,7 +181,7 @@ class FullWeightSync(WeightSync):
 
     def start(self, trainer, engines_hold_it: bool) -> None:
         if not engines_hold_it:
-            self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
+            self.push_policy(trainer)
         elif self.link is not None:
             self.link.run(self.link.client.set_weight_version(str(trainer.version)))
 
@@ -192,7 +192,7 @@ class FullWeightSync(WeightSync):
         self.agreed(lambda: self.on_engines(lambda client: client.pause(self.pause)))
         stats, gone = None, None
         try:
-            stats = self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
+            stats = self.push_policy(trainer)
         except EnginesDown as e:  # rank 0's own (a disk push's load call), or every rank's (a broadcast's, agreed)
             gone = e
         self.agreed(error=gone)
@@ -203,6 +203,10 @@ class FullWeightSync(WeightSync):
 
     def served(self, version: int) -> tuple[str | None, str | None]:
         return str(version), None
+
+    def push_policy(self, trainer) -> SyncStats | None:
+        """Collective: ``trainer``'s weights to the engines under its version; the stats on rank 0, None elsewhere."""
+        return self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
 
     def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
         """Collective: ``model``'s weights to the engines under ``version``; the stats on rank 0, None elsewhere."""

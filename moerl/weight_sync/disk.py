@@ -51,12 +51,17 @@ class DiskSync(FullWeightSync):
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(item, staging / item.name)
         index = {}
-        on_host = ((name, tensor.cpu()) for name, tensor in named)  # a shard is written from host memory, not held on the GPU
-        for n, shard in enumerate(buckets(on_host, self.shard_bytes)):
+        for n, shard in enumerate(buckets(self.on_host(named), self.shard_bytes)):
             name = f"model-{n:05d}.safetensors"
-            save_file({k: t.contiguous() for k, t in shard}, str(staging / name), metadata={"format": "pt"})
+            self.save_shard(shard, staging / name)
             index.update({k: name for k, _ in shard})
             stats.buckets += 1
             stats.tensors += len(shard)
             stats.bytes += sum(t.numel() * t.element_size() for _, t in shard)
         (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": index}))
+
+    def on_host(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        return ((name, tensor.cpu()) for name, tensor in named)  # a shard is written from host memory, not held on the GPU
+
+    def save_shard(self, shard: list[tuple[str, torch.Tensor]], path: Path) -> None:
+        save_file({k: t.contiguous() for k, t in shard}, str(path), metadata={"format": "pt"})

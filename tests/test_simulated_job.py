@@ -1,0 +1,109 @@
+"""The main job in a simulation (``simulation.profile``): its own orchestrator against simulated engines and a simulated
+trainer, in each mode, with every prompt accounted for and staleness within its bound."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moerl.env import child_env
+from moerl.orchestrator.metrics import read_metrics
+from moerl.simulation import Profile
+from moerl.weight_sync.simulated import write_hollow_safetensors
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
+PROFILE = REPO / "tests" / "data" / "simulation" / "tiny.yaml"
+GROUPS, N, TIME_SCALE = 4, 4, 4.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from moerl.models.tiny import save_tiny_hf
+
+    return save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("sim") / "model")
+
+
+def simulate(model: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    # Three replicas, two in one process: the pool's shared processes and a process of its own both serve.
+    args = ["bash", str(RECIPE), f"run.dir={run_dir}", "run.progress=false", f"model.path={model}", f"simulation.profile={PROFILE}",
+            f"simulation.time_scale={TIME_SCALE}", "simulation.trainer_gpus=1", "simulation.replicas_per_process=2", "engines.replicas=3",
+            f"rollout.groups_per_step={GROUPS}", f"rollout.samples_per_prompt={N}", "rollout.max_new_tokens=64", *overrides]
+    return subprocess.run(args, env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+@pytest.mark.parametrize("mode, staleness", [("sync", 0), ("periodic", 0), ("async", 1)])
+def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_path, mode, staleness):
+    steps = 3
+    out = simulate(model, tmp_path, f"run.mode={mode}", f"run.steps={steps}", "rollout.max_staleness=1", "run.save_every=2")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    trainer = Profile.load(PROFILE).trainer
+    for r in rows:
+        assert r["mode"] == mode and r["rollout/samples"] == GROUPS * N
+        assert r["staleness/max"] <= staleness
+        # The step held for the profile's time of at least its response tokens (the fed tokens count the prompts too).
+        assert r["time/train_seconds"] >= (trainer.seconds(r["train/tokens"], 1) + trainer.optimizer_step_s) / TIME_SCALE
+        # Every sync moved the model's whole size, of a checkpoint made of holes.
+        assert r["sync/bytes"] == r["sync/full_weight_bytes"] > 0
+        assert r["cpu/buffer_seconds"] > 0 and 0 <= r["cpu/manager_fraction"] < 1
+    assert sum(r["cpu/manager_seconds"] for r in rows) > 0  # counted in clock ticks (10 ms): a tiny step may show none
+    acct = json.loads((tmp_path / "accounting.json").read_text())
+    assert acct["balanced"] and acct["live"] == 0 and acct["trained"] == steps * GROUPS
+    if mode != "async":
+        assert acct["dropped"] == {}
+    else:
+        assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0  # updates met requests in flight, continued in place
+    engines = sorted(p.name for p in (tmp_path / "logs").glob("simulated-*.log"))
+    assert engines == ["simulated-0.log", "simulated-2.log"]  # replicas 0 and 1 in one process, 2 in another
+    if mode == "sync":  # the run state and the simulated trainer's checkpoint resume the run where it stopped
+        out = simulate(model, tmp_path, f"run.mode={mode}", f"run.steps={steps + 1}", "run.resume=true")
+        assert out.returncode == 0, out.stderr[-4000:]
+        assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, steps + 2))
+        acct = json.loads((tmp_path / "accounting.json").read_text())
+        assert acct["balanced"] and acct["trained"] == (steps + 1) * GROUPS
+
+
+def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):
+    from safetensors import safe_open
+
+    named = [("a.weight", torch.empty(4096, 65536, dtype=torch.bfloat16, device="meta")),
+             ("b.bias", torch.empty(3, dtype=torch.float32, device="meta"))]
+    path = tmp_path / "model-00000.safetensors"
+    write_hollow_safetensors(named, path)
+    stat = path.stat()
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+    assert stat.st_size == 8 + header_len + 4096 * 65536 * 2 + 12
+    assert stat.st_blocks * 512 < 1 << 20  # 512 MiB apparent, nothing allocated
+    with safe_open(str(path), "pt") as f:
+        assert sorted(f.keys()) == ["a.weight", "b.bias"]
+        assert f.get_slice("a.weight").get_shape() == [4096, 65536] and f.get_slice("b.bias").get_dtype() == "F32"
+        assert f.get_tensor("b.bias").tolist() == [0.0, 0.0, 0.0]  # a hole reads as zeros
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sync.verify=true", "simulated engines hold no weights"),
+    ("lora.enabled=true", "full weights only"),
+    ("engines.server=embedded", "leave engines.server=auto"),
+    ("simulation.time_scale=0", "simulation.time_scale must be > 0"),
+])
+def test_what_a_simulation_cannot_do_is_one_error(model, tmp_path, override, message):
+    out = simulate(model, tmp_path, override)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+
+
+def test_a_profile_without_a_trainer_is_refused_by_the_job(model, tmp_path):
+    engine_only = tmp_path / "engine.yaml"
+    engine_only.write_text("\n".join(line for line in PROFILE.read_text().split("trainer:")[0].splitlines()))
+    out = simulate(model, tmp_path / "run", f"simulation.profile={engine_only}")
+    assert out.returncode == 2 and "has no trainer section" in out.stderr, out.stderr[-2000:]
+    assert os.listdir(tmp_path) == ["engine.yaml"]  # refused before anything was made
