@@ -10,6 +10,7 @@ the job with ``simulation.profile=PROFILE`` runs its own orchestrator against th
     dtype: float32
     sources: ["where each figure comes from"]
     engine:
+      gpus: 1
       max_running_requests: 64
       prefill_tokens_per_s: 20000
       decode_tokens_per_s: {1: 100, 64: 1600}   # one engine, all its requests together
@@ -58,9 +59,11 @@ class LengthProfile(_Strict):
 class EngineProfile(_Strict):
     """One engine replica (all its GPUs) serving the profile's model."""
 
+    gpus: int = Field(default=1, gt=0)  # of one replica: a pool of N engine GPUs serves N // gpus replicas
     max_running_requests: int = Field(gt=0)
     prefill_tokens_per_s: float = Field(gt=0)  # while it prefills, the engine decodes nothing (SGLang without mixed chunks)
-    # Decode tokens/s of the whole engine by the number of requests running: linear between the points, flat beyond.
+    # Decode tokens/s of the whole engine by the number of requests running: linear between the points, flat above the
+    # last; below the first, each request decodes at the first point's rate per request.
     decode_tokens_per_s: dict[int, float] = Field(min_length=1)
     # A weight update's bytes per second into the engine (the broadcast's or the disk's): the update holds it this long.
     weight_update_gb_per_s: float = Field(gt=0)
@@ -76,8 +79,10 @@ class EngineProfile(_Strict):
     def decode_rate(self, running: int) -> float:
         """Tokens/s each of ``running`` requests gets."""
         points = sorted(self.decode_tokens_per_s.items())
-        total = float(np.interp(running, [k for k, _ in points], [v for _, v in points]))
-        return total / running
+        first, rate = points[0]
+        if running <= first:
+            return rate / first
+        return float(np.interp(running, [k for k, _ in points], [v for _, v in points])) / running
 
 
 class TrainerProfile(_Strict):

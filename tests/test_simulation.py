@@ -94,6 +94,19 @@ def test_lengths_and_payloads_follow_the_profile(server):
         assert all(max(k) < VOCAB for k in kept)
 
 
+def test_kept_sets_under_top_p_vary_in_size_and_their_log_probs_normalise(server):
+    body = {"input_ids": PROMPT, "sampling_params": {"n": 4, "max_new_tokens": 60, "top_k": 6, "top_p": 0.9, "sampling_seed": 3,
+                                                     "ignore_eos": True}, "return_sampling_mask": True, "sampling_logprobs_mode": "support"}
+    sizes = []
+    for c in generate(server, body):
+        meta = c["meta_info"]
+        for token, ids, logprobs in zip(c["output_ids"], meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]):
+            assert token in ids and ids == sorted(set(ids)) and len(logprobs) == len(ids)
+            assert abs(np.logaddexp.reduce(logprobs)) < 1e-9
+            sizes.append(len(ids))
+    assert min(sizes) >= 1 and max(sizes) <= 6 and len(set(sizes)) > 1
+
+
 def test_a_response_takes_its_tokens_at_the_profiles_decode_rate(server):
     profile = Profile.load(PROFILE).engine
     body = {"input_ids": PROMPT, "sampling_params": {"n": 2, "max_new_tokens": 100, "ignore_eos": True}}

@@ -178,6 +178,8 @@ class SimulatedEngine(EmbeddedEngine):
             model = AutoModelForCausalLM.from_config(config, dtype=MODEL_DTYPES[profile.dtype])
         self._moe_layers = list(moe_gates(model, model_dir))
         self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        self._routing_table = np.empty((0,), dtype=np.int32)
+        self._disk_update_began = 0.0  # monotonic seconds
         self._serve(model_dir, model, lambda adapters, eos_ids, max_length: SimulatedScheduler(
             profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length), sampling_mask_max_tokens)
 
@@ -225,44 +227,55 @@ class SimulatedEngine(EmbeddedEngine):
                 meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:])]
         if req.return_routed_experts:
             rows = max(len(request.input_ids) + n - 1 - req.routed_experts_start_len, 0)
-            meta["routed_experts"] = protocol.encode_routed_experts(self._routing(rng, rows))
+            meta["routed_experts"] = protocol.encode_routed_experts(self._routing(rows))
         return {"text": self.tokenizer.decode(request.output_ids) if self.tokenizer is not None else "",
                 "output_ids": list(request.output_ids), "meta_info": meta}
 
-    def _routing(self, rng: np.random.Generator, rows: int) -> np.ndarray:
-        """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1)."""
-        config = self.model.config
-        topk, experts = config.num_experts_per_tok, self.num_experts
-        routing = np.full((rows, config.num_hidden_layers, topk), DENSE_LAYER, dtype=np.int32)
-        stride = np.arange(topk, dtype=np.int32) * max(experts // topk, 1)  # distinct modulo the experts
-        start = rng.integers(0, experts, (rows, len(self._moe_layers), 1), dtype=np.int32)
-        routing[:, self._moe_layers] = (start + stride) % experts
-        return routing
+    def _routing(self, rows: int) -> np.ndarray:
+        """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1). Every response's are rows of
+        one random table, grown as needed: drawing tens of MB per response would cost the replica's thread more than
+        the response is meant to (a 32K-token response of Qwen3-30B-A3B carries 50 MB)."""
+        if rows > len(self._routing_table):
+            config = self.model.config
+            topk, experts = config.num_experts_per_tok, self.num_experts
+            size = max(rows, 2 * len(self._routing_table))
+            table = np.full((size, config.num_hidden_layers, topk), DENSE_LAYER, dtype=np.int32)
+            stride = np.arange(topk, dtype=np.int32) * max(experts // topk, 1)  # distinct modulo the experts
+            start = np.random.default_rng(0).integers(0, experts, (size, len(self._moe_layers), 1), dtype=np.int32)
+            table[:, self._moe_layers] = (start + stride) % experts
+            self._routing_table = table
+        return self._routing_table[:rows]
 
     def _kept_sets(self, rng: np.random.Generator, tokens: np.ndarray, sizes: np.ndarray) -> tuple[list, list, np.ndarray]:
-        """Each token's kept set (ascending ids that include it), its log-probs over the set, and the token's own."""
-        vocab = self.model.config.vocab_size
-        kept_ids, kept_logprobs, selected = [], [], np.empty(len(tokens))
-        for i, (token, size) in enumerate(zip(tokens.tolist(), sizes.tolist())):
-            ids = np.sort((token + np.arange(size) * max(vocab // size, 1)) % vocab)
-            logits = rng.standard_normal(size)
-            logprobs = logits - np.logaddexp.reduce(logits)
-            selected[i] = logprobs[np.searchsorted(ids, token)]
-            kept_ids.append(ids.tolist())
-            kept_logprobs.append(logprobs.tolist())
+        """Each token's kept set (ascending ids that include it), its log-probs over the set, and the token's own; drawn for
+        all tokens at once (a per-token loop costs a second per 32K-token response)."""
+        vocab, widest = self.model.config.vocab_size, int(sizes.max(initial=1))
+        column = np.arange(widest)
+        inside = column < sizes[:, None]
+        ids = np.where(inside, (tokens[:, None] + column * max(vocab // widest, 1)) % vocab, vocab)  # distinct; vocab pads
+        order = np.argsort(ids, axis=1, kind="stable")
+        ids = np.take_along_axis(ids, order, axis=1)
+        logits = np.where(inside, rng.standard_normal(ids.shape), -np.inf)
+        logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        selected = logprobs[np.arange(len(tokens)), np.argmax(order == 0, axis=1)]  # column 0 holds the token itself
+        kept_ids = [row[:size] for row, size in zip(ids.tolist(), sizes.tolist())]
+        kept_logprobs = [row[:size] for row, size in zip(logprobs.tolist(), sizes.tolist())]
         return kept_ids, kept_logprobs, selected
 
     # ---- weights -----------------------------------------------------------------------------
     def read_model_dir(self, path: str) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint's names and shapes, from its safetensors headers (no tensor is read)."""
+        self._disk_update_began = time.monotonic()
         _, dtype = self.model_dir_reader(path)
         return [(name, torch.empty(shape, dtype=dtype, device="meta"))
                 for rule in self.family.all_rules(self.hub_config) for name, shape in zip(rule.hf, rule.hf_shapes)]
 
     def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """A disk update holds the engine for its bytes at the profile's load rate; broadcast bytes already came."""
+        """A disk update takes its bytes' time at the profile's rate, counted from when it began, so the headers' checks
+        (real CPU here, for every replica of the process) do not add to it; a broadcast's bytes already came."""
         from_disk = sum(src.numel() * src.element_size() for _, src in pairs if src.is_meta)
-        time.sleep(from_disk / (self.profile.engine.weight_update_gb_per_s * 1e9) / self.time_scale)
+        due = from_disk / (self.profile.engine.weight_update_gb_per_s * 1e9) / self.time_scale
+        time.sleep(max(due - (time.monotonic() - self._disk_update_began), 0.0))
 
     def weight_values(self, name: str, truncate_size: int) -> list | None:
         if hub_tensor_view(self.family, dict(self.model.named_parameters()), name) is None:

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""The main job at production shape without GPUs: the real orchestrator against simulated engines and a simulated
+trainer (``simulation.profile``), in sync, periodic and async mode, at the pool sizes given.
+
+For each pool (trainer GPUs : engine GPUs) and mode: simulated samples/s over the steps after the first, the mode's
+ideal bound and the ratio to it, the trainer's idle fraction, the staleness histogram, prompts dropped, and the
+orchestrator's own CPU per step (the rollout manager's and rank 0's buffer's, real seconds, never scaled).
+
+The bounds, per step of B samples whose responses hold D tokens, on E replicas of the profile's engine:
+  T_gen   = D / (E * R(c)), R(c) the profile's decode tokens/s of one replica running c = min(max_running, B / E) requests:
+            generation with every replica full all the time (no replica idle behind the batch's slowest response)
+  T_train = D / (trainer.tokens_per_s_per_gpu * trainer GPUs) + optimizer_step_s   (prompt tokens left out of D and T_gen)
+  T_sync  = model bytes / weight_update_gb_per_s: every replica loads at once, the engines and the trainer both wait
+  sync      B / (T_gen + T_train + T_sync)                 nothing overlaps; the bound counts no tail
+  periodic  B / (T_sync + max(T_gen + T_train / G, T_train)) training overlaps generation, the last of G groups after it
+  async     B / (T_sync + max(T_gen, T_train))             generation and training overlap fully
+sync's measured rate against its bound is what the tail of the batch costs; async's against sync's measured rate is
+what the overlap and the full engines buy together.
+
+    python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] [--out docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+from report import publish  # noqa: E402
+
+from moerl.simulation import Profile  # noqa: E402
+
+RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
+MODES = ("sync", "periodic", "async")
+
+
+def model_dir(profile_path: Path, config: Path, root: Path) -> Path:
+    """The profile's model as a HF directory: its Hub config and the tiny tokenizer (ids past its vocabulary decode to
+    nothing, which is all the rewards need here)."""
+    from moerl.models.tiny import tiny_tokenizer
+
+    out = root / "model"
+    out.mkdir()
+    (out / "config.json").write_text(config.read_text())
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, root: Path) -> list[dict]:
+    trainer_gpus, engine_gpus = pool
+    replicas = engine_gpus // profile.engine.gpus
+    run_dir = root / f"{trainer_gpus}x{engine_gpus}-{mode}"
+    overrides = [f"run.dir={run_dir}", "run.progress=false", f"run.mode={mode}", f"run.steps={args.steps}", f"model.path={model}",
+                 f"simulation.profile={args.profile}", f"simulation.time_scale={args.time_scale}", f"simulation.trainer_gpus={trainer_gpus}",
+                 f"simulation.replicas_per_process={args.replicas_per_process}", f"engines.replicas={replicas}",
+                 f"rollout.groups_per_step={args.groups}", f"rollout.samples_per_prompt={args.samples}",
+                 f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_staleness={args.max_staleness}", "task.name=gsm8k", *args.extra]
+    log = run_dir.with_suffix(".log")
+    with open(log, "w") as f:
+        done = subprocess.run(["bash", str(RECIPE), *overrides], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"{mode} at {trainer_gpus}:{engine_gpus} failed; its log: {log}")
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def bounds(profile: Profile, pool: tuple[int, int], samples: int, groups: int, response_tokens: float, model_bytes: float) -> dict:
+    trainer_gpus, engine_gpus = pool
+    e, t = profile.engine, profile.trainer
+    replicas = engine_gpus // e.gpus
+    running = min(e.max_running_requests, samples / replicas)
+    generate = samples * response_tokens / (replicas * e.decode_rate(max(1, round(running))) * max(1, round(running)))
+    train = t.seconds(samples * response_tokens, trainer_gpus) + t.optimizer_step_s
+    sync = model_bytes / (e.weight_update_gb_per_s * 1e9)
+    return {"sync": samples / (generate + train + sync), "periodic": samples / (sync + max(generate + train / groups, train)),
+            "async": samples / (sync + max(generate, train)), "T_gen": generate, "T_train": train, "T_sync": sync}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"))
+    p.add_argument("--config", default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"), help="the model's Hub config.json")
+    p.add_argument("--pools", default="8:24", help="trainer GPUs:engine GPUs, comma-separated")
+    p.add_argument("--groups", type=int, default=48, help="prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32768)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--time-scale", type=float, default=4.0)
+    p.add_argument("--replicas-per-process", type=int, default=12)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--max-staleness", type=int, default=1, help="async: versions a group may lag (its in-flight depth: groups x this)")
+    p.add_argument("--extra", nargs="*", default=[], help="more overrides of the job's config (section.key=value)")
+    p.add_argument("--out")
+    args = p.parse_args()
+    profile = Profile.load(args.profile)
+    lines = [f"### Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
+             f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}", "",
+             "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound | ratio | x sync | trainer idle | staleness lag 0/1/2+ | "
+             "dropped | manager CPU s/step (fraction of wall) | buffer CPU s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="moerl-sim-") as tmp:
+        root = Path(tmp)
+        model = model_dir(Path(args.profile), Path(args.config), root)
+        for spec in args.pools.split(","):
+            pool = tuple(int(x) for x in spec.split(":"))
+            sync_rate = None
+            for mode in args.modes.split(","):
+                rows = run(mode, pool, args, model, profile, root)[1:]  # the first step fills the pipeline
+                wall = sum(r["time/step_seconds"] for r in rows)
+                rate = sum(r["rollout/samples"] for r in rows) / (wall * args.time_scale)
+                response = float(np.mean([r["rollout/response_len_mean"] for r in rows]))
+                bound = bounds(profile, pool, args.groups * args.samples, args.groups, response, rows[-1]["sync/full_weight_bytes"])
+                sync_rate = rate if mode == "sync" else sync_rate
+                lag = [np.mean([r[k] for r in rows]) for k in ("staleness/lag_0", "staleness/lag_1")]
+                manager = np.mean([r["cpu/manager_seconds"] for r in rows])
+                idle = np.mean([r["time/trainer_idle_fraction"] for r in rows])
+                fraction = manager / np.mean([r["time/step_seconds"] for r in rows])
+                buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
+                versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
+                lines.append(f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {versus_sync} | "
+                             f"{idle:.2f} | {lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | "
+                             f"{manager:.2f} ({fraction:.1%}) | {buffer:.2f} |")
+                print(lines[-1], f"T_gen {bound['T_gen']:.1f} s, T_train {bound['T_train']:.1f} s, T_sync {bound['T_sync']:.1f} s, "
+                      f"mean response {response:.0f} tokens", file=sys.stderr, flush=True)
+    publish(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
