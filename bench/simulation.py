@@ -7,7 +7,8 @@ ideal bound and the ratio to it, the trainer's idle fraction, the staleness hist
 orchestrator's own CPU per step (the rollout manager's and rank 0's buffer's, real seconds, never scaled).
 
 The bounds, per step of B samples whose responses hold D tokens, on E replicas of the profile's engine:
-  T_gen   = D / (E * R(c)), R(c) the profile's decode tokens/s of one replica running c = min(max_running, B / E) requests:
+  T_gen   = D / (E * R(c)), R(c) the profile's decode tokens/s of one replica running c = min(max_running, F / E) requests,
+            F the requests the mode lets be in flight (B; async: B * max(1, max_staleness), its default depth):
             generation with every replica full all the time (no replica idle behind the batch's slowest response)
   T_train = D / (trainer.tokens_per_s_per_gpu * trainer GPUs) + optimizer_step_s   (prompt tokens left out of D and T_gen)
   T_sync  = model bytes / weight_update_gb_per_s: every replica loads at once, the engines and the trainer both wait
@@ -72,11 +73,12 @@ def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, r
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def bounds(profile: Profile, pool: tuple[int, int], samples: int, groups: int, response_tokens: float, model_bytes: float) -> dict:
+def bounds(profile: Profile, pool: tuple[int, int], samples: int, groups: int, response_tokens: float, model_bytes: float,
+           in_flight: int) -> dict:
     trainer_gpus, engine_gpus = pool
     e, t = profile.engine, profile.trainer
     replicas = engine_gpus // e.gpus
-    running = min(e.max_running_requests, samples / replicas)
+    running = min(e.max_running_requests, in_flight / replicas)
     generate = samples * response_tokens / (replicas * e.decode_rate(max(1, round(running))) * max(1, round(running)))
     train = t.seconds(samples * response_tokens, trainer_gpus) + t.optimizer_step_s
     sync = model_bytes / (e.weight_update_gb_per_s * 1e9)
@@ -116,7 +118,9 @@ def main() -> int:
                 wall = sum(r["time/step_seconds"] for r in rows)
                 rate = sum(r["rollout/samples"] for r in rows) / (wall * args.time_scale)
                 response = float(np.mean([r["rollout/response_len_mean"] for r in rows]))
-                bound = bounds(profile, pool, args.groups * args.samples, args.groups, response, rows[-1]["sync/full_weight_bytes"])
+                samples = args.groups * args.samples
+                in_flight = samples * max(1, args.max_staleness) if mode == "async" else samples
+                bound = bounds(profile, pool, samples, args.groups, response, rows[-1]["sync/full_weight_bytes"], in_flight)
                 sync_rate = rate if mode == "sync" else sync_rate
                 lag = [np.mean([r[k] for r in rows]) for k in ("staleness/lag_0", "staleness/lag_1")]
                 manager = np.mean([r["cpu/manager_seconds"] for r in rows])

@@ -65,7 +65,8 @@ class EngineProfile(_Strict):
     # Decode tokens/s of the whole engine by the number of requests running: linear between the points, flat above the
     # last; below the first, each request decodes at the first point's rate per request.
     decode_tokens_per_s: dict[int, float] = Field(min_length=1)
-    # A weight update's bytes per second into the engine (the broadcast's or the disk's): the update holds it this long.
+    # A disk update's bytes per second into the engine: the update holds it this long. The job's simulation syncs by disk,
+    # so this stands for whatever transport the figure comes from; a broadcast's bytes take the real transport's time.
     weight_update_gb_per_s: float = Field(gt=0)
     response_tokens: LengthProfile
 

@@ -107,3 +107,12 @@ def test_a_profile_without_a_trainer_is_refused_by_the_job(model, tmp_path):
     out = simulate(model, tmp_path / "run", f"simulation.profile={engine_only}")
     assert out.returncode == 2 and "has no trainer section" in out.stderr, out.stderr[-2000:]
     assert os.listdir(tmp_path) == ["engine.yaml"]  # refused before anything was made
+
+
+def test_a_real_run_refuses_simulated_engines_given_by_url(model, tmp_path):
+    from tests.engine_server import running_server
+
+    with running_server(model, tmp_path / "logs", "--simulate", str(PROFILE)) as url:
+        out = subprocess.run(["bash", str(RECIPE), f"run.dir={tmp_path / 'run'}", f"model.path={model}", f"engines.urls=[{url}]"],
+                             env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2 and "is a simulated engine and this run is not a simulation" in out.stderr, out.stderr[-2000:]

@@ -101,6 +101,5 @@ async def _serve_all(engines: list[EmbeddedEngine], host: str, ports: list[int])
             await web.TCPSite(runner, host, port).start()
         log.info("serving %d simulated replicas of %s on http://%s:{%s}", len(engines), engines[0].model_dir, host, ",".join(map(str, ports)))
         await stop.wait()
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+    finally:  # all at once: each may wait its shutdown_timeout for open requests, within the pool's grace for the process
+        await asyncio.gather(*(runner.cleanup() for runner in runners), return_exceptions=True)

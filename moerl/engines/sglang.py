@@ -208,14 +208,18 @@ class SGLangPool:
         restarts = 0
         while pending := [url for url in urls() if url not in healthy]:
             for i, proc in enumerate(self.procs):
-                if proc.poll() is None:
+                if proc.poll() is None or (i and proc is self.procs[i - 1]):  # a process serving several replicas: once
                     continue
                 log = self.logs.get(proc.pid)
                 text = log.read_text() if log else ""
                 if i < len(self.ports) and not self.cfg.base_port and "address already in use" in text.lower() and restarts < 3:
                     restarts += 1
-                    self.ports[i] = free_port()
-                    self.procs[i] = self._spawn_replica(i, self.ports[i], restart=True)
+                    served = [j for j in range(i, len(self.ports)) if self.procs[j] is proc]
+                    for j in served:
+                        self.ports[j] = free_port()
+                    restarted = self._spawn_replicas(i, [self.ports[j] for j in served], restart=True)
+                    for j in served:
+                        self.procs[j] = restarted
                     continue
                 tail = f"; the end of {log}:\n{text[-3000:]}" if log else " (set log_dir to keep its log)"
                 raise RuntimeError(f"an engine process exited during start-up: {proc.args}{tail}")

@@ -40,6 +40,7 @@ from moerl.engines.protocol import ProtocolError
 from moerl.simulation import EngineProfile, Profile
 
 
+_ROUTING_TABLES: dict[tuple, np.ndarray] = {}  # (layers, top-k, experts, MoE layers) -> the routing rows responses take
 STREAM_INTERVAL_S = 0.05  # how often a streamed request sends what it decoded since (only these wake the loop)
 
 
@@ -178,7 +179,6 @@ class SimulatedEngine(EmbeddedEngine):
             model = AutoModelForCausalLM.from_config(config, dtype=MODEL_DTYPES[profile.dtype])
         self._moe_layers = list(moe_gates(model, model_dir))
         self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
-        self._routing_table = np.empty((0,), dtype=np.int32)
         self._disk_update_began = 0.0  # monotonic seconds
         self._serve(model_dir, model, lambda adapters, eos_ids, max_length: SimulatedScheduler(
             profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length), sampling_mask_max_tokens)
@@ -232,19 +232,22 @@ class SimulatedEngine(EmbeddedEngine):
                 "output_ids": list(request.output_ids), "meta_info": meta}
 
     def _routing(self, rows: int) -> np.ndarray:
-        """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1). Every response's are rows of
-        one random table, grown as needed: drawing tens of MB per response would cost the replica's thread more than
-        the response is meant to (a 32K-token response of Qwen3-30B-A3B carries 50 MB)."""
-        if rows > len(self._routing_table):
-            config = self.model.config
-            topk, experts = config.num_experts_per_tok, self.num_experts
-            size = max(rows, 2 * len(self._routing_table))
-            table = np.full((size, config.num_hidden_layers, topk), DENSE_LAYER, dtype=np.int32)
+        """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1): rows of one random table
+        that every replica of this process shares, grown as needed. Drawing tens of MB per response would cost the
+        replica's thread more than the response is meant to (a 32K-token response of Qwen3-30B-A3B carries 50 MB), and a
+        table per replica would cost each replica as much memory."""
+        config = self.model.config
+        shape = (config.num_hidden_layers, config.num_experts_per_tok, self.num_experts, tuple(self._moe_layers))
+        table = _ROUTING_TABLES.get(shape)
+        if table is None or rows > len(table):
+            layers, topk, experts, moe = shape
+            size = max(rows, 2 * (len(table) if table is not None else 0))
+            table = np.full((size, layers, topk), DENSE_LAYER, dtype=np.int32)
             stride = np.arange(topk, dtype=np.int32) * max(experts // topk, 1)  # distinct modulo the experts
-            start = np.random.default_rng(0).integers(0, experts, (size, len(self._moe_layers), 1), dtype=np.int32)
-            table[:, self._moe_layers] = (start + stride) % experts
-            self._routing_table = table
-        return self._routing_table[:rows]
+            start = np.random.default_rng(0).integers(0, experts, (size, len(moe), 1), dtype=np.int32)
+            table[:, list(moe)] = (start + stride) % experts
+            _ROUTING_TABLES[shape] = table  # two replicas growing it at once both make one: either is kept
+        return table[:rows]
 
     def _kept_sets(self, rng: np.random.Generator, tokens: np.ndarray, sizes: np.ndarray) -> tuple[list, list, np.ndarray]:
         """Each token's kept set (ascending ids that include it), its log-probs over the set, and the token's own; drawn for

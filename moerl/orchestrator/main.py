@@ -126,7 +126,7 @@ def preflight(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"run.resume=true: {run_dir / 'checkpoints'} holds no checkpoint to continue from "
                           "(run.resume=auto starts the run where there is none)")
     if cfg.engines.urls:
-        check_engine_urls(cfg.engines.urls)
+        check_engine_urls(cfg.engines.urls, simulated=cfg.simulation.profile is not None)
     elif cfg.engines.server == "sglang":
         from moerl.engines.sglang import sglang_problem
 
@@ -232,7 +232,8 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
         model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=0,
         dtype=resolve_dtype(e.dtype), mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
         gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
-        simulate=cfg.simulation.profile, time_scale=cfg.simulation.time_scale, replicas_per_process=cfg.simulation.replicas_per_process,
+        simulate=cfg.simulation.profile, time_scale=cfg.simulation.time_scale,
+        replicas_per_process=cfg.simulation.replicas_per_process if server == "simulated" else 1,
     ))
     if e.server == "auto" and cuda and server == "embedded":
         from moerl.engines.sglang import sglang_problem
@@ -242,8 +243,10 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     return pool.start(e.start_timeout_s), pool
 
 
-def check_engine_urls(urls: list[str]) -> None:
-    """Every engine answers, and those that are SGLang servers run a release whose API moerl speaks."""
+def check_engine_urls(urls: list[str], simulated: bool = False) -> None:
+    """Every engine answers, those that are SGLang servers run a release whose API moerl speaks, and they are simulated
+    engines exactly when the run is a simulation (a simulation's hollow checkpoints would load as zeros into a real
+    engine; a simulated one answers a real run with random tokens)."""
     from moerl.engines.client import EngineClient
     from moerl.engines.sglang import sglang_problem
 
@@ -257,7 +260,11 @@ def check_engine_urls(urls: list[str]) -> None:
     if down:
         raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
     for url, info in zip(urls, infos):
-        problem = None if str(info.get("engine")).startswith("moerl-") else sglang_problem(str(info.get("version")))
+        engine = str(info.get("engine"))
+        if (engine == "moerl-simulated") != simulated:
+            raise ConfigError(f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this run "
+                              f"{'is' if simulated else 'is not'} a simulation (simulation.profile)")
+        problem = None if engine.startswith("moerl-") else sglang_problem(str(info.get("version")))
         if problem:
             raise ConfigError(f"engines.urls: {url} runs {problem}")
 
