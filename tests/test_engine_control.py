@@ -4,6 +4,7 @@ these tests change its weights)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 
 import aiohttp
@@ -146,6 +147,45 @@ def test_retract_then_continue_gives_the_uninterrupted_output(server, models):
     assert final["meta_info"]["finish_reason"]["type"] == "length"
     # The retracted request is re-prefilled from its prompt and output so far, then decodes on.
     assert final["output_ids"] == uninterrupted.output_ids.tolist()
+
+
+def test_routing_sampled_before_a_retract_is_kept_when_new_weights_prefill_it_again(server, models):
+    """A retract pause, an update, then the request prefilled again under the new weights: the routing returned for the
+    positions fed before the retract is what produced those tokens (the old weights'), not the re-prefill's (miles #3277
+    pairs old log-probs with re-prefilled routes); positions fed after it carry the new weights' routing."""
+    params = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0.0}
+    body = {"input_ids": PROMPT, "sampling_params": params, "return_routed_experts": True}
+
+    async def routing_of(session):
+        async with session.post(server + "/generate", json=body) as resp:
+            return _raw_routing(await resp.json())
+
+    async def go():
+        async with aiohttp.ClientSession() as session, EngineClient([server]) as client:
+            old = await routing_of(session)
+            finish = await _stream_until_tokens(session, server, body, 3)
+            await client.pause("retract")
+            await client.update_weights_from_disk(str(models[1]), weight_version="v2", flush_cache=False)
+            await client.resume()
+            final = await finish
+            new = await routing_of(session)
+            await client.update_weights_from_disk(str(models[0]), weight_version="v3")  # the module's server, as it was
+            return old, final, new
+
+    old, final, new = asyncio.run(go())
+    spans = final["meta_info"]["weight_versions"]
+    before = spans[0]["end"]  # tokens sampled under the old weights
+    assert spans[0]["version"] != "v2" and spans[-1]["version"] == "v2" and 0 < before < 40
+    fed_before = len(PROMPT) + before - 1
+    assert not np.array_equal(old[:fed_before], new[:fed_before])  # the two models route differently: the test can tell
+    routing = _raw_routing(final)
+    assert np.array_equal(routing[:fed_before], old[:fed_before])
+
+
+def _raw_routing(response: dict) -> np.ndarray:
+    """A /generate response's routed experts as SGLang sends them: int32 rows, one per fed position."""
+    flat = np.frombuffer(base64.b64decode(response["meta_info"]["routed_experts"]), dtype=np.int32)
+    return flat.reshape(len(PROMPT) + len(response["output_ids"]) - 1, -1)
 
 
 @pytest.mark.parametrize("load_format", [None, "flattened_bucket"])

@@ -160,10 +160,12 @@ class Scheduler:
         self.adapters.activate(request.lora)
         resumed = bool(request.output_ids)  # retracted earlier: its next token is already sampled
         prefill = self.runner.prefill(request.fed_tokens if resumed else request.input_ids, None if resumed else request.logprob_start_len)
+        if resumed:
+            # The routing of the positions fed before the retract stays what produced their tokens: a re-prefill under
+            # weights updated meanwhile routes them otherwise, and the trainer replays what sampled (miles #3277).
+            return prefill.kv
         if request.return_routed_experts:
             request.routing = [prefill.routing]
-        if resumed:
-            return prefill.kv
         request.prompt_logprobs = prefill.prompt_logprobs
         if request.params.max_new_tokens == 0:
             self._finish(request, {"type": "length", "length": 0})
