@@ -135,8 +135,7 @@ def check_hf_tensors(reader: HFReader, family: ModelFamily, cfg: dict) -> torch.
     present with the right shape, and none would be dropped.
 
     Reads only safetensors headers. Returns the checkpoint dtype (one for all tensors)."""
-    rules = family.all_rules(cfg)
-    expected = {name: shape for r in rules for name, shape in zip(r.hf, r.hf_shapes)}
+    expected = family.hub_shapes(cfg)
     present = reader.names()
     problems = []
     missing = sorted(set(expected) - present)

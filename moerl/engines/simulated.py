@@ -270,8 +270,7 @@ class SimulatedEngine(EmbeddedEngine):
         """The checkpoint's names and shapes, from its safetensors headers (no tensor is read)."""
         self._disk_update_began = time.monotonic()
         _, dtype = self.model_dir_reader(path)
-        return [(name, torch.empty(shape, dtype=dtype, device="meta"))
-                for rule in self.family.all_rules(self.hub_config) for name, shape in zip(rule.hf, rule.hf_shapes)]
+        return [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape in self.family.hub_shapes(self.hub_config).items()]
 
     def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A disk update takes its bytes' time at the profile's rate, counted from when it began, so the headers' checks

@@ -80,6 +80,9 @@ class ModelFamily(Protocol):
 
     def all_rules(self, cfg: dict) -> list[TensorRule]: ...
 
+    def hub_shapes(self, cfg: dict) -> dict[str, tuple[int, ...]]:
+        """Every Hub tensor's name and shape."""
+
     def hub_numel(self, cfg: dict) -> int:
         """Elements of the whole HF checkpoint, from the shapes alone."""
 

@@ -353,7 +353,10 @@ class QwenMoeFamily:
 
     def hub_numel(self, cfg: dict) -> int:
         """Elements of the whole HF checkpoint (what a full-weight sync moves), from the shapes alone."""
-        return sum(math.prod(shape) for rule in self.all_rules(cfg) for shape in rule.hf_shapes)
+        return sum(math.prod(shape) for shape in self.hub_shapes(cfg).values())
+
+    def hub_shapes(self, cfg: dict) -> dict[str, tuple[int, ...]]:
+        return {name: shape for rule in self.all_rules(cfg) for name, shape in zip(rule.hf, rule.hf_shapes)}
 
     def all_rules(self, cfg: dict) -> list[TensorRule]:
         return [rule for _, rules in self.layer_pieces(cfg) for rule in rules]

@@ -40,8 +40,9 @@ class SimulatedTrainer:
         if dist.get_world_size() != 1:
             raise ValueError(f"a simulated trainer runs as one process, not {dist.get_world_size()}")
         self.cfg, self.profile, self.gpus, self.time_scale, self.dtype = cfg, profile, gpus, time_scale, dtype
-        family = family_for(read_config(hf_dir))
-        self.hf_config = family.normalize(read_config(hf_dir))
+        raw = read_config(hf_dir)
+        family = family_for(raw)
+        self.hf_config = family.normalize(raw)
         moe = family.moe_layer_pattern(self.hf_config)
         self.batches = BatchDistributor(cfg, list(range(sum(moe))))  # one stage: every MoE layer's routing
         self.version = 0
@@ -68,10 +69,8 @@ class SimulatedTrainer:
 
     def hub_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight of the model under its Hub name: its shape and dtype on the ``meta`` device, no bytes."""
-        family = family_for(self.hf_config)
-        for rule in family.all_rules(self.hf_config):
-            for name, shape in zip(rule.hf, rule.hf_shapes):
-                yield name, torch.empty(shape, dtype=self.dtype, device="meta")
+        for name, shape in family_for(self.hf_config).hub_shapes(self.hf_config).items():
+            yield name, torch.empty(shape, dtype=self.dtype, device="meta")
 
     def save(self, ckpt_dir: str | Path) -> None:
         ckpt_dir = Path(ckpt_dir)
