@@ -106,7 +106,8 @@ def main() -> int:
     lines = [f"### Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
              f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}", "",
              "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound | ratio | x sync | trainer idle | staleness lag 0/1/2+ | "
-             "dropped | manager CPU s/step (fraction of wall) | buffer CPU s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "dropped | manager CPU s/step (fraction of wall) | its decode workers' CPU s/step | buffer CPU s/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="moerl-sim-") as tmp:
         root = Path(tmp)
         model = model_dir(Path(args.profile), Path(args.config), root)
@@ -126,11 +127,12 @@ def main() -> int:
                 manager = np.mean([r["cpu/manager_seconds"] for r in rows])
                 idle = np.mean([r["time/trainer_idle_fraction"] for r in rows])
                 fraction = manager / np.mean([r["time/step_seconds"] for r in rows])
+                helpers = np.mean([r["cpu/manager_helpers_seconds"] for r in rows])
                 buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
                 versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
                 lines.append(f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {versus_sync} | "
                              f"{idle:.2f} | {lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | "
-                             f"{manager:.2f} ({fraction:.1%}) | {buffer:.2f} |")
+                             f"{manager:.2f} ({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |")
                 print(lines[-1], f"T_gen {bound['T_gen']:.1f} s, T_train {bound['T_train']:.1f} s, T_sync {bound['T_sync']:.1f} s, "
                       f"mean response {response:.0f} tokens", file=sys.stderr, flush=True)
     publish(lines, args.out)

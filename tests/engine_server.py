@@ -1,8 +1,9 @@
-"""Start a real ``moerl serve`` process on loopback for the engine tests (the job's own engine pool)."""
+"""Start a real ``moerl serve`` process on loopback for the engine tests (the job's own engine pool), or, in the
+test's own event loop, an aiohttp app standing for a server that misbehaves."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from moerl.engines.sglang import SGLangConfig, SGLangPool
@@ -15,3 +16,21 @@ def running_server(model_dir: Path, log_dir: Path, *extra: str):
                                    log_dir=str(log_dir), extra_args=list(extra)))
     with pool:
         yield pool.urls[0]
+
+
+@asynccontextmanager
+async def serving(routes: dict[tuple[str, str], object]):
+    """An aiohttp app on a free loopback port, in this event loop: ``{(method, path): handler}``; yields its base URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    for (method, path), handler in routes.items():
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()

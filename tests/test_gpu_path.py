@@ -180,6 +180,7 @@ def test_joins_and_broadcasts_are_never_retried():
     from aiohttp import web
 
     from moerl.engines.client import EngineClient, EngineError
+    from tests.engine_server import serving
 
     hits = {}
 
@@ -188,21 +189,11 @@ def test_joins_and_broadcasts_are_never_retried():
         return web.json_response({"error": {"message": "busy"}}, status=503)
 
     async def go():
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", failing)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        try:
-            async with EngineClient([url], retries=2, backoff_s=0.01) as client:
-                for call in (client.weight_versions(), client.init_weights_update_group("127.0.0.1", 1, 2, "g", "gloo"),
-                             client.update_weights_from_distributed(["w"], ["float32"], [[1]], "g"), client.load_lora("a", "/x")):
-                    with pytest.raises(EngineError, match="503"):
-                        await call
-        finally:
-            await runner.cleanup()
+        async with serving({("*", "/{tail:.*}"): failing}) as url, EngineClient([url], retries=2, backoff_s=0.01) as client:
+            for call in (client.weight_versions(), client.init_weights_update_group("127.0.0.1", 1, 2, "g", "gloo"),
+                         client.update_weights_from_distributed(["w"], ["float32"], [[1]], "g"), client.load_lora("a", "/x")):
+                with pytest.raises(EngineError, match="503"):
+                    await call
 
     asyncio.run(go())
     assert hits == {"/model_info": 3, "/init_weights_update_group": 1, "/update_weights_from_distributed": 1, "/load_lora_adapter": 1}

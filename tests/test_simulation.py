@@ -13,7 +13,7 @@ import pytest
 
 from moerl.errors import ConfigError
 from moerl.simulation import Profile
-from tests.engine_server import running_server
+from tests.engine_server import running_server, serving
 from tests.test_engine_control import (  # noqa: F401  the control tests, with this module's server
     test_abort_returns_the_partial_output,
     test_pause_holds_requests_until_continue,
@@ -138,6 +138,47 @@ def test_an_in_place_update_splits_the_version_spans_where_it_happened(server, m
     assert [s["version"] for s in spans] == ["default", "v2"], spans
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 150
     assert 20 <= spans[0]["end"] <= 100
+
+
+def test_the_clients_decode_workers_decode_answers_as_it_does_and_a_broken_answer_is_a_transport_failure(server, models, monkeypatch):
+    import json
+
+    from aiohttp import web
+
+    from moerl.engines import client as client_module
+    from moerl.engines import protocol as P
+    from moerl.engines.client import EngineClient, ReplicaDown
+    from moerl.engines.health import State
+    from moerl.models import model_shape
+
+    shape = model_shape(json.loads((models["base"] / "config.json").read_text()))
+    monkeypatch.setattr(client_module, "DECODE_ELSEWHERE_BYTES", 1000)  # the tiny model's answers are far below 1 MB
+    request = P.GenerateReqInput(input_ids=PROMPT, sampling_params=P.SamplingParams(n=3, max_new_tokens=40, top_k=5, sampling_seed=1),
+                                 return_logprob=True, return_routed_experts=True, return_sampling_mask=True)
+
+    async def broken(_):
+        return web.Response(text='{"output_ids": [1, 2', content_type="application/json")  # cut off mid-answer
+
+    async def go():
+        async with serving({("POST", "/generate"): broken}) as bad, EngineClient([server, bad], shape=shape, decode_workers=1) as client:
+            body = await client._call(server, P.GENERATE, request, raw=True)
+            assert len(body) > 1000
+            here, there = P.decode_generate_body(body, shape), await client._decode(body, 0)
+            assert client.decoder_pids(), "the answer was decoded in this process"
+            client.in_flight[server] = 1_000  # the next generation goes to the broken replica
+            with pytest.raises(ReplicaDown, match="not JSON"):
+                await client.generate(PROMPT, {"max_new_tokens": 4}, return_routed_experts=True)
+            return here, there, client.health.state(bad)
+
+    here, there, state = asyncio.run(go())
+    assert len(here) == len(there) == 3
+    for a, b in zip(here, there):
+        assert a.routing is not None and a.mask_ids is not None
+        for name in ("rid", "prompt_len", "finish_reason", "weight_versions", "routing_start"):
+            assert getattr(a, name) == getattr(b, name)
+        for name in ("output_ids", "logprobs", "routing", "mask_offsets", "mask_ids"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert state is not State.HEALTHY
 
 
 def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):

@@ -93,6 +93,8 @@ def test_named_sync_async_and_group_rewards():
 def test_remote_verifier_is_called_per_response():
     from aiohttp import web
 
+    from tests.engine_server import serving
+
     async def main():
         seen = []
 
@@ -101,19 +103,12 @@ def test_remote_verifier_is_called_per_response():
             seen.append(body)
             return web.json_response({"reward": float(body["response"] == body["answer"])})
 
-        app = web.Application()
-        app.router.add_post("/verify", verify)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        rewarder = Rewarder(TaskConfig(name="tiny", reward_url=f"http://127.0.0.1:{port}/verify"))
-        try:
-            return await rewarder.score(["7", "8"], "7", "3+4="), seen
-        finally:
-            await rewarder.close()
-            await runner.cleanup()
+        async with serving({("POST", "/verify"): verify}) as url:
+            rewarder = Rewarder(TaskConfig(name="tiny", reward_url=f"{url}/verify"))
+            try:
+                return await rewarder.score(["7", "8"], "7", "3+4="), seen
+            finally:
+                await rewarder.close()
 
     rewards, seen = asyncio.run(main())
     assert rewards == [1.0, 0.0]

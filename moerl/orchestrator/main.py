@@ -535,13 +535,16 @@ class Job:
 
 class CpuMeter:
     """The orchestrator's own CPU cost per step, never scaled in a simulation: the rollout manager process's (the engine
-    client, decoding every response, rewards) and rank 0's rollout buffer's (taking in the finished groups)."""
+    client, rewards, and decoding the answers its decode workers do not take), its helper processes' (the decode
+    workers), and rank 0's rollout buffer's (taking in the finished groups). The manager's own is the figure that must
+    stay well below the step: it is one process."""
 
     def __init__(self, manager_pid: int, buffer: RolloutBuffer):
         import psutil
 
         self.manager, self.buffer = psutil.Process(manager_pid), buffer
-        self.manager_s = self.buffer_s = 0.0
+        self.helpers: dict[int, float] = {}  # each helper's CPU when last seen: one that ended keeps its last reading
+        self.manager_s = self.helpers_s = self.buffer_s = 0.0
 
     def _manager_total(self) -> float:
         import psutil
@@ -550,14 +553,30 @@ class CpuMeter:
             t = self.manager.cpu_times()
         except psutil.Error:  # it stopped: its time so far is all there is
             return self.manager_s
-        return t.user + t.system + t.children_user + t.children_system
+        return t.user + t.system
+
+    def _helpers_total(self) -> float:
+        import psutil
+
+        try:
+            helpers = self.manager.children(recursive=True)
+        except psutil.Error:
+            helpers = []
+        for p in helpers:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            self.helpers[p.pid] = t.user + t.system
+        return sum(self.helpers.values())
 
     def start_step(self) -> None:
-        self.manager_s, self.buffer_s = self._manager_total(), self.buffer.cpu_s
+        self.manager_s, self.helpers_s, self.buffer_s = self._manager_total(), self._helpers_total(), self.buffer.cpu_s
 
     def step_metrics(self, wall_s: float) -> dict[str, float]:
         manager = self._manager_total() - self.manager_s
-        return {"cpu/manager_seconds": manager, "cpu/manager_fraction": manager / wall_s, "cpu/buffer_seconds": self.buffer.cpu_s - self.buffer_s}
+        return {"cpu/manager_seconds": manager, "cpu/manager_fraction": manager / wall_s,
+                "cpu/manager_helpers_seconds": self._helpers_total() - self.helpers_s, "cpu/buffer_seconds": self.buffer.cpu_s - self.buffer_s}
 
 
 def verify_tolerance(cfg: RunConfig, engine_dtypes: list[str] | None = None) -> float:

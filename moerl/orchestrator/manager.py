@@ -58,7 +58,8 @@ class RolloutManager:
         self.rewarder = Rewarder(cfg.task)
         config = json.loads(open(f"{hf_dir}/config.json").read())
         e = cfg.engines
-        self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=e.request_timeout_s, failures_to_dead=e.health_failures)
+        self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=e.request_timeout_s, failures_to_dead=e.health_failures,
+                                   decode_workers=cfg.rollout.decode_workers)
         self.reported: dict[str, str] = {}  # the replicas' states as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
