@@ -11,6 +11,8 @@ COMMANDS = {
     "convert-ckpt": ("moerl.checkpoint.cli", "convert checkpoints between HF and Megatron layouts"),
     "train": ("moerl.orchestrator.main", "the GRPO job on one rank (launched by recipes/qwen_moe_grpo.sh via torchrun)"),
     "plot": ("moerl.orchestrator.metrics", "plot a run's metrics.jsonl as PNG curves"),
+    "ablate": ("moerl.orchestrator.ablate", "run the main job under a grid of overrides; a comparison table and overlaid curves"),
+    "check-replay": ("moerl.trainer.replay_trace", "verify a run's replay trace: every router used the rollout's experts"),
 }
 
 

@@ -85,6 +85,8 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
     staleness = 1
     # async runs the long-tailed random model so that updates meet rollouts in flight (continued in place).
     extra = long_tailed if mode == "async" else []
+    if mode == "periodic":
+        extra = ["trainer.replay.trace_samples=2"]
     out = job(cache, tmp_path, f"run.mode={mode}", f"run.steps={steps}", f"rollout.max_staleness={staleness}",
               f"rollout.groups_per_step={groups}", *extra)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -99,6 +101,8 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
         assert r["rollout/retries"] == 0
     if mode == "async":
         assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0  # continued in place: tokens keep their versions
+        # so the mismatch splits into tokens of the current policy and older ones
+        assert any(r["mismatch/k3_kl_lagged"] == r["mismatch/k3_kl_lagged"] for r in rows)
     else:
         # On-policy with an fp32 engine: the trainer reproduces the engine's routing and log-probs.
         assert all(r["routing/agreement"] == 1.0 and r["mismatch/k3_kl"] < 1e-6 for r in rows)
@@ -115,6 +119,12 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
     png = plot(tmp_path)
     assert png.stat().st_size > 10_000
     assert any((tmp_path / "tensorboard").iterdir())
+    if mode == "periodic":  # the job's replay trace, checked as a user would
+        from moerl.trainer.replay_trace import check_replay
+
+        report = check_replay(tmp_path)
+        replicas = 2  # the demo's EP2 ranks are two data-parallel replicas
+        assert report.ok and report.steps == steps and report.samples == 2 * replicas * steps, report.summary()
 
 
 
@@ -438,3 +448,49 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
     job.run()
     # What the sync reached first (a replica it missed leaves rotation), then the adapter new requests name.
     assert ordered[:3] == [("served", None, ["http://a"]), ("adapter", "moerl-lora-v3", 3), ("generate", job.cfg.rollout.outstanding)]
+
+
+def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
+    from moerl.orchestrator.metrics import main as plot_main
+
+    for name, slope in (("R3", 0.1), ("off", 0.05)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, "mode": "sync", "rollout/reward_mean": slope * s, "mismatch/k3_kl": 1e-4 / s} for s in range(1, 6)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one = plot(tmp_path / "R3")
+    assert plot_main([str(tmp_path / "R3"), str(tmp_path / "off")]) == 0
+    both = tmp_path / "compare.png"
+    assert one == tmp_path / "R3" / "curves.png" and both.stat().st_size > 10_000 and both.read_bytes() != one.read_bytes()
+    (tmp_path / "again" / "R3").mkdir(parents=True)
+    (tmp_path / "again" / "R3" / "metrics.jsonl").write_text((tmp_path / "R3" / "metrics.jsonl").read_text())
+    with pytest.raises(ValueError, match="distinct directory names"):
+        plot([tmp_path / "R3", tmp_path / "again" / "R3"])
+
+
+def test_an_ablation_runs_a_2x2_grid_with_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "ablation"
+
+    def ablate(*grid: str) -> subprocess.CompletedProcess:
+        grids = [arg for axis in grid for arg in ("--grid", axis)]
+        return subprocess.run([sys.executable, "-m", "moerl.cli", "ablate", "--out", str(out), "--last", "2", *grids, "--",
+                               f"run.cache_dir={cache}", "run.mode=sync", "run.steps=2", "rollout.groups_per_step=2"],
+                              env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=900, cwd=REPO)
+
+    bad = ablate("trainer.replay.routing=off,R4")
+    assert bad.returncode == 2 and "routing-R4" in bad.stdout and "R4" in bad.stdout.splitlines()[-1] and not out.exists()
+    done = ablate("trainer.replay.routing=off,R3", "trainer.replay.sampling_mask=true,false")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    names = [f"routing-{r}+sampling_mask-{m}" for r in ("off", "R3") for m in ("true", "false")]
+    first_rewards = set()
+    for name in names:
+        rows = read_metrics(out / name)
+        assert [r["step"] for r in rows] == [1, 2]
+        first_rewards.add(rows[0]["rollout/reward_mean"])
+        replay = OmegaConf.load(out / name / "config.yaml").trainer.replay
+        assert name == f"routing-{replay.routing}+sampling_mask-{str(replay.sampling_mask).lower()}"
+    assert len(first_rewards) == 1  # the same seeds and data: every run's first batch is the same rollouts
+    table = (out / "ablation.md").read_text().splitlines()
+    assert [line.split(" | ")[0].lstrip("| ") for line in table[4:]] == names
+    assert (out / "compare.png").stat().st_size > 10_000

@@ -95,6 +95,7 @@ def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):
     ("lora.enabled=true", "full weights only"),
     ("engines.server=embedded", "leave engines.server=auto"),
     ("simulation.time_scale=0", "simulation.time_scale must be > 0"),
+    ("trainer.replay.trace_samples=2", "runs no routers to trace"),
 ])
 def test_what_a_simulation_cannot_do_is_one_error(model, tmp_path, override, message):
     out = simulate(model, tmp_path, override)

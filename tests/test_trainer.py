@@ -22,6 +22,7 @@ from moerl.trainer.config import OptimConfig, ReplayConfig, TrainerConfig
 from moerl.trainer.objectives import LossConfig
 from tests.workers import resume_and_step
 from tests.workers import save_and_resume as save_and_resume_worker
+from tests.workers import step_at_version
 from tests.workers import train_steps
 
 ARCH = "Qwen3MoeForCausalLM"
@@ -91,6 +92,10 @@ def test_r3_routes_every_token_as_recorded(r3_runs, layout):
     assert all(metrics[k] == metrics[k.replace("rollout", "native")] for k in load_keys)
     # same weights, same routing, same kept sets: the trainer reproduces the engine's log-probs
     assert metrics["mismatch/abs_logprob_delta"] < 1e-5
+    # no token's routing differs anywhere, so the mismatch has nothing to split off
+    assert metrics["routing/differs_any_layer"] == 0.0
+    assert np.isnan(metrics["mismatch/k3_kl_routing_differ"])
+    assert metrics["mismatch/k3_kl_routing_agree"] == pytest.approx(metrics["mismatch/k3_kl"], rel=1e-9, abs=1e-15)
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "TP1"])
@@ -157,6 +162,112 @@ def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, 
     assert r3["metrics"][0]["routing/replayed"] == 1.0
     # replaying the engine's routing brings the trainer's log-probs closer to the engine's
     assert r3["metrics"][0]["mismatch/abs_logprob_delta"] < off["metrics"][0]["mismatch/abs_logprob_delta"]
+    # The mismatch lives on the tokens whose experts flipped (here 300x the others' k3); R3 still probes the native
+    # routing, so it reports the same kind of flips, and on those tokens the mismatch falls to the others' level.
+    off, r3 = off["metrics"][0], r3["metrics"][0]
+    assert off["routing/differs_any_layer"] > 0 and r3["routing/differs_any_layer"] > 0
+    assert off["mismatch/k3_kl_routing_differ"] > 30 * off["mismatch/k3_kl_routing_agree"]
+    assert r3["mismatch/k3_kl_routing_differ"] < 3 * r3["mismatch/k3_kl_routing_agree"]
+
+
+@pytest.mark.parametrize("layout", ["TP1", "packed TP2+SP+EP2", "PP2"])
+def test_the_mismatch_splits_by_routing_and_lag_where_flips_and_drift_are_planted(tiny_ckpts, fp32_samples, layout):
+    """The fp32 engine's rollouts, altered: every third response token's position routed to other experts in one MoE layer
+    (the first layer's or the last's, which PP2 holds on different stages) and its behaviour log-prob lowered by 0.5;
+    groups 0 and 1 sampled a version before the trainer's. Replay off leaves the trainer's log-probs as they were, so
+    exactly the planted tokens differ and carry the whole mismatch, at its known size, in both lag parts."""
+    import dataclasses
+
+    planted, differ = [], np.zeros(2)  # planted tokens at lag 0 and lag 1
+    tokens = np.zeros(2)
+    for s in fp32_samples:
+        routing, behaviour, selected = s.routing.copy(), s.behaviour_logprobs.copy(), s.selected_logprobs.copy()
+        experts = int(routing.max()) + 1
+        flipped = np.arange(1, s.response_len, 3)
+        for j in flipped:
+            column = 0 if j % 2 else -1
+            routing[s.prompt_len - 1 + j, column] = (routing[s.prompt_len - 1 + j, column].astype(np.int64) + 1) % experts
+        behaviour[flipped] -= 0.5
+        selected[flipped] -= 0.5
+        lag = int(s.group_id < 2)
+        differ[lag] += len(flipped)
+        tokens[lag] += s.response_len
+        planted.append(dataclasses.replace(s, routing=routing, behaviour_logprobs=behaviour, selected_logprobs=selected,
+                                           versions=np.full(s.response_len, 1 - lag, dtype=np.int64)))
+    world, parallel = LAYOUTS[layout]
+    metrics = run_ranks(step_at_version, world, str(tiny_ckpts[ARCH][1]), config("off", **parallel), planted, 1)[0]
+    k3 = np.exp(-0.5) + 0.5 - 1
+    assert metrics["routing/differs_any_layer"] == pytest.approx(differ.sum() / tokens.sum(), abs=1e-12)
+    assert metrics["mismatch/abs_logprob_delta"] == pytest.approx(0.5 * differ.sum() / tokens.sum(), abs=1e-5)
+    for part in ("routing", "lag0_routing"):
+        assert metrics[f"mismatch/abs_logprob_delta_{part}_differ"] == pytest.approx(0.5, abs=1e-5)
+        assert metrics[f"mismatch/k3_kl_{part}_differ"] == pytest.approx(k3, abs=1e-5)
+        assert metrics[f"mismatch/abs_logprob_delta_{part}_agree"] < 1e-5 and metrics[f"mismatch/k3_kl_{part}_agree"] < 1e-9
+    for lag, part in enumerate(("lag0", "lagged")):
+        assert metrics[f"mismatch/abs_logprob_delta_{part}"] == pytest.approx(0.5 * differ[lag] / tokens[lag], abs=1e-5)
+    assert metrics["staleness/lag_1"] == pytest.approx(tokens[1] / tokens.sum())
+
+
+TRACED = {"TP2+SP": LAYOUTS["TP2+SP"], "EP2": LAYOUTS["EP2"], "PP2": LAYOUTS["PP2"], "packed TP2+SP+EP2": LAYOUTS["packed TP2+SP+EP2"],
+          "recompute PP2": (2, {"pp": 2, "recompute": True})}
+
+
+def traced(tmp_path, routing: str = "R3", samples: int = 8, **layout) -> TrainerConfig:
+    cfg = config(routing, **layout)
+    cfg.replay.trace_samples, cfg.replay.trace_dir = samples, str(tmp_path / "replay_trace")
+    return cfg
+
+
+@pytest.mark.parametrize("layout", list(TRACED))
+def test_check_replay_passes_on_real_runs(tiny_ckpts, bf16_samples, tmp_path, layout):
+    """A bf16 engine's rollouts: the trainer's own routers would route some positions elsewhere, so the check can tell
+    replay from none."""
+    from moerl.trainer.replay_trace import check_replay
+
+    world, parallel = TRACED[layout]
+    run_ranks(train_steps, world, str(tiny_ckpts[ARCH][1]), traced(tmp_path, **parallel), bf16_samples, 1)
+    report = check_replay(tmp_path)
+    assert report.ok, report.summary()
+    replicas = world // (parallel.get("tp", 1) * parallel.get("pp", 1))
+    assert report.steps == 1 and report.samples == 8 * replicas and report.mode == "R3"
+    assert report.passes == ({"score", "train", "recompute"} if parallel.get("recompute") else {"score", "train"})
+    assert report.checked > report.informative > 0 and report.native_agree < 1.0
+
+
+@pytest.mark.parametrize("worker", ["train_with_routing_one_position_late", "train_with_routing_columns_swapped",
+                                    "train_without_replay"])
+def test_check_replay_finds_a_planted_fault_and_says_where(tiny_ckpts, bf16_samples, tmp_path, capsys, worker):
+    """Routing placed one position late in the micro-batches (TP2+SP); the routing a rank is sent put in the wrong
+    column (EP2); the training pass run without replay (PP2 with recompute)."""
+    from moerl.cli import main
+    from tests import workers
+
+    layout = {"train_with_routing_one_position_late": {"tp": 2}, "train_with_routing_columns_swapped": {"ep": 2},
+              "train_without_replay": {"pp": 2, "recompute": True}}[worker]
+    run_ranks(getattr(workers, worker), 2, str(tiny_ckpts[ARCH][1]), traced(tmp_path, **layout), bf16_samples, 1)
+    assert main(["check-replay", str(tmp_path), "--show", "100000"]) == 1
+    out = capsys.readouterr().out
+    assert "REPLAY MISMATCH" in out
+    if worker == "train_with_routing_one_position_late":
+        assert "score used experts" in out and "train used experts" in out
+        assert "position 0 layer" in out  # the first position took the padding's set, not its own
+    elif worker == "train_with_routing_columns_swapped":
+        assert "the rank received routing" in out
+    else:
+        assert "train used experts" in out and "recompute used experts" in out and "score used experts" not in out
+
+
+def test_check_replay_under_r2_checks_the_training_pass_against_the_old_policy_pass(tiny_ckpts, bf16_samples, tmp_path):
+    from moerl.trainer.replay_trace import check_replay
+
+    run_ranks(train_steps, 2, str(tiny_ckpts[ARCH][1]), traced(tmp_path, "R2", pp=2, recompute=True), bf16_samples, 1)
+    report = check_replay(tmp_path)
+    assert report.ok, report.summary()
+    assert report.mode == "R2" and report.passes == {"score", "train", "recompute"}
+    assert report.native_agree < 1.0  # a bf16 engine: the trainer's routers disagree with it, and R2 does not replay the rollout
+    # One optimizer step per batch: the training pass runs at the old-policy pass's weights, so it would route the same
+    # without replay, and the report says the trace cannot tell.
+    assert report.informative == 0 and "UNINFORMATIVE" in report.summary()
 
 
 def test_the_expert_load_of_a_planted_routing_is_what_it_must_be(tiny_ckpts, fp32_samples):

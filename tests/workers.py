@@ -331,3 +331,66 @@ def te_norm_names(arch: str) -> dict:
     return {"te_names": te_names, "local_keys": {k for k in local_keys if k.startswith("decoder.layers.")},
             "exported": {global_name(model, n) for n in te_names}, "rule_names": rule_names,
             "pattern": family.moe_layer_pattern(family.normalize(cfg))}
+
+
+def step_at_version(mcore_dir: str, trainer_cfg, samples: list, version: int) -> dict:
+    """One trainer step on ``samples`` by a trainer at policy ``version`` (its tokens' lag is version minus theirs)."""
+    from moerl.trainer.trainer import Trainer
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    trainer.version = version
+    return trainer.step(samples)
+
+
+def train_with_routing_one_position_late(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
+    """:func:`train_steps` with a planted fault: every micro-batch's routing rows moved one position later than its tokens."""
+    import numpy as np
+
+    from moerl.trainer import trainer as trainer_module
+
+    build = trainer_module.build_micro_batch
+
+    def late(*args, **kwargs):
+        batch = build(*args, **kwargs)
+        if batch.routing is not None:
+            batch.routing = np.roll(batch.routing, 1, axis=1)
+        return batch
+
+    trainer_module.build_micro_batch = late
+    return train_steps(mcore_dir, trainer_cfg, samples, steps)
+
+
+def train_with_routing_columns_swapped(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
+    """:func:`train_steps` with a planted fault: the routing each rank is sent has its MoE layers in reverse order."""
+    from moerl.trainer import distribute
+
+    unpack = distribute._unpack
+
+    def swapped(*args, **kwargs):
+        received = unpack(*args, **kwargs)
+        for sample in received:
+            if sample.routing is not None:
+                sample.routing = sample.routing[:, ::-1].copy()
+        return received
+
+    distribute._unpack = swapped
+    return train_steps(mcore_dir, trainer_cfg, samples, steps)
+
+
+def train_without_replay(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
+    """:func:`train_steps` with a planted fault: the old-policy pass replays, the training pass (and its recompute) never."""
+    from moerl.trainer import trainer as trainer_module
+
+    set_action, score = trainer_module.set_action, trainer_module.Trainer.score
+    scoring = []
+
+    def score_marked(self, *args, **kwargs):
+        scoring.append(True)
+        try:
+            return score(self, *args, **kwargs)
+        finally:
+            scoring.pop()
+
+    trainer_module.set_action = lambda action: set_action(action if scoring else None)
+    trainer_module.Trainer.score = score_marked
+    return train_steps(mcore_dir, trainer_cfg, samples, steps)

@@ -241,6 +241,9 @@ def resolve_defaults(cfg: RunConfig) -> None:
         # Dr. GRPO divides by a constant length: the generation limit, not the batch's longest response
         # (which would move the loss scale from step to step).
         loss.max_response_len = cfg.rollout.max_new_tokens
+    replay = cfg.trainer.replay
+    if replay.trace_samples and replay.trace_dir is None:
+        replay.trace_dir = f"{cfg.run.dir}/replay_trace"
 
 
 def served_by(engines: EngineSection, simulation: SimulationSection | None = None) -> str:
@@ -278,6 +281,8 @@ def check(cfg: RunConfig) -> None:
                         "use engines.server=sglang for tensor-parallel replicas")
     if cfg.run.steps < 1:
         problems.append("run.steps must be >= 1")
+    if cfg.trainer.replay.trace_samples < 0:
+        problems.append("trainer.replay.trace_samples must be >= 0")
     if r.engine_retries < 0 or r.decode_workers < 0:
         problems.append("rollout.engine_retries and rollout.decode_workers must be >= 0")
     e = cfg.engines
@@ -303,6 +308,8 @@ def simulation_problems(cfg: RunConfig) -> list[str]:
         problems.append("lora.enabled: the simulation moves full weights only; set lora.enabled=false")
     if cfg.engines.server != "auto" and not cfg.engines.urls:
         problems.append(f"engines.server={cfg.engines.server}: a simulation serves simulated engines; leave engines.server=auto")
+    if cfg.trainer.replay.trace_samples:
+        problems.append("trainer.replay.trace_samples: the simulated trainer runs no routers to trace; set it to 0")
     return problems
 
 

@@ -1,5 +1,5 @@
 """What a run writes for its user: ``metrics.jsonl`` (one JSON object per step), TensorBoard event
-files, and ``moerl plot RUN_DIR`` (PNG curves of the metrics)."""
+files, and ``moerl plot RUN_DIR [RUN_DIR ...]`` (PNG curves of the metrics; several runs on the same axes)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 KEY_CURVES = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "routing/agreement", "mismatch/k3_kl",
-              "staleness/max", "sync/seconds", "time/step_seconds", "time/trainer_idle_fraction", "prompts/trained",
+              "mismatch/k3_kl_routing_differ", "routing/differs_any_layer", "staleness/max", "sync/seconds", "time/step_seconds", "time/trainer_idle_fraction", "prompts/trained",
               "prompts/dropped", "train/grad_norm")
 
 
@@ -45,44 +45,59 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(run_dir: str | Path, out: str | Path | None = None, keys: tuple[str, ...] = KEY_CURVES) -> Path:
-    """A grid of the run's key curves against step, as one PNG."""
+def plot(run_dirs: str | Path | list, out: str | Path | None = None, keys: tuple[str, ...] = KEY_CURVES) -> Path:
+    """A grid of the key curves against step, as one PNG: of one run (default ``RUN_DIR/curves.png``), or of several
+    on the same axes, legend by run directory name (default ``compare.png`` beside the first run)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run_dir)
-    keys = [k for k in keys if any(k in r for r in rows)]
-    if not rows or not keys:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no steps to plot")
+    dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
+    if len({d.name for d in dirs}) != len(dirs):
+        raise ValueError(f"runs to compare need distinct directory names (the legend): {[str(d) for d in dirs]}")
+    runs = {d.name: read_metrics(d) for d in dirs}
+    for d in dirs:
+        if not runs[d.name]:
+            raise ValueError(f"{d}/metrics.jsonl has no steps to plot")
+    keys = [k for k in keys if any(k in r for rows in runs.values() for r in rows)]
+    if not keys:
+        raise ValueError(f"none of {len(dirs)} run(s) has any of the metrics asked for")
     cols = 3
     fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols, figsize=(4.2 * cols, 2.8 * math.ceil(len(keys) / cols)), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None)
+        for name, rows in runs.items():
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None, label=name)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    mode = rows[-1].get("mode", "")
-    fig.suptitle(f"{Path(run_dir).name} ({mode}, {len(rows)} steps)")
+    if len(runs) == 1:
+        (name, rows), = runs.items()
+        fig.suptitle(f"{name} ({rows[-1].get('mode', '')}, {len(rows)} steps)")
+    else:
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="upper center", ncol=min(len(runs), 4), fontsize=8)
+        fig.suptitle(" ", fontsize=22)  # room for the legend
     fig.tight_layout()
-    out = Path(out) if out else Path(run_dir) / "curves.png"
+    out = Path(out) if out else dirs[0] / "curves.png" if len(dirs) == 1 else dirs[0].parent / "compare.png"
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moerl plot", description="Plot a run's metrics.jsonl as PNG curves.")
-    p.add_argument("run_dir", help="the run directory (run.dir of the job)")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png)")
+    p = argparse.ArgumentParser(prog="moerl plot", description=(
+        "Plot a run's metrics.jsonl as PNG curves; given several runs, draw them on the same axes (legend: each run "
+        "directory's name), e.g. the runs of an ablation."))
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.dir of the job)")
+    p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png; several runs: compare.png beside the first)")
     p.add_argument("--keys", nargs="+", help=f"metrics to plot (default: {' '.join(KEY_CURVES)})")
     args = p.parse_args(argv)
     try:
-        print(plot(args.run_dir, args.out, tuple(args.keys) if args.keys else KEY_CURVES))
+        print(plot(args.run_dirs, args.out, tuple(args.keys) if args.keys else KEY_CURVES))
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}")
         return 2

@@ -100,6 +100,8 @@ class MicroBatch:
     old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
+    sample_indices: list[int] | None = None  # each sample's index in the rank's piece
+    routing_differs: torch.Tensor | None = None  # bool [b, s]: the old-policy pass's native experts differ from the rollout's somewhere
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
     cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each sample starts and ends in the row
 

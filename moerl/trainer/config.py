@@ -17,6 +17,10 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # meg
 class ReplayConfig:
     routing: str = choice("R3", ROUTING_MODES)  # off | R2 (replay the old-policy forward's routing) | R3 (replay the rollout's)
     sampling_mask: bool = True  # score tokens renormalised over the engine's kept set
+    # The replay trace (moerl check-replay): per step, the experts every router used for this many samples of each
+    # data-parallel replica, beside the rollout's, written under trace_dir (the job's: RUN_DIR/replay_trace). 0: none.
+    trace_samples: int = 0
+    trace_dir: str | None = None
 
     def __post_init__(self):
         check_choices(self, "replay")

@@ -70,6 +70,7 @@ class LocalPiece:
     response_lengths: np.ndarray  # of every sample of the piece: the step's normaliser counts them all
     routing: bool  # the samples carry routing (this rank's columns only)
     received: int  # bytes this rank took in for it (plan and shard)
+    originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
 
 
 def _fields(needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.ndarray, routing: tuple | None,
@@ -225,7 +226,9 @@ class BatchDistributor:
         for _, request in sends:
             request.wait()
         # Rank 0's own part is unpacked like everyone else's: every rank trains on what the wire format carries.
-        return self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
+        local = self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
+        local.originals = [[piece[i] for i in shard] for shard in shards]
+        return local
 
     def _plan(self, piece: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
         """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel)."""

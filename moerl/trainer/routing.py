@@ -7,6 +7,8 @@ pipeline stage, in build order, which is the order ``RouterReplay.set_replay_dat
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -14,6 +16,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from moerl.megatron.parallel import collective_device
+from moerl.trainer.replay_trace import TracedSample, write_rank
+
+log = logging.getLogger(__name__)
 
 ROUTING_MODES = ("off", "R2", "R3")
 
@@ -95,12 +100,14 @@ def set_action(action: RouterReplayAction | None) -> None:
 class RoutingProbe:
     """Forward hooks on this rank's routers recording, for every token, the trainer's native top-k
     (from the router's own logits) and the expert set actually used (its routing map), to compare
-    with the rollout's routing."""
+    with the rollout's routing. A forward that autograd runs inside the backward pass (activation recompute) records
+    its used sets apart, in ``recomputed``."""
 
-    def __init__(self, routers: LocalRouters):
-        self.routers = routers
+    def __init__(self, routers: LocalRouters, native: bool = True):
+        self.routers, self.record_native = routers, native
         self.native: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.used: list[list[torch.Tensor]] = [[] for _ in routers.routers]
+        self.recomputed: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self._handles = []
 
     def __enter__(self) -> "RoutingProbe":
@@ -116,13 +123,26 @@ class RoutingProbe:
     def _hook(self, i: int):
         def hook(router, inputs, outputs):
             with torch.no_grad():
-                logits = router.gating(inputs[0]).float()
-                logits = logits.reshape(-1, logits.shape[-1])  # [s, b, E] -> [s * b, E], sequence-major
-                self.native[i].append(logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values.cpu())
                 _, routing_map = outputs
-                self.used[i].append(routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1).sort(dim=-1).values.cpu())
+                used = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1).sort(dim=-1).values.cpu()
+                if torch._C._current_graph_task_id() != -1:
+                    self.recomputed[i].append(used)
+                    return
+                self.used[i].append(used)
+                if self.record_native:
+                    logits = router.gating(inputs[0]).float()
+                    logits = logits.reshape(-1, logits.shape[-1])  # [s, b, E] -> [s * b, E], sequence-major
+                    self.native[i].append(logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values.cpu())
 
         return hook
+
+    def _layers(self, m: int, batch):
+        """Per local router of micro-batch ``m``: its column in the rollout routing, the rollout's experts sorted
+        ``[s_local * b, k]``, and whether the trainer's native top-k set equals them ``[s_local * b]``."""
+        rollout = self.routers.token_order(batch.routing)
+        for i, column in enumerate(self.routers.columns):
+            target = torch.from_numpy(np.sort(rollout[:, i].astype(np.int64), axis=-1))
+            yield i, column, target, (self.native[i][m] == target).all(-1)
 
     def agreement(self, batches: list) -> dict[str, np.ndarray]:
         """Per MoE layer (global, over all ranks): tokens counted, tokens whose native top-k set equals
@@ -137,11 +157,9 @@ class RoutingProbe:
             if batch.dummy:
                 continue
             real = torch.from_numpy(self.routers.token_order(batch.real_positions()))
-            rollout = self.routers.token_order(batch.routing)
-            for i, column in enumerate(self.routers.columns):
-                target = torch.from_numpy(np.sort(rollout[:, i].astype(np.int64), axis=-1))
+            for i, column, target, native_same in self._layers(m, batch):
                 counts[0, column] += real.sum()
-                counts[1, column] += ((self.native[i][m] == target).all(-1) & real).sum()
+                counts[1, column] += (native_same & real).sum()
                 counts[2, column] += ((self.used[i][m] == target).all(-1) & real).sum()
                 loads[0, column] += torch.bincount(target[real].flatten(), minlength=experts).double()
                 loads[1, column] += torch.bincount(self.native[i][m][real].flatten(), minlength=experts).double()
@@ -153,6 +171,77 @@ class RoutingProbe:
         tokens = counts[0].clamp(min=1)
         return {"tokens": counts[0].numpy(), "native": (counts[1] / tokens).numpy(), "used": (counts[2] / tokens).numpy(),
                 "rollout_load": loads[0].numpy(), "native_load": loads[1].numpy()}
+
+    def differing_positions(self, batches: list) -> list[torch.Tensor]:
+        """Per micro-batch, bool ``[b, s]``: the positions whose trainer-native experts differ from the rollout's in at
+        least one MoE layer of the whole model. This rank sees its pipeline stage's layers and, under sequence
+        parallelism, its chunk of the sequence; the model-parallel group (the ranks that ran the same micro-batches)
+        joins them in one collective of one byte per position."""
+        sizes = [batch.input_ids.numel() for batch in batches]
+        differs = torch.zeros(sum(sizes), dtype=torch.uint8)
+        for m, (batch, flat) in enumerate(zip(batches, differs.split(sizes))):
+            if batch.dummy or not self.routers.routers:
+                continue
+            b, s = batch.input_ids.shape
+            local = torch.zeros(b * s // self.routers.sp_size, dtype=torch.bool)
+            for _, _, _, native_same in self._layers(m, batch):
+                local |= ~native_same
+            chunk = s // self.routers.sp_size
+            # back from router order [s_local * b] (sequence-major) to [b, s_local], into this rank's columns
+            flat.view(b, s)[:, self.routers.sp_rank * chunk : (self.routers.sp_rank + 1) * chunk] = local.view(chunk, b).T.to(torch.uint8)
+        group = parallel_state.get_model_parallel_group() if dist.is_initialized() else None
+        if group is not None and dist.get_world_size(group) > 1:
+            joined = differs.to(collective_device())
+            dist.all_reduce(joined, op=dist.ReduceOp.MAX, group=group)
+            differs = joined.cpu()
+        return [flat.view(batch.input_ids.shape).bool() for batch, flat in zip(batches, differs.split(sizes))]
+
+
+class ReplayTracer:
+    """This rank's part of the replay trace (:mod:`moerl.trainer.replay_trace`) of the first ``count`` samples of its
+    shard of a piece: what its routers used in each pass at the positions of its sequence chunk, beside the rollout's
+    experts as it received them and, on the first pipeline stage, the tokens it fed."""
+
+    def __init__(self, routers: LocalRouters, piece, batches: list, count: int):
+        self.routers, self.batches = routers, batches
+        self.where: list[tuple[int, int, int]] = []  # per traced sample: micro-batch, row, column of its position 0
+        self.samples: list[TracedSample] = []
+        dp, first_stage = parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage()
+        located = {i: (m, j) for m, mb in enumerate(batches) if not mb.dummy for j, i in enumerate(mb.sample_indices)}
+        for i in range(min(count, len(piece.samples))):  # the shard's first samples, wherever the micro-batches put them
+            m, j = located[i]
+            mb, sample = batches[m], piece.samples[i]
+            row, col = (0, int(mb.cu_seqlens[j])) if mb.cu_seqlens is not None else (j, 0)
+            chunk = mb.input_ids.shape[1] // routers.sp_size
+            low = routers.sp_rank * chunk
+            start = min(max(0, low - col), sample.fed_len)
+            stop = max(start, min(sample.fed_len, low + chunk - col))
+            self.where.append((m, row, col))
+            arrays = {"rollout": sample.routing[start:stop]}
+            if first_stage:  # the stage that feeds the tokens to the model
+                arrays["tokens_fed"] = mb.input_ids[row, col + start : col + stop].numpy().astype(np.int64)
+            self.samples.append(TracedSample(f"dp{dp}-i{i}", sample.fed_len, start, stop, arrays))
+
+    def record(self, name: str, sets: list[list[torch.Tensor]]) -> None:
+        """``sets``: per local router, per micro-batch in the order they ran, ``[s_local * b, k]`` (a probe's). A pass whose
+        forwards do not match the micro-batches one to one is left out, which the check reports."""
+        if any(len(per_router) != len(self.batches) for per_router in sets):
+            log.warning("replay trace: %s recorded %s forwards for %d micro-batches; left out of the trace", name,
+                        sorted({len(r) for r in sets}), len(self.batches))
+            return
+        dtype = np.uint8 if self.routers.num_experts <= 256 else np.int16
+        for sample, (m, row, col) in zip(self.samples, self.where):
+            b, s = self.batches[m].input_ids.shape
+            chunk = s // self.routers.sp_size
+            first = col + sample.start - self.routers.sp_rank * chunk  # the sample's first recorded position, in this chunk
+            per_router = [per_mb[m].view(chunk, b, -1)[first : first + sample.stop - sample.start, row] for per_mb in sets]
+            k = sample.arrays["rollout"].shape[-1]
+            stacked = torch.stack(per_router, 1).numpy() if per_router else np.zeros((sample.stop - sample.start, 0, k))
+            sample.arrays[name] = stacked.astype(dtype)
+
+    def write(self, directory, version: int, mode: str, passes: list[str]) -> None:
+        """``passes``: those this step ran; one the tracer had to leave out is missing from the file, and the check says so."""
+        write_rank(directory, version, dist.get_rank(), mode, self.routers.moe_layers, self.routers.columns, passes, self.samples)
 
 
 def load_balance(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

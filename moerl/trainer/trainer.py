@@ -38,7 +38,8 @@ from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, s
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.distribute import BatchDistributor, Interlude, LocalPiece
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
-from moerl.trainer.routing import LocalRouters, RoutingProbe, load_balance, replay_through_recompute, set_action
+from moerl.trainer import replay_trace
+from moerl.trainer.routing import LocalRouters, ReplayTracer, RoutingProbe, load_balance, replay_through_recompute, set_action
 
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
 
@@ -47,6 +48,8 @@ class Trainer:
     def __init__(self, ckpt_dir: str, cfg: TrainerConfig, lora: LoRAConfig | None = None):
         """The model of the Megatron checkpoint ``ckpt_dir``; with ``lora.enabled`` its weights are frozen
         and only per-module (per-expert) adapters train."""
+        if cfg.replay.trace_samples and not cfg.replay.trace_dir:
+            raise ValueError(f"replay.trace_samples={cfg.replay.trace_samples} needs replay.trace_dir: where the replay trace goes")
         self.cfg, self.ckpt_dir = cfg, str(ckpt_dir)
         self.lora = lora if lora is not None and lora.enabled else None
         cuda = torch.cuda.is_available()
@@ -120,6 +123,8 @@ class Trainer:
                                      use_masks=use_masks, use_routing=piece.routing, packed=packed)
 
         batches = [build(g) for g in groups]
+        for mb, g in zip(batches, groups):
+            mb.sample_indices = g
         for _ in range(count - len(groups)):  # fewer samples here than micro-batches elsewhere
             dummy = build(groups[0][:1], zero=True)
             dummy.dummy = True
@@ -156,10 +161,11 @@ class Trainer:
 
         return around
 
-    def score(self, batches: list[MicroBatch], into: str = "old") -> dict[str, np.ndarray] | None:
+    def score(self, batches: list[MicroBatch], into: str = "old", tracer: ReplayTracer | None = None) -> dict[str, np.ndarray] | None:
         """Forward-only pass with the current weights: fills each micro-batch's ``old`` (or ``ref``)
         log-probs; returns per-MoE-layer routing agreement when the batches carry rollout routing.
-        Under R2 the ``old`` pass records the routing the training pass then replays."""
+        Under R2 the ``old`` pass records the routing the training pass then replays. ``tracer``: takes the experts
+        used and the native ones."""
         mode = {"off": None, "R2": "R2-record" if into == "old" else None, "R3": "R3"}[self.cfg.replay.routing]
         set_action({None: None, "R2-record": RouterReplayAction.RECORD, "R3": RouterReplayAction.REPLAY_FORWARD}[mode])
 
@@ -177,6 +183,12 @@ class Trainer:
             set_action(None)
         if batches[0].routing is None:
             return None
+        if into == "old":
+            for mb, differs in zip(batches, probe.differing_positions(batches)):
+                mb.routing_differs = differs
+        if tracer is not None:
+            tracer.record("score", probe.used)
+            tracer.record("native", probe.native)
         return probe.agreement(batches)
 
     @contextlib.contextmanager
@@ -204,6 +216,7 @@ class Trainer:
         sums = torch.zeros(len(_SUMS), dtype=torch.float64)
         maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64)
         lag_hist = torch.zeros(LAG_BINS, dtype=torch.float64)
+        split = torch.zeros(len(MISMATCH_CELLS), len(MISMATCH_STATS), dtype=torch.float64)
         agreement: dict[str, np.ndarray] | None = None
         lengths: list[int] = []
         count = parallel_state.get_tensor_model_parallel_rank() == 0  # TP ranks compute the same loss: count once
@@ -227,39 +240,57 @@ class Trainer:
             if count and not mb.dummy:
                 with torch.no_grad():
                     delta = (old - behaviour).double()
+                    k3 = objectives.safe_exp(-delta) + delta - 1
                     ratio = objectives.safe_exp((new - old).double())
                     is_weight = objectives.safe_exp(delta)
+                    lag = self.version - mb.versions.to(device)
+                    differs = (mb.routing_differs.to(device)[mb.rows.to(device), mb.cols.to(device)] if mb.routing_differs is not None
+                               else torch.zeros_like(lag, dtype=torch.bool))
+                    split.index_add_(0, ((lag > 0).long() * 2 + differs.long()).cpu(), torch.stack([torch.ones_like(delta), delta.abs(), k3], -1).cpu())
                     values = {
                         "loss": loss.double(), "tokens": torch.tensor(float(mb.num_tokens)), "clipped": clipped.double().sum(),
-                        "abs_delta": delta.abs().sum(), "k3": (objectives.safe_exp(-delta) + delta - 1).sum(), "is_weight": is_weight.sum(),
+                        "abs_delta": delta.abs().sum(), "k3": k3.sum(), "is_weight": is_weight.sum(),
                         "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(),
                         "entropy": ent.double().sum() if ent is not None else torch.zeros((), dtype=torch.float64),
                         "ref_kl": kl.double().sum(),
                     }
                     for i, name in enumerate(_SUMS):
                         sums[i] += values[name].cpu()
-                    for i, value in enumerate((is_weight.max(), ratio.max(), (self.version - mb.versions).max().double())):
+                    for i, value in enumerate((is_weight.max(), ratio.max(), lag.max().double())):
                         maxes[i] = max(maxes[i], value.cpu())
-                    lag = (self.version - mb.versions).clamp(0, LAG_BINS - 1)
-                    lag_hist.add_(torch.bincount(lag, minlength=LAG_BINS).double())
+                    lag_hist.add_(torch.bincount(lag.clamp(0, LAG_BINS - 1).cpu(), minlength=LAG_BINS).double())
             return loss
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for piece in self.batches.pieces(pieces, interlude):
+        replay = self.cfg.replay
+        if replay.trace_samples and dist.get_rank() == 0:
+            replay_trace.clear_step(replay.trace_dir, self.version)
+        for number, piece in enumerate(self.batches.pieces(pieces, interlude)):
             lengths += piece.response_lengths.tolist()
             batches = self.micro_batches(piece)
+            tracer = ReplayTracer(self.routers, piece, batches, replay.trace_samples) if number == 0 and replay.trace_samples and piece.routing else None
+            if tracer is not None and piece.originals is not None:
+                replay_trace.write_source(replay.trace_dir, self.version, piece.originals, replay.trace_samples)
             if self.reference is not None:
                 with self._reference_weights():
                     self.score(batches, into="ref")
-            agreement = _pool_agreement(agreement, self.score(batches))
+            agreement = _pool_agreement(agreement, self.score(batches, tracer=tracer))
             self.model.train()
             set_action(None if mode == "off" else RouterReplayAction.REPLAY_FORWARD)
             try:
-                run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
-                             around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]), extra_inputs=self._extra_inputs)
+                with RoutingProbe(self.routers) if tracer else contextlib.nullcontext() as probe:
+                    run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
+                                 around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]),
+                                 extra_inputs=self._extra_inputs)
             finally:
                 set_action(None)
+            if tracer is not None:
+                tracer.record("train", probe.used)
+                tracer.record("train_native", probe.native)
+                if self.cfg.recompute:
+                    tracer.record("recompute", probe.recomputed)
+                tracer.write(replay.trace_dir, self.version, mode, ["score", "train"] + (["recompute"] if self.cfg.recompute else []))
         if not lengths:
             raise ValueError("Trainer.step got an empty batch")
         finalize_model_grads([self.model])
@@ -270,15 +301,16 @@ class Trainer:
         if ok:
             self.scheduler.step(increment=1)
             self.version += 1
-        return self._metrics(sums, maxes, lag_hist, agreement, grad_norm, ok)
+        return self._metrics(sums, maxes, lag_hist, split, agreement, grad_norm, ok)
 
-    def _metrics(self, sums, maxes, lag_hist, agreement, grad_norm, ok) -> dict[str, float]:
+    def _metrics(self, sums, maxes, lag_hist, split, agreement, grad_norm, ok) -> dict[str, float]:
         device = collective_device()
-        packed = torch.cat([sums, lag_hist]).to(device)
+        packed = torch.cat([sums, lag_hist, split.flatten()]).to(device)
         maxes = maxes.to(device)
         dist.all_reduce(packed)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         packed, maxes = packed.cpu(), maxes.cpu()
+        packed, split = packed[: -split.numel()], packed[-split.numel() :].view(split.shape)
         s = dict(zip(_SUMS, packed[: len(_SUMS)].tolist()))
         tokens = max(s["tokens"], 1.0)
         out = {
@@ -292,7 +324,10 @@ class Trainer:
         }
         if self.cfg.loss.entropy_coef:
             out["train/entropy"] = s["entropy"] / tokens
+        out.update(mismatch_split_metrics(split.numpy(), routing=agreement is not None))
         if agreement is not None:
+            differ = [MISMATCH_CELLS.index("lag0_routing_differ"), MISMATCH_CELLS.index("lagged_routing_differ")]
+            out["routing/differs_any_layer"] = split[differ, 0].sum().item() / tokens
             out["routing/agreement"] = float(np.average(agreement["native"], weights=agreement["tokens"]))
             out["routing/replayed"] = float(np.average(agreement["used"], weights=agreement["tokens"]))
             for layer, value in zip(self.moe_layers, agreement["native"]):
@@ -396,6 +431,26 @@ def staleness_metrics(lag_tokens: list[float], max_lag: float, tokens: float) ->
     return out
 
 
+def mismatch_split_metrics(split: np.ndarray, routing: bool) -> dict[str, float]:
+    """The train-inference mismatch (mean |delta log p| and k3 of the proximal over the behaviour log-probs) over parts of
+    the step's tokens. ``split`` [MISMATCH_CELLS, MISMATCH_STATS]: token count and the two sums, per cell of (version lag 0
+    or more) x (the token's position routed natively as the rollout did in every MoE layer, or not). Lag 0 is numerics
+    alone; lagged tokens add the policy's drift since they were sampled. ``routing``: the rollout carried routing, so the
+    routing split means something. NaN where a part has no tokens."""
+    parts = {"lag0": [0, 1], "lagged": [2, 3]}
+    if routing:
+        parts.update(routing_agree=[0, 2], routing_differ=[1, 3], lag0_routing_agree=[0], lag0_routing_differ=[1])
+    out = {}
+    for part, cells in parts.items():
+        tokens, abs_delta, k3 = split[cells].sum(0)
+        out[f"mismatch/abs_logprob_delta_{part}"] = float(abs_delta / tokens) if tokens else float("nan")
+        out[f"mismatch/k3_kl_{part}"] = float(k3 / tokens) if tokens else float("nan")
+    return out
+
+
+# Cell of a token in the mismatch split: 2 * (version lag > 0) + (native routing differs from the rollout's somewhere).
+MISMATCH_CELLS = ("lag0_routing_agree", "lag0_routing_differ", "lagged_routing_agree", "lagged_routing_differ")
+MISMATCH_STATS = ("tokens", "abs_delta", "k3")
 _SUMS = ("loss", "tokens", "clipped", "abs_delta", "k3", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")
 _MAXES = ("is_weight", "ratio", "lag")
 

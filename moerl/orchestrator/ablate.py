@@ -1,0 +1,112 @@
+"""``moerl ablate``: one job config run under a grid of overrides, one run after another with the same seeds and data,
+then a comparison table (markdown) and the runs' curves on the same axes (:func:`moerl.orchestrator.metrics.plot`).
+
+    moerl ablate --out runs/replay --grid trainer.replay.routing=off,R2,R3 --grid trainer.replay.sampling_mask=true,false -- run.steps=10
+
+Every combination of the grid's values is a run of the main job (``recipes/qwen_moe_grpo.sh``) in ``OUT/<name>``, the
+name made of the varied keys' last parts and values (``routing-R3+sampling_mask-false``); the overrides after ``--``
+are every run's. Every combination's config is checked before the first run starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from moerl.env import child_env
+from moerl.orchestrator.metrics import plot, read_metrics
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen_moe_grpo.sh"
+TABLE_KEYS = ("rollout/reward_mean", "mismatch/k3_kl", "mismatch/k3_kl_routing_agree", "mismatch/k3_kl_routing_differ",
+              "routing/agreement", "routing/differs_any_layer", "train/grad_norm", "time/step_seconds")
+
+
+class AblationError(ValueError):
+    """A grid or a run that cannot go ahead; the message says what to change."""
+
+
+def combinations(axes: list[str]) -> list[list[str]]:
+    """``["a.b=1,2", "c=x,y"]`` -> every combination as overrides, the first axis slowest."""
+    parsed = []
+    for axis in axes:
+        key, sep, values = axis.partition("=")
+        options = [v for v in values.split(",") if v]
+        if not sep or not key or not options:
+            raise AblationError(f"--grid {axis!r}: give KEY=VALUE1,VALUE2,... (e.g. trainer.replay.routing=off,R3)")
+        parsed.append([f"{key}={v}" for v in options])
+    keys = [p[0].partition("=")[0] for p in parsed]
+    if len(set(keys)) != len(keys):
+        raise AblationError(f"--grid names a key twice: {keys}")
+    return [list(combo) for combo in itertools.product(*parsed)]
+
+
+def run_name(combo: list[str]) -> str:
+    return "+".join(f"{key.rsplit('.', 1)[-1]}-{value}" for key, _, value in (o.partition("=") for o in combo))
+
+
+def table(runs: dict[str, Path], keys: tuple[str, ...], last: int) -> list[str]:
+    """Per run, each metric's mean over its last ``last`` steps (NaN steps left out; "n/a" where there is none)."""
+    lines = [f"| run | steps | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
+    for name, run_dir in runs.items():
+        rows = read_metrics(run_dir)[-last:]
+        cells = []
+        for key in keys:
+            values = [r[key] for r in rows if key in r and r[key] is not None and not math.isnan(r[key])]
+            cells.append(f"{np.mean(values):.4g}" if values else "n/a")
+        lines.append(f"| {name} | {rows[-1]['step'] if rows else 0} | {' | '.join(cells)} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    shared = argv[argv.index("--") + 1 :] if "--" in argv else []
+    p = argparse.ArgumentParser(prog="moerl ablate", description=(
+        "Run the main job under a grid of overrides, one run after another with the same seeds and data; write a comparison "
+        "table (OUT/ablation.md) and the runs' curves on the same axes (OUT/compare.png)."),
+                                epilog="Overrides after -- go to every run (e.g. -- run.steps=10 run.mode=sync).")
+    p.add_argument("--out", required=True, help="a new directory: a run directory per combination, ablation.md, compare.png")
+    p.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2", help="an axis of the grid (repeat for more)")
+    p.add_argument("--last", type=int, default=3, help="steps at the end of each run averaged in the table (default 3)")
+    p.add_argument("--keys", nargs="+", default=list(TABLE_KEYS), help="metrics in the table")
+    p.add_argument("--recipe", default=str(RECIPE), help="the job's launcher (default: this checkout's recipes/qwen_moe_grpo.sh)")
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    try:
+        out, recipe = Path(args.out), Path(args.recipe)
+        if not recipe.is_file():
+            raise AblationError(f"{recipe} does not exist: run from a moerl checkout, or give --recipe")
+        if out.exists() and any(out.iterdir()):
+            raise AblationError(f"{out} is not empty: give a new --out (an ablation's runs start from nothing)")
+        if any(o.startswith("run.dir=") for o in shared):
+            raise AblationError("run.dir is set per run (OUT/<name>): leave it out of the shared overrides")
+        runs = {run_name(combo): combo for combo in combinations(args.grid)}
+        env = child_env()
+        config = [] if "--config" in shared else ["--config", str(recipe.with_suffix(".yaml"))]  # as the recipe does
+        for name, combo in runs.items():  # every configuration checked before any run: a typo costs seconds, not runs
+            check = subprocess.run([sys.executable, "-m", "moerl.cli", "train", "--check", *config, f"run.dir={out / name}", *shared, *combo],
+                                   env=env, capture_output=True, text=True)
+            if check.returncode:
+                raise AblationError(f"run {name}: {(check.stdout + check.stderr).strip().splitlines()[-1]}")
+        out.mkdir(parents=True, exist_ok=True)
+        for number, (name, combo) in enumerate(runs.items(), 1):
+            print(f"[{number}/{len(runs)}] {name}", flush=True)
+            with open(out / f"{name}.log", "w") as log:
+                done = subprocess.run(["bash", str(recipe), f"run.dir={out / name}", "run.progress=false", *shared, *combo],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT)
+            if done.returncode:
+                raise AblationError(f"run {name} failed (exit {done.returncode}); its log: {out / f'{name}.log'}")
+    except AblationError as e:
+        print(f"error: {e}")
+        return 2
+    dirs = {name: out / name for name in runs}
+    lines = [f"Ablation of {', '.join(args.grid)}; every run: {' '.join(shared) or 'the recipe defaults'}; "
+             f"means over each run's last {args.last} steps", "", *table(dirs, tuple(args.keys), args.last)]
+    (out / "ablation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(plot(list(dirs.values()), out / "compare.png"))
+    return 0
