@@ -48,3 +48,22 @@ def die_with_parent() -> None:
     a socket). So start them from a thread that lives as long as they should (the main thread). Linux only."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def exit_with(pid: int, every_s: float = 1.0) -> None:
+    """Initializer of worker processes whose parent is not the process they serve (a forkserver's children): end this
+    process once ``pid`` is gone, polled from a daemon thread, so a killed owner leaves no worker behind."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os._exit(0)
+            except PermissionError:  # alive, another user's: cannot be ours, but keep serving
+                pass
+
+    threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()

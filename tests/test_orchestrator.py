@@ -493,4 +493,4 @@ def test_an_ablation_runs_a_2x2_grid_with_the_same_seeds_and_writes_the_table_an
     assert len(first_rewards) == 1  # the same seeds and data: every run's first batch is the same rollouts
     table = (out / "ablation.md").read_text().splitlines()
     assert [line.split(" | ")[0].lstrip("| ") for line in table[4:]] == names
-    assert (out / "compare.png").stat().st_size > 10_000
+    assert (out / "ablation.png").stat().st_size > 10_000

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -156,15 +158,23 @@ def test_the_clients_decode_workers_decode_answers_as_it_does_and_a_broken_answe
     request = P.GenerateReqInput(input_ids=PROMPT, sampling_params=P.SamplingParams(n=3, max_new_tokens=40, top_k=5, sampling_seed=1),
                                  return_logprob=True, return_routed_experts=True, return_sampling_mask=True)
 
+    async def keep(body: bytes) -> bytes:
+        return body
+
     async def broken(_):
         return web.Response(text='{"output_ids": [1, 2', content_type="application/json")  # cut off mid-answer
 
     async def go():
         async with serving({("POST", "/generate"): broken}) as bad, EngineClient([server, bad], shape=shape, decode_workers=1) as client:
-            body = await client._call(server, P.GENERATE, request, raw=True)
+            body = await client._call(server, P.GENERATE, request, parse=keep)
             assert len(body) > 1000
             here, there = P.decode_generate_body(body, shape), await client._decode(body, 0)
             assert client.decoder_pids(), "the answer was decoded in this process"
+            for pid in client.decoder_pids():  # a worker killed (for memory, say) loses no answer
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(0.5)
+            again = await client._decode(body, 0)
+            assert [c.routing.tobytes() for c in again] == [c.routing.tobytes() for c in here]
             client.in_flight[server] = 1_000  # the next generation goes to the broken replica
             with pytest.raises(ReplicaDown, match="not JSON"):
                 await client.generate(PROMPT, {"max_new_tokens": 4}, return_routed_experts=True)

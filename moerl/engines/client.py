@@ -17,8 +17,9 @@ import base64
 import json
 import logging
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Iterable
+import os
+from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
+from typing import Any, Awaitable, Callable, Iterable
 
 import aiohttp
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from moerl.engines import protocol as P
 from moerl.engines.health import ReplicaHealth
 from moerl.engines.protocol import Completion, Route, SamplingParams, WireModel
+from moerl.env import exit_with
 from moerl.models.family import ModelShape
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class EngineClient:
         self.in_flight = {u: 0 for u in self.urls}
         self._session: aiohttp.ClientSession | None = None
         self.decode_workers = decode_workers
+        self._parsing = asyncio.Semaphore(2 * max(decode_workers, 1))
         self._decoder: ProcessPoolExecutor | None = None  # started at the first large answer: a short-answer run never pays for it
 
     async def __aenter__(self) -> "EngineClient":
@@ -92,17 +95,20 @@ class EngineClient:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self._session
 
-    async def _call(self, url: str, route: Route, request: WireModel | None = None, retries: int | None = None, raw: bool = False) -> Any:
+    async def _call(self, url: str, route: Route, request: WireModel | None = None, retries: int | None = None,
+                    parse: Callable[[bytes], Awaitable[Any]] | None = None) -> Any:
         """One route on one engine; transport errors and 5xx are retried (``retries``, default the client's) where the
-        route is idempotent. ``raw``: a success's body as bytes, unparsed."""
+        route is idempotent. ``parse``: what a success's raw body becomes, read and parsed only while fewer than
+        :attr:`_parsing` other bodies are (each can be tens of MB: answers wait in the engine's socket, not here)."""
         body = request.body() if request is not None else None
         last: Exception | None = None
         attempts = (self.retries if retries is None else retries) + 1 if route.idempotent else 1
         for attempt in range(attempts):
             try:
                 async with self._http().request(route.method, url + route.path, json=body) as resp:
-                    if raw and resp.status < 400:
-                        return await resp.read()
+                    if parse is not None and resp.status < 400:
+                        async with self._parsing:
+                            return await parse(await resp.read())
                     text = await resp.text()
                     if resp.status < 400:
                         return json.loads(text) if text and resp.content_type == "application/json" else text
@@ -144,28 +150,34 @@ class EngineClient:
             raise NoHealthyEngine("no engine replica is healthy: " + ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls))
         url = min(usable, key=self.in_flight.__getitem__)
         self.in_flight[url] += 1
-        try:
-            body = await self._call(url, P.GENERATE, request, retries=0, raw=True)  # not again here: the caller re-issues elsewhere
+        try:  # not again here: the caller re-issues elsewhere
+            return await self._call(url, P.GENERATE, request, retries=0, parse=lambda body: self._decode(body, routed_experts_start_len))
         except EngineError as e:
             if e.status is not None and e.status < 500:
                 raise
             self.health.request_failed(url, str(e))
             raise ReplicaDown(url, str(e).removeprefix(f"{url}: "), e.status) from None
-        finally:
-            self.in_flight[url] -= 1
-        try:
-            return await self._decode(body, routed_experts_start_len)
         except P.BrokenAnswer as e:
             self.health.request_failed(url, str(e))
             raise ReplicaDown(url, str(e)) from None
+        finally:
+            self.in_flight[url] -= 1
 
     async def _decode(self, body: bytes, routing_start: int) -> list[Completion]:
         if self.decode_workers < 1 or len(body) < DECODE_ELSEWHERE_BYTES:
             return P.decode_generate_body(body, self.shape, routing_start)
         if self._decoder is None:
-            # forkserver: this process runs threads (asyncio's, ZMQ's), which a forked child must not inherit.
-            self._decoder = ProcessPoolExecutor(self.decode_workers, mp_context=multiprocessing.get_context("forkserver"))
-        return await asyncio.get_running_loop().run_in_executor(self._decoder, P.decode_generate_body, body, self.shape, routing_start)
+            # forkserver: this process runs threads (asyncio's, ZMQ's), which a forked child must not inherit. The workers
+            # are the forkserver's children, which outlives a killed owner: each watches this process and ends with it.
+            self._decoder = ProcessPoolExecutor(self.decode_workers, mp_context=multiprocessing.get_context("forkserver"),
+                                                initializer=exit_with, initargs=(os.getpid(),))
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._decoder, P.decode_generate_body, body, self.shape, routing_start)
+        except BrokenExecutor as e:  # a worker died (killed for memory, say): the answer is still good, and so is this process
+            log.warning("a decode worker died (%s); decoding here, and in new workers from the next large answer", e)
+            self._decoder.shutdown(wait=False, cancel_futures=True)
+            self._decoder = None
+            return P.decode_generate_body(body, self.shape, routing_start)
 
     # ---- control ------------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:

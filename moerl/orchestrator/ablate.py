@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +48,8 @@ def combinations(axes: list[str]) -> list[list[str]]:
 
 
 def run_name(combo: list[str]) -> str:
-    return "+".join(f"{key.rsplit('.', 1)[-1]}-{value}" for key, _, value in (o.partition("=") for o in combo))
+    """A directory name: the keys' last parts and the values, a value's path separators made underscores."""
+    return "+".join(f"{key.rsplit('.', 1)[-1]}-{value.replace('/', '_')}" for key, _, value in (o.partition("=") for o in combo))
 
 
 def table(runs: dict[str, Path], keys: tuple[str, ...], last: int) -> list[str]:
@@ -57,7 +59,7 @@ def table(runs: dict[str, Path], keys: tuple[str, ...], last: int) -> list[str]:
         rows = read_metrics(run_dir)[-last:]
         cells = []
         for key in keys:
-            values = [r[key] for r in rows if key in r and r[key] is not None and not math.isnan(r[key])]
+            values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
             cells.append(f"{np.mean(values):.4g}" if values else "n/a")
         lines.append(f"| {name} | {rows[-1]['step'] if rows else 0} | {' | '.join(cells)} |")
     return lines
@@ -68,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     shared = argv[argv.index("--") + 1 :] if "--" in argv else []
     p = argparse.ArgumentParser(prog="moerl ablate", description=(
         "Run the main job under a grid of overrides, one run after another with the same seeds and data; write a comparison "
-        "table (OUT/ablation.md) and the runs' curves on the same axes (OUT/compare.png)."),
+        "table (OUT/ablation.md) and the runs' curves on the same axes (OUT/ablation.png)."),
                                 epilog="Overrides after -- go to every run (e.g. -- run.steps=10 run.mode=sync).")
-    p.add_argument("--out", required=True, help="a new directory: a run directory per combination, ablation.md, compare.png")
+    p.add_argument("--out", required=True, help="a new directory: a run directory per combination, ablation.md, ablation.png")
     p.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2", help="an axis of the grid (repeat for more)")
     p.add_argument("--last", type=int, default=3, help="steps at the end of each run averaged in the table (default 3)")
     p.add_argument("--keys", nargs="+", default=list(TABLE_KEYS), help="metrics in the table")
@@ -82,31 +84,45 @@ def main(argv: list[str] | None = None) -> int:
             raise AblationError(f"{recipe} does not exist: run from a moerl checkout, or give --recipe")
         if out.exists() and any(out.iterdir()):
             raise AblationError(f"{out} is not empty: give a new --out (an ablation's runs start from nothing)")
-        if any(o.startswith("run.dir=") for o in shared):
-            raise AblationError("run.dir is set per run (OUT/<name>): leave it out of the shared overrides")
+        if args.last < 1:
+            raise AblationError("--last must be >= 1")
+        if any(o.startswith("run.dir=") for o in shared + args.grid):
+            raise AblationError("run.dir is set per run (OUT/<name>): leave it out of the overrides and the grid")
         runs = {run_name(combo): combo for combo in combinations(args.grid)}
-        env = child_env()
+        # The recipe runs $PYTHON: the same interpreter checks and runs every combination.
+        python = os.environ.get("PYTHON", sys.executable)
+        env = child_env(PYTHON=python)
         config = [] if "--config" in shared else ["--config", str(recipe.with_suffix(".yaml"))]  # as the recipe does
         for name, combo in runs.items():  # every configuration checked before any run: a typo costs seconds, not runs
-            check = subprocess.run([sys.executable, "-m", "moerl.cli", "train", "--check", *config, f"run.dir={out / name}", *shared, *combo],
+            check = subprocess.run([python, "-m", "moerl.cli", "train", "--check", *config, f"run.dir={out / name}", *shared, *combo],
                                    env=env, capture_output=True, text=True)
             if check.returncode:
-                raise AblationError(f"run {name}: {(check.stdout + check.stderr).strip().splitlines()[-1]}")
+                said = (check.stdout + check.stderr).strip().splitlines()
+                raise AblationError(f"run {name}: {said[-1] if said else f'the config check failed (exit {check.returncode})'}")
         out.mkdir(parents=True, exist_ok=True)
+        done: dict[str, Path] = {}
         for number, (name, combo) in enumerate(runs.items(), 1):
             print(f"[{number}/{len(runs)}] {name}", flush=True)
             with open(out / f"{name}.log", "w") as log:
-                done = subprocess.run(["bash", str(recipe), f"run.dir={out / name}", "run.progress=false", *shared, *combo],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT)
-            if done.returncode:
-                raise AblationError(f"run {name} failed (exit {done.returncode}); its log: {out / f'{name}.log'}")
+                ran = subprocess.run(["bash", str(recipe), f"run.dir={out / name}", "run.progress=false", *shared, *combo],
+                                     env=env, stdout=log, stderr=subprocess.STDOUT)
+            if ran.returncode:
+                report(done, args, shared, out)  # what did finish is not lost
+                raise AblationError(f"run {name} failed (exit {ran.returncode}); its log: {out / f'{name}.log'}")
+            done[name] = out / name
     except AblationError as e:
         print(f"error: {e}")
         return 2
-    dirs = {name: out / name for name in runs}
+    report(done, args, shared, out)
+    return 0
+
+
+def report(runs: dict[str, Path], args, shared: list[str], out: Path) -> None:
+    """OUT/ablation.md and OUT/ablation.png of the runs that finished."""
+    if not runs:
+        return
     lines = [f"Ablation of {', '.join(args.grid)}; every run: {' '.join(shared) or 'the recipe defaults'}; "
-             f"means over each run's last {args.last} steps", "", *table(dirs, tuple(args.keys), args.last)]
+             f"means over each run's last {args.last} steps", "", *table(runs, tuple(args.keys), args.last)]
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print(plot(list(dirs.values()), out / "compare.png"))
-    return 0
+    print(plot(list(runs.values()), out / "ablation.png"))
