@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 KEY_CURVES = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "routing/agreement", "mismatch/k3_kl",
-              "mismatch/k3_kl_routing_differ", "routing/differs_any_layer", "staleness/max", "sync/seconds", "time/step_seconds", "time/trainer_idle_fraction", "prompts/trained",
-              "prompts/dropped", "train/grad_norm")
+              "mismatch/k3_kl_routing_differ", "routing/differs_any_layer", "staleness/max", "sync/seconds", "time/step_seconds",
+              "time/trainer_idle_fraction", "prompts/trained", "prompts/dropped", "train/grad_norm")
 
 
 class MetricsWriter:

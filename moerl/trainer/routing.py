@@ -49,12 +49,22 @@ class LocalRouters:
         sp = parallel_state.get_tensor_model_parallel_world_size()
         self.sp_size, self.sp_rank = (sp, parallel_state.get_tensor_model_parallel_rank()) if sp > 1 else (1, 0)
 
+    def chunk(self, s: int) -> slice:
+        """The positions of a length-``s`` row that this rank's routers see."""
+        size = s // self.sp_size
+        return slice(self.sp_rank * size, (self.sp_rank + 1) * size)
+
     def token_order(self, array: np.ndarray) -> np.ndarray:
         """``[b, s, ...]`` -> this rank's router order ``[s_local * b, ...]``."""
         b, s = array.shape[:2]
-        chunk = s // self.sp_size
-        local = np.swapaxes(array, 0, 1)[self.sp_rank * chunk : (self.sp_rank + 1) * chunk]
-        return local.reshape(chunk * b, *array.shape[2:])
+        local = np.swapaxes(array, 0, 1)[self.chunk(s)]
+        return local.reshape(local.shape[0] * b, *array.shape[2:])
+
+    @staticmethod
+    def batch_order(tokens: torch.Tensor, b: int) -> torch.Tensor:
+        """This rank's router order ``[s_local * b, ...]`` -> ``[b, s_local, ...]`` (the inverse of :meth:`token_order`
+        over this rank's chunk)."""
+        return tokens.view(-1, b, *tokens.shape[1:]).transpose(0, 1)
 
     def replay_targets(self, routing: np.ndarray) -> list[torch.Tensor]:
         """One int64 ``[s_local * b, topk]`` tensor per local router from ``[b, s, local routers, topk]`` (the
@@ -103,8 +113,8 @@ class RoutingProbe:
     with the rollout's routing. A forward that autograd runs inside the backward pass (activation recompute) records
     its used sets apart, in ``recomputed``."""
 
-    def __init__(self, routers: LocalRouters, native: bool = True):
-        self.routers, self.record_native = routers, native
+    def __init__(self, routers: LocalRouters):
+        self.routers = routers
         self.native: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.used: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.recomputed: list[list[torch.Tensor]] = [[] for _ in routers.routers]
@@ -129,10 +139,9 @@ class RoutingProbe:
                     self.recomputed[i].append(used)
                     return
                 self.used[i].append(used)
-                if self.record_native:
-                    logits = router.gating(inputs[0]).float()
-                    logits = logits.reshape(-1, logits.shape[-1])  # [s, b, E] -> [s * b, E], sequence-major
-                    self.native[i].append(logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values.cpu())
+                logits = router.gating(inputs[0]).float()
+                logits = logits.reshape(-1, logits.shape[-1])  # [s, b, E] -> [s * b, E], sequence-major
+                self.native[i].append(logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values.cpu())
 
         return hook
 
@@ -186,9 +195,7 @@ class RoutingProbe:
             local = torch.zeros(b * s // self.routers.sp_size, dtype=torch.bool)
             for _, _, _, native_same in self._layers(m, batch):
                 local |= ~native_same
-            chunk = s // self.routers.sp_size
-            # back from router order [s_local * b] (sequence-major) to [b, s_local], into this rank's columns
-            flat.view(b, s)[:, self.routers.sp_rank * chunk : (self.routers.sp_rank + 1) * chunk] = local.view(chunk, b).T.to(torch.uint8)
+            flat.view(b, s)[:, self.routers.chunk(s)] = self.routers.batch_order(local, b).to(torch.uint8)
         group = parallel_state.get_model_parallel_group() if dist.is_initialized() else None
         if group is not None and dist.get_world_size(group) > 1:
             joined = differs.to(collective_device())
@@ -212,10 +219,9 @@ class ReplayTracer:
             m, j = located[i]
             mb, sample = batches[m], piece.samples[i]
             row, col = (0, int(mb.cu_seqlens[j])) if mb.cu_seqlens is not None else (j, 0)
-            chunk = mb.input_ids.shape[1] // routers.sp_size
-            low = routers.sp_rank * chunk
-            start = min(max(0, low - col), sample.fed_len)
-            stop = max(start, min(sample.fed_len, low + chunk - col))
+            seen = routers.chunk(mb.input_ids.shape[1])
+            start = min(max(0, seen.start - col), sample.fed_len)
+            stop = max(start, min(sample.fed_len, seen.stop - col))
             self.where.append((m, row, col))
             arrays = {"rollout": sample.routing[start:stop]}
             if first_stage:  # the stage that feeds the tokens to the model
@@ -232,9 +238,8 @@ class ReplayTracer:
         dtype = np.uint8 if self.routers.num_experts <= 256 else np.int16
         for sample, (m, row, col) in zip(self.samples, self.where):
             b, s = self.batches[m].input_ids.shape
-            chunk = s // self.routers.sp_size
-            first = col + sample.start - self.routers.sp_rank * chunk  # the sample's first recorded position, in this chunk
-            per_router = [per_mb[m].view(chunk, b, -1)[first : first + sample.stop - sample.start, row] for per_mb in sets]
+            first = col + sample.start - self.routers.chunk(s).start  # the sample's first recorded position, in this chunk
+            per_router = [self.routers.batch_order(per_mb[m], b)[row, first : first + sample.stop - sample.start] for per_mb in sets]
             k = sample.arrays["rollout"].shape[-1]
             stacked = torch.stack(per_router, 1).numpy() if per_router else np.zeros((sample.stop - sample.start, 0, k))
             sample.arrays[name] = stacked.astype(dtype)
