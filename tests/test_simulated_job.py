@@ -72,6 +72,64 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
         assert acct["balanced"] and acct["trained"] == (steps + 1) * GROUPS
 
 
+def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_loses_no_prompt(model, tmp_path):
+    """48 layers x top-8 (Qwen3-30B-A3B's routing width) make every answer large enough for the manager's generation
+    workers; each is killed mid-run, twice: the prompts they carried are re-issued, none is dropped or blamed on an engine."""
+    import threading
+    import time
+
+    import psutil
+
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    for f in model.glob("tokenizer*"):
+        (deep / f.name).write_bytes(f.read_bytes())
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_hidden_layers=48, num_experts_per_tok=8, num_local_experts=16, mlp_only_layers=[])
+    (deep / "config.json").write_text(json.dumps(config))
+    killed: list[int] = []
+    rounds: list[int] = []  # workers killed in each round
+
+    def workers() -> list[psutil.Process]:
+        try:
+            for p in psutil.process_iter(["cmdline"]):
+                command = " ".join(p.info["cmdline"] or [])
+                if "moerl.orchestrator.manager" in command and str(tmp_path) in command:
+                    return [w for child in p.children() if "forkserver" in " ".join(child.cmdline()) for w in child.children()
+                            if w.pid not in killed]
+        except psutil.Error:  # a process ended while it was looked at
+            pass
+        return []
+
+    def kill_twice() -> None:
+        for _ in range(2):
+            deadline = time.monotonic() + 120
+            while len(found := workers()) < 2 and time.monotonic() < deadline:  # both started (the second round: both again)
+                time.sleep(0.2)
+            time.sleep(1.0)  # while they carry requests
+            for w in found:
+                try:
+                    w.kill()
+                except psutil.Error:
+                    continue
+                killed.append(w.pid)
+            rounds.append(len(found))
+
+    killer = threading.Thread(target=kill_twice, daemon=True)
+    killer.start()
+    out = simulate(deep, tmp_path / "run", "run.mode=async", "run.steps=4", "rollout.max_new_tokens=128", "rollout.generation_workers=2")
+    killer.join(timeout=10)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert rounds == [2, 2] and len(killed) == 4, (rounds, killed)
+    rows = read_metrics(tmp_path / "run")
+    assert sum(r["cpu/manager_helpers_seconds"] for r in rows) > 0
+    assert sum(r["rollout/retries_engine_failure"] for r in rows) == 0 and rows[-1]["prompts/dropped_engine_failure"] == 0
+    acct = json.loads((tmp_path / "run" / "accounting.json").read_text())
+    assert acct["balanced"] and acct["trained"] == 4 * GROUPS
+    log = (tmp_path / "run" / "logs" / "rollout_manager.log").read_text()
+    assert log.count("a generation worker died") >= 2 and "re-issued: the generation worker carrying it died" in log
+
+
 def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):
     from safetensors import safe_open
 

@@ -142,52 +142,108 @@ def test_an_in_place_update_splits_the_version_spans_where_it_happened(server, m
     assert 20 <= spans[0]["end"] <= 100
 
 
-def test_the_clients_decode_workers_decode_answers_as_it_does_and_a_broken_answer_is_a_transport_failure(server, models, monkeypatch):
+def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_silently(server, models, monkeypatch):
+    """Through the workers (HTTP and decoding in other processes) a generation gives what the client gives in its own
+    process; a broken answer and an engine's refusal raise there as here; a killed worker's generations raise WorkerLost
+    and leave the replica in rotation; a cancelled generation is aborted on the engine; a stuck worker is killed at the
+    client's deadline; closing the client ends what its workers still carried."""
     import json
 
     from aiohttp import web
 
     from moerl.engines import client as client_module
     from moerl.engines import protocol as P
-    from moerl.engines.client import EngineClient, ReplicaDown
+    from moerl.engines.client import EngineClient, EngineError, ReplicaDown
+    from moerl.engines.generation_workers import WorkerLost
     from moerl.engines.health import State
     from moerl.models import model_shape
+    from tests.test_engine_requests import _request
 
     shape = model_shape(json.loads((models["base"] / "config.json").read_text()))
-    monkeypatch.setattr(client_module, "DECODE_ELSEWHERE_BYTES", 1000)  # the tiny model's answers are far below 1 MB
-    request = P.GenerateReqInput(input_ids=PROMPT, sampling_params=P.SamplingParams(n=3, max_new_tokens=40, top_k=5, sampling_seed=1),
-                                 return_logprob=True, return_routed_experts=True, return_sampling_mask=True)
-
-    async def keep(body: bytes) -> bytes:
-        return body
+    params = P.SamplingParams(n=3, max_new_tokens=40, top_k=5, sampling_seed=1)
+    long = {"n": 8, "max_new_tokens": 500, "ignore_eos": True}  # 15 s at the profile's rates: running until aborted
 
     async def broken(_):
         return web.Response(text='{"output_ids": [1, 2', content_type="application/json")  # cut off mid-answer
 
-    async def go():
-        async with serving({("POST", "/generate"): broken}) as bad, EngineClient([server, bad], shape=shape, decode_workers=1) as client:
-            body = await client._call(server, P.GENERATE, request, parse=keep)
-            assert len(body) > 1000
-            here, there = P.decode_generate_body(body, shape), await client._decode(body, 0)
-            assert client.decoder_pids(), "the answer was decoded in this process"
-            for pid in client.decoder_pids():  # a worker killed (for memory, say) loses no answer
-                os.kill(pid, signal.SIGKILL)
-            await asyncio.sleep(0.5)
-            again = await client._decode(body, 0)
-            assert [c.routing.tobytes() for c in again] == [c.routing.tobytes() for c in here]
-            client.in_flight[server] = 1_000  # the next generation goes to the broken replica
-            with pytest.raises(ReplicaDown, match="not JSON"):
-                await client.generate(PROMPT, {"max_new_tokens": 4}, return_routed_experts=True)
-            return here, there, client.health.state(bad)
+    answer = {}  # one answer of the simulated engine (its log-probs are random), given again to each client
 
-    here, there, state = asyncio.run(go())
-    assert len(here) == len(there) == 3
-    for a, b in zip(here, there):
-        assert a.routing is not None and a.mask_ids is not None
+    async def fixed(_):
+        return web.Response(body=answer["body"], content_type="application/json")
+
+    async def keep(body: bytes) -> bytes:
+        return body
+
+    async def generations(client):
+        return await client.generate(PROMPT, params, return_routed_experts=True, routed_experts_start_len=2, return_sampling_mask=True)
+
+    async def go():
+        async with serving({("POST", "/generate"): broken}) as bad, serving({("POST", "/generate"): fixed}) as same, \
+                EngineClient([same], shape=shape) as here, EngineClient([server, bad, same], shape=shape, workers=2) as there:
+            request = P.GenerateReqInput(input_ids=PROMPT, sampling_params=params, return_logprob=True, return_routed_experts=True,
+                                         routed_experts_start_len=2, return_sampling_mask=True, sampling_logprobs_mode="selected")
+            answer["body"] = await here._call(server, P.GENERATE, request, parse=keep)
+            assert len(answer["body"]) <= P.largest_answer_bytes(request, shape) < client_module.CARRY_ELSEWHERE_BYTES
+            await generations(there)
+            assert not there.worker_pids(), "an answer that cannot reach the threshold went to a worker"
+            monkeypatch.setattr(client_module, "CARRY_ELSEWHERE_BYTES", 0)  # the tiny model's answers are far below it
+            there.in_flight.update({server: 1_000, bad: 1_000})  # to the replica that gives the answer again
+            mine, theirs = await generations(here), await generations(there)
+            there.in_flight.update({server: 0, same: 1_000})
+            assert len(there.worker_pids()) == 2
+            with pytest.raises(EngineError, match=r"refused \(400\).*vocabulary") as refused:
+                await there.generate([1, 999_999], {"max_new_tokens": 4})
+            assert refused.value.status == 400 and there.health.state(server) is State.HEALTHY
+
+            running = asyncio.ensure_future(there.generate(PROMPT, long))
+            await asyncio.sleep(0.5)
+            for pid in there.worker_pids():  # killed for memory, say
+                os.kill(pid, signal.SIGKILL)
+            with pytest.raises(WorkerLost, match="generation worker carrying it died"):
+                await running
+            assert there.health.state(server) is State.HEALTHY  # the replica did nothing wrong
+            again = await generations(there)  # new workers
+            await asyncio.sleep(3.0)  # the engine notices the lost connection within its poll interval
+            assert (await _request(server, "/abort_request", {"abort_all": True}))[1]["aborted"] == 0
+
+            cancelled = asyncio.ensure_future(there.generate(PROMPT, long))
+            await asyncio.sleep(0.5)
+            cancelled.cancel()
+            await asyncio.sleep(3.0)
+            assert (await _request(server, "/abort_request", {"abort_all": True}))[1]["aborted"] == 0
+
+            there.in_flight.update({server: 1_000, bad: 0})  # the next generation goes to the broken replica
+            with pytest.raises(ReplicaDown, match="not JSON"):
+                await there.generate(PROMPT, {"max_new_tokens": 4}, return_routed_experts=True)
+
+            async with EngineClient([server], shape=shape, workers=1) as stuck:
+                await stuck.generate(PROMPT, {"max_new_tokens": 2})  # its worker started and serving
+                stuck._workers.deadline_s = 2.0  # in place of the client's 600 s and the grace: one this test can wait for
+                running = asyncio.ensure_future(stuck.generate(PROMPT, long))
+                await asyncio.sleep(0.5)
+                (pid,) = stuck.worker_pids()
+                os.kill(pid, signal.SIGSTOP)  # neither answers nor dies
+                with pytest.raises(WorkerLost, match="no answer in 2 s; killed"):
+                    await running
+                stuck._workers.deadline_s = 600.0  # a new worker takes longer than 2 s to start
+                await stuck.generate(PROMPT, {"max_new_tokens": 2})  # and serves
+                running = asyncio.ensure_future(stuck.generate(PROMPT, long))
+                await asyncio.sleep(0.5)
+            with pytest.raises(WorkerLost, match="the client closed"):
+                await running
+            await asyncio.sleep(3.0)  # the closed workers' connections closed with them: nothing runs for them
+            assert (await _request(server, "/abort_request", {"abort_all": True}))[1]["aborted"] == 0
+            return mine, theirs, again, there.health.state(bad)
+
+    mine, theirs, again, state = asyncio.run(go())
+    assert len(mine) == len(theirs) == 3
+    for a, b, c in zip(mine, theirs, again):
+        assert a.routing is not None and a.mask_ids is not None and a.routing_start == 2
         for name in ("rid", "prompt_len", "finish_reason", "weight_versions", "routing_start"):
-            assert getattr(a, name) == getattr(b, name)
-        for name in ("output_ids", "logprobs", "routing", "mask_offsets", "mask_ids"):
+            assert getattr(a, name) == getattr(b, name), name
+        for name in ("output_ids", "logprobs", "routing", "mask_offsets", "mask_ids", "sampling_logprobs"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert np.array_equal(a.output_ids, c.output_ids) and np.array_equal(a.routing, c.routing)  # seeded: the same again
     assert state is not State.HEALTHY
 
 

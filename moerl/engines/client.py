@@ -14,27 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import logging
-import multiprocessing
-import os
-from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
 from typing import Any, Awaitable, Callable, Iterable
 
 import aiohttp
 import numpy as np
 
 from moerl.engines import protocol as P
+from moerl.engines.generation_workers import GenerationWorkers
 from moerl.engines.health import ReplicaHealth
 from moerl.engines.protocol import Completion, Route, SamplingParams, WireModel
-from moerl.env import exit_with
 from moerl.models.family import ModelShape
 
 log = logging.getLogger(__name__)
 
-# Below this an answer decodes (about 4 ms per MB) in less than the round trip to a worker costs; above it the
-# worker saves the calling process about 80% (an 8K-token answer of a 48-layer model: 75 ms -> 16 ms, the pipe's copy).
-DECODE_ELSEWHERE_BYTES = 1 << 20
+# An answer that cannot be larger than this is read and decoded here (about 4 ms per MB): less than the round trip to a
+# generation worker costs. Larger ones (an 8K-token response of a 48-layer model is 25 MB) go to the workers.
+CARRY_ELSEWHERE_BYTES = 1 << 20
 
 
 class EngineError(RuntimeError):
@@ -42,7 +40,10 @@ class EngineError(RuntimeError):
 
     def __init__(self, url: str, message: str, status: int | None = None):
         super().__init__(f"{url}: {message}")
-        self.url, self.status = url, status
+        self.url, self.message, self.status = url, message, status
+
+    def __reduce__(self):  # raised in a generation worker, re-raised in its owner
+        return type(self), (self.url, self.message, self.status)
 
 
 class ReplicaDown(EngineError):
@@ -55,9 +56,10 @@ class NoHealthyEngine(RuntimeError):
 
 class EngineClient:
     def __init__(self, urls: Iterable[str], shape: ModelShape | None = None, timeout_s: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, failures_to_dead: int = 3, decode_workers: int = 0):
-        """``timeout_s``: each request's deadline; ``failures_to_dead``: see :class:`ReplicaHealth`; ``decode_workers``:
-        processes that decode generations of more than :data:`DECODE_ELSEWHERE_BYTES` (0: this one decodes all)."""
+                 retries: int = 3, backoff_s: float = 0.5, failures_to_dead: int = 3, workers: int = 0):
+        """``timeout_s``: each request's deadline; ``failures_to_dead``: see :class:`ReplicaHealth`; ``workers``:
+        processes that carry the generations whose answers may exceed :data:`CARRY_ELSEWHERE_BYTES`, their HTTP and
+        decoding (:mod:`~moerl.engines.generation_workers`; 0: this one carries all)."""
         self.urls = [u.rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -68,9 +70,10 @@ class EngineClient:
         self.retries, self.backoff_s = retries, backoff_s
         self.in_flight = {u: 0 for u in self.urls}
         self._session: aiohttp.ClientSession | None = None
-        self.decode_workers = decode_workers
-        self._parsing = asyncio.Semaphore(2 * max(decode_workers, 1))
-        self._decoder: ProcessPoolExecutor | None = None  # started at the first large answer: a short-answer run never pays for it
+        # Bodies read and decoded at once (each can be tens of MB): the rest wait in the engines' sockets, not here.
+        self._parsing = asyncio.Semaphore(2)
+        self._workers = GenerationWorkers(workers, functools.partial(EngineClient, self.urls, shape, timeout_s, retries=0),
+                                          timeout_s) if workers > 0 else None
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -82,13 +85,12 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._decoder is not None:
-            self._decoder.shutdown(wait=False, cancel_futures=True)
-            self._decoder = None
+        if self._workers is not None:
+            self._workers.close()
 
-    def decoder_pids(self) -> list[int]:
-        """The decode workers' processes, to count their CPU."""
-        return list(getattr(self._decoder, "_processes", None) or {})
+    def worker_pids(self) -> list[int]:
+        """The generation workers' processes, to count their CPU."""
+        return self._workers.pids() if self._workers is not None else []
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -99,7 +101,7 @@ class EngineClient:
                     parse: Callable[[bytes], Awaitable[Any]] | None = None) -> Any:
         """One route on one engine; transport errors and 5xx are retried (``retries``, default the client's) where the
         route is idempotent. ``parse``: what a success's raw body becomes, read and parsed only while fewer than
-        :attr:`_parsing` other bodies are (each can be tens of MB: answers wait in the engine's socket, not here)."""
+        :attr:`_parsing` other bodies are."""
         body = request.body() if request is not None else None
         last: Exception | None = None
         attempts = (self.retries if retries is None else retries) + 1 if route.idempotent else 1
@@ -129,7 +131,9 @@ class EngineClient:
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
                        return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
                        return_sampling_mask: bool = False, rid: str | None = None, lora_path: str | None = None) -> list[Completion]:
-        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica."""
+        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica. Raises
+        :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when the
+        worker carrying it died (the replica is not blamed): either may be re-issued."""
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams.parse(sampling_params)
         fields: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or SamplingParams(),
@@ -151,7 +155,9 @@ class EngineClient:
         url = min(usable, key=self.in_flight.__getitem__)
         self.in_flight[url] += 1
         try:  # not again here: the caller re-issues elsewhere
-            return await self._call(url, P.GENERATE, request, retries=0, parse=lambda body: self._decode(body, routed_experts_start_len))
+            if self._workers is not None and P.largest_answer_bytes(request, self.shape) > CARRY_ELSEWHERE_BYTES:
+                return await self._workers.generate(url, request, routed_experts_start_len)
+            return await self.generate_on(url, request, routed_experts_start_len)
         except EngineError as e:
             if e.status is not None and e.status < 500:
                 raise
@@ -163,21 +169,12 @@ class EngineClient:
         finally:
             self.in_flight[url] -= 1
 
-    async def _decode(self, body: bytes, routing_start: int) -> list[Completion]:
-        if self.decode_workers < 1 or len(body) < DECODE_ELSEWHERE_BYTES:
+    async def generate_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
+        """One /generate on ``url``, read and decoded in this process; no retry, no health accounting."""
+        async def decode(body: bytes) -> list[Completion]:
             return P.decode_generate_body(body, self.shape, routing_start)
-        if self._decoder is None:
-            # forkserver: this process runs threads (asyncio's, ZMQ's), which a forked child must not inherit. The workers
-            # are the forkserver's children, which outlives a killed owner: each watches this process and ends with it.
-            self._decoder = ProcessPoolExecutor(self.decode_workers, mp_context=multiprocessing.get_context("forkserver"),
-                                                initializer=exit_with, initargs=(os.getpid(),))
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._decoder, P.decode_generate_body, body, self.shape, routing_start)
-        except BrokenExecutor as e:  # a worker died (killed for memory, say): the answer is still good, and so is this process
-            log.warning("a decode worker died (%s); decoding here, and in new workers from the next large answer", e)
-            self._decoder.shutdown(wait=False, cancel_futures=True)
-            self._decoder = None
-            return P.decode_generate_body(body, self.shape, routing_start)
+
+        return await self._call(url, P.GENERATE, request, retries=0, parse=decode)
 
     # ---- control ------------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
@@ -372,6 +373,21 @@ UNLOAD_LORA = Route("/unload_lora_adapter", "POST", idempotent=False)
 def encode_routed_experts(routing: np.ndarray) -> str:
     """SGLang's encoding: the int32 array [positions, num_hidden_layers, topk], raw bytes, base64."""
     return base64.b64encode(np.ascontiguousarray(routing, dtype=np.int32).tobytes()).decode("ascii")
+
+
+def largest_answer_bytes(req: GenerateReqInput, shape: ModelShape | None) -> int:
+    """About the most bytes a /generate answer to ``req`` can take on the wire: every completion at its token cap, each
+    position's routing (int32 base64 over every layer) and each output token's log-prob entry and kept set. What a
+    client needs to choose where to read an answer before it is asked for."""
+    params = req.sampling_params
+    prompt = len(req.input_ids) if req.input_ids is not None else len(req.text or "")
+    per_token = 64  # an output id, its text and its [log-prob, id, null] entry, as JSON
+    if req.return_routed_experts and shape is not None:
+        per_token += math.ceil(shape.num_layers * shape.topk * 4 * 4 / 3)
+    if req.return_sampling_mask:
+        kept = min(params.top_k, DEFAULT_SAMPLING_MASK_MAX_TOKENS) if params.top_k > 0 else DEFAULT_SAMPLING_MASK_MAX_TOKENS
+        per_token += 24 + 32 * kept  # the token's log-prob; an id (and a log-prob) per kept one
+    return params.n * ((prompt + params.max_new_tokens) * per_token + 1024)  # 1 KB: the rest of the meta_info
 
 
 def decode_routed_experts(payload: str, num_layers: int, topk: int, moe_layers: list[int], num_experts: int) -> np.ndarray:

@@ -98,9 +98,10 @@ class RolloutSection:
     max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
     partial: str = choice("in_place", PARTIAL)  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
     engine_retries: int = 3  # re-issues of a prompt whose replica failed (same seed, another replica); then dropped as engine_failure
-    # Processes beside the rollout manager that decode answers over 1 MB (JSON, routing, kept sets: ~9 us per response token
-    # of a 48-layer top-8 model), so one manager keeps up with many engines; started at the first such answer. 0: none.
-    decode_workers: int = 4
+    # Processes beside the rollout manager that carry its generations: each makes the HTTP requests and reads and decodes
+    # the answers (JSON, routing, kept sets: ~20 us per response token of a 48-layer top-8 model), so only compact arrays
+    # reach the manager and one manager keeps up with many engines. 0: the manager does it all.
+    generation_workers: int = 4
     seed: int = 0
 
     def __post_init__(self):
@@ -283,8 +284,8 @@ def check(cfg: RunConfig) -> None:
         problems.append("run.steps must be >= 1")
     if cfg.trainer.replay.trace_samples < 0:
         problems.append("trainer.replay.trace_samples must be >= 0")
-    if r.engine_retries < 0 or r.decode_workers < 0:
-        problems.append("rollout.engine_retries and rollout.decode_workers must be >= 0")
+    if r.engine_retries < 0 or r.generation_workers < 0:
+        problems.append("rollout.engine_retries and rollout.generation_workers must be >= 0")
     e = cfg.engines
     if min(e.request_timeout_s, e.health_interval_s, e.down_timeout_s) <= 0 or e.health_failures < 1 or e.max_restarts < 0:
         problems.append("engines.request_timeout_s, health_interval_s and down_timeout_s must be > 0, health_failures >= 1 "

@@ -535,8 +535,8 @@ class Job:
 
 class CpuMeter:
     """The orchestrator's own CPU cost per step, never scaled in a simulation: the rollout manager process's (the engine
-    client, rewards, and decoding the answers its decode workers do not take), its helper processes' (the decode
-    workers), and rank 0's rollout buffer's (taking in the finished groups). The manager's own is the figure that must
+    client, rewards, and the completions its generation workers hand it), its helper processes' (the generation
+    workers: engine requests and decoding), and rank 0's rollout buffer's (taking in the finished groups). The manager's own is the figure that must
     stay well below the step: it is one process."""
 
     def __init__(self, manager_pid: int, buffer: RolloutBuffer):

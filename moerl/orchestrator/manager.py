@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, ReplicaDown
+from moerl.engines.generation_workers import WorkerLost
 from moerl.engines.health import State
 from moerl.engines.protocol import SamplingParams
 from moerl.errors import EnginesDown
@@ -40,6 +41,7 @@ from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
 
 log = logging.getLogger("moerl.rollout")
+WORKER_LOSSES_PER_PROMPT = 3  # a prompt whose generation worker dies more often than this stops the run: they keep dying
 
 
 def sampling_seed(run_seed: int, index: int, attempt: int) -> int:
@@ -59,7 +61,7 @@ class RolloutManager:
         config = json.loads(open(f"{hf_dir}/config.json").read())
         e = cfg.engines
         self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=e.request_timeout_s, failures_to_dead=e.health_failures,
-                                   decode_workers=cfg.rollout.decode_workers)
+                                   workers=cfg.rollout.generation_workers)
         self.reported: dict[str, str] = {}  # the replicas' states as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
@@ -142,7 +144,7 @@ class RolloutManager:
             await self.events.send_pyobj(Issued(index, new))
             record, ids = self.stream.get(index)
             r = self.r
-            attempt, engine_retries, start = 0, 0, time.perf_counter()
+            attempt, engine_retries, workers_lost, start = 0, 0, 0, time.perf_counter()
             while True:
                 # Before the adapter is read: a replica that comes back after this wait holds only the current one.
                 await self._until_healthy()
@@ -156,9 +158,19 @@ class RolloutManager:
                     completions = await self.client.generate(
                         # Routing comes back under every replay mode: the agreement metrics compare against it.
                         ids, params, return_routed_experts=True, lora_path=adapter,
-                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}-e{engine_retries}")
+                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}-e{engine_retries}-w{workers_lost}")
                 except NoHealthyEngine:
                     continue  # the last healthy replica left between the wait and the request: wait again
+                except WorkerLost as e:  # not the engine's failure: re-issued without counting against the prompt's engine retries
+                    workers_lost += 1
+                    if workers_lost > WORKER_LOSSES_PER_PROMPT:
+                        raise RuntimeError(f"the generation worker carrying prompt {index} died {workers_lost} times (last: {e}); they are "
+                                           "being killed (for memory?): give the manager's host more memory, or set "
+                                           "rollout.generation_workers=0 to carry generations in the manager itself") from None
+                    log.warning("prompt %d re-issued: %s", index, e)
+                    if adapter in self.retired:
+                        await self._unload_unused()
+                    continue
                 except ReplicaDown as e:
                     await self._report()
                     engine_retries += 1

@@ -336,16 +336,34 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
                 await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
             return resp
-        results: dict[str, dict] = {}
+        # Each completion is serialized as it finishes: only its bytes wait for the other n - 1 (a long response's lists
+        # of floats take several times their JSON).
+        results: dict[str, bytes] = {}
         while len(results) < len(requests):
             update = await next_update()
             if update is None:
                 return web.Response(status=499, text="client disconnected")
             rid, finished, payload = update
             if finished:
-                results[rid] = payload
-        ordered = [results[r.rid] for r in requests]
-        return web.json_response(ordered[0] if len(ordered) == 1 else ordered, dumps=_dumps)
+                try:
+                    results[rid] = _dumps(payload).encode()
+                except ValueError:  # a NaN: a 500, and nothing left running for an answer that cannot be sent
+                    await on_engine(lambda: sched.abort_these(requests, "the answer could not be serialized"))
+                    raise
+        pieces = [results.pop(r.rid) for r in requests]
+        if len(pieces) > 1:  # a JSON list, written piece by piece: never joined into a second copy of the whole answer
+            separated = [x for piece in pieces for x in (b", ", piece)]
+            pieces = [b"[", *separated[1:], b"]"]
+        resp = web.StreamResponse()
+        resp.content_type, resp.content_length = "application/json", sum(map(len, pieces))
+        try:
+            await resp.prepare(request)
+            while pieces:
+                await resp.write(pieces.pop(0))  # each one freed once the socket has taken it
+            await resp.write_eof()
+        except ConnectionError:  # the client left while its answer was sent: nothing is running for it any more
+            pass
+        return resp
 
     @routes.get(P.HEALTH.path)
     async def health(request):
