@@ -68,7 +68,9 @@ def wait_while_running(proc: subprocess.Popen, condition, what: str, timeout_s: 
     """Until ``condition()``, as long as the job runs (it must not end first)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert proc.poll() is None and time.monotonic() < deadline, f"the run ended before {what}"
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended ({proc.returncode}) before {what}:\n" + proc.stderr.read()[-6000:])
+        assert time.monotonic() < deadline, f"no sign of {what} in {timeout_s} s"
         time.sleep(0.1)
 
 

@@ -144,24 +144,36 @@ class WeightSync(ABC):
         client.targets = up
         return up
 
-    def on_engines(self, call) -> None:
-        """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines; if one of them has gone since,
-        again on those that are left."""
+    def on_engines(self, call, again: bool = True):
+        """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. If it failed on one
+        that has gone since, those left are the chosen ones; with ``again`` the call is made again on them (one that
+        may be repeated), else it stands where it succeeded (None), and fails if it failed on any of them."""
         try:
-            self.link.run(call(self.link.client))
-        except EngineError:
+            return self.link.run(call(self.link.client))
+        except EngineError as e:
             client = self.link.client
             before = list(client.targets)
             left = [url for url in self.choose_engines() if url in before]  # not one that came back: it missed the push
             if set(left) >= set(before):
                 raise
             client.targets = left
-            self.link.run(call(client))
+            if again:
+                return self.link.run(call(client))
+            for failure in e.failures:
+                if failure.url in left:
+                    raise failure from None
+            return None
 
     def verify(self, trainer, tolerance: float) -> dict[str, float]:
-        """Every engine serves ``trainer``'s policy (see :func:`verify_engines`); call it after the engines resume."""
+        """Collective: every engine the update reached serves ``trainer``'s policy (see :func:`engines_serve`); call it
+        after the engines resume. One that has gone since is passed over: it takes the policy when it is back. The worst
+        deltas on global rank 0."""
         version, adapter = self.served(trainer.version)
-        return verify_engines(trainer.model.module, trainer.hf_config, self.link, version, tolerance, adapter) or {}
+        ids = probe_ids(trainer.hf_config["vocab_size"])
+        ours = probe_logprobs(trainer.model.module, ids)
+        worst: dict[str, float] = {}
+        self.agreed(lambda: worst.update(self.on_engines(lambda client: engines_serve(client, ids, ours, version, tolerance, adapter))))
+        return worst
 
     def close(self) -> None:
         if self.link is not None:
@@ -236,31 +248,32 @@ def probe_ids(vocab_size: int) -> list[int]:
     return [(7919 * i + 17) % vocab_size for i in range(PROBE_TOKENS)]
 
 
-def verify_engines(model, hf_config: dict, link: EngineLink | None, version: str | None, tolerance: float,
-                   lora_path: str | None = None) -> dict[str, float] | None:
-    """Collective over the trainer's ranks: check that every engine serves what the trainer holds.
-
-    Each engine must report ``version`` (unless None); engines that checksum their weights (SGLang's /weights_checker)
-    must agree with each other; and each engine's log-probs of a fixed probe (``lora_path``: through that
-    adapter) must be within ``tolerance`` (mean |delta|) of the trainer's own forward of it. The probe is
-    a generation request: call it after the engines resume. Returns the worst deltas (on global rank 0)."""
-    ids = probe_ids(hf_config["vocab_size"])
+def probe_logprobs(model, ids: list[int]) -> np.ndarray:
+    """Collective over the trainer's ranks: the model's log-probs of ``ids[1:]`` given the tokens before them, on every rank."""
     logits = forward_logits(model, torch.tensor([ids]))
     ours = None if logits is None else torch.log_softmax(logits[0, :-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None].to(logits.device))[:, 0].cpu()
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, ours)  # PROBE_TOKENS floats from each rank: the last stage's are the answer
-    if link is None:
-        return None
-    ours = next(t for t in held if t is not None).numpy()
-    served_versions = link.run(link.client.weight_versions()) if version is not None else []
-    for url, served in zip(link.client.targets, served_versions):
+    return next(t for t in held if t is not None).numpy()
+
+
+async def engines_serve(client: EngineClient, ids: list[int], ours: np.ndarray, version: str | None, tolerance: float,
+                        lora_path: str | None = None) -> dict[str, float]:
+    """Check that every engine ``client`` targets serves the policy whose log-probs of the probe ``ids`` are ``ours``.
+
+    Each engine must report ``version`` (unless None); engines that checksum their weights (SGLang's /weights_checker)
+    must agree with each other; and each engine's log-probs of the probe (``lora_path``: through that adapter) must be
+    within ``tolerance`` (mean |delta|) of ``ours``. The probe is a generation request: the engines must not be paused.
+    Raises :class:`WeightSyncError` naming the engine that does not; returns the worst deltas."""
+    served_versions = await client.weight_versions() if version is not None else []
+    for url, served in zip(client.targets, served_versions):
         if served != version:
             raise WeightSyncError(f"{url} serves weight version {served!r}, not {version!r}")
-    checksums = {c for c in link.run(link.client.weight_checksums()) if c is not None}
+    checksums = {c for c in await client.weight_checksums() if c is not None}
     if len(checksums) > 1:
         raise WeightSyncError(f"the engines hold different weights after the update to version {version}: {sorted(checksums)}")
     worst = {"sync/verify_mean_abs_delta": 0.0, "sync/verify_max_abs_delta": 0.0}
-    for url, theirs in zip(link.client.targets, link.run(link.client.prompt_logprobs(ids, lora_path))):
+    for url, theirs in zip(client.targets, await client.prompt_logprobs(ids, lora_path)):
         delta = np.abs(theirs - ours)
         if delta.mean() > tolerance:
             raise WeightSyncError(f"{url} does not serve the trainer's weights (version {version}): its log-probs of the probe "

@@ -18,6 +18,7 @@ import torch
 
 from moerl.checkpoint.peft import export_adapter, save_adapter
 from moerl.engines.client import EngineError
+from moerl.errors import EnginesDown
 from moerl.megatron.lora import LoRAConfig, is_lora_param
 from moerl.megatron.weights import Gather
 from moerl.models import family_for
@@ -67,9 +68,14 @@ class AdapterSync(WeightSync):
         again = self.pushes.get(trainer.version, 0)
         self.pushes[trainer.version] = again + 1
         self.adapter = self.adapter_name(trainer.version) + (f".{again}" if again else "")
-        if self.link is None:
-            return None
-        return self.push(lora, self.adapter)
+        stats, gone = None, None
+        if self.link is not None:
+            try:
+                stats = self.push(lora, self.adapter)
+            except EnginesDown as e:  # every engine went while it loaded: every rank stops together
+                gone = e
+        self.agreed(error=gone)
+        return stats
 
     def close(self) -> None:
         """Unload the adapter in use: engines given by URL outlive the job, and would keep it."""
@@ -90,11 +96,13 @@ class AdapterSync(WeightSync):
         family = family_for(self.hf_config)
         # The engines (SGLang, moerl serve) take one module per expert.
         files = export_adapter(family, family.normalize(self.hf_config), lora, self.lora, "sglang", self.base_model)
+        # An engine that goes while it loads is passed over (it takes the adapter when it is back); those that loaded
+        # it are not asked again, which they would refuse.
         if self.directory is None:
-            self.link.run(self.link.client.load_lora_from_tensors(name, files.config, files.tensors))
+            self.on_engines(lambda client: client.load_lora_from_tensors(name, files.config, files.tensors), again=False)
         else:
             path = save_adapter(self.directory / name, files)
-            self.link.run(self.link.client.load_lora(name, str(path.resolve())))
+            self.on_engines(lambda client: client.load_lora(name, str(path.resolve())), again=False)
         tensors = files.tensors
         return SyncStats(tensors=len(tensors), bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
                          buckets=1, seconds=time.perf_counter() - start)
