@@ -333,40 +333,46 @@ def test_the_server_reports_what_it_computes_in(server):
     assert reported["engine"] == "moerl-embedded" and reported["dtype"] == "float32"
 
 
-def test_a_control_call_stands_on_the_engines_left_when_one_has_just_gone(server, models, tmp_path):
-    """An engine gone (its port refusing) after an update chose it and before the next control call on it: the probe
-    that verifies the update, and an adapter's load, stand on the engine left, the gone one passed over (it takes the
+def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_just_gone(server, models, tmp_path):
+    """An engine gone (its port refusing) after an update chose it and before the next call on it: the probe that
+    verifies the update, and an adapter's load, stand on the engine left, the gone one passed over (it takes the
     policy when it is back). The adapter is not loaded twice where it was loaded (the engine would refuse it), and a
     failure on an engine still there is still raised."""
     import socket
 
-    from moerl.weight_sync.base import WeightSyncError, engines_serve, probe_ids
-    from moerl.weight_sync.disk import DiskSync
+    from safetensors.torch import load_file
+
+    from moerl.checkpoint.peft import AdapterFiles
+    from moerl.megatron.lora import LoRAConfig
+    from moerl.weight_sync.base import WeightSyncError, probe_ids
+    from moerl.weight_sync.lora import AdapterSync
 
     adapter = _write_adapter(tmp_path / "adapter", models[0])
-    ids = probe_ids(json.loads((models[0] / "config.json").read_text())["vocab_size"])
+    files = AdapterFiles(json.loads((adapter / "adapter_config.json").read_text()), load_file(adapter / "adapter_model.safetensors"))
+    hf_config = json.loads((models[0] / "config.json").read_text())
+    ids = probe_ids(hf_config["vocab_size"])
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
         gone = f"http://127.0.0.1:{closed.getsockname()[1]}"
-        sync = DiskSync([server, gone], tmp_path / "sync", models[0])
+        sync = AdapterSync([server, gone], LoRAConfig(enabled=True), hf_config, str(models[0]))
         client = sync.link.client
         try:
             client.targets = [server]
             (ours,) = sync.link.run(client.prompt_logprobs(ids))
 
-            def after_the_update_chose_both(call, again=True):
+            def after_the_update_chose_both(call):
                 client.targets = [server, gone]
-                return sync.on_engines(call, again)
+                return call()
 
-            worst = after_the_update_chose_both(lambda c: engines_serve(c, ids, ours, "default", 1e-6))
+            worst = after_the_update_chose_both(lambda: sync.check_engines(ids, ours, "default", 1e-6))
             assert client.targets == [server] and worst["sync/verify_max_abs_delta"] == 0
             with pytest.raises(WeightSyncError, match=f"{server} does not serve"):
-                after_the_update_chose_both(lambda c: engines_serve(c, ids, ours + 0.1, "default", 1e-3))
-            after_the_update_chose_both(lambda c: c.load_lora("a", str(adapter)), again=False)
+                after_the_update_chose_both(lambda: sync.check_engines(ids, ours + 0.1, "default", 1e-3))
+            after_the_update_chose_both(lambda: sync.load("a", files))
             assert client.targets == [server]
-            assert len(sync.link.run(client.generate(PROMPT, GREEDY, lora_path="a"))) == 1
+            assert sync.check_engines(ids, ours, None, 10.0, "a")["sync/verify_max_abs_delta"] > 0  # the adapter is in use
             with pytest.raises(EngineError, match="already loaded") as refused:
-                after_the_update_chose_both(lambda c: c.load_lora("a", str(adapter)), again=False)
+                after_the_update_chose_both(lambda: sync.load("a", files))
             assert refused.value.url == server
         finally:
             sync.close()

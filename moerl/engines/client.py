@@ -41,7 +41,7 @@ class EngineError(RuntimeError):
     def __init__(self, url: str, message: str, status: int | None = None):
         super().__init__(f"{url}: {message}")
         self.url, self.message, self.status = url, message, status
-        self.failures = [self]  # a call made on several engines: each engine's error, this one first
+        self.failures = [self]  # a call that ended on every engine (EngineClient._on_each): each engine's error, this one first
 
     def __reduce__(self):  # raised in a generation worker, re-raised in its owner
         return type(self), (self.url, self.message, self.status)
@@ -126,7 +126,22 @@ class EngineClient:
         raise last
 
     async def _everywhere(self, route: Route, request: WireModel | None = None) -> list[Any]:
-        return await _on_all(self._call(u, route, request) for u in self.targets)
+        return list(await asyncio.gather(*(self._call(u, route, request) for u in self.targets)))
+
+    async def _on_each(self, route: Route, request: WireModel | None = None) -> list[Any]:
+        """As :meth:`_everywhere`, for a call that must not be repeated where it succeeded: it ends on every engine before
+        it raises (a failure of one stops none of the others unseen), the error carrying each engine's
+        (:attr:`EngineError.failures`). Not for the weight-group routes: there one engine's refusal must fail the
+        collective its peers wait in at once."""
+        outcomes = await asyncio.gather(*(self._call(u, route, request) for u in self.targets), return_exceptions=True)
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if not errors:
+            return outcomes
+        for error in errors:
+            if not isinstance(error, EngineError):  # not an engine's failure: ours
+                raise error
+        errors[0].failures = errors
+        raise errors[0]
 
     # ---- generation -----------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
@@ -214,12 +229,12 @@ class EngineClient:
                                         backend: str, rank_offsets: list[int] | None = None) -> None:
         """Each replica joins the trainer's broadcast group at its own rank offset (default 1, 2, ...)."""
         offsets = rank_offsets or list(range(1, len(self.targets) + 1))
-        await _on_all(
+        await asyncio.gather(*(
             self._call(u, P.INIT_GROUP, P.InitWeightsUpdateGroupReqInput(
                 master_address=master_address, master_port=master_port, rank_offset=offset, world_size=world_size,
                 group_name=group_name, backend=backend))
             for u, offset in zip(self.targets, offsets, strict=True)
-        )
+        ))
 
     async def begin_weight_update(self) -> None:
         await self._everywhere(P.BEGIN_UPDATE, P.BeginWeightUpdateReqInput())
@@ -260,10 +275,10 @@ class EngineClient:
                     return None
                 raise
 
-        return await _on_all(one(u) for u in self.targets)
+        return list(await asyncio.gather(*(one(u) for u in self.targets)))
 
     async def load_lora(self, name: str, path: str) -> None:
-        await self._everywhere(P.LOAD_LORA, P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
+        await self._on_each(P.LOAD_LORA, P.LoadLoRAAdapterReqInput(lora_name=name, lora_path=path))
 
     async def load_lora_from_tensors(self, name: str, config: dict[str, Any], tensors: dict[str, Any]) -> None:
         """Push an adapter's PEFT tensors without a shared filesystem, as base64 safetensors bytes
@@ -273,7 +288,7 @@ class EngineClient:
         from safetensors.torch import save
 
         payload = base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode("ascii")
-        await self._everywhere(P.LOAD_LORA_TENSORS, P.LoadLoRAAdapterFromTensorsReqInput(
+        await self._on_each(P.LOAD_LORA_TENSORS, P.LoadLoRAAdapterFromTensorsReqInput(
             lora_name=name, config_dict=config, serialized_named_tensors=[payload], load_format="safetensors"))
 
     async def unload_lora(self, name: str) -> None:
@@ -308,19 +323,6 @@ def health(urls: list[str]) -> list[bool]:
             return await client.healthy()
 
     return asyncio.run(ask())
-
-
-async def _on_all(calls: Iterable[Awaitable[Any]]) -> list[Any]:
-    """The results of one call per engine, in order, once every one has ended (none is left running behind a failure);
-    if any failed, the first failure, carrying all of them (:attr:`EngineError.failures`)."""
-    outcomes = await asyncio.gather(*calls, return_exceptions=True)
-    failures = [o for o in outcomes if isinstance(o, BaseException)]
-    if failures:
-        first = failures[0]
-        if isinstance(first, EngineError):
-            first.failures = [f for f in failures if isinstance(f, EngineError)]
-        raise first
-    return outcomes
 
 
 def _error_message(text: str) -> str:

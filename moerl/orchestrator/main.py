@@ -414,13 +414,13 @@ class Job:
             self.buffer.restarting(self.pool.revive(cfg.engines.max_restarts))  # the sync reaches those that answer by then
         try:
             stats = self.sync.update(trainer)
+            self.serve_policy()
+            end = time.perf_counter()
+            metrics.update(self.verify())
         except EnginesDown as e:
             if self.lead:
                 self.buffer.trained(taken)  # in the step just made: not to be re-issued on resume
             self.stop_for_engines(e)
-        self.serve_policy()
-        end = time.perf_counter()
-        metrics.update(self.verify())
         if self.lead:
             self.record(metrics, taken, stats, start, trained_at, end, waited)
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
@@ -446,16 +446,16 @@ class Job:
             self.stop_for_engines(self.buffer.engines_down if self.lead else None)
         try:
             stats = self.sync.update(self.trainer, only=self.back if self.lead else None)
+            if not self.sync.reached:  # gone again before the sync: the wait goes on, and it is caught up when it is back
+                self.caught_up -= set(self.back)
+                return
+            if self.lead:
+                log.info("catch-up sync of version %d to %s in %.2f s", self.trainer.version, ", ".join(self.sync.link.client.targets), stats.seconds)
+                self.catch_ups += 1
+            self.serve_policy()
+            self.verify()  # with sync.verify: what came back serves the policy before it takes a request
         except EnginesDown as e:
             self.stop_for_engines(e)
-        if not self.sync.reached:  # gone again before the sync: the wait goes on, and it is caught up when it is back
-            self.caught_up -= set(self.back)
-            return
-        if self.lead:
-            log.info("catch-up sync of version %d to %s in %.2f s", self.trainer.version, ", ".join(self.sync.link.client.targets), stats.seconds)
-            self.catch_ups += 1
-        self.serve_policy()
-        self.verify()  # with sync.verify: what came back serves the policy before it takes a request
 
     def stop_for_engines(self, error: EnginesDown | None) -> None:
         """Collective: the run's checkpoint (every prompt not yet trained pending, to be issued again), then ``error``
@@ -482,8 +482,15 @@ class Job:
             self.buffer.use_adapter(self.sync.adapter, self.trainer.version)
 
     def verify(self) -> dict[str, float]:
-        """With sync.verify, every engine serves the trainer's policy (after the engines resumed)."""
-        return self.sync.verify(self.trainer, self.tolerance) if self.cfg.sync.verify else {}
+        """With sync.verify, every engine serves the trainer's policy (after the engines resumed). One that went since
+        the sync is out of rotation until it is back."""
+        if not self.cfg.sync.verify:
+            return {}
+        reached = list(self.sync.link.client.targets) if self.lead else None
+        worst = self.sync.verify(self.trainer, self.tolerance)
+        if self.lead and self.sync.link.client.targets != reached:
+            self.serve_policy()
+        return worst
 
     def record(self, metrics: dict, taken: list, stats, start: float, trained_at: float, end: float, waited: float) -> None:
         buffer = self.buffer

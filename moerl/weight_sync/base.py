@@ -172,8 +172,13 @@ class WeightSync(ABC):
         ids = probe_ids(trainer.hf_config["vocab_size"])
         ours = probe_logprobs(trainer.model.module, ids)
         worst: dict[str, float] = {}
-        self.agreed(lambda: worst.update(self.on_engines(lambda client: engines_serve(client, ids, ours, version, tolerance, adapter))))
+        self.agreed(lambda: worst.update(self.check_engines(ids, ours, version, tolerance, adapter)))
         return worst
+
+    def check_engines(self, ids: list[int], ours: np.ndarray, version: str | None, tolerance: float,
+                      adapter: str | None = None) -> dict[str, float]:
+        """Global rank 0: :func:`engines_serve` on the chosen engines, those gone since passed over."""
+        return self.on_engines(lambda client: engines_serve(client, ids, ours, version, tolerance, adapter))
 
     def close(self) -> None:
         if self.link is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moerl.checkpoint.peft import export_adapter, save_adapter
+from moerl.checkpoint.peft import AdapterFiles, export_adapter, save_adapter
 from moerl.engines.client import EngineError
 from moerl.errors import EnginesDown
 from moerl.megatron.lora import LoRAConfig, is_lora_param
@@ -96,13 +96,16 @@ class AdapterSync(WeightSync):
         family = family_for(self.hf_config)
         # The engines (SGLang, moerl serve) take one module per expert.
         files = export_adapter(family, family.normalize(self.hf_config), lora, self.lora, "sglang", self.base_model)
-        # An engine that goes while it loads is passed over (it takes the adapter when it is back); those that loaded
-        # it are not asked again, which they would refuse.
+        self.load(name, files)
+        tensors = files.tensors
+        return SyncStats(tensors=len(tensors), bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+                         buckets=1, seconds=time.perf_counter() - start)
+
+    def load(self, name: str, files: AdapterFiles) -> None:
+        """Rank 0: the adapter ``files`` into every chosen engine under ``name``. An engine that goes meanwhile is passed
+        over (it takes the adapter when it is back); those that loaded it are not asked again, which they would refuse."""
         if self.directory is None:
             self.on_engines(lambda client: client.load_lora_from_tensors(name, files.config, files.tensors), again=False)
         else:
             path = save_adapter(self.directory / name, files)
             self.on_engines(lambda client: client.load_lora(name, str(path.resolve())), again=False)
-        tensors = files.tensors
-        return SyncStats(tensors=len(tensors), bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-                         buckets=1, seconds=time.perf_counter() - start)
