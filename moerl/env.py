@@ -51,8 +51,9 @@ def die_with_parent() -> None:
 
 
 def exit_with(pid: int, every_s: float = 1.0) -> None:
-    """Initializer of worker processes whose parent is not the process they serve (a forkserver's children): end this
-    process once ``pid`` is gone, polled from a daemon thread, so a killed owner leaves no worker behind."""
+    """Initializer of helper processes that nothing ends with ``pid`` (a forkserver's children, a multiprocessing
+    Manager's server): end this process once ``pid`` is gone, polled from a daemon thread, so a killed owner leaves no
+    helper behind."""
     import threading
     import time
 

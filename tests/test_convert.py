@@ -135,7 +135,7 @@ def test_existing_output_directory_is_refused(hf_copy, tmp_path):
 
 def test_failure_mid_conversion_leaves_nothing(hf_copy, tmp_path, monkeypatch):
     calls = []
-    real_save = convert.dist_checkpointing.save
+    real_save = convert.save_sharded
 
     def failing_save(*args, **kwargs):
         calls.append(1)
@@ -143,7 +143,7 @@ def test_failure_mid_conversion_leaves_nothing(hf_copy, tmp_path, monkeypatch):
             raise OSError("disk full")
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(convert.dist_checkpointing, "save", failing_save)
+    monkeypatch.setattr(convert, "save_sharded", failing_save)
     with pytest.raises(OSError, match="disk full"):
         hf_to_mcore(hf_copy, tmp_path / "out", progress=False)
     assert _leftovers(tmp_path / "out") == []

@@ -307,8 +307,9 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_results(cache, t
 
 def test_a_killed_trainer_rank_leaves_no_process_behind_and_the_run_resumes(cache, tmp_path):
     """SIGKILL of trainer rank 1: torchrun stops rank 0, which tears down (engines and rollout manager stopped,
-    accounting written; had it been killed too, they would die with it), the job exits non-zero, and
-    run.resume=auto continues from the newest checkpoint."""
+    accounting written; had it been killed too, they would die with it), no process of the job is left (the killed
+    rank's helpers neither: its checkpoint writers' queue server), the job exits non-zero, and run.resume=auto
+    continues from the newest checkpoint."""
     steps = ["run.mode=sync", "run.steps=4", "run.save_every=1", "sync.verify=false"]
     proc = start_until_checkpoint(cache, tmp_path, steps, 1)
     try:
@@ -319,7 +320,7 @@ def test_a_killed_trainer_rank_leaves_no_process_behind_and_the_run_resumes(cach
         assert any(_is_engine(p) for p in children) and any("moerl.orchestrator.manager" in p.cmdline() for p in children)
         ranks[1].kill()
         assert proc.wait(timeout=120) != 0
-        _, alive = psutil.wait_procs([ranks[0], *children], timeout=30)
+        _, alive = psutil.wait_procs(family, timeout=30)
         assert alive == [], [p.cmdline() for p in alive]
         assert accounting(tmp_path)["balanced"]
     finally:

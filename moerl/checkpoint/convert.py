@@ -14,12 +14,11 @@ import json
 from pathlib import Path
 
 import torch
-from megatron.core import dist_checkpointing
 from tqdm import tqdm
 
 from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, check_hf_tensors, copy_carried_files, read_config
 from moerl.checkpoint.mcore import (HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, hf_config_of, load_sharded, merge_pieces,
-                                   read_moerl_meta, write_moerl_meta)
+                                   read_moerl_meta, save_sharded, write_moerl_meta)
 from moerl.checkpoint.peft import AdapterFiles, check_adapter, export_adapter, merge_into, peft_would_drop, write_adapter_files
 from moerl.dtypes import MODEL_DTYPES, dtype_name
 from moerl.files import staged_dir
@@ -103,9 +102,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
             piece = staging / f"piece{k}"
             piece.mkdir()
-            dist_checkpointing.save(
-                {n: t for n, t in sharded.items() if in_piece(n, prefix)}, str(piece), validate_access_integrity=False
-            )
+            save_sharded({n: t for n, t in sharded.items() if in_piece(n, prefix)}, piece, validate_access_integrity=False)
             piece_dirs.append(piece)
             for rule in rules:
                 _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="meta"))

@@ -19,14 +19,14 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from moerl.dtypes import torch_dtype
-from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, load_megatron_model, load_sharded, read_moerl_meta, write_moerl_meta
+from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, load_megatron_model, load_sharded, read_moerl_meta, save_sharded, write_moerl_meta
 from moerl.layout import Layout
 from moerl.megatron.forward import run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
@@ -355,7 +355,7 @@ class Trainer:
         if dist.get_rank() == 0:
             ckpt_dir.mkdir(parents=True, exist_ok=False)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state(loading=False), str(ckpt_dir))
+        save_sharded(self._sharded_state(loading=False), ckpt_dir)
         if dist.get_rank() == 0:
             shutil.copytree(Path(self.ckpt_dir) / HF_SUBDIR, ckpt_dir / HF_SUBDIR)
             base = read_moerl_meta(self.ckpt_dir)  # written now in the current format, whatever the base's
