@@ -88,7 +88,7 @@ def test_prompts_on_a_killed_or_hung_replica_are_reissued_and_every_prompt_is_ac
         signal_replica(pool, 1, signal.SIGSTOP)
         got = take(buffer, GROUPS)
         assert buffer.engines[url1] in ("suspect", "dead")
-        hung_retries = buffer.take_engine_retries()
+        hung_retries = buffer.take_reissues()["engine_failure"]
         signal_replica(pool, 1, signal.SIGCONT)
         wait_for(lambda: (buffer.drain(), set(buffer.engines.values()) == {"healthy"})[1])
         # Killed (SIGKILL) as the prompts are issued: what it was given (in flight, or refused if not yet sent) goes to
@@ -98,7 +98,7 @@ def test_prompts_on_a_killed_or_hung_replica_are_reissued_and_every_prompt_is_ac
         got += take(buffer, GROUPS)
         kill.join()
         wait_for(lambda: (buffer.drain(), buffer.engines[url1] == "dead")[1])
-        killed_retries = buffer.take_engine_retries()
+        killed_retries = buffer.take_reissues()["engine_failure"]
         acct = buffer.acct
         assert len({g.index for g in got}) == 2 * GROUPS == acct.issued  # every prompt came back, none twice
         assert hung_retries > 0 and killed_retries > 0  # both failures caught prompts in flight

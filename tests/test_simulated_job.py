@@ -127,7 +127,9 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
     acct = json.loads((tmp_path / "run" / "accounting.json").read_text())
     assert acct["balanced"] and acct["trained"] == 4 * GROUPS
     log = (tmp_path / "run" / "logs" / "rollout_manager.log").read_text()
-    assert log.count("a generation worker died") >= 2 and "re-issued: the generation worker carrying it died" in log
+    lost = log.count("re-issued: the generation worker carrying it died")
+    assert log.count("a generation worker died") >= 2 and lost >= 1
+    assert 1 <= sum(r["rollout/retries_worker_lost"] for r in rows) <= lost  # those of prompts still live at the end are not in a step
 
 
 def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):

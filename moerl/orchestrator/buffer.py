@@ -86,7 +86,7 @@ class RolloutBuffer:
         self.cpu_s = 0.0  # CPU time spent taking in the manager's events (unpickling the samples, accounting)
         self.cursor = cursor  # the next new prompt index: where a resumed run's data continues
         self.engines: dict[str, str] = {}  # every replica's health state, as the manager last reported it
-        self.engine_retries = 0  # re-issues after replica failures, of prompts finished since the last read
+        self.reissues: Counter = Counter()  # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
         self.engines_down: EnginesDown | None = None  # the manager found no engine for engines.down_timeout_s
         self._stopping = self._stopped = False
 
@@ -108,9 +108,9 @@ class RolloutBuffer:
         if urls:
             self.orders.send_pyobj(Restarting(urls))
 
-    def take_engine_retries(self) -> int:
-        count, self.engine_retries = self.engine_retries, 0
-        return count
+    def take_reissues(self) -> Counter:
+        counts, self.reissues = self.reissues, Counter()
+        return counts
 
     def _handle(self, event: Issued | GroupDone | Dropped | EnginesChanged | RolloutFailed | Stopped) -> None:
         if isinstance(event, Issued):
@@ -121,10 +121,10 @@ class RolloutBuffer:
         elif isinstance(event, GroupDone):
             self.ready.append(Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries))
             self.acct.set(event.index, "ready")
-            self.engine_retries += event.engine_retries
+            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
-            self.engine_retries += event.engine_retries
+            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
             if not self._stopping:
                 self.order(1)  # a prompt in its place: the step still needs its groups, the async queue its depth
         elif isinstance(event, EnginesChanged):

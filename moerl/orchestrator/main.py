@@ -498,12 +498,14 @@ class Job:
         buffer.drain()
         metrics.update(rollout_metrics(taken))
         metrics.update(buffer.acct.counts())
+        reissues = buffer.take_reissues()
         metrics.update({
             "step": self.trainer.version, "mode": self.cfg.run.mode, "sync/seconds": stats.seconds, "sync/pause_seconds": stats.pause_seconds,
             "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "sync/full_weight_bytes": self.full_bytes, "time/step_seconds": end - start,
             "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
             "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
-            "rollout/retries_engine_failure": float(buffer.take_engine_retries()), "sync/catch_ups": float(self.catch_ups),
+            "rollout/retries_engine_failure": float(reissues["engine_failure"]), "rollout/retries_worker_lost": float(reissues["worker_lost"]),
+            "sync/catch_ups": float(self.catch_ups),
             "prompts/dropped_engine_failure": float(buffer.acct.dropped["engine_failure"]),
         })
         states = list(buffer.engines.values())

@@ -176,7 +176,7 @@ class RolloutManager:
                     engine_retries += 1
                     if engine_retries > r.engine_retries:
                         log.warning("prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e)
-                        await self.events.send_pyobj(Dropped(index, "engine_failure", engine_retries - 1))
+                        await self.events.send_pyobj(Dropped(index, "engine_failure", engine_retries - 1, workers_lost))
                         return
                     log.warning("prompt %d re-issued (%d of %d): %s", index, engine_retries, r.engine_retries, e)
                     if adapter in self.retired:
@@ -198,7 +198,7 @@ class RolloutManager:
                         if self.cfg.lora.enabled else None)
             samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
                        for c, x in zip(completions, rewards)]
-            await self.events.send_pyobj(GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries))
+            await self.events.send_pyobj(GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost))
         except asyncio.CancelledError:
             raise
         except EnginesDown as e:

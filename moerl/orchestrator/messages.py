@@ -63,6 +63,7 @@ class GroupDone:
     retries: int  # regenerations after weight updates aborted it (rollout.partial=retry)
     seconds: float  # from issue to scored
     engine_retries: int = 0  # re-issues after its replica failed (transport error, deadline)
+    workers_lost: int = 0  # re-issues after the generation worker carrying it died (not the replica's failure)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Dropped:
     index: int
     reason: str  # engine_failure: its replicas failed more than rollout.engine_retries times
     engine_retries: int
+    workers_lost: int = 0
 
 
 @dataclass(frozen=True)
