@@ -50,6 +50,21 @@ def die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie nobody has reaped yet (a container's init may never)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or gone since: the next look tells
+        return False
+
+
 def exit_with(pid: int, every_s: float = 1.0) -> None:
     """Initializer of helper processes that nothing ends with ``pid`` (a forkserver's children, a multiprocessing
     Manager's server): end this process once ``pid`` is gone, polled from a daemon thread, so a killed owner leaves no
@@ -60,11 +75,7 @@ def exit_with(pid: int, every_s: float = 1.0) -> None:
     def watch() -> None:
         while True:
             time.sleep(every_s)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if _gone(pid):
                 os._exit(0)
-            except PermissionError:  # alive, another user's: cannot be ours, but keep serving
-                pass
 
     threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -195,3 +199,61 @@ def test_cli_verify_fails_when_the_weights_differ(tiny_ckpts, tmp_path, capsys):
     other = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "other", seed=1)
     assert cli(["verify", "--hf", str(other), "--mcore", str(mcore_dir)]) == 1
     assert "(FAIL, tolerance 1.0e-03)" in capsys.readouterr().out
+
+
+def test_what_a_save_forks_dies_with_the_saver_and_its_queue_server_watches_it(tmp_path, monkeypatch):
+    """megatron-core forks checkpoint writers in each save and serves their results queue from a Manager it keeps: both
+    must end with the rank that saves (a SIGKILLed rank left them behind). A child forked during save_sharded has
+    SIGKILL as its parent-death signal, one forked outside it has none, and the queue's server of a process that is
+    SIGKILLed after a save ends within seconds."""
+    import ctypes
+    import os
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from moerl.checkpoint import mcore
+
+    def death_signal_of_a_child() -> int:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: its own parent-death signal, through the pipe
+            sig = ctypes.c_int(-1)
+            ctypes.CDLL(None).prctl(2, ctypes.byref(sig))  # PR_GET_PDEATHSIG
+            os.write(write, sig.value.to_bytes(4, "little", signed=True))
+            os._exit(0)
+        os.close(write)
+        value = int.from_bytes(os.read(read, 4), "little", signed=True)
+        os.close(read)
+        os.waitpid(pid, 0)
+        return value
+
+    seen = []
+    monkeypatch.setattr(mcore.dist_checkpointing, "save", lambda *args, **kwargs: seen.append(death_signal_of_a_child()))
+    monkeypatch.setattr(filesystem_async, "_results_queue", filesystem_async._results_queue or object())  # started already
+    mcore.save_sharded({}, tmp_path)
+    assert seen == [signal.SIGKILL] and death_signal_of_a_child() == 0
+
+    saver = subprocess.run([sys.executable, "-c", f"""
+import os, sys
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from moerl.checkpoint import mcore
+mcore.dist_checkpointing.save = lambda *args, **kwargs: None
+mcore.save_sharded({{}}, {str(tmp_path)!r})
+open({str(tmp_path / "server")!r}, "w").write(str(filesystem_async._results_queue._manager._process.pid))
+os.kill(os.getpid(), 9)
+"""], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)  # no pipe: the server would hold it open
+    assert saver.returncode == -signal.SIGKILL
+    server, deadline = int((tmp_path / "server").read_text()), time.monotonic() + 10
+    while _running(server):
+        if time.monotonic() > deadline:
+            os.kill(server, signal.SIGKILL)
+            pytest.fail("the checkpoint queue's server outlived its SIGKILLed saver")
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -18,6 +18,7 @@ import torch
 from megatron.core import dist_checkpointing
 
 from moerl.checkpoint.hf import CheckpointError, read_config
+from moerl.env import die_with_parent, exit_with
 from moerl.layout import Layout
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import init_distributed
@@ -57,23 +58,38 @@ def load_sharded(sharded: dict, ckpt_dir: str | Path) -> dict:
     return dist_checkpointing.load(sharded, str(ckpt_dir))
 
 
+_saving = False  # while save_sharded runs: what this process forks then is one of megatron-core's checkpoint writers
+
+
+def _writer_dies_with_saver() -> None:
+    if _saving:
+        die_with_parent()
+
+
+os.register_at_fork(after_in_child=_writer_dies_with_saver)
+
+
 def save_sharded(sharded: dict, ckpt_dir: str | Path, **options) -> None:
-    """``dist_checkpointing.save``, its helper process tied to this one. megatron-core's writers report through a queue
-    that a multiprocessing Manager serves, spawned at the first save and kept for the process's life
+    """``dist_checkpointing.save``, its helper processes tied to this one. megatron-core's writers report through a
+    queue that a multiprocessing Manager serves, spawned at the first save and kept for the process's life
     (``filesystem_async._results_queue``); started there, it outlives a SIGKILLed trainer rank (found: one left behind
-    per killed rank, 270 MB each). Started here, it watches this process and ends with it."""
+    per killed rank, 270 MB each). Started here, it watches this process and ends with it. The writer processes each
+    save forks end with it too: killed mid-save, a rank would leave them blocked on a pipe nobody reads."""
+    global _saving
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
         import multiprocessing
         from multiprocessing.managers import SyncManager
 
-        from moerl.env import exit_with
-
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # spawn, as megatron-core's: this process runs threads
         manager.start(initializer=exit_with, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager
-    dist_checkpointing.save(sharded, str(ckpt_dir), **options)
+    _saving = True
+    try:
+        dist_checkpointing.save(sharded, str(ckpt_dir), **options)
+    finally:
+        _saving = False
 
 
 def write_moerl_meta(ckpt_dir: str | Path, architecture: str, dtype: str, hf_source: str) -> None:

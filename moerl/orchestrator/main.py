@@ -213,7 +213,7 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
     def convert(staging: Path) -> None:
         log.info("converting %s to the Megatron layout (tools/convert_ckpt.py hf-to-mcore)", hf)
         subprocess.run([sys.executable, "-m", "moerl.checkpoint.cli", "hf-to-mcore", "--hf", str(hf), "--out", str(staging / "ckpt")],
-                       check=True, env=child_env())
+                       check=True, env=child_env(), preexec_fn=die_with_parent)
 
     return hf, _build_once(cache / "mcore" / fingerprint, convert) / "ckpt"
 
