@@ -155,3 +155,46 @@ def test_replica_health_states_follow_failures_probes_and_versions():
     lora.sync_reached(None, ["a"])
     lora.probed("a", True, "default")
     assert lora.state("a") is State.HEALTHY
+
+
+def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read_them():
+    """The rollout manager applies a sync's ``Served`` order at once: at its first await (where a waiting request
+    could pick a replica and an adapter), a replica a catch-up brought back is in rotation only under the adapter
+    the catch-up loaded there, and one the sync passed over is already out of rotation."""
+    from moerl.engines.health import ReplicaHealth, State
+    from moerl.orchestrator.manager import RolloutManager
+    from moerl.orchestrator.messages import Served
+
+    seen, unloaded = [], []
+
+    class Client:
+        health = ReplicaHealth(["a", "b"])
+
+        async def probe(self, url):
+            seen.append((manager.adapter, manager.client.health.usable()))
+            await asyncio.sleep(0)
+            return True, "default"
+
+        async def unload_lora(self, name):
+            unloaded.append(name)
+
+    async def report():
+        seen.append((manager.adapter, manager.client.health.usable()))
+
+    manager = RolloutManager.__new__(RolloutManager)  # the order handling alone: no engines, tokenizer or sockets
+    manager.client, manager.adapter, manager.users, manager.retired, manager._report = Client(), ("v2", 2), {}, set(), report
+    health = manager.client.health
+    health.sync_reached(None, ["a", "b"])
+
+    # Both replicas die and are started again; "a" answers first, and the catch-up reloads policy 2 on it alone
+    # under a name of its own (an engine that only hung still holds the first).
+    health.restarted("a"), health.restarted("b")
+    asyncio.run(manager._served(Served(None, ["a"], "v2.1", 2)))
+    assert seen[0] == (("v2.1", 2), []) and seen[-1] == (("v2.1", 2), ["a"])
+    assert unloaded == ["v2"] and health.state("b") is State.RESTARTING
+
+    # "b" is back and caught up; the next sync reaches "a" only: "b" leaves rotation before the new adapter is named.
+    health.sync_reached(None, ["a", "b"]), health.probed("b", True, "default")
+    seen.clear()
+    asyncio.run(manager._served(Served(None, ["a"], "v3", 3)))
+    assert seen == [(("v3", 3), ["a"])] and health.state("b") is State.STALE and unloaded == ["v2", "v2.1"]

@@ -275,8 +275,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 def start_until_checkpoint(cache: Path, run_dir: Path, overrides: list[str], step: int) -> subprocess.Popen:
     """The job, started in the background and running once its checkpoint of ``step`` is complete."""
-    proc = subprocess.Popen(job_args(cache, run_dir, *overrides), env=child_env(PYTHON=sys.executable), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = start_job(cache, run_dir, *overrides)  # its stderr kept: it says why, if the job ends first
     try:
         wait_while_running(proc, (run_dir / "checkpoints" / f"step_{step}" / "run_state.json").exists, "its checkpoint")
     except BaseException:
@@ -297,10 +296,12 @@ def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_results(cache, t
     assert out.returncode == 0, out.stderr[-4000:]
     a, b = read_metrics(straight), read_metrics(killed)
     assert [r["step"] for r in b] == list(range(1, 7))
+    # The same tokens, rewards and weights; float32 rounding may differ: the engine's log-probs (the behaviour policy of
+    # the loss's correction) depend on what it batched them with, by ~1e-7, which moves a GRPO loss of ~0 by as much.
     for x, y in zip(a, b):
         assert x["rollout/reward_mean"] == y["rollout/reward_mean"], (x["step"], x["rollout/reward_mean"], y["rollout/reward_mean"])
-        assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-6, abs=1e-9)
-        assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-6)
+        assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-5, abs=1e-6), x["step"]
+        assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-5), x["step"]
         assert x["prompts/trained"] == y["prompts/trained"]
     assert accounting(killed)["balanced"] and accounting(killed)["trained"] == accounting(straight)["trained"]
 
@@ -403,7 +404,7 @@ def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
     from moerl.orchestrator.messages import EVENTS, ORDERS, Generate, GroupDone, ManagerSpec, Stop, checked
 
     assert checked(Generate(3), ORDERS) == Generate(3) and checked(Stop(), ORDERS) == Stop()
-    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, UseAdapter, Served, Restarting, Stop"):
+    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, Served, Restarting, Stop"):
         checked({"cmd": "generate", "groups": 3}, ORDERS)
     with pytest.raises(TypeError, match="unexpected message Generate"):
         checked(Generate(1), EVENTS)  # an order is not an event
@@ -432,11 +433,8 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
             return None, self.adapter
 
     class Buffer:
-        def use_adapter(self, name, version):
-            ordered.append(("adapter", name, version))
-
-        def served(self, weight_version, engines):
-            ordered.append(("served", weight_version, engines))
+        def served(self, weight_version, engines, adapter, version):
+            ordered.append(("served", weight_version, engines, adapter, version))
 
         def order(self, groups):
             ordered.append(("generate", groups))
@@ -449,8 +447,7 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
     monkeypatch.setattr(job_module.Job, "start_rollouts", start_rollouts)
     monkeypatch.setattr(job_module.Job, "teardown", lambda self: None)
     job.run()
-    # What the sync reached first (a replica it missed leaves rotation), then the adapter new requests name.
-    assert ordered[:3] == [("served", None, ["http://a"]), ("adapter", "moerl-lora-v3", 3), ("generate", job.cfg.rollout.outstanding)]
+    assert ordered[:2] == [("served", None, ["http://a"], "moerl-lora-v3", 3), ("generate", job.cfg.rollout.outstanding)]
 
 
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path):

@@ -21,7 +21,7 @@ import zmq
 from moerl.errors import EnginesDown
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (EVENTS, Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop,
-                                         Stopped, UseAdapter, checked)
+                                         Stopped, checked)
 from moerl.sample import Sample
 
 
@@ -95,13 +95,10 @@ class RolloutBuffer:
         if groups > 0:
             self.orders.send_pyobj(Generate(groups))
 
-    def use_adapter(self, name: str, version: int) -> None:
-        """New requests sample with the LoRA adapter ``name`` (loaded on every engine), policy ``version``."""
-        self.orders.send_pyobj(UseAdapter(name, version))
-
-    def served(self, weight_version: str | None, engines: list[str]) -> None:
-        """The last weight sync reached ``engines``, which now report ``weight_version``."""
-        self.orders.send_pyobj(Served(weight_version, engines))
+    def served(self, weight_version: str | None, engines: list[str], adapter: str | None = None, version: int = 0) -> None:
+        """The last weight sync reached ``engines``, which now report ``weight_version``; new requests sample with
+        the LoRA ``adapter`` it loaded there (policy ``version``), if any."""
+        self.orders.send_pyobj(Served(weight_version, engines, adapter, version))
 
     def restarting(self, urls: list[str]) -> None:
         """The job started these replicas' processes again."""

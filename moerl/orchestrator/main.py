@@ -475,11 +475,8 @@ class Job:
         and a replica out of rotation comes back once it reports the weight version the others now serve."""
         if not self.lead:
             return
-        # What the sync reached first: a replica it passed over is out of rotation before any request names the new adapter.
-        weight_version, _ = self.sync.served(self.trainer.version)
-        self.buffer.served(weight_version, self.sync.link.client.targets)
-        if self.sync.adapter is not None:
-            self.buffer.use_adapter(self.sync.adapter, self.trainer.version)
+        weight_version, adapter = self.sync.served(self.trainer.version)
+        self.buffer.served(weight_version, self.sync.link.client.targets, adapter, self.trainer.version)
 
     def verify(self) -> dict[str, float]:
         """With sync.verify, every engine serves the trainer's policy (after the engines resumed). One that went since

@@ -35,7 +35,7 @@ from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config
 from moerl.orchestrator.messages import (ORDERS, Dropped, EnginesChanged, Generate, GroupDone, Issued, ManagerSpec, Restarting, RolloutFailed,
-                                         Served, Stopped, UseAdapter, checked)
+                                         Served, Stopped, checked)
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
@@ -85,16 +85,8 @@ class RolloutManager:
                 if isinstance(order, Generate):
                     for _ in range(order.groups):
                         self._start(*((self.reissue.popleft(), False) if self.reissue else (self._next(), True)))
-                elif isinstance(order, UseAdapter):
-                    if self.adapter[0] not in (None, order.name):  # the same name again: a catch-up loaded it on a replica that came back
-                        self.retired.add(self.adapter[0])
-                    self.adapter = (order.name, order.version)
-                    log.info("new requests use adapter %s (policy version %d)", *self.adapter)
-                    await self._unload_unused()
                 elif isinstance(order, Served):
-                    self.client.health.sync_reached(order.weight_version, order.engines)
-                    await self._probe(order.engines)  # those the sync brought back rejoin now, not a probe interval later
-                    await self._report()
+                    await self._served(order)
                 elif isinstance(order, Restarting):
                     for url in order.urls:
                         self.client.health.restarted(url)
@@ -117,6 +109,20 @@ class RolloutManager:
             self.commands.close(linger=0)
             self.events.close(linger=1000)
             ctx.term()
+
+    async def _served(self, order: Served) -> None:
+        # The rotation and the adapter change before the first await, where a waiting request could read them: else
+        # it could name the old adapter on a replica a catch-up brought back with only the new one loaded, or the new
+        # adapter on a replica the sync passed over that is still in rotation.
+        self.client.health.sync_reached(order.weight_version, order.engines)
+        if order.adapter is not None:
+            if self.adapter[0] not in (None, order.adapter):  # the same one again: re-served after a verify passed an engine over
+                self.retired.add(self.adapter[0])
+            self.adapter = (order.adapter, order.version)
+            log.info("new requests use adapter %s (policy version %d)", *self.adapter)
+        await self._probe(order.engines)  # those the sync brought back rejoin now, not a probe interval later
+        await self._report()
+        await self._unload_unused()
 
     def _next(self) -> int:
         index, self.cursor = self.cursor, self.cursor + 1

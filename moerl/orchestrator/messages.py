@@ -22,18 +22,16 @@ class Generate:
 
 
 @dataclass(frozen=True)
-class UseAdapter:
-    name: str  # the LoRA adapter new requests sample with (loaded on every engine)
-    version: int  # the policy version it holds: the version of every token sampled with it
-
-
-@dataclass(frozen=True)
 class Served:
     """After each weight sync: a replica out of rotation comes back once it is among ``engines`` and reports
-    ``weight_version``; a healthy one not among them is stale (it answered too late for the sync)."""
+    ``weight_version``; a healthy one not among them is stale (it answered too late for the sync). In LoRA runs
+    new requests name ``adapter`` from then on. One order, so that the manager changes the rotation and the
+    adapter together: no request finds a replica back in rotation under an adapter it does not hold."""
 
     weight_version: str | None  # what they report (None: a LoRA run, whose base weights keep their version)
     engines: list[str]  # the engines the sync reached
+    adapter: str | None = None  # the LoRA adapter the sync loaded on them (None: a full-weight run)
+    version: int = 0  # the policy version the adapter holds: the version of every token sampled with it
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class Stop:
     """Abort what is in flight and exit; answered by :class:`Stopped`."""
 
 
-ORDERS = (Generate, UseAdapter, Served, Restarting, Stop)
+ORDERS = (Generate, Served, Restarting, Stop)
 
 
 # ---- events: manager -> trainer ------------------------------------------------------------------
