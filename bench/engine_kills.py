@@ -1,8 +1,15 @@
 #!/usr/bin/env python3
-"""Engines killed under a running job: the main job (async, the CPU demo's tiny model, one trainer rank, two
-embedded engine replicas) while a killer SIGKILLs a random replica at a random moment, again and again, each time
-once the job has restarted the last one and it is back in rotation. Then the same job without kills, for the
-throughput ratio.
+"""Engines killed under a running job: the main job in async mode while a killer SIGKILLs a random engine process
+at a random moment, again and again, each time once the job has restarted the last one. Then (unless
+``--baseline-steps 0``) the same job without kills, for the throughput ratio.
+
+Two shapes:
+- the CPU demo (default): the tiny model, one trainer rank, two embedded replicas; each kill waits until the last
+  killed replica is back in rotation (in a metrics row), so one replica is down at a time;
+- ``--profile PROFILE --pool T:E``: the job at production shape against simulated engines and a simulated trainer
+  (as ``bench/simulation.py`` runs it), one process per replica as on GPUs. A replica rejoins rotation only at the
+  next weight sync (one a step), so each kill waits only until the job has started every killed replica again
+  (all processes up and answering ``/health``); several replicas may be out of rotation at once.
 
 Reported: kills, steps completed, prompts lost (issued, neither trained nor dropped with a reason: target 0),
 prompts dropped as engine_failure, re-issues, whether the accounting balances, and samples per second against the
@@ -10,6 +17,7 @@ run without kills. The killed run is stopped (SIGTERM, a clean teardown) once th
 a few more steps.
 
     python bench/engine_kills.py --kills 100 [--out docs/benchmarks.md]
+    python bench/engine_kills.py --kills 100 --profile bench/profiles/qwen3_30b_a3b_h100.yaml --pool 8:24 --baseline-steps 0
 """
 
 from __future__ import annotations
@@ -23,18 +31,60 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
 
 from report import publish  # noqa: E402
 
+from moerl.engines.client import health  # noqa: E402
+
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
-JOB = ["run.mode=async", "run.progress=false", "trainer.ep=1", "engines.replicas=2", "engines.health_interval_s=0.2",
-       "engines.health_failures=2", "engines.max_restarts=100000", "rollout.groups_per_step=4", "sync.verify=false"]
+# Every replica may be restarted without end, and a dead one is found within half a second.
+FAULTS = ["run.mode=async", "run.progress=false", "engines.health_interval_s=0.2", "engines.health_failures=2", "engines.max_restarts=100000"]
+DEMO = ["trainer.ep=1", "engines.replicas=2", "rollout.groups_per_step=4", "sync.verify=false"]
+
+
+@dataclass
+class Shape:
+    title: str  # what the table's heading says of the job
+    overrides: Callable[[Path, int], list[str]]  # (run dir, steps) -> the job's config
+    replicas: int
+    time_scale: float  # simulated seconds per real second (1: a real run)
+    in_rotation: bool  # each kill waits for the last killed replica back in rotation, else only started again
+
+
+def demo_shape(cache: Path) -> Shape:
+    return Shape("x86_64, 2 cores, no GPU; async, tiny demo model, 1 trainer rank, 2 embedded replicas",
+                 lambda run_dir, steps: [f"run.dir={run_dir}", f"run.cache_dir={cache}", f"run.steps={steps}", *DEMO, *FAULTS],
+                 replicas=2, time_scale=1.0, in_rotation=True)
+
+
+def simulated_shape(args, root: Path) -> Shape:
+    import simulation
+
+    from moerl.simulation import Profile
+
+    profile = Profile.load(args.profile)
+    pool = tuple(int(x) for x in args.pool.split(":"))
+    model = simulation.model_dir(Path(args.profile), Path(args.config), root)
+    job = argparse.Namespace(profile=args.profile, time_scale=args.time_scale, replicas_per_process=1, groups=args.groups,
+                             samples=args.samples, max_new_tokens=args.max_new_tokens, max_staleness=args.max_staleness, extra=[])
+
+    def overrides(run_dir: Path, steps: int) -> list[str]:
+        job.steps = steps
+        return [*simulation.job_overrides(run_dir, "async", pool, job, model, profile), *FAULTS]
+
+    replicas = pool[1] // profile.engine.gpus
+    return Shape(f"simulated, {profile.name}, {pool[0]}:{pool[1]} GPUs ({replicas} replicas, one process each), async, max staleness "
+                 f"{args.max_staleness}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
+                 f"time x{args.time_scale:g}; x86_64, 2 cores", overrides, replicas, args.time_scale, in_rotation=False)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -55,81 +105,127 @@ def engines(job: subprocess.Popen) -> list[psutil.Process]:
     return found
 
 
-def start(run_dir: Path, cache: Path, steps: int) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(RECIPE), f"run.dir={run_dir}", f"run.cache_dir={cache}", f"run.steps={steps}", *JOB],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(run_dir.with_suffix(".log"), "w"),
-                            start_new_session=True, env={**os.environ, "PYTHON": sys.executable})
+def urls(engine: psutil.Process) -> list[str]:
+    """The replicas an engine process serves (``--port`` or ``--ports``)."""
+    try:
+        args = engine.cmdline()
+    except psutil.Error:
+        return []
+    flag = "--ports" if "--ports" in args else "--port"
+    if flag not in args:  # forked, not yet the server: it serves nothing yet
+        return []
+    return [f"http://127.0.0.1:{port}" for port in args[args.index(flag) + 1].split(",")]
 
 
-def killed_run(run_dir: Path, cache: Path, kills: int, after: int, seed: int) -> dict:
+def memory_gb(job: subprocess.Popen) -> float:
+    """The resident memory of the job's whole process family."""
+    total = 0
+    for p in [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 1e9
+
+
+def start(shape: Shape, run_dir: Path, steps: int) -> subprocess.Popen:
+    return subprocess.Popen(["bash", str(RECIPE), *shape.overrides(run_dir, steps)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=open(run_dir.with_suffix(".log"), "w"), start_new_session=True, env={**os.environ, "PYTHON": sys.executable})
+
+
+def restarted_all(shape: Shape, run_dir: Path, job: subprocess.Popen, kills: int) -> bool:
+    """Whether the job has brought back every replica killed so far (``kills``), as the shape counts it."""
+    if shape.in_rotation:
+        return bool(last := rows(run_dir)) and last[-1]["engines/restarts"] >= kills and last[-1]["engines/healthy"] == shape.replicas
+    served = [url for engine in engines(job) for url in urls(engine)]
+    return len(served) == shape.replicas and all(health(served))
+
+
+def killed_run(shape: Shape, run_dir: Path, kills: int, after: int, seed: int) -> dict:
     rng = random.Random(seed)
     run_dir.mkdir(parents=True)
-    job = start(run_dir, cache, steps=1_000_000)
-    done, started = 0, time.monotonic()
+    job = start(shape, run_dir, steps=1_000_000)
+    done, started, peak = 0, time.monotonic(), 0.0
     try:
         while done < kills:
-            # The job has restarted every replica killed so far, and both are in rotation again.
-            while not ((last := rows(run_dir)) and last[-1]["engines/restarts"] >= done and last[-1]["engines/healthy"] == 2):
+            while not restarted_all(shape, run_dir, job, done):
                 if job.poll() is not None:
                     raise RuntimeError(f"the job ended (exit {job.returncode}); see {run_dir.with_suffix('.log')}")
                 time.sleep(0.1)
             time.sleep(rng.uniform(0, 2))
             live = engines(job)
-            if len(live) < 2:
+            if len(live) < shape.replicas:
                 continue
+            peak = max(peak, memory_gb(job))
             os.killpg(rng.choice(live).pid, signal.SIGKILL)
             done += 1
             print(f"kill {done}/{kills} after step {len(rows(run_dir))}", flush=True)
         target = len(rows(run_dir)) + after
         while len(rows(run_dir)) < target:
+            if job.poll() is not None:
+                raise RuntimeError(f"the job ended (exit {job.returncode}); see {run_dir.with_suffix('.log')}")
             time.sleep(0.2)
     finally:
         os.killpg(job.pid, signal.SIGTERM)  # torchrun stops the rank, which tears down: accounting written
         job.wait(timeout=300)
-    return summary(run_dir, time.monotonic() - started, done)
+    return summary(shape, run_dir, time.monotonic() - started, done) | {"peak_gb": peak}
 
 
-def baseline_run(run_dir: Path, cache: Path, steps: int) -> dict:
+def baseline_run(shape: Shape, run_dir: Path, steps: int) -> dict:
     run_dir.mkdir(parents=True)
     started = time.monotonic()
-    job = start(run_dir, cache, steps)
+    job = start(shape, run_dir, steps)
     if job.wait() != 0:
         raise RuntimeError(f"the baseline run failed; see {run_dir.with_suffix('.log')}")
-    return summary(run_dir, time.monotonic() - started, 0)
+    return summary(shape, run_dir, time.monotonic() - started, 0)
 
 
-def summary(run_dir: Path, seconds: float, kills: int) -> dict:
+def summary(shape: Shape, run_dir: Path, seconds: float, kills: int) -> dict:
     done = rows(run_dir)
     acct = json.loads((run_dir / "accounting.json").read_text())
     samples = sum(r["rollout/samples"] for r in done)
-    step_seconds = sum(r["time/step_seconds"] for r in done)
+    step_seconds = sum(r["time/step_seconds"] for r in done) * shape.time_scale
     lost = acct["issued"] - acct["trained"] - sum(acct["dropped"].values()) - acct["live"]
     return {"kills": kills, "steps": len(done), "seconds": seconds, "samples_per_s": samples / step_seconds, "lost": lost,
             "engine_failure": acct["dropped"].get("engine_failure", 0), "dropped": acct["dropped"], "balanced": acct["balanced"],
-            "reissues": sum(r["rollout/retries_engine_failure"] for r in done), "restarts": done[-1]["engines/restarts"] if done else 0}
+            "reissues": sum(r["rollout/retries_engine_failure"] for r in done), "restarts": done[-1]["engines/restarts"] if done else 0,
+            "staleness_max": max((r["staleness/max"] for r in done), default=0)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=100)
     p.add_argument("--after", type=int, default=5, help="steps trained after the last kill before the run is stopped")
-    p.add_argument("--baseline-steps", type=int, default=100)
+    p.add_argument("--baseline-steps", type=int, default=100, help="steps of the run without kills (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
     p.add_argument("--out", help="append the table to this markdown file")
+    sim = p.add_argument_group("the job at production shape, simulated (as bench/simulation.py runs it)")
+    sim.add_argument("--profile", help="a simulation profile (e.g. bench/profiles/qwen3_30b_a3b_h100.yaml); default: the CPU demo")
+    sim.add_argument("--config", default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"), help="the model's Hub config.json")
+    sim.add_argument("--pool", default="8:24", help="trainer GPUs:engine GPUs")
+    sim.add_argument("--groups", type=int, default=24, help="prompts per step")
+    sim.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    sim.add_argument("--max-new-tokens", type=int, default=32768)
+    sim.add_argument("--max-staleness", type=int, default=2)
+    sim.add_argument("--time-scale", type=float, default=4.0)
     args = p.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="moerl-kills-"))
-    cache = work / "cache"
-    base = baseline_run(work / "baseline", cache, args.baseline_steps)
-    killed = killed_run(work / "killed", cache, args.kills, args.after, args.seed)
-    lines = [f"### Engines killed under the main job (x86_64, 2 cores, no GPU; async, tiny demo model, 1 trainer rank, 2 embedded "
-             f"replicas; a replica SIGKILLed {killed['kills']} times, each after the last one was back)", "",
-             "| run | kills | engine restarts | steps | prompts lost | dropped engine_failure | re-issues | accounting balanced | "
-             "samples/s (training time) | vs no kills |", "|---|---|---|---|---|---|---|---|---|---|"]
+    work.mkdir(parents=True, exist_ok=True)
+    shape = simulated_shape(args, work) if args.profile else demo_shape(work / "cache")
+    base = baseline_run(shape, work / "baseline", args.baseline_steps) if args.baseline_steps else None
+    killed = killed_run(shape, work / "killed", args.kills, args.after, args.seed)
+    wait = "it is back in rotation" if shape.in_rotation else "the job has started every killed replica again"
+    lines = [f"### Engines killed under the main job ({shape.title}; a replica SIGKILLed {killed['kills']} times, each 0-2 s after {wait})",
+             "", "| run | kills | engine restarts | steps | prompts lost | dropped engine_failure | re-issues | accounting balanced | "
+             "max staleness | samples/s (training time) | vs no kills |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in (("no kills", base), ("kills", killed)):
-        lines.append(f"| {name} | {r['kills']} | {r['restarts']:.0f} | {r['steps']} | {r['lost']} | {r['engine_failure']} | {r['reissues']:.0f} | "
-                     f"{r['balanced']} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x |")
-    lines += ["", f"Dropped, by reason (killed run): {killed['dropped']}. Wall time of the killed run: {killed['seconds']:.0f} s.", ""]
+        if r is not None:
+            versus = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "n/a"
+            lines.append(f"| {name} | {r['kills']} | {r['restarts']:.0f} | {r['steps']} | {r['lost']} | {r['engine_failure']} | {r['reissues']:.0f} | "
+                         f"{r['balanced']} | {r['staleness_max']:.0f} | {r['samples_per_s']:.3g} | {versus} |")
+    lines += ["", f"Dropped, by reason (killed run): {killed['dropped']}. Wall time of the killed run: {killed['seconds']:.0f} s; "
+              f"the job's processes held at most {killed['peak_gb']:.1f} GB.", ""]
     publish(lines, args.out)
 
 

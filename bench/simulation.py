@@ -65,20 +65,26 @@ def model_dir(profile_path: Path, config: Path, root: Path) -> Path:
     return out
 
 
-def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, root: Path) -> list[dict]:
+def job_overrides(run_dir: Path, mode: str, pool: tuple[int, int], args, model: Path, profile: Profile) -> list[str]:
+    """The job's config at ``pool`` (trainer GPUs, engine GPUs) under the profile ``args.profile``, from this script's
+    arguments (``args``: profile, steps, time_scale, replicas_per_process, groups, samples, max_new_tokens,
+    max_staleness, extra)."""
     trainer_gpus, engine_gpus = pool
-    replicas = engine_gpus // profile.engine.gpus
-    run_dir = root / f"{trainer_gpus}x{engine_gpus}-{mode}"
-    overrides = [f"run.dir={run_dir}", "run.progress=false", f"run.mode={mode}", f"run.steps={args.steps}", f"model.path={model}",
-                 f"simulation.profile={args.profile}", f"simulation.time_scale={args.time_scale}", f"simulation.trainer_gpus={trainer_gpus}",
-                 f"simulation.replicas_per_process={args.replicas_per_process}", f"engines.replicas={replicas}",
-                 f"rollout.groups_per_step={args.groups}", f"rollout.samples_per_prompt={args.samples}",
-                 f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_staleness={args.max_staleness}", "task.name=gsm8k", *args.extra]
+    return [f"run.dir={run_dir}", "run.progress=false", f"run.mode={mode}", f"run.steps={args.steps}", f"model.path={model}",
+            f"simulation.profile={args.profile}", f"simulation.time_scale={args.time_scale}", f"simulation.trainer_gpus={trainer_gpus}",
+            f"simulation.replicas_per_process={args.replicas_per_process}", f"engines.replicas={engine_gpus // profile.engine.gpus}",
+            f"rollout.groups_per_step={args.groups}", f"rollout.samples_per_prompt={args.samples}",
+            f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_staleness={args.max_staleness}", "task.name=gsm8k", *args.extra]
+
+
+def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, root: Path) -> list[dict]:
+    run_dir = root / f"{pool[0]}x{pool[1]}-{mode}"
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:
-        done = subprocess.run(["bash", str(RECIPE), *overrides], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        done = subprocess.run(["bash", str(RECIPE), *job_overrides(run_dir, mode, pool, args, model, profile)], cwd=REPO, stdout=f,
+                              stderr=subprocess.STDOUT)
     if done.returncode:
-        raise SystemExit(f"{mode} at {trainer_gpus}:{engine_gpus} failed; its log: {log}")
+        raise SystemExit(f"{mode} at {pool[0]}:{pool[1]} failed; its log: {log}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -376,3 +376,40 @@ def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_jus
             assert refused.value.url == server
         finally:
             sync.close()
+
+
+def test_a_replica_that_lost_the_runs_policy_unseen_fails_the_request_and_leaves_rotation(server):
+    """A replica restarted between two probes, or after a request chose it, holds what it started with: it answers
+    under its own weight version ("default", not one a sync of the run left), or refuses the adapter a sync loaded
+    there. Either way the request fails as the replica's (to be re-issued elsewhere, never trained on) and the replica
+    is stale until a sync reaches it; another 4xx is still the request's own error."""
+    from moerl.engines.client import ReplicaDown
+    from moerl.engines.health import State
+
+    async def go():
+        async with EngineClient([server], retries=0) as client:
+            health = client.health
+            health.sync_reached("3", [server])  # the run's last sync left policy 3 there, before the engine restarted
+            with pytest.raises(ReplicaDown, match="weight version 'default'"):
+                await client.generate(PROMPT, GREEDY)
+            assert health.state(server) is State.STALE
+            health.probed(server, True, "default")
+            assert health.state(server) is State.STALE  # answering is not enough: a sync must reach it
+
+            await client.set_weight_version("3")  # the catch-up sync
+            health.sync_reached("3", [server])
+            health.probed(server, True, "3")
+            (done,) = await client.generate(PROMPT, GREEDY)
+            assert done.weight_versions[0]["version"] == "3" and health.state(server) is State.HEALTHY
+
+            health.sync_reached(None, [server])  # a LoRA run's: the adapter names the policy
+            with pytest.raises(ReplicaDown, match="not loaded"):
+                await client.generate(PROMPT, GREEDY, lora_path="moerl-lora-v3")
+            assert health.state(server) is State.STALE
+            health.sync_reached(None, [server])
+            health.probed(server, True, "3")
+            with pytest.raises(EngineError) as bad:
+                await client.generate([10**6], GREEDY)  # past the vocabulary
+            assert bad.value.status == 400 and not isinstance(bad.value, ReplicaDown) and health.state(server) is State.HEALTHY
+
+    asyncio.run(go())

@@ -172,9 +172,14 @@ class EngineClient:
         self.in_flight[url] += 1
         try:  # not again here: the caller re-issues elsewhere
             if self._workers is not None and P.largest_answer_bytes(request, self.shape) > CARRY_ELSEWHERE_BYTES:
-                return await self._workers.generate(url, request, routed_experts_start_len)
-            return await self.generate_on(url, request, routed_experts_start_len)
+                completions = await self._workers.generate(url, request, routed_experts_start_len)
+            else:
+                completions = await self.generate_on(url, request, routed_experts_start_len)
         except EngineError as e:
+            # SGLang: 400 "The following requested LoRA adapters are not loaded: NAME" (the embedded engine says as much).
+            if lora_path is not None and e.status == 400 and "not loaded" in str(e) and lora_path in str(e):
+                self.health.lost_policy(url, f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen")
+                raise ReplicaDown(url, str(e).removeprefix(f"{url}: "), e.status) from None
             if e.status is not None and e.status < 500:
                 raise
             self.health.request_failed(url, str(e))
@@ -184,6 +189,11 @@ class EngineClient:
             raise ReplicaDown(url, str(e)) from None
         finally:
             self.in_flight[url] -= 1
+        if (stray := self.health.foreign_version(span["version"] for c in completions for span in c.weight_versions)) is not None:
+            reason = f"answered under weight version {stray!r}, which no weight sync of this run left: it restarted unseen"
+            self.health.lost_policy(url, reason)
+            raise ReplicaDown(url, reason)
+        return completions
 
     async def generate_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
         """One /generate on ``url``, read and decoded in this process; no retry, no health accounting."""

@@ -75,6 +75,20 @@ class ReplicaHealth:
         self.set(url, State.RESTARTING, "the job started its process again")
         self._forget(url)
 
+    def lost_policy(self, url: str, reason: str) -> None:
+        """A request found ``url`` without what the syncs left there (an answer under a weight version no sync gave,
+        an adapter it no longer holds): its process restarted between two probes, or after the request chose it."""
+        self.set(url, State.STALE, reason)
+        self._forget(url)
+
+    def foreign_version(self, versions) -> str | None:
+        """The first of these weight ``versions`` (of a replica's answer) that no weight sync of this job names, None if
+        there is none. A job names its full-weight policies by their step number; a replica restarted on the base
+        model reports what it started with (SGLang: "default"). Not known (LoRA runs, a client outside a job): None."""
+        if self.served is None:
+            return None
+        return next((v for v in versions if not v.isdigit()), None)
+
     def _forget(self, url: str) -> None:
         """``url`` holds none of what the syncs left: it is stale until the next one reaches it."""
         if self.synced is not None:
