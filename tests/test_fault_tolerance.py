@@ -156,6 +156,34 @@ def test_replica_health_states_follow_failures_probes_and_versions():
     lora.probed("a", True, "default")
     assert lora.state("a") is State.HEALTHY
 
+    # A request finds a replica without the policy (restarted unseen): stale until a sync reaches it, unless one
+    # already has since the request chose it (the answer describes the replica before that sync).
+    sent = lora.epochs["a"]
+    lora.sync_reached(None, ["a", "b"])
+    lora.lost_policy("a", "refused the adapter", sent)
+    assert lora.state("a") is State.HEALTHY
+    lora.lost_policy("a", "refused the adapter", lora.epochs["a"])
+    assert lora.state("a") is State.STALE and lora.synced == {"b"}
+
+
+def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads():
+    """The replicas a catch-up sync must reach again: each that entered dead, restarting or stale in any report since
+    the last read, though the last report shows it otherwise (a restart passes through several states)."""
+    from moerl.orchestrator.config import RolloutSection
+    from moerl.orchestrator.messages import EnginesChanged
+
+    buffer = RolloutBuffer(zmq.Context.instance(), RolloutSection(), "async")
+    try:
+        buffer._handle(EnginesChanged({"a": "healthy", "b": "healthy"}))
+        for states in ({"a": "restarting", "b": "healthy"}, {"a": "stale", "b": "healthy"}):
+            buffer._handle(EnginesChanged(states))
+        assert buffer.take_left() == {"a"} and buffer.take_left() == set()
+        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}))  # "a" caught up; a request found "b" without it
+        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}))
+        assert buffer.take_left() == {"b"}
+    finally:
+        buffer.close()
+
 
 def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read_them():
     """The rollout manager applies a sync's ``Served`` order at once: at its first await (where a waiting request

@@ -169,6 +169,7 @@ class EngineClient:
         if not usable:
             raise NoHealthyEngine("no engine replica is healthy: " + ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls))
         url = min(usable, key=self.in_flight.__getitem__)
+        epoch = self.health.epochs[url]
         self.in_flight[url] += 1
         try:  # not again here: the caller re-issues elsewhere
             if self._workers is not None and P.largest_answer_bytes(request, self.shape) > CARRY_ELSEWHERE_BYTES:
@@ -178,7 +179,7 @@ class EngineClient:
         except EngineError as e:
             # SGLang: 400 "The following requested LoRA adapters are not loaded: NAME" (the embedded engine says as much).
             if lora_path is not None and e.status == 400 and "not loaded" in str(e) and lora_path in str(e):
-                self.health.lost_policy(url, f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen")
+                self.health.lost_policy(url, f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen", epoch)
                 raise ReplicaDown(url, str(e).removeprefix(f"{url}: "), e.status) from None
             if e.status is not None and e.status < 500:
                 raise
@@ -191,7 +192,7 @@ class EngineClient:
             self.in_flight[url] -= 1
         if (stray := self.health.foreign_version(span["version"] for c in completions for span in c.weight_versions)) is not None:
             reason = f"answered under weight version {stray!r}, which no weight sync of this run left: it restarted unseen"
-            self.health.lost_policy(url, reason)
+            self.health.lost_policy(url, reason, epoch)
             raise ReplicaDown(url, reason)
         return completions
 

@@ -44,9 +44,13 @@ class ReplicaHealth:
     # it left (None: not known yet, or a LoRA run, whose base weights keep theirs) and the engines (None: all).
     served: str | None = None
     synced: set[str] | None = None
+    # Per replica, how many times what it holds changed in this table's view (a sync reached it, or it lost what
+    # the syncs left): an answer read against an older count may describe the replica as it was before.
+    epochs: dict[str, int] = field(init=False)
 
     def __post_init__(self):
         self.replicas = {url: Replica(url) for url in self.urls}
+        self.epochs = dict.fromkeys(self.urls, 0)
 
     def usable(self) -> list[str]:
         return [url for url, r in self.replicas.items() if r.state is State.HEALTHY]
@@ -75,11 +79,13 @@ class ReplicaHealth:
         self.set(url, State.RESTARTING, "the job started its process again")
         self._forget(url)
 
-    def lost_policy(self, url: str, reason: str) -> None:
-        """A request found ``url`` without what the syncs left there (an answer under a weight version no sync gave,
-        an adapter it no longer holds): its process restarted between two probes, or after the request chose it."""
-        self.set(url, State.STALE, reason)
-        self._forget(url)
+    def lost_policy(self, url: str, reason: str, epoch: int) -> None:
+        """A request sent when ``url``'s epoch was ``epoch`` found it without what the syncs left there (an answer
+        under a weight version no sync gave, an adapter it no longer holds): its process restarted between two
+        probes, or after the request chose it. Unless a sync has reached it since (the answer predates that)."""
+        if self.epochs[url] == epoch:
+            self.set(url, State.STALE, reason)
+            self._forget(url)
 
     def foreign_version(self, versions) -> str | None:
         """The first of these weight ``versions`` (of a replica's answer) that no weight sync of this job names, None if
@@ -87,10 +93,11 @@ class ReplicaHealth:
         model reports what it started with (SGLang: "default"). Not known (LoRA runs, a client outside a job): None."""
         if self.served is None:
             return None
-        return next((v for v in versions if not v.isdigit()), None)
+        return next((v for v in versions if not v.isdecimal()), None)
 
     def _forget(self, url: str) -> None:
         """``url`` holds none of what the syncs left: it is stale until the next one reaches it."""
+        self.epochs[url] += 1
         if self.synced is not None:
             self.synced.discard(url)
 
@@ -98,6 +105,8 @@ class ReplicaHealth:
         """A weight sync left ``version`` on ``engines``; a healthy replica it missed (it answered too late for the sync)
         holds the previous policy."""
         self.served, self.synced = version, set(engines)
+        for url in engines:
+            self.epochs[url] += 1
         for url in self.usable():
             if url not in self.synced:
                 self.set(url, State.STALE, "the last weight sync did not reach it")

@@ -394,6 +394,8 @@ class Job:
 
         # What the last update reached holds this version; the manager's view of it may lag by a probe.
         self.caught_up, self.catch_ups = set(self.sync.link.client.targets) if self.lead else set(), 0
+        if self.lead:
+            self.buffer.take_left()  # what replicas lost before the sync, which reached them since
 
         def pieces():
             try:
@@ -432,7 +434,7 @@ class Job:
         if self.pool is not None:
             self.buffer.restarting(self.pool.revive(self.cfg.engines.max_restarts))
         states = self.buffer.engines
-        self.caught_up -= {url for url, state in states.items() if state in (State.DEAD.value, State.RESTARTING.value)}  # lost it
+        self.caught_up -= self.buffer.take_left()  # lost it since (restarted, or found without it by a request)
         back = sorted(url for url, state in states.items() if state == State.STALE.value and url not in self.caught_up)
         if back and State.HEALTHY.value not in states.values():
             self.caught_up.update(back)
