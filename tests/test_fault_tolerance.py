@@ -165,6 +165,16 @@ def test_replica_health_states_follow_failures_probes_and_versions():
     lora.lost_policy("a", "refused the adapter", lora.epochs["a"])
     assert lora.state("a") is State.STALE and lora.synced == {"b"}
 
+    # A catch-up of full weights brings a replica the policy the others still serve: they stay in rotation.
+    full = ReplicaHealth(["a", "b"])
+    full.sync_reached("4", ["a", "b"])
+    before = full.epochs["a"]
+    full.restarted("a")
+    assert full.epochs["a"] > before  # what a request sent before the restart reads is not the restarted replica
+    full.sync_reached("4", ["a"], also=True)
+    full.probed("a", True, "4")
+    assert full.usable() == ["a", "b"] and full.synced == {"a", "b"}
+
 
 def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads():
     """The replicas a catch-up sync must reach again: each that entered dead, restarting or stale in any report since
@@ -175,9 +185,9 @@ def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads
     buffer = RolloutBuffer(zmq.Context.instance(), RolloutSection(), "async")
     try:
         buffer._handle(EnginesChanged({"a": "healthy", "b": "healthy"}))
-        for states in ({"a": "restarting", "b": "healthy"}, {"a": "stale", "b": "healthy"}):
+        for states in ({"a": "restarting", "b": "healthy"}, {"a": "stale", "b": "healthy"}, {"a": "healthy", "b": "healthy"}):
             buffer._handle(EnginesChanged(states))
-        assert buffer.take_left() == {"a"} and buffer.take_left() == set()
+        assert buffer.take_left() == {"a"} and buffer.take_left() == set()  # though the last report shows it healthy
         buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}))  # "a" caught up; a request found "b" without it
         buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}))
         assert buffer.take_left() == {"b"}
@@ -226,3 +236,40 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
     seen.clear()
     asyncio.run(manager._served(Served(None, ["a"], "v3", 3)))
     assert seen == [(("v3", 3), ["a"])] and health.state("b") is State.STALE and unloaded == ["v2", "v2.1"]
+
+
+
+def test_a_probe_answer_that_predates_a_sync_does_not_undo_it():
+    """The manager's probe of a restarted replica is still waiting when a catch-up sync reaches it and the sync's own
+    probe brings it back; the late answer (what it held before the sync) must not make it stale again."""
+    from moerl.engines.health import ReplicaHealth, State
+    from moerl.orchestrator.manager import RolloutManager
+
+    class Client:
+        def __init__(self):
+            self.health, self.answers = ReplicaHealth(["a"]), []
+
+        async def probe(self, url):
+            version, hold = self.answers.pop(0)
+            if hold is not None:
+                await hold.wait()
+            return True, version
+
+    async def go():
+        manager = RolloutManager.__new__(RolloutManager)  # the probing alone: no engines, tokenizer or sockets
+        manager.client = client = Client()
+        health = client.health
+        health.sync_reached("5", ["a"])
+        health.restarted("a")
+        release = asyncio.Event()
+        client.answers = [("default", release), ("5", None)]
+        late = asyncio.create_task(manager._probe(["a"]))  # the watch's probe, waiting on the restarted replica
+        await asyncio.sleep(0)
+        health.sync_reached("5", ["a"])  # the catch-up reaches it, and its own probe brings it back
+        await manager._probe(["a"])
+        assert health.state("a") is State.HEALTHY
+        release.set()
+        await late
+        assert health.state("a") is State.HEALTHY
+
+    asyncio.run(go())

@@ -433,8 +433,8 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
             return None, self.adapter
 
     class Buffer:
-        def served(self, weight_version, engines, adapter, version):
-            ordered.append(("served", weight_version, engines, adapter, version))
+        def served(self, weight_version, engines, adapter, version, also):
+            ordered.append(("served", weight_version, engines, adapter, version, also))
 
         def order(self, groups):
             ordered.append(("generate", groups))
@@ -447,7 +447,7 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
     monkeypatch.setattr(job_module.Job, "start_rollouts", start_rollouts)
     monkeypatch.setattr(job_module.Job, "teardown", lambda self: None)
     job.run()
-    assert ordered[:2] == [("served", None, ["http://a"], "moerl-lora-v3", 3), ("generate", job.cfg.rollout.outstanding)]
+    assert ordered[:2] == [("served", None, ["http://a"], "moerl-lora-v3", 3, False), ("generate", job.cfg.rollout.outstanding)]
 
 
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path):

@@ -101,9 +101,15 @@ class ReplicaHealth:
         if self.synced is not None:
             self.synced.discard(url)
 
-    def sync_reached(self, version: str | None, engines: list[str]) -> None:
+    def sync_reached(self, version: str | None, engines: list[str], also: bool = False) -> None:
         """A weight sync left ``version`` on ``engines``; a healthy replica it missed (it answered too late for the sync)
-        holds the previous policy."""
+        holds the previous policy. ``also``: it brought them the policy the last sync left (a catch-up), which those
+        that sync reached still hold."""
+        if also and self.synced is not None:
+            self.synced |= set(engines)
+            for url in engines:
+                self.epochs[url] += 1
+            return
         self.served, self.synced = version, set(engines)
         for url in engines:
             self.epochs[url] += 1

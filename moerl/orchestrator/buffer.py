@@ -99,10 +99,12 @@ class RolloutBuffer:
         if groups > 0:
             self.orders.send_pyobj(Generate(groups))
 
-    def served(self, weight_version: str | None, engines: list[str], adapter: str | None = None, version: int = 0) -> None:
+    def served(self, weight_version: str | None, engines: list[str], adapter: str | None = None, version: int = 0,
+               also: bool = False) -> None:
         """The last weight sync reached ``engines``, which now report ``weight_version``; new requests sample with
-        the LoRA ``adapter`` it loaded there (policy ``version``), if any."""
-        self.orders.send_pyobj(Served(weight_version, engines, adapter, version))
+        the LoRA ``adapter`` it loaded there (policy ``version``), if any. ``also``: it brought them the policy the
+        last sync left elsewhere (a catch-up), which those replicas still serve."""
+        self.orders.send_pyobj(Served(weight_version, engines, adapter, version, also))
 
     def restarting(self, urls: list[str]) -> None:
         """The job started these replicas' processes again."""

@@ -394,8 +394,6 @@ class Job:
 
         # What the last update reached holds this version; the manager's view of it may lag by a probe.
         self.caught_up, self.catch_ups = set(self.sync.link.client.targets) if self.lead else set(), 0
-        if self.lead:
-            self.buffer.take_left()  # what replicas lost before the sync, which reached them since
 
         def pieces():
             try:
@@ -414,6 +412,9 @@ class Job:
         trained_at = time.perf_counter()
         if self.pool is not None:
             self.buffer.restarting(self.pool.revive(cfg.engines.max_restarts))  # the sync reaches those that answer by then
+        if self.lead:  # what replicas lost until now, the sync gives them (those it misses are stale after it)
+            self.buffer.drain()
+            self.buffer.take_left()
         try:
             stats = self.sync.update(trainer)
             self.serve_policy()
@@ -452,10 +453,11 @@ class Job:
                 self.caught_up -= set(self.back)
                 return
             if self.lead:
+                self.caught_up -= set(self.back) - set(self.sync.link.client.targets)  # those it missed: caught up once back
                 log.info("catch-up sync of version %d to %s in %.2f s", self.trainer.version, ", ".join(self.sync.link.client.targets), stats.seconds)
                 self.catch_ups += 1
-            self.serve_policy()
-            self.verify()  # with sync.verify: what came back serves the policy before it takes a request
+            self.serve_policy(catch_up=True)
+            self.verify(catch_up=True)  # with sync.verify: what came back serves the policy before it takes a request
         except EnginesDown as e:
             self.stop_for_engines(e)
 
@@ -472,23 +474,25 @@ class Job:
         stopped.relayed = getattr(error, "relayed", False)
         raise stopped
 
-    def serve_policy(self) -> None:
+    def serve_policy(self, catch_up: bool = False) -> None:
         """New requests name the adapter the last sync loaded (LoRA runs; full-weight syncs change the weights themselves),
-        and a replica out of rotation comes back once it reports the weight version the others now serve."""
+        and a replica out of rotation comes back once it reports the weight version the others now serve. A catch-up of
+        full weights leaves the policy the others hold: they stay in rotation (a LoRA catch-up's adapter is new)."""
         if not self.lead:
             return
         weight_version, adapter = self.sync.served(self.trainer.version)
-        self.buffer.served(weight_version, self.sync.link.client.targets, adapter, self.trainer.version)
+        self.buffer.served(weight_version, self.sync.link.client.targets, adapter, self.trainer.version,
+                           also=catch_up and adapter is None)
 
-    def verify(self) -> dict[str, float]:
-        """With sync.verify, every engine serves the trainer's policy (after the engines resumed). One that went since
-        the sync is out of rotation until it is back."""
+    def verify(self, catch_up: bool = False) -> dict[str, float]:
+        """With sync.verify, every engine the sync reached serves the trainer's policy (after the engines resumed). One
+        that went since the sync is out of rotation until it is back."""
         if not self.cfg.sync.verify:
             return {}
         reached = list(self.sync.link.client.targets) if self.lead else None
         worst = self.sync.verify(self.trainer, self.tolerance)
         if self.lead and self.sync.link.client.targets != reached:
-            self.serve_policy()
+            self.serve_policy(catch_up)
         return worst
 
     def record(self, metrics: dict, taken: list, stats, start: float, trained_at: float, end: float, waited: float) -> None:

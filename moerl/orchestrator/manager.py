@@ -114,7 +114,7 @@ class RolloutManager:
         # The rotation and the adapter change before the first await, where a waiting request could read them: else
         # it could name the old adapter on a replica a catch-up brought back with only the new one loaded, or the new
         # adapter on a replica the sync passed over that is still in rotation.
-        self.client.health.sync_reached(order.weight_version, order.engines)
+        self.client.health.sync_reached(order.weight_version, order.engines, order.also)
         if order.adapter is not None:
             if self.adapter[0] not in (None, order.adapter):  # the same one again: re-served after a verify passed an engine over
                 self.retired.add(self.adapter[0])
@@ -235,12 +235,14 @@ class RolloutManager:
         for url in urls:
             if health.state(url) is State.HEALTHY:
                 continue
+            epoch = health.epochs[url]
             try:
                 answered, version = await self.client.probe(url)
             except Exception as e:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
                 log.warning("probing %s: %s: %s", url, type(e).__name__, e)
                 answered, version = False, None
-            health.probed(url, answered, version)
+            if health.epochs[url] == epoch:  # else a sync reached it meanwhile: the answer may predate it
+                health.probed(url, answered, version)
 
     async def _report(self) -> None:
         states = {url: r.state.value for url, r in self.client.health.replicas.items()}

@@ -32,6 +32,7 @@ class Served:
     engines: list[str]  # the engines the sync reached
     adapter: str | None = None  # the LoRA adapter the sync loaded on them (None: a full-weight run)
     version: int = 0  # the policy version the adapter holds: the version of every token sampled with it
+    also: bool = False  # a catch-up: the replicas the last sync reached still serve the same policy
 
 
 @dataclass(frozen=True)
