@@ -174,22 +174,28 @@ def test_replica_health_states_follow_failures_probes_and_versions():
     full.sync_reached("4", ["a"], also=True)
     full.probed("a", True, "4")
     assert full.usable() == ["a", "b"] and full.synced == {"a", "b"}
+    # One the syncs reached that answers under another version has lost the policy unseen (given by URL, restarted).
+    full.request_failed("b", "connection refused")
+    lost = full.losses["b"]
+    full.probed("b", True, "default")
+    assert full.state("b") is State.STALE and full.synced == {"a"} and full.losses["b"] == lost + 1
 
 
 def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads():
-    """The replicas a catch-up sync must reach again: each that entered dead, restarting or stale in any report since
-    the last read, though the last report shows it otherwise (a restart passes through several states)."""
+    """The replicas a catch-up sync must reach again: each whose count of losses (restarted, dead, found serving
+    something else) rose in any report since the last read, whatever its state shows (a restart passes through
+    several, and a replica already stale can lose its policy again without changing state)."""
     from moerl.orchestrator.config import RolloutSection
     from moerl.orchestrator.messages import EnginesChanged
 
     buffer = RolloutBuffer(zmq.Context.instance(), RolloutSection(), "async")
     try:
-        buffer._handle(EnginesChanged({"a": "healthy", "b": "healthy"}))
-        for states in ({"a": "restarting", "b": "healthy"}, {"a": "stale", "b": "healthy"}, {"a": "healthy", "b": "healthy"}):
-            buffer._handle(EnginesChanged(states))
+        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 0, "b": 0}))
+        for states, losses in (({"a": "restarting", "b": "stale"}, {"a": 1, "b": 0}), ({"a": "healthy", "b": "stale"}, {"a": 1, "b": 0})):
+            buffer._handle(EnginesChanged(states, losses))
         assert buffer.take_left() == {"a"} and buffer.take_left() == set()  # though the last report shows it healthy
-        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}))  # "a" caught up; a request found "b" without it
-        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}))
+        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 1, "b": 1}))  # restarted unseen, stale again
+        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 1, "b": 1}))
         assert buffer.take_left() == {"b"}
     finally:
         buffer.close()

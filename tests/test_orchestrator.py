@@ -450,6 +450,36 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
     assert ordered[:2] == [("served", None, ["http://a"], "moerl-lora-v3", 3, False), ("generate", job.cfg.rollout.outstanding)]
 
 
+def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_what_it_missed():
+    """A catch-up sync to the replicas back while none serves: the manager hears it added them to those holding the
+    policy (full weights: the others hold it too), and one it missed is not counted as caught up."""
+    from types import SimpleNamespace
+
+    from moerl.orchestrator import main as job_module
+    from moerl.orchestrator.config import load_config
+
+    served = []
+
+    class Sync:
+        adapter, reached = None, True
+        link = SimpleNamespace(client=SimpleNamespace(targets=["http://a", "http://b"]))
+
+        def update(self, trainer, only=None):
+            self.link.client.targets = [url for url in only if url != "http://c"]  # "c" went again before the sync
+            return SimpleNamespace(seconds=0.1)
+
+        def served(self, version):
+            return str(version), None
+
+    job = job_module.Job(load_config(None, ["run.mode=async", "sync.verify=false"]))
+    job.sync, job.trainer = Sync(), SimpleNamespace(version=4)
+    job.buffer = SimpleNamespace(served=lambda *args, **kw: served.append((args, kw)))
+    job.back, job.caught_up = ["http://b", "http://c"], {"http://a", "http://b", "http://c"}
+    job.interlude(job_module.CATCH_UP)
+    assert served == [(("4", ["http://b"], None, 4), {"also": True})]
+    assert job.caught_up == {"http://a", "http://b"} and job.catch_ups == 1
+
+
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
     from moerl.orchestrator.metrics import main as plot_main
 

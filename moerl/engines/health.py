@@ -47,10 +47,14 @@ class ReplicaHealth:
     # Per replica, how many times what it holds changed in this table's view (a sync reached it, or it lost what
     # the syncs left): an answer read against an older count may describe the replica as it was before.
     epochs: dict[str, int] = field(init=False)
+    # Per replica, how many times it lost what the syncs left (restarted, dead, or found serving something else):
+    # the trainer reads losses from these counts, which no sequence of states between two reports can hide.
+    losses: dict[str, int] = field(init=False)
 
     def __post_init__(self):
         self.replicas = {url: Replica(url) for url in self.urls}
         self.epochs = dict.fromkeys(self.urls, 0)
+        self.losses = dict.fromkeys(self.urls, 0)
 
     def usable(self) -> list[str]:
         return [url for url, r in self.replicas.items() if r.state is State.HEALTHY]
@@ -98,6 +102,7 @@ class ReplicaHealth:
     def _forget(self, url: str) -> None:
         """``url`` holds none of what the syncs left: it is stale until the next one reaches it."""
         self.epochs[url] += 1
+        self.losses[url] += 1
         if self.synced is not None:
             self.synced.discard(url)
 
@@ -132,5 +137,6 @@ class ReplicaHealth:
             self.set(url, State.STALE, "up, but the last weight sync did not reach it")
         elif self.served is None or version == self.served:
             self.set(url, State.HEALTHY, f"answers and serves weight version {version}")
-        else:
+        else:  # a sync reached it, and it serves something else now: restarted unseen (an engine given by URL)
             self.set(url, State.STALE, f"answers but serves weight version {version}, not {self.served}")
+            self._forget(url)

@@ -18,7 +18,6 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import zmq
 
-from moerl.engines.health import State
 from moerl.errors import EnginesDown
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (EVENTS, Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop,
@@ -27,8 +26,6 @@ from moerl.sample import Sample
 
 
 WAITING_POLL_S = 0.5  # how often pieces() calls its waiting hook while no group is ready
-# A replica entering one of these holds nothing a sync left there (or it was passed over): it needs another sync.
-LEFT = (State.DEAD.value, State.RESTARTING.value, State.STALE.value)
 
 
 class RolloutError(RuntimeError):
@@ -90,6 +87,7 @@ class RolloutBuffer:
         self.cursor = cursor  # the next new prompt index: where a resumed run's data continues
         self.engines: dict[str, str] = {}  # every replica's health state, as the manager last reported it
         self.left: set[str] = set()  # replicas that lost what the syncs left there since the last take_left()
+        self.losses: dict[str, int] = {}  # each replica's count of such losses, as the manager last reported it
         self.reissues: Counter = Counter()  # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
         self.engines_down: EnginesDown | None = None  # the manager found no engine for engines.down_timeout_s
         self._stopping = self._stopped = False
@@ -135,9 +133,8 @@ class RolloutBuffer:
             if not self._stopping:
                 self.order(1)  # a prompt in its place: the step still needs its groups, the async queue its depth
         elif isinstance(event, EnginesChanged):
-            # From each report, not the last alone: a replica may pass through several states between two reads.
-            self.left |= {url for url, state in event.states.items() if state in LEFT and self.engines.get(url) != state}
-            self.engines = event.states
+            self.left |= {url for url, n in event.losses.items() if n > self.losses.get(url, 0)}
+            self.engines, self.losses = event.states, event.losses
         elif isinstance(event, RolloutFailed):
             if self._stopping:  # the run already stops (on the first such error, most likely): the prompt ends live, at stop
                 return

@@ -453,11 +453,12 @@ class Job:
                 self.caught_up -= set(self.back)
                 return
             if self.lead:
-                self.caught_up -= set(self.back) - set(self.sync.link.client.targets)  # those it missed: caught up once back
                 log.info("catch-up sync of version %d to %s in %.2f s", self.trainer.version, ", ".join(self.sync.link.client.targets), stats.seconds)
                 self.catch_ups += 1
             self.serve_policy(catch_up=True)
             self.verify(catch_up=True)  # with sync.verify: what came back serves the policy before it takes a request
+            if self.lead:  # those it missed, or that went before the verify: caught up once back
+                self.caught_up -= set(self.back) - set(self.sync.link.client.targets)
         except EnginesDown as e:
             self.stop_for_engines(e)
 

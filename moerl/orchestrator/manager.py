@@ -62,7 +62,7 @@ class RolloutManager:
         e = cfg.engines
         self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=e.request_timeout_s, failures_to_dead=e.health_failures,
                                    workers=cfg.rollout.generation_workers)
-        self.reported: dict[str, str] = {}  # the replicas' states as last sent to the trainer
+        self.reported: EnginesChanged | None = None  # the replicas' states and losses as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
         # LoRA runs: the adapter new requests use and its policy version (none: the base model, version 0),
@@ -245,10 +245,11 @@ class RolloutManager:
                 health.probed(url, answered, version)
 
     async def _report(self) -> None:
-        states = {url: r.state.value for url, r in self.client.health.replicas.items()}
-        if states != self.reported:
-            self.reported = states
-            await self.events.send_pyobj(EnginesChanged(states))
+        health = self.client.health
+        report = EnginesChanged({url: r.state.value for url, r in health.replicas.items()}, dict(health.losses))
+        if report != self.reported:
+            self.reported = report
+            await self.events.send_pyobj(report)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,7 @@ class Dropped:
 @dataclass(frozen=True)
 class EnginesChanged:
     states: dict[str, str]  # every replica's URL -> its health state (moerl.engines.health.State)
+    losses: dict[str, int]  # every replica's URL -> how many times it lost what the syncs left (ReplicaHealth.losses)
 
 
 @dataclass(frozen=True)
