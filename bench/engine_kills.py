@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from report import publish  # noqa: E402
 
 from moerl.engines.client import EngineClient, EngineError  # noqa: E402
+from moerl.engines.health import names_a_policy  # noqa: E402
 
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 # Every replica may be restarted without end, and a dead one is found within half a second.
@@ -155,7 +156,7 @@ def ready_for_a_kill(shape: Shape, run_dir: Path, job: subprocess.Popen, kills: 
     # holds the base weights, version "default", until the next sync or a catch-up reaches it).
     served = [url for engine in engines(job) for url in urls(engine)]
     versions = weight_versions(served) if len(served) == shape.replicas else None
-    return versions is not None and sum(not v.isdecimal() for v in versions) < max_down
+    return versions is not None and sum(not names_a_policy(v) for v in versions) < max_down
 
 
 def killed_run(shape: Shape, run_dir: Path, kills: int, after: int, seed: int, max_down: int) -> dict:

@@ -25,6 +25,12 @@ class State(str, Enum):
     STALE = "stale"
 
 
+def names_a_policy(weight_version: str) -> bool:
+    """Whether a full-weight job's sync could have left ``weight_version``: it names each policy by its step number.
+    A replica restarted on the base model reports what it started with (SGLang: "default")."""
+    return weight_version.isdecimal()
+
+
 @dataclass
 class Replica:
     url: str
@@ -92,12 +98,11 @@ class ReplicaHealth:
             self._forget(url)
 
     def foreign_version(self, versions) -> str | None:
-        """The first of these weight ``versions`` (of a replica's answer) that no weight sync of this job names, None if
-        there is none. A job names its full-weight policies by their step number; a replica restarted on the base
-        model reports what it started with (SGLang: "default"). Not known (LoRA runs, a client outside a job): None."""
+        """The first of these weight ``versions`` (of a replica's answer) that no weight sync of this job names
+        (:func:`names_a_policy`), None if there is none. Not known (LoRA runs, a client outside a job): None."""
         if self.served is None:
             return None
-        return next((v for v in versions if not v.isdecimal()), None)
+        return next((v for v in versions if not names_a_policy(v)), None)
 
     def _forget(self, url: str) -> None:
         """``url`` holds none of what the syncs left: it is stale until the next one reaches it."""
@@ -110,14 +115,12 @@ class ReplicaHealth:
         """A weight sync left ``version`` on ``engines``; a healthy replica it missed (it answered too late for the sync)
         holds the previous policy. ``also``: it brought them the policy the last sync left (a catch-up), which those
         that sync reached still hold."""
-        if also and self.synced is not None:
-            self.synced |= set(engines)
-            for url in engines:
-                self.epochs[url] += 1
-            return
-        self.served, self.synced = version, set(engines)
         for url in engines:
             self.epochs[url] += 1
+        if also and self.synced is not None:
+            self.synced |= set(engines)
+            return
+        self.served, self.synced = version, set(engines)
         for url in self.usable():
             if url not in self.synced:
                 self.set(url, State.STALE, "the last weight sync did not reach it")
