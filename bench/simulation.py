@@ -19,13 +19,19 @@ The bounds, per step of B samples whose responses hold D tokens, on E replicas o
 sync's measured rate against its bound is what the tail of the batch costs; async's against sync's measured rate is
 what the overlap and the full engines buy together.
 
-The on-policy modes cannot keep the engines full: a step's batch is generated under one policy, so the step waits for
-its longest response L, which decodes at most at the rate of a request running alone, R(1) (the profile's highest
-per-request rate). Their on-policy bounds
-put T_gen' = max(T_gen, L / R(1)) in place of T_gen (L: the step's longest trained response; computed step by step):
-  sync, on-policy      B / (T_gen' + T_train + T_sync)
-  periodic, on-policy  B / (T_sync + max(T_gen' + T_train / G, T_train))
-Periodic's ratio to its on-policy bound is how close its scheduling gets to what being on-policy allows.
+No mode keeps the engines full through a long tail. A group may be trained only while its oldest token is at most s
+versions old (s: rollout.max_staleness in async mode, 0 in the on-policy modes), so each of its responses is
+generated within the s + 1 steps between the sync that brought its first token's policy and the step that trains it,
+less the syncs (the engines decode nothing while they load). The step's longest trained response L decodes at most
+at the rate of a request running alone, R(1) (the profile's highest per-request rate), so
+  T_tail  = L / ((s + 1) * R(1))   per step, of its time besides the sync (async: on average over consecutive steps)
+The tail-counted bounds put it beside T_gen:
+  sync, on-policy      B / (max(T_gen, T_tail) + T_train + T_sync)                 step by step (s = 0)
+  periodic, on-policy  B / (T_sync + max(max(T_gen, T_tail) + T_train / G, T_train))  step by step (s = 0)
+  async, staleness s   B / (T_sync + max(T_gen, T_train, T_tail))                  over the steps' totals
+A run's ratio to its tail-counted bound is how close its scheduling gets to what its mode allows; its ratio to the
+full-engine bound is what the tail costs. The first measured steps' responses may have begun in the fill step, which
+is not measured, so over N measured steps async's tail-counted ratio may read high by up to about s / N.
 
     python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] [--out docs/benchmarks.md]
 """
@@ -89,30 +95,33 @@ def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, r
 
 
 def step_times(profile: Profile, pool: tuple[int, int], samples: int, response_tokens: float, longest: float, model_bytes: float,
-               in_flight: int) -> dict:
-    """One step's T_gen, T_gen' (on-policy), T_train and T_sync (the module's docstring); ``longest``: its longest response."""
+               in_flight: int, staleness: int) -> dict:
+    """One step's T_gen, T_tail, T_train and T_sync (the module's docstring); ``longest``: its longest trained response;
+    ``staleness``: the versions a group may lag in this mode (0: on-policy)."""
     trainer_gpus, engine_gpus = pool
     e, t = profile.engine, profile.trainer
     replicas = engine_gpus // e.gpus
     running = max(1, round(min(e.max_running_requests, in_flight / replicas)))
     generate = samples * response_tokens / (replicas * e.decode_rate(running) * running)
     alone = max(e.decode_rate(c) for c in range(1, e.max_running_requests + 1))  # R(1), whatever the profile's shape
-    return {"T_gen": generate, "T_gen_on_policy": max(generate, longest / alone),
+    return {"T_gen": generate, "T_tail": longest / ((staleness + 1) * alone),
             "T_train": t.seconds(samples * response_tokens, trainer_gpus) + t.optimizer_step_s,
             "T_sync": model_bytes / (e.weight_update_gb_per_s * 1e9)}
 
 
 def bounds(steps: list[dict], samples: int, groups: int) -> dict:
-    """Each mode's bound in samples/s over ``steps`` (their :func:`step_times`). Sync and periodic wait for each step's
+    """Each mode's bounds in samples/s over ``steps`` (their :func:`step_times`). Sync and periodic wait for each step's
     generation, so their times add step by step; async overlaps generation and training across steps, so only the
     totals bound it."""
     total = {k: sum(s[k] for s in steps) for k in steps[0]}
+    on_policy = [max(s["T_gen"], s["T_tail"]) for s in steps]
     seconds = {
         "sync": total["T_gen"] + total["T_train"] + total["T_sync"],
         "periodic": sum(s["T_sync"] + max(s["T_gen"] + s["T_train"] / groups, s["T_train"]) for s in steps),
         "async": total["T_sync"] + max(total["T_gen"], total["T_train"]),
-        "sync_on_policy": total["T_gen_on_policy"] + total["T_train"] + total["T_sync"],
-        "periodic_on_policy": sum(s["T_sync"] + max(s["T_gen_on_policy"] + s["T_train"] / groups, s["T_train"]) for s in steps),
+        "sync_tail": sum(on_policy) + total["T_train"] + total["T_sync"],
+        "periodic_tail": sum(s["T_sync"] + max(gen + s["T_train"] / groups, s["T_train"]) for s, gen in zip(steps, on_policy)),
+        "async_tail": total["T_sync"] + max(total["T_gen"], total["T_train"], total["T_tail"]),
     }
     return {mode: samples / t for mode, t in seconds.items()}
 
@@ -136,7 +145,7 @@ def main() -> int:
     profile = Profile.load(args.profile)
     lines = [f"### Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
              f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}", "",
-             "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | on-policy bound, tail counted | ratio | "
+             "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | bound, tail counted | ratio | "
              "x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (fraction of wall) | "
              "its generation workers' CPU s/step | buffer CPU s/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -152,13 +161,12 @@ def main() -> int:
                 rate = sum(r["rollout/samples"] for r in rows) / (wall * args.time_scale)
                 response = float(np.mean([r["rollout/response_len_mean"] for r in rows]))
                 samples = args.groups * args.samples
-                in_flight = samples * max(1, args.max_staleness) if mode == "async" else samples
+                staleness = args.max_staleness if mode == "async" else 0
                 steps = [step_times(profile, pool, r["rollout/samples"], r["rollout/response_len_mean"], r["rollout/response_len_max"],
-                                    r["sync/full_weight_bytes"], in_flight) for r in rows]
+                                    r["sync/full_weight_bytes"], samples * max(1, staleness), staleness) for r in rows]
                 bound = bounds(steps, sum(r["rollout/samples"] for r in rows), args.groups)
                 seconds = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
-                on_policy_bound = bound.get(f"{mode}_on_policy")
-                on_policy = f"{on_policy_bound:.3f} | {rate / on_policy_bound:.2f}" if on_policy_bound else "n/a | n/a"
+                tail = bound[f"{mode}_tail"]
                 sync_rate = rate if mode == "sync" else sync_rate
                 lag = [np.mean([r[k] for r in rows]) for k in ("staleness/lag_0", "staleness/lag_1")]
                 manager = np.mean([r["cpu/manager_seconds"] for r in rows])
@@ -167,7 +175,7 @@ def main() -> int:
                 helpers = np.mean([r["cpu/manager_helpers_seconds"] for r in rows])
                 buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
                 versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
-                lines.append(f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {on_policy} | {versus_sync} | "
+                lines.append(f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {tail:.3f} | {rate / tail:.2f} | {versus_sync} | "
                              f"{idle:.2f} | {lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | "
                              f"{manager:.2f} ({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |")
                 print(lines[-1], ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), f"mean response {response:.0f} tokens",
