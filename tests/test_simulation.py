@@ -253,3 +253,11 @@ def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):
     with pytest.raises(ConfigError) as err:
         Profile.load(bad)
     assert "engine.prefill_tokens_per_s" in str(err.value) and "engine.response_tokens" in str(err.value)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "bench" / "profiles").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_shipped_profiles_load_with_a_trainer_and_per_request_rates_that_fall_with_load(path):
+    profile = Profile.load(path)
+    engine = profile.engine
+    rates = [engine.decode_rate(c) for c in range(1, engine.max_running_requests + 1)]
+    assert profile.trainer is not None and rates == sorted(rates, reverse=True)
