@@ -333,6 +333,40 @@ def test_the_server_reports_what_it_computes_in(server):
     assert reported["engine"] == "moerl-embedded" and reported["dtype"] == "float32"
 
 
+def test_a_repeated_call_stands_on_the_engines_left_however_many_go_while_it_is_made(server, tmp_path):
+    """Engines going one after another during a sync's control call (the second killed while the call is made again
+    without the first): each attempt stands on the engines left, until one succeeds; none is lost from the sync."""
+    import socket
+
+    from moerl.weight_sync.disk import DiskSync
+
+    with socket.socket() as first, socket.socket() as second:
+        first.bind(("127.0.0.1", 0)), second.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        gone = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in (first, second)]
+        sync = DiskSync([server, *gone], tmp_path, tmp_path)
+        client = sync.link.client
+        # What /health finds after each failure: the second engine still answered when the first failure was looked at.
+        health = iter([[True, False, True], [True, False, False]])
+
+        async def healthy():
+            return next(health)
+
+        client.healthy = healthy
+        attempts = []
+
+        def pause(client):
+            attempts.append(list(client.targets))
+            return client.pause("abort")
+
+        try:
+            client.targets = [server, *gone]
+            sync.on_engines(pause)
+            assert attempts == [[server, *gone], [server, gone[1]], [server]] and client.targets == [server]
+            sync.link.run(client.resume())
+        finally:
+            sync.close()
+
+
 def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_just_gone(server, models, tmp_path):
     """An engine gone (its port refusing) after an update chose it and before the next call on it: the probe that
     verifies the update, and an adapter's load, stand on the engine left, the gone one passed over (it takes the

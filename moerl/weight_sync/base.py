@@ -145,24 +145,25 @@ class WeightSync(ABC):
         return up
 
     def on_engines(self, call, again: bool = True):
-        """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. If it failed on one
-        that has gone since, those left are the chosen ones; with ``again`` the call is made again on them (one that
-        may be repeated), else it stands where it succeeded (None), and fails if it failed on any of them."""
-        try:
-            return self.link.run(call(self.link.client))
-        except EngineError as e:
-            client = self.link.client
-            before = list(client.targets)
-            left = [url for url in self.choose_engines() if url in before]  # not one that came back: it missed the push
-            if set(left) >= set(before):
-                raise
-            client.targets = left
-            if again:
+        """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. While it fails on
+        engines that have gone since, those left are the chosen ones; with ``again`` the call is made again on them (one
+        that may be repeated), as often as engines keep going, else it stands where it succeeded (None), and fails if
+        it failed on any of them. A failure on an engine that is still there is raised."""
+        client = self.link.client
+        while True:
+            try:
                 return self.link.run(call(client))
-            for failure in e.failures:
-                if failure.url in left:
-                    raise failure from None
-            return None
+            except EngineError as e:
+                before = list(client.targets)
+                left = [url for url in self.choose_engines() if url in before]  # not one that came back: it missed the push
+                if set(left) >= set(before):
+                    raise
+                client.targets = left
+                if not again:
+                    for failure in e.failures:
+                        if failure.url in left:
+                            raise failure from None
+                    return None
 
     def verify(self, trainer, tolerance: float) -> dict[str, float]:
         """Collective: every engine the update reached serves ``trainer``'s policy (see :func:`engines_serve`); call it
