@@ -117,6 +117,27 @@ def test_with_every_engine_gone_prompts_past_their_budget_are_dropped_and_the_ru
         assert acct.dropped["engine_failure"] > 0 and acct.balanced()
 
 
+def test_an_update_that_finds_every_engine_dead_has_them_started_again_while_it_waits(model, tmp_path):
+    """Every replica killed between the step's restarts and its sync: the sync waits for one to answer, and the job
+    starts them again meanwhile; nothing else would, and the run would stop after engines.down_timeout_s."""
+    from moerl.weight_sync.disk import DiskSync
+
+    with SGLangPool(SGLangConfig(model_path=str(model), server="embedded", base_port=0, dtype="float32",
+                                 log_dir=str(tmp_path / "logs"))) as pool:
+        sync = DiskSync(pool.urls, tmp_path / "sync", model)
+        try:
+            signal_replica(pool, 0, signal.SIGKILL)
+            pool.procs[0].wait()
+            sync.down_timeout_s = 2
+            with pytest.raises(EnginesDown, match="no engine answered /health for 2 s"):
+                sync.choose_engines()
+            sync.down_timeout_s = 120
+            sync.while_down = lambda: pool.revive(max_restarts=1)
+            assert sync.choose_engines() == pool.urls and pool.restarts == {0: 1}
+        finally:
+            sync.close()
+
+
 def test_replica_health_states_follow_failures_probes_and_versions():
     from moerl.engines.health import ReplicaHealth, State
 

@@ -379,6 +379,8 @@ class Job:
         self.buffer = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
         self.manager = start_manager(self.run_dir / "config.yaml", self.hf, urls, self.buffer, state["cursor"], state["pending"], self.run_dir)
         self.cpu = CpuMeter(self.manager.pid, self.buffer)
+        if self.pool is not None:
+            self.sync.while_down = self.revive
         self.writer = MetricsWriter(self.run_dir, resume_after=self.trainer.version if cfg.run.resume != "false" else None)
         if cfg.run.progress:
             self.bar = tqdm(total=cfg.run.steps, initial=self.trainer.version, desc=f"GRPO {cfg.run.mode}", unit="step", dynamic_ncols=True)
@@ -411,7 +413,7 @@ class Job:
         metrics = trainer.step(pieces() if self.lead else None, self.interlude)  # rank 0 sends each rank its part
         trained_at = time.perf_counter()
         if self.pool is not None:
-            self.buffer.restarting(self.pool.revive(cfg.engines.max_restarts))  # the sync reaches those that answer by then
+            self.revive()  # the sync reaches those that answer by then
         if self.lead:  # what replicas lost until now, the sync gives them (those it misses are stale after it)
             self.buffer.drain()
             self.buffer.take_left()
@@ -429,11 +431,15 @@ class Job:
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
             save_checkpoint(trainer, self.buffer, self.run_dir)
 
+    def revive(self) -> None:
+        """Rank 0: the replicas whose process died are started again (stale until a sync reaches them)."""
+        self.buffer.restarting(self.pool.revive(self.cfg.engines.max_restarts))
+
     def while_waiting(self) -> Interlude | None:
         """Rank 0, while the step waits for groups: replicas that died are started again; when none serves and one is
         back (stale: it holds what it started from), every rank stops to bring it to the current policy."""
         if self.pool is not None:
-            self.buffer.restarting(self.pool.revive(self.cfg.engines.max_restarts))
+            self.revive()
         states = self.buffer.engines
         self.caught_up -= self.buffer.take_left()  # lost it since (restarted, or found without it by a request)
         back = sorted(url for url, state in states.items() if state == State.STALE.value and url not in self.caught_up)

@@ -16,7 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -77,6 +77,9 @@ class WeightSync(ABC):
         self.link = EngineLink(urls, name) if urls is not None else None
         self.adapter: str | None = None  # what requests name after the last update (LoRA); None: the base weights
         self.reached = False  # every rank: whether the last update found an engine to go to (see reach_engines)
+        # Global rank 0: called each second an update waits for an engine to answer; the job starts the replicas that
+        # died again there, since nothing else does while the update waits.
+        self.while_down: Callable[[], None] | None = None
 
     def connect(self) -> None:
         """Prepare the transport (a process group with the engines, a directory)."""
@@ -136,6 +139,8 @@ class WeightSync(ABC):
             if time.monotonic() > deadline:
                 raise EnginesDown(f"no engine answered /health for {self.down_timeout_s:g} s (engines.down_timeout_s): "
                                   f"{', '.join(client.urls)}")
+            if self.while_down is not None:
+                self.while_down()
             time.sleep(1.0)
         if up != client.targets:
             left, back = sorted(set(client.targets) - set(up)), sorted(set(up) - set(client.targets))
