@@ -17,7 +17,6 @@ broadcast per tensor), and reports the seconds per update.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_modes(work: Path, steps: int, model: Path) -> dict[str, dict]:
+    from bench.report import measured_steps, mode_summary
     from moerl.models.tiny import tiny_tokenizer
 
     # Four stop characters: the random model draws one every ~20 tokens, so lengths spread out to the cap.
@@ -45,16 +45,7 @@ def run_modes(work: Path, steps: int, model: Path) -> dict[str, dict]:
         out = subprocess.run(args, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True)
         if out.returncode:
             raise SystemExit(f"{mode} failed:\n{out.stderr[-4000:]}")
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-        seconds = sum(r["time/step_seconds"] for r in rows)
-        results[mode] = {
-            "samples_per_s": sum(r["rollout/samples"] for r in rows) / seconds,
-            "idle": sum(r["time/trainer_idle_fraction"] * r["time/step_seconds"] for r in rows) / seconds,
-            "len_mean": statistics.mean(r["rollout/response_len_mean"] for r in rows),
-            "len_max": max(r["rollout/response_len_max"] for r in rows),
-            "staleness_max": max(r["staleness/max"] for r in rows),
-            "dropped": rows[-1]["prompts/dropped"], "wall_s": time.perf_counter() - start,
-        }
+        results[mode] = {**mode_summary(measured_steps(run_dir)), "wall_s": time.perf_counter() - start}
         print(mode, results[mode], flush=True)
     return results
 

@@ -39,7 +39,6 @@ is not measured, so over N measured steps async's tail-counted ratio may read hi
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from report import publish  # noqa: E402
 
+from moerl.orchestrator.metrics import read_metrics  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
 
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
@@ -91,7 +91,7 @@ def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, r
                               stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"{mode} at {pool[0]}:{pool[1]} failed; its log: {log}")
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(run_dir)
 
 
 def step_times(profile: Profile, pool: tuple[int, int], samples: int, response_tokens: float, longest: float, model_bytes: float,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import platform
@@ -46,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from report import publish  # noqa: E402
+from report import measured_steps, mode_summary, publish  # noqa: E402
 
 from moerl.simulation import Z99  # noqa: E402
 
@@ -103,17 +102,9 @@ def run_job(run_dir: Path, mode: str, steps: int, model: Path, extra: list[str])
         done = subprocess.run(args, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{mode} ({' '.join(extra) or 'real'}) failed:\n{done.stderr[-4000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]  # the first step warms up
-    print(run_dir.name, summary(rows), file=sys.stderr, flush=True)
+    rows = measured_steps(run_dir)
+    print(run_dir.name, mode_summary(rows), file=sys.stderr, flush=True)
     return rows
-
-
-def summary(rows: list[dict]) -> dict:
-    seconds = sum(r["time/step_seconds"] for r in rows)
-    return {"samples_per_s": sum(r["rollout/samples"] for r in rows) / seconds,
-            "idle": sum(r["time/trainer_idle_fraction"] * r["time/step_seconds"] for r in rows) / seconds,
-            "response_mean": statistics.mean(r["rollout/response_len_mean"] for r in rows),
-            "staleness_max": max(r["staleness/max"] for r in rows), "dropped": rows[-1]["prompts/dropped"]}
 
 
 def prompts(model: Path, count: int) -> list[list[int]]:
@@ -242,8 +233,8 @@ def main() -> int:
         simulated = {mode: run_job(work / f"sim-{mode}", mode, args.steps, model,
                                    [f"simulation.profile={profile}", "simulation.trainer_gpus=1", "simulation.replicas_per_process=1"])
                      for mode in modes}
-    real_s = {m: summary(rows) for m, rows in real.items()}
-    sim_s = {m: summary(rows) for m, rows in simulated.items()}
+    real_s = {m: mode_summary(rows) for m, rows in real.items()}
+    sim_s = {m: mode_summary(rows) for m, rows in simulated.items()}
     lines = [f"### Simulated against real, the CPU demo's shape ({platform.machine()}, {os.cpu_count()} cores, engine and job "
              f"pinned to a CPU each, {args.steps - 1} measured steps, {GROUPS} x {SAMPLES} samples, {date.today().isoformat()})", "",
              "| mode | real samples/s | x sync | trainer idle | simulated samples/s | x sync | trainer idle | simulated x sync against real |",
@@ -255,7 +246,7 @@ def main() -> int:
                      f"{s['idle']:.2f} | {sim_x / real_x - 1:+.1%} |")
     lines += ["", f"Profile written to `{os.path.relpath(args.profile_out, REPO)}`: decode tokens/s {engine['decode']}, prefill "
               f"{engine['prefill']}, trainer {trainer}, weight update {update:.4f} GB/s; mean response real "
-              f"{real_s['sync']['response_mean']:.1f}, simulated {sim_s['sync']['response_mean']:.1f} tokens."]
+              f"{real_s['sync']['len_mean']:.1f}, simulated {sim_s['sync']['len_mean']:.1f} tokens."]
     publish(lines, args.out)
     return 0
 
