@@ -31,23 +31,30 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def long_tailed(tmp_path_factory) -> list[str]:
-    """Overrides for a random tiny model with frequent stop characters: responses run tens of tokens
-    (long-tailed, capped at 48), so weight updates land while rollouts are in flight."""
-    from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
+def random_model(tmp_path_factory) -> Path:
+    from moerl.models.tiny import save_tiny_hf
 
-    model = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("random") / "model")
-    stops = ",".join(str(tiny_tokenizer().convert_tokens_to_ids(c)) for c in "eat ")
-    return [f"model.path={model}", "rollout.max_new_tokens=48", f"rollout.stop_token_ids=[{stops}]"]
+    return save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("random") / "model")
 
 
 @pytest.fixture(scope="module")
-def engine_bound(long_tailed) -> list[str]:
+def long_tailed(random_model) -> list[str]:
+    """Overrides for a random tiny model with frequent stop characters: responses run tens of tokens
+    (long-tailed, capped at 48), as a real model's vary in length."""
+    from moerl.models.tiny import tiny_tokenizer
+
+    stops = ",".join(str(tiny_tokenizer().convert_tokens_to_ids(c)) for c in "eat ")
+    return [f"model.path={random_model}", "rollout.max_new_tokens=48", f"rollout.stop_token_ids=[{stops}]"]
+
+
+@pytest.fixture(scope="module")
+def engine_bound(random_model) -> list[str]:
     """Overrides for the random tiny model on an engine that decodes one response at a time, each 96 tokens long, so it
     is still generating when each weight update comes: every update met a rollout in flight in the runs tried, also with
     a busy process taking a core. At a full batch of shorter responses the engine could have a step's groups back
     before the update, and now and then no update met any."""
-    return [long_tailed[0], "rollout.max_new_tokens=96", "rollout.stop_token_ids=[]", "engines.extra_args=[--max-running-requests,1]"]
+    return [f"model.path={random_model}", "rollout.max_new_tokens=96", "rollout.stop_token_ids=[]",
+            "engines.extra_args=[--max-running-requests,1]"]
 
 
 def job_args(cache: Path, run_dir: Path, *overrides: str) -> list[str]:
