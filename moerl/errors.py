@@ -26,5 +26,9 @@ class EnginesDown(MoerlError):
     """No inference engine answered for ``engines.down_timeout_s``: the job writes a checkpoint and stops."""
 
 
+class RolloutManagerLost(MoerlError):
+    """The rollout manager process exited during the run: the job writes a checkpoint and stops."""
+
+
 class LoRAError(MoerlError):
     """A LoRA setup or adapter that does not fit the model, the layout or its own description."""

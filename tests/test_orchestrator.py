@@ -244,22 +244,28 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
     assert "-> stale" in manager_log and "-> dead" in manager_log  # the restarted replica waited for its adapter; the hung one was probed out
 
 
-def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_and_resumes(cache, tmp_path):
-    """No restarts left: after engines.down_timeout_s the run writes a checkpoint (every prompt not trained pending) and
-    stops with one error line; once engines are back, run.resume=true continues from that checkpoint."""
-    proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0", "engines.max_restarts=0",
-                     "engines.down_timeout_s=3", "engines.health_interval_s=0.2")
+def the_error_after(proc: subprocess.Popen, run_dir: Path, steps: int, kill) -> str:
+    """The one error line the job ends with once ``kill()`` has run after its first ``steps`` steps."""
     try:
-        wait_while_running(proc, lambda: len(rows_so_far(tmp_path)) >= 2, "its second step")
-        (engine,) = engines_of(proc)
-        os.killpg(engine.pid, signal.SIGKILL)
+        wait_while_running(proc, lambda: len(rows_so_far(run_dir)) >= steps, f"its step {steps}")
+        kill()
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
     assert proc.returncode != 0
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "engines.down_timeout_s" in errors[0] and "run.resume=true" in errors[0], stderr[-4000:]
+    assert len(errors) == 1, stderr[-4000:]
+    return errors[0]
+
+
+def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_and_resumes(cache, tmp_path):
+    """No restarts left: after engines.down_timeout_s the run writes a checkpoint (every prompt not trained pending) and
+    stops with one error line; once engines are back, run.resume=true continues from that checkpoint."""
+    proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0", "engines.max_restarts=0",
+                     "engines.down_timeout_s=3", "engines.health_interval_s=0.2")
+    error = the_error_after(proc, tmp_path, 2, lambda: os.killpg(engines_of(proc)[0].pid, signal.SIGKILL))
+    assert "engines.down_timeout_s" in error and "run.resume=true" in error, error
     (checkpoint,) = (tmp_path / "checkpoints").iterdir()
     state = json.loads((checkpoint / "run_state.json").read_text())
     stopped_at = state["step"]
@@ -267,6 +273,22 @@ def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_a
     out = job(cache, tmp_path, "run.mode=async", f"run.steps={stopped_at + 1}", "run.resume=true")
     assert out.returncode == 0, out.stderr[-4000:]
     assert read_metrics(tmp_path)[-1]["step"] == stopped_at + 1 and accounting(tmp_path)["balanced"]
+
+
+def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_error(cache, tmp_path):
+    """The rollout manager dies (the kernel killed it for memory, say): rank 0 stops waiting for groups that will never
+    come, writes a checkpoint (every prompt not trained pending) and stops with one error naming the manager."""
+    proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0")
+
+    def kill_manager():
+        (manager,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if "moerl.orchestrator.manager" in p.cmdline()]
+        manager.kill()
+
+    error = the_error_after(proc, tmp_path, 1, kill_manager)
+    assert "rollout manager process exited (killed by signal 9" in error and "run.resume=true" in error, error
+    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    state = json.loads((checkpoint / "run_state.json").read_text())
+    assert state["step"] >= 1 and state["pending"] and accounting(tmp_path)["balanced"]
 
 
 def _is_engine(process: psutil.Process) -> bool:

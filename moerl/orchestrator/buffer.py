@@ -10,15 +10,17 @@ ordering one more group for each one taken or dropped, so engines never wait on 
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import zmq
 
-from moerl.errors import EnginesDown
+from moerl.errors import EnginesDown, MoerlError, RolloutManagerLost
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (EVENTS, Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop,
                                          Stopped, checked)
@@ -89,25 +91,50 @@ class RolloutBuffer:
         self.left: set[str] = set()  # replicas that lost what the syncs left there since the last take_left()
         self.losses: dict[str, int] = {}  # each replica's count of such losses, as the manager last reported it
         self.reissues: Counter = Counter()  # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
-        self.engines_down: EnginesDown | None = None  # the manager found no engine for engines.down_timeout_s
+        # What stops the run with a checkpoint: the manager found no engine for engines.down_timeout_s, or the manager is gone.
+        self.stop_error: MoerlError | None = None
         self._stopping = self._stopped = False
+        self.manager: subprocess.Popen | None = None
+        self.manager_log: Path | None = None
 
     # ---- manager traffic ----------------------------------------------------------------------
+    def watch(self, manager: subprocess.Popen, log: Path) -> None:
+        """The manager's process. Once it is gone, orders are dropped and the step taking its groups raises
+        :class:`RolloutManagerLost` (where every rank stops with a checkpoint)."""
+        self.manager, self.manager_log = manager, log
+
+    def _manager_gone(self) -> bool:
+        if self.manager is None or (code := self.manager.poll()) is None:
+            return False
+        if self.stop_error is None:
+            how = (f"killed by signal {-code}{' (SIGKILL: most often the kernel, for memory)' if code == -9 else ''}" if code < 0
+                   else f"exit code {code}")
+            self.stop_error = RolloutManagerLost(f"the rollout manager process exited ({how}); its log: {self.manager_log}")
+        return True
+
+    def _send(self, order) -> None:
+        # A PUSH socket blocks while no peer is connected: until the manager connects, and for good once it is gone.
+        while not self._manager_gone():
+            try:
+                return self.orders.send_pyobj(order, zmq.NOBLOCK)
+            except zmq.Again:
+                time.sleep(0.05)
+
     def order(self, groups: int) -> None:
         if groups > 0:
-            self.orders.send_pyobj(Generate(groups))
+            self._send(Generate(groups))
 
     def served(self, weight_version: str | None, engines: list[str], adapter: str | None = None, version: int = 0,
                also: bool = False) -> None:
         """The last weight sync reached ``engines``, which now report ``weight_version``; new requests sample with
         the LoRA ``adapter`` it loaded there (policy ``version``), if any. ``also``: it brought them the policy the
         last sync left elsewhere (a catch-up), which those replicas still serve."""
-        self.orders.send_pyobj(Served(weight_version, engines, adapter, version, also))
+        self._send(Served(weight_version, engines, adapter, version, also))
 
     def restarting(self, urls: list[str]) -> None:
         """The job started these replicas' processes again."""
         if urls:
-            self.orders.send_pyobj(Restarting(urls))
+            self._send(Restarting(urls))
 
     def take_left(self) -> set[str]:
         left, self.left = self.left, set()
@@ -139,7 +166,7 @@ class RolloutBuffer:
             if self._stopping:  # the run already stops (on the first such error, most likely): the prompt ends live, at stop
                 return
             if event.engines_down:  # raised where the step takes its groups, which every rank stops for together
-                self.engines_down = EnginesDown(event.message)
+                self.stop_error = EnginesDown(event.message)
                 return
             raise RolloutError(f"rollout of prompt {event.index} failed: {event.message}")
         else:
@@ -171,13 +198,16 @@ class RolloutBuffer:
         remaining = groups
         piece: list[Group] = []
         while remaining:
+            if self.stop_error is not None:
+                raise self.stop_error
             self.drain()
             hook_at = time.monotonic() + WAITING_POLL_S
             while not self.ready:
-                if self.engines_down is not None:
-                    raise self.engines_down
+                if self.stop_error is not None:
+                    raise self.stop_error
                 start = time.perf_counter()
-                self._receive(None if waiting is None else WAITING_POLL_S)
+                if not self._receive(WAITING_POLL_S):
+                    self._manager_gone()
                 self.waited_s += time.perf_counter() - start
                 if waiting is not None and time.monotonic() >= hook_at:
                     hook_at = time.monotonic() + WAITING_POLL_S
@@ -209,11 +239,12 @@ class RolloutBuffer:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop the manager; every prompt still live ends dropped with its reason."""
-        self.orders.send_pyobj(Stop())
         self.halt()
-        deadline = time.monotonic() + timeout_s
-        while not self._stopped and time.monotonic() < deadline:
-            self._receive(1.0)
+        if not self._manager_gone():  # (one that is gone answers nothing)
+            self.orders.send_pyobj(Stop())
+            deadline = time.monotonic() + timeout_s
+            while not self._stopped and time.monotonic() < deadline:
+                self._receive(1.0)
         for group in self.ready:
             self.acct.finish(group.index, "unused_at_stop")
         self.ready.clear()

@@ -287,7 +287,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 # What every rank stops to do between two pieces of a step (Interlude kinds).
 CATCH_UP = 1  # no replica serves and one came back: push it the current policy, so the step can get its groups
-STOP = 2  # no replica served for engines.down_timeout_s: write a checkpoint, then stop with that error
+STOP = 2  # no replica served for engines.down_timeout_s, or the rollout manager is gone: write a checkpoint, then stop with that error
 
 
 class Job:
@@ -378,6 +378,7 @@ class Job:
         self.zmq = zmq.Context()
         self.buffer = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
         self.manager = start_manager(self.run_dir / "config.yaml", self.hf, urls, self.buffer, state["cursor"], state["pending"], self.run_dir)
+        self.buffer.watch(self.manager, self.run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.buffer)
         if self.pool is not None:
             self.sync.while_down = self.revive
@@ -407,7 +408,7 @@ class Job:
                     piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
                     taken.extend(piece)
                     yield [s for g in piece for s in g.samples]
-            except EnginesDown:  # the buffer keeps it (engines_down) for the stop
+            except MoerlError:  # the buffer keeps it (stop_error) for the stop
                 yield Interlude(STOP)
 
         metrics = trainer.step(pieces() if self.lead else None, self.interlude)  # rank 0 sends each rank its part
@@ -425,7 +426,7 @@ class Job:
         except EnginesDown as e:
             if self.lead:
                 self.buffer.trained(taken)  # in the step just made: not to be re-issued on resume
-            self.stop_for_engines(e)
+            self.stop_with_checkpoint(e)
         if self.lead:
             self.record(metrics, taken, stats, start, trained_at, end, waited)
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
@@ -452,7 +453,7 @@ class Job:
     def interlude(self, kind: int) -> None:
         """Collective, between two pieces of a step; the weights are still the last update's."""
         if kind == STOP:
-            self.stop_for_engines(self.buffer.engines_down if self.lead else None)
+            self.stop_with_checkpoint(self.buffer.stop_error if self.lead else None)
         try:
             stats = self.sync.update(self.trainer, only=self.back if self.lead else None)
             if not self.sync.reached:  # gone again before the sync: the wait goes on, and it is caught up when it is back
@@ -466,9 +467,9 @@ class Job:
             if self.lead:  # those it missed, or that went before the verify: caught up once back
                 self.caught_up -= set(self.back) - set(self.sync.link.client.targets)
         except EnginesDown as e:
-            self.stop_for_engines(e)
+            self.stop_with_checkpoint(e)
 
-    def stop_for_engines(self, error: EnginesDown | None) -> None:
+    def stop_with_checkpoint(self, error: MoerlError | None) -> None:
         """Collective: the run's checkpoint (every prompt not yet trained pending, to be issued again), then ``error``
         (global rank 0's; the other ranks say rank 0 stopped the run)."""
         if self.lead:
@@ -476,8 +477,8 @@ class Job:
         save_checkpoint(self.trainer, self.buffer, self.run_dir)
         where = f"checkpoint {self.run_dir / 'checkpoints' / f'step_{self.trainer.version}'} written; run.resume=true continues from it"
         if error is None:
-            raise relayed(EnginesDown(f"global rank 0 stopped the run: no engine answered; {where}"))
-        stopped = EnginesDown(f"{error}; {where}")
+            raise relayed(MoerlError(f"global rank 0 stopped the run (its error says why); {where}"))
+        stopped = type(error)(f"{error}; {where}")
         stopped.relayed = getattr(error, "relayed", False)
         raise stopped
 
