@@ -8,7 +8,8 @@ orchestrator's own CPU per step (the rollout manager's and rank 0's buffer's, re
 
 The bounds, per step of B samples whose responses hold D tokens, on E replicas of the profile's engine:
   T_gen   = D / (E * R(c)), R(c) the profile's decode tokens/s of one replica running c = min(max_running, F / E) requests,
-            F the requests the mode lets be in flight (B; async: B * max(1, max_staleness), its default depth):
+            F the requests the mode lets be in flight (B; async: rollout.max_outstanding_groups x samples, by default
+            B * max(1, max_staleness)):
             generation with every replica full all the time (no replica idle behind the batch's slowest response)
   T_train = D / (trainer.tokens_per_s_per_gpu * trainer GPUs) + optimizer_step_s   (prompt tokens left out of D and T_gen)
   T_sync  = model bytes / weight_update_gb_per_s: every replica loads at once, the engines and the trainer both wait
@@ -52,6 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from report import publish  # noqa: E402
 
+from moerl.orchestrator.config import RunConfig, load_config  # noqa: E402
 from moerl.orchestrator.metrics import read_metrics  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
 
@@ -83,7 +85,7 @@ def job_overrides(run_dir: Path, mode: str, pool: tuple[int, int], args, model: 
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_staleness={args.max_staleness}", "task.name=gsm8k", *args.extra]
 
 
-def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, root: Path) -> list[dict]:
+def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, root: Path) -> tuple[list[dict], RunConfig]:
     run_dir = root / f"{pool[0]}x{pool[1]}-{mode}"
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:
@@ -91,7 +93,7 @@ def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, r
                               stderr=subprocess.STDOUT)
     if done.returncode:
         raise SystemExit(f"{mode} at {pool[0]}:{pool[1]} failed; its log: {log}")
-    return read_metrics(run_dir)
+    return read_metrics(run_dir), load_config(run_dir / "config.yaml")
 
 
 def step_times(profile: Profile, pool: tuple[int, int], samples: int, response_tokens: float, longest: float, model_bytes: float,
@@ -156,14 +158,16 @@ def main() -> int:
             pool = tuple(int(x) for x in spec.split(":"))
             sync_rate = None
             for mode in args.modes.split(","):
-                rows = run(mode, pool, args, model, profile, root)[1:]  # the first step fills the pipeline
+                rows, cfg = run(mode, pool, args, model, profile, root)
+                rows = rows[1:]  # the first step fills the pipeline
                 wall = sum(r["time/step_seconds"] for r in rows)
                 rate = sum(r["rollout/samples"] for r in rows) / (wall * args.time_scale)
                 response = float(np.mean([r["rollout/response_len_mean"] for r in rows]))
                 samples = args.groups * args.samples
                 staleness = args.max_staleness if mode == "async" else 0
                 steps = [step_times(profile, pool, r["rollout/samples"], r["rollout/response_len_mean"], r["rollout/response_len_max"],
-                                    r["sync/full_weight_bytes"], samples * max(1, staleness), staleness) for r in rows]
+                                    r["sync/full_weight_bytes"], cfg.rollout.outstanding * args.samples if mode == "async" else samples,
+                                    staleness) for r in rows]
                 bound = bounds(steps, sum(r["rollout/samples"] for r in rows), args.groups)
                 seconds = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
                 tail = bound[f"{mode}_tail"]
