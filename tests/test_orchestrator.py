@@ -264,7 +264,12 @@ def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_a
     stops with one error line; once engines are back, run.resume=true continues from that checkpoint."""
     proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0", "engines.max_restarts=0",
                      "engines.down_timeout_s=3", "engines.health_interval_s=0.2")
-    error = the_error_after(proc, tmp_path, 2, lambda: os.killpg(engines_of(proc)[0].pid, signal.SIGKILL))
+
+    def kill_the_engine():
+        (engine,) = engines_of(proc)
+        os.killpg(engine.pid, signal.SIGKILL)
+
+    error = the_error_after(proc, tmp_path, 2, kill_the_engine)
     assert "engines.down_timeout_s" in error and "run.resume=true" in error, error
     (checkpoint,) = (tmp_path / "checkpoints").iterdir()
     state = json.loads((checkpoint / "run_state.json").read_text())

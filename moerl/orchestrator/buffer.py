@@ -241,7 +241,7 @@ class RolloutBuffer:
         """Stop the manager; every prompt still live ends dropped with its reason."""
         self.halt()
         if not self._manager_gone():  # (one that is gone answers nothing)
-            self.orders.send_pyobj(Stop())
+            self._send(Stop())
             deadline = time.monotonic() + timeout_s
             while not self._stopped and time.monotonic() < deadline:
                 self._receive(1.0)
