@@ -135,6 +135,40 @@ def test_same_seed_same_completion_alone_or_batched(server, shape):
     assert np.array_equal(alone.output_ids, batched.output_ids)
 
 
+def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(models, monkeypatch):
+    """A finished completion past SPILL_BYTES waits for the rest of its n in a temporary file: the answer is the same
+    bytes as one held in memory, and no file stays open."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from moerl.engines.embedded import server as served
+
+    body = {"input_ids": PROMPTS[0], "rid": "spilled", "return_logprob": True, "return_routed_experts": True,
+            "return_sampling_mask": True, "sampling_params": {"n": 3, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5,
+                                                              "top_k": 20}}
+    files = []
+
+    def temporary_file():
+        files.append(made := real_temporary_file())
+        return made
+
+    real_temporary_file = served.tempfile.TemporaryFile
+    monkeypatch.setattr(served.tempfile, "TemporaryFile", temporary_file)
+
+    async def answer() -> bytes:
+        async with TestClient(TestServer(served.build_app(served.EmbeddedEngine(str(models[0]))))) as client:
+            resp = await client.post("/generate", json=body)
+            assert resp.status == 200
+            return await resp.read()
+
+    held = run(answer())
+    assert not files
+    monkeypatch.setattr(served, "SPILL_BYTES", 0)
+    spilled = run(answer())
+    assert len(files) == 2  # the last of the three to finish is sent at once
+    assert all(f.closed for f in files)
+    assert spilled == held and len(json.loads(spilled)) == 3
+
+
 def test_stream_of_n_completions_tags_each_chunk_with_its_index(server):
     async def go():
         chunks = []

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import socket
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -38,6 +39,11 @@ log = logging.getLogger("moerl.serve")
 DISCONNECT_POLL_S = 1.0  # how often a waiting /generate checks that its client is still there (SGLang: 4 s)
 STORE_PROBE_S = 5.0  # a weight group's store that does not accept a connection in this long is unreachable
 MAX_JOINING = 16  # weight-group joins waiting for their peers at once
+# A finished completion larger than this waits for the rest of its n in an unnamed temporary file, not in memory: at
+# true routing size each is tens of MB (a simulated 32K-token Qwen3-30B-A3B response: over 50 MB), and the simulated
+# engines of a 96-GPU pool hold thousands of them on one machine. Disk pages the kernel may write back and drop.
+SPILL_BYTES = 4 << 20
+SEND_CHUNK_BYTES = 4 << 20  # a spilled completion goes back to the socket this much at a time
 _dumps = functools.partial(json.dumps, allow_nan=False)  # a NaN in a response is a bug, never invalid JSON on the wire
 
 
@@ -270,6 +276,31 @@ def _gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
+class _Spilled:
+    """A finished completion's serialized answer held in an unnamed temporary file (gone with the process) until its
+    request's other completions finish."""
+
+    def __init__(self, data: bytes):
+        self.size = len(data)
+        self.file = tempfile.TemporaryFile()
+        self.file.write(data)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def chunks(self):
+        """Its bytes, SEND_CHUNK_BYTES at a time; the file is closed after the last."""
+        try:
+            self.file.seek(0)
+            while chunk := self.file.read(SEND_CHUNK_BYTES):
+                yield chunk
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def build_app(engine: EmbeddedEngine) -> web.Application:
     routes = web.RouteTableDef()
     sched = engine.scheduler
@@ -299,8 +330,16 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         updates: asyncio.Queue = asyncio.Queue()
 
         def on_update(r: Request, finished: bool) -> None:
-            if finished or req.stream:
+            if req.stream:
                 loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, engine.response(r, req)))
+            elif finished:
+                # Serialized here, as it finishes: a long answer's lists take several times its JSON, and answers waiting
+                # as objects for the event loop held a simulated engine's process at twice its memory.
+                try:
+                    answer = _dumps(engine.response(r, req)).encode()
+                except ValueError as e:  # a NaN: the handler answers 500
+                    answer = e
+                loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, answer))
 
         requests = engine.make_requests(req, on_update)
         # As SGLang does, chunks of an n > 1 stream say which completion they belong to.
@@ -336,34 +375,39 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
                 await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
             return resp
-        # Each completion is serialized as it finishes: only its bytes wait for the other n - 1 (a long response's lists
-        # of floats take several times their JSON).
-        results: dict[str, bytes] = {}
-        while len(results) < len(requests):
-            update = await next_update()
-            if update is None:
-                return web.Response(status=499, text="client disconnected")
-            rid, finished, payload = update
-            if finished:
-                try:
-                    results[rid] = _dumps(payload).encode()
-                except ValueError:  # a NaN: a 500, and nothing left running for an answer that cannot be sent
-                    await on_engine(lambda: sched.abort_these(requests, "the answer could not be serialized"))
-                    raise
-        pieces = [results.pop(r.rid) for r in requests]
-        if len(pieces) > 1:  # a JSON list, written piece by piece: never joined into a second copy of the whole answer
-            separated = [x for piece in pieces for x in (b", ", piece)]
-            pieces = [b"[", *separated[1:], b"]"]
-        resp = web.StreamResponse()
-        resp.content_type, resp.content_length = "application/json", sum(map(len, pieces))
+        # Only each finished completion's bytes wait for the other n - 1, past SPILL_BYTES on disk.
+        results: dict[str, bytes | _Spilled] = {}
+        pieces: list[bytes | _Spilled] = []
         try:
-            await resp.prepare(request)
-            while pieces:
-                await resp.write(pieces.pop(0))  # each one freed once the socket has taken it
-            await resp.write_eof()
-        except ConnectionError:  # the client left while its answer was sent: nothing is running for it any more
-            pass
-        return resp
+            while len(results) < len(requests):
+                update = await next_update()
+                if update is None:
+                    return web.Response(status=499, text="client disconnected")
+                rid, _, answer = update
+                if isinstance(answer, ValueError):  # a 500, and nothing left running for an answer that cannot be sent
+                    await on_engine(lambda: sched.abort_these(requests, "the answer could not be serialized"))
+                    raise answer
+                results[rid] = _Spilled(answer) if len(answer) > SPILL_BYTES and len(results) + 1 < len(requests) else answer
+            pieces = [results.pop(r.rid) for r in requests]
+            if len(pieces) > 1:  # a JSON list, written piece by piece: never joined into a second copy of the whole answer
+                separated = [x for piece in pieces for x in (b", ", piece)]
+                pieces = [b"[", *separated[1:], b"]"]
+            resp = web.StreamResponse()
+            resp.content_type, resp.content_length = "application/json", sum(map(len, pieces))
+            try:
+                await resp.prepare(request)
+                while pieces:
+                    piece = pieces.pop(0)  # each one freed once the socket has taken it
+                    for chunk in (piece.chunks() if isinstance(piece, _Spilled) else (piece,)):
+                        await resp.write(chunk)
+                await resp.write_eof()
+            except ConnectionError:  # the client left while its answer was sent: nothing is running for it any more
+                pass
+            return resp
+        finally:  # a client gone, or an answer that could not be made: no file left open
+            for held in [*results.values(), *pieces]:
+                if isinstance(held, _Spilled):
+                    held.close()
 
     @routes.get(P.HEALTH.path)
     async def health(request):
