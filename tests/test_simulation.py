@@ -142,6 +142,43 @@ def test_an_in_place_update_splits_the_version_spans_where_it_happened(server, m
     assert 20 <= spans[0]["end"] <= 100
 
 
+def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models):
+    """The answers of requests aborted because their client left are never built: at true size, a stopping job's
+    hundreds of them would cost the engines seconds of CPU and gigabytes for nobody."""
+    import aiohttp
+    from aiohttp import web
+
+    from moerl.engines.embedded.server import DISCONNECT_POLL_S, build_app
+    from moerl.engines.simulated import SimulatedEngine
+
+    engine = SimulatedEngine(Profile.load(PROFILE), str(models["base"]))
+    built = []
+    real_response = engine.response
+    engine.response = lambda r, req: built.append(r.rid) or real_response(r, req)
+    body = {"input_ids": PROMPT, "sampling_params": {"n": 8, "max_new_tokens": 500, "ignore_eos": True}}  # 15 s at the profile's rates
+
+    async def leave() -> None:
+        runner = web.AppRunner(build_app(engine))  # as moerl serve runs it (aiohttp's TestServer cancels a left handler)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/generate"
+            async with aiohttp.ClientSession() as gone:  # closed on leaving: the connection with it
+                with pytest.raises(asyncio.TimeoutError):
+                    await gone.post(url, json=body, timeout=aiohttp.ClientTimeout(total=1.0))
+            for _ in range(100):  # the handler notices within its poll interval
+                await asyncio.sleep(DISCONNECT_POLL_S / 10)
+                if not engine.scheduler.running:
+                    break
+            assert not engine.scheduler.running and not engine.scheduler.waiting  # all 8 aborted
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(leave())
+    assert built == []
+
+
 def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_silently(server, models, monkeypatch):
     """Through the workers (HTTP and decoding in other processes) a generation gives what the client gives in its own
     process; a broken answer and an engine's refusal raise there as here; a killed worker's generations raise WorkerLost

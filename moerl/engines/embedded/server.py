@@ -329,7 +329,11 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
+        left = threading.Event()  # the client went away: what its aborted requests decoded is made for nobody
+
         def on_update(r: Request, finished: bool) -> None:
+            if left.is_set():
+                return
             if req.stream:
                 loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, engine.response(r, req)))
             elif finished:
@@ -354,6 +358,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
                     return await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if _gone(request):
+                        left.set()
                         await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
                         return None
 
@@ -373,6 +378,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
                     await resp.write(f"data: {_dumps(payload)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
             except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
+                left.set()
                 await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
             return resp
         # Only each finished completion's bytes wait for the other n - 1, past SPILL_BYTES on disk.
