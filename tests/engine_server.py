@@ -26,6 +26,16 @@ async def serving(routes: dict[tuple[str, str], object]):
     app = web.Application()
     for (method, path), handler in routes.items():
         app.router.add_route(method, path, handler)
+    async with serving_app(app) as url:
+        yield url
+
+
+@asynccontextmanager
+async def serving_app(app):
+    """``app`` on a free loopback port, in this event loop, run as ``moerl serve`` runs it (aiohttp's TestServer instead
+    cancels a handler whose client left); yields its base URL."""
+    from aiohttp import web
+
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -15,7 +15,7 @@ import pytest
 
 from moerl.errors import ConfigError
 from moerl.simulation import Profile
-from tests.engine_server import running_server, serving
+from tests.engine_server import running_server, serving, serving_app
 from tests.test_engine_control import (  # noqa: F401  the control tests, with this module's server
     test_abort_returns_the_partial_output,
     test_pause_holds_requests_until_continue,
@@ -146,7 +146,6 @@ def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models
     """The answers of requests aborted because their client left are never built: at true size, a stopping job's
     hundreds of them would cost the engines seconds of CPU and gigabytes for nobody."""
     import aiohttp
-    from aiohttp import web
 
     from moerl.engines.embedded.server import DISCONNECT_POLL_S, build_app
     from moerl.engines.simulated import SimulatedEngine
@@ -158,22 +157,15 @@ def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models
     body = {"input_ids": PROMPT, "sampling_params": {"n": 8, "max_new_tokens": 500, "ignore_eos": True}}  # 15 s at the profile's rates
 
     async def leave() -> None:
-        runner = web.AppRunner(build_app(engine))  # as moerl serve runs it (aiohttp's TestServer cancels a left handler)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/generate"
+        async with serving_app(build_app(engine)) as url:
             async with aiohttp.ClientSession() as gone:  # closed on leaving: the connection with it
                 with pytest.raises(asyncio.TimeoutError):
-                    await gone.post(url, json=body, timeout=aiohttp.ClientTimeout(total=1.0))
+                    await gone.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=1.0))
             for _ in range(100):  # the handler notices within its poll interval
                 await asyncio.sleep(DISCONNECT_POLL_S / 10)
                 if not engine.scheduler.running:
                     break
             assert not engine.scheduler.running and not engine.scheduler.waiting  # all 8 aborted
-        finally:
-            await runner.cleanup()
 
     asyncio.run(leave())
     assert built == []

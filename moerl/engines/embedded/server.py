@@ -329,10 +329,10 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
 
-        left = threading.Event()  # the client went away: what its aborted requests decoded is made for nobody
+        unread = threading.Event()  # the requests were aborted for good: what they decoded is made for nobody
 
         def on_update(r: Request, finished: bool) -> None:
-            if left.is_set():
+            if unread.is_set():
                 return
             if req.stream:
                 loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, engine.response(r, req)))
@@ -346,6 +346,10 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
                 loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, answer))
 
         requests = engine.make_requests(req, on_update)
+
+        async def abandon(message: str) -> None:
+            unread.set()
+            await on_engine(lambda: sched.abort_these(requests, message))
         # As SGLang does, chunks of an n > 1 stream say which completion they belong to.
         index_of = {r.rid: i for i, r in enumerate(requests)} if len(requests) > 1 else {}
         for r in requests:
@@ -358,8 +362,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
                     return await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
                     if _gone(request):
-                        left.set()
-                        await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
+                        await abandon("client disconnected")
                         return None
 
         if req.stream:
@@ -378,8 +381,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
                     await resp.write(f"data: {_dumps(payload)}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
             except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
-                left.set()
-                await on_engine(lambda: sched.abort_these(requests, "client disconnected"))
+                await abandon("client disconnected")
             return resp
         # Only each finished completion's bytes wait for the other n - 1, past SPILL_BYTES on disk.
         results: dict[str, bytes | _Spilled] = {}
@@ -391,7 +393,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
                     return web.Response(status=499, text="client disconnected")
                 rid, _, answer = update
                 if isinstance(answer, ValueError):  # a 500, and nothing left running for an answer that cannot be sent
-                    await on_engine(lambda: sched.abort_these(requests, "the answer could not be serialized"))
+                    await abandon("the answer could not be serialized")
                     raise answer
                 results[rid] = _Spilled(answer) if len(answer) > SPILL_BYTES and len(results) + 1 < len(requests) else answer
             pieces = [results.pop(r.rid) for r in requests]
