@@ -86,3 +86,21 @@ def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(ti
         assert torch.equal(torch.tensor(out["served"][name], dtype=tensor.dtype), tensor), name
         changed += not torch.equal(tensor, reader.get(name))
     assert changed > len(out["trained"]) // 2  # the step moved the weights the engine now serves
+
+
+@pytest.mark.parametrize("failure", ["engines_down", "other"])
+def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_error(failure):
+    """Global rank 0 talks to the engines alone; whatever fails there must reach the other ranks, which otherwise wait
+    in a collective rank 0 never joins (under NCCL until its timeout; under gloo until rank 0's group closes, when they
+    fail with a connection error). Engines gone: every rank raises EnginesDown (the job checkpoints on each); anything
+    else: rank 0 its own error, the others one pointing to it."""
+    from tests.workers import what_each_rank_raises_when_rank_0_fails_an_agreed_step
+
+    (kind0, message0, relayed0), (kind1, message1, relayed1) = run_ranks(
+        what_each_rank_raises_when_rank_0_fails_an_agreed_step, 2, failure, timeout_s=120)
+    if failure == "engines_down":
+        assert (kind0, kind1) == ("EnginesDown", "EnginesDown") and message0 == "no engine answered"
+    else:
+        assert (kind0, kind1) == ("WeightSyncError", "MoerlError") and message0 == "an engine does not serve it"
+        assert "global rank 0 failed in the weight sync" in message1
+    assert not relayed0 and relayed1  # only rank 0 prints its error

@@ -394,3 +394,35 @@ def train_without_replay(mcore_dir: str, trainer_cfg, samples: list, steps: int)
     trainer_module.set_action = lambda action: set_action(action if scoring else None)
     trainer_module.Trainer.score = score_marked
     return train_steps(mcore_dir, trainer_cfg, samples, steps)
+
+
+def what_each_rank_raises_when_rank_0_fails_an_agreed_step(failure: str) -> tuple[str, str, bool]:
+    """A weight sync's step that global rank 0 takes alone fails there (``failure``: ``engines_down`` or ``other``);
+    what this rank raises from it: (class name, message, relayed)."""
+    from moerl.errors import EnginesDown
+    from moerl.megatron.parallel import init_process_group
+    from moerl.weight_sync.base import WeightSync, WeightSyncError
+
+    class Agreeing(WeightSync):
+        def start(self, trainer, engines_hold_it):
+            pass
+
+        def update(self, trainer, only=None):
+            pass
+
+        def served(self, version):
+            return None, None
+
+    def fails():
+        raise EnginesDown("no engine answered") if failure == "engines_down" else WeightSyncError("an engine does not serve it")
+
+    init_process_group(timeout_s=60)
+    rank = torch.distributed.get_rank()
+    sync = Agreeing(["http://127.0.0.1:9"] if rank == 0 else None, "agreeing")  # nothing is sent to it
+    try:
+        sync.agreed(fails)
+    except Exception as e:  # noqa: BLE001 - what is raised is the answer
+        return type(e).__name__, str(e), getattr(e, "relayed", False)
+    finally:
+        sync.close()
+    return "", "", False

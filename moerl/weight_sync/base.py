@@ -23,13 +23,19 @@ import torch
 import torch.distributed as dist
 
 from moerl.engines.client import EngineClient, EngineError
-from moerl.errors import EnginesDown, relayed
+from moerl.errors import EnginesDown, MoerlError, relayed
 from moerl.megatron.forward import forward_logits
 from moerl.megatron.parallel import collective_device
 from moerl.megatron.weights import Gather
 from moerl.weight_sync.export import hf_named_tensors
 
 log = logging.getLogger("moerl.sync")
+
+_DONE, _ENGINES_DOWN, _FAILED = 0, 1, 2  # how a step rank 0 took for every rank ended (WeightSync.agreed)
+
+
+def _outcome(error: Exception | None) -> int:
+    return _DONE if error is None else _ENGINES_DOWN if isinstance(error, EnginesDown) else _FAILED
 
 
 @dataclass
@@ -112,20 +118,26 @@ class WeightSync(ABC):
         self.reached = bool(outcome.item())
         return self.reached
 
-    def agreed(self, call=None, error: EnginesDown | None = None) -> None:
+    def agreed(self, call=None, error: Exception | None = None) -> None:
         """Collective: ``call()`` on global rank 0 (a step that may find every engine gone: :meth:`choose_engines` waits
-        for one) or rank 0's ``error`` from such a step; if there is one, every rank raises :class:`EnginesDown` together
-        (rank 0 its own), so the job can write its checkpoint on every rank."""
+        for one), or ``error``, what a step rank 0 took alone raised; if either failed, every rank raises together, so
+        none is left waiting in a collective that rank 0 never joins. :class:`EnginesDown` is raised as itself on every
+        rank (rank 0 its own), so the job writes its checkpoint on each; any other failure rank 0 raises as itself and
+        the other ranks as a relayed error pointing to it."""
         if call is not None and self.link is not None:
             try:
                 call()
-            except EnginesDown as e:
+            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
                 error = e
-        down = torch.tensor([int(error is not None)], dtype=torch.int32, device=collective_device())
+        outcome = torch.tensor([_outcome(error)], dtype=torch.int32, device=collective_device())
         if dist.get_world_size() > 1:
-            dist.broadcast(down, 0)
-        if down.item():
-            raise error or relayed(EnginesDown("no engine answered /health for engines.down_timeout_s (global rank 0's error says which)"))
+            dist.broadcast(outcome, 0)
+        if error is not None:
+            raise error
+        if outcome.item() == _ENGINES_DOWN:
+            raise relayed(EnginesDown("no engine answered /health for engines.down_timeout_s (global rank 0's error says which)"))
+        if outcome.item() == _FAILED:
+            raise relayed(MoerlError("global rank 0 failed in the weight sync with the engines (its error says why)"))
 
     def choose_engines(self, only: list[str] | None = None) -> list[str]:
         """Global rank 0: the engines this update goes to, those answering /health (at least one: it waits up to
@@ -213,12 +225,12 @@ class FullWeightSync(WeightSync):
         if not self.reach_engines(only):
             return None
         self.agreed(lambda: self.on_engines(lambda client: client.pause(self.pause)))
-        stats, gone = None, None
+        stats, failed = None, None
         try:
             stats = self.push_policy(trainer)
-        except EnginesDown as e:  # rank 0's own (a disk push's load call), or every rank's (a broadcast's, agreed)
-            gone = e
-        self.agreed(error=gone)
+        except Exception as e:  # noqa: BLE001 - rank 0's own (a disk push's load call), or every rank's (a broadcast's, agreed)
+            failed = e
+        self.agreed(error=failed)
         self.agreed(lambda: self.on_engines(lambda client: client.resume()))
         if stats is not None:
             stats.pause_seconds = time.perf_counter() - start

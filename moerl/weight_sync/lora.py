@@ -18,7 +18,6 @@ import torch
 
 from moerl.checkpoint.peft import AdapterFiles, export_adapter, save_adapter
 from moerl.engines.client import EngineError
-from moerl.errors import EnginesDown
 from moerl.megatron.lora import LoRAConfig, is_lora_param
 from moerl.megatron.weights import Gather
 from moerl.models import family_for
@@ -68,13 +67,13 @@ class AdapterSync(WeightSync):
         again = self.pushes.get(trainer.version, 0)
         self.pushes[trainer.version] = again + 1
         self.adapter = self.adapter_name(trainer.version) + (f".{again}" if again else "")
-        stats, gone = None, None
+        stats, failed = None, None
         if self.link is not None:
             try:
                 stats = self.push(lora, self.adapter)
-            except EnginesDown as e:  # every engine went while it loaded: every rank stops together
-                gone = e
-        self.agreed(error=gone)
+            except Exception as e:  # noqa: BLE001 - every engine went while it loaded, or a load failed: every rank stops
+                failed = e
+        self.agreed(error=failed)
         return stats
 
     def close(self) -> None:
