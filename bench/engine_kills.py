@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
+import simulation  # noqa: E402
 from report import publish  # noqa: E402
 
 from moerl.engines.client import EngineClient, EngineError  # noqa: E402
@@ -70,15 +71,12 @@ def demo_shape(cache: Path) -> Shape:
 
 
 def simulated_shape(args, root: Path) -> Shape:
-    import simulation
-
     from moerl.simulation import Profile
 
     profile = Profile.load(args.profile)
     pool = tuple(int(x) for x in args.pool.split(":"))
     model = simulation.model_dir(Path(args.profile), Path(args.config), root)
-    job = argparse.Namespace(profile=args.profile, time_scale=args.time_scale, replicas_per_process=1, groups=args.groups,
-                             samples=args.samples, max_new_tokens=args.max_new_tokens, max_staleness=args.max_staleness, extra=[])
+    job = argparse.Namespace(**vars(args), replicas_per_process=1, extra=[])  # one replica a process: a kill takes one
 
     def overrides(run_dir: Path, steps: int) -> list[str]:
         job.steps = steps
@@ -218,15 +216,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
     p.add_argument("--out", help="append the table to this markdown file")
-    sim = p.add_argument_group("the job at production shape, simulated (as bench/simulation.py runs it)")
-    sim.add_argument("--profile", help="a simulation profile (e.g. bench/profiles/qwen3_30b_a3b_h100.yaml); default: the CPU demo")
-    sim.add_argument("--config", default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"), help="the model's Hub config.json")
+    sim = p.add_argument_group("the job at production shape, simulated (as bench/simulation.py runs it; without --profile: "
+                               "the CPU demo, for real)")
+    simulation.add_shape_arguments(sim, profile=None, groups=24, max_staleness=2)
     sim.add_argument("--pool", default="8:24", help="trainer GPUs:engine GPUs")
-    sim.add_argument("--groups", type=int, default=24, help="prompts per step")
-    sim.add_argument("--samples", type=int, default=8, help="responses per prompt")
-    sim.add_argument("--max-new-tokens", type=int, default=32768)
-    sim.add_argument("--max-staleness", type=int, default=2)
-    sim.add_argument("--time-scale", type=float, default=4.0)
     sim.add_argument("--max-down", type=int, default=3, help="a kill waits until fewer replicas than this hold no policy")
     args = p.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="moerl-kills-"))

@@ -73,6 +73,18 @@ def model_dir(profile_path: Path, config: Path, root: Path) -> Path:
     return out
 
 
+def add_shape_arguments(parser, profile: str | None, groups: int, max_staleness: int) -> None:
+    """The options that give the simulated job its shape, which :func:`job_overrides` reads (bench/engine_kills.py
+    takes them too)."""
+    parser.add_argument("--profile", default=profile, help="a simulation profile (bench/profiles/*.yaml)")
+    parser.add_argument("--config", default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"), help="the model's Hub config.json")
+    parser.add_argument("--groups", type=int, default=groups, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=32768)
+    parser.add_argument("--max-staleness", type=int, default=max_staleness, help="async: versions a group may lag (its in-flight depth: groups x this)")
+    parser.add_argument("--time-scale", type=float, default=4.0, help="simulated seconds per real second")
+
+
 def job_overrides(run_dir: Path, mode: str, pool: tuple[int, int], args, model: Path, profile: Profile) -> list[str]:
     """The job's config at ``pool`` (trainer GPUs, engine GPUs) under the profile ``args.profile``, from this script's
     arguments (``args``: profile, steps, time_scale, replicas_per_process, groups, samples, max_new_tokens,
@@ -130,17 +142,11 @@ def bounds(steps: list[dict], samples: int, groups: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", default=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"))
-    p.add_argument("--config", default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"), help="the model's Hub config.json")
+    add_shape_arguments(p, profile=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"), groups=48, max_staleness=1)
     p.add_argument("--pools", default="8:24", help="trainer GPUs:engine GPUs, comma-separated")
-    p.add_argument("--groups", type=int, default=48, help="prompts per step")
-    p.add_argument("--samples", type=int, default=8, help="responses per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32768)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--time-scale", type=float, default=4.0)
     p.add_argument("--replicas-per-process", type=int, default=12)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--max-staleness", type=int, default=1, help="async: versions a group may lag (its in-flight depth: groups x this)")
     p.add_argument("--extra", nargs="*", default=[], help="more overrides of the job's config (section.key=value)")
     p.add_argument("--out")
     args = p.parse_args()
