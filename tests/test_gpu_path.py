@@ -295,6 +295,43 @@ def test_a_fresh_optimizer_is_readied_for_a_checkpoint_load(tiny_ckpts):
     assert out["with_state"] == out["params"] and out["steps"] == [0.0] and out["moments_zero"]
 
 
+def _one_parameter_distributed_optimizer():
+    """megatron-core's DistributedOptimizer (CUDA-only to build) reduced to what its fully_reshardable loader reads: one
+    parameter of 6 elements, of which this rank holds 1..5, its torch Adam state as torch's load leaves it (step 7)."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    param, main = torch.nn.Parameter(torch.zeros(6)), torch.nn.Parameter(torch.zeros(4))
+    adam = torch.optim.Adam([main])
+    adam.state[main].update(step=torch.tensor(7.0), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4))
+    opt = object.__new__(DistributedOptimizer)
+    opt.optimizer, opt.config = adam, SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    opt.model_param_group_index_map = {param: (0, 0)}
+    opt.gbuf_ranges = [{(torch.float32, torch.float32): [{"param_map": {param: {"param": Range(1, 5)}}}]}]
+    opt.buffers = [SimpleNamespace(param_index_map={param: (0, 6, 0)})]
+    return opt, adam.state[main], main
+
+
+def test_a_fully_reshardable_optimizer_state_loads_into_torch_adam():
+    """megatron-core's loader passes each parameter's saved tensors without the Adam step (loaded before, from the
+    parameter groups) to a copy that asks for every key the state holds: a resumed run failed on an H200 with
+    KeyError 'step'. With the trainer's adjustment the shard's values load and the loaded step stays."""
+    from moerl.trainer.trainer import _keep_loaded_adam_steps
+
+    saved = [{"fp32_param": torch.arange(6.0), "exp_avg": torch.arange(6.0) + 10, "exp_avg_sq": torch.arange(6.0) + 20,
+              "step": torch.tensor(3.0)}]
+    unadjusted, _, _ = _one_parameter_distributed_optimizer()
+    with pytest.raises(KeyError, match="step"):
+        unadjusted.load_parameter_state_from_fully_reshardable(saved)
+    opt, state, main = _one_parameter_distributed_optimizer()
+    _keep_loaded_adam_steps(opt)
+    opt.load_parameter_state_from_fully_reshardable(saved)
+    assert main.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert state["exp_avg"].tolist() == [11.0, 12.0, 13.0, 14.0] and state["exp_avg_sq"].tolist() == [21.0, 22.0, 23.0, 24.0]
+    assert state["step"].item() == 7.0
+
+
 # ---- the memory plan ---------------------------------------------------------------------------------
 def _plan(*overrides: str, config: str = "recipes/qwen3_30b_a3b.yaml", world: int | None = None):
     from moerl.orchestrator import memory

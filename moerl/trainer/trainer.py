@@ -372,6 +372,7 @@ class Trainer:
         if not meta.is_file():
             raise FileNotFoundError(f"{ckpt_dir}: no {TRAINER_STATE}; not a trainer checkpoint (Trainer.save writes one)")
         _adam_state_before_loading(self.optimizer)
+        _keep_loaded_adam_steps(self.optimizer)
         state = load_sharded(self._sharded_state(loading=True), ckpt_dir)
         self.model.module.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -412,6 +413,31 @@ def _adam_state_before_loading(optimizer) -> None:
         for group in inner.param_groups:
             for param in group["params"]:
                 inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _keep_loaded_adam_steps(optimizer) -> None:
+    """Let megatron-core 0.16.1's DistributedOptimizer (without Apex or TE) load a ``fully_reshardable`` checkpoint.
+
+    Its ``load_state_dict`` first gives every parameter's torch Adam state the parameter groups' ``step``, then
+    ``load_parameter_state_from_fully_reshardable`` passes each parameter's saved tensors, the step left out, to
+    ``_set_main_param_and_optimizer_states``, which copies every key the state holds, ``step`` too: ``KeyError:
+    'step'`` (a resumed run on an H200). Each such optimizer's copy is given, for the step, the one just loaded."""
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    if HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue  # the precision-aware branch copies only the keys it is given
+
+        def set_states(model_param, tensors, opt=opt, copy=opt._set_main_param_and_optimizer_states):
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            copy(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
 
 
 def _own_adam_steps(optimizer) -> None:
