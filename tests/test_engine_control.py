@@ -405,6 +405,8 @@ def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_jus
             after_the_update_chose_both(lambda: sync.load("a", files))
             assert client.targets == [server]
             assert sync.check_engines(ids, ours, None, 10.0, "a")["sync/verify_max_abs_delta"] > 0  # the adapter is in use
+            with pytest.raises(WeightSyncError, match=rf"{server} does not serve the trainer's weights \(adapter a\).*start it again from model.path"):
+                sync.check_engines(ids, ours + 0.1, None, 1e-3, "a")
             with pytest.raises(EngineError, match="already loaded") as refused:
                 after_the_update_chose_both(lambda: sync.load("a", files))
             assert refused.value.url == server

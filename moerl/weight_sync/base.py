@@ -299,8 +299,12 @@ async def engines_serve(client: EngineClient, ids: list[int], ours: np.ndarray, 
     for url, theirs in zip(client.targets, await client.prompt_logprobs(ids, lora_path)):
         delta = np.abs(theirs - ours)
         if delta.mean() > tolerance:
-            raise WeightSyncError(f"{url} does not serve the trainer's weights (version {version}): its log-probs of the probe "
-                                  f"differ by {delta.mean():.3g} on average (max {delta.max():.3g}), tolerance {tolerance:g}")
+            # An adapter is only as right as the base weights under it, which no sync of adapters moves.
+            hint = ("; the adapter applies to the engine's base weights, which must be model.path's: an engine given by URL "
+                    "keeps those an earlier run loaded into it, so start it again from model.path") if lora_path else ""
+            raise WeightSyncError(f"{url} does not serve the trainer's weights "
+                                  f"({f'adapter {lora_path}' if lora_path else f'version {version}'}): its log-probs of the probe "
+                                  f"differ by {delta.mean():.3g} on average (max {delta.max():.3g}), tolerance {tolerance:g}{hint}")
         worst = {"sync/verify_mean_abs_delta": max(worst["sync/verify_mean_abs_delta"], float(delta.mean())),
                  "sync/verify_max_abs_delta": max(worst["sync/verify_max_abs_delta"], float(delta.max()))}
     return worst
