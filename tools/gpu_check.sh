@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU paths that CI cannot run, in one pass on one CUDA machine: the `gpu`-marked parity tests (NCCL),
 # the embedded engine on CUDA in bf16, and the main job as a user types it with its trainer rank on the same
-# GPU (bf16, distributed optimizer, weights synced by disk: NCCL cannot pair two processes on one GPU).
+# GPU (bf16, distributed optimizer, weights synced by disk: NCCL cannot pair two processes on one GPU): that
+# run resumed from its checkpoint (the distributed optimizer's load), and a sync-mode run with an fp32 trainer.
+# A LoRA run (adapters pushed alone) goes first: its engine's base weights must still be the model's.
 # Each check runs under its own time limit and the next one runs whatever happened; a summary line per
 # check goes to stdout, every log and the runs' metrics into $OUT/gpu_check.tgz (OUT defaults to ./gpu_check).
 #
 #   bash tools/gpu_check.sh            # on a machine with a GPU, moerl's dependencies importable
 #   STEPS=4 bash tools/gpu_check.sh    # shorter main-job runs
+#   ONLY="tiny_model engine_up job_async job_resume" bash tools/gpu_check.sh   # only these checks (a rerun)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 work="$(mktemp -d)"
@@ -20,6 +23,9 @@ summary=()
 check() {  # check NAME SECONDS COMMAND...: one line of summary, the log in $out/NAME.log
   local name="$1" limit="$2" t0=$SECONDS rc
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+    return
+  fi
   timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
   rc=$?
   summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$((SECONDS - t0))")")
@@ -42,14 +48,20 @@ port=30123
 python3 -m moerl.cli serve --model "$work/model" --device "$device" --dtype bfloat16 --port "$port" >"$out/engine.log" 2>&1 &
 engine=$!
 check engine_up 120 bash -c "until curl -sf http://127.0.0.1:$port/health >/dev/null; do sleep 1; done"
+check job_lora "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
+  trainer.ep=1 sync.method=disk sync.verify=true sync.verify_tolerance=0.5 lora.enabled=true run.steps="$steps" run.dir="$work/lora" \
+  run.progress=false
 check job_async "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
   trainer.ep=1 sync.method=disk sync.verify=true sync.verify_tolerance=0.5 run.steps="$steps" run.dir="$work/async" run.progress=false
+check job_resume "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
+  trainer.ep=1 sync.method=disk sync.verify=true sync.verify_tolerance=0.5 run.steps="$((steps + 2))" run.dir="$work/async" run.progress=false \
+  run.resume=true
 check job_sync_fp32 "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
   trainer.ep=1 trainer.dtype=float32 trainer.optim.distributed_optimizer=false run.mode=sync sync.method=disk \
   run.steps="$steps" run.dir="$work/sync" run.progress=false
 kill "$engine" 2>/dev/null
 wait "$engine" 2>/dev/null
-for run in async sync; do
+for run in async lora sync; do
   [ -f "$work/$run/metrics.jsonl" ] && cp "$work/$run/metrics.jsonl" "$out/metrics_$run.jsonl"
 done
 printf '%s\n' "${summary[@]}" >"$out/summary.txt"
