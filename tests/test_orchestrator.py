@@ -566,3 +566,20 @@ def test_an_ablation_runs_a_2x2_grid_with_the_same_seeds_and_writes_the_table_an
     table = (out / "ablation.md").read_text().splitlines()
     assert [line.split(" | ")[0].lstrip("| ") for line in table[4:]] == names
     assert (out / "ablation.png").stat().st_size > 10_000
+
+
+def test_parts_rank_0_takes_alone_end_together_on_every_rank(tmp_path):
+    """Rank 0 alone starts the engines and the rollout manager, takes in rollouts, records metrics and writes the run
+    state of a checkpoint; whatever fails there must stop every rank, which otherwise waits in its next collective
+    (under NCCL until the 6 h timeout where no torchrun ends it). The rollout manager gone is raised as itself on every
+    rank (each writes its checkpoint); anything else rank 0 raises as itself and the others as one pointing to it."""
+    from moerl.megatron.launch import run_ranks
+    from tests.workers import what_each_rank_raises_from_parts_rank_0_takes_alone
+
+    lead, other = run_ranks(what_each_rank_raises_from_parts_rank_0_takes_alone, 2, str(tmp_path), timeout_s=120)
+    assert [kind for kind, _, _ in lead] == ["", "RolloutManagerLost", "OSError", "RolloutError"]
+    assert lead[0][1] == "rank 0's" and "reward function raised" in lead[3][1] and not any(r for _, _, r in lead)
+    assert [kind for kind, _, _ in other] == ["", "RolloutManagerLost", "MoerlError", "MoerlError"] and other[0][1] is None
+    assert all(relayed for _, _, relayed in other[1:])
+    assert other[2][1] == "global rank 0 failed in recording the step's metrics (its error says why)"
+    assert f"writing the run state of checkpoint {tmp_path / 'checkpoints' / 'step_2'}" in other[3][1]

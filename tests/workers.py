@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -426,3 +427,38 @@ def what_each_rank_raises_when_rank_0_fails_an_agreed_step(failure: str) -> tupl
     finally:
         sync.close()
     return "", "", False
+
+
+def what_each_rank_raises_from_parts_rank_0_takes_alone(run_dir: str) -> list[tuple[str, object, bool]]:
+    """Parts of the job that global rank 0 takes alone, run on every rank: one that succeeds, one that finds the rollout
+    manager gone, one that fails otherwise, and a checkpoint whose run state rank 0 cannot write (its buffer holds a
+    failed rollout). Per part, what this rank got: ("", result, False) or (class name, message, relayed)."""
+    from types import SimpleNamespace
+
+    from moerl.errors import RolloutManagerLost
+    from moerl.megatron.parallel import init_process_group, on_lead
+    from moerl.orchestrator.buffer import RolloutError
+    from moerl.orchestrator.main import save_checkpoint
+
+    def manager_lost():
+        raise RolloutManagerLost("the rollout manager process exited (killed by signal 9)")
+
+    def disk_full():
+        raise OSError("No space left on device")
+
+    class FailedRollout:
+        def drain(self):
+            raise RolloutError("rollout of prompt 3 failed: the reward function raised")
+
+    trainer = SimpleNamespace(version=2, save=lambda out: None)  # the trainer's part is collective and saved here
+    parts = [lambda: on_lead(lambda: "rank 0's", "a part"), lambda: on_lead(manager_lost, "a part"),
+             lambda: on_lead(disk_full, "recording the step's metrics"),
+             lambda: save_checkpoint(trainer, FailedRollout() if torch.distributed.get_rank() == 0 else None, Path(run_dir))]
+    init_process_group(timeout_s=60)
+    out = []
+    for part in parts:
+        try:
+            out.append(("", part(), False))
+        except Exception as e:  # noqa: BLE001 - what is raised is the answer
+            out.append((type(e).__name__, str(e), getattr(e, "relayed", False)))
+    return out

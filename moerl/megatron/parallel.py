@@ -11,6 +11,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from moerl.env import free_port
+from moerl.errors import EnginesDown, MoerlError, RolloutManagerLost, relayed
 from moerl.layout import Layout
 from moerl.megatron import cpu_compat
 
@@ -33,6 +34,47 @@ def collective_device() -> torch.device:
     """Where a tensor must be for a collective of the default group: this rank's GPU under NCCL (which
     refuses CPU tensors), the CPU under gloo."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# Errors every rank raises as themselves when global rank 0 meets them alone, so that the job writes its checkpoint on
+# each; what the other ranks' copy says.
+_RAISED_AS_THEMSELVES = {
+    EnginesDown: "no engine answered /health for engines.down_timeout_s (global rank 0's error says which)",
+    RolloutManagerLost: "the rollout manager process exited (global rank 0's error says how)",
+}
+
+
+def lead_agrees(error: Exception | None, what: str) -> None:
+    """Collective: how a part of the job that global rank 0 took alone ended (``error``: what it raised there; None on
+    the other ranks, and on success). If it failed, every rank raises now, so that none waits in a collective rank 0
+    never joins: under NCCL until its timeout, and launched without torchrun nothing else ends them.
+    :class:`EnginesDown` and :class:`RolloutManagerLost` are raised as themselves on every rank; any other failure rank 0
+    raises as itself and the other ranks as a relayed :class:`MoerlError` saying that rank 0 failed in ``what``."""
+    kinds = list(_RAISED_AS_THEMSELVES)
+    code = 0 if error is None else next((i + 1 for i, kind in enumerate(kinds) if isinstance(error, kind)), len(kinds) + 1)
+    outcome = torch.tensor([code], dtype=torch.int32, device=collective_device())
+    if dist.get_world_size() > 1:
+        dist.broadcast(outcome, 0)
+    if error is not None:
+        raise error
+    code = int(outcome.item())
+    if 0 < code <= len(kinds):
+        raise relayed(kinds[code - 1](_RAISED_AS_THEMSELVES[kinds[code - 1]]))
+    if code:
+        raise relayed(MoerlError(f"global rank 0 failed in {what} (its error says why)"))
+
+
+def on_lead(call, what: str):
+    """Collective: ``call()`` on global rank 0 alone, then :func:`lead_agrees` on how it ended; its result on rank 0,
+    None on the other ranks."""
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = call()
+        except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+            error = e
+    lead_agrees(error, what)
+    return result
 
 
 def init_distributed(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> None:

@@ -30,7 +30,7 @@ from moerl.engines.health import State
 from moerl.env import child_env, die_with_parent
 from moerl.files import staged_dir
 from moerl.errors import ConfigError, EnginesDown, MoerlError, relayed
-from moerl.megatron.parallel import init_process_group
+from moerl.megatron.parallel import init_process_group, on_lead
 from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
 from moerl.orchestrator.config import RunConfig, load_config, served_by, to_yaml
 from moerl.orchestrator.messages import ManagerSpec
@@ -300,6 +300,7 @@ class Job:
         self.run_dir = Path(cfg.run.dir)
         self.lead = self.rank == 0
         self.pool = self.sync = self.manager = self.buffer = self.writer = self.bar = self.zmq = self.cpu = None
+        self.urls: list[str] | None = None  # rank 0: the engines'
         self.caught_up: set[str] = set()  # rank 0: replicas a catch-up sync already went to, at the current version
         self.back: list[str] = []  # rank 0: the replicas the next catch-up sync goes to
         self.catch_ups = 0  # rank 0: catch-up syncs in the current step
@@ -336,13 +337,15 @@ class Job:
         checkpoint; whether it was."""
         cfg = self.cfg
         check_layout(cfg, self.world)
-        if self.lead:
-            preflight(cfg, self.world)  # before minutes of model preparation (again: torchrun may have started this rank directly)
-            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            paths = [str(p) if p is not None else None for p in prepare_model(cfg)]
         # Generation in sync mode can outlast any default collective timeout.
         init_process_group(timeout_s=6 * 3600)
-        box = [paths if self.lead else None]
+
+        def prepare() -> list[str | None]:
+            preflight(cfg, self.world)  # before minutes of model preparation (again: torchrun may have started this rank directly)
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            return [str(p) if p is not None else None for p in prepare_model(cfg)]
+
+        box = [on_lead(prepare, "checking the run and preparing the model")]
         dist.broadcast_object_list(box, src=0)
         self.hf, mcore = Path(box[0][0]), box[0][1]
         self.trainer = make_trainer(cfg, self.hf, mcore)
@@ -357,18 +360,24 @@ class Job:
 
     def start_rollouts(self) -> None:
         """The engines and the weight sync to them; on rank 0 the rollout buffer, the manager and the metrics."""
+        cfg = self.cfg
+
+        def engines() -> list[str]:
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            urls, self.pool = start_engines(cfg, self.hf, self.run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+            return urls
+
+        self.urls = on_lead(engines, "starting the engines")
+        self.sync = make_sync(cfg, self.urls, self.hf, self.run_dir, self.trainer.hf_config)
+        self.sync.connect()
+        on_lead(self.start_buffer, "starting the rollout buffer and the rollout manager")
+
+    def start_buffer(self) -> None:
+        """Rank 0: the rollout buffer, the manager feeding it, the metrics and the progress bar."""
         import zmq
         from tqdm import tqdm
 
         cfg, state = self.cfg, self.state
-        urls = None
-        if self.lead:
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-            urls, self.pool = start_engines(cfg, self.hf, self.run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
-        self.sync = make_sync(cfg, urls, self.hf, self.run_dir, self.trainer.hf_config)
-        self.sync.connect()
-        if not self.lead:
-            return
         if cfg.engines.urls:  # verify compares on rank 0, at the precision the engines report
             self.tolerance = verify_tolerance(cfg, [str(info.get("dtype", "auto")) for info in self.sync.link.run(self.sync.link.client.server_info())])
         acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
@@ -377,7 +386,7 @@ class Job:
             acct.set(index, "in_flight")
         self.zmq = zmq.Context()
         self.buffer = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
-        self.manager = start_manager(self.run_dir / "config.yaml", self.hf, urls, self.buffer, state["cursor"], state["pending"], self.run_dir)
+        self.manager = start_manager(self.run_dir / "config.yaml", self.hf, self.urls, self.buffer, state["cursor"], state["pending"], self.run_dir)
         self.buffer.watch(self.manager, self.run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.buffer)
         if self.pool is not None:
@@ -413,11 +422,14 @@ class Job:
 
         metrics = trainer.step(pieces() if self.lead else None, self.interlude)  # rank 0 sends each rank its part
         trained_at = time.perf_counter()
-        if self.pool is not None:
-            self.revive()  # the sync reaches those that answer by then
-        if self.lead:  # what replicas lost until now, the sync gives them (those it misses are stale after it)
-            self.buffer.drain()
+
+        def before_the_sync() -> None:
+            if self.pool is not None:
+                self.revive()  # the sync reaches those that answer by then
+            self.buffer.drain()  # what replicas lost until now, the sync gives them (those it misses are stale after it)
             self.buffer.take_left()
+
+        on_lead(before_the_sync, "taking in the rollouts after the step")
         try:
             stats = self.sync.update(trainer)
             self.serve_policy()
@@ -427,8 +439,7 @@ class Job:
             if self.lead:
                 self.buffer.trained(taken)  # in the step just made: not to be re-issued on resume
             self.stop_with_checkpoint(e)
-        if self.lead:
-            self.record(metrics, taken, stats, start, trained_at, end, waited)
+        on_lead(lambda: self.record(metrics, taken, stats, start, trained_at, end, waited), "recording the step's metrics")
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
             save_checkpoint(trainer, self.buffer, self.run_dir)
 
@@ -666,17 +677,19 @@ def save_checkpoint(trainer, buffer, run_dir: Path) -> None:
     """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
     out = run_dir / "checkpoints" / f"step_{trainer.version}"
     complete = (out / RUN_STATE).is_file()  # the same version saved already (a stop in the step after it): its state is new
-    if dist.get_rank() == 0 and out.exists() and not complete:
-        shutil.rmtree(out)  # a previous attempt at this step that never finished
     if not complete:
+        # A previous attempt at this step that never finished.
+        on_lead(lambda: shutil.rmtree(out) if out.exists() else None, f"removing the unfinished checkpoint {out}")
         trainer.save(out)
-    if dist.get_rank() == 0:
+
+    def run_state() -> None:
         buffer.drain()
         state = {"step": trainer.version, "cursor": buffer.cursor, "pending": buffer.pending(), "accounting": buffer.acct.state()}
         partial = out / f".{RUN_STATE}.partial"
         partial.write_text(json.dumps(state, indent=1))
         partial.replace(out / RUN_STATE)  # whole or not at all: it marks the checkpoint complete
-    dist.barrier()
+
+    on_lead(run_state, f"writing the run state of checkpoint {out}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, l
 from moerl.layout import Layout
 from moerl.megatron.forward import run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
-from moerl.megatron.parallel import collective_device
+from moerl.megatron.parallel import collective_device, on_lead
 from moerl.models import family_for
 from moerl.sample import Sample
 from moerl.trainer import objectives
@@ -264,8 +264,8 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         replay = self.cfg.replay
-        if replay.trace_samples and dist.get_rank() == 0:
-            replay_trace.clear_step(replay.trace_dir, self.version)
+        if replay.trace_samples:
+            on_lead(lambda: replay_trace.clear_step(replay.trace_dir, self.version), "clearing the step's replay traces")
         for number, piece in enumerate(self.batches.pieces(pieces, interlude)):
             lengths += piece.response_lengths.tolist()
             batches = self.micro_batches(piece)
@@ -352,18 +352,18 @@ class Trainer:
         """Model, optimizer, LR schedule and policy version in ``dist_checkpointing`` format, loadable at
         any layout. The directory is also a moerl model checkpoint (``tools/convert_ckpt.py``, serving)."""
         ckpt_dir = Path(ckpt_dir)
-        if dist.get_rank() == 0:
-            ckpt_dir.mkdir(parents=True, exist_ok=False)
-        dist.barrier()
+        on_lead(lambda: ckpt_dir.mkdir(parents=True, exist_ok=False), f"making the checkpoint directory {ckpt_dir}")
         save_sharded(self._sharded_state(loading=False), ckpt_dir)
-        if dist.get_rank() == 0:
+
+        def describe() -> None:
             shutil.copytree(Path(self.ckpt_dir) / HF_SUBDIR, ckpt_dir / HF_SUBDIR)
             base = read_moerl_meta(self.ckpt_dir)  # written now in the current format, whatever the base's
             write_moerl_meta(ckpt_dir, base["architecture"], base["dtype"], base.get("hf_source"))
             state = {"version": self.version, "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg),
                      "lora": asdict(self.lora) if self.lora is not None else None}
             (ckpt_dir / TRAINER_STATE).write_text(json.dumps(state, indent=1))
-        dist.barrier()
+
+        on_lead(describe, f"writing the trainer state of checkpoint {ckpt_dir}")
 
     def load(self, ckpt_dir: str | Path) -> None:
         """Restore what :meth:`save` wrote (the model, optimizer, schedule and version)."""

@@ -23,20 +23,13 @@ import torch
 import torch.distributed as dist
 
 from moerl.engines.client import EngineClient, EngineError
-from moerl.errors import EnginesDown, MoerlError, relayed
+from moerl.errors import EnginesDown
 from moerl.megatron.forward import forward_logits
-from moerl.megatron.parallel import collective_device
+from moerl.megatron.parallel import collective_device, lead_agrees
 from moerl.megatron.weights import Gather
 from moerl.weight_sync.export import hf_named_tensors
 
 log = logging.getLogger("moerl.sync")
-
-_DONE, _ENGINES_DOWN, _FAILED = 0, 1, 2  # how a step rank 0 took for every rank ended (WeightSync.agreed)
-
-
-def _outcome(error: Exception | None) -> int:
-    return _DONE if error is None else _ENGINES_DOWN if isinstance(error, EnginesDown) else _FAILED
-
 
 @dataclass
 class SyncStats:
@@ -120,24 +113,15 @@ class WeightSync(ABC):
 
     def agreed(self, call=None, error: Exception | None = None) -> None:
         """Collective: ``call()`` on global rank 0 (a step that may find every engine gone: :meth:`choose_engines` waits
-        for one), or ``error``, what a step rank 0 took alone raised; if either failed, every rank raises together, so
-        none is left waiting in a collective that rank 0 never joins. :class:`EnginesDown` is raised as itself on every
-        rank (rank 0 its own), so the job writes its checkpoint on each; any other failure rank 0 raises as itself and
-        the other ranks as a relayed error pointing to it."""
+        for one), or ``error``, what a step rank 0 took alone raised; if either failed, every rank raises together
+        (:func:`~moerl.megatron.parallel.lead_agrees`: :class:`EnginesDown` as itself, so the job writes its checkpoint
+        on each)."""
         if call is not None and self.link is not None:
             try:
                 call()
-            except Exception as e:  # noqa: BLE001 - told to every rank below, then raised
+            except Exception as e:  # noqa: BLE001 - told to every rank (lead_agrees), then raised
                 error = e
-        outcome = torch.tensor([_outcome(error)], dtype=torch.int32, device=collective_device())
-        if dist.get_world_size() > 1:
-            dist.broadcast(outcome, 0)
-        if error is not None:
-            raise error
-        if outcome.item() == _ENGINES_DOWN:
-            raise relayed(EnginesDown("no engine answered /health for engines.down_timeout_s (global rank 0's error says which)"))
-        if outcome.item() == _FAILED:
-            raise relayed(MoerlError("global rank 0 failed in the weight sync with the engines (its error says why)"))
+        lead_agrees(error, "the weight sync with the engines")
 
     def choose_engines(self, only: list[str] | None = None) -> list[str]:
         """Global rank 0: the engines this update goes to, those answering /health (at least one: it waits up to
