@@ -150,3 +150,14 @@ def test_the_readmes_recipe_lines_load_verbatim():
             config = REPO / args[i + 1]
             args = args[:i] + args[i + 2 :]
         load_config(config, [a for a in args if "=" in a])
+
+
+def test_a_simulations_request_deadline_counts_simulated_seconds():
+    """Simulated engines take a response's simulated time divided by the time scale; a deadline left in real seconds cut
+    long responses at 32:96 and time x0.5 (re-issued from scratch: hundreds in a run)."""
+    from moerl.orchestrator.config import request_timeout_real_s
+
+    profile = REPO / "tests" / "data" / "simulation" / "tiny.yaml"
+    assert request_timeout_real_s(load_config(None, ["engines.request_timeout_s=600"])) == 600
+    simulated = load_config(None, ["engines.request_timeout_s=600", f"simulation.profile={profile}", "simulation.time_scale=0.5"])
+    assert request_timeout_real_s(simulated) == 1200

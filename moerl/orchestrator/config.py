@@ -75,6 +75,7 @@ class EngineSection:
     # Health: a generate request past this deadline marks its replica suspect, as a transport error does (a hung
     # engine is caught by it); a suspect replica is probed every health_interval_s and is dead after health_failures
     # failed probes in a row; with no healthy replica for down_timeout_s the run stops with one error.
+    # In a simulation it counts simulated seconds, as the engines' work does.
     request_timeout_s: float = 600.0
     health_interval_s: float = 2.0
     health_failures: int = 3
@@ -316,3 +317,10 @@ def simulation_problems(cfg: RunConfig) -> list[str]:
 
 def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def request_timeout_real_s(cfg: RunConfig) -> float:
+    """``engines.request_timeout_s`` in real seconds. A simulation's engines take a response's simulated time divided by
+    ``simulation.time_scale``: its deadline is scaled alike, or at time x0.5 a 600 s deadline would cut every response
+    past 300 simulated seconds (long ones were re-issued from scratch at 32 trainer + 96 engine GPUs)."""
+    return cfg.engines.request_timeout_s / (cfg.simulation.time_scale if cfg.simulation.profile else 1.0)

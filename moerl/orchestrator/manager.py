@@ -33,7 +33,7 @@ from moerl.engines.health import State
 from moerl.engines.protocol import SamplingParams
 from moerl.errors import EnginesDown
 from moerl.models import model_shape
-from moerl.orchestrator.config import RunConfig, load_config
+from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
 from moerl.orchestrator.messages import (ORDERS, Dropped, EnginesChanged, Generate, GroupDone, Issued, ManagerSpec, Restarting, RolloutFailed,
                                          Served, Stopped, checked)
 from moerl.sample import Sample
@@ -60,7 +60,7 @@ class RolloutManager:
         self.rewarder = Rewarder(cfg.task)
         config = json.loads(open(f"{hf_dir}/config.json").read())
         e = cfg.engines
-        self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=e.request_timeout_s, failures_to_dead=e.health_failures,
+        self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=request_timeout_real_s(cfg), failures_to_dead=e.health_failures,
                                    workers=cfg.rollout.generation_workers)
         self.reported: EnginesChanged | None = None  # the replicas' states and losses as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
