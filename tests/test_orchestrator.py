@@ -184,10 +184,11 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
 
     try:
         killed_after = 0
-        for _ in range(2):
-            # Both replicas up and in rotation, in a step after the last kill.
-            wait_while_running(proc, lambda: any(r["step"] > killed_after and r["engines/healthy"] == 2 for r in rows_so_far(tmp_path)),
-                               "the engines were back")
+        for kills in range(2):
+            # Both replicas up and in rotation after the job restarted the last one killed: a row written between a kill
+            # and the health checks that see it still reads both healthy, with the killed one's process already gone.
+            wait_while_running(proc, lambda: any(r["step"] > killed_after and r["engines/restarts"] == kills and r["engines/healthy"] == 2
+                                                 for r in rows_so_far(tmp_path)), "the engines were back")
             time.sleep(rng.uniform(0, 1))
             engines = engines_of(proc)
             assert len(engines) == 2
@@ -216,16 +217,17 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
     proc = start_job(cache, tmp_path, "run.mode=sync", f"run.steps={steps}", "lora.enabled=true", "lora.rank=4",
                      "engines.health_interval_s=0.2", "engines.health_failures=2", "engines.request_timeout_s=4", *long_tailed)
 
-    def engine_after(step: int) -> psutil.Process:
-        """The engine as the step after ``step`` starts its rollouts (sync mode: the metrics row ends a step)."""
-        wait_while_running(proc, lambda: any(r["step"] > step and r["engines/healthy"] == 1 for r in rows_so_far(tmp_path)),
-                           "its engine was back")
+    def engine_after(step: int, restarts: int) -> psutil.Process:
+        """The engine as the step after ``step`` starts its rollouts (sync mode: the metrics row ends a step), once the
+        job has restarted it ``restarts`` times (a row can end a step before the health checks see a kill)."""
+        wait_while_running(proc, lambda: any(r["step"] > step and r["engines/restarts"] == restarts and r["engines/healthy"] == 1
+                                             for r in rows_so_far(tmp_path)), "its engine was back")
         (engine,) = engines_of(proc)
         return engine
 
     try:
-        os.killpg(engine_after(1).pid, signal.SIGKILL)
-        hung = engine_after(len(rows_so_far(tmp_path)))
+        os.killpg(engine_after(1, restarts=0).pid, signal.SIGKILL)
+        hung = engine_after(len(rows_so_far(tmp_path)), restarts=1)
         hung.suspend()
         time.sleep(8)  # past engines.request_timeout_s: the requests on it fail and wait for it
         hung.resume()
