@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -106,8 +107,12 @@ def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, r
     with open(log, "w") as f:
         done = subprocess.run(["bash", str(RECIPE), *job_overrides(run_dir, mode, pool, args, model, profile)], cwd=REPO, stdout=f,
                               stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"{mode} at {pool[0]}:{pool[1]} failed; its log: {log}")
+    if done.returncode:  # kept out of the temporary directory, which goes with the script's exit
+        kept = Path(tempfile.mkdtemp(prefix=f"moerl-sim-failed-{pool[0]}x{pool[1]}-{mode}-"))
+        shutil.copy(log, kept)
+        if run_dir.exists():
+            shutil.copytree(run_dir, kept / run_dir.name, ignore=shutil.ignore_patterns("checkpoints"))
+        raise SystemExit(f"{mode} at {pool[0]}:{pool[1]} failed; its log and run directory (metrics, the manager's log): {kept}")
     return read_metrics(run_dir), load_config(run_dir / "config.yaml")
 
 
