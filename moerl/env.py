@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterable
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                       "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
@@ -24,9 +25,25 @@ def child_env(**extra: str) -> dict[str, str]:
 def free_port() -> int:
     """A TCP port free at the time of asking. Another process can take it before the caller's child
     binds it: launchers using it must handle that (SGLangPool restarts the replica on another)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
+    """``n`` distinct TCP ports free at the time of asking, none of ``avoid`` (ports handed out but not yet bound).
+    Held open together while picked: a port asked for alone, closed and asked for again, can come back the same
+    (48 replicas once drew one port twice)."""
+    avoid, held, ports = set(avoid), [], []
+    try:
+        while len(ports) < n:  # each bound socket stays bound: at most n + len(avoid) of them
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            if (port := s.getsockname()[1]) not in avoid:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 def _prctl():

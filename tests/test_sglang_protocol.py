@@ -75,15 +75,19 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
     import socket
 
     import moerl.engines.sglang as sglang_driver
-    from moerl.env import free_port
+    from moerl.env import free_ports
 
     model = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "model")
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
     taken = squatter.getsockname()[1]
-    picks = iter([taken])
-    monkeypatch.setattr(sglang_driver, "free_port", lambda: next(picks, None) or free_port())
+    first = iter([True])
+
+    def taken_first(n, avoid=()):
+        return [taken, *free_ports(n - 1, avoid=[*avoid, taken])] if next(first, False) else free_ports(n, avoid)
+
+    monkeypatch.setattr(sglang_driver, "free_ports", taken_first)
     cfg = SGLangConfig(model_path=str(model), replicas=2, base_port=0, log_dir=str(tmp_path / "logs"))
     pool = SGLangPool(cfg, python=_stand_in_python(tmp_path))
 
@@ -102,6 +106,15 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
     assert all(np.array_equal(o, outputs[0]) and len(o) == 3 for o in outputs)
     assert len(versions) == 2
     assert all(p.poll() is not None for p in procs) and pool.procs == []
+
+
+def test_ports_picked_together_are_distinct_and_avoid_those_handed_out():
+    """Ports picked one at a time, each closed before the next, can repeat: 48 replicas once got one port twice."""
+    from moerl.env import free_ports
+
+    handed_out = free_ports(8)
+    more = free_ports(200, avoid=handed_out)
+    assert len(set(handed_out)) == 8 and len(set(more)) == 200 and not set(more) & set(handed_out)
 
 
 def test_pool_reports_a_server_that_dies_during_startup(tmp_path):

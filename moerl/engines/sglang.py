@@ -19,7 +19,7 @@ from typing import Callable
 
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SGLANG_VERSION
-from moerl.env import child_env, die_with_parent, free_port
+from moerl.env import child_env, die_with_parent, free_ports
 
 log = logging.getLogger("moerl.engines")
 
@@ -184,7 +184,7 @@ class SGLangPool:
         """
         try:
             if not self.cfg.base_port:
-                self.ports = [free_port() for _ in range(self.cfg.replicas)]
+                self.ports = free_ports(self.cfg.replicas)
             # procs[i] is replica i's process, shared by the replicas it serves; a replica restarted gets one of its own.
             per = self.cfg.replicas_per_process
             self.procs = []
@@ -215,8 +215,9 @@ class SGLangPool:
                 if i < len(self.ports) and not self.cfg.base_port and "address already in use" in text.lower() and restarts < 3:
                     restarts += 1
                     served = [j for j in range(i, len(self.ports)) if self.procs[j] is proc]
-                    for j in served:
-                        self.ports[j] = free_port()
+                    others = [port for j, port in enumerate(self.ports) if j not in served]
+                    for j, port in zip(served, free_ports(len(served), avoid=others)):
+                        self.ports[j] = port
                     restarted = self._spawn_replicas(i, [self.ports[j] for j in served], restart=True)
                     for j in served:
                         self.procs[j] = restarted
