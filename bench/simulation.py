@@ -96,8 +96,6 @@ def job_overrides(run_dir: Path, mode: str, pool: tuple[int, int], args, model: 
             f"simulation.replicas_per_process={args.replicas_per_process}", f"engines.replicas={engine_gpus // profile.engine.gpus}",
             f"rollout.groups_per_step={args.groups}", f"rollout.samples_per_prompt={args.samples}",
             f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_staleness={args.max_staleness}", "task.name=gsm8k",
-            # A deadline no response of the profile can reach: a longest one on a full replica must not be cut and re-issued.
-            f"engines.request_timeout_s={1.5 * args.max_new_tokens / profile.engine.decode_rate(profile.engine.max_running_requests):.0f}",
             *args.extra]
 
 

@@ -152,12 +152,18 @@ def test_the_readmes_recipe_lines_load_verbatim():
         load_config(config, [a for a in args if "=" in a])
 
 
-def test_a_simulations_request_deadline_counts_simulated_seconds():
-    """Simulated engines take a response's simulated time divided by the time scale; a deadline left in real seconds cut
-    long responses at 32:96 and time x0.5 (re-issued from scratch: hundreds in a run)."""
-    from moerl.orchestrator.config import request_timeout_real_s
+def test_a_request_deadline_outlasts_a_full_length_response_and_a_simulations_counts_simulated_seconds():
+    """By default a response may run to rollout.max_new_tokens at the slowest per-request rate a full replica decodes
+    at (a fixed 600 s cut 32K-token responses, which are re-issued from scratch as if the engine hung). Simulated
+    engines take a response's simulated time divided by the time scale; a deadline left in real seconds cut long
+    responses at 32:96 and time x0.5 (hundreds in a run)."""
+    from moerl.orchestrator.config import SLOWEST_DECODE_TOKENS_PER_S, request_timeout_real_s
 
     profile = REPO / "tests" / "data" / "simulation" / "tiny.yaml"
     assert request_timeout_real_s(load_config(None, ["engines.request_timeout_s=600"])) == 600
+    long = request_timeout_real_s(load_config(None, ["rollout.max_new_tokens=32768"]))
+    assert long > 32768 / SLOWEST_DECODE_TOKENS_PER_S and long > request_timeout_real_s(load_config(None, ["rollout.max_new_tokens=4096"])) > 600
     simulated = load_config(None, ["engines.request_timeout_s=600", f"simulation.profile={profile}", "simulation.time_scale=0.5"])
     assert request_timeout_real_s(simulated) == 1200
+    with pytest.raises(ConfigError, match="engines.request_timeout_s"):
+        load_config(None, ["engines.request_timeout_s=0"])

@@ -75,8 +75,10 @@ class EngineSection:
     # Health: a generate request past this deadline marks its replica suspect, as a transport error does (a hung
     # engine is caught by it); a suspect replica is probed every health_interval_s and is dead after health_failures
     # failed probes in a row; with no healthy replica for down_timeout_s the run stops with one error.
-    # In a simulation it counts simulated seconds, as the engines' work does.
-    request_timeout_s: float = 600.0
+    # null: 600 s plus what rollout.max_new_tokens take at SLOWEST_DECODE_TOKENS_PER_S, so that a response running to
+    # its limit on a full replica is not cut and re-issued from scratch as if its engine hung. In a simulation it
+    # counts simulated seconds, as the engines' work does.
+    request_timeout_s: float | None = None
     health_interval_s: float = 2.0
     health_failures: int = 3
     down_timeout_s: float = 600.0
@@ -288,9 +290,9 @@ def check(cfg: RunConfig) -> None:
     if r.engine_retries < 0 or r.generation_workers < 0:
         problems.append("rollout.engine_retries and rollout.generation_workers must be >= 0")
     e = cfg.engines
-    if min(e.request_timeout_s, e.health_interval_s, e.down_timeout_s) <= 0 or e.health_failures < 1 or e.max_restarts < 0:
-        problems.append("engines.request_timeout_s, health_interval_s and down_timeout_s must be > 0, health_failures >= 1 "
-                        "and max_restarts >= 0")
+    if min(1 if e.request_timeout_s is None else e.request_timeout_s, e.health_interval_s, e.down_timeout_s) <= 0 or e.health_failures < 1 or e.max_restarts < 0:
+        problems.append("engines.request_timeout_s (null: derived), health_interval_s and down_timeout_s must be > 0, "
+                        "health_failures >= 1 and max_restarts >= 0")
     problems += simulation_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -319,8 +321,17 @@ def to_yaml(cfg: RunConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+# Per request, below a full replica's rate for the models the recipes serve: Qwen3-30B-A3B on an H100 EP2 replica
+# decodes 4664 tokens/s over 128 running requests, 36 each (bench/profiles/qwen3_30b_a3b_h100.yaml), so a 32K-token
+# response takes about 900 s there, past a fixed 600 s deadline.
+SLOWEST_DECODE_TOKENS_PER_S = 20.0
+
+
 def request_timeout_real_s(cfg: RunConfig) -> float:
-    """``engines.request_timeout_s`` in real seconds. A simulation's engines take a response's simulated time divided by
-    ``simulation.time_scale``: its deadline is scaled alike, or at time x0.5 a 600 s deadline would cut every response
-    past 300 simulated seconds (long ones were re-issued from scratch at 32 trainer + 96 engine GPUs)."""
-    return cfg.engines.request_timeout_s / (cfg.simulation.time_scale if cfg.simulation.profile else 1.0)
+    """A generate request's deadline in real seconds: ``engines.request_timeout_s``, or by default 600 s plus
+    ``rollout.max_new_tokens`` at :data:`SLOWEST_DECODE_TOKENS_PER_S`. A simulation's engines take a response's simulated
+    time divided by ``simulation.time_scale``: its deadline is scaled alike, or at time x0.5 a 600 s deadline would cut
+    every response past 300 simulated seconds (long ones were re-issued from scratch at 32 trainer + 96 engine GPUs)."""
+    e = cfg.engines
+    deadline = e.request_timeout_s if e.request_timeout_s is not None else 600.0 + cfg.rollout.max_new_tokens / SLOWEST_DECODE_TOKENS_PER_S
+    return deadline / (cfg.simulation.time_scale if cfg.simulation.profile else 1.0)
