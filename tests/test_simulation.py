@@ -171,6 +171,47 @@ def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models
     assert built == []
 
 
+def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkeypatch):
+    """Past SPILL_BYTES a finished completion waits for the rest of its n in a file and nowhere in memory: spilled by
+    the request's handler, each one's bytes also stayed in the handler's frame until the next completion came, which
+    at 32 trainer + 96 engine GPUs held half a GB in each process of four simulated replicas."""
+    import gc
+
+    import aiohttp
+
+    from moerl.engines.embedded import server as served
+    from moerl.engines.simulated import SimulatedEngine
+
+    engine = SimulatedEngine(Profile.load(PROFILE), str(models["base"]))
+    monkeypatch.setattr(served, "SPILL_BYTES", 0)
+    spilled, holders, checked = [], [], []
+    real_spill, real_response = served._Spilled.__init__, engine.response
+
+    def spill(self, data: bytes) -> None:
+        spilled.append(data)
+        real_spill(self, data)
+
+    def response(r, req):  # on the scheduler's thread, as each completion finishes: the earlier ones wait on disk
+        holders.extend(type(holder).__name__ for data in spilled for holder in gc.get_referrers(data) if holder is not spilled)
+        checked.append(len(spilled))
+        return real_response(r, req)
+
+    monkeypatch.setattr(served._Spilled, "__init__", spill)
+    engine.response = response
+    n = 4
+    body = {"input_ids": PROMPT, "sampling_params": {"n": n, "max_new_tokens": 400, "sampling_seed": 3}, "return_routed_experts": True}
+
+    async def ask() -> list:
+        async with serving_app(served.build_app(engine)) as url, aiohttp.ClientSession() as session:
+            async with session.post(url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                return await resp.json()
+
+    answers = asyncio.run(ask())
+    assert len(answers) == n and len(spilled) == n - 1  # the last to finish is sent at once
+    assert checked == list(range(n)) and holders == []
+
+
 def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_silently(server, models, monkeypatch):
     """Through the workers (HTTP and decoding in other processes) a generation gives what the client gives in its own
     process; a broken answer and an engine's refusal raise there as here; a killed worker's generations raise WorkerLost
