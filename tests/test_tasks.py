@@ -12,7 +12,7 @@ import zmq
 from moerl.models.tiny import tiny_tokenizer
 from moerl.orchestrator.buffer import RolloutBuffer, RolloutError
 from moerl.orchestrator.config import RolloutSection
-from moerl.orchestrator.messages import Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped
+from moerl.orchestrator.messages import Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped, event_frames
 from moerl.sample import Sample
 from moerl.tasks import PromptStream, TaskConfig, read_records
 from moerl.tasks.rewards import Rewarder, math
@@ -123,6 +123,11 @@ def group_event(index: int, versions: list[int]) -> GroupDone:
     return GroupDone(index, samples, retries=0, seconds=0.1)
 
 
+def send(events: zmq.Socket, event) -> None:
+    """As the rollout manager sends an event."""
+    events.send_multipart(event_frames(event), copy=False)
+
+
 @pytest.fixture
 def wired():
     ctx = zmq.Context()
@@ -140,10 +145,10 @@ def wired():
 def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     buffer, orders, events = wired
     for index in range(4):
-        events.send_pyobj(Issued(index, new=True))
-    events.send_pyobj(group_event(0, [3, 3]))  # version 3 at trainer version 5: too old
-    events.send_pyobj(group_event(1, [4, 5]))  # oldest token 1 version behind: kept
-    events.send_pyobj(group_event(2, [5, 5]))
+        send(events, Issued(index, new=True))
+    send(events, group_event(0, [3, 3]))  # version 3 at trainer version 5: too old
+    send(events, group_event(1, [4, 5]))  # oldest token 1 version behind: kept
+    send(events, group_event(2, [5, 5]))
     pieces = list(buffer.pieces(version=5, groups=2, whole=False))
     taken = [g.index for piece in pieces for g in piece]
     assert taken == [1, 2]
@@ -153,17 +158,36 @@ def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     buffer.trained([g for piece in pieces for g in piece])
     assert buffer.acct.trained == 2 and buffer.pending() == [3] and buffer.acct.balanced()
     assert buffer.cursor == 4  # where a resumed run continues
-    events.send_pyobj(Issued(3, new=False))  # re-issued after a resume: counted once
+    send(events, Issued(3, new=False))  # re-issued after a resume: counted once
     buffer.drain()
     assert buffer.acct.issued == 4 and buffer.acct.balanced()
-    events.send_pyobj(Stopped([3]))
+    send(events, Stopped([3]))
     buffer.stop(timeout_s=5)
     assert orders.recv_pyobj() == Stop()
     assert dict(buffer.acct.dropped) == {"stale": 1, "in_flight_at_stop": 1} and buffer.acct.balanced() and not buffer.acct.live
 
 
+def test_a_groups_arrays_cross_out_of_band_and_arrive_whole_and_writable(wired):
+    """An event's arrays go as frames of their own, not copied into its pickle; the buffer's come back equal, in memory
+    of their own."""
+    buffer, _, events = wired
+    event = group_event(0, [0, 0])
+    routing = np.random.default_rng(0).integers(0, 128, (3, 48, 8), dtype=np.uint8)  # P + R - 1 positions
+    event.samples[1].routing = np.repeat(routing, 1000, axis=1)  # 1.1 MB
+    frames = event_frames(event)
+    assert len(frames[0]) < 4096 and sum(len(memoryview(f)) for f in frames[1:]) > routing.nbytes * 1000
+    send(events, Issued(0, new=True))
+    send(events, event)
+    (piece,) = buffer.pieces(version=0, groups=1, whole=True)
+    (group,) = piece
+    for sent, got in zip(event.samples, group.samples):
+        for name in ("prompt_ids", "response_ids", "behaviour_logprobs", "versions", "routing"):
+            a, b = getattr(sent, name), getattr(got, name)
+            assert (a is None and b is None) or (np.array_equal(a, b) and a.dtype == b.dtype and b.flags.writeable)
+
+
 def test_a_failed_rollout_stops_the_run_with_its_message(wired):
     buffer, _, events = wired
-    events.send_pyobj(RolloutFailed(7, "EngineError: http://e:1: /generate refused (400): bad top_k"))
+    send(events, RolloutFailed(7, "EngineError: http://e:1: /generate refused (400): bad top_k"))
     with pytest.raises(RolloutError, match="prompt 7 failed: EngineError.*bad top_k"):
         next(buffer.pieces(version=0, groups=1, whole=True))
