@@ -71,8 +71,9 @@ class Sample:
             if offsets.shape != (r + 1,) or offsets[0] != 0 or offsets[-1] != len(self.mask_ids) or np.any(np.diff(offsets) < 1):
                 raise SampleError(f"mask_offsets must be [R+1] = [{r + 1}] non-decreasing from 0 to len(mask_ids) with >= 1 id per token")
             rows = np.repeat(np.arange(r), np.diff(offsets))
-            inside = np.zeros(r, dtype=bool)
-            np.logical_or.at(inside, rows, self.mask_ids == self.response_ids[rows])
+            # Per token, over its own non-empty run of ids (offsets rise at each): ufunc.at took a tenth of the rollout
+            # manager's CPU at 32K-token lengths.
+            inside = np.logical_or.reduceat(self.mask_ids == self.response_ids[rows], offsets[:-1])
             if not inside.all():
                 raise SampleError(f"response token {int(np.argmin(inside))} is not in its own kept set")
         return self

@@ -320,6 +320,11 @@ def test_samples_refuse_inconsistent_arrays(fp32_samples):
     bad_ids[s.mask_offsets[0] : s.mask_offsets[1]] = (s.response_ids[0] + 1) % 256
     with pytest.raises(SampleError, match="response token 0 is not in its own kept set"):
         Sample(**{**s.__dict__, "mask_ids": bad_ids}).validate()
+    last = s.response_len - 1
+    bad_ids = s.mask_ids.copy()
+    bad_ids[s.mask_offsets[last] :] = (s.response_ids[last] + 1) % 256
+    with pytest.raises(SampleError, match=f"response token {last} is not in its own kept set"):
+        Sample(**{**s.__dict__, "mask_ids": bad_ids}).validate()
 
 
 @pytest.fixture(scope="module")
