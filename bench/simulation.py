@@ -160,7 +160,7 @@ def main() -> int:
     lines = [f"### Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
              f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}", "",
              "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | bound, tail counted | ratio | "
-             "x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (fraction of wall) | "
+             "x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (of the simulated step) | "
              "its generation workers' CPU s/step | buffer CPU s/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="moerl-sim-") as tmp:
@@ -187,7 +187,7 @@ def main() -> int:
                 lag = [np.mean([r[k] for r in rows]) for k in ("staleness/lag_0", "staleness/lag_1")]
                 manager = np.mean([r["cpu/manager_seconds"] for r in rows])
                 idle = np.mean([r["time/trainer_idle_fraction"] for r in rows])
-                fraction = manager / np.mean([r["time/step_seconds"] for r in rows])
+                fraction = manager / (np.mean([r["time/step_seconds"] for r in rows]) * args.time_scale)  # of a real run's step
                 helpers = np.mean([r["cpu/manager_helpers_seconds"] for r in rows])
                 buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
                 versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
