@@ -12,7 +12,7 @@ import zmq
 from moerl.models.tiny import tiny_tokenizer
 from moerl.orchestrator.buffer import RolloutBuffer, RolloutError
 from moerl.orchestrator.config import RolloutSection
-from moerl.orchestrator.messages import Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped, event_frames
+from moerl.orchestrator.messages import Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped, event_frames, send_event
 from moerl.sample import Sample
 from moerl.tasks import PromptStream, TaskConfig, read_records
 from moerl.tasks.rewards import Rewarder, math
@@ -123,11 +123,6 @@ def group_event(index: int, versions: list[int]) -> GroupDone:
     return GroupDone(index, samples, retries=0, seconds=0.1)
 
 
-def send(events: zmq.Socket, event) -> None:
-    """As the rollout manager sends an event."""
-    events.send_multipart(event_frames(event), copy=False)
-
-
 @pytest.fixture
 def wired():
     ctx = zmq.Context()
@@ -145,10 +140,10 @@ def wired():
 def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     buffer, orders, events = wired
     for index in range(4):
-        send(events, Issued(index, new=True))
-    send(events, group_event(0, [3, 3]))  # version 3 at trainer version 5: too old
-    send(events, group_event(1, [4, 5]))  # oldest token 1 version behind: kept
-    send(events, group_event(2, [5, 5]))
+        send_event(events, Issued(index, new=True))
+    send_event(events, group_event(0, [3, 3]))  # version 3 at trainer version 5: too old
+    send_event(events, group_event(1, [4, 5]))  # oldest token 1 version behind: kept
+    send_event(events, group_event(2, [5, 5]))
     pieces = list(buffer.pieces(version=5, groups=2, whole=False))
     taken = [g.index for piece in pieces for g in piece]
     assert taken == [1, 2]
@@ -158,10 +153,10 @@ def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     buffer.trained([g for piece in pieces for g in piece])
     assert buffer.acct.trained == 2 and buffer.pending() == [3] and buffer.acct.balanced()
     assert buffer.cursor == 4  # where a resumed run continues
-    send(events, Issued(3, new=False))  # re-issued after a resume: counted once
+    send_event(events, Issued(3, new=False))  # re-issued after a resume: counted once
     buffer.drain()
     assert buffer.acct.issued == 4 and buffer.acct.balanced()
-    send(events, Stopped([3]))
+    send_event(events, Stopped([3]))
     buffer.stop(timeout_s=5)
     assert orders.recv_pyobj() == Stop()
     assert dict(buffer.acct.dropped) == {"stale": 1, "in_flight_at_stop": 1} and buffer.acct.balanced() and not buffer.acct.live
@@ -176,8 +171,8 @@ def test_a_groups_arrays_cross_out_of_band_and_arrive_whole_and_writable(wired):
     event.samples[1].routing = np.repeat(routing, 1000, axis=1)  # 1.1 MB
     frames = event_frames(event)
     assert len(frames[0]) < 4096 and sum(len(memoryview(f)) for f in frames[1:]) > routing.nbytes * 1000
-    send(events, Issued(0, new=True))
-    send(events, event)
+    send_event(events, Issued(0, new=True))
+    send_event(events, event)
     (piece,) = buffer.pieces(version=0, groups=1, whole=True)
     (group,) = piece
     for sent, got in zip(event.samples, group.samples):
@@ -188,6 +183,6 @@ def test_a_groups_arrays_cross_out_of_band_and_arrive_whole_and_writable(wired):
 
 def test_a_failed_rollout_stops_the_run_with_its_message(wired):
     buffer, _, events = wired
-    send(events, RolloutFailed(7, "EngineError: http://e:1: /generate refused (400): bad top_k"))
+    send_event(events, RolloutFailed(7, "EngineError: http://e:1: /generate refused (400): bad top_k"))
     with pytest.raises(RolloutError, match="prompt 7 failed: EngineError.*bad top_k"):
         next(buffer.pieces(version=0, groups=1, whole=True))

@@ -23,7 +23,7 @@ import zmq
 from moerl.errors import EnginesDown, MoerlError, RolloutManagerLost
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop, Stopped,
-                                         from_event_frames)
+                                         receive_event)
 from moerl.sample import Sample
 
 
@@ -180,7 +180,7 @@ class RolloutBuffer:
         if not self.events.poll(None if timeout_s is None else int(timeout_s * 1000)):
             return False
         start = time.thread_time()
-        self._handle(from_event_frames(self.events.recv_multipart(copy=False)))
+        self._handle(receive_event(self.events))
         self.cpu_s += time.thread_time() - start
         return True
 

@@ -35,7 +35,7 @@ from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
 from moerl.orchestrator.messages import (ORDERS, Dropped, EnginesChanged, Generate, GroupDone, Issued, ManagerSpec, Restarting, RolloutFailed,
-                                         Served, Stopped, checked, event_frames)
+                                         Served, Stopped, checked, send_event)
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
@@ -103,7 +103,7 @@ class RolloutManager:
             cancelled = sorted(int(t.get_name()) for t in live if t.cancelled())
             if live:
                 await self.client.abort(quietly=True)  # engines stop generating what nobody will read
-            await self._send(Stopped(cancelled))
+            await send_event(self.events, Stopped(cancelled))
             await self.client.close()
             await self.rewarder.close()
             self.commands.close(linger=0)
@@ -147,7 +147,7 @@ class RolloutManager:
 
     async def _group(self, index: int, new: bool) -> None:
         try:
-            await self._send(Issued(index, new))
+            await send_event(self.events, Issued(index, new))
             record, ids = self.stream.get(index)
             r = self.r
             attempt, engine_retries, workers_lost, start = 0, 0, 0, time.perf_counter()
@@ -182,7 +182,7 @@ class RolloutManager:
                     engine_retries += 1
                     if engine_retries > r.engine_retries:
                         log.warning("prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e)
-                        await self._send(Dropped(index, "engine_failure", engine_retries - 1, workers_lost))
+                        await send_event(self.events, Dropped(index, "engine_failure", engine_retries - 1, workers_lost))
                         return
                     log.warning("prompt %d re-issued (%d of %d): %s", index, engine_retries, r.engine_retries, e)
                     if adapter in self.retired:
@@ -204,13 +204,13 @@ class RolloutManager:
                         if self.cfg.lora.enabled else None)
             samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
                        for c, x in zip(completions, rewards)]
-            await self._send(GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost))
+            await send_event(self.events, GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost))
         except asyncio.CancelledError:
             raise
         except EnginesDown as e:
-            await self._send(RolloutFailed(index, str(e), engines_down=True))
+            await send_event(self.events, RolloutFailed(index, str(e), engines_down=True))
         except Exception as e:  # the trainer stops the run with this message
-            await self._send(RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            await send_event(self.events, RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
     async def _until_healthy(self) -> None:
         """Wait for a healthy replica, at most ``engines.down_timeout_s``."""
@@ -244,15 +244,12 @@ class RolloutManager:
             if health.epochs[url] == epoch:  # else a sync reached it meanwhile: the answer may predate it
                 health.probed(url, answered, version)
 
-    async def _send(self, event) -> None:
-        await self.events.send_multipart(event_frames(event), copy=False)  # the frames hold the arrays until sent
-
     async def _report(self) -> None:
         health = self.client.health
         report = EnginesChanged({url: r.state.value for url, r in health.replicas.items()}, dict(health.losses))
         if report != self.reported:
             self.reported = report
-            await self._send(report)
+            await send_event(self.events, report)
 
 
 def main(argv: list[str] | None = None) -> int:

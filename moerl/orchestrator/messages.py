@@ -4,7 +4,7 @@ spec file: one type each, written and read only through this module.
 Orders go trainer -> manager over one ZMQ PUSH/PULL pair, events manager -> trainer over another; both
 carry these dataclasses pickled (the two processes run the same moerl), and each side refuses anything
 else, so a message that changes shape fails at the first send, not as a KeyError somewhere later. Events
-go as :func:`event_frames`: their samples' arrays out of band.
+go through :func:`send_event` and :func:`receive_event`: their samples' arrays out of band.
 """
 
 from __future__ import annotations
@@ -112,10 +112,16 @@ def event_frames(event) -> list:
     return [head, *(array.raw() for array in arrays)]
 
 
-def from_event_frames(frames: list) -> object:
-    """The event of :func:`event_frames`' frames (ZMQ frames or bytes), if it is one of :data:`EVENTS`. Its arrays get
-    memory of their own, writable (one copy, as an in-band pickle would make), not the frames' read-only bytes."""
-    head, *arrays = (memoryview(frame) for frame in frames)
+def send_event(socket, event):
+    """Send ``event`` on ``socket`` (a plain or an asyncio ZMQ socket: await what it returns) as :func:`event_frames`;
+    the frames hold the arrays until ZMQ has sent them."""
+    return socket.send_multipart(event_frames(event), copy=False)
+
+
+def receive_event(socket) -> object:
+    """The next event on ``socket`` (plain ZMQ), if it is one of :data:`EVENTS`. Its arrays get memory of their own,
+    writable (one copy, as an in-band pickle would make), not the frames' read-only bytes."""
+    head, *arrays = (memoryview(frame) for frame in socket.recv_multipart(copy=False))
     return checked(pickle.loads(head, buffers=[bytearray(array) for array in arrays]), EVENTS)
 
 
