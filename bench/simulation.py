@@ -31,7 +31,11 @@ The tail-counted bounds put it beside T_gen:
   periodic, on-policy  B / (T_sync + max(max(T_gen, T_tail) + T_train / G, T_train))  step by step (s = 0)
   async, staleness s   B / (T_sync + max(T_gen, T_train, T_tail))                  over the steps' totals
 A run's ratio to its tail-counted bound is how close its scheduling gets to what its mode allows; its ratio to the
-full-engine bound is what the tail costs. The first measured steps' responses may have begun in the fill step, which
+full-engine bound is what the tail costs. Async's tail-counted bound lets the longest response decode at R(1) while the
+replicas stay full, which no schedule can do when lengths are known only once decoded; beside it, a guide (not a bound:
+a schedule may change a replica's concurrency within a step): the best async rate with every replica at one
+concurrency c throughout, which slows the longest response to R(c) / c,
+  async, one concurrency   max over c of B / (T_sync + max(D / (E * R(c)), T_train, c * L / ((s + 1) * R(c)))) The first measured steps' responses may have begun in the fill step, which
 is not measured, so over N measured steps async's tail-counted ratio may read high by up to about s / N.
 
     python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] [--out docs/benchmarks.md]
@@ -146,6 +150,22 @@ def bounds(steps: list[dict], samples: int, groups: int) -> dict:
     return {mode: samples / t for mode, t in seconds.items()}
 
 
+def one_concurrency_guide(profile: Profile, pool: tuple[int, int], samples: float, tokens: float, longest: float, steps: list[dict],
+                          staleness: int) -> tuple[float, int]:
+    """Async's guide (the module's docstring) over ``steps`` (their :func:`step_times`), which trained ``samples``
+    responses of ``tokens`` in all, ``longest`` the sum of each step's longest: (samples/s, the concurrency giving it)."""
+    e = profile.engine
+    replicas = pool[1] // e.gpus
+    sync, train = sum(s["T_sync"] for s in steps), sum(s["T_train"] for s in steps)
+
+    def rate(c: int) -> float:
+        tokens_per_s = e.decode_rate(c) * c  # one replica's
+        return samples / (sync + max(tokens / (replicas * tokens_per_s), train, c * longest / ((staleness + 1) * tokens_per_s)))
+
+    best = max(range(1, e.max_running_requests + 1), key=rate)
+    return rate(best), best
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(p, profile=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"), groups=48, max_staleness=1)
@@ -194,7 +214,13 @@ def main() -> int:
                 lines.append(f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {tail:.3f} | {rate / tail:.2f} | {versus_sync} | "
                              f"{idle:.2f} | {lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | "
                              f"{manager:.2f} ({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |")
-                print(lines[-1], ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), f"mean response {response:.0f} tokens",
+                guide = ""
+                if mode == "async":
+                    best, at = one_concurrency_guide(profile, pool, sum(r["rollout/samples"] for r in rows),
+                                                     sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in rows),
+                                                     sum(r["rollout/response_len_max"] for r in rows), steps, staleness)
+                    guide = f", one-concurrency guide {best:.3f} samples/s (c = {at}; ratio {rate / best:.2f})"
+                print(lines[-1], ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), f"mean response {response:.0f} tokens{guide}",
                       file=sys.stderr, flush=True)
     publish(lines, args.out)
     return 0

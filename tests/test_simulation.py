@@ -331,3 +331,21 @@ def test_the_shipped_profiles_load_with_a_trainer_and_per_request_rates_that_fal
     engine = profile.engine
     rates = [engine.decode_rate(c) for c in range(1, engine.max_running_requests + 1)]
     assert profile.trainer is not None and rates == sorted(rates, reverse=True)
+
+
+def test_the_async_guide_is_the_full_engines_without_a_tail_and_is_held_by_the_tail_with_one():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_simulation", Path(__file__).parents[1] / "bench" / "simulation.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    profile = Profile.load(Path(__file__).parents[1] / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml")
+    engine, pool, samples, tokens = profile.engine, (32, 96), 768, 768 * 7000
+    steps = [bench.step_times(profile, pool, samples, 7000, 30000, 61e9, 1536, 2)]
+    sync, train = steps[0]["T_sync"], steps[0]["T_train"]
+    full = engine.max_running_requests
+    untailed, _ = bench.one_concurrency_guide(profile, pool, samples, tokens, 0, steps, 2)
+    assert untailed == pytest.approx(samples / (sync + max(tokens / (48 * engine.decode_rate(full) * full), train)))
+    tailed, at = bench.one_concurrency_guide(profile, pool, samples, tokens, 30000, steps, 2)
+    assert tailed < min(untailed, samples / (sync + max(train, 30000 / (3 * engine.decode_rate(1)))))
+    assert at < 1536 // 48  # fewer requests than the depth gives each replica, so that the tail decodes faster
