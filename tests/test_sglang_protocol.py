@@ -37,7 +37,8 @@ def test_server_args_carry_the_rl_flags():
 
     lora = server_args(SGLangConfig(model_path="/m", lora_max_rank=16, enable_memory_saver=False), port=30000)
     assert _flag_value(lora, "--max-lora-rank") == "16" and _flag_value(lora, "--lora-backend") == "triton_v2"
-    assert _flag_value(lora, "--moe-a2a-backend") == "none" and "--enable-memory-saver" not in lora
+    assert _flag_value(lora, "--moe-a2a-backend") == "none" and _flag_value(lora, "--moe-runner-backend") == "lora_triton"
+    assert "--enable-memory-saver" not in lora
 
     pool = SGLangPool(cfg)
     assert pool.replica_urls == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
@@ -145,7 +146,7 @@ def test_server_args_parse_with_sglangs_parser(sglang_io):
     ServerArgs.add_cli_args(parser)
     ns = parser.parse_args(server_args(SGLangConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8), port=30000))
     assert ns.enable_return_routed_experts and ns.enable_memory_saver and ns.enable_lora
-    assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend) == (2, 8, "triton_v2", "none")
+    assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend, ns.moe_runner_backend) == (2, 8, "triton_v2", "none", "lora_triton")
     assert ns.sampling_mask_max_tokens == SGLangConfig.sampling_mask_max_tokens
 
 

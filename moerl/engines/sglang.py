@@ -90,9 +90,11 @@ def server_args(cfg: SGLangConfig, port: int) -> list[str]:
             "--max-lora-rank", str(cfg.lora_max_rank),
             "--lora-target-modules", *cfg.lora_target_modules,
             # Per-expert adapter keys (experts.<i>.<proj>) need the triton_v2 backend, which does
-            # not run with an all-to-all MoE backend.
+            # not run with an all-to-all MoE backend, and whose routed-expert LoRA layer refuses to
+            # start (a ValueError per MoE layer) under any MoE runner but a LoRA one.
             "--lora-backend", "triton_v2",
             "--moe-a2a-backend", "none",
+            "--moe-runner-backend", "lora_triton",
         ]
     return args + list(cfg.extra_args)
 
