@@ -176,7 +176,7 @@ def test_a_bf16_engine_applies_adapters_unmerged_in_fp32_on_the_models_device(tm
 
 
 # ---- 8: only idempotent routes are retried ------------------------------------------------------------
-def test_joins_and_broadcasts_are_never_retried():
+def test_joins_broadcasts_and_loads_are_never_retried():
     from aiohttp import web
 
     from moerl.engines.client import EngineClient, EngineError
@@ -191,12 +191,14 @@ def test_joins_and_broadcasts_are_never_retried():
     async def go():
         async with serving({("*", "/{tail:.*}"): failing}) as url, EngineClient([url], retries=2, backoff_s=0.01) as client:
             for call in (client.weight_versions(), client.init_weights_update_group("127.0.0.1", 1, 2, "g", "gloo"),
-                         client.update_weights_from_distributed(["w"], ["float32"], [[1]], "g"), client.load_lora("a", "/x")):
+                         client.update_weights_from_distributed(["w"], ["float32"], [[1]], "g"), client.load_lora("a", "/x"),
+                         client.update_weights_from_disk("/x")):
                 with pytest.raises(EngineError, match="503"):
                     await call
 
     asyncio.run(go())
-    assert hits == {"/model_info": 3, "/init_weights_update_group": 1, "/update_weights_from_distributed": 1, "/load_lora_adapter": 1}
+    assert hits == {"/model_info": 3, "/init_weights_update_group": 1, "/update_weights_from_distributed": 1, "/load_lora_adapter": 1,
+                    "/update_weights_from_disk": 1}
 
 
 # ---- 9: SGLang present and recent enough, or said why not ---------------------------------------------

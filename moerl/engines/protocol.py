@@ -342,7 +342,9 @@ class Route:
     path: str
     method: str
     # Retried after a transport error or a 5xx: only where doing it twice is harmless. A join or a broadcast
-    # sent again would wait for peers that never come; an adapter loaded twice is refused.
+    # sent again would wait for peers that never come; an adapter loaded twice is refused; SGLang keeps one
+    # pending disk update, so a second load sent while a slow first one runs takes its result slot, and the
+    # first's answer then lands on an answered future.
     idempotent: bool = True
 
 
@@ -355,7 +357,7 @@ CONTINUE = Route("/continue_generation", "POST")
 ABORT = Route("/abort_request", "POST")
 FLUSH_CACHE = Route("/flush_cache", "POST")
 UPDATE_WEIGHT_VERSION = Route("/update_weight_version", "POST")
-UPDATE_FROM_DISK = Route("/update_weights_from_disk", "POST")
+UPDATE_FROM_DISK = Route("/update_weights_from_disk", "POST", idempotent=False)
 INIT_GROUP = Route("/init_weights_update_group", "POST", idempotent=False)
 BEGIN_UPDATE = Route("/begin_weight_update", "POST", idempotent=False)
 END_UPDATE = Route("/end_weight_update", "POST", idempotent=False)
