@@ -12,10 +12,17 @@ from moerl.engines.sglang import SGLangConfig, SGLangPool
 @contextmanager
 def running_server(model_dir: Path, log_dir: Path, *extra: str):
     """One embedded engine serving ``model_dir`` in float32 (``extra``: more ``moerl serve`` flags, which win)."""
-    pool = SGLangPool(SGLangConfig(model_path=str(model_dir), server="embedded", base_port=0, dtype="float32",
+    with running_servers(model_dir, log_dir, 1, *extra) as urls:
+        yield urls[0]
+
+
+@contextmanager
+def running_servers(model_dir: Path, log_dir: Path, replicas: int, *extra: str):
+    """As :func:`running_server`, ``replicas`` of them, each logging to a file of its own in ``log_dir``; yields their URLs."""
+    pool = SGLangPool(SGLangConfig(model_path=str(model_dir), server="embedded", base_port=0, dtype="float32", replicas=replicas,
                                    log_dir=str(log_dir), extra_args=list(extra)))
     with pool:
-        yield pool.urls[0]
+        yield pool.urls
 
 
 @asynccontextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -59,17 +61,21 @@ def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_
 
 
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["EP2", "PP2"])
-def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(tiny_ckpts, tmp_path, layout):
+def test_after_a_broadcast_sync_every_engine_holds_the_trainers_weights_bitwise(tiny_ckpts, tmp_path, layout):
     from moerl.trainer.config import OptimConfig, TrainerConfig
-    from tests.engine_server import running_server
+    from tests.engine_server import running_servers
     from tests.test_trainer import rollout
     from tests.workers import train_then_sync
 
     hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
     samples = rollout(hf_dir, torch.float32)
     cfg = TrainerConfig(optim=OptimConfig(lr=1e-2), **layout)
-    with running_server(hf_dir, tmp_path / "logs") as url:
-        ranks = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, url)
+    with running_servers(hf_dir, tmp_path / "logs", 2) as urls:
+        ranks = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, urls)
+    # SGLang takes one update at a time, in the order they reach it: every engine must take the senders' buckets in
+    # one order, or each of two waits in a broadcast the other has not reached.
+    orders = [re.findall(r"from weight group (\S+)", log.read_text()) for log in sorted((tmp_path / "logs").glob("*.log"))]
+    assert len(orders) == 2 and orders[0] == orders[1] and len(orders[0]) > 2 and len(set(orders[0])) == 2
     out = ranks[0]
     reader = HFReader(hf_dir)
     stats = out["stats"]
@@ -80,10 +86,10 @@ def test_after_a_broadcast_sync_the_engine_holds_the_trainers_weights_bitwise(ti
     assert all(r["sent"].bytes > 0 for r in ranks) and sum(r["sent"].bytes for r in ranks) == stats.bytes
     assert sum(r["sent"].tensors for r in ranks) == stats.tensors
     assert [r["received"] for r in ranks] == [0, 0]
-    assert out["versions"] == ["1"]  # the policy version after one step
+    assert out["versions"] == ["1", "1"]  # the policy version after one step
     changed = 0
     for name, tensor in out["trained"]:
-        assert torch.equal(torch.tensor(out["served"][name], dtype=tensor.dtype), tensor), name
+        assert all(torch.equal(torch.tensor(served, dtype=tensor.dtype), tensor) for served in out["served"][name]), name
         changed += not torch.equal(tensor, reader.get(name))
     assert changed > len(out["trained"]) // 2  # the step moved the weights the engine now serves
 

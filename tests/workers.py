@@ -206,8 +206,8 @@ def export_hf(mcore_dir: str, layout: Layout) -> dict:
             "layers": sorted(layer.layer_number - 1 for layer in model.decoder.layers), "last": parallel_state.is_pipeline_last_stage()}
 
 
-def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dict:
-    """One trainer step, then a broadcast sync to the engine at ``url``; the engine's copy of every
+def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str]) -> dict:
+    """One trainer step, then a broadcast sync to the engines at ``urls``; each engine's copy of every
     tensor read back next to the trainer's."""
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.broadcast import BroadcastSync
@@ -216,7 +216,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dic
     trainer = Trainer(mcore_dir, trainer_cfg)
     trainer.step(samples)
     rank0 = torch.distributed.get_rank() == 0
-    sync = BroadcastSync([url] if rank0 else None, "127.0.0.1", "gloo", bucket_bytes=64 << 10)
+    sync = BroadcastSync(urls if rank0 else None, "127.0.0.1", "gloo", bucket_bytes=64 << 10)
     sync.connect()
     stats = sync.update(trainer)
     trained = list(hf_named_tensors(Gather(trainer.model.module), trainer.hf_config))
@@ -227,7 +227,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, url: str) -> dic
     link = sync.link
 
     async def read_back():
-        return {name: (await link.client.weights_by_name(name, truncate_size=1 << 30))[0] for name, _ in trained}
+        return {name: await link.client.weights_by_name(name, truncate_size=1 << 30) for name, _ in trained}
 
     served = link.run(read_back())
     versions = link.run(link.client.weight_versions())

@@ -1,13 +1,17 @@
-"""Weight sync by broadcast from several senders at once: each pipeline stage's dense tensors are sent by
+"""Weight sync by broadcast from several senders, in turns: each pipeline stage's dense tensors are sent by
 the senders of its first TP group (spread by bytes), and under expert parallelism each expert-parallel
 rank sends its own experts (:func:`~moerl.megatron.weights.sends_weights`), each over a process group of
-its own with every engine
-(NCCL on GPU, gloo on CPU; SGLang keeps one per ``group_name``). So the senders' gathers and
-broadcasts run side by side, experts are never gathered across expert-parallel ranks, and no rank
-holds weights it does not send. The Hub-named tensors go out in
-``flattened_bucket`` buckets, each announced to the engines over HTTP while its bytes are broadcast,
-so an engine never holds more than one bucket extra, and a sender two (the one on the wire and the
-one being gathered). Global rank 0 alone steers the engines: it opens the weight-update session
+its own with every engine (NCCL on GPU, gloo on CPU; SGLang keeps one per ``group_name``). So experts
+are never gathered across expert-parallel ranks, and no rank holds weights it does not send. The
+Hub-named tensors go out in ``flattened_bucket`` buckets, each announced to the engines over HTTP while
+its bytes are broadcast, so an engine never holds more than one bucket extra.
+
+The senders take turns because an engine takes one update at a time, in the order the requests reach it:
+all engines must take the senders' buckets in one order, or two of them each wait in a broadcast the other
+has not reached. Every rank gathers the model a layer at a time; once some sender holds a bucket's worth,
+each sender with anything to send sends it all, in rank order, while the others wait in a barrier. A
+sender holds at most a bucket and a layer's share unsent, and two buckets flattened (the one on the wire
+and the next). Global rank 0 alone steers the engines: it opens the weight-update session
 (``/begin_weight_update`` ... ``/end_weight_update``, which SGLang 0.5.23 requires around distributed
 updates) before any stage sends, and closes it, sets the version and flushes once every stage is done.
 """
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import time
+from collections import deque
 from typing import Iterable, Iterator
 
 import torch
@@ -27,7 +33,7 @@ from moerl.errors import EnginesDown, relayed
 from moerl.megatron.parallel import collective_device
 from moerl.megatron.weights import Gather, sends_weights
 from moerl.weight_sync.base import EngineLink, FullWeightSync, SyncStats, WeightSyncError
-from moerl.weight_sync.export import hf_named_tensors
+from moerl.weight_sync.export import hf_pieces
 
 log = logging.getLogger("moerl.sync")
 
@@ -164,15 +170,28 @@ class BroadcastSync(FullWeightSync):
             except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it goes up here
                 opened = e
         _agree(opened is None, "the weight-update session did not open on the engines (global rank 0's error says why)", opened)
-        named = hf_named_tensors(self.gather, hf_config)  # every rank iterates: the gathers are collective
         self.sent, failed = SyncStats(), None
-        if self.sender is not None:
-            try:
-                self._send_buckets(named, self.sent)
-            except Exception as e:  # noqa: BLE001
-                failed = e
-        for _ in named:  # a rank that sends nothing, or whose send failed: its peers still gather with it
-            pass
+        pending: deque[tuple[str, torch.Tensor]] = deque()  # this sender's tensors not yet sent
+        pieces = hf_pieces(self.gather, hf_config)  # every rank iterates: the gathers are collective
+        for piece in itertools.chain(pieces, [None]):
+            last = piece is None
+            if not last and self.sender is not None and failed is None:
+                pending += piece
+            del piece
+            held = torch.tensor([sum(t.numel() * t.element_size() for _, t in pending)], dtype=torch.int64, device=collective_device())
+            everyone = torch.empty(dist.get_world_size(), dtype=torch.int64, device=collective_device())
+            dist.all_gather_into_tensor(everyone, held)
+            if everyone.max().item() < self.bucket_bytes and not last:
+                continue
+            # A turn each, in rank order (the module's docstring says why).
+            for rank in everyone.nonzero().flatten().tolist():
+                if rank == dist.get_rank():
+                    try:
+                        self._send_buckets(_drained(pending), self.sent)
+                    except Exception as e:  # noqa: BLE001 - every rank hears of it after the last turn
+                        failed = e
+                    pending.clear()
+                dist.barrier()
         totals = torch.tensor([self.sent.tensors, self.sent.bytes, self.sent.buckets], dtype=torch.int64, device=collective_device())
         dist.reduce(totals, 0)
         _agree(failed is None, "a sender's weights did not reach the engines (that rank's error says why)", failed)
@@ -205,8 +224,7 @@ class BroadcastSync(FullWeightSync):
             self.link.run(client.flush_cache())
 
     def _send_buckets(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
-        """Double-buffered: while one bucket is on the wire, the next is gathered and flattened (on the device, in the
-        model dtype)."""
+        """Double-buffered: while one bucket is on the wire, the next is flattened (on the device, in the model dtype)."""
         if self.group is None:
             raise RuntimeError("BroadcastSync: a push before connect()")
         # Two buffers in turn, made when a bucket of several tensors first needs one: the one filled is never the one on
@@ -243,6 +261,12 @@ class BroadcastSync(FullWeightSync):
         if self.sender is not None and self.sender is not self.link:
             self.sender.close()
         super().close()
+
+
+def _drained(pending: deque) -> Iterator:
+    """``pending``'s items, each let go of as it is taken: a tensor sent is not held until the turn ends."""
+    while pending:
+        yield pending.popleft()
 
 
 def _agree(ok: bool, message: str, error: BaseException | None) -> None:

@@ -21,18 +21,27 @@ def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, tor
     """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on rank 0's device; on
     every other rank nothing (but iterate it to the end there too: the gathers are collective). With a
     ``per_sender`` gather: on each rank that sends, its own share (a stage's dense tensors, an EP rank's experts)."""
+    for piece in hf_pieces(gather, hf_config):
+        yield from piece
+
+
+def hf_pieces(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`hf_named_tensors` a piece at a time (the non-layer tensors, then each decoder layer): the same number of
+    pieces on every rank, each empty where the rank holds none of it, so that ranks can act together between pieces."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
     pieces = family.layer_pieces(cfg)
-    # The non-layer piece last: its TP gathers (the embedding pair's, the largest) then run while the last layer is on
-    # the wire to the engines, where first they would hold back the first broadcast.
+    # The non-layer piece last: its TP gathers (the embedding pair's, the largest) would hold back the first broadcast.
     for prefix, rules in pieces[1:] + pieces[:1]:
         full = gather.gather(lambda name: in_piece(name, prefix))
+        named: list[tuple[str, torch.Tensor]] = []
         if full is not None:
             for rule in rules:
                 # A sender holds its stage's layers only, and of their experts only its own; the non-layer piece is
                 # split between the first stage and the last.
                 if gather.per_sender and rule.mcore not in full:
                     continue
-                yield from zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
-        del full  # before the next piece is gathered: one layer held at a time, not two
+                named += zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
+        del full
+        yield named
+        del named  # before the next piece is gathered: one layer held at a time, not two

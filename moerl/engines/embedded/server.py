@@ -551,6 +551,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         if not engine.update_session:
             raise ProtocolError("update_weights_from_distributed must run between /begin_weight_update and /end_weight_update")
         engine.check_flush(req.flush_cache, req.abort_all_requests, "weights not received")  # before a byte is received
+        log.info("receiving %d tensors from weight group %s", len(req.names), req.group_name)  # the order updates came in
         named = await in_daemon_thread(engine.receive, req, group)
         await on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache))
         return ok(f"updated {len(named)} tensors")
