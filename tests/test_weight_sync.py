@@ -94,6 +94,21 @@ def test_after_a_broadcast_sync_every_engine_holds_the_trainers_weights_bitwise(
     assert changed > len(out["trained"]) // 2  # the step moved the weights the engine now serves
 
 
+def test_a_second_run_joins_the_engines_the_first_left(tiny_ckpts, tmp_path):
+    from moerl.weight_sync.broadcast import BroadcastSync
+    from tests.engine_server import running_server
+
+    hf_dir, _ = tiny_ckpts["Qwen3MoeForCausalLM"]
+    with running_server(hf_dir, tmp_path / "logs") as url:
+        names = []
+        for _ in range(2):  # the engine outlives the first: a resumed run given engines.urls
+            sync = BroadcastSync([url], "127.0.0.1", "gloo")
+            sync.connect()
+            names.append(sync.group_name)
+            sync.close()
+    assert names[0] != names[1]
+
+
 @pytest.mark.parametrize("failure", ["engines_down", "other"])
 def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_error(failure):
     """Global rank 0 talks to the engines alone; whatever fails there must reach the other ranks, which otherwise wait

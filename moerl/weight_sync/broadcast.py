@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from typing import Iterable, Iterator
@@ -73,7 +74,9 @@ class BroadcastSync(FullWeightSync):
         ``flush_cache``: see :class:`~moerl.weight_sync.base.FullWeightSync`."""
         super().__init__(urls, "moerl-weight-sync", pause, flush_cache)
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
-        self.base_name, self.bucket_bytes = group_name, bucket_bytes
+        # A name of this run's own: an engine keeps its groups for good and refuses a name it has (SGLang: "The specified
+        # group name has already been created"), so a run resumed against long-lived engines could not join under the last one's.
+        self.base_name, self.bucket_bytes = f"{group_name}-{secrets.token_hex(3)}", bucket_bytes
         self.sender: EngineLink | None = None  # this rank's link to the engines if it sends (rank 0's: ``link``)
         self.group: dist.ProcessGroup | None = None  # its group with the engines
         self.group_name = group_name  # that group's name, as the engines know it
