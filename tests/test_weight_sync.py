@@ -60,6 +60,21 @@ def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_
     assert (ranks[0]["share_received"] > 0) == (layout.tp > 1)
 
 
+def test_expert_tp_shards_are_joined_by_their_layer_not_by_the_partition_dim_te_marks(tiny_ckpts):
+    from tests.workers import export_with_te_expert_marks
+
+    hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    reader = HFReader(hf_dir)
+    ranks = run_ranks(export_with_te_expert_marks, 2, str(mcore_dir), Layout(tp=2))  # expert TP 2
+    stream, _ = ranks[0]
+    shares = [named for _, share in ranks for named in share]
+    for exported in (stream, shares):
+        assert sorted(name for name, _ in exported) == sorted(reader.names())
+        for name, tensor in exported:
+            assert tensor.shape == reader.get(name).shape and torch.equal(tensor, reader.get(name)), name
+    assert any(name.endswith("experts.0.down_proj.weight") for name, _ in stream)
+
+
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["EP2", "PP2"])
 def test_after_a_broadcast_sync_every_engine_holds_the_trainers_weights_bitwise(tiny_ckpts, tmp_path, layout):
     from moerl.trainer.config import OptimConfig, TrainerConfig

@@ -206,6 +206,22 @@ def export_hf(mcore_dir: str, layout: Layout) -> dict:
             "layers": sorted(layer.layer_number - 1 for layer in model.decoder.layers), "last": parallel_state.is_pipeline_last_stage()}
 
 
+def export_with_te_expert_marks(mcore_dir: str, layout: Layout) -> list:
+    """The Hub tensors the export streams to rank 0 and what each sender would send, from a model whose routed experts'
+    weights are marked as TE marks them under expert TP or EP: TEGroupedLinear splits them itself and builds TE's layer
+    with parallel_mode=None, which gives every weight partition_dim=0, linear_fc2's (split along dim 1) included."""
+    from moerl.weight_sync.export import hf_named_tensors
+
+    cfg, model = load_megatron_model(mcore_dir, layout)
+    marked = [p for n, p in model.named_parameters() if ".local_experts." in n and getattr(p, "tensor_model_parallel", False)]
+    assert any(p.partition_dim == 1 for p in marked)  # linear_fc2's, until marked as TE does
+    for param in marked:
+        param.partition_dim = 0
+    stream = [(name, tensor.clone()) for name, tensor in hf_named_tensors(Gather(model), cfg)]
+    share = [(name, tensor.clone()) for name, tensor in hf_named_tensors(Gather(model, per_sender=True), cfg)]
+    return [stream, share]
+
+
 def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str]) -> dict:
     """One trainer step, then a broadcast sync to the engines at ``urls``; each engine's copy of every
     tensor read back next to the trainer's."""
@@ -327,7 +343,7 @@ def te_norm_names(arch: str) -> dict:
     with torch.device("meta"):
         model = build_model(cfg, Layout())
     local_keys = {v.key for v in model.sharded_state_dict(metadata=SHARDED_METADATA).values()
-                  if "layernorm" in v.key or "layer_norm" in v.key}
+                  if ("layernorm" in v.key or "layer_norm" in v.key) and not v.key.endswith("_extra_state")}
     rule_names = {r.mcore for r in family.all_rules(family.normalize(cfg)) if r.mcore.startswith("decoder.layers.") and "norm" in r.mcore}
     return {"te_names": te_names, "local_keys": {k for k in local_keys if k.startswith("decoder.layers.")},
             "exported": {global_name(model, n) for n in te_names}, "rule_names": rule_names,

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values, merge
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
 from moerl.checkpoint.hf import CheckpointError, read_config
 from moerl.env import die_with_parent, exit_with
@@ -27,7 +30,8 @@ from moerl.models import family_for
 SHARDED_METADATA = {"non_homogeneous_layers": True}
 # 2: a MoE layer's pre-MLP norm is stored as "pre_mlp_layernorm.weight", as Transformer Engine's spec stores
 #    it (1 stored it as "mlp.linear_fc1.layer_norm_weight", which a TE model does not load).
-FORMAT_VERSION = 2
+# 3: every norm stores an (empty) "_extra_state", as Transformer Engine's norm does (2 stored none, which a TE model asks for).
+FORMAT_VERSION = 3
 HF_SUBDIR = "hf"
 MOERL_META = "moerl.json"
 TRAINER_STATE = "trainer.json"  # a trainer checkpoint's version, schedule and config (incl. LoRA), by Trainer.save
@@ -45,17 +49,28 @@ def hf_config_of(ckpt_dir: str | Path) -> dict:
 
 
 def load_sharded(sharded: dict, ckpt_dir: str | Path) -> dict:
-    """``dist_checkpointing.load`` of a moerl checkpoint of any format version."""
-    if read_moerl_meta(ckpt_dir).get("format_version", 1) < 2:
-        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    """``dist_checkpointing.load`` of a moerl checkpoint of any format version, into a model of either spec.
 
+    A module's extra state the checkpoint does not hold (format 2 and older wrote none for the norms, a model built
+    with Transformer Engine none for a norm it fuses into a linear layer) keeps its value: it comes back as the module
+    holds it, so loading it into the module, strictly, leaves the module as it was. Any other key the checkpoint lacks
+    fails."""
+    if read_moerl_meta(ckpt_dir).get("format_version", 1) < 2:
         def legacy(item):
             if hasattr(item, "key") and ".pre_mlp_layernorm." in item.key:  # only MoE layers still have one
                 item.key = item.key.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
             return item
 
         dict_list_map_inplace(legacy, sharded)
-    return dist_checkpointing.load(sharded, str(ckpt_dir))
+    held = {item.key for item in load_sharded_metadata(str(ckpt_dir)).values()}
+
+    def absent_extra_state(item) -> bool:
+        return isinstance(item, ShardedObject) and item.key.endswith("_extra_state") and item.key not in held
+
+    absent, sharded = extract_matching_values(sharded, absent_extra_state)
+    state = dist_checkpointing.load(sharded, str(ckpt_dir))
+    dict_list_map_inplace(lambda item: item.data, absent)
+    return merge(state, absent)
 
 
 _saving = False  # while save_sharded runs: what this process forks then is one of megatron-core's checkpoint writers

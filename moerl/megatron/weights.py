@@ -1,7 +1,7 @@
 """Whole (unsharded, global-name) parameters or gradients of a sharded Megatron model, gathered toward global rank 0.
 
-Undoes every split a layout makes: TP shards along each parameter's ``partition_dim`` (GLU
-``linear_fc1`` shards are [gate_r; up_r] each), expert-parallel local expert indices, and
+Undoes every split a layout makes: TP shards along each parameter's ``partition_dim``, a routed expert's
+along its layer's (GLU ``linear_fc1`` shards are [gate_r; up_r] each), expert-parallel local expert indices, and
 pipeline-stage local layer numbers. The result is keyed like a TP1/EP1/PP1 model, which is what
 the HF mapping rules speak.
 
@@ -39,6 +39,12 @@ _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 # into linear_fc1: their weights carry the local spec's names in the global model.
 _TE_FUSED_NORMS = ((".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
                    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"))
+# The dim a routed expert's expert-TP shards split (whichever of its weight, bias and LoRA factors is split), by its
+# layer: column-parallel linear_fc1, row-parallel linear_fc2. The local spec's SequentialMLP marks partition_dim so;
+# Transformer Engine's spec does not: under expert TP or EP, TEGroupedLinear splits the experts itself and builds TE's
+# layer with parallel_mode=None, which marks every weight partition_dim=0, linear_fc2's [hidden, ffn/etp] included.
+_EXPERT_LINEAR = re.compile(r"\.local_experts\.\d+\.(linear_fc[12])\.")
+_EXPERT_SPLIT_DIM = {"linear_fc1": 0, "linear_fc2": 1}
 
 
 def global_name(model, name: str) -> str:
@@ -67,6 +73,7 @@ class _Entry:
     names: list[str]  # the global names it yields at its stage's first rank: one, or one per expert-parallel rank
     shape: tuple[int, ...]  # whole (TP-gathered) shape
     group: object | None  # the TP or expert-TP group that shards it (None: not sharded, or a group of one)
+    dim: int | None  # the dim its shards split (None: not sharded)
     ep_group: object | None  # routed experts under expert parallelism: the group gathered over next
     glu: bool  # a GLU linear_fc1 (or its LoRA B): each TP shard is [gate_r; up_r]
     dst: int = 0  # the rank in ``group`` it is gathered into
@@ -126,14 +133,15 @@ class Gather:
             if not sharded and size > 1 and dist.get_rank(group) != 0:
                 continue  # a replicated copy: the group's first rank has it
             shape = list(param.shape)
+            dim = _split_dim(full, param) if sharded else None
             if sharded:
-                shape[param.partition_dim] *= size
+                shape[dim] *= size
             names = [full]
             gathers_experts = expert and ep > 1 and not per_sender
             if gathers_experts:
                 local = int(_EXPERT.search(full).group(1)) % num_local
                 names = [_EXPERT.sub(f".local_experts.{j * num_local + local}.", full, count=1) for j in range(ep)]
-            self._entries.append(_Entry(param, names, tuple(shape), group if sharded else None,
+            self._entries.append(_Entry(param, names, tuple(shape), group if sharded else None, dim,
                                         ps.get_expert_model_parallel_group() if gathers_experts else None,
                                         glu=model.config.gated_linear_unit and full.endswith(glu_names)))
         self.lead = stage_lead()
@@ -222,7 +230,7 @@ class Gather:
         group); nothing on the others."""
         tensor = self._tensor(entry.param).detach()
         if entry.group is not None:
-            dim = entry.param.partition_dim
+            dim = entry.dim
             whole = None
             if dim == 0 and not entry.glu:  # the shards are consecutive rows of the whole: received in place, not joined
                 whole = torch.empty(entry.shape, dtype=tensor.dtype, device=tensor.device)
@@ -254,6 +262,12 @@ class Gather:
         dist.gather(tensor, parts, dst=target, group=group)
         self.received += tensor.numel() * tensor.element_size() * (size - 1)
         return parts
+
+
+def _split_dim(full: str, param: torch.nn.Parameter) -> int:
+    """The dim the TP (or expert-TP) shards of ``param``, named ``full`` globally, split."""
+    expert = _EXPERT_LINEAR.search(full)
+    return _EXPERT_SPLIT_DIM[expert.group(1)] if expert else param.partition_dim
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

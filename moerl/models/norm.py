@@ -4,6 +4,10 @@ megatron-core's fallback ``WrappedTorchNorm`` refuses sequence parallelism, whic
 requires, and apex's fused norm needs CUDA. This one computes exactly what Hugging Face Qwen
 models compute (fp32 statistics, weight applied in the input dtype), so logits match bit for bit in
 fp32, and it tags its weight for megatron's sequence-parallel gradient all-reduce.
+
+It checkpoints an extra state (empty) where Transformer Engine's norm (TENorm) checkpoints its quantization
+state: megatron-core saves a module's extra state as a sharded object, which a model built with TE asks the
+checkpoint for, so a checkpoint written with either spec holds it.
 """
 
 from __future__ import annotations
@@ -29,3 +33,9 @@ class RMSNorm(torch.nn.Module):
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
         return self.weight * hidden_states.to(input_dtype)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to restore: what TE's norm saves is its quantization (FP8) state, which this norm has none of."""
