@@ -348,7 +348,7 @@ def test_a_repeated_call_stands_on_the_engines_left_however_many_go_while_it_is_
         # What /health finds after each failure: the second engine still answered when the first failure was looked at.
         health = iter([[True, False, True], [True, False, False]])
 
-        async def healthy():
+        async def healthy(paused=False):
             return next(health)
 
         client.healthy = healthy
@@ -365,6 +365,29 @@ def test_a_repeated_call_stands_on_the_engines_left_however_many_go_while_it_is_
             sync.link.run(client.resume())
         finally:
             sync.close()
+
+
+def test_a_paused_engine_is_not_healthy_yet_the_update_that_paused_it_still_finds_it(server, tmp_path):
+    """As SGLang's, a paused engine's /health fails (its one-token generation waits for the pause). An update that
+    looks for its engines while it has them paused (after a failed call) asks whether they answer instead, or every
+    engine would seem gone and the run would stop after engines.down_timeout_s."""
+    from moerl.errors import EnginesDown
+    from moerl.weight_sync.disk import DiskSync
+
+    sync = DiskSync([server], tmp_path, tmp_path)
+    client = sync.link.client
+    try:
+        sync.link.run(client.pause("abort"))
+        assert sync.link.run(client.healthy()) == [False]
+        sync.down_timeout_s = 1
+        with pytest.raises(EnginesDown, match="no engine answered /health for 1 s"):
+            sync.choose_engines()
+        sync.paused = True
+        assert sync.choose_engines() == [server]
+        sync.link.run(client.resume())
+        assert sync.link.run(client.healthy()) == [True]
+    finally:
+        sync.close()
 
 
 def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_just_gone(server, models, tmp_path):

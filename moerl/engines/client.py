@@ -315,15 +315,19 @@ class EngineClient:
             return False, None
         return (True, info.get("weight_version")) if isinstance(info, dict) else (False, None)
 
-    async def _healthy(self, url: str) -> bool:
+    async def _healthy(self, url: str, paused: bool = False) -> bool:
+        # SGLang's /health generates a token, which waits while generation is paused (then 503); its /model_info is
+        # answered by the HTTP process alone.
+        route = P.MODEL_INFO if paused else P.HEALTH
         try:
-            async with self._http().get(url + P.HEALTH.path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self._http().get(url + route.path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
-    async def healthy(self) -> list[bool]:
-        return list(await asyncio.gather(*(self._healthy(u) for u in self.urls)))
+    async def healthy(self, paused: bool = False) -> list[bool]:
+        """Whether each engine answers (``paused``: while this client has generation paused, whether its server does)."""
+        return list(await asyncio.gather(*(self._healthy(u, paused) for u in self.urls)))
 
 
 def health(urls: list[str]) -> list[bool]:

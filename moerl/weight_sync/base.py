@@ -76,6 +76,7 @@ class WeightSync(ABC):
         self.link = EngineLink(urls, name) if urls is not None else None
         self.adapter: str | None = None  # what requests name after the last update (LoRA); None: the base weights
         self.reached = False  # every rank: whether the last update found an engine to go to (see reach_engines)
+        self.paused = False  # between an update's pause and its resume: engines are asked whether they answer, not /health
         # Global rank 0: called each second an update waits for an engine to answer; the job starts the replicas that
         # died again there, since nothing else does while the update waits.
         self.while_down: Callable[[], None] | None = None
@@ -124,16 +125,18 @@ class WeightSync(ABC):
         lead_agrees(error, "the weight sync with the engines")
 
     def choose_engines(self, only: list[str] | None = None) -> list[str]:
-        """Global rank 0: the engines this update goes to, those answering /health (at least one: it waits up to
-        :attr:`down_timeout_s`, then raises :class:`EnginesDown`); every control call then goes to them only. ``only``:
-        those of these engines that answer now, perhaps none."""
+        """Global rank 0: the engines this update goes to, those answering /health, or /model_info while the update has
+        them paused (at least one: it waits up to :attr:`down_timeout_s`, then raises :class:`EnginesDown`); every
+        control call then goes to them only. ``only``: those of these engines that answer now, perhaps none."""
         client = self.link.client
         deadline = time.monotonic() + self.down_timeout_s
-        while not (up := [url for url, ok in zip(client.urls, self.link.run(client.healthy())) if ok and (only is None or url in only)]):
+        while not (up := [url for url, ok in zip(client.urls, self.link.run(client.healthy(self.paused)))
+                          if ok and (only is None or url in only)]):
             if only is not None:
                 return up
             if time.monotonic() > deadline:
-                raise EnginesDown(f"no engine answered /health for {self.down_timeout_s:g} s (engines.down_timeout_s): "
+                raise EnginesDown(f"no engine answered {'/model_info' if self.paused else '/health'} for {self.down_timeout_s:g} s "
+                                  "(engines.down_timeout_s): "
                                   f"{', '.join(client.urls)}")
             if self.while_down is not None:
                 self.while_down()
@@ -208,14 +211,18 @@ class FullWeightSync(WeightSync):
         start = time.perf_counter()
         if not self.reach_engines(only):
             return None
-        self.agreed(lambda: self.on_engines(lambda client: client.pause(self.pause)))
-        stats, failed = None, None
+        self.paused = True
         try:
-            stats = self.push_policy(trainer)
-        except Exception as e:  # noqa: BLE001 - rank 0's own (a disk push's load call), or every rank's (a broadcast's, agreed)
-            failed = e
-        self.agreed(error=failed)
-        self.agreed(lambda: self.on_engines(lambda client: client.resume()))
+            self.agreed(lambda: self.on_engines(lambda client: client.pause(self.pause)))
+            stats, failed = None, None
+            try:
+                stats = self.push_policy(trainer)
+            except Exception as e:  # noqa: BLE001 - rank 0's own (a disk push's load call), or every rank's (a broadcast's, agreed)
+                failed = e
+            self.agreed(error=failed)
+            self.agreed(lambda: self.on_engines(lambda client: client.resume()))
+        finally:
+            self.paused = False
         if stats is not None:
             stats.pause_seconds = time.perf_counter() - start
         return stats

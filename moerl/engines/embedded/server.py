@@ -427,13 +427,12 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
                     held.close()
 
     @routes.get(P.HEALTH.path)
-    async def health(request):
-        return web.Response(text="")
-
     @routes.get("/health_generate")
-    async def health_generate(request):
-        alive = sched.alive
-        return web.Response(text="" if alive else "engine thread stopped", status=200 if alive else 503)
+    async def health(request):
+        # As SGLang's: a one-token generation must come back, so a paused engine is not healthy (SGLang's waits for
+        # the pause and answers 503 after 20 s; this answers at once).
+        why = "engine thread stopped" if not sched.alive else "generation is paused" if sched.paused else ""
+        return web.Response(text=why, status=503 if why else 200)
 
     @routes.get(P.SERVER_INFO.path)
     async def server_info(request):
