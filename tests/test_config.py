@@ -167,3 +167,12 @@ def test_a_request_deadline_outlasts_a_full_length_response_and_a_simulations_co
     assert request_timeout_real_s(simulated) == 1200
     with pytest.raises(ConfigError, match="engines.request_timeout_s"):
         load_config(None, ["engines.request_timeout_s=0"])
+
+
+def test_sglang_deterministic_inference_is_refused_for_it_seeds_a_whole_group_alike():
+    """SGLang 0.5.23 reads sampling_seed only under --enable-deterministic-inference, and copies one request's sampling
+    params to all its n completions: each GRPO group would be n copies of one completion."""
+    for flag in ("--enable-deterministic-inference", "--enable-deterministic-inference=true"):
+        with pytest.raises(ConfigError, match="identical"):
+            load_config(None, ["engines.server=sglang", f"engines.extra_args=[{flag}]"])
+    load_config(None, ["engines.server=embedded", "engines.extra_args=[--enable-deterministic-inference]"])  # not SGLang's flag there

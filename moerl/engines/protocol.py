@@ -103,7 +103,8 @@ class SamplingParams(_NullMeansDefault):
     max_new_tokens: int = Field(128, ge=0, le=INT64[1])
     stop_token_ids: list[int] | None = None  # stop on any of these, besides the model's end token
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=MAX_N)  # completions of the prompt; completion i is seeded sampling_seed + i
+    n: int = Field(1, ge=1, le=MAX_N)  # completions of the prompt; the embedded engine seeds completion i sampling_seed + i
+    # SGLang 0.5.23 reads it only under --enable-deterministic-inference, and then gives all n completions this one seed
     sampling_seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
 
     @field_validator("top_k")
@@ -124,7 +125,7 @@ class GenerateReqInput(_NullMeansDefault):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = SamplingParams()
-    rid: str | None = None  # n > 1: completion i is "<rid>-<i>"; aborting rid aborts them all
+    rid: str | None = None  # n > 1: the embedded engine names completion i "<rid>-<i>" and aborts them all by rid (SGLang: neither)
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # prompt log-probs from this position (-1: none)
     return_routed_experts: bool = False

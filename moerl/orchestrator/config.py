@@ -280,6 +280,10 @@ def check(cfg: RunConfig) -> None:
     if cfg.lora.enabled and cfg.sync.method == "broadcast" and server == "sglang":
         problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
                         "processes on its own machine, so adapters reach it as adapter directories")
+    if server == "sglang" and any(a.split("=")[0] == "--enable-deterministic-inference" for a in cfg.engines.extra_args):
+        problems.append("engines.extra_args: --enable-deterministic-inference makes SGLang 0.5.23 sample all n completions of a "
+                        "prompt with one seed, so each group's completions would come out identical (no advantage to learn "
+                        "from); leave it out")
     if server == "embedded" and cfg.engines.gpus_per_replica != 1 and not cfg.engines.urls:
         problems.append(f"engines.gpus_per_replica={cfg.engines.gpus_per_replica}: the embedded engine serves on one device; "
                         "use engines.server=sglang for tensor-parallel replicas")

@@ -45,7 +45,8 @@ WORKER_LOSSES_PER_PROMPT = 3  # a prompt whose generation worker dies more often
 
 
 def sampling_seed(run_seed: int, index: int, attempt: int) -> int:
-    """A per-prompt seed: the same prompt index draws the same completions under the same weights."""
+    """A per-prompt seed: under the same weights the same prompt index draws the same completions from the embedded and
+    simulated engines; SGLang samples without it (see protocol.SamplingParams.sampling_seed)."""
     return int(np.random.SeedSequence([run_seed, index, attempt]).generate_state(1)[0] >> 1)
 
 
