@@ -202,7 +202,7 @@ async def _post(url, route, body):
     ({"input_ids": []}, "input_ids is empty"),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens: Input should be greater than or equal to 0"),
     ({"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": -1}}, "return_sampling_mask needs a finite top_k"),
-    ({"input_ids": [1], "lora_path": "nope"}, "LoRA adapter 'nope' is not loaded"),
+    ({"input_ids": [1], "lora_path": "nope"}, "Got LoRA adapter that has never been loaded: nope"),  # SGLang's words
     ({"input_ids": [1, 9999]}, "outside the vocabulary"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, shape, body, message):

@@ -465,7 +465,7 @@ def test_a_replica_that_lost_the_runs_policy_unseen_fails_the_request_and_leaves
             with pytest.raises(EngineError) as bad:  # the request's own fault, whatever adapter it names
                 await client.generate([10**6], GREEDY, lora_path="moerl-lora-v3")
             assert bad.value.status == 400 and not isinstance(bad.value, ReplicaDown) and health.state(server) is State.HEALTHY
-            with pytest.raises(ReplicaDown, match="not loaded"):
+            with pytest.raises(ReplicaDown, match="has never been loaded"):
                 await client.generate(PROMPT, GREEDY, lora_path="moerl-lora-v3")
             assert health.state(server) is State.STALE
             health.sync_reached(None, [server])

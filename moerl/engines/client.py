@@ -177,8 +177,7 @@ class EngineClient:
             else:
                 completions = await self.generate_on(url, request, routed_experts_start_len)
         except EngineError as e:
-            # SGLang: 400 "The following requested LoRA adapters are not loaded: NAME" (the embedded engine says as much).
-            if lora_path is not None and e.status == 400 and "not loaded" in str(e) and lora_path in str(e):
+            if lora_path is not None and e.status == 400 and P.ADAPTER_NEVER_LOADED in str(e) and lora_path in str(e):
                 self.health.lost_policy(url, f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen", epoch)
                 raise ReplicaDown(url, str(e).removeprefix(f"{url}: "), e.status) from None
             if e.status is not None and e.status < 500:

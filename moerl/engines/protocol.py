@@ -345,6 +345,11 @@ class ModelInfo(TypedDict):
     vocab_size: int
 
 
+# SGLang 0.5.23's 400 for a request naming an adapter its server never loaded: a replica that restarted since the sync
+# that loaded it there (an adapter loaded and unloaded since is loaded again from its path, not refused).
+ADAPTER_NEVER_LOADED = "Got LoRA adapter that has never been loaded"
+
+
 @dataclass(frozen=True)
 class Route:
     path: str

@@ -53,6 +53,7 @@ class AdapterSet:
         self.params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
         self.adapters: dict[str, Adapter] = {}
+        self.unloaded: set[str] = set()  # loaded once, no longer: not what a restarted engine, which never had it, says
         self.active: Adapter | None = None
         for path, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
@@ -180,6 +181,7 @@ class AdapterSet:
         if self.active is not None and self.active.name == name:
             self.active = None
         del self.adapters[name]
+        self.unloaded.add(name)
 
     def activate(self, name: str | None) -> None:
         if name is not None and name not in self.adapters:

@@ -133,7 +133,9 @@ class EmbeddedEngine:
             prompt = list(req.input_ids)
         protocol.check_generate(req, prompt, self.limits)
         if req.lora_path is not None and req.lora_path not in self.adapters.adapters:
-            raise ProtocolError(f"LoRA adapter {req.lora_path!r} is not loaded")
+            if req.lora_path in self.adapters.unloaded:
+                raise ProtocolError(f"LoRA adapter {req.lora_path!r} is not loaded (it was unloaded)")
+            raise ProtocolError(f"{protocol.ADAPTER_NEVER_LOADED}: {req.lora_path}")
         params = req.sampling_params.resolved()
         rid = req.rid or uuid.uuid4().hex
         requests = []
