@@ -415,3 +415,32 @@ def test_an_embedded_engine_on_several_gpus_is_refused():
         from moerl.orchestrator.config import load_config
 
         load_config(None, ["engines.server=embedded", "engines.gpus_per_replica=2"])
+
+
+def test_sglang_servers_given_by_url_are_refused_where_the_run_could_not_use_them():
+    """The config's check sees SGLang only where the job starts it; an SGLang server given by engines.urls is known once
+    it answers, and a LoRA run syncing by broadcast (adapter tensors pickled per TP rank, which SGLang takes only from
+    its own machine, and otherwise fails to unpickle in its scheduler) must stop there, not at its first sync."""
+    from aiohttp import web
+
+    from moerl.errors import ConfigError
+    from moerl.orchestrator.config import load_config, sglang_lora_problem
+    from moerl.orchestrator.main import check_engine_urls
+    from tests.engine_server import serving
+
+    async def health(request):
+        return web.Response(text="")
+
+    async def server_info(request):
+        return web.json_response({"version": "0.5.23", "tp_size": 1})  # SGLang's answer names no moerl engine
+
+    refused = sglang_lora_problem(load_config(None, ["lora.enabled=true", "sync.method=broadcast"]))
+    assert refused and sglang_lora_problem(load_config(None, ["lora.enabled=true", "sync.method=disk"])) is None
+
+    async def go():
+        async with serving({("GET", "/health"): health, ("GET", "/server_info"): server_info}) as url:
+            await asyncio.to_thread(check_engine_urls, [url])
+            with pytest.raises(ConfigError, match="is an SGLang server, and lora.enabled with SGLang engines needs sync.method=disk"):
+                await asyncio.to_thread(check_engine_urls, [url], False, refused)
+
+    asyncio.run(go())

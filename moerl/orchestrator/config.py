@@ -265,6 +265,14 @@ def served_by(engines: EngineSection, simulation: SimulationSection | None = Non
     return "sglang" if torch.cuda.is_available() and sglang_problem() is None else "embedded"
 
 
+def sglang_lora_problem(cfg: RunConfig) -> str | None:
+    """Why this run's adapters cannot reach SGLang engines, if they cannot."""
+    if cfg.lora.enabled and cfg.sync.method == "broadcast":
+        return ("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from processes on "
+                "its own machine (pickled per TP rank), so adapters reach it as adapter directories")
+    return None
+
+
 def check(cfg: RunConfig) -> None:
     r = cfg.rollout
     problems = []
@@ -277,9 +285,8 @@ def check(cfg: RunConfig) -> None:
     if cfg.trainer.replay.sampling_mask and not 1 < r.top_k:
         problems.append(f"trainer.replay.sampling_mask needs a finite rollout.top_k > 1 (got {r.top_k})")
     server = served_by(cfg.engines, cfg.simulation)
-    if cfg.lora.enabled and cfg.sync.method == "broadcast" and server == "sglang":
-        problems.append("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from "
-                        "processes on its own machine, so adapters reach it as adapter directories")
+    if server == "sglang" and (problem := sglang_lora_problem(cfg)):
+        problems.append(problem)
     if server == "sglang" and any(a.split("=")[0] == "--enable-deterministic-inference" for a in cfg.engines.extra_args):
         problems.append("engines.extra_args: --enable-deterministic-inference makes SGLang 0.5.23 sample all n completions of a "
                         "prompt with one seed, so each group's completions would come out identical (no advantage to learn "

@@ -32,7 +32,7 @@ from moerl.files import staged_dir
 from moerl.errors import ConfigError, EnginesDown, MoerlError, relayed
 from moerl.megatron.parallel import init_process_group, on_lead
 from moerl.orchestrator.buffer import Accounting, RolloutBuffer, rollout_metrics
-from moerl.orchestrator.config import RunConfig, load_config, served_by, to_yaml
+from moerl.orchestrator.config import RunConfig, load_config, served_by, sglang_lora_problem, to_yaml
 from moerl.orchestrator.messages import ManagerSpec
 from moerl.orchestrator.metrics import MetricsWriter
 from moerl.trainer.distribute import Interlude
@@ -126,7 +126,7 @@ def preflight(cfg: RunConfig, world: int) -> None:
         raise ConfigError(f"run.resume=true: {run_dir / 'checkpoints'} holds no checkpoint to continue from "
                           "(run.resume=auto starts the run where there is none)")
     if cfg.engines.urls:
-        check_engine_urls(cfg.engines.urls, simulated=cfg.simulation.profile is not None)
+        check_engine_urls(cfg.engines.urls, simulated=cfg.simulation.profile is not None, sglang_refused=sglang_lora_problem(cfg))
     elif cfg.engines.server == "sglang":
         from moerl.engines.sglang import sglang_problem
 
@@ -243,10 +243,11 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     return pool.start(e.start_timeout_s), pool
 
 
-def check_engine_urls(urls: list[str], simulated: bool = False) -> None:
-    """Every engine answers, those that are SGLang servers run a release whose API moerl speaks, and they are simulated
-    engines exactly when the run is a simulation (a simulation's hollow checkpoints would load as zeros into a real
-    engine; a simulated one answers a real run with random tokens)."""
+def check_engine_urls(urls: list[str], simulated: bool = False, sglang_refused: str | None = None) -> None:
+    """Every engine answers, those that are SGLang servers run a release whose API moerl speaks (and none is, with
+    ``sglang_refused``: why this run cannot use one), and they are simulated engines exactly when the run is a
+    simulation (a simulation's hollow checkpoints would load as zeros into a real engine; a simulated one answers a real
+    run with random tokens). The config's own check cannot see that an engine given by URL is SGLang."""
     from moerl.engines.client import EngineClient
     from moerl.engines.sglang import sglang_problem
 
@@ -264,9 +265,12 @@ def check_engine_urls(urls: list[str], simulated: bool = False) -> None:
         if (engine == "moerl-simulated") != simulated:
             raise ConfigError(f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this run "
                               f"{'is' if simulated else 'is not'} a simulation (simulation.profile)")
-        problem = None if engine.startswith("moerl-") else sglang_problem(str(info.get("version")))
-        if problem:
+        if engine.startswith("moerl-"):
+            continue
+        if problem := sglang_problem(str(info.get("version"))):
             raise ConfigError(f"engines.urls: {url} runs {problem}")
+        if sglang_refused:
+            raise ConfigError(f"engines.urls: {url} is an SGLang server, and {sglang_refused}")
 
 
 def start_manager(cfg_path: Path, hf: Path, urls: list[str], buffer, cursor: int, reissue: list[int], run_dir: Path) -> subprocess.Popen:
