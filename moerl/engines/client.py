@@ -246,10 +246,6 @@ class EngineClient:
             for u, offset in zip(self.targets, offsets, strict=True)
         ))
 
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        """Each engine leaves the group (on every engine, even where another refuses)."""
-        await self._on_each(P.DESTROY_GROUP, P.DestroyWeightsUpdateGroupReqInput(group_name=group_name))
-
     async def begin_weight_update(self) -> None:
         await self._everywhere(P.BEGIN_UPDATE, P.BeginWeightUpdateReqInput())
 

@@ -250,13 +250,6 @@ class InitWeightsUpdateGroupReqInput(WireModel):
         return self
 
 
-class DestroyWeightsUpdateGroupReqInput(WireModel):
-    """Leaves a weight group: an engine keeps every group it joined (and, over NCCL, its communicator's memory) until
-    told so."""
-
-    group_name: str = Field("weight_update_group", min_length=1)
-
-
 class BeginWeightUpdateReqInput(WireModel):
     """Opens a weight-update session: distributed updates are refused outside one (SGLang 0.5.23)."""
 
@@ -372,7 +365,6 @@ FLUSH_CACHE = Route("/flush_cache", "POST")
 UPDATE_WEIGHT_VERSION = Route("/update_weight_version", "POST")
 UPDATE_FROM_DISK = Route("/update_weights_from_disk", "POST", idempotent=False)
 INIT_GROUP = Route("/init_weights_update_group", "POST", idempotent=False)
-DESTROY_GROUP = Route("/destroy_weights_update_group", "POST", idempotent=False)
 BEGIN_UPDATE = Route("/begin_weight_update", "POST", idempotent=False)
 END_UPDATE = Route("/end_weight_update", "POST", idempotent=False)
 UPDATE_FROM_DISTRIBUTED = Route("/update_weights_from_distributed", "POST", idempotent=False)

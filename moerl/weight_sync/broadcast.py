@@ -261,17 +261,6 @@ class BroadcastSync(FullWeightSync):
         )
 
     def close(self) -> None:
-        if self.group is not None:  # else the engines, which may outlive this run, keep it and its communicator's memory
-            group, client = self.group, self.sender.client
-
-            async def leave():
-                await asyncio.gather(in_daemon_thread(dist.destroy_process_group, group), client.destroy_weights_update_group(self.group_name))
-
-            try:
-                self.sender.run(leave())
-            except Exception as e:  # noqa: BLE001 - an engine gone took its side with it
-                log.warning("leaving weight group %s: %s", self.group_name, e)
-            self.group = None
         if self.sender is not None and self.sender is not self.link:
             self.sender.close()
         super().close()

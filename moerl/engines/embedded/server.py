@@ -245,12 +245,6 @@ class EmbeddedEngine:
         except RuntimeError as e:  # the rendezvous failed or timed out (torch's DistError and its kin)
             raise ProtocolError(f"weight group {req.group_name!r}: could not join as rank {req.rank_offset}: {e}") from None
 
-    @staticmethod
-    def leave_group(group) -> None:
-        import torch.distributed as dist
-
-        dist.destroy_process_group(group)
-
     def receive(self, req: protocol.UpdateWeightsFromDistributedReqInput, group) -> list[tuple[str, torch.Tensor]]:
         import torch.distributed as dist
 
@@ -527,15 +521,6 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         finally:
             engine.joining.discard(name)
         return ok(f"joined {name} as rank {req.rank_offset}")
-
-    @routes.post(P.DESTROY_GROUP.path)
-    async def destroy_weights_update_group(request):
-        req = await parse(request, P.DestroyWeightsUpdateGroupReqInput)
-        group = engine.weight_groups.pop(req.group_name, None)
-        if group is None:
-            raise ProtocolError(f"weight group {req.group_name!r} does not exist")
-        await in_daemon_thread(engine.leave_group, group)
-        return ok(f"left {req.group_name}")
 
     @routes.post(P.BEGIN_UPDATE.path)
     async def begin_weight_update(request):
