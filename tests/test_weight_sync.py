@@ -124,6 +124,22 @@ def test_a_second_run_joins_the_engines_the_first_left(tiny_ckpts, tmp_path):
     assert names[0] != names[1]
 
 
+def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_reaches_the_engines(tiny_ckpts, tmp_path):
+    """An engine that took a failed sender's announcement waits in its broadcast for good, and each later sender's
+    would wait behind it to its deadline: after one sender fails no sender sends, and the push is made once more."""
+    from moerl.trainer.config import TrainerConfig
+    from tests.engine_server import running_servers
+    from tests.workers import sync_with_a_sender_failing_once
+
+    _, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    with running_servers(tiny_ckpts["Qwen3MoeForCausalLM"][0], tmp_path / "logs", 2) as urls:
+        ranks = run_ranks(sync_with_a_sender_failing_once, 2, str(mcore_dir), TrainerConfig(ep=2), urls)
+    first, second = ranks[0]["turns"], ranks[1]["turns"]
+    assert second.count(1) == 1 and first.count(1) == 1  # both had a turn in the first round, then none
+    assert first.count(2) >= 2 and second.count(2) >= 2  # a whole push takes several rounds
+    assert ranks[0]["versions"] == [ranks[0]["version"]] * 2
+
+
 @pytest.mark.parametrize("failure", ["engines_down", "other"])
 def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_error(failure):
     """Global rank 0 talks to the engines alone; whatever fails there must reach the other ranks, which otherwise wait

@@ -251,6 +251,35 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     return {**mine, "stats": stats, "trained": trained, "served": served, "versions": versions}
 
 
+def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]) -> dict:
+    """A broadcast sync whose rank 1 fails its first turn: the attempt (1 or 2, the push made once more) of each turn this
+    rank had, and what the engines report after."""
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.broadcast import BroadcastSync
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    rank0 = torch.distributed.get_rank() == 0
+    sync = BroadcastSync(urls if rank0 else None, "127.0.0.1", "gloo", bucket_bytes=64 << 10)
+    sync.connect()
+    push_once, send, attempt, turns = sync._push_once, sync._send_buckets, [0], []
+
+    def counted_push(*args):
+        attempt[0] += 1
+        return push_once(*args)
+
+    def failing_send(named, stats):
+        turns.append(attempt[0])
+        if not rank0 and attempt[0] == 1:
+            raise RuntimeError("a planted failure")
+        return send(named, stats)
+
+    sync._push_once, sync._send_buckets = counted_push, failing_send
+    sync.update(trainer)
+    versions = sync.link.run(sync.link.client.weight_versions()) if rank0 else None
+    sync.close()
+    return {"turns": turns, "versions": versions, "version": str(trainer.version)}
+
+
 def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict:
     """One step on the whole batch, and one (fresh trainer) on the same batch fed a group at a time: the
     metrics and the gradients each step applied."""

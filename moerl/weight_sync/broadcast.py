@@ -9,7 +9,8 @@ its bytes are broadcast, so an engine never holds more than one bucket extra.
 The senders take turns because an engine takes one update at a time, in the order the requests reach it:
 all engines must take the senders' buckets in one order, or two of them each wait in a broadcast the other
 has not reached. Every rank gathers the model a layer at a time; once some sender holds a bucket's worth,
-each sender with anything to send sends it all, in rank order, while the others wait in a barrier. A
+each sender with anything to send sends its whole buckets, in rank order, while the others wait (an
+unfilled last bucket waits for more, until the end). A sender that fails ends every sender's turns. A
 sender holds at most a bucket and a layer's share unsent, and two buckets flattened (the one on the wire
 and the next). Global rank 0 alone steers the engines: it opens the weight-update session
 (``/begin_weight_update`` ... ``/end_weight_update``, which SGLang 0.5.23 requires around distributed
@@ -173,15 +174,17 @@ class BroadcastSync(FullWeightSync):
             except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it goes up here
                 opened = e
         _agree(opened is None, "the weight-update session did not open on the engines (global rank 0's error says why)", opened)
-        self.sent, failed = SyncStats(), None
+        self.sent, failed, stopped = SyncStats(), None, False  # stopped: a sender failed, so no sender sends more
         pending: deque[tuple[str, torch.Tensor]] = deque()  # this sender's tensors not yet sent
         pieces = hf_pieces(self.gather, hf_config)  # every rank iterates: the gathers are collective
         for piece in itertools.chain(pieces, [None]):
             last = piece is None
-            if not last and self.sender is not None and failed is None:
+            if not (last or stopped) and self.sender is not None:
                 pending += piece
             del piece
-            held = torch.tensor([sum(t.numel() * t.element_size() for _, t in pending)], dtype=torch.int64, device=collective_device())
+            if stopped:
+                continue
+            held = torch.tensor([_nbytes(pending)], dtype=torch.int64, device=collective_device())
             everyone = torch.empty(dist.get_world_size(), dtype=torch.int64, device=collective_device())
             dist.all_gather_into_tensor(everyone, held)
             if everyone.max().item() < self.bucket_bytes and not last:
@@ -189,12 +192,18 @@ class BroadcastSync(FullWeightSync):
             # A turn each, in rank order (the module's docstring says why).
             for rank in everyone.nonzero().flatten().tolist():
                 if rank == dist.get_rank():
-                    try:
-                        self._send_buckets(_drained(pending), self.sent)
-                    except Exception as e:  # noqa: BLE001 - every rank hears of it after the last turn
+                    try:  # whole buckets; the last, unfilled, waits for the next turn unless this is the end
+                        self._send_buckets(_drained(pending, len(pending) if last else _whole_buckets(pending, self.bucket_bytes)), self.sent)
+                    except Exception as e:  # noqa: BLE001 - every rank hears of it after this turn
                         failed = e
+                # After one sender's failure no sender may send: an engine that took its announcement waits in its
+                # broadcast for good, so every later sender's would wait behind it, each to its deadline.
+                flag = torch.tensor([failed is not None], dtype=torch.int32, device=collective_device())
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item():
+                    stopped = True
                     pending.clear()
-                dist.barrier()
+                    break
         totals = torch.tensor([self.sent.tensors, self.sent.bytes, self.sent.buckets], dtype=torch.int64, device=collective_device())
         dist.reduce(totals, 0)
         _agree(failed is None, "a sender's weights did not reach the engines (that rank's error says why)", failed)
@@ -266,9 +275,21 @@ class BroadcastSync(FullWeightSync):
         super().close()
 
 
-def _drained(pending: deque) -> Iterator:
-    """``pending``'s items, each let go of as it is taken: a tensor sent is not held until the turn ends."""
-    while pending:
+def _nbytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)
+
+
+def _whole_buckets(pending: deque, bucket_bytes: int) -> int:
+    """How many of ``pending``'s first tensors make whole buckets (:func:`buckets`): all but an unfilled last one."""
+    groups = list(buckets(pending, bucket_bytes))
+    if groups and _nbytes(groups[-1]) < bucket_bytes:
+        groups.pop()
+    return sum(len(g) for g in groups)
+
+
+def _drained(pending: deque, count: int) -> Iterator:
+    """``pending``'s first ``count`` items, each let go of as it is taken: a tensor sent is not held until the turn ends."""
+    for _ in range(count):
         yield pending.popleft()
 
 
