@@ -8,7 +8,7 @@ its bytes are broadcast, so an engine never holds more than one bucket extra.
 
 The senders take turns because an engine takes one update at a time, in the order the requests reach it:
 all engines must take the senders' buckets in one order, or two of them each wait in a broadcast the other
-has not reached. Every rank gathers the model a layer at a time; once some sender holds a bucket's worth,
+has not reached (one engine takes them in one order whatever it is, so to one engine they send at once). Every rank gathers the model a layer at a time; once some sender holds a bucket's worth,
 each sender with anything to send sends its whole buckets, in rank order, while the others wait (an
 unfilled last bucket waits for more, until the end). A sender that fails ends every sender's turns. A
 sender holds at most a bucket and a layer's share unsent, and two buckets flattened (the one on the wire
@@ -82,6 +82,7 @@ class BroadcastSync(FullWeightSync):
         self.group: dist.ProcessGroup | None = None  # its group with the engines
         self.group_name = group_name  # that group's name, as the engines know it
         self.members: list[str] = []  # the engines in it
+        self.engines = 0  # every rank: how many engines the push goes to
         self.tp_sizes: dict[str, int] = {}  # each engine's tensor-parallel size: its ranks in a group
         self.sent = SyncStats()  # what this rank itself sent in the last push (all zero on a rank that sends nothing)
         self._rank, self._groups = 0, 0
@@ -157,6 +158,7 @@ class BroadcastSync(FullWeightSync):
             if gave_up is not None:
                 raise gave_up
             raise relayed(EnginesDown("no engine to push to (global rank 0's error says why)"))
+        self.engines = len(members[0])
         formed = None
         if self.sender is not None and members[0] != self.members:
             try:
@@ -189,9 +191,11 @@ class BroadcastSync(FullWeightSync):
             dist.all_gather_into_tensor(everyone, held)
             if everyone.max().item() < self.bucket_bytes and not last:
                 continue
-            # A turn each, in rank order (the module's docstring says why).
-            for rank in everyone.nonzero().flatten().tolist():
-                if rank == dist.get_rank():
+            # A turn each, in rank order (the module's docstring says why); one engine takes the senders' buckets in one
+            # order whatever it is, so then they send at once.
+            holders = everyone.nonzero().flatten().tolist()
+            for turn in [holders] if self.engines == 1 else [[rank] for rank in holders]:
+                if dist.get_rank() in turn:
                     try:  # whole buckets; the last, unfilled, waits for the next turn unless this is the end
                         self._send_buckets(_drained(pending, len(pending) if last else _whole_buckets(pending, self.bucket_bytes)), self.sent)
                     except Exception as e:  # noqa: BLE001 - every rank hears of it after this turn
