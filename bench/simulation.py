@@ -35,8 +35,9 @@ full-engine bound is what the tail costs. Async's tail-counted bound lets the lo
 replicas stay full, which no schedule can do when lengths are known only once decoded; beside it, a guide (not a bound:
 a schedule may change a replica's concurrency within a step): the best async rate with every replica at one
 concurrency c throughout, which slows the longest response to R(c) / c,
-  async, one concurrency   max over c of B / (T_sync + max(D / (E * R(c)), T_train, c * L / ((s + 1) * R(c)))) The first measured steps' responses may have begun in the fill step, which
-is not measured, so over N measured steps async's tail-counted ratio may read high by up to about s / N.
+  async, one concurrency   max over c of B / (T_sync + max(D / (E * R(c)), T_train, c * L / ((s + 1) * R(c))))
+The first measured steps' responses may have begun in the fill step, which is not measured, so over N measured steps
+async's tail-counted ratio may read high by up to about s / N.
 
     python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] [--out docs/benchmarks.md]
 """
@@ -193,21 +194,22 @@ def main() -> int:
                 rows, cfg = run(mode, pool, args, model, profile, root)
                 rows = rows[1:]  # the first step fills the pipeline
                 wall = sum(r["time/step_seconds"] for r in rows)
-                rate = sum(r["rollout/samples"] for r in rows) / (wall * args.time_scale)
+                trained = sum(r["rollout/samples"] for r in rows)
+                rate = trained / (wall * args.time_scale)
                 response = float(np.mean([r["rollout/response_len_mean"] for r in rows]))
                 samples = args.groups * args.samples
                 staleness = args.max_staleness if mode == "async" else 0
                 steps = [step_times(profile, pool, r["rollout/samples"], r["rollout/response_len_mean"], r["rollout/response_len_max"],
                                     r["sync/full_weight_bytes"], cfg.rollout.outstanding * args.samples if mode == "async" else samples,
                                     staleness) for r in rows]
-                bound = bounds(steps, sum(r["rollout/samples"] for r in rows), args.groups)
+                bound = bounds(steps, trained, args.groups)
                 seconds = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
                 tail = bound[f"{mode}_tail"]
                 sync_rate = rate if mode == "sync" else sync_rate
                 lag = [np.mean([r[k] for r in rows]) for k in ("staleness/lag_0", "staleness/lag_1")]
                 manager = np.mean([r["cpu/manager_seconds"] for r in rows])
                 idle = np.mean([r["time/trainer_idle_fraction"] for r in rows])
-                fraction = manager / (np.mean([r["time/step_seconds"] for r in rows]) * args.time_scale)  # of a real run's step
+                fraction = manager / (wall / len(rows) * args.time_scale)  # of a real run's step
                 helpers = np.mean([r["cpu/manager_helpers_seconds"] for r in rows])
                 buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
                 versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
@@ -216,7 +218,7 @@ def main() -> int:
                              f"{manager:.2f} ({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |")
                 guide = ""
                 if mode == "async":
-                    best, at = one_concurrency_guide(profile, pool, sum(r["rollout/samples"] for r in rows),
+                    best, at = one_concurrency_guide(profile, pool, trained,
                                                      sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in rows),
                                                      sum(r["rollout/response_len_max"] for r in rows), steps, staleness)
                     guide = f", one-concurrency guide {best:.3f} samples/s (c = {at}; ratio {rate / best:.2f})"

@@ -61,13 +61,11 @@ def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_
 
 
 def test_expert_tp_shards_are_joined_by_their_layer_not_by_the_partition_dim_te_marks(tiny_ckpts):
-    from tests.workers import export_with_te_expert_marks
-
     hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
     reader = HFReader(hf_dir)
-    ranks = run_ranks(export_with_te_expert_marks, 2, str(mcore_dir), Layout(tp=2))  # expert TP 2
-    stream, _ = ranks[0]
-    shares = [named for _, share in ranks for named in share]
+    ranks = run_ranks(export_hf, 2, str(mcore_dir), Layout(tp=2), True)  # expert TP 2
+    stream = ranks[0]["stream"]
+    shares = [named for rank in ranks for named in rank["share"]]
     for exported in (stream, shares):
         assert sorted(name for name, _ in exported) == sorted(reader.names())
         for name, tensor in exported:

@@ -189,14 +189,21 @@ def resume_and_step(mcore_dir: str, trainer_cfg, samples: list, save_dir: str) -
     return {"got": trainer.step(samples), "weights": full_tensors(trainer.model.module)}
 
 
-def export_hf(mcore_dir: str, layout: Layout) -> dict:
+def export_hf(mcore_dir: str, layout: Layout, te_expert_marks: bool = False) -> dict:
     """The Megatron model's tensors under Hub names as the weight sync streams them (on rank 0), what each rank's
-    collectives took in, and the global layers each rank holds."""
+    collectives took in, and the global layers each rank holds. ``te_expert_marks``: the routed experts' weights marked
+    as TE marks them under expert TP or EP: TEGroupedLinear splits them itself and builds TE's layer with
+    parallel_mode=None, which gives every weight partition_dim=0, linear_fc2's (split along dim 1) included."""
     from megatron.core import parallel_state
 
     from moerl.weight_sync.export import hf_named_tensors
 
     cfg, model = load_megatron_model(mcore_dir, layout)
+    if te_expert_marks:
+        marked = [p for n, p in model.named_parameters() if ".local_experts." in n and getattr(p, "tensor_model_parallel", False)]
+        assert any(p.partition_dim == 1 for p in marked)  # linear_fc2's, until marked as TE does
+        for param in marked:
+            param.partition_dim = 0
     gather = Gather(model)
     stream = [(name, tensor.clone()) for name, tensor in hf_named_tensors(gather, cfg)]
     senders = Gather(model, per_sender=True)  # what broadcast sync sends: each sender its own share
@@ -204,22 +211,6 @@ def export_hf(mcore_dir: str, layout: Layout) -> dict:
     return {"stream": stream, "received": gather.received, "lead": gather.lead,
             "share": share, "share_received": senders.received, "sends": senders.sends,
             "layers": sorted(layer.layer_number - 1 for layer in model.decoder.layers), "last": parallel_state.is_pipeline_last_stage()}
-
-
-def export_with_te_expert_marks(mcore_dir: str, layout: Layout) -> list:
-    """The Hub tensors the export streams to rank 0 and what each sender would send, from a model whose routed experts'
-    weights are marked as TE marks them under expert TP or EP: TEGroupedLinear splits them itself and builds TE's layer
-    with parallel_mode=None, which gives every weight partition_dim=0, linear_fc2's (split along dim 1) included."""
-    from moerl.weight_sync.export import hf_named_tensors
-
-    cfg, model = load_megatron_model(mcore_dir, layout)
-    marked = [p for n, p in model.named_parameters() if ".local_experts." in n and getattr(p, "tensor_model_parallel", False)]
-    assert any(p.partition_dim == 1 for p in marked)  # linear_fc2's, until marked as TE does
-    for param in marked:
-        param.partition_dim = 0
-    stream = [(name, tensor.clone()) for name, tensor in hf_named_tensors(Gather(model), cfg)]
-    share = [(name, tensor.clone()) for name, tensor in hf_named_tensors(Gather(model, per_sender=True), cfg)]
-    return [stream, share]
 
 
 def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str]) -> dict:

@@ -314,12 +314,15 @@ class EngineClient:
             return False, None
         return (True, info.get("weight_version")) if isinstance(info, dict) else (False, None)
 
+    @staticmethod
+    def liveness_route(paused: bool) -> P.Route:
+        """What asks an engine whether it answers: SGLang's /health generates a token, which waits while generation is
+        paused (then 503); its /model_info is answered by the HTTP process alone."""
+        return P.MODEL_INFO if paused else P.HEALTH
+
     async def _healthy(self, url: str, paused: bool = False) -> bool:
-        # SGLang's /health generates a token, which waits while generation is paused (then 503); its /model_info is
-        # answered by the HTTP process alone.
-        route = P.MODEL_INFO if paused else P.HEALTH
         try:
-            async with self._http().get(url + route.path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self._http().get(url + self.liveness_route(paused).path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False

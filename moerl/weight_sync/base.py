@@ -135,7 +135,7 @@ class WeightSync(ABC):
             if only is not None:
                 return up
             if time.monotonic() > deadline:
-                raise EnginesDown(f"no engine answered {'/model_info' if self.paused else '/health'} for {self.down_timeout_s:g} s "
+                raise EnginesDown(f"no engine answered {client.liveness_route(self.paused).path} for {self.down_timeout_s:g} s "
                                   "(engines.down_timeout_s): "
                                   f"{', '.join(client.urls)}")
             if self.while_down is not None:
