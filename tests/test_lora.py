@@ -19,6 +19,7 @@ from moerl.checkpoint.convert import hf_to_mcore
 from moerl.checkpoint.peft import export_adapter, peft_would_drop, save_adapter
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.server import EmbeddedEngine
+from moerl.engines.sglang import lora_target_modules
 from moerl.megatron.launch import run_ranks
 from moerl.megatron.lora import LoRAConfig, LoRAError
 from moerl.models import family_for
@@ -81,6 +82,19 @@ def _adapter_files(hf, lora: dict, fmt: str):
     raw = json.loads((hf / "config.json").read_text())
     family = family_for(raw)
     return export_adapter(family, family.normalize(raw), lora, LORA, fmt, str(hf))
+
+
+def test_an_sglang_server_serves_the_modules_the_adapters_take(trained, models):
+    """A LoRA SGLang server is started for lora.targets with exactly the modules each export adapts: every one (SGLang
+    refuses an adapter with a module its server was not started for) and no more (``all`` would give lm_head and
+    embed_tokens LoRA buffers too)."""
+    for name, runs in trained.items():
+        hf, _ = models[name]
+        assert lora_target_modules(hf, LORA.targets) == _adapter_files(hf, runs[0]["lora"], "sglang").config["target_modules"], name
+    hf, _ = models["qwen2"]
+    assert lora_target_modules(hf, ["*.local_experts.*.linear_fc1", "linear_proj"]) == ["gate_proj", "o_proj", "up_proj"]
+    with pytest.raises(ValueError, match="match no linear layer"):
+        lora_target_modules(hf, ["linear_qkvz"])
 
 
 def test_only_adapters_train(trained):

@@ -35,7 +35,11 @@ def test_server_args_carry_the_rl_flags():
     assert _flag_value(args, "--sampling-mask-max-tokens") == str(cfg.sampling_mask_max_tokens)
     assert "--enable-lora" not in args
 
-    lora = server_args(SGLangConfig(model_path="/m", lora_max_rank=16, enable_memory_saver=False), port=30000)
+    with pytest.raises(ValueError, match="target modules"):
+        server_args(SGLangConfig(model_path="/m", lora_max_rank=16), port=30000)
+    lora = server_args(SGLangConfig(model_path="/m", lora_max_rank=16, lora_target_modules=["o_proj", "q_proj"], enable_memory_saver=False),
+                       port=30000)
+    assert lora[lora.index("--lora-target-modules") + 1 : lora.index("--lora-target-modules") + 3] == ["o_proj", "q_proj"]
     assert _flag_value(lora, "--max-lora-rank") == "16" and _flag_value(lora, "--lora-backend") == "triton_v2"
     assert _flag_value(lora, "--moe-a2a-backend") == "none" and _flag_value(lora, "--moe-runner-backend") == "lora_triton"
     assert "--enable-memory-saver" not in lora
@@ -144,7 +148,9 @@ def test_server_args_parse_with_sglangs_parser(sglang_io):
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(server_args(SGLangConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8), port=30000))
+    ns = parser.parse_args(server_args(SGLangConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8,
+                                                    lora_target_modules=["down_proj", "gate_proj", "q_proj"]), port=30000))
+    assert ns.lora_target_modules == ["down_proj", "gate_proj", "q_proj"]
     assert ns.enable_return_routed_experts and ns.enable_memory_saver and ns.enable_lora
     assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend, ns.moe_runner_backend) == (2, 8, "triton_v2", "none", "lora_triton")
     assert ns.sampling_mask_max_tokens == SGLangConfig.sampling_mask_max_tokens

@@ -37,7 +37,7 @@ class SGLangConfig:
     sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS
     enable_memory_saver: bool = True  # release/resume memory occupation around training
     lora_max_rank: int | None = None  # set to serve LoRA adapters (per-expert keys need triton_v2)
-    lora_target_modules: list[str] = field(default_factory=lambda: ["all"])
+    lora_target_modules: list[str] | None = None  # with lora_max_rank: the adapters' Hub modules (lora_target_modules())
     router: bool = False  # front the replicas with sglang-router
     router_port: int = 29000
     log_dir: str | None = None
@@ -68,6 +68,22 @@ def sglang_problem(installed: str | None = None) -> str | None:
     return f"sglang {installed} is older than {SGLANG_VERSION}, whose HTTP API moerl speaks" if too_old else None
 
 
+def lora_target_modules(model_path: str | Path, targets: list[str]) -> list[str]:
+    """The Hub modules adapters of megatron ``targets`` (``lora.targets``) take in the model at ``model_path``: a
+    LoRA server's ``--lora-target-modules``."""
+    from moerl.checkpoint.hf import read_config
+    from moerl.checkpoint.peft import hub_target_modules
+    from moerl.megatron.lora import LoRAConfig
+    from moerl.models import family_for
+
+    raw = read_config(model_path)
+    family = family_for(raw)
+    modules = hub_target_modules(family, family.normalize(raw), LoRAConfig(targets=list(targets)))
+    if not modules:
+        raise ValueError(f"lora.targets={list(targets)} match no linear layer of {model_path}")
+    return modules
+
+
 def server_args(cfg: SGLangConfig, port: int) -> list[str]:
     """``sglang.launch_server`` arguments of the replica serving on ``port``."""
     args = [
@@ -85,6 +101,8 @@ def server_args(cfg: SGLangConfig, port: int) -> list[str]:
     if cfg.enable_memory_saver:
         args.append("--enable-memory-saver")
     if cfg.lora_max_rank is not None:
+        if not cfg.lora_target_modules:
+            raise ValueError("a LoRA server needs the adapters' target modules: lora_target_modules(model, lora.targets)")
         args += [
             "--enable-lora",
             "--max-lora-rank", str(cfg.lora_max_rank),
@@ -294,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import socket
 
+    from moerl.megatron.lora import LoRAConfig
+
     p = argparse.ArgumentParser(prog="moerl engines", description=(
         "Start SGLang replicas on this node's GPUs with the flags moerl's RL loop needs (routed experts, sampling "
         "masks, memory saver, LoRA), wait until each is healthy, print their URLs and keep them up until interrupted. "
@@ -305,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
     p.add_argument("--lora-max-rank", type=int, default=None, help="serve LoRA adapters up to this rank (the job's lora.rank)")
+    p.add_argument("--lora-targets", nargs="+", default=LoRAConfig().targets, metavar="PATTERN",
+                   help="the job's lora.targets (megatron module patterns; default: %(default)s): the replicas serve LoRA on "
+                        "their Hub modules only")
     p.add_argument("--log-dir", default="engine-logs")
     args = p.parse_args(argv)
     problem = sglang_problem()
@@ -313,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pool = SGLangPool(SGLangConfig(model_path=args.model, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
                                    host="0.0.0.0", base_port=args.base_port, dtype=args.dtype, log_dir=args.log_dir,
-                                   mem_fraction_static=args.mem_fraction_static, lora_max_rank=args.lora_max_rank))
+                                   mem_fraction_static=args.mem_fraction_static, lora_max_rank=args.lora_max_rank,
+                                   lora_target_modules=lora_target_modules(args.model, args.lora_targets) if args.lora_max_rank else None))
     pool.start()
     node = socket.gethostname()
     print("engines.urls=[" + ",".join(f"http://{node}:{port}" for port in pool.ports) + "]", flush=True)

@@ -221,7 +221,7 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
 # ---- engines -------------------------------------------------------------------------------
 def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int):
     """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
-    from moerl.engines.sglang import SGLangConfig, SGLangPool
+    from moerl.engines.sglang import SGLangConfig, SGLangPool, lora_target_modules
 
     e = cfg.engines
     if e.urls:  # health-checked by run() before the model was prepared
@@ -232,6 +232,7 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
         model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=0,
         dtype=resolve_dtype(e.dtype), mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
         gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
+        lora_target_modules=lora_target_modules(hf, cfg.lora.targets) if cfg.lora.enabled and server == "sglang" else None,
         simulate=cfg.simulation.profile, time_scale=cfg.simulation.time_scale,
         replicas_per_process=cfg.simulation.replicas_per_process if server == "simulated" else 1,
     ))
