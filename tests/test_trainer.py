@@ -110,16 +110,18 @@ def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2, "ep": 2}, {"pp": 4}, {"tp": 2, "pp": 2}], ids=["PP2xDP2", "PP4", "TP2xPP2"])
-def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckpts, fp32_samples, layout):
+@pytest.mark.parametrize("layout,window", [({"pp": 2, "ep": 2}, None), ({"pp": 4}, 1), ({"tp": 2, "pp": 2}, None)],
+                         ids=["PP2xDP2", "PP4-window", "TP2xPP2"])
+def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckpts, fp32_samples, layout, window):
     """PP2xDP2 (EP2): two replicas of two stages; PP4: one layer per stage, the second dense. MoE layers 0, 2 and 3
     are routing columns 0, 1 and 2; the first stage reads token ids, the last ids and what the loss reads, a middle one
     only its routing; TP2xPP2: a TP peer gets its group's samples from the group's first rank. Each rank's bytes are its
-    own shard's arrays plus the plan."""
+    own shard's arrays plus the plan. Rank 0 stages the payloads it sends all at once within its window (these are
+    small), and one at a time when the window holds none whole (PP4's)."""
     from moerl.trainer.batch import shard_by_tokens
     from tests.workers import scatter_piece
 
-    ranks = run_ranks(scatter_piece, 4, str(tiny_ckpts[ARCH][1]), config("R3", **layout), fp32_samples)
+    ranks = run_ranks(scatter_piece, 4, str(tiny_ckpts[ARCH][1]), config("R3", **layout), fp32_samples, window)
     replicas = 4 // (layout["pp"] * layout.get("tp", 1))
     shards = shard_by_tokens([s.fed_len for s in fp32_samples], replicas)
     plan_bytes = 5 * 8 + len(fp32_samples) * 6 * 8  # header, and six numbers per sample
@@ -151,6 +153,8 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
             assert out["received"] == 0
         else:  # fields are 8-byte aligned
             assert shard_bytes <= out["received"] - plan_bytes < shard_bytes + 8 * 5, rank
+    sent = [out["received"] - plan_bytes for rank, out in enumerate(ranks) if rank and rank % layout.get("tp", 1) == 0]  # TP firsts
+    assert ranks[0]["staged_peak"] == (max(sent) if window else sum(sent)) and (len(sent) == 1 or max(sent) < sum(sent))
 
 
 def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, bf16_samples):

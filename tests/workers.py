@@ -148,13 +148,18 @@ def train_steps(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
     return out
 
 
-def scatter_piece(mcore_dir: str, trainer_cfg, samples: list) -> dict:
-    """What this rank receives of ``samples`` (given on rank 0) and what it reads."""
+def scatter_piece(mcore_dir: str, trainer_cfg, samples: list, window: int | None = None) -> dict:
+    """What this rank receives of ``samples`` (given on rank 0) and what it reads; ``window``: rank 0's staging
+    window for the sends, if not the default."""
+    from moerl.trainer import distribute
     from moerl.trainer.trainer import Trainer
 
+    if window is not None:
+        distribute.SCATTER_WINDOW_BYTES = window
     trainer = Trainer(mcore_dir, trainer_cfg)
     piece = trainer.batches.scatter(samples if torch.distributed.get_rank() == 0 else None)
-    return {"needs": trainer.batches.needs, "samples": piece.samples, "received": piece.received, "advantages": piece.advantages}
+    return {"needs": trainer.batches.needs, "samples": piece.samples, "received": piece.received, "advantages": piece.advantages,
+            "staged_peak": trainer.batches.staged_peak}
 
 
 def parallel_state_counts() -> bool:

@@ -9,7 +9,8 @@ token ids on the first stage (its inputs) and the last (its targets); behaviour 
 kept sets on the last; routing on every stage that has MoE layers, only those layers' columns.
 Tensor-parallel peers of a replica receive the same samples: rank 0 sends them once, point to point, to the
 TP group's first rank, which broadcasts them within the group. So a rank's host memory for routing is
-proportional to its own tokens and layers, and nothing batch-sized goes to every rank.
+proportional to its own tokens and layers, and nothing batch-sized goes to every rank; rank 0's device holds at
+most :data:`SCATTER_WINDOW_BYTES` of the others' payloads at a time.
 
 Between two pieces rank 0 may call an :class:`Interlude` instead: every rank stops to do the same collective thing
 (the job's: a weight sync to an engine that came back while the step waited, a checkpoint before it stops), then the
@@ -18,6 +19,7 @@ step goes on. The weights have not changed since the last update: the optimizer 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -36,6 +38,10 @@ ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allo
 _PIECE, _END, _FAILED, _INTERLUDE = 1, 0, -1, 2  # header status
 _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature", "kept")
 _ALIGN = 8
+# Rank 0's payloads for the other ranks wait on its GPU (NCCL sends from there) at most this many bytes at a time,
+# one payload larger than it alone: a step's whole batch staged at once (GBs at 32K-token responses) would not fit
+# beside the model, and this much sits within the tenth of the GPU the memory plan leaves free.
+SCATTER_WINDOW_BYTES = 256 << 20
 
 
 class BatchFailed(RuntimeError):
@@ -71,6 +77,14 @@ class LocalPiece:
     routing: bool  # the samples carry routing (this rank's columns only)
     received: int  # bytes this rank took in for it (plan and shard)
     originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
+
+
+def _finish(tensor: torch.Tensor, request) -> int:
+    """Wait for ``tensor``'s send; its bytes, free for the next staging once this returns."""
+    request.wait()
+    if tensor.is_cuda:  # an NCCL wait only orders the streams: the send is done, and its memory free, after this
+        torch.cuda.current_stream(tensor.device).synchronize()
+    return tensor.numel()
 
 
 def _fields(needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.ndarray, routing: tuple | None,
@@ -169,6 +183,7 @@ class BatchDistributor:
         self.everyone: list[Needs] = [needs for needs, _ in everyone or []]
         self.receivers = [rank for rank, (_, first) in enumerate(everyone or []) if first and rank != 0]
         self.received = 0  # bytes taken in over this distributor's life
+        self.staged_peak = 0  # global rank 0: the most bytes of other ranks' payloads it has held on the device at once
 
     def pieces(self, source: Iterable[list[Sample] | Interlude] | None,
                interlude: Callable[[int], None] | None = None) -> Iterator[LocalPiece]:
@@ -218,10 +233,7 @@ class BatchDistributor:
             raise
         self._header(_PIECE, len(piece), routing, masks)
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
-        sends = []
-        for rank in self.receivers:
-            tensor = torch.from_numpy(payloads[rank]).to(collective_device())
-            sends.append((tensor, dist.isend(tensor, rank)))
+        sends = self._send_within_window([(rank, payloads[rank]) for rank in self.receivers])
         self._to_tp_peers(torch.from_numpy(payloads[0]).to(collective_device()))
         for _, request in sends:
             request.wait()
@@ -229,6 +241,20 @@ class BatchDistributor:
         local = self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
         local.originals = [[piece[i] for i in shard] for shard in shards]
         return local
+
+    def _send_within_window(self, payloads: list[tuple[int, np.ndarray]]) -> deque:
+        """Send each ``(rank, payload)``, staged on the collective device with at most :data:`SCATTER_WINDOW_BYTES`
+        there at once; the sends still in flight, each with its tensor. Every receiver waits in its receive already,
+        so waiting for one send before staging the next cannot stall."""
+        in_flight, staged = deque(), 0
+        for rank, payload in payloads:
+            while in_flight and staged + payload.nbytes > SCATTER_WINDOW_BYTES:
+                staged -= _finish(*in_flight.popleft())
+            tensor = torch.from_numpy(payload).to(collective_device())
+            in_flight.append((tensor, dist.isend(tensor, rank)))
+            staged += payload.nbytes
+            self.staged_peak = max(self.staged_peak, staged)
+        return in_flight
 
     def _plan(self, piece: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
         """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel)."""
