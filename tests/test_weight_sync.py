@@ -122,6 +122,53 @@ def test_a_second_run_joins_the_engines_the_first_left(tiny_ckpts, tmp_path):
     assert names[0] != names[1]
 
 
+def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_ones_group_is_aborted(tiny_ckpts, tmp_path, monkeypatch):
+    """Under NCCL a broadcast's wait makes the device's stream wait: one for a bucket no engine joins would hold every
+    later kernel and collective of the rank. So a bucket is waited for only after the engines answered, and a refused
+    one's group is aborted and dropped, with the engine's error."""
+    import torch.distributed as dist
+
+    from moerl.engines.client import EngineError
+    from moerl.weight_sync.broadcast import BroadcastSync
+    from tests.engine_server import running_server
+
+    broadcast, events = dist.broadcast, []
+
+    class Recorded:
+        def __init__(self, work, bucket):
+            self.work, self.bucket = work, bucket
+
+        def wait(self):
+            events.append(("wait", self.bucket))
+            return self.work.wait()
+
+    def recorded_broadcast(tensor, src, group, async_op=False):
+        events.append(("broadcast", tensor.numel(), async_op))
+        return Recorded(broadcast(tensor, src, group, async_op), tensor.numel())
+
+    monkeypatch.setattr(dist, "broadcast", recorded_broadcast)
+    monkeypatch.setattr(dist.ProcessGroup, "abort", lambda group: events.append(("abort",)))
+    hf_dir, _ = tiny_ckpts["Qwen3MoeForCausalLM"]
+    hidden = HFReader(hf_dir).get("model.norm.weight").numel()
+    with running_server(hf_dir, tmp_path / "logs") as url:
+        sync = BroadcastSync([url], "127.0.0.1", "gloo")
+        sync.connect()
+        sync.push([("model.norm.weight", torch.full((hidden,), 0.5))], "1")
+        assert events == [("broadcast", 4 * hidden, True), ("wait", 4 * hidden)]
+        events.clear()
+        with pytest.raises(EngineError, match="experts.999"):
+            sync.push([("model.layers.0.mlp.experts.999.gate_proj.weight", torch.zeros(3, 4))], "2")
+        assert events == [("broadcast", 48, True), ("abort",)] and sync.group is None
+        sync.link.run(sync.link.client.abandon_weight_update())
+        sync.close()
+        again = BroadcastSync([url], "127.0.0.1", "gloo")  # the engine serves on and takes a new group's updates
+        again.connect()
+        again.push([("model.norm.weight", torch.full((hidden,), 0.25))], "3")
+        served = again.link.run(again.link.client.weights_by_name("model.norm.weight"))
+        again.close()
+    assert torch.equal(torch.tensor(served[0]), torch.full((hidden,), 0.25))  # one engine's copy
+
+
 def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_reaches_the_engines(tiny_ckpts, tmp_path):
     """An engine that took a failed sender's announcement waits in its broadcast for good, and each later sender's
     would wait behind it to its deadline: after one sender fails no sender sends, and the push is made once more."""

@@ -266,12 +266,22 @@ class BroadcastSync(FullWeightSync):
             raise
 
     async def _send(self, flat: torch.Tensor, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
-        """One bucket: its bytes broadcast while the engines are told what they are."""
-        await asyncio.gather(
-            in_daemon_thread(dist.broadcast, flat, 0, self.group),
-            self.sender.client.update_weights_from_distributed(names, dtypes, shapes, self.group_name, load_format="flattened_bucket",
-                                                               flush_cache=False),
-        )
+        """One bucket: its bytes broadcast while the engines are told what they are. The broadcast is waited for only
+        once the engines have taken it: under NCCL a wait makes this device's stream wait, and one for a broadcast no
+        engine joins (an engine that refused the announcement) would hold every later kernel and collective of this
+        rank, the turns' all-reduce too, until the watchdog ends the process. So a refused bucket's group is aborted
+        instead (ending a broadcast already on the device) and dropped; the push made again forms new ones."""
+        # The first broadcast on a group sets up NCCL's communicator, which blocks until the engines join: in a thread.
+        broadcast = in_daemon_thread(dist.broadcast, flat, 0, self.group, True)
+        try:
+            work, _ = await asyncio.gather(broadcast, self.sender.client.update_weights_from_distributed(
+                names, dtypes, shapes, self.group_name, load_format="flattened_bucket", flush_cache=False))
+        except BaseException:
+            if broadcast.done() and not broadcast.cancelled() and broadcast.exception() is None:  # else nothing is on the device
+                self.group.abort()
+            self.group, self.members = None, []
+            raise
+        await in_daemon_thread(work.wait)
 
     def close(self) -> None:
         if self.sender is not None and self.sender is not self.link:
