@@ -57,6 +57,13 @@ def test_replicas_get_disjoint_visible_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     with pytest.raises(RuntimeError, match="need 4 GPUs; 3 visible"):
         pool._gpus(0)
+    # Without CUDA_VISIBLE_DEVICES, the node's GPUs: 8 trainer ranks leave no room for an engine on an 8-GPU node.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr("moerl.engines.sglang._gpu_count", lambda: 8)
+    after_trainer = SGLangPool(SGLangConfig(model_path="/m", replicas=1, gpus_per_replica=2, gpu_offset=8))
+    with pytest.raises(RuntimeError, match="need 10 GPUs; 8 visible"):
+        after_trainer._gpus(0)
+    assert SGLangPool(SGLangConfig(model_path="/m", replicas=2, gpus_per_replica=2, gpu_offset=4))._gpus(1) == "6,7"
 
 
 def _stand_in_python(tmp_path):
@@ -93,6 +100,7 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
         return [taken, *free_ports(n - 1, avoid=[*avoid, taken])] if next(first, False) else free_ports(n, avoid)
 
     monkeypatch.setattr(sglang_driver, "free_ports", taken_first)
+    monkeypatch.setattr(sglang_driver, "_gpu_count", lambda: 2)  # the stand-in servers' GPUs
     cfg = SGLangConfig(model_path=str(model), replicas=2, base_port=0, log_dir=str(tmp_path / "logs"))
     pool = SGLangPool(cfg, python=_stand_in_python(tmp_path))
 
@@ -122,7 +130,8 @@ def test_ports_picked_together_are_distinct_and_avoid_those_handed_out():
     assert len(set(handed_out)) == 8 and len(set(more)) == 200 and not set(more) & set(handed_out)
 
 
-def test_pool_reports_a_server_that_dies_during_startup(tmp_path):
+def test_pool_reports_a_server_that_dies_during_startup(tmp_path, monkeypatch):
+    monkeypatch.setattr("moerl.engines.sglang._gpu_count", lambda: 1)  # the stand-in server's GPU
     cfg = SGLangConfig(model_path=str(tmp_path / "no-such-model"), log_dir=str(tmp_path / "logs"))
     pool = SGLangPool(cfg, python=_stand_in_python(tmp_path))
     with pytest.raises(RuntimeError, match="exited during start-up"):

@@ -167,7 +167,7 @@ class SGLangPool:
             return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         need = self.cfg.gpu_offset + self.cfg.replicas * self.cfg.gpus_per_replica
-        devices = visible.split(",") if visible else [str(i) for i in range(need)]
+        devices = visible.split(",") if visible else [str(i) for i in range(_gpu_count())]
         if len(devices) < need:
             raise RuntimeError(f"{self.cfg.replicas} replicas x {self.cfg.gpus_per_replica} GPUs after {self.cfg.gpu_offset} "
                                f"trainer GPU(s) need {need} GPUs; {len(devices)} visible")
@@ -305,6 +305,12 @@ def _has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def main(argv: list[str] | None = None) -> int:
