@@ -157,6 +157,18 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
     assert ranks[0]["staged_peak"] == (max(sent) if window else sum(sent)) and (len(sent) == 1 or max(sent) < sum(sent))
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_replay_targets_leave_the_device_once_no_backward_replays_them(tiny_ckpts, fp32_samples, recompute):
+    """Megatron queues every micro-batch's replay targets for a backward replay that only activation recompute makes
+    (and takes off the queue): without recompute, or in a forward-only pass, each must go once its forward is done, or a
+    pass holds all its micro-batches' targets on the device at once."""
+    from tests.workers import replay_queue_depths
+
+    (seen,) = run_ranks(replay_queue_depths, 1, str(tiny_ckpts[ARCH][1]), config("R3", recompute=recompute), fp32_samples)
+    assert seen["given"] > 2 * 3 * 2  # several micro-batches a pass, two passes, the tiny model's three MoE layers
+    assert seen["deepest"] == 1  # without pipelining, a micro-batch's backward comes before the next one's forward
+
+
 def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, bf16_samples):
     mcore = str(tiny_ckpts[ARCH][1])
     (off,) = run_ranks(train_steps, 1, mcore, config("off"), bf16_samples, 1)

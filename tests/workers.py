@@ -148,6 +148,25 @@ def train_steps(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
     return out
 
 
+def replay_queue_depths(mcore_dir: str, trainer_cfg, samples: list) -> dict:
+    """The most micro-batches' replay targets any router of this rank queued for a backward replay at once during a
+    step, and how many targets it was given in all."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moerl.trainer.trainer import Trainer
+
+    queue = RouterReplay.set_target_indices
+    seen = {"deepest": 0, "given": 0}
+
+    def set_target_indices(router, indices):
+        queue(router, indices)
+        seen["deepest"], seen["given"] = max(seen["deepest"], len(router.replay_backward_list)), seen["given"] + 1
+
+    RouterReplay.set_target_indices = set_target_indices
+    Trainer(mcore_dir, trainer_cfg).step(samples)
+    return seen
+
+
 def scatter_piece(mcore_dir: str, trainer_cfg, samples: list, window: int | None = None) -> dict:
     """What this rank receives of ``samples`` (given on rank 0) and what it reads; ``window``: rank 0's staging
     window for the sends, if not the default."""

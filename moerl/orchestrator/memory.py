@@ -152,13 +152,16 @@ def _activations(mc: dict, t, layout, dtype_bytes: int) -> float:
     """One micro-batch of ``micro_batch_tokens`` tokens, kept for the backward pass (an estimate): per layer,
     megatron's ~34 bytes per hidden unit per token (split over TP by sequence parallelism) plus the routed
     experts' inputs and outputs for top-k of the tokens; or, with full recompute, each layer's input plus
-    one layer at a time. Plus the fp32 logits and their gradient. 1F1B keeps up to ``pp`` micro-batches."""
+    one layer at a time. Plus the fp32 logits and their gradient, and, training in bf16, the output layer's fp32 copy
+    of its weight and that copy's gradient (log-probs are taken in fp32). 1F1B keeps up to ``pp`` micro-batches."""
     tokens, hidden = t.micro_batch_tokens, mc["hidden_size"]
     per_layer = tokens * hidden * 34 / layout.tp * dtype_bytes / 2
     per_layer += tokens * mc["num_experts_per_tok"] * (3 * mc["moe_intermediate_size"] + 2 * hidden) * dtype_bytes
     layers = mc["num_hidden_layers"] // layout.pp
     kept = layers * tokens * hidden * dtype_bytes / layout.tp + per_layer if t.recompute else layers * per_layer
     logits = 2 * tokens * mc["vocab_size"] / layout.tp * 4
+    if dtype_bytes == 2:
+        logits += 2 * mc["vocab_size"] / layout.tp * hidden * 4
     return kept * min(layout.pp, 2) + logits
 
 

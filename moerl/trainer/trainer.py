@@ -144,20 +144,25 @@ class Trainer:
     def _extra_inputs(self, mb: MicroBatch, device: torch.device) -> dict:
         return {} if mb.cu_seqlens is None else mb.packed_inputs(device, thd=self.thd)
 
-    def _routing_context(self, mode: str):
+    def _routing_context(self, mode: str, training: bool):
         """A context for one forward of a micro-batch: sets its replay targets, or records native routing."""
+        recomputed = training and self.cfg.recompute
 
         @contextlib.contextmanager
         def around(mb: MicroBatch):
             if mode == "R3":
                 RouterReplay.set_replay_data([t.to(collective_device()) for t in self.routers.replay_targets(mb.routing)])
             elif mode == "R2-replay":
-                RouterReplay.set_replay_data(mb.r2_targets)
+                RouterReplay.set_replay_data([t.to(collective_device()) for t in mb.r2_targets])
             yield
-            if mode == "R2-record":
-                mb.r2_targets = [t.clone() for t in RouterReplay.get_recorded_data()]
-            # No clearing here: under activation recompute the backward pass replays these targets
-            # again (first in, first out); set_action clears them once the whole pass is done.
+            if mode == "R2-record":  # kept in host memory between the passes, as R3's rollout routing is
+                mb.r2_targets = [t.to("cpu", copy=True) for t in RouterReplay.get_recorded_data()]
+            # Under activation recompute the backward pass replays these targets again (first in, first out), and
+            # set_action clears them once the whole pass is done. Otherwise nothing takes them off the backward
+            # queue megatron keeps them in: every micro-batch's would stay on the device for the whole pass.
+            if not recomputed:
+                for router in RouterReplay.global_router_replay_instances:
+                    router.replay_backward_list.clear()
 
         return around
 
@@ -178,7 +183,7 @@ class Trainer:
         try:
             with torch.no_grad(), probe:
                 run_schedule(self.model, batches, keep, forward_only=True, input_ids_of=lambda mb: mb.input_ids,
-                             around_forward=self._routing_context(mode), extra_inputs=self._extra_inputs)
+                             around_forward=self._routing_context(mode, training=False), extra_inputs=self._extra_inputs)
         finally:
             set_action(None)
         if batches[0].routing is None:
@@ -281,7 +286,7 @@ class Trainer:
             try:
                 with RoutingProbe(self.routers) if tracer else contextlib.nullcontext() as probe:
                     run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
-                                 around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode]),
+                                 around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode], training=True),
                                  extra_inputs=self._extra_inputs)
             finally:
                 set_action(None)
