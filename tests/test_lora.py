@@ -85,14 +85,15 @@ def _adapter_files(hf, lora: dict, fmt: str):
 
 
 def test_an_sglang_server_serves_the_modules_the_adapters_take(trained, models):
-    """A LoRA SGLang server is started for lora.targets with exactly the modules each export adapts: every one (SGLang
-    refuses an adapter with a module its server was not started for) and no more (``all`` would give lm_head and
-    embed_tokens LoRA buffers too)."""
+    """A LoRA SGLang server is started for lora.targets with the modules each export adapts: every one (SGLang refuses an
+    adapter with a module its server was not started for), not ``all`` (which gives lm_head and embed_tokens LoRA
+    buffers too), and the experts' whatever the targets (SGLang's LoRA MoE runner refuses to start without them)."""
     for name, runs in trained.items():
         hf, _ = models[name]
         assert lora_target_modules(hf, LORA.targets) == _adapter_files(hf, runs[0]["lora"], "sglang").config["target_modules"], name
     hf, _ = models["qwen2"]
-    assert lora_target_modules(hf, ["*.local_experts.*.linear_fc1", "linear_proj"]) == ["gate_proj", "o_proj", "up_proj"]
+    assert lora_target_modules(hf, ["linear_qkv"]) == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
+    assert lora_target_modules(hf, ["*.local_experts.*.linear_fc1", "linear_proj"]) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
     with pytest.raises(ValueError, match="match no linear layer"):
         lora_target_modules(hf, ["linear_qkvz"])
 

@@ -125,14 +125,17 @@ def test_a_second_run_joins_the_engines_the_first_left(tiny_ckpts, tmp_path):
 def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_ones_group_is_aborted(tiny_ckpts, tmp_path, monkeypatch):
     """Under NCCL a broadcast's wait makes the device's stream wait: one for a bucket no engine joins would hold every
     later kernel and collective of the rank. So a bucket is waited for only after the engines answered, and a refused
-    one's group is aborted and dropped, with the engine's error."""
+    one's group is aborted and dropped, with the engine's error, even when the refusal comes back before the broadcast
+    is enqueued."""
+    import time
+
     import torch.distributed as dist
 
     from moerl.engines.client import EngineError
     from moerl.weight_sync.broadcast import BroadcastSync
     from tests.engine_server import running_server
 
-    broadcast, events = dist.broadcast, []
+    broadcast, events, enqueue_after = dist.broadcast, [], [0.0]
 
     class Recorded:
         def __init__(self, work, bucket):
@@ -143,6 +146,7 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
             return self.work.wait()
 
     def recorded_broadcast(tensor, src, group, async_op=False):
+        time.sleep(enqueue_after[0])
         events.append(("broadcast", tensor.numel(), async_op))
         return Recorded(broadcast(tensor, src, group, async_op), tensor.numel())
 
@@ -153,14 +157,32 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
     with running_server(hf_dir, tmp_path / "logs") as url:
         sync = BroadcastSync([url], "127.0.0.1", "gloo")
         sync.connect()
+        announce = sync.sender.client.update_weights_from_distributed
+
+        async def announced(*args, **kwargs):
+            try:
+                return await announce(*args, **kwargs)
+            finally:
+                events.append(("answered",))
+
+        sync.sender.client.update_weights_from_distributed = announced
         sync.push([("model.norm.weight", torch.full((hidden,), 0.5))], "1")
-        assert events == [("broadcast", 4 * hidden, True), ("wait", 4 * hidden)]
-        events.clear()
-        with pytest.raises(EngineError, match="experts.999"):
-            sync.push([("model.layers.0.mlp.experts.999.gate_proj.weight", torch.zeros(3, 4))], "2")
-        assert events == [("broadcast", 48, True), ("abort",)] and sync.group is None
-        sync.link.run(sync.link.client.abandon_weight_update())
+        assert events == [("broadcast", 4 * hidden, True), ("answered",), ("wait", 4 * hidden)]
+        for delay in (0.0, 1.0):  # the engine refuses before it receives a byte; a second after it, the enqueue returns
+            events.clear()
+            enqueue_after[0] = delay
+            with pytest.raises(EngineError, match="experts.999"):
+                sync.push([("model.layers.0.mlp.experts.999.gate_proj.weight", torch.zeros(3, 4))], "2")
+            deadline = time.monotonic() + 10
+            while ("abort",) not in events and time.monotonic() < deadline:  # a late enqueue aborts in its thread
+                time.sleep(0.05)
+            enqueued, answered = ("broadcast", 48, True), ("answered",)
+            assert events in ([enqueued, answered, ("abort",)], [answered, enqueued, ("abort",)]) and (delay == 0 or events[0] == answered)
+            assert sync.group is None
+            sync.link.run(sync.link.client.abandon_weight_update())
+            sync._form_group([url])
         sync.close()
+        enqueue_after[0] = 0.0
         again = BroadcastSync([url], "127.0.0.1", "gloo")  # the engine serves on and takes a new group's updates
         again.connect()
         again.push([("model.norm.weight", torch.full((hidden,), 0.25))], "3")

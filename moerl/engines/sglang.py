@@ -69,8 +69,8 @@ def sglang_problem(installed: str | None = None) -> str | None:
 
 
 def lora_target_modules(model_path: str | Path, targets: list[str]) -> list[str]:
-    """The Hub modules adapters of megatron ``targets`` (``lora.targets``) take in the model at ``model_path``: a
-    LoRA server's ``--lora-target-modules``."""
+    """A LoRA server's ``--lora-target-modules``: the Hub modules adapters of megatron ``targets`` (``lora.targets``)
+    take in the model at ``model_path``, and the experts' always."""
     from moerl.checkpoint.hf import read_config
     from moerl.checkpoint.peft import hub_target_modules
     from moerl.megatron.lora import LoRAConfig
@@ -81,7 +81,9 @@ def lora_target_modules(model_path: str | Path, targets: list[str]) -> list[str]
     modules = hub_target_modules(family, family.normalize(raw), LoRAConfig(targets=list(targets)))
     if not modules:
         raise ValueError(f"lora.targets={list(targets)} match no linear layer of {model_path}")
-    return modules
+    # The LoRA MoE runner (lora_triton) refuses to start unless the routed experts take LoRA, which SGLang gives them
+    # only when both gate_up_proj and down_proj are targets. An adapter may adapt fewer modules than its server serves.
+    return sorted(set(modules) | {"gate_proj", "up_proj", "down_proj"})
 
 
 def server_args(cfg: SGLangConfig, port: int) -> list[str]:

@@ -24,6 +24,7 @@ import concurrent.futures
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections import deque
 from typing import Iterable, Iterator
@@ -271,14 +272,13 @@ class BroadcastSync(FullWeightSync):
         engine joins (an engine that refused the announcement) would hold every later kernel and collective of this
         rank, the turns' all-reduce too, until the watchdog ends the process. So a refused bucket's group is aborted
         instead (ending a broadcast already on the device) and dropped; the push made again forms new ones."""
-        # The first broadcast on a group sets up NCCL's communicator, which blocks until the engines join: in a thread.
-        broadcast = in_daemon_thread(dist.broadcast, flat, 0, self.group, True)
+        broadcast = _Broadcast(self.group)
         try:
-            work, _ = await asyncio.gather(broadcast, self.sender.client.update_weights_from_distributed(
+            # The first broadcast on a group sets up NCCL's communicator, which blocks until the engines join: in a thread.
+            work, _ = await asyncio.gather(in_daemon_thread(broadcast.enqueue, flat), self.sender.client.update_weights_from_distributed(
                 names, dtypes, shapes, self.group_name, load_format="flattened_bucket", flush_cache=False))
         except BaseException:
-            if broadcast.done() and not broadcast.cancelled() and broadcast.exception() is None:  # else nothing is on the device
-                self.group.abort()
+            broadcast.refused()
             self.group, self.members = None, []
             raise
         await in_daemon_thread(work.wait)
@@ -287,6 +287,29 @@ class BroadcastSync(FullWeightSync):
         if self.sender is not None and self.sender is not self.link:
             self.sender.close()
         super().close()
+
+
+class _Broadcast:
+    """One bucket's broadcast, enqueued in a thread while the engines answer: its group is aborted if it was refused and
+    something is, or comes to be, on the device. The refusal may come back before the enqueue does, so that the thread
+    alone knows; a broadcast still setting up the communicator when refused may never come to be enqueued."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.lock, self.queued, self.refusal = group, threading.Lock(), False, False
+
+    def enqueue(self, flat: torch.Tensor):
+        work = dist.broadcast(flat, 0, self.group, async_op=True)
+        with self.lock:
+            self.queued = True
+            if self.refusal:
+                self.group.abort()
+        return work
+
+    def refused(self) -> None:
+        with self.lock:
+            self.refusal = True
+            if self.queued:
+                self.group.abort()
 
 
 def _nbytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
