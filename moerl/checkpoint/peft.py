@@ -62,8 +62,9 @@ def hub_factors(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor]) -
 
 def hub_target_modules(family: ModelFamily, cfg: dict, lora_cfg: LoRAConfig) -> list[str]:
     """The Hub module names (last part) that ``lora_cfg``'s adapters of this model take, as the sglang format's
-    ``target_modules`` names them: an SGLang server must be started with these to load the adapters, and started
-    with no more, or it gives every other module (``all``: lm_head and embed_tokens too) LoRA buffers it runs."""
+    ``target_modules`` names them: an SGLang server must serve at least these to load the adapters
+    (:func:`moerl.engines.sglang.lora_target_modules` adds what SGLang itself needs, and not ``all``, which would give
+    lm_head and embed_tokens LoRA buffers too)."""
     return sorted({hub.removesuffix(".weight").rsplit(".", 1)[-1] for rule in family.all_rules(cfg)
                    if rule.mcore.endswith(".weight") and lora_cfg.targets_module(rule.mcore.removesuffix(".weight")) for hub in rule.hf})
 
