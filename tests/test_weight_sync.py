@@ -126,7 +126,7 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
     """Under NCCL a broadcast's wait makes the device's stream wait: one for a bucket no engine joins would hold every
     later kernel and collective of the rank. So a bucket is waited for only after the engines answered, and a refused
     one's group is aborted and dropped, with the engine's error, even when the refusal comes back before the broadcast
-    is enqueued."""
+    is enqueued. A group formed again aborts the one it replaces."""
     import time
 
     import torch.distributed as dist
@@ -181,6 +181,9 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
             assert sync.group is None
             sync.link.run(sync.link.client.abandon_weight_update())
             sync._form_group([url])
+        events.clear()
+        sync._form_group([url])  # a push made again: the group it replaces leaves this side's device
+        assert events == [("abort",)]
         sync.close()
         enqueue_after[0] = 0.0
         again = BroadcastSync([url], "127.0.0.1", "gloo")  # the engine serves on and takes a new group's updates

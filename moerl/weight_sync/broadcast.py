@@ -108,7 +108,11 @@ class BroadcastSync(FullWeightSync):
 
     def _form_group(self, members: list[str]) -> None:
         """This sender's group with the engines ``members`` (a new one, under a new name, each time they change: an
-        engine that died leaves its groups unusable, one that restarted has none)."""
+        engine that died leaves its groups unusable, one that restarted has none). The group it replaces is aborted on
+        this side: an abort is local, and frees that communicator's device buffers (the engines keep theirs)."""
+        if self.group is not None:
+            self.group.abort()
+            self.group = None
         client = self.sender.client
         client.targets = members
         name = f"{self.base_name}-{self._rank}" + (f"-g{self._groups}" if self._groups else "")
