@@ -12,9 +12,10 @@ has not reached (one engine takes them in one order whatever it is, so to one en
 Every rank gathers the model a layer at a time; once some sender holds a bucket's worth, each sender with
 anything to send sends its whole buckets, in rank order, while the others wait (an unfilled last bucket
 waits for more, until the end). A sender that fails ends every sender's turns. A sender holds at most a
-bucket and a layer's share unsent, and two buckets flattened (the one on the wire and the next). Global rank 0 alone steers the engines: it opens the weight-update session
-(``/begin_weight_update`` ... ``/end_weight_update``, which SGLang 0.5.23 requires around distributed
-updates) before any stage sends, and closes it, sets the version and flushes once every stage is done.
+bucket and a layer's share unsent, and two buckets flattened (the one on the wire and the next). Global
+rank 0 alone steers the engines: it opens the weight-update session (``/begin_weight_update`` ...
+``/end_weight_update``, which SGLang 0.5.23 requires around distributed updates) before any stage sends,
+and closes it, sets the version and flushes once every stage is done.
 """
 
 from __future__ import annotations
