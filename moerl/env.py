@@ -96,3 +96,26 @@ def exit_with(pid: int, every_s: float = 1.0) -> None:
                 os._exit(0)
 
     threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
+
+
+def end_with_launcher(grace_s: float = 60.0, every_s: float = 1.0) -> None:
+    """Of a trainer rank: once the launcher that started it is gone, SIGTERM this process (the job's teardown runs:
+    engines and rollout manager stopped, accounting written), and end it outright ``grace_s`` later should that not
+    (a rank blocked in a collective its peers left handles no signal). torchrun starts its ranks in sessions of their
+    own, where no signal that ends torchrun reaches: a SIGKILLed torchrun (OOM killer, a scheduler's hard kill, a
+    timeout's --kill-after) left every rank running, holding its GPU and loading its weights into the engines that
+    the next job was given. Polled from a daemon thread: the parent changes once the launcher is gone."""
+    import threading
+    import time
+
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(every_s)
+        print(f"moerl: the launcher of this rank (pid {launcher}) is gone; stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name=f"end-with-launcher-{launcher}", daemon=True).start()

@@ -309,12 +309,16 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the job and everything it started (engines run in sessions of their own)."""
     family = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
+    _kill_tree_of(family)
+    proc.wait()
+
+
+def _kill_tree_of(family: list[psutil.Process]) -> None:
     for p in family:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    proc.wait()
 
 
 def start_until_checkpoint(cache: Path, run_dir: Path, overrides: list[str], step: int) -> subprocess.Popen:
@@ -328,14 +332,26 @@ def start_until_checkpoint(cache: Path, run_dir: Path, overrides: list[str], ste
     return proc
 
 
-def test_a_killed_run_resumes_from_its_checkpoint_with_the_same_results(cache, tmp_path):
+def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_results(cache, tmp_path):
+    """SIGKILL of torchrun alone (an OOM killer's, a scheduler's hard kill, a timeout's --kill-after): its ranks run in
+    sessions of their own that no signal of torchrun's reaches, so each must notice and stop (engines and rollout
+    manager with it); one left running kept loading its weights into the engine the next job was given (found on an
+    H100). Then run.resume continues from the newest checkpoint to the same results as a run never killed."""
     steps = ["run.mode=sync", "run.steps=6", "run.save_every=2", "sync.verify=false"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert job(cache, straight, *steps).returncode == 0
     proc = start_until_checkpoint(cache, killed, steps, 2)
-    _kill_tree(proc)
+    family = psutil.Process(proc.pid).children(recursive=True)
+    try:
+        assert any(_is_engine(p) for p in family) and len([p for p in family if p.ppid() == proc.pid]) == 2
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's own session: its ranks are not in it
+        proc.wait()
+        _, alive = psutil.wait_procs(family, timeout=90)
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        _kill_tree_of(family)
     saved = sorted(int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists())
-    assert saved and saved[-1] < 6, saved
+    assert saved and saved[-1] < 6, f"the ranks ran on without their launcher: checkpoints {saved}"
     out = job(cache, killed, *steps, "run.resume=true")
     assert out.returncode == 0, out.stderr[-4000:]
     a, b = read_metrics(straight), read_metrics(killed)
