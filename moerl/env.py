@@ -82,6 +82,28 @@ def _gone(pid: int) -> bool:
         return False
 
 
+def group_gone(pgid: int) -> bool:
+    """Whether every process of process group ``pgid`` has ended (zombies included: an ended process has freed its
+    memory and its GPU's, whether or not anyone reaps it)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # a member of another user's
+        return False
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                state, _, group = stat.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):  # gone since
+            continue
+        if int(group) == pgid and state != "Z":
+            return False
+    return os.path.isdir("/proc")  # without /proc (not Linux) a group that answers a signal is taken as alive
+
+
 def exit_with(pid: int, every_s: float = 1.0) -> None:
     """Initializer of helper processes that nothing ends with ``pid`` (a forkserver's children, a multiprocessing
     Manager's server): end this process once ``pid`` is gone, polled from a daemon thread, so a killed owner leaves no

@@ -19,7 +19,7 @@ from typing import Callable
 
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SGLANG_VERSION
-from moerl.env import child_env, die_with_parent, free_ports
+from moerl.env import child_env, die_with_parent, free_ports, group_gone
 
 log = logging.getLogger("moerl.engines")
 
@@ -255,7 +255,7 @@ class SGLangPool:
 
     def revive(self, max_restarts: int) -> list[str]:
         """Start again, on its own port and devices, each replica whose process has exited, at most ``max_restarts``
-        times each. Restarts that follow each other without the replica ever answering /health in between (a crash
+        times each, once every process of its server has ended (what is left of it is killed here). Restarts that follow each other without the replica ever answering /health in between (a crash
         loop) back off: 1, 2, 4 ... s; one that came up resets that. Returns the URLs restarted; each is reachable once
         it answers /health, and serves the model it started from until a weight sync reaches it."""
         now, restarted = time.monotonic(), []
@@ -268,12 +268,16 @@ class SGLangPool:
             done = self.restarts.get(i, 0)
             if proc.poll() is None or done >= max_restarts or now < self._next_restart.get(i, 0.0):
                 continue
-            log.warning("engine %d (port %d) exited with %s: restart %d of %d; its log: %s", i, port, proc.returncode, done + 1,
-                        max_restarts, self.logs.get(proc.pid))
             try:  # its workers (SGLang's scheduler processes) may outlive it, holding its GPUs
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            # A GPU's memory is free once every process that held it has ended: a server started before then finds too
+            # little and fails, which costs one of the replica's restarts. A later call starts it.
+            if not group_gone(proc.pid):
+                continue
+            log.warning("engine %d (port %d) exited with %s: restart %d of %d; its log: %s", i, port, proc.returncode, done + 1,
+                        max_restarts, self.logs.get(proc.pid))
             self.procs[i] = self._spawn_replica(i, port, restart=True)
             self.restarts[i] = done + 1
             failed = self._failed_starts.get(i, 0)
