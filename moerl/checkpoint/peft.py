@@ -66,7 +66,7 @@ def hub_target_modules(family: ModelFamily, cfg: dict, lora_cfg: LoRAConfig) -> 
     (:func:`moerl.engines.sglang.lora_target_modules` adds what SGLang itself needs, and not ``all``, which would give
     lm_head and embed_tokens LoRA buffers too)."""
     return sorted({hub.removesuffix(".weight").rsplit(".", 1)[-1] for rule in family.all_rules(cfg)
-                   if rule.mcore.endswith(".weight") and lora_cfg.targets_module(rule.mcore.removesuffix(".weight")) for hub in rule.hf})
+                   if lora_cfg.adapts(rule.mcore) for hub in rule.hf})
 
 
 def export_adapter(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor], lora_cfg: LoRAConfig, fmt: str,

@@ -69,6 +69,10 @@ class LoRAConfig:
     def targets_module(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, t) or fnmatch.fnmatchcase(path, "*." + t) for t in self.targets)
 
+    def adapts(self, tensor: str) -> bool:
+        """Whether the megatron tensor ``tensor`` (``...linear_fc1.weight``) is a weight whose layer gets an adapter."""
+        return tensor.endswith(".weight") and self.targets_module(tensor.removesuffix(".weight"))
+
 
 def is_lora_param(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in LORA_PARAMS

@@ -94,7 +94,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     def trainable(rule, n) -> float:
         if not lora.enabled:
             return n
-        if not lora.targets_module(rule.mcore.removesuffix(".weight")):
+        if not lora.adapts(rule.mcore):
             return 0
         out_features = sum(shape[0] for shape in rule.hf_shapes)
         in_features = rule.hf_shapes[0][1]
