@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 COMMANDS = {
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"  {name:<14}{help_}" for name, (_, help_) in COMMANDS.items()]
         print("usage: moerl COMMAND [ARGS]  (moerl COMMAND --help for its options)\n\ncommands:\n" + "\n".join(lines))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "train" and "LOCAL_RANK" in os.environ:  # a launcher's rank (torchrun's, or a cluster's)
+        from moerl.env import end_with_launcher
+
+        end_with_launcher()  # before the slow imports: a launcher gone during them is seen too
     import importlib
 
     return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])

@@ -67,41 +67,57 @@ def die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has ended: gone, or a zombie nobody has reaped yet (a container's init may never)."""
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp ...); None where unreadable (gone since,
+    or no /proc: not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _ended(pid: int | str, fields: list[str]) -> bool:
+    """Whether the process of these stat ``fields`` has ended though still listed: a zombie nobody has reaped yet (a
+    container's init may never) all of whose threads have ended (a main thread that exits leaves its process a zombie
+    while the others run on, holding what they hold)."""
+    if fields[0] != "Z":
+        return False
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:  # reaped since
+        return True
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or ended and not yet reaped."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except PermissionError:  # alive, another user's
         return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):  # no /proc (not Linux), or gone since: the next look tells
-        return False
+    fields = _stat(pid)
+    return fields is not None and _ended(pid, fields)  # unreadable: the next look tells
 
 
-def group_gone(pgid: int) -> bool:
-    """Whether every process of process group ``pgid`` has ended (zombies included: an ended process has freed its
-    memory and its GPU's, whether or not anyone reaps it)."""
+def group_left(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that have not ended (ended but not reaped counts as ended: its memory and
+    its GPU's are free, whether or not anyone reaps it)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
-        return True
-    except PermissionError:  # a member of another user's
-        return False
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                state, _, group = stat.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):  # gone since
-            continue
-        if int(group) == pgid and state != "Z":
-            return False
-    return os.path.isdir("/proc")  # without /proc (not Linux) a group that answers a signal is taken as alive
+        return []
+    except PermissionError:  # a member of another user's: /proc names it
+        pass
+    if not os.path.isdir("/proc"):  # not Linux: a group that answers a signal is taken as not ended
+        return [pgid]
+    left = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None and int(fields[2]) == pgid \
+                and not _ended(entry.name, fields):
+            left.append(int(entry.name))
+    return left
 
 
 def exit_with(pid: int, every_s: float = 1.0) -> None:
@@ -114,7 +130,7 @@ def exit_with(pid: int, every_s: float = 1.0) -> None:
     def watch() -> None:
         while True:
             time.sleep(every_s)
-            if _gone(pid):
+            if ended(pid):
                 os._exit(0)
 
     threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
@@ -123,10 +139,11 @@ def exit_with(pid: int, every_s: float = 1.0) -> None:
 def end_with_launcher(grace_s: float = 60.0, every_s: float = 1.0) -> None:
     """Of a trainer rank: once the launcher that started it is gone, SIGTERM this process (the job's teardown runs:
     engines and rollout manager stopped, accounting written), and end it outright ``grace_s`` later should that not
-    (a rank blocked in a collective its peers left handles no signal). torchrun starts its ranks in sessions of their
-    own, where no signal that ends torchrun reaches: a SIGKILLed torchrun (OOM killer, a scheduler's hard kill, a
-    timeout's --kill-after) left every rank running, holding its GPU and loading its weights into the engines that
-    the next job was given. Polled from a daemon thread: the parent changes once the launcher is gone."""
+    (a teardown held up, or a rank blocked in a collective its peers left, which handles no signal). torchrun starts
+    its ranks in sessions of their own, where no signal that ends torchrun reaches: a SIGKILLed torchrun (OOM killer, a
+    scheduler's hard kill, a timeout's --kill-after) left every rank running, holding its GPU and loading its weights
+    into the engines that the next job was given. Polled from a daemon thread: the parent changes once the launcher is
+    gone. Call it first thing, before slow imports: a launcher gone before the call is not seen."""
     import threading
     import time
 
@@ -135,8 +152,11 @@ def end_with_launcher(grace_s: float = 60.0, every_s: float = 1.0) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(every_s)
-        print(f"moerl: the launcher of this rank (pid {launcher}) is gone; stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
+        try:  # after the signal: with the launcher, whatever read this rank's output may be gone too
+            print(f"moerl: the launcher of this rank (pid {launcher}) is gone; stopping", file=sys.stderr, flush=True)
+        except OSError:
+            pass
         time.sleep(grace_s)
         os._exit(128 + signal.SIGTERM)
 

@@ -8,6 +8,7 @@ the router's single URL; both speak the same HTTP API.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from typing import Callable
 
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS, SGLANG_VERSION
-from moerl.env import child_env, die_with_parent, free_ports, group_gone
+from moerl.env import child_env, die_with_parent, free_ports, group_left
 
 log = logging.getLogger("moerl.engines")
 
@@ -154,6 +155,8 @@ class SGLangPool:
         self.restarts: dict[int, int] = {}  # replica -> times restarted by revive()
         self._next_restart: dict[int, float] = {}  # replica -> earliest monotonic time of its next restart (backoff)
         self._failed_starts: dict[int, int] = {}  # replica -> restarts in a row not yet seen answering /health
+        self._left_since: dict[int, list[float]] = {}  # replica -> [when revive() first found its dead server's processes
+        # running, when it last said so]
 
     @property
     def replica_urls(self) -> list[str]:
@@ -274,8 +277,15 @@ class SGLangPool:
                 pass
             # A GPU's memory is free once every process that held it has ended: a server started before then finds too
             # little and fails, which costs one of the replica's restarts. A later call starts it.
-            if not group_gone(proc.pid):
+            if left := group_left(proc.pid):
+                since, said = self._left_since.setdefault(i, [now, -math.inf])
+                if now - said >= 60:  # at once, then each minute
+                    log.warning("engine %d (port %d) exited with %s; processes of its server still running (pids %s) after "
+                                "SIGKILL, for %.0f s: it is started again once they have ended", i, port, proc.returncode,
+                                left[:8], now - since)
+                    self._left_since[i][1] = now
                 continue
+            self._left_since.pop(i, None)
             log.warning("engine %d (port %d) exited with %s: restart %d of %d; its log: %s", i, port, proc.returncode, done + 1,
                         max_restarts, self.logs.get(proc.pid))
             self.procs[i] = self._spawn_replica(i, port, restart=True)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from moerl.dtypes import MODEL_DTYPES, resolve as resolve_dtype
 from moerl.engines.health import State
-from moerl.env import child_env, die_with_parent, end_with_launcher
+from moerl.env import child_env, die_with_parent
 from moerl.files import staged_dir
 from moerl.errors import ConfigError, EnginesDown, MoerlError, relayed
 from moerl.megatron.parallel import init_process_group, on_lead
@@ -727,8 +727,6 @@ def main(argv: list[str] | None = None) -> int:
         # torchrun stops the other ranks with SIGTERM when one fails: the job's teardown still runs (engines and
         # rollout manager stopped, accounting written).
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        if "LOCAL_RANK" in os.environ:  # a launcher's rank (torchrun's, or a cluster's)
-            end_with_launcher()
         summary = Job(cfg).run()
     except MoerlError as e:
         if not (getattr(e, "relayed", False) or getattr(e, "said", False)):
@@ -743,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_on_sigterm(signum, frame) -> None:
+    # Once: a second SIGTERM (torchrun's, then the rank's own once torchrun is gone) would cut the teardown short.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 
