@@ -258,8 +258,9 @@ class SGLangPool:
 
     def revive(self, max_restarts: int) -> list[str]:
         """Start again, on its own port and devices, each replica whose process has exited, at most ``max_restarts``
-        times each, once every process of its server has ended (what is left of it is killed here). Restarts that follow each other without the replica ever answering /health in between (a crash
-        loop) back off: 1, 2, 4 ... s; one that came up resets that. Returns the URLs restarted; each is reachable once
+        times each, once every process of its server has ended (what is left of it is killed here). Restarts that
+        follow each other without the replica ever answering /health in between (a crash loop) back off: 1, 2, 4 ... s;
+        one that came up resets that. Returns the URLs restarted; each is reachable once
         it answers /health, and serves the model it started from until a weight sync reaches it."""
         now, restarted = time.monotonic(), []
         unconfirmed = [i for i in range(len(self.ports)) if self._failed_starts.get(i) and self.procs[i].poll() is None]
