@@ -284,7 +284,9 @@ def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_a
 
 def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_error(cache, tmp_path):
     """The rollout manager dies (the kernel killed it for memory, say): rank 0 stops waiting for groups that will never
-    come, writes a checkpoint (every prompt not trained pending) and stops with one error naming the manager."""
+    come, writes a checkpoint (every prompt not trained pending) and stops with one error naming the manager. Whether
+    any prompt is still in flight when it dies is a race with the manager's next issue (none was, once in CI); that
+    pending prompts are kept whatever their state is shown by the run with its engines gone for good."""
     proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0")
 
     def kill_manager():
@@ -295,7 +297,9 @@ def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_er
     assert "rollout manager process exited (killed by signal 9" in error and "run.resume=true" in error, error
     (checkpoint,) = (tmp_path / "checkpoints").iterdir()
     state = json.loads((checkpoint / "run_state.json").read_text())
-    assert state["step"] >= 1 and state["pending"] and accounting(tmp_path)["balanced"]
+    acct = state["accounting"]
+    assert state["step"] >= 1 and len(set(state["pending"])) == acct["issued"] - acct["trained"] - sum(acct["dropped"].values())
+    assert accounting(tmp_path)["balanced"]
 
 
 def _is_engine(process: psutil.Process) -> bool:
