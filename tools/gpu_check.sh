@@ -3,7 +3,7 @@
 # the embedded engine on CUDA in bf16, and the main job as a user types it with its trainer rank on the same
 # GPU (bf16, distributed optimizer, weights synced by disk: NCCL cannot pair two processes on one GPU): that
 # run resumed from its checkpoint (the distributed optimizer's load), and a sync-mode run with an fp32 trainer.
-# A LoRA run (adapters pushed alone) goes first: its engine's base weights must still be the model's.
+# A LoRA run (adapters pushed alone) and its resume go first: its engine's base weights must still be the model's.
 # Each check runs under its own time limit and the next one runs whatever happened; a summary line per
 # check goes to stdout, every log and the runs' metrics into $OUT/gpu_check.tgz (OUT defaults to ./gpu_check),
 # written again after each check, so a call cut off at its limit still brings back what ran.
@@ -62,6 +62,9 @@ check engine_up 120 bash -c "until curl -sf http://127.0.0.1:$port/health >/dev/
 check job_lora "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
   trainer.ep=1 sync.method=disk sync.verify=true sync.verify_tolerance=0.5 lora.enabled=true run.steps="$steps" run.dir="$work/lora" \
   run.progress=false
+check job_lora_resume "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" \
+  engines.dtype=bfloat16 trainer.ep=1 sync.method=disk sync.verify=true sync.verify_tolerance=0.5 lora.enabled=true \
+  run.steps="$((steps + 2))" run.dir="$work/lora" run.progress=false run.resume=true
 check job_async "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
   trainer.ep=1 sync.method=disk sync.verify=true sync.verify_tolerance=0.5 run.steps="$steps" run.dir="$work/async" run.progress=false
 check job_resume "${JOB_LIMIT:-240}" bash recipes/qwen_moe_grpo.sh model.path="$work/model" "engines.urls=[http://127.0.0.1:$port]" engines.dtype=bfloat16 \
