@@ -9,8 +9,9 @@
 # written again after each check, so a call cut off at its limit still brings back what ran.
 #
 # On one H100 (2026-11-26, STEPS=4): imports 21 s, pytest_gpu 116 s, tiny_model 27 s, engine_up 21 s, job_async 89 s,
-# job_lora about 105 s (its first Megatron conversion of a fresh model takes some 60 s of that). The whole script
-# needs about 10 minutes: within a 15-minute device budget, split it over two calls with ONLY.
+# job_lora 105-142 s (its first Megatron conversion of a fresh model takes some 60 s of that), job_lora_resume 79 s,
+# job_sync_fp32 82 s. The whole script needs about 12 minutes: within a 15-minute device budget, split it over two
+# calls with ONLY.
 #
 #   bash tools/gpu_check.sh            # on a machine with a GPU, moerl's dependencies importable
 #   STEPS=4 bash tools/gpu_check.sh    # shorter main-job runs
