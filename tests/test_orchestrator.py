@@ -171,15 +171,15 @@ def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, en
     assert all(r["staleness/max"] <= 1 for r in rows) and accounting(tmp_path)["balanced"]
 
 
-@pytest.mark.parametrize("partial", ["in_place", "retry"])
-def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tailed, partial):
+def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tailed):
     """Two replicas; one is SIGKILLed at a seeded random moment, and again once the job has restarted it and it is back
     in rotation: every step completes, no prompt is lost, and with sync.verify each update's engines (the restarted
-    one from the update that brings it back) serve the trainer's weights. Rollouts in flight at an update continue in
-    place or are aborted and regenerated."""
+    one from the update that brings it back) serve the trainer's weights. One run, under the default rollout.partial
+    (in place): a generation lost with its replica is re-issued by the same code whatever partial says, which decides
+    only what an update does to rollouts in flight (aborted and regenerated: the run above)."""
     rng = random.Random(0)
     steps = 30
-    proc = start_job(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2", f"rollout.partial={partial}",
+    proc = start_job(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2",
                      "engines.health_interval_s=0.2", "engines.health_failures=2", *long_tailed)
 
     try:
@@ -340,7 +340,7 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     """SIGKILL of torchrun alone (an OOM killer's, a scheduler's hard kill, a timeout's --kill-after): its ranks run in
     sessions of their own that no signal of torchrun's reaches, so each must notice and stop (engines and rollout
     manager with it); one left running kept loading its weights into the engine the next job was given (found on an
-    H100). Then run.resume continues from the newest checkpoint to the same results as a run never killed."""
+    H100). Then run.resume=auto continues from the newest checkpoint to the same results as a run never killed."""
     steps = ["run.mode=sync", "run.steps=6", "run.save_every=2", "sync.verify=false"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert job(cache, straight, *steps).returncode == 0
@@ -358,7 +358,7 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
         _kill_tree_of(family)
     saved = sorted(int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists())
     assert saved and saved[-1] < 6, f"the ranks ran on without their launcher: checkpoints {saved}"
-    out = job(cache, killed, *steps, "run.resume=true")
+    out = job(cache, killed, *steps, "run.resume=auto")
     assert out.returncode == 0, out.stderr[-4000:]
     a, b = read_metrics(straight), read_metrics(killed)
     assert [r["step"] for r in b] == list(range(1, 7))
@@ -372,11 +372,11 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     assert accounting(killed)["balanced"] and accounting(killed)["trained"] == accounting(straight)["trained"]
 
 
-def test_a_killed_trainer_rank_leaves_no_process_behind_and_the_run_resumes(cache, tmp_path):
+def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
     """SIGKILL of trainer rank 1: torchrun stops rank 0, which tears down (engines and rollout manager stopped,
     accounting written; had it been killed too, they would die with it), no process of the job is left (the killed
-    rank's helpers neither: its checkpoint writers' queue server), the job exits non-zero, and run.resume=auto
-    continues from the newest checkpoint."""
+    rank's helpers neither: its checkpoint writers' queue server) and the job exits non-zero. What it leaves is a
+    checkpoint like any other: resuming from one after a kill is the run whose launcher is killed."""
     steps = ["run.mode=sync", "run.steps=4", "run.save_every=1", "sync.verify=false"]
     proc = start_until_checkpoint(cache, tmp_path, steps, 1)
     try:
@@ -393,10 +393,6 @@ def test_a_killed_trainer_rank_leaves_no_process_behind_and_the_run_resumes(cach
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
-    out = job(cache, tmp_path, *steps, "run.resume=auto")
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
-    assert accounting(tmp_path)["balanced"]
 
 
 @pytest.fixture(scope="module")
@@ -563,7 +559,21 @@ def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
         plot([tmp_path / "R3", tmp_path / "again" / "R3"])
 
 
-def test_an_ablation_runs_a_2x2_grid_with_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
+def test_an_ablation_grid_is_every_combination_the_first_axis_slowest_and_each_run_named_by_its_values():
+    from moerl.orchestrator.ablate import AblationError, combinations, run_name
+
+    combos = combinations(["trainer.replay.routing=off,R2,R3", "trainer.replay.sampling_mask=true,false", "data.path=a/b.jsonl"])
+    assert [run_name(c) for c in combos] == [f"routing-{r}+sampling_mask-{m}+path-a_b.jsonl"
+                                             for r in ("off", "R2", "R3") for m in ("true", "false")]
+    assert combos[1] == ["trainer.replay.routing=off", "trainer.replay.sampling_mask=false", "data.path=a/b.jsonl"]
+    for bad in (["trainer.replay.routing"], ["=off,R3"], ["trainer.replay.routing=,"], ["a=1", "a=2"]):
+        with pytest.raises(AblationError):
+            combinations(bad)
+
+
+def test_an_ablation_runs_its_grid_with_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
+    """End to end on two axes, the second with one value (the product itself is the test above): each run gets its
+    combination's overrides, the same first batch, its row in the table and its curve in the overlay."""
     from omegaconf import OmegaConf
 
     out = tmp_path / "ablation"
@@ -576,9 +586,9 @@ def test_an_ablation_runs_a_2x2_grid_with_the_same_seeds_and_writes_the_table_an
 
     bad = ablate("trainer.replay.routing=off,R4")
     assert bad.returncode == 2 and "routing-R4" in bad.stdout and "R4" in bad.stdout.splitlines()[-1] and not out.exists()
-    done = ablate("trainer.replay.routing=off,R3", "trainer.replay.sampling_mask=true,false")
+    done = ablate("trainer.replay.routing=off,R3", "trainer.replay.sampling_mask=false")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    names = [f"routing-{r}+sampling_mask-{m}" for r in ("off", "R3") for m in ("true", "false")]
+    names = ["routing-off+sampling_mask-false", "routing-R3+sampling_mask-false"]
     first_rewards = set()
     for name in names:
         rows = read_metrics(out / name)
