@@ -218,10 +218,13 @@ class Trainer:
         pieces = [samples] if isinstance(samples, list) else samples
         loss_cfg = self.cfg.loss
         mode = self.cfg.replay.routing
-        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
-        maxes = torch.full((len(_MAXES),), float("-inf"), dtype=torch.float64)
-        lag_hist = torch.zeros(LAG_BINS, dtype=torch.float64)
-        split = torch.zeros(len(MISMATCH_CELLS), len(MISMATCH_STATS), dtype=torch.float64)
+        # The step's tallies stay on the device of the logits until _metrics reads them once: a read per micro-batch
+        # would make the host wait for each forward before it could launch the backward.
+        tally = {"dtype": torch.float64, "device": collective_device()}
+        sums = torch.zeros(len(_SUMS), **tally)
+        maxes = torch.full((len(_MAXES),), float("-inf"), **tally)
+        lag_hist = torch.zeros(LAG_BINS, **tally)
+        split = torch.zeros(len(MISMATCH_CELLS), len(MISMATCH_STATS), **tally)
         agreement: dict[str, np.ndarray] | None = None
         lengths: list[int] = []
         count = parallel_state.get_tensor_model_parallel_rank() == 0  # TP ranks compute the same loss: count once
@@ -251,19 +254,17 @@ class Trainer:
                     lag = self.version - mb.versions.to(device)
                     differs = (mb.routing_differs.to(device)[mb.rows.to(device), mb.cols.to(device)] if mb.routing_differs is not None
                                else torch.zeros_like(lag, dtype=torch.bool))
-                    split.index_add_(0, ((lag > 0).long() * 2 + differs.long()).cpu(), torch.stack([torch.ones_like(delta), delta.abs(), k3], -1).cpu())
+                    ones = torch.ones_like(delta)
+                    split.index_add_(0, (lag > 0).long() * 2 + differs.long(), torch.stack([ones, delta.abs(), k3], -1))
                     values = {
-                        "loss": loss.double(), "tokens": torch.tensor(float(mb.num_tokens)), "clipped": clipped.double().sum(),
-                        "is_weight": is_weight.sum(),
-                        "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(),
-                        "entropy": ent.double().sum() if ent is not None else torch.zeros((), dtype=torch.float64),
+                        "loss": loss.double(), "tokens": torch.full((), float(mb.num_tokens), **tally), "clipped": clipped.double().sum(),
+                        "is_weight": is_weight.sum(), "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(),
+                        "entropy": ent.double().sum() if ent is not None else torch.zeros((), **tally),
                         "ref_kl": kl.double().sum(),
                     }
-                    for i, name in enumerate(_SUMS):
-                        sums[i] += values[name].cpu()
-                    for i, value in enumerate((is_weight.max(), ratio.max(), lag.max().double())):
-                        maxes[i] = max(maxes[i], value.cpu())
-                    lag_hist.add_(torch.bincount(lag.clamp(0, LAG_BINS - 1).cpu(), minlength=LAG_BINS).double())
+                    sums.add_(torch.stack([values[name] for name in _SUMS]))
+                    torch.maximum(maxes, torch.stack([is_weight.max(), ratio.max(), lag.max().double()]), out=maxes)
+                    lag_hist.index_add_(0, lag.clamp(0, LAG_BINS - 1), ones)  # not bincount: on CUDA it reads its input's max
             return loss
 
         self.model.zero_grad_buffer()
@@ -309,9 +310,7 @@ class Trainer:
         return self._metrics(sums, maxes, lag_hist, split, agreement, grad_norm, ok)
 
     def _metrics(self, sums, maxes, lag_hist, split, agreement, grad_norm, ok) -> dict[str, float]:
-        device = collective_device()
-        packed = torch.cat([sums, lag_hist, split.flatten()]).to(device)
-        maxes = maxes.to(device)
+        packed = torch.cat([sums, lag_hist, split.flatten()])
         dist.all_reduce(packed)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         packed, maxes = packed.cpu(), maxes.cpu()
