@@ -375,8 +375,8 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
 def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
     """SIGKILL of trainer rank 1: torchrun stops rank 0, which tears down (engines and rollout manager stopped,
     accounting written; had it been killed too, they would die with it), no process of the job is left (the killed
-    rank's helpers neither: its checkpoint writers' queue server) and the job exits non-zero. What it leaves is a
-    checkpoint like any other: resuming from one after a kill is the run whose launcher is killed."""
+    rank's helpers neither: its checkpoint writers' queue server) and the job exits non-zero. Resuming after a kill is
+    the run whose launcher is killed; a checkpoint a kill cut short is passed over (the test below)."""
     steps = ["run.mode=sync", "run.steps=4", "run.save_every=1", "sync.verify=false"]
     proc = start_until_checkpoint(cache, tmp_path, steps, 1)
     try:
@@ -393,6 +393,19 @@ def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
+
+
+def test_a_resume_takes_the_newest_checkpoint_whose_run_state_was_written(tmp_path):
+    """The run state is written last, so a step directory without it is one a kill cut short; numbers compare as
+    numbers (step_10 is newer than step_9)."""
+    from moerl.orchestrator.main import RUN_STATE, latest_checkpoint
+
+    assert latest_checkpoint(tmp_path) is None
+    for step, complete in ((2, True), (9, True), (10, True), (12, False)):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        if complete:
+            (tmp_path / "checkpoints" / f"step_{step}" / RUN_STATE).write_text("{}")
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_10"
 
 
 @pytest.fixture(scope="module")
