@@ -81,6 +81,10 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+_LOSS_INPUTS = ("rows", "cols", "targets", "seq", "temperature", "weights", "advantages", "behaviour", "versions", "mask_offsets",
+                "mask_ids")
+
+
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # int64 [b, s]: fed tokens, right-padded; packed: [1, s], samples end to end
@@ -101,9 +105,17 @@ class MicroBatch:
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
     sample_indices: list[int] | None = None  # each sample's index in the rank's piece
-    routing_differs: torch.Tensor | None = None  # bool [b, s]: the old-policy pass's native experts differ from the rollout's somewhere
+    routing_differs: torch.Tensor | None = None  # bool [T]: the old-policy pass's native experts differ from the rollout's somewhere
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
     cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each sample starts and ends in the row
+
+    def loss_inputs_to(self, device: torch.device) -> None:
+        """The per-token tensors the passes' log-probs and the loss read, moved to ``device`` once, before any pass: a
+        blocking copy to a GPU waits for everything queued on its stream, so one made in the loss would hold the host
+        until that micro-batch's forward is done, and the backward's launch with it. The model's inputs stay here."""
+        for name in _LOSS_INPUTS:
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
 
     @property
     def num_seqs(self) -> int:

@@ -129,17 +129,17 @@ class Trainer:
             dummy = build(groups[0][:1], zero=True)
             dummy.dummy = True
             batches.append(dummy)
+        for mb in batches:
+            mb.loss_inputs_to(collective_device())
         return batches
 
     # ---- passes ------------------------------------------------------------------------------
     def _scores(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [T] of the response tokens under this forward, their logits rows [T, V/tp])."""
-        device = logits.device
-        rows = logits[mb.rows.to(device), mb.cols.to(device)].float() / mb.temperature.to(device)[:, None]
-        targets = mb.targets.to(device)
+        rows = logits[mb.rows, mb.cols].float() / mb.temperature[:, None]
         if self.cfg.replay.sampling_mask:
-            return masked_logprobs(rows, targets, mb.mask_offsets.to(device), mb.mask_ids.to(device)), rows
-        return full_logprobs(rows, targets), rows
+            return masked_logprobs(rows, mb.targets, mb.mask_offsets, mb.mask_ids), rows
+        return full_logprobs(rows, mb.targets), rows
 
     def _extra_inputs(self, mb: MicroBatch, device: torch.device) -> dict:
         return {} if mb.cu_seqlens is None else mb.packed_inputs(device, thd=self.thd)
@@ -190,7 +190,7 @@ class Trainer:
             return None
         if into == "old":
             for mb, differs in zip(batches, probe.differing_positions(batches)):
-                mb.routing_differs = differs
+                mb.routing_differs = differs.to(mb.rows.device)[mb.rows, mb.cols]
         if tracer is not None:
             tracer.record("score", probe.used)
             tracer.record("native", probe.native)
@@ -231,9 +231,7 @@ class Trainer:
 
         def loss_fn(logits, mb: MicroBatch):
             new, rows = self._scores(logits, mb)
-            device = new.device
-            old, behaviour = mb.old.to(device), mb.behaviour.to(device)
-            seq, adv, w = mb.seq.to(device), mb.advantages.to(device), mb.weights.to(device)
+            old, behaviour, seq, adv, w = mb.old, mb.behaviour, mb.seq, mb.advantages, mb.weights
             terms, clipped = objectives.policy_terms(new, old, adv, seq, mb.num_seqs, loss_cfg)
             corr = objectives.correction(old, behaviour, seq, mb.num_seqs, loss_cfg)
             per_token = corr * terms
@@ -241,7 +239,7 @@ class Trainer:
             ent = entropy(rows) if loss_cfg.entropy_coef else None
             if ent is not None:
                 per_token = per_token - loss_cfg.entropy_coef * ent
-            kl = objectives.kl_terms(new, mb.ref.to(device), loss_cfg.kl_estimator) if mb.ref is not None else torch.zeros_like(new)
+            kl = objectives.kl_terms(new, mb.ref, loss_cfg.kl_estimator) if mb.ref is not None else torch.zeros_like(new)
             if loss_cfg.kl_coef:
                 per_token = per_token + loss_cfg.kl_coef * kl
             loss = (w * per_token).sum()
@@ -251,9 +249,8 @@ class Trainer:
                     k3 = objectives.safe_exp(-delta) + delta - 1
                     ratio = objectives.safe_exp((new - old).double())
                     is_weight = objectives.safe_exp(delta)
-                    lag = self.version - mb.versions.to(device)
-                    differs = (mb.routing_differs.to(device)[mb.rows.to(device), mb.cols.to(device)] if mb.routing_differs is not None
-                               else torch.zeros_like(lag, dtype=torch.bool))
+                    lag = self.version - mb.versions
+                    differs = mb.routing_differs if mb.routing_differs is not None else torch.zeros_like(lag, dtype=torch.bool)
                     ones = torch.ones_like(delta)
                     split.index_add_(0, (lag > 0).long() * 2 + differs.long(), torch.stack([ones, delta.abs(), k3], -1))
                     values = {
