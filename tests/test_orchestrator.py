@@ -175,8 +175,9 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     """Two replicas; one is SIGKILLed at a seeded random moment, and again once the job has restarted it and it is back
     in rotation: every step completes, no prompt is lost, and with sync.verify each update's engines (the restarted
     one from the update that brings it back) serve the trainer's weights. One run, under the default rollout.partial
-    (in place): a generation lost with its replica is re-issued by the same code whatever partial says, which decides
-    only what an update does to rollouts in flight (aborted and regenerated: the run above)."""
+    (in place): a generation lost with its replica is re-issued by the same code whatever partial says. Partial decides
+    what an update does to rollouts in flight (aborted and regenerated: the run above) and, in async mode, whether the
+    update flushes the engines' cache (not in place: SGLang refuses while requests run)."""
     rng = random.Random(0)
     steps = 30
     proc = start_job(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2",
@@ -406,6 +407,35 @@ def test_a_resume_takes_the_newest_checkpoint_whose_run_state_was_written(tmp_pa
         if complete:
             (tmp_path / "checkpoints" / f"step_{step}" / RUN_STATE).write_text("{}")
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_10"
+
+
+def test_a_checkpoint_cut_short_is_replaced_when_its_step_is_saved_again(tmp_path, monkeypatch):
+    """The resumed run reaches the step again: what the kill left is removed first (the trainer's save refuses a
+    directory that exists). A complete checkpoint of the same step (a stop in the step after it) keeps its weights
+    and gets the new run state."""
+    from types import SimpleNamespace
+
+    from moerl.orchestrator import main
+
+    monkeypatch.setattr(main, "on_lead", lambda call, what: call())  # one process: rank 0's part runs here
+
+    def save(out: Path) -> None:
+        out.mkdir(parents=True)  # as Trainer.save: exist_ok=False
+        (out / "weights").write_text(f"saved {len(saves)}")
+        saves.append(out)
+
+    saves: list[Path] = []
+    trainer = SimpleNamespace(version=3, save=save)
+    buffer = SimpleNamespace(drain=lambda: None, cursor=12, pending=lambda: [7, 9], acct=SimpleNamespace(state=lambda: {"issued": 14}))
+    cut = tmp_path / "checkpoints" / "step_3"
+    cut.mkdir(parents=True)
+    (cut / "shard.distcp").write_text("half-written")
+    main.save_checkpoint(trainer, buffer, tmp_path)
+    assert sorted(p.name for p in cut.iterdir()) == [main.RUN_STATE, "weights"] and len(saves) == 1
+    buffer.pending = lambda: [9]
+    main.save_checkpoint(trainer, buffer, tmp_path)
+    assert len(saves) == 1 and (cut / "weights").read_text() == "saved 0"
+    assert json.loads((cut / main.RUN_STATE).read_text()) == {"step": 3, "cursor": 12, "pending": [9], "accounting": {"issued": 14}}
 
 
 @pytest.fixture(scope="module")
