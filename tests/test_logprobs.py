@@ -18,9 +18,11 @@ def _problem(dtype=torch.float32):
     logits = (torch.randn(TOKENS, VOCAB, generator=g) * 3).to(dtype)
     offsets, ids, targets = [0], [], []
     for t in range(TOKENS):
-        # kept sets of varied size, some entirely inside one TP shard, some spanning both
+        # kept sets of varied size, some entirely inside one TP shard (the first's or the second's), some spanning both
         k = [1, 3, 5, 2, 12, 4, 30][t]
         kept = torch.randperm(VOCAB // 2 if t % 3 == 0 else VOCAB, generator=g)[:k].sort().values
+        if t == 3:
+            kept += VOCAB // 2
         ids += kept.tolist()
         offsets.append(len(ids))
         targets.append(int(kept[torch.randint(k, (1,), generator=g)]))

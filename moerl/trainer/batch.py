@@ -99,7 +99,7 @@ class MicroBatch:
     versions: torch.Tensor  # int64 [T]
     fed_lengths: list[int]
     mask_offsets: torch.Tensor | None = None  # int64 [T+1]: kept sets, CSR over the T tokens
-    mask_ids: torch.Tensor | None = None  # int64
+    mask_ids: torch.Tensor | None = None  # int32
     routing: np.ndarray | None = None  # [b, s, local routers, topk] rollout routing of this rank's MoE layers, padding rows filled
     old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
@@ -195,7 +195,7 @@ def build_micro_batch(samples: list[Sample], advantages: list[float], weights: l
             offsets.append(s.mask_offsets[1:].astype(np.int64) + start)
             start += int(s.mask_offsets[-1])
         batch.mask_offsets = cat(offsets)
-        batch.mask_ids = cat([s.mask_ids for s in samples])
+        batch.mask_ids = cat([s.mask_ids for s in samples], torch.int32)  # kept sets are the bulk of the loss's inputs
     if use_routing:
         _, layers, topk = samples[0].routing.shape
         # Padding positions still pass through the routers: give them a valid, distinct expert set.
