@@ -61,12 +61,11 @@ def masked_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.
     rows = torch.repeat_interleave(torch.arange(rows_total, device=logits.device), offsets[1:] - offsets[:-1], output_size=ids.numel())
     local = ids.long() - rank * shard
     inside = (local >= 0) & (local < shard)
-    kept = logits[rows, local.clamp(0, shard - 1)]
-    shift = torch.full((rows_total,), float("-inf"), dtype=logits.dtype, device=logits.device)
-    shift = _max(shift.scatter_reduce(0, rows, kept.detach().masked_fill(~inside, float("-inf")), reduce="amax"))
     # Masked before the exp: masked after it, an outside logit whose exp overflows would give the backward 0 * inf.
-    terms = (kept - shift[rows]).masked_fill(~inside, float("-inf")).exp()
-    sumexp = _sum(torch.zeros(rows_total, dtype=logits.dtype, device=logits.device).index_add(0, rows, terms))
+    kept = logits[rows, local.clamp(0, shard - 1)].masked_fill(~inside, float("-inf"))
+    shift = torch.full((rows_total,), float("-inf"), dtype=logits.dtype, device=logits.device)
+    shift = _max(shift.scatter_reduce(0, rows, kept.detach(), reduce="amax"))
+    sumexp = _sum(torch.zeros(rows_total, dtype=logits.dtype, device=logits.device).index_add(0, rows, (kept - shift[rows]).exp()))
     return _target_logits(logits, targets, rank * shard) - shift - sumexp.log()
 
 
