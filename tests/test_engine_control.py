@@ -437,6 +437,45 @@ def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_jus
             sync.close()
 
 
+def test_a_broadcast_sessions_close_stands_on_the_engines_left_when_one_has_just_gone(server, tmp_path):
+    """An engine gone after a broadcast's last bucket (before the session's end, or between the version and the flush):
+    the session ends and the version is served on the engines left, the gone one passed over, rather than the push
+    failing and the whole policy being pushed again. The end is not asked twice of an engine (it would refuse), and a
+    failure on an engine still there is still raised."""
+    import socket
+
+    from moerl.weight_sync.broadcast import BroadcastSync
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        gone = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        sync = BroadcastSync([server, gone], "127.0.0.1", "gloo")
+        client = sync.link.client
+        client.backoff_s = 0.01
+        flush = client.flush_cache
+        try:
+            client.targets = [server]
+            sync.link.run(client.begin_weight_update())
+            client.targets = [server, gone]  # the update chose both; the gone one went after the last bucket
+            sync._close_session("7")
+            assert client.targets == [server] and sync.link.run(client.weight_versions()) == ["7"]
+
+            async def flush_as_one_goes():
+                client.flush_cache = flush
+                client.targets = [server, gone]
+                return await flush()
+
+            sync.link.run(client.begin_weight_update())  # refused unless the close ended the session
+            client.flush_cache = flush_as_one_goes
+            sync._close_session("8")
+            assert client.targets == [server] and sync.link.run(client.weight_versions()) == ["8"]
+            with pytest.raises(EngineError, match="no weight-update session is open") as refused:
+                sync._close_session("9")
+            assert refused.value.url == server
+        finally:
+            sync.close()
+
+
 def test_a_replica_that_lost_the_runs_policy_unseen_fails_the_request_and_leaves_rotation(server):
     """A replica restarted between two probes, or after a request chose it, holds what it started with: it answers
     under its own weight version ("default", not one a sync of the run left), or refuses the adapter a sync loaded

@@ -239,11 +239,14 @@ class BroadcastSync(FullWeightSync):
         return stats
 
     def _close_session(self, version: str) -> None:
-        client = self.link.client
-        self.link.run(client.end_weight_update())
-        self.link.run(client.set_weight_version(version))
+        """The session ends, and ``version`` is served, on the engines that took the buckets. One gone since is passed
+        over, as a verify passes it over (it takes the policy when it is back): else the whole policy would be pushed
+        again to the others, and a second such loss would stop the run without its checkpoint. The end is not asked
+        twice of an engine (it would refuse: no session open); the version and the flush may be."""
+        self.on_engines(lambda client: client.end_weight_update(), again=False)
+        self.on_engines(lambda client: client.set_weight_version(version))
         if self.flush_cache:
-            self.link.run(client.flush_cache())
+            self.on_engines(lambda client: client.flush_cache())
 
     def _send_buckets(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
         """Double-buffered: while one bucket is on the wire, the next is flattened (on the device, in the model dtype)."""
