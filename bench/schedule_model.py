@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""An offline model of the async loop, to weigh scheduling policies moerl does not have before building one.
+
+bench/simulation.py runs the job itself; each of its async runs takes 20-35 minutes here. This is a discrete-event
+model of the same loop, seconds a run: the async depth's groups in flight (rollout.outstanding, B * max_staleness by
+default), each of a group's n responses drawn from the profile's length distribution, each replica's running requests
+decoding at the profile's per-request rate for their count, the trainer taking groups as they finish (one whose issue
+version lags its own by more than s is dropped as stale and another ordered, as the buffer does), training each as it
+is taken (the job's pieces), then the optimizer step and a sync that holds every replica. Prefill (a few ms a prompt
+here) and the orchestrator's own time are left out. A replica never reaches the profile's max_running_requests at
+these depths; the model stops with an error if one would.
+
+Policies (``--policies``):
+  groups    the job's: a group's n completions are one request, on the replica holding the fewest groups
+  capped    each completion a request of its own, on the replica running the fewest; a replica running a request
+            older than ``--old-after`` seconds takes new ones only while it runs fewer than ``--cap`` (the profile's
+            first point: below it each request decodes at R(1)), any other while it runs fewer than the profile's
+            max_running_requests; where no replica may take one, the request waits
+  migrate   each completion a request of its own, on the replica running the fewest of all but a share
+            (``--tail-share``) kept for old requests: a request older than ``--old-after`` moves to one of those running
+            fewer than ``--cap``, which decodes nothing while it prefills the request's output, re-sent as prompt
+            (SGLang continues no request elsewhere: this stands for an abort and a re-issue)
+Any of them with ``--depth`` (the groups in flight, as a multiple of the default), ``--restart-young S`` (at each
+sync, a group issued in the S seconds before the pause is aborted and issued again under the new version: its tokens
+are lost, its staleness window is whole) and ``--abort-doomed`` (at each sync, a group that can no longer be trained is
+aborted at once and another ordered, rather than decoded to the end and dropped).
+
+For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the
+steps' mean response and longest trained response), the ratio, groups dropped as stale, the longest trained response,
+and where in its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median
+over the trained groups and over the dropped ones), each the mean over ``--seeds`` runs. The model's ``groups`` row is the job's policy: compare it with the job's
+rows in docs/benchmarks.md to see how far the model can be trusted at a shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
+
+from report import publish  # noqa: E402
+from simulation import bounds, step_times  # noqa: E402
+
+from moerl.simulation import Z99, Profile  # noqa: E402
+
+POLICIES = ("groups", "capped", "migrate")
+AGE_CHECK_S = 5.0  # how often requests are looked at for their age, where a policy routes by it
+
+
+@dataclass
+class Shape:
+    trainer_gpus: int
+    engine_gpus: int
+    groups: int  # B: groups a step trains
+    samples: int  # n: completions a group
+    staleness: int
+    max_new_tokens: int
+    model_gb: float
+
+
+@dataclass
+class Policy:
+    name: str = "groups"
+    depth: float = 1.0
+    old_after_s: float = 150.0
+    cap: int = 8
+    tail_share: float = 1 / 6
+    restart_young_s: float = 0.0
+    abort_doomed: bool = False
+
+
+class AsyncLoop:
+    """One run of the model (the module's docstring)."""
+
+    def __init__(self, profile: Profile, shape: Shape, policy: Policy, seed: int):
+        self.e, self.t, self.shape, self.policy = profile.engine, profile.trainer, shape, policy
+        self.rng = np.random.default_rng(seed)
+        self.replicas = shape.engine_gpus // self.e.gpus
+        running = np.arange(self.e.max_running_requests + 1)
+        self.per_request = np.array([self.e.decode_rate(max(1, int(c))) for c in running])
+        lengths = self.e.response_tokens
+        self.mu, self.sigma = math.log(lengths.median), math.log(lengths.p99 / lengths.median) / Z99
+        self.sync_s = shape.model_gb / self.e.weight_update_gb_per_s
+        self.in_flight = max(1, round(shape.groups * max(1, shape.staleness) * policy.depth))
+        # Requests: tokens left, replica (-1 while waiting for one), start time, group; groups: their issue version and time.
+        self.length, self.left, self.start = np.zeros(0), np.zeros(0), np.zeros(0)
+        self.replica, self.group, self.alive = np.zeros(0, int), np.zeros(0, int), np.zeros(0, bool)
+        self.hold = np.zeros(self.replicas)  # a replica prefilling a moved request decodes nothing until then
+        self.version_of, self.issued_at, self.running_of, self.tokens_of, self.longest_of = [], [], [], [], []
+        self.now, self.version, self.paused, self.dropped = 0.0, 0, False, 0
+        # When each version began to be served, and where in its version's step each trained and each dropped group was
+        # issued (0: at the sync that began it, 1: at the next): a group issued late has less of its window left.
+        self.served_at, self.fates = [0.0], {"trained": [], "dropped": []}
+
+    # ---- generation -------------------------------------------------------------------------------
+    def _draw(self) -> np.ndarray:
+        n = self.shape.samples
+        return np.minimum(np.round(np.exp(self.rng.normal(self.mu, self.sigma, n))), self.shape.max_new_tokens)
+
+    def issue(self) -> None:
+        lengths = self._draw()
+        g = len(self.version_of)
+        self.version_of.append(self.version), self.issued_at.append(self.now), self.running_of.append(len(lengths))
+        self.tokens_of.append(float(lengths.sum())), self.longest_of.append(float(lengths.max()))
+        home = -1
+        if self.policy.name == "groups":  # the replica holding the fewest groups in flight
+            live = self.alive & (self.replica >= 0)
+            homes, _ = np.unique(np.stack([self.replica[live], self.group[live]]), axis=1)
+            home = int(np.argmin(np.bincount(homes, minlength=self.replicas)))
+        n = len(lengths)
+        self.length = np.concatenate([self.length, lengths])
+        self.left = np.concatenate([self.left, lengths])
+        self.replica = np.concatenate([self.replica, np.full(n, home)])
+        self.start = np.concatenate([self.start, np.full(n, self.now)])
+        self.group = np.concatenate([self.group, np.full(n, g)])
+        self.alive = np.concatenate([self.alive, np.ones(n, bool)])
+
+    def restart(self, g: int) -> None:
+        members = np.nonzero(self.group == g)[0]
+        lengths = self._draw()
+        self.length[members], self.left[members], self.start[members], self.alive[members] = lengths, lengths, self.now, True
+        if self.policy.name != "groups":
+            self.replica[members] = -1
+        self.version_of[g], self.issued_at[g], self.running_of[g] = self.version, self.now, len(members)
+        self.tokens_of[g], self.longest_of[g] = float(lengths.sum()), float(lengths.max())
+
+    def issue_points(self, fate: str) -> list[float]:
+        """Where in its version's step each group of ``fate`` was issued (those whose version is still served left out)."""
+        points = []
+        for g in self.fates[fate]:
+            v = self.version_of[g]
+            if v + 1 < len(self.served_at):
+                points.append((self.issued_at[g] - self.served_at[v]) / (self.served_at[v + 1] - self.served_at[v]))
+        return points
+
+    def drop(self, g: int) -> None:
+        self.dropped += 1
+        self.fates["dropped"].append(g)
+
+    def cancel(self, g: int) -> None:
+        members = np.nonzero(self.group == g)[0]
+        self.alive[members], self.running_of[g] = False, -1
+
+    def route(self) -> None:
+        """Place the requests waiting for a replica; move old ones (``migrate``)."""
+        p = self.policy
+        if p.name == "groups":
+            return
+        placed = self.alive & (self.replica >= 0)
+        running = np.bincount(self.replica[placed], minlength=self.replicas)
+        old = placed & (self.now - self.start > p.old_after_s)
+        kept = np.zeros(self.replicas, bool)
+        if p.name == "migrate":
+            kept[self.replicas - max(1, round(self.replicas * p.tail_share)):] = True
+            for i in np.nonzero(old & ~kept[np.maximum(self.replica, 0)])[0]:
+                free = np.nonzero(kept & (running < p.cap))[0]
+                if not len(free):
+                    break
+                to = free[np.argmin(running[free])]
+                running[self.replica[i]] -= 1
+                running[to] += 1
+                self.replica[i] = to
+                decoded = self.length[i] - self.left[i]  # re-sent as prompt: the new replica prefills it first
+                self.hold[to] = max(self.hold[to], self.now) + decoded / self.e.prefill_tokens_per_s
+        holding_old = np.zeros(self.replicas, bool)
+        holding_old[self.replica[old]] = True
+        for i in np.nonzero(self.alive & (self.replica < 0))[0]:
+            limit = np.where(holding_old, p.cap, self.e.max_running_requests) if p.name == "capped" else self.e.max_running_requests
+            may = ~kept & (running < limit)
+            if not may.any():
+                return
+            options = np.nonzero(may)[0]
+            to = options[np.argmin(running[options])]
+            self.replica[i] = to
+            running[to] += 1
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def run(self, steps: int) -> list[dict]:
+        s, B = self.shape, self.shape.groups
+        for _ in range(self.in_flight):
+            self.issue()
+        ready: list[int] = []
+        taken: list[int] = []
+        phase, phase_end, busy_until, paused_at = "collect", math.inf, 0.0, 0.0
+        records = []
+        while len(records) < steps or "ended" not in records[-1]:
+            self.route()
+            live = np.nonzero(self.alive & (self.replica >= 0))[0]
+            if len(live) and not self.paused:
+                running = np.bincount(self.replica[live], minlength=self.replicas)
+                if running.max() > self.e.max_running_requests:
+                    raise SystemExit(f"a replica would run {running.max()} requests, more than max_running_requests "
+                                     f"{self.e.max_running_requests}: this model does not queue them")
+                rate = self.per_request[running[self.replica[live]]] * (self.hold[self.replica[live]] <= self.now)
+                moving = rate > 0
+                until_done = (self.left[live][moving] / rate[moving]).min() if moving.any() else math.inf
+            else:
+                rate, until_done = None, math.inf
+            routes_by_age = self.policy.name != "groups"
+            wake = [until_done, phase_end - self.now, AGE_CHECK_S if routes_by_age else math.inf]
+            wake += [h - self.now for h in self.hold if h > self.now]
+            dt = max(0.0, min(wake))
+            if dt == math.inf:
+                raise RuntimeError("the model stalled: nothing decodes and the trainer waits")  # a bug of the model
+            if rate is not None:
+                self.left[live] -= rate * dt
+            self.now += dt
+            if rate is not None:
+                for i in live[self.left[live] <= 1e-6]:
+                    self.alive[i] = False
+                    g = self.group[i]
+                    self.running_of[g] -= 1
+                    if self.running_of[g] == 0:
+                        ready.append(g)
+            if phase == "collect":
+                while ready and len(taken) < B:
+                    g = ready.pop(0)
+                    self.issue()
+                    if self.version - self.version_of[g] > s.staleness:
+                        self.drop(g)
+                        continue
+                    self.fates["trained"].append(g)
+                    taken.append(g)
+                    busy_until = max(busy_until, self.now) + self.t.seconds(self.tokens_of[g], s.trainer_gpus)
+                if len(taken) == B:
+                    records.append({"rollout/samples": B * s.samples,
+                                    "rollout/response_len_mean": float(np.mean([self.tokens_of[g] for g in taken])) / s.samples,
+                                    "rollout/response_len_max": max(self.longest_of[g] for g in taken)})
+                    phase, phase_end, taken = "train", busy_until + self.t.optimizer_step_s, []
+            elif phase == "train" and self.now >= phase_end - 1e-9:
+                phase, phase_end, self.paused, paused_at = "sync", self.now + self.sync_s, True, self.now
+            elif phase == "sync" and self.now >= phase_end - 1e-9:
+                self.paused, self.version, phase, phase_end, busy_until = False, self.version + 1, "collect", math.inf, self.now
+                self.served_at.append(self.now)
+                records[-1]["ended"] = self.now
+                self._at_sync(paused_at, ready)
+        return records
+
+    def _at_sync(self, paused_at: float, ready: list[int]) -> None:
+        p, s = self.policy, self.shape
+        for g in range(len(self.version_of)):
+            if self.running_of[g] <= 0:
+                continue
+            if p.abort_doomed and self.version - self.version_of[g] > s.staleness:
+                self.cancel(g)
+                self.drop(g)
+                self.issue()
+            elif p.restart_young_s > 0 and self.issued_at[g] >= paused_at - p.restart_young_s:
+                self.restart(g)
+
+
+def one(profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int) -> dict:
+    loop = AsyncLoop(profile, shape, policy, seed)
+    records = loop.run(steps)
+    ends = [r["ended"] for r in records]
+    measured = records[1:]  # the first step fills the pipeline, as in bench/simulation.py
+    seconds = ends[-1] - ends[0]
+    trained = sum(r["rollout/samples"] for r in measured)
+    times = [step_times(profile, (shape.trainer_gpus, shape.engine_gpus), r["rollout/samples"], r["rollout/response_len_mean"],
+                        r["rollout/response_len_max"], shape.model_gb * 1e9, loop.in_flight * shape.samples, shape.staleness)
+             for r in measured]
+    bound = bounds(times, trained, shape.groups)["async_tail"]
+    rate = trained / seconds
+    points = {fate: float(np.median(p)) if (p := loop.issue_points(fate)) else math.nan for fate in loop.fates}
+    return {"rate": rate, "bound": bound, "ratio": rate / bound, "dropped": loop.dropped,
+            "point_trained": points["trained"], "point_dropped": points["dropped"],
+            "longest": float(np.mean([r["rollout/response_len_max"] for r in measured]))}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"))
+    p.add_argument("--pool", default="32:96", help="trainer GPUs:engine GPUs")
+    p.add_argument("--groups", type=int, default=96, help="groups a step trains (rollout.groups_per_step)")
+    p.add_argument("--samples", type=int, default=8, help="completions a group (rollout.samples_per_prompt)")
+    p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness")
+    p.add_argument("--max-new-tokens", type=int, default=32768, help="responses are cut here")
+    p.add_argument("--model-gb", type=float, default=61.1, help="the weights a sync moves (Qwen3-30B-A3B in BF16: 61.1 GB)")
+    p.add_argument("--steps", type=int, default=10, help="trainer steps a run; the first is not measured")
+    p.add_argument("--seeds", type=int, default=3, help="runs a policy, their means reported")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
+    p.add_argument("--depth", type=float, nargs="+", default=[1.0], help="groups in flight, a multiple of groups x max(1, max staleness)")
+    p.add_argument("--old-after", type=float, default=150.0, help="capped, migrate: seconds after which a request is old")
+    p.add_argument("--cap", type=int, default=8, help="capped, migrate: running requests of a replica holding old ones")
+    p.add_argument("--tail-share", type=float, default=1 / 6, help="migrate: the share of the replicas kept for old requests")
+    p.add_argument("--restart-young", type=float, nargs="+", default=[0.0], help="seconds (0: off); see above")
+    p.add_argument("--abort-doomed", action="store_true", help="see above")
+    p.add_argument("--out", help="a markdown file the table is appended to (it is printed either way)")
+    args = p.parse_args()
+    profile = Profile.load(args.profile)
+    trainer_gpus, engine_gpus = (int(x) for x in args.pool.split(":"))
+    shape = Shape(trainer_gpus, engine_gpus, args.groups, args.samples, args.max_staleness, args.max_new_tokens, args.model_gb)
+    lines = [f"### Async loop, modelled: {profile.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
+             f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds", "",
+             "| policy | depth | restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | dropped as stale | "
+             "longest trained | issue point, trained / dropped (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in args.policies.split(","):
+        if name not in POLICIES:
+            raise SystemExit(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+        for depth in args.depth:
+            for young in args.restart_young:
+                policy = Policy(name, depth, args.old_after, args.cap, args.tail_share, young, args.abort_doomed)
+                runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]
+                mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+                lines.append(f"| {name} | {depth:g} | {young:g} | {'yes' if args.abort_doomed else 'no'} | {mean['rate']:.2f} | "
+                             f"{mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['dropped']:.0f} | {mean['longest']:.0f} | "
+                             f"{mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |")
+                print(lines[-1], file=sys.stderr, flush=True)
+    publish(lines, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
