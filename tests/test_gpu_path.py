@@ -378,6 +378,20 @@ def test_the_30b_recipe_fits_and_its_terms_add_up():
     assert 0 < attention.trainer.trainable < lora.trainer.trainable / 10
 
 
+def test_the_plan_counts_the_loss_inputs_of_a_step_kept_sets_included():
+    """The loss's inputs stay on a rank's device for a whole piece (a sync step is one): at most every response of the
+    step at max_new_tokens, over dense data parallelism, 73 bytes a token and 4 for each id of its kept set."""
+    term = "loss inputs (a step, at most)"
+    tokens = 32 * 8 * 32768 / 8  # the recipe's 32 x 8 responses over 16 ranks at TP2: 8 data-parallel ranks
+    narrow = _plan("rollout.max_new_tokens=32768")  # the recipe's top_k, 64
+    assert narrow.trainer.terms[term] == tokens * (73 + 4 * 64) and not narrow.problems
+    wide = _plan("rollout.max_new_tokens=32768", "rollout.top_k=4096")
+    assert wide.trainer.terms[term] == tokens * (73 + 4 * 4096)  # 16 GiB: the rank no longer fits
+    assert any("a trainer rank needs" in p for p in wide.problems)
+    unmasked = _plan("rollout.max_new_tokens=32768", "rollout.top_k=4096", "trainer.replay.sampling_mask=false")
+    assert unmasked.trainer.terms[term] == tokens * 73 and not unmasked.problems
+
+
 def test_engines_that_cannot_hold_the_model_are_refused():
     plan = _plan("engines.gpus_per_replica=1", "engines.mem_fraction_static=0.6")
     assert any("raise engines.gpus_per_replica" in p for p in plan.problems)

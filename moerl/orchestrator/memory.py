@@ -3,8 +3,8 @@ alone, checked before anything is launched.
 
 Per trainer rank (the worst pipeline stage): the model's weights in the training dtype, fp32 gradient
 buffers, Adam's state (an fp32 master copy when training in bf16, and two moments), divided over data
-parallelism by the distributed optimizer, the KL reference's copy of the weights, and an estimate of one
-micro-batch's activations. Per engine GPU: the weights and the KV cache left within SGLang's
+parallelism by the distributed optimizer, the KL reference's copy of the weights, an estimate of one
+micro-batch's activations, and the loss's inputs for a whole step at most (kept sets included). Per engine GPU: the weights and the KV cache left within SGLang's
 ``mem_fraction_static``. The plan is for GPUs of ``run.device_memory_gb`` (default: the visible GPU's
 memory, else 80 GB), with ``auto`` dtypes meaning bf16 as they do on a GPU, so it can be made anywhere.
 """
@@ -18,6 +18,12 @@ from moerl.errors import ConfigError
 
 GIB = 1 << 30
 USABLE = 0.9  # of a trainer GPU: the CUDA context, NCCL buffers and fragmentation take the rest
+# Per response token, the loss's inputs that a rank holds on its device for a whole piece (MicroBatch.loss_inputs_to;
+# a sync step is one piece): rows, cols, targets, seq, versions and the kept sets' offsets in int64; temperature,
+# weights, advantages, the engine's, the proximal and the reference log-probs in float32; routing_differs. Each kept id
+# adds 4 bytes (int32).
+LOSS_BYTES_PER_TOKEN = 6 * 8 + 6 * 4 + 1
+KEPT_ID_BYTES = 4
 TP_SPLIT = (".linear_qkv.", ".linear_proj.", ".linear_fc1.", ".linear_fc2.", "word_embeddings.", "output_layer.")
 
 
@@ -117,6 +123,9 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     if t.loss.kl_coef:
         terms["KL reference"] = trained * dtype_bytes
     terms["activations (est.)"] = _activations(mc, t, layout, dtype_bytes)
+    r = cfg.rollout
+    step_tokens = r.groups_per_step * r.samples_per_prompt * r.max_new_tokens / dense_dp  # every response at its longest
+    terms["loss inputs (a step, at most)"] = step_tokens * (LOSS_BYTES_PER_TOKEN + KEPT_ID_BYTES * r.top_k * t.replay.sampling_mask)
     device = device_memory_gb * GIB
     rank = RankMemory(params, trained, terms)
     problems = []
@@ -125,7 +134,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
         problems.append(
             f"a trainer rank needs {rank.total / GIB:.1f} GiB of {USABLE * device / GIB:.1f} GiB usable ({device_memory_gb:g} GiB device, "
             f"layout tp={t.tp} pp={t.pp} ep={t.ep} on {world} ranks); the largest term is {largest} at {terms[largest] / GIB:.1f} GiB: "
-            + _remedy(largest))
+            + _remedy(largest) + " (every term: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])) + ")")
 
     e = cfg.engines
     engine_dtype = 4 if e.dtype == "float32" else 2
@@ -174,6 +183,8 @@ def _remedy(term: str) -> str:
                            "run.trainer_ranks, more nodes), or shard further (trainer.ep, trainer.tp, trainer.pp)",
         "KL reference": "set trainer.loss.kl_coef=0 (no reference model) or shard the model further",
         "activations (est.)": "set trainer.recompute=true or lower trainer.micro_batch_tokens",
+        "loss inputs (a step, at most)": "lower rollout.top_k (4 bytes a response token for each id of its kept set), "
+                                         "rollout.max_new_tokens or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",
     }[term]
 
 
