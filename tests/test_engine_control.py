@@ -439,9 +439,11 @@ def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_jus
 
 def test_a_broadcast_sessions_close_stands_on_the_engines_left_when_one_has_just_gone(server, tmp_path):
     """An engine gone after a broadcast's last bucket (before the session's end, or between the version and the flush):
-    the session ends and the version is served on the engines left, the gone one passed over, rather than the push
-    failing and the whole policy being pushed again. The end is not asked twice of an engine (it would refuse), and a
-    failure on an engine still there is still raised."""
+    the session ends and the version is served on the engines left, the gone one passed over (and remembered, for the
+    senders to form their groups again when it is back), rather than the push failing and the whole policy being
+    pushed again. The end is not asked twice of an engine (it would refuse), a failure on an engine still there is
+    raised whichever failed first, and with every engine gone the close fails at once: it does not wait for one to be
+    started again, which would be told the version without the weights."""
     import socket
 
     from moerl.weight_sync.broadcast import BroadcastSync
@@ -459,6 +461,7 @@ def test_a_broadcast_sessions_close_stands_on_the_engines_left_when_one_has_just
             client.targets = [server, gone]  # the update chose both; the gone one went after the last bucket
             sync._close_session("7")
             assert client.targets == [server] and sync.link.run(client.weight_versions()) == ["7"]
+            assert sync.passed_over == {gone}
 
             async def flush_as_one_goes():
                 client.flush_cache = flush
@@ -469,9 +472,17 @@ def test_a_broadcast_sessions_close_stands_on_the_engines_left_when_one_has_just
             client.flush_cache = flush_as_one_goes
             sync._close_session("8")
             assert client.targets == [server] and sync.link.run(client.weight_versions()) == ["8"]
-            with pytest.raises(EngineError, match="no weight-update session is open") as refused:
-                sync._close_session("9")
-            assert refused.value.url == server
+            for targets in ([server], [gone, server]):  # the gone engine's refused connection comes back first
+                client.targets = targets
+                with pytest.raises(EngineError, match="no weight-update session is open") as refused:
+                    sync._close_session("9")
+                assert refused.value.url == server
+            sync.while_down = lambda: pytest.fail("the close waited for an engine")
+            client.targets = [gone]
+            with pytest.raises(EngineError, match="end_weight_update: ClientConnectorError"):
+                sync._close_session("10")
+            client.targets = [server]
+            assert sync.link.run(client.weight_versions()) == ["8"]
         finally:
             sync.close()
 

@@ -196,7 +196,8 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
 
 def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_reaches_the_engines(tiny_ckpts, tmp_path):
     """An engine that took a failed sender's announcement waits in its broadcast for good, and each later sender's
-    would wait behind it to its deadline: after one sender fails no sender sends, and the push is made once more."""
+    would wait behind it to its deadline: after one sender fails no sender sends, and the push is made once more. Every
+    sender forms its group again where an engine a call passed over is chosen again: it may be a new process."""
     from moerl.trainer.config import TrainerConfig
     from tests.engine_server import running_servers
     from tests.workers import sync_with_a_sender_failing_once
@@ -208,6 +209,7 @@ def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_re
     assert second.count(1) == 1 and first.count(1) == 1  # both had a turn in the first round, then none
     assert first.count(2) >= 2 and second.count(2) >= 2  # a whole push takes several rounds
     assert ranks[0]["versions"] == [ranks[0]["version"]] * 2
+    assert ranks[0]["groups"] == ranks[1]["groups"] == [2, 3]  # at connect and for the push made again; then once more
 
 
 @pytest.mark.parametrize("failure", ["engines_down", "other"])

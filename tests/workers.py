@@ -268,7 +268,8 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
 
 def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]) -> dict:
     """A broadcast sync whose rank 1 fails its first turn: the attempt (1 or 2, the push made once more) of each turn this
-    rank had, and what the engines report after."""
+    rank had, and what the engines report after. Then an update once a call has passed over the first engine since
+    (as if it went and came back at its address): the groups this rank had formed after each update."""
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.broadcast import BroadcastSync
 
@@ -290,9 +291,14 @@ def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]
 
     sync._push_once, sync._send_buckets = counted_push, failing_send
     sync.update(trainer)
+    groups = [sync._groups]
+    if rank0:
+        sync.passed_over = {urls[0]}
+    sync.update(trainer)
+    groups.append(sync._groups)
     versions = sync.link.run(sync.link.client.weight_versions()) if rank0 else None
     sync.close()
-    return {"turns": turns, "versions": versions, "version": str(trainer.version)}
+    return {"turns": turns, "versions": versions, "version": str(trainer.version), "groups": groups}
 
 
 def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict:

@@ -250,7 +250,8 @@ class EngineClient:
         await self._everywhere(P.BEGIN_UPDATE, P.BeginWeightUpdateReqInput())
 
     async def end_weight_update(self) -> None:
-        await self._everywhere(P.END_UPDATE, P.EndWeightUpdateReqInput())
+        """Ends on every engine before a failure is raised (asked once: an engine whose session it ended refuses another)."""
+        await self._on_each(P.END_UPDATE, P.EndWeightUpdateReqInput())
 
     async def abandon_weight_update(self) -> None:
         """After a failed update: end the session wherever one is open (engines without one, or gone, are passed over)."""

@@ -77,6 +77,7 @@ class WeightSync(ABC):
         self.adapter: str | None = None  # what requests name after the last update (LoRA); None: the base weights
         self.reached = False  # every rank: whether the last update found an engine to go to (see reach_engines)
         self.paused = False  # between an update's pause and its resume: engines are asked whether they answer, not /health
+        self.passed_over: set[str] = set()  # global rank 0: engines a call passed over (on_engines), until a transport reads it
         # Global rank 0: called each second an update waits for an engine to answer; the job starts the replicas that
         # died again there, since nothing else does while the update waits.
         self.while_down: Callable[[], None] | None = None
@@ -148,21 +149,24 @@ class WeightSync(ABC):
         client.targets = up
         return up
 
-    def on_engines(self, call, again: bool = True):
+    def on_engines(self, call, again: bool = True, wait: bool = True):
         """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. While it fails on
         engines that have gone since, those left are the chosen ones; with ``again`` the call is made again on them (one
         that may be repeated), as often as engines keep going, else it stands where it succeeded (None), and fails if
-        it failed on any of them. A failure on an engine that is still there is raised."""
+        it failed on any of them. A failure on an engine that is still there is raised. ``wait``: with every engine gone,
+        wait for one (:meth:`choose_engines`, which may start replicas again); else the failure is raised at once, for a
+        call that must not reach an engine started meanwhile at a chosen one's address (it would not hold the push)."""
         client = self.link.client
         while True:
             try:
                 return self.link.run(call(client))
             except EngineError as e:
                 before = list(client.targets)
-                left = [url for url in self.choose_engines() if url in before]  # not one that came back: it missed the push
-                if set(left) >= set(before):
+                left = [url for url in self.choose_engines(None if wait else before) if url in before]  # not one that came back: it missed the push
+                if set(left) >= set(before) or not (left or wait):
                     raise
                 client.targets = left
+                self.passed_over |= set(before) - set(left)
                 if not again:
                     for failure in e.failures:
                         if failure.url in left:

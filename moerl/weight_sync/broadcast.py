@@ -156,19 +156,26 @@ class BroadcastSync(FullWeightSync):
 
     def _regroup(self, gave_up: BaseException | None) -> None:
         """Collective: every rank learns the engines rank 0 chose (rank 0 may have none to offer: ``gave_up``), and each
-        sender whose group does not hold exactly those forms a new one."""
-        members = [None if gave_up is not None else self.link.client.targets if self.link is not None else None]
+        sender whose group does not hold exactly those forms a new one; every sender does where one of those is an engine
+        a call passed over since (:attr:`passed_over`): back at its address, it may be a new process, outside every group."""
+        chosen = [None]  # (the engines, whether one of them is back), or None where rank 0 has none to offer
+        if self.link is not None:
+            targets = self.link.client.targets
+            if gave_up is None:
+                chosen = [(targets, bool(self.passed_over & set(targets)))]
+            self.passed_over = set()
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(members, src=0)  # a few URLs
-        if members[0] is None:
+            dist.broadcast_object_list(chosen, src=0)  # a few URLs
+        if chosen[0] is None:
             if gave_up is not None:
                 raise gave_up
             raise relayed(EnginesDown("no engine to push to (global rank 0's error says why)"))
-        self.engines = len(members[0])
+        members, back = chosen[0]
+        self.engines = len(members)
         formed = None
-        if self.sender is not None and members[0] != self.members:
+        if self.sender is not None and (members != self.members or back):
             try:
-                self._form_group(members[0])
+                self._form_group(members)
             except Exception as e:  # noqa: BLE001
                 formed = e
         _agree(formed is None, "a sender could not form its group with the engines (that rank's error says why)", formed)
@@ -241,12 +248,14 @@ class BroadcastSync(FullWeightSync):
     def _close_session(self, version: str) -> None:
         """The session ends, and ``version`` is served, on the engines that took the buckets. One gone since is passed
         over, as a verify passes it over (it takes the policy when it is back): else the whole policy would be pushed
-        again to the others, and a second such loss would stop the run without its checkpoint. The end is not asked
-        twice of an engine (it would refuse: no session open); the version and the flush may be."""
-        self.on_engines(lambda client: client.end_weight_update(), again=False)
-        self.on_engines(lambda client: client.set_weight_version(version))
+        again to the others, and a second such loss would stop the run without its checkpoint. With all of them gone
+        the push fails at once (not waiting for one: a replica started again at a chosen address meanwhile would be
+        told the version without the weights). The end is not asked twice of an engine (it would refuse: no session
+        open); the version and the flush may be."""
+        self.on_engines(lambda client: client.end_weight_update(), again=False, wait=False)
+        self.on_engines(lambda client: client.set_weight_version(version), wait=False)
         if self.flush_cache:
-            self.on_engines(lambda client: client.flush_cache())
+            self.on_engines(lambda client: client.flush_cache(), wait=False)
 
     def _send_buckets(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
         """Double-buffered: while one bucket is on the wire, the next is flattened (on the device, in the model dtype)."""
