@@ -28,7 +28,8 @@ aborted at once and another ordered, rather than decoded to the end and dropped)
 For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the
 steps' mean response and longest trained response), the ratio, groups dropped as stale, the longest trained response,
 and where in its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median
-over the trained groups and over the dropped ones), each the mean over ``--seeds`` runs. The model's ``groups`` row is the job's policy: compare it with the job's
+over the trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
+``--abort-doomed`` a group is counted dropped at the sync that dooms it, not when it would have finished. The model's ``groups`` row is the job's policy: compare it with the job's
 rows in docs/benchmarks.md to see how far the model can be trusted at a shape.
 """
 
@@ -133,11 +134,12 @@ class AsyncLoop:
         self.tokens_of[g], self.longest_of[g] = float(lengths.sum()), float(lengths.max())
 
     def issue_points(self, fate: str) -> list[float]:
-        """Where in its version's step each group of ``fate`` was issued (those whose version is still served left out)."""
+        """Where in its version's step each group of ``fate`` was issued: those of the fill (all issued at once, before any
+        step) and those whose version is still served left out. A group restarted at a sync counts as issued there."""
         points = []
         for g in self.fates[fate]:
             v = self.version_of[g]
-            if v + 1 < len(self.served_at):
+            if 0 < v and v + 1 < len(self.served_at):
                 points.append((self.issued_at[g] - self.served_at[v]) / (self.served_at[v + 1] - self.served_at[v]))
         return points
 
