@@ -442,10 +442,11 @@ def test_a_broadcast_sessions_close_stands_on_the_engines_left_when_one_has_just
     the session ends and the version is served on the engines left, the gone one passed over (and remembered, for the
     senders to form their groups again when it is back), rather than the push failing and the whole policy being
     pushed again. The end is not asked twice of an engine (it would refuse), a failure on an engine still there is
-    raised whichever failed first, and with every engine gone the close fails at once: it does not wait for one to be
-    started again, which would be told the version without the weights."""
+    raised whichever failed first, and with every engine it chose gone the close fails at once, as EnginesDown: it does
+    not wait for one to be started again, which would be told the version without the weights."""
     import socket
 
+    from moerl.errors import EnginesDown
     from moerl.weight_sync.broadcast import BroadcastSync
 
     with socket.socket() as closed:
@@ -461,7 +462,7 @@ def test_a_broadcast_sessions_close_stands_on_the_engines_left_when_one_has_just
             client.targets = [server, gone]  # the update chose both; the gone one went after the last bucket
             sync._close_session("7")
             assert client.targets == [server] and sync.link.run(client.weight_versions()) == ["7"]
-            assert sync.passed_over == {gone}
+            assert sync.may_be_new == {gone}
 
             async def flush_as_one_goes():
                 client.flush_cache = flush
@@ -472,14 +473,28 @@ def test_a_broadcast_sessions_close_stands_on_the_engines_left_when_one_has_just
             client.flush_cache = flush_as_one_goes
             sync._close_session("8")
             assert client.targets == [server] and sync.link.run(client.weight_versions()) == ["8"]
-            for targets in ([server], [gone, server]):  # the gone engine's refused connection comes back first
+            call = client._call
+
+            async def server_answers_last(url, route, *args, **kwargs):
+                if url == server:
+                    await asyncio.sleep(0.5)  # the gone engine's refused connection comes back first
+                return await call(url, route, *args, **kwargs)
+
+            client._call = server_answers_last
+            for targets in ([server], [gone, server]):
                 client.targets = targets
                 with pytest.raises(EngineError, match="no weight-update session is open") as refused:
                     sync._close_session("9")
                 assert refused.value.url == server
+            client._call = call
+
+            async def none_answers(paused=False):
+                return [False, False]
+
+            client.healthy = none_answers  # waiting, choose_engines would start the engines again (while_down)
             sync.while_down = lambda: pytest.fail("the close waited for an engine")
-            client.targets = [gone]
-            with pytest.raises(EngineError, match="end_weight_update: ClientConnectorError"):
+            client.targets = [server, gone]
+            with pytest.raises(EnginesDown, match="none of the engines this update chose answers any more"):
                 sync._close_session("10")
             client.targets = [server]
             assert sync.link.run(client.weight_versions()) == ["8"]

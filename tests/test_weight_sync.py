@@ -212,6 +212,20 @@ def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_re
     assert ranks[0]["groups"] == ranks[1]["groups"] == [2, 3]  # at connect and for the push made again; then once more
 
 
+def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push():
+    """A replica the job starts again at its address is outside the broadcast's groups, though the engines chosen may
+    read the same: the sync is told, so that its senders form their groups again (the test above)."""
+    from types import SimpleNamespace
+
+    from moerl.orchestrator.main import Job
+
+    told = []
+    job = SimpleNamespace(pool=SimpleNamespace(revive=lambda most: ["http://b"]), cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3)),
+                          buffer=SimpleNamespace(restarting=told.append), sync=SimpleNamespace(may_be_new={"http://a"}))
+    Job.revive(job)
+    assert job.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]]
+
+
 @pytest.mark.parametrize("failure", ["engines_down", "other"])
 def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_error(failure):
     """Global rank 0 talks to the engines alone; whatever fails there must reach the other ranks, which otherwise wait

@@ -293,7 +293,7 @@ def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]
     sync.update(trainer)
     groups = [sync._groups]
     if rank0:
-        sync.passed_over = {urls[0]}
+        sync.may_be_new = {urls[0]}
     sync.update(trainer)
     groups.append(sync._groups)
     versions = sync.link.run(sync.link.client.weight_versions()) if rank0 else None

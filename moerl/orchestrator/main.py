@@ -449,8 +449,11 @@ class Job:
             save_checkpoint(trainer, self.buffer, self.run_dir)
 
     def revive(self) -> None:
-        """Rank 0: the replicas whose process died are started again (stale until a sync reaches them)."""
-        self.buffer.restarting(self.pool.revive(self.cfg.engines.max_restarts))
+        """Rank 0: the replicas whose process died are started again (stale until a sync reaches them, outside the
+        broadcast's groups until it forms them again)."""
+        restarted = self.pool.revive(self.cfg.engines.max_restarts)
+        self.sync.may_be_new |= set(restarted)
+        self.buffer.restarting(restarted)
 
     def while_waiting(self) -> Interlude | None:
         """Rank 0, while the step waits for groups: replicas that died are started again; when none serves and one is

@@ -77,7 +77,9 @@ class WeightSync(ABC):
         self.adapter: str | None = None  # what requests name after the last update (LoRA); None: the base weights
         self.reached = False  # every rank: whether the last update found an engine to go to (see reach_engines)
         self.paused = False  # between an update's pause and its resume: engines are asked whether they answer, not /health
-        self.passed_over: set[str] = set()  # global rank 0: engines a call passed over (on_engines), until a transport reads it
+        # Global rank 0: engines that may be another process at the same address since a transport last read this (a call
+        # passed them over, see on_engines, or the job started them again).
+        self.may_be_new: set[str] = set()
         # Global rank 0: called each second an update waits for an engine to answer; the job starts the replicas that
         # died again there, since nothing else does while the update waits.
         self.while_down: Callable[[], None] | None = None
@@ -155,7 +157,8 @@ class WeightSync(ABC):
         that may be repeated), as often as engines keep going, else it stands where it succeeded (None), and fails if
         it failed on any of them. A failure on an engine that is still there is raised. ``wait``: with every engine gone,
         wait for one (:meth:`choose_engines`, which may start replicas again); else the failure is raised at once, for a
-        call that must not reach an engine started meanwhile at a chosen one's address (it would not hold the push)."""
+        call that must not reach an engine started meanwhile at a chosen one's address (it would not hold the push): as
+        :class:`EnginesDown` where none of the chosen engines answers."""
         client = self.link.client
         while True:
             try:
@@ -163,10 +166,12 @@ class WeightSync(ABC):
             except EngineError as e:
                 before = list(client.targets)
                 left = [url for url in self.choose_engines(None if wait else before) if url in before]  # not one that came back: it missed the push
-                if set(left) >= set(before) or not (left or wait):
+                if not (left or wait):
+                    raise EnginesDown(f"none of the engines this update chose answers any more ({', '.join(before)}): {e}") from e
+                if set(left) >= set(before):
                     raise
                 client.targets = left
-                self.passed_over |= set(before) - set(left)
+                self.may_be_new |= set(before) - set(left)
                 if not again:
                     for failure in e.failures:
                         if failure.url in left:

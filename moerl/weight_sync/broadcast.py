@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from moerl.engines.weight_group import flatten_bucket, in_daemon_thread, join_weight_group, weight_store
 from moerl.errors import EnginesDown, relayed
-from moerl.megatron.parallel import collective_device
+from moerl.megatron.parallel import collective_device, lead_agrees
 from moerl.megatron.weights import Gather, sends_weights
 from moerl.weight_sync.base import EngineLink, FullWeightSync, SyncStats, WeightSyncError
 from moerl.weight_sync.export import hf_pieces
@@ -156,14 +156,14 @@ class BroadcastSync(FullWeightSync):
 
     def _regroup(self, gave_up: BaseException | None) -> None:
         """Collective: every rank learns the engines rank 0 chose (rank 0 may have none to offer: ``gave_up``), and each
-        sender whose group does not hold exactly those forms a new one; every sender does where one of those is an engine
-        a call passed over since (:attr:`passed_over`): back at its address, it may be a new process, outside every group."""
+        sender whose group does not hold exactly those forms a new one; every sender does where one of those may be a new
+        process at its address (:attr:`may_be_new`), outside every group."""
         chosen = [None]  # (the engines, whether one of them is back), or None where rank 0 has none to offer
         if self.link is not None:
             targets = self.link.client.targets
             if gave_up is None:
-                chosen = [(targets, bool(self.passed_over & set(targets)))]
-            self.passed_over = set()
+                chosen = [(targets, bool(self.may_be_new & set(targets)))]
+            self.may_be_new = set()
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(chosen, src=0)  # a few URLs
         if chosen[0] is None:
@@ -230,7 +230,7 @@ class BroadcastSync(FullWeightSync):
                 self._close_session(version)
             except Exception as e:  # noqa: BLE001
                 closed = e
-        _agree(closed is None, "the weight-update session did not close on the engines (global rank 0's error says why)", closed)
+        lead_agrees(closed, "closing the weight-update session on the engines")  # every engine gone: EnginesDown on every rank
         if self.link is None:
             return None
         tensors, nbytes, count = totals.tolist()
