@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from report import publish  # noqa: E402
 from simulation import bounds, step_times  # noqa: E402
 
-from moerl.simulation import Z99, Profile  # noqa: E402
+from moerl.simulation import Profile  # noqa: E402
 
 POLICIES = ("groups", "capped", "migrate")
 AGE_CHECK_S = 5.0  # how often requests are looked at for their age, where a policy routes by it
@@ -87,8 +87,6 @@ class AsyncLoop:
         self.replicas = shape.engine_gpus // self.e.gpus
         running = np.arange(self.e.max_running_requests + 1)
         self.per_request = np.array([self.e.decode_rate(max(1, int(c))) for c in running])
-        lengths = self.e.response_tokens
-        self.mu, self.sigma = math.log(lengths.median), math.log(lengths.p99 / lengths.median) / Z99
         self.sync_s = shape.model_gb / self.e.weight_update_gb_per_s
         self.in_flight = max(1, round(shape.groups * max(1, shape.staleness) * policy.depth))
         # Requests: tokens left, replica (-1 while waiting for one), start time, group; groups: their issue version and time.
@@ -103,14 +101,18 @@ class AsyncLoop:
 
     # ---- generation -------------------------------------------------------------------------------
     def _draw(self) -> np.ndarray:
-        n = self.shape.samples
-        return np.minimum(np.round(np.exp(self.rng.normal(self.mu, self.sigma, n))), self.shape.max_new_tokens)
+        """A group's response lengths, as the simulated engine draws them, cut at max_new_tokens."""
+        lengths = [self.e.response_tokens.draw(self.rng) for _ in range(self.shape.samples)]
+        return np.minimum(np.round(lengths), self.shape.max_new_tokens)
 
     def issue(self) -> None:
         lengths = self._draw()
         g = len(self.version_of)
-        self.version_of.append(self.version), self.issued_at.append(self.now), self.running_of.append(len(lengths))
-        self.tokens_of.append(float(lengths.sum())), self.longest_of.append(float(lengths.max()))
+        self.version_of.append(self.version)
+        self.issued_at.append(self.now)
+        self.running_of.append(len(lengths))
+        self.tokens_of.append(float(lengths.sum()))
+        self.longest_of.append(float(lengths.max()))
         home = -1
         if self.policy.name == "groups":  # the replica holding the fewest groups in flight
             live = self.alive & (self.replica >= 0)
@@ -243,10 +245,10 @@ class AsyncLoop:
                 self.paused, self.version, phase, phase_end, busy_until = False, self.version + 1, "collect", math.inf, self.now
                 self.served_at.append(self.now)
                 records[-1]["ended"] = self.now
-                self._at_sync(paused_at, ready)
+                self._at_sync(paused_at)
         return records
 
-    def _at_sync(self, paused_at: float, ready: list[int]) -> None:
+    def _at_sync(self, paused_at: float) -> None:
         p, s = self.policy, self.shape
         for g in range(len(self.version_of)):
             if self.running_of[g] <= 0:

@@ -4,8 +4,8 @@ alone, checked before anything is launched.
 Per trainer rank (the worst pipeline stage): the model's weights in the training dtype, fp32 gradient
 buffers, Adam's state (an fp32 master copy when training in bf16, and two moments), divided over data
 parallelism by the distributed optimizer, the KL reference's copy of the weights, an estimate of one
-micro-batch's activations, and the loss's inputs for a whole step at most (kept sets included). Per engine GPU: the weights and the KV cache left within SGLang's
-``mem_fraction_static``. The plan is for GPUs of ``run.device_memory_gb`` (default: the visible GPU's
+micro-batch's activations, and the loss's inputs for a whole step at most (kept sets included). Per engine GPU:
+the weights and the KV cache left within SGLang's ``mem_fraction_static``. The plan is for GPUs of ``run.device_memory_gb`` (default: the visible GPU's
 memory, else 80 GB), with ``auto`` dtypes meaning bf16 as they do on a GPU, so it can be made anywhere.
 """
 
