@@ -44,8 +44,8 @@ def test_a_packed_micro_batch_lays_samples_end_to_end_and_walls_them_off():
     from moerl.trainer.batch import build_micro_batch
 
     samples = [_sample([1, 2, 3], [4, 5], 0), _sample([6], [7, 8, 9], 1)]
-    padded = build_micro_batch(samples, [1.0, -1.0], [0.5, 0.5], multiple=4, use_masks=True, use_routing=True)
-    packed = build_micro_batch(samples, [1.0, -1.0], [0.5, 0.5], multiple=4, use_masks=True, use_routing=True, packed=True)
+    padded = build_micro_batch(samples, [1.0, -1.0], [0.5, 0.5], multiple=4, use_masks=True, routed_experts=8)
+    packed = build_micro_batch(samples, [1.0, -1.0], [0.5, 0.5], multiple=4, use_masks=True, routed_experts=8, packed=True)
     assert packed.input_ids.tolist() == [[1, 2, 3, 4, 6, 7, 8, 0]]  # fed lengths 4 and 3, padded to a multiple of 4
     assert packed.cu_seqlens.tolist() == [0, 4, 7]
     # every response token is scored at the same fed token in both forms

@@ -11,6 +11,17 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``. From host memory to a GPU the copy is queued from page-locked memory and the host goes
+    on: a copy from pageable memory first waits for everything queued on the stream, so the host could not queue a
+    micro-batch's forward before the previous one had run. The page-locked staging copy may be dropped at once: torch's
+    pinned-memory allocator records the copy's stream on its block and hands the block out again only once the stream
+    has passed that point."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
 
@@ -43,7 +54,7 @@ def run_schedule(
 
     def forward_step(data_iterator, model_chunk):
         item = next(data_iterator)
-        input_ids = input_ids_of(item).to(device)
+        input_ids = host_to_device(input_ids_of(item), device)
         inputs = {"position_ids": position_ids_for(input_ids), "attention_mask": None}
         if extra_inputs is not None:
             inputs.update(extra_inputs(item, device))

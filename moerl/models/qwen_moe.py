@@ -37,7 +37,7 @@ _GENERIC_KEYS = frozenset(
 _HUB_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _te_usable() -> bool:
+def te_usable() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
@@ -253,7 +253,7 @@ class QwenMoeFamily:
             moe_router_load_balancing_type="none",
             moe_layer_freq=self.moe_layer_pattern(cfg),
             moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=_te_usable(),
+            moe_grouped_gemm=te_usable(),
             moe_enable_routing_replay=True,
             moe_router_fusion=False,
             moe_permute_fusion=False,
@@ -296,7 +296,7 @@ class QwenMoeFamily:
                    transformer_engine: bool | None = None):
         """The decoder's spec: Transformer Engine's layers where it is usable (and not refused), else
         megatron-core's local layers."""
-        te = _te_usable() if transformer_engine is None else transformer_engine and _te_usable()
+        te = te_usable() if transformer_engine is None else transformer_engine and te_usable()
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
         )

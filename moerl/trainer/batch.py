@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moerl.megatron.forward import host_to_device
 from moerl.sample import Sample
 
 
@@ -100,7 +101,7 @@ class MicroBatch:
     fed_lengths: list[int]
     mask_offsets: torch.Tensor | None = None  # int64 [T+1]: kept sets, CSR over the T tokens
     mask_ids: torch.Tensor | None = None  # int32
-    routing: np.ndarray | None = None  # [b, s, local routers, topk] rollout routing of this rank's MoE layers, padding rows filled
+    routing: np.ndarray | None = None  # [b, s, local routers, topk] rollout routing of this rank's MoE layers, padded
     old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
@@ -110,12 +111,12 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each sample starts and ends in the row
 
     def loss_inputs_to(self, device: torch.device) -> None:
-        """The per-token tensors the passes' log-probs and the loss read, moved to ``device`` once, before any pass: a
-        blocking copy to a GPU waits for everything queued on its stream, so one made in the loss would hold the host
-        until that micro-batch's forward is done, and the backward's launch with it. The model's inputs stay here."""
+        """The per-token tensors the passes' log-probs and the loss read, moved to ``device`` once, before any pass,
+        without holding the host (:func:`~moerl.megatron.forward.host_to_device`). The model's inputs stay here: each
+        forward moves its own."""
         for name in _LOSS_INPUTS:
             if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).to(device))
+                setattr(self, name, host_to_device(getattr(self, name), device))
 
     @property
     def num_seqs(self) -> int:
@@ -142,23 +143,37 @@ class MicroBatch:
         if bounds[-1] < width:
             bounds.append(width)
         lengths = np.diff(bounds)
-        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(device)[None, :]
+        positions = host_to_device(torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])), device)[None, :]
         if thd:
-            cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+            cu = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
             longest = int(lengths.max())
             return {"position_ids": positions, "attention_mask": None, "packed_seq_params": PackedSeqParams(
                 qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)}
-        segment = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.from_numpy(lengths).to(device))
+        # Built on the host: repeat_interleave on a GPU reads its output size back, a wait as long as a blocking copy.
+        segment = host_to_device(torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)), device)
         query, key = torch.arange(width, device=device)[:, None], torch.arange(width, device=device)[None, :]
         blocked = (segment[:, None] != segment[None, :]) | (key > query)  # True: may not attend
         return {"position_ids": positions, "attention_mask": blocked[None, None]}
 
 
+def padding_routing(count: int, topk: int, num_experts: int, dtype: np.dtype) -> np.ndarray:
+    """Expert sets ``[count, topk]`` for ``count`` padding positions, which still pass through the routers and are
+    dispatched by the sets replay gives them. Position ``j`` takes experts ``j + i * (num_experts // topk)`` (mod
+    ``num_experts``), ``i < topk``: distinct, and spread evenly over the expert range, of which each expert-parallel
+    rank holds a contiguous block, so every position sends each rank its share (exactly, where the EP size divides
+    ``topk`` and ``topk`` divides ``num_experts``); and the offset ``j`` rotates, so every ``num_experts`` positions
+    give each expert ``topk`` tokens. Experts 0..topk-1 for all of them put the padding on one rank."""
+    offsets = np.arange(topk) * (num_experts // topk)
+    return ((np.arange(count)[:, None] + offsets) % num_experts).astype(dtype)
+
+
 def build_micro_batch(samples: list[Sample], advantages: list[float], weights: list[float], multiple: int,
-                      use_masks: bool, use_routing: bool, packed: bool = False) -> MicroBatch:
+                      use_masks: bool, routed_experts: int | None, packed: bool = False) -> MicroBatch:
     """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
-    sequence parallelism). ``use_masks``/``use_routing``: every sample carries kept sets / routing
-    (checked where the batch is planned, :class:`~moerl.trainer.distribute.BatchDistributor`)."""
+    sequence parallelism). ``use_masks``: every sample carries kept sets; ``routed_experts``: every sample carries
+    routing, and the model has this many routed experts, over which the padding's routing is spread
+    (:func:`padding_routing`); None: no routing (checked where the batch is planned,
+    :class:`~moerl.trainer.distribute.BatchDistributor`)."""
     fed = np.array([s.fed_len for s in samples])
     if packed:
         width = _round_up(int(fed.sum()), multiple)
@@ -196,11 +211,12 @@ def build_micro_batch(samples: list[Sample], advantages: list[float], weights: l
             start += int(s.mask_offsets[-1])
         batch.mask_offsets = cat(offsets)
         batch.mask_ids = cat([s.mask_ids for s in samples], torch.int32)  # kept sets are the bulk of the loss's inputs
-    if use_routing:
+    if routed_experts is not None:
         _, layers, topk = samples[0].routing.shape
-        # Padding positions still pass through the routers: give them a valid, distinct expert set.
-        routing = np.broadcast_to(np.arange(topk, dtype=samples[0].routing.dtype), (*input_ids.shape, layers, topk)).copy()
+        routing = np.empty((*input_ids.shape, layers, topk), dtype=samples[0].routing.dtype)
         for s, (row, col) in zip(samples, starts):
             routing[row, col : col + s.fed_len] = s.routing
+        padding = ~batch.real_positions()
+        routing[padding] = padding_routing(int(padding.sum()), topk, routed_experts, routing.dtype)[:, None]
         batch.routing = routing
     return batch

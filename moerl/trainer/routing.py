@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moerl.megatron.forward import host_to_device
 from moerl.megatron.parallel import collective_device
 from moerl.trainer.replay_trace import TracedSample, write_rank
 
@@ -66,11 +67,13 @@ class LocalRouters:
         over this rank's chunk)."""
         return tokens.view(-1, b, *tokens.shape[1:]).transpose(0, 1)
 
-    def replay_targets(self, routing: np.ndarray) -> list[torch.Tensor]:
-        """One int64 ``[s_local * b, topk]`` tensor per local router from ``[b, s, local routers, topk]`` (the
-        rollout routing of this rank's MoE layers only, as :mod:`moerl.trainer.distribute` delivers it)."""
-        ordered = self.token_order(routing)
-        return [torch.from_numpy(ordered[:, i].astype(np.int64)) for i in range(len(self.routers))]
+    def replay_targets(self, routing: np.ndarray, device: torch.device) -> list[torch.Tensor]:
+        """One int64 ``[s_local * b, topk]`` tensor per local router, on ``device``, from ``[b, s, local routers,
+        topk]`` (the rollout routing of this rank's MoE layers only, as :mod:`moerl.trainer.distribute` delivers
+        it). All routers' go in one copy that does not hold the host, in the rollout's dtype (uint8: an eighth of
+        int64's bytes), and are widened on the device."""
+        ordered = host_to_device(torch.from_numpy(np.ascontiguousarray(self.token_order(routing))), device)
+        return [ordered[:, i].long() for i in range(len(self.routers))]
 
 
 def replay_through_recompute() -> None:

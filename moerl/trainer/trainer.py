@@ -28,7 +28,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moerl.dtypes import torch_dtype
 from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, load_megatron_model, load_sharded, read_moerl_meta, save_sharded, write_moerl_meta
 from moerl.layout import Layout
-from moerl.megatron.forward import run_schedule
+from moerl.megatron.forward import host_to_device, run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
 from moerl.megatron.parallel import collective_device, on_lead
 from moerl.models import family_for
@@ -61,7 +61,7 @@ class Trainer:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         # LoRA adapts megatron-core's local linear layers; Transformer Engine's fused ones are not supported yet.
         self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, transformer_engine=None if self.lora is None else False,
-                                                    **overrides)
+                                                    ddp_main_grads=True, **overrides)
         _experts_own_optimizer(model)
         if self.lora is not None:
             add_lora(model, self.lora)  # before DDP: frozen weights get no gradient buffer and no optimizer state
@@ -120,7 +120,8 @@ class Trainer:
         def build(g: list[int], zero: bool = False) -> MicroBatch:
             return build_micro_batch([samples[i] for i in g], [0.0 if zero else float(piece.advantages[i]) for i in g],
                                      [0.0 if zero else float(piece.weights[i]) for i in g], multiple=self.layout.tp,
-                                     use_masks=use_masks, use_routing=piece.routing, packed=packed)
+                                     use_masks=use_masks, routed_experts=self.routers.num_experts if piece.routing else None,
+                                     packed=packed)
 
         batches = [build(g) for g in groups]
         for mb, g in zip(batches, groups):
@@ -151,9 +152,9 @@ class Trainer:
         @contextlib.contextmanager
         def around(mb: MicroBatch):
             if mode == "R3":
-                RouterReplay.set_replay_data([t.to(collective_device()) for t in self.routers.replay_targets(mb.routing)])
+                RouterReplay.set_replay_data(self.routers.replay_targets(mb.routing, collective_device()))
             elif mode == "R2-replay":
-                RouterReplay.set_replay_data([t.to(collective_device()) for t in mb.r2_targets])
+                RouterReplay.set_replay_data([host_to_device(t, collective_device()) for t in mb.r2_targets])
             yield
             if mode == "R2-record":  # kept in host memory between the passes, as R3's rollout routing is
                 mb.r2_targets = [t.to("cpu", copy=True) for t in RouterReplay.get_recorded_data()]
@@ -168,9 +169,9 @@ class Trainer:
 
     def score(self, batches: list[MicroBatch], into: str = "old", tracer: ReplayTracer | None = None) -> dict[str, np.ndarray] | None:
         """Forward-only pass with the current weights: fills each micro-batch's ``old`` (or ``ref``)
-        log-probs; returns per-MoE-layer routing agreement when the batches carry rollout routing.
-        Under R2 the ``old`` pass records the routing the training pass then replays. ``tracer``: takes the experts
-        used and the native ones."""
+        log-probs; the ``old`` pass returns per-MoE-layer routing agreement when the batches carry rollout routing
+        (else None). Under R2 the ``old`` pass records the routing the training pass then replays. ``tracer``: takes
+        the experts used and the native ones."""
         mode = {"off": None, "R2": "R2-record" if into == "old" else None, "R3": "R3"}[self.cfg.replay.routing]
         set_action({None: None, "R2-record": RouterReplayAction.RECORD, "R3": RouterReplayAction.REPLAY_FORWARD}[mode])
 
@@ -179,18 +180,20 @@ class Trainer:
             return logits.new_zeros(())
 
         self.model.eval()
-        probe = RoutingProbe(self.routers)
+        # The probe costs a gating GEMM and a wait for a copy to the host per router and micro-batch. Only the old
+        # pass of rollouts with routing has readers for it: the routing/ and load/ metrics, the mismatch split by
+        # routing (routing_differs) and the replay trace (whose tracer exists only for such a pass).
+        probe = RoutingProbe(self.routers) if into == "old" and batches[0].routing is not None else None
         try:
-            with torch.no_grad(), probe:
+            with torch.no_grad(), probe or contextlib.nullcontext():
                 run_schedule(self.model, batches, keep, forward_only=True, input_ids_of=lambda mb: mb.input_ids,
                              around_forward=self._routing_context(mode, training=False), extra_inputs=self._extra_inputs)
         finally:
             set_action(None)
-        if batches[0].routing is None:
+        if probe is None:
             return None
-        if into == "old":
-            for mb, differs in zip(batches, probe.differing_positions(batches)):
-                mb.routing_differs = differs.to(mb.rows.device)[mb.rows, mb.cols]
+        for mb, differs in zip(batches, probe.differing_positions(batches)):
+            mb.routing_differs = host_to_device(differs, mb.rows.device)[mb.rows, mb.cols]
         if tracer is not None:
             tracer.record("score", probe.used)
             tracer.record("native", probe.native)
@@ -521,6 +524,8 @@ def _fp32_output_layer(model) -> None:
     layer = getattr(model, "output_layer", None)
     if layer is None:  # not the last pipeline stage
         return
+    # The weight reaches the GEMM as an fp32 copy, which has no main_grad for a fused accumulation to add into.
+    layer.gradient_accumulation_fusion = False
     plain = layer.forward
 
     def forward(input_, weight=None, **kwargs):
