@@ -112,6 +112,48 @@ def test_a_checkpoint_in_the_previous_format_still_loads(tmp_path, monkeypatch):
     assert verify(hf, old) < 1e-4
 
 
+# ---- Transformer Engine's fusions -----------------------------------------------------------------------
+FUSIONS = ("apply_rope_fusion", "moe_permute_fusion", "gradient_accumulation_fusion")
+
+
+@pytest.mark.parametrize("apex", [True, False], ids=["apex", "no-apex"])
+def test_transformer_engines_fusions_are_on_where_it_builds_the_model(monkeypatch, apex):
+    """Where TE builds the model its fused RoPE and MoE permutation are on, and, for the trainer's model
+    (megatron-core's DDP gives its weights main_grad buffers), fused gradient accumulation where Apex's kernel is
+    there for the output layer, which megatron-core builds from its own linear layer. Local layers (no TE, or
+    LoRA's) keep all three off. TE is stood in for by the kernels megatron-core's config looks for: the config is
+    its own, validated."""
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core.tensor_parallel import layers as tp_layers
+
+    from moerl.layout import Layout
+    from moerl.megatron.model import model_config
+    from moerl.models import qwen_moe
+    from moerl.models.tiny import TINY_QWEN3
+
+    monkeypatch.setattr(qwen_moe, "te_usable", lambda: True)
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+        monkeypatch.setattr(moe_utils, name, object(), raising=False)
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", object())
+    monkeypatch.setattr(tp_layers, "_grad_accum_fusion_available", apex)
+    cfg = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
+
+    def fused(**kwargs) -> dict:
+        config = model_config(cfg, Layout(), **kwargs)
+        assert config.moe_enable_routing_replay and not config.moe_router_fusion  # replay as moerl needs it
+        return {name: getattr(config, name) for name in FUSIONS}
+
+    on = {"apply_rope_fusion": True, "moe_permute_fusion": True}
+    assert fused(ddp_main_grads=True) == {**on, "gradient_accumulation_fusion": apex}
+    assert fused() == {**on, "gradient_accumulation_fusion": False}
+    off = dict.fromkeys(FUSIONS, False)
+    assert fused(transformer_engine=False, ddp_main_grads=True) == off
+    monkeypatch.setattr(qwen_moe, "te_usable", lambda: False)
+    assert fused(ddp_main_grads=True) == off
+
+
 # ---- 6: weight-group ranks of tensor-parallel engines -------------------------------------------------
 def test_engines_take_as_many_group_ranks_as_their_tensor_parallel_size(monkeypatch):
     from moerl.engines.client import EngineClient
@@ -131,12 +173,15 @@ def test_engines_take_as_many_group_ranks_as_their_tensor_parallel_size(monkeypa
     monkeypatch.setattr(EngineClient, "server_info", server_info)
     monkeypatch.setattr(EngineClient, "init_weights_update_group", init)
     monkeypatch.setattr(broadcast, "join_weight_group", lambda backend, store, world, rank, name: ("group", world))
+    abandoned = []
+    monkeypatch.setattr(broadcast, "abandon_weight_group", abandoned.append)
     sync = broadcast.BroadcastSync(["http://a", "http://b"], "127.0.0.1", "gloo")
     try:
         sync.connect()
+        assert joined == {"world": 5, "offsets": [1, 3]} and sync.group == ("group", 5)
     finally:
         sync.close()
-    assert joined == {"world": 5, "offsets": [1, 3]} and sync.group == ("group", 5)
+    assert abandoned == [("group", 5)] and sync.group is None
 
 
 # ---- 7: LoRA in a bf16 engine --------------------------------------------------------------------------
@@ -264,6 +309,35 @@ def bf16_output_layer() -> dict:
     return {"dtype": logits.dtype, "logits": logits[0], "expected": expected[:, 0]}
 
 
+def test_the_fp32_output_layer_keeps_its_weight_gradient_unfused():
+    """With gradient accumulation fused (TE and Apex), the output layer's GEMM would add its weight gradient into the
+    main_grad of the weight it is given: the fp32 copy of the logits' computation has none, and the backward failed."""
+    (out,) = run_ranks(fused_accumulation_output_layer, 1)
+    assert out["built_fused"] and not out["fused"] and out["grad"]
+
+
+def fused_accumulation_output_layer() -> dict:
+    from megatron.core.tensor_parallel import layers as tp_layers
+
+    from moerl.layout import Layout
+    from moerl.megatron.model import build_model
+    from moerl.megatron.parallel import init_distributed
+    from moerl.models.tiny import TINY_QWEN3
+    from moerl.trainer.trainer import _fp32_output_layer
+
+    tp_layers._grad_accum_fusion_available = True  # as with Apex's kernel, which the backward below does not reach
+    init_distributed(Layout())
+    model = build_model(dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"]), Layout(), torch.bfloat16,
+                        gradient_accumulation_fusion=True)
+    built_fused = model.output_layer.gradient_accumulation_fusion
+    _fp32_output_layer(model)
+    logits, _ = model.output_layer(torch.randn(4, 1, TINY_QWEN3["hidden_size"], dtype=torch.bfloat16))
+    logits.sum().backward()
+    grad = model.output_layer.weight.grad
+    return {"built_fused": built_fused, "fused": model.output_layer.gradient_accumulation_fusion,
+            "grad": grad is not None and bool(grad.abs().sum() > 0)}
+
+
 # ---- megatron-core without Transformer Engine or Apex on a GPU (found on an H100) -----------------------
 def test_the_routers_gemm_works_without_transformer_engine_on_a_gpu_too(monkeypatch):
     """megatron-core's router_gating_linear tests a name only Transformer Engine's import binds: the first MoE
@@ -372,7 +446,9 @@ def test_the_30b_recipe_fits_and_its_terms_add_up():
     assert terms["optimizer state"] < 12 * plan.trainer.params / 2 + 1  # experts over expert-DP 2, the rest over DP 8
     assert plan.trainer.total < 0.9 * 80 * 2**30
     lora = _plan("lora.enabled=true", "lora.rank=16", "sync.method=disk")
-    assert lora.trainer.trainable < plan.trainer.params / 20 and lora.trainer.total < plan.trainer.total / 2
+    # LoRA trains megatron-core's local attention: what it saves in gradients and Adam's state, its s x s scores take back.
+    scores = lora.trainer.terms["attention scores (s x s)"]
+    assert lora.trainer.trainable < plan.trainer.params / 20 and lora.trainer.total - scores < plan.trainer.total / 2
     # The plan counts the modules lora.targets names, as add_lora adapts them: attention alone trains far less.
     attention = _plan("lora.enabled=true", "lora.rank=16", "sync.method=disk", "lora.targets=[linear_qkv,linear_proj]")
     assert 0 < attention.trainer.trainable < lora.trainer.trainable / 10
@@ -380,15 +456,17 @@ def test_the_30b_recipe_fits_and_its_terms_add_up():
 
 def test_the_plan_counts_the_loss_inputs_of_a_step_kept_sets_included():
     """The loss's inputs stay on a rank's device for a whole piece (a sync step is one): at most every response of the
-    step at max_new_tokens, over dense data parallelism, 73 bytes a token and 4 for each id of its kept set."""
+    step at max_new_tokens, over dense data parallelism, 73 bytes a token and 4 for each id of its kept set. At 32K-token
+    responses the recipe's logits need TP4 (tests/test_memory_plan.py), on 32 ranks to keep dense data parallelism 8."""
     term = "loss inputs (a step, at most)"
-    tokens = 32 * 8 * 32768 / 8  # the recipe's 32 x 8 responses over 16 ranks at TP2: 8 data-parallel ranks
-    narrow = _plan("rollout.max_new_tokens=32768")  # the recipe's top_k, 64
+    tokens = 32 * 8 * 32768 / 8  # the recipe's 32 x 8 responses over 32 ranks at TP4: 8 data-parallel ranks
+    layout = ("rollout.max_new_tokens=32768", "trainer.tp=4", "run.trainer_ranks=32")
+    narrow = _plan(*layout)  # the recipe's top_k, 64
     assert narrow.trainer.terms[term] == tokens * (73 + 4 * 64) and not narrow.problems
-    wide = _plan("rollout.max_new_tokens=32768", "rollout.top_k=4096")
-    assert wide.trainer.terms[term] == tokens * (73 + 4 * 4096)  # 16 GiB: the rank no longer fits
-    assert any("a trainer rank needs" in p for p in wide.problems)
-    unmasked = _plan("rollout.max_new_tokens=32768", "rollout.top_k=4096", "trainer.replay.sampling_mask=false")
+    wide = _plan(*layout, "rollout.top_k=8192")
+    assert wide.trainer.terms[term] == tokens * (73 + 4 * 8192)  # 32 GiB: the rank no longer fits
+    assert any("a trainer rank needs" in p and "the largest term is loss inputs" in p for p in wide.problems)
+    unmasked = _plan(*layout, "rollout.top_k=8192", "trainer.replay.sampling_mask=false")
     assert unmasked.trainer.terms[term] == tokens * 73 and not unmasked.problems
 
 

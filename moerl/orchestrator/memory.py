@@ -3,10 +3,14 @@ alone, checked before anything is launched.
 
 Per trainer rank (the worst pipeline stage): the model's weights in the training dtype, fp32 gradient
 buffers, Adam's state (an fp32 master copy when training in bf16, and two moments), divided over data
-parallelism by the distributed optimizer, the KL reference's copy of the weights, an estimate of one
-micro-batch's activations, and the loss's inputs for a whole step at most (kept sets included). Per engine GPU:
-the weights and the KV cache left within SGLang's ``mem_fraction_static``. The plan is for GPUs of ``run.device_memory_gb`` (default: the visible GPU's
-memory, else 80 GB), with ``auto`` dtypes meaning bf16 as they do on a GPU, so it can be made anywhere.
+parallelism by the distributed optimizer, the KL reference's copy of the weights, and the loss's inputs for a
+whole step at most (kept sets included). Then what the largest micro-batch the config allows holds: a sample
+longer than ``micro_batch_tokens`` is a micro-batch of its own, so that is ``max(micro_batch_tokens, prompt +
+max_new_tokens)`` tokens: an estimate of its activations, the fp32 logits' copies, and, where megatron-core's
+local attention computes it (no Transformer Engine), the ``s x s`` attention scores. Per engine GPU: the
+weights and the KV cache left within SGLang's ``mem_fraction_static``, and outside it the communicators of a
+broadcast weight sync. The plan is for GPUs of ``run.device_memory_gb`` (default: the visible GPU's memory,
+else 80 GB), with ``auto`` dtypes meaning bf16 as they do on a GPU, so it can be made anywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from moerl.errors import ConfigError
+from moerl.weight_sync.broadcast import MAX_GROUPS_PER_ENGINE
 
 GIB = 1 << 30
 USABLE = 0.9  # of a trainer GPU: the CUDA context, NCCL buffers and fragmentation take the rest
@@ -24,6 +29,26 @@ USABLE = 0.9  # of a trainer GPU: the CUDA context, NCCL buffers and fragmentati
 # adds 4 bytes (int32).
 LOSS_BYTES_PER_TOKEN = 6 * 8 + 6 * 4 + 1
 KEPT_ID_BYTES = 4
+# A prompt's length, which no key bounds (an engine takes any up to the model's context less max_new_tokens): the
+# longest sample is taken as this plus max_new_tokens, within the context. The GSM8K recipe's prompts, chat template
+# and system prompt included, are a few hundred tokens at most.
+PROMPT_TOKENS = 2048
+# Per element of one layer's [b, heads/tp, s, s] scores in megatron-core's local attention (DotProductAttention and
+# FusedScaleMaskSoftmax's torch path), by training dtype, as measured on the CPU (tests/test_memory_plan.py): the
+# preallocated "mpu" buffer, which persists (baddbmm allocates its own output beside it); what each layer keeps for the
+# backward (the fp32 softmax output, and in bf16 its bf16 cast); and one layer's transients (bf16: the scores and their
+# fp32 copy; fp32: the backward's three gradients).
+SCORE_BYTES = {2: {"buffer": 2, "kept": 6, "transient": 6}, 4: {"buffer": 4, "kept": 4, "transient": 12}}
+# The [s, s] causal mask megatron-core builds per layer on a GPU when none is given (padded micro-batches): fp32 ones
+# and their triu (8 bytes an element, transient), cast to a bool mask that the layer keeps for its backward.
+CAUSAL_MASK_TRANSIENT_BYTES = 8
+# A broadcast weight sync's NCCL communicators, on each engine GPU and outside mem_fraction_static. Each is assumed to
+# hold NCCL's default buffers: NCCL_BUFFSIZE (4 MiB) per channel per peer, on up to 32 channels (NCCL_MAX_CTAS's
+# default; NVLink rings on H100s open that many), to its two ring neighbours: 256 MiB.
+NCCL_BUFFER_BYTES = 4 << 20
+NCCL_CHANNELS = 32
+NCCL_RING_PEERS = 2
+COMMUNICATOR_BYTES = NCCL_BUFFER_BYTES * NCCL_CHANNELS * NCCL_RING_PEERS
 TP_SPLIT = (".linear_qkv.", ".linear_proj.", ".linear_fc1.", ".linear_fc2.", "word_embeddings.", "output_layer.")
 
 
@@ -39,19 +64,43 @@ class RankMemory:
 
 
 @dataclass
+class MicroBatchShape:
+    """The largest micro-batch the config allows: ``tokens`` in all (padding included), in rows of up to ``width``."""
+    tokens: int
+    width: int
+    longest: int  # the longest sample: a prompt of PROMPT_TOKENS and max_new_tokens, within the model's context
+    logits_copies: int
+    local_attention: bool
+
+
+@dataclass
 class MemoryPlan:
     device_bytes: float
     trainer: RankMemory
     engine_weights: float  # bytes per engine GPU
     engine_kv_tokens: int  # tokens of KV cache each replica holds
     problems: list[str]
+    micro_batch: MicroBatchShape
+    senders: int = 0  # trainer ranks that each form a weight-sync group with every engine (broadcast sync)
+    communicators: float = 0.0  # bytes of those groups' communicators per engine GPU, as many as it may hold
 
     def table(self) -> str:
+        mb = self.micro_batch
+        attention = ("megatron-core's local attention (s x s scores)" if mb.local_attention
+                     else "Transformer Engine's (no s x s scores)")
         lines = [f"memory plan (device {self.device_bytes / GIB:.0f} GiB; trainer ranks use up to {USABLE:.0%}):",
-                 f"  trainer rank: {self.trainer.params:,} parameters ({self.trainer.trainable:,} trained)"]
-        lines += [f"    {name:<22}{_size(value):>12}" for name, value in self.trainer.terms.items()]
-        lines.append(f"    {'total':<22}{_size(self.trainer.total):>12}")
-        lines.append(f"  engine GPU: weights {_size(self.engine_weights)}, KV cache for {self.engine_kv_tokens:,} tokens per replica")
+                 f"  trainer rank: {self.trainer.params:,} parameters ({self.trainer.trainable:,} trained)",
+                 f"  largest micro-batch: {mb.tokens:,} tokens in rows of up to {mb.width:,}; longest sample "
+                 f"{mb.longest:,} tokens (a prompt taken as {PROMPT_TOKENS:,} + rollout.max_new_tokens, within the "
+                 "model's context)",
+                 f"  {mb.logits_copies} fp32 logits copies; attention: {attention}"]
+        lines += [f"    {name:<30}{_size(value):>12}" for name, value in self.trainer.terms.items()]
+        lines.append(f"    {'total':<30}{_size(self.trainer.total):>12}")
+        lines.append(f"  engine GPU: weights {_size(self.engine_weights)}, KV cache for {self.engine_kv_tokens:,} "
+                     "tokens per replica")
+        if self.senders:
+            lines.append(f"    weight-sync communicators {_size(self.communicators)}, outside mem_fraction_static: "
+                         f"{self.senders} sender(s) x {MAX_GROUPS_PER_ENGINE} groups x {COMMUNICATOR_BYTES >> 20} MiB")
         return "\n".join(lines)
 
 
@@ -122,7 +171,11 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     }
     if t.loss.kl_coef:
         terms["KL reference"] = trained * dtype_bytes
-    terms["activations (est.)"] = _activations(mc, t, layout, dtype_bytes)
+    mb = largest_micro_batch(cfg, mc)
+    terms["activations (est.)"] = _activations(mc, t, layout, dtype_bytes, mb.tokens)
+    terms["logits (fp32)"] = _logits(mc, layout, dtype_bytes, mb)
+    if mb.local_attention:
+        terms["attention scores (s x s)"] = _attention_scores(mc, t, layout, dtype_bytes, mb)
     r = cfg.rollout
     step_tokens = r.groups_per_step * r.samples_per_prompt * r.max_new_tokens / dense_dp  # every response at its longest
     terms["loss inputs (a step, at most)"] = step_tokens * (LOSS_BYTES_PER_TOKEN + KEPT_ID_BYTES * r.top_k * t.replay.sampling_mask)
@@ -145,6 +198,11 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     kv_budget = e.mem_fraction_static * device - engine_weights
     kv_tokens = max(0, int(kv_budget // kv_per_token))
     group_tokens = cfg.rollout.samples_per_prompt * cfg.rollout.max_new_tokens
+    # Each sender (sends_weights: every pipeline stage's expert-parallel ranks) has a group with every engine GPU.
+    senders = layout.pp * layout.ep if cfg.sync.method == "broadcast" else 0
+    communicators = senders * MAX_GROUPS_PER_ENGINE * COMMUNICATOR_BYTES
+    floor = group_tokens * kv_per_token  # the least KV cache a replica may hold: one group's completions
+    needed = engine_weights + floor + communicators
     if e.urls:
         pass  # engines running elsewhere: their memory is theirs
     elif kv_budget <= 0:
@@ -154,27 +212,89 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
         problems.append(f"an engine replica's KV cache holds {kv_tokens:,} tokens, fewer than one group's completions "
                         f"({cfg.rollout.samples_per_prompt} x {cfg.rollout.max_new_tokens}): raise engines.gpus_per_replica "
                         "or engines.mem_fraction_static, or lower rollout.max_new_tokens")
-    return MemoryPlan(device, rank, engine_weights, kv_tokens, problems)
+    elif needed > device:
+        problems.append(f"an engine GPU needs {needed / GIB:.1f} GiB of {device_memory_gb:g} GiB: weights "
+                        f"{engine_weights / GIB:.1f} GiB, the KV cache of one group's completions "
+                        f"{floor / GIB:.1f} GiB and {_size(communicators)} of weight-sync "
+                        f"communicators ({senders} senders x {MAX_GROUPS_PER_ENGINE} groups): raise "
+                        "engines.gpus_per_replica, lower rollout.max_new_tokens, send from fewer ranks (trainer.ep, "
+                        "trainer.pp) or set sync.method=disk")
+    elif communicators > (1 - e.mem_fraction_static) * device:
+        problems.append(f"an engine GPU's {_size(communicators)} of weight-sync communicators ({senders} senders x "
+                        f"{MAX_GROUPS_PER_ENGINE} groups) do not fit beside engines.mem_fraction_static="
+                        f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: lower it to at most "
+                        f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
+                        f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk")
+    return MemoryPlan(device, rank, engine_weights, kv_tokens, problems, mb, senders, communicators)
 
 
-def _activations(mc: dict, t, layout, dtype_bytes: int) -> float:
-    """One micro-batch of ``micro_batch_tokens`` tokens, kept for the backward pass (an estimate): per layer,
-    megatron's ~34 bytes per hidden unit per token (split over TP by sequence parallelism) plus the routed
-    experts' inputs and outputs for top-k of the tokens; or, with full recompute, each layer's input plus
-    one layer at a time. Plus the fp32 logits and their gradient, and, training in bf16, the output layer's fp32 copy
-    of its weight and that copy's gradient (log-probs are taken in fp32). 1F1B keeps up to ``pp`` micro-batches."""
-    tokens, hidden = t.micro_batch_tokens, mc["hidden_size"]
+def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
+    """The largest micro-batch ``cfg`` allows. The packer fills a micro-batch up to ``micro_batch_tokens`` (padding
+    included), and a sample longer than that is a micro-batch of its own; rows are rounded up to a multiple of the TP
+    size. A padded micro-batch's rows are at most the longest sample; a packed one is a single row."""
+    t = cfg.trainer
+    longest = min(PROMPT_TOKENS + cfg.rollout.max_new_tokens, mc.get("max_position_embeddings", math.inf))
+    longest = -(-int(longest) // t.tp) * t.tp
+    tokens = max(t.micro_batch_tokens, longest)
+    # The logits copies at their peak (the loss's forward; its backward holds as many): the output layer's [s, b, V/tp],
+    # GPTModel's transposed contiguous copy, the response rows gathered and their division by the temperature
+    # (Trainer._scores). full_logprobs adds the shifted rows' exp, entropy() three more [T, V/tp]: the shifted rows,
+    # their exp and the product. Every copy is counted at the micro-batch's size: a response fills all but its prompt.
+    copies = 3 + (not t.replay.sampling_mask) + 3 * bool(t.loss.entropy_coef)
+    return MicroBatchShape(tokens, tokens if t.micro_batch_format == "packed" else longest, longest, copies,
+                           local_attention(cfg))
+
+
+def local_attention(cfg) -> bool:
+    """Whether the trainer computes attention with megatron-core's local DotProductAttention, which materialises the
+    ``[b, heads/tp, s, s]`` scores: with LoRA (it adapts the local layers only: the trainer builds them), or where the
+    plan is made on a CUDA machine without a usable Transformer Engine (the trainer would build the same). A plan made
+    without CUDA takes full fine-tuning to run on Transformer Engine's attention, as the GPU path does."""
+    if cfg.lora.enabled:
+        return True
+    import torch
+
+    from moerl.models.qwen_moe import te_usable
+
+    return torch.cuda.is_available() and not te_usable()
+
+
+def _activations(mc: dict, t, layout, dtype_bytes: int, tokens: int) -> float:
+    """One micro-batch of ``tokens`` tokens, kept for the backward pass (an estimate): per layer, megatron's ~34 bytes
+    per hidden unit per token (split over TP by sequence parallelism) plus the routed experts' inputs and outputs for
+    top-k of the tokens; or, with full recompute, each layer's input plus one layer at a time. 1F1B keeps up to ``pp``
+    micro-batches."""
+    hidden = mc["hidden_size"]
     per_layer = tokens * hidden * 34 / layout.tp * dtype_bytes / 2
     per_layer += tokens * mc["num_experts_per_tok"] * (3 * mc["moe_intermediate_size"] + 2 * hidden) * dtype_bytes
     layers = mc["num_hidden_layers"] // layout.pp
     kept = layers * tokens * hidden * dtype_bytes / layout.tp + per_layer if t.recompute else layers * per_layer
-    logits = 2 * tokens * mc["vocab_size"] / layout.tp * 4
-    if dtype_bytes == 2:
-        logits += 2 * mc["vocab_size"] / layout.tp * hidden * 4
-    return kept * min(layout.pp, 2) + logits
+    return kept * min(layout.pp, 2)
+
+
+def _logits(mc: dict, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
+    """The fp32 logits' copies (:func:`largest_micro_batch`), each ``[tokens, V/tp]``, and, training in bf16, the
+    output layer's fp32 copy of its weight and that copy's gradient (log-probs are taken in fp32)."""
+    vocab = mc["vocab_size"] / layout.tp
+    weight = 2 * vocab * mc["hidden_size"] * 4 if dtype_bytes == 2 else 0
+    return mb.logits_copies * mb.tokens * vocab * 4 + weight
+
+
+def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
+    """megatron-core's local attention: per layer ``heads/tp x b x s x s`` scores, at most ``tokens x width`` per head
+    (:data:`SCORE_BYTES`), kept by every layer of the stage (1F1B: by up to two micro-batches, as for the activations)
+    or, with full recompute, by one layer at a time; and the ``[s, s]`` masks: megatron-core's causal mask for a padded
+    micro-batch (:data:`CAUSAL_MASK_TRANSIENT_BYTES`, a bool mask kept per layer), the explicit one of a packed
+    micro-batch (one bool mask for every layer)."""
+    layers = 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
+    per = SCORE_BYTES[dtype_bytes]
+    scores = mc["num_attention_heads"] / layout.tp * mb.tokens * mb.width
+    masks = mb.width ** 2 * (1 if t.micro_batch_format == "packed" else layers + CAUSAL_MASK_TRANSIENT_BYTES)
+    return scores * (per["buffer"] + per["kept"] * layers + per["transient"]) + masks
 
 
 def _remedy(term: str) -> str:
+    longest = "rollout.max_new_tokens (a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)"
     return {
         "weights": "shard the model over more GPUs (raise trainer.ep for the experts, trainer.tp or trainer.pp), or train "
                    "LoRA adapters (lora.enabled=true)",
@@ -182,7 +302,14 @@ def _remedy(term: str) -> str:
         "optimizer state": "keep trainer.optim.distributed_optimizer=true and add data parallelism (more trainer GPUs: "
                            "run.trainer_ranks, more nodes), or shard further (trainer.ep, trainer.tp, trainer.pp)",
         "KL reference": "set trainer.loss.kl_coef=0 (no reference model) or shard the model further",
-        "activations (est.)": "set trainer.recompute=true or lower trainer.micro_batch_tokens",
+        "activations (est.)": f"set trainer.recompute=true, or lower trainer.micro_batch_tokens or {longest}",
+        "logits (fp32)": f"raise trainer.tp (it splits the vocabulary), or lower trainer.micro_batch_tokens or "
+                         f"{longest}; trainer.loss.entropy_coef=0 and trainer.replay.sampling_mask=true hold fewer "
+                         "copies",
+        "attention scores (s x s)": "train on Transformer Engine's attention (full fine-tuning where "
+                                    "transformer_engine is installed: LoRA runs megatron-core's local attention), set "
+                                    "trainer.recompute=true, trainer.micro_batch_format=padded or raise trainer.tp, or "
+                                    f"lower trainer.micro_batch_tokens or {longest}",
         "loss inputs (a step, at most)": "lower rollout.top_k (4 bytes a response token for each id of its kept set), "
                                          "rollout.max_new_tokens or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",
     }[term]

@@ -1,0 +1,270 @@
+"""The memory plan's terms for the largest micro-batch and the weight sync's communicators: each term that the CPU can
+show is checked against the bytes the real code allocates for it, counted tensor by tensor on a gloo rank."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from moerl.megatron.launch import run_ranks
+from tests.test_gpu_path import QWEN3_30B, REPO, _plan
+
+GIB = 1 << 30
+
+
+class PeakBytes(TorchDispatchMode):
+    """The bytes of the tensor storages made under it, at their peak: a storage counts from the op that makes it until
+    it is freed (torch keeps one Python object per storage, which dies with it). Deterministic, unlike the process's
+    resident memory, which the allocator's caching and the OS blur."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.storages = 0, 0, set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.storages.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and key not in self.storages:  # not a view or an in-place op's output
+                    self.storages.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, key, nbytes)
+        return out
+
+
+LOGITS_MODEL = dict(vocab_size=8192, hidden_size=32, num_hidden_layers=1, mlp_only_layers=[],
+                    max_position_embeddings=256)
+ROWS, WIDTH = 2, 256  # the measured micro-batch: two responses of 256 tokens after a one-token prompt
+
+
+def logits_peaks(cases: list[tuple[bool, bool]]) -> list[int]:
+    """On a rank: per (sampling_mask, entropy) case, the peak bytes of the trainer's logits path in bf16, from the
+    hidden states onwards: megatron-core's output layer (fp32, as the trainer sets it) and GPTModel's post-processing,
+    the trainer's scores of the response tokens, the loss and its backward."""
+    from types import SimpleNamespace
+
+    from moerl.layout import Layout
+    from moerl.megatron.model import build_model
+    from moerl.megatron.parallel import init_distributed
+    from moerl.models.tiny import TINY_QWEN3
+    from moerl.sample import Sample
+    from moerl.trainer.batch import build_micro_batch
+    from moerl.trainer.logprobs import entropy
+    from moerl.trainer.trainer import Trainer, _fp32_output_layer
+
+    init_distributed(Layout())
+    config = dict(TINY_QWEN3, **LOGITS_MODEL, architectures=["Qwen3MoeForCausalLM"])
+    model = build_model(config, Layout(), torch.bfloat16)
+    _fp32_output_layer(model)
+    model.train()
+    rng = np.random.default_rng(0)
+    vocab, peaks = LOGITS_MODEL["vocab_size"], []
+    for sampling_mask, with_entropy in cases:
+        samples = []
+        for _ in range(ROWS):
+            ids = rng.integers(0, vocab, WIDTH).astype(np.int32)
+            kept = np.stack([ids, (ids + 1) % vocab], 1).reshape(-1).astype(np.int32)  # two ids a token
+            zeros = np.zeros(WIDTH, np.float32)
+            samples.append(Sample(prompt_ids=np.ones(1, np.int32), response_ids=ids, behaviour_logprobs=zeros,
+                                  versions=np.zeros(WIDTH, np.int64), selected_logprobs=zeros,
+                                  mask_offsets=np.arange(WIDTH + 1, dtype=np.int64) * 2, mask_ids=kept))
+        mb = build_micro_batch(samples, [1.0] * ROWS, [1.0] * ROWS, multiple=1, use_masks=sampling_mask,
+                               routed_experts=None)
+        trainer = SimpleNamespace(cfg=SimpleNamespace(replay=SimpleNamespace(sampling_mask=sampling_mask)))
+        hidden = torch.randn(WIDTH, ROWS, LOGITS_MODEL["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
+        with PeakBytes() as counted:
+            logits = model._postprocess(hidden, None, None, None, None, None, None)
+            new, rows = Trainer._scores(trainer, logits, mb)
+            loss = (mb.weights * new).sum()
+            if with_entropy:
+                loss = loss - (mb.weights * entropy(rows)).sum()
+            del logits, new, rows  # as the schedule lets go of them: only autograd holds them now
+            loss.backward()
+        peaks.append(counted.peak)
+    return peaks
+
+
+ATTENTION_MODEL = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512)
+SEQ = 512
+
+
+def attention_peaks(cases: list[tuple[str, bool, int]]) -> list[int]:
+    """On a rank: per (dtype, packed, layers) case, the peak bytes of ``layers`` of megatron-core's local attention
+    (DotProductAttention, as the local layer spec builds it), run forward one after another and then backward, on one
+    row of ``SEQ`` tokens; packed, with the explicit mask of a micro-batch of two samples (MicroBatch.packed_inputs)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from moerl.layout import Layout
+    from moerl.megatron.parallel import init_distributed
+    from moerl.models import family_for
+    from moerl.models.tiny import TINY_QWEN3
+    from moerl.trainer.batch import MicroBatch
+
+    init_distributed(Layout())
+    cfg = dict(TINY_QWEN3, **ATTENTION_MODEL, architectures=["Qwen3MoeForCausalLM"])
+    family = family_for(cfg)
+    heads, groups, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    peaks = []
+    for dtype_name, packed, layers in cases:
+        dtype = getattr(torch, dtype_name)
+        config = family.transformer_config(cfg, Layout(), dtype)
+        attention = [DotProductAttention(config, layer_number=i + 1, attn_mask_type=AttnMaskType.causal,
+                                         attention_type="self") for i in range(layers)]
+        query = torch.randn(SEQ, 1, heads, dim, dtype=dtype, requires_grad=True)
+        key, value = (torch.randn(SEQ, 1, groups, dim, dtype=dtype, requires_grad=True) for _ in range(2))
+        half = SEQ // 2
+        mb = MicroBatch(torch.zeros(1, SEQ, dtype=torch.long), *(None,) * 9, fed_lengths=[half, half],
+                        cu_seqlens=torch.tensor([0, half, SEQ], dtype=torch.int32))
+        with PeakBytes() as counted:
+            mask = mb.packed_inputs(torch.device("cpu"), thd=False)["attention_mask"] if packed else None
+            out = query
+            for layer in attention:
+                out = layer(out, key, value, mask).view(SEQ, 1, heads, dim)
+            out.float().sum().backward()
+        peaks.append(counted.peak)
+    return peaks
+
+
+def _tiny_plan(model: dict, *overrides: str):
+    from moerl.models.tiny import TINY_QWEN3
+    from moerl.orchestrator import memory
+    from moerl.orchestrator.config import load_config
+
+    cfg = load_config(None, ["trainer.dtype=bfloat16", "rollout.max_new_tokens=64", *overrides])
+    return memory.plan(cfg, dict(TINY_QWEN3, **model, architectures=["Qwen3MoeForCausalLM"]), 1, 80.0)
+
+
+LOGITS_CASES = [(True, False), (False, False), (True, True), (False, True)]
+
+
+@pytest.fixture(scope="module")
+def measured_logits() -> dict:
+    return dict(zip(LOGITS_CASES, run_ranks(logits_peaks, 1, LOGITS_CASES)[0]))
+
+
+@pytest.mark.parametrize("sampling_mask, with_entropy", LOGITS_CASES)
+def test_the_logits_term_is_what_the_logits_path_allocates(measured_logits, sampling_mask, with_entropy):
+    """3 fp32 copies of [tokens, V/tp] over the kept sets (the output layer's, GPTModel's transposed one, the response
+    rows divided by their temperature), 4 over the full vocabulary, 3 more with the entropy; within 5% of the peak the
+    path reaches (the plan also counts the output layer's fp32 weight copy's gradient, made once the logits are
+    gone)."""
+    plan = _tiny_plan(LOGITS_MODEL, f"trainer.micro_batch_tokens={ROWS * WIDTH}",
+                      f"trainer.replay.sampling_mask={str(sampling_mask).lower()}",
+                      f"trainer.loss.entropy_coef={0.01 * with_entropy}")
+    assert plan.micro_batch.tokens == ROWS * WIDTH  # the sample is capped by the context, 256
+    assert plan.micro_batch.logits_copies == 3 + (not sampling_mask) + 3 * with_entropy
+    measured = measured_logits[(sampling_mask, with_entropy)]
+    assert measured <= plan.trainer.terms["logits (fp32)"] <= 1.05 * measured
+
+
+ATTENTION_CASES = [(dtype, packed, layers) for dtype in ("bfloat16", "float32") for packed in (False, True)
+                   for layers in (1, 3)]
+
+
+@pytest.fixture(scope="module")
+def measured_attention() -> dict:
+    return dict(zip(ATTENTION_CASES, run_ranks(attention_peaks, 1, ATTENTION_CASES)[0]))
+
+
+@pytest.mark.parametrize("dtype, packed, layers", ATTENTION_CASES)
+def test_the_attention_scores_term_is_what_local_attention_allocates(measured_attention, dtype, packed, layers):
+    """megatron-core's local attention (LoRA's) at a [1, 4 heads, 512, 512] shape: the plan's s x s term for a stage of
+    ``layers`` layers without recompute, and with recompute (one layer's at a time) for one layer's, is within 5% below
+    the measured peak (the query, key and value sized tensors, counted with the activations, are in it too) and 20%
+    above. The plan adds megatron-core's per-layer causal masks of a padded micro-batch as a GPU builds them (fp32, then
+    bool); on the CPU one cached bool mask stands in, so the padded terms run higher."""
+    fmt = "packed" if packed else "padded"
+    for recompute, measured_layers in ((False, layers), (True, 1)):
+        plan = _tiny_plan(dict(ATTENTION_MODEL, num_hidden_layers=layers), "lora.enabled=true",
+                          f"trainer.dtype={dtype}", f"trainer.micro_batch_tokens={SEQ}",
+                          f"trainer.micro_batch_format={fmt}", f"trainer.recompute={str(recompute).lower()}")
+        assert plan.micro_batch.local_attention and (plan.micro_batch.tokens, plan.micro_batch.width) == (SEQ, SEQ)
+        measured = measured_attention[(dtype, packed, measured_layers)]
+        assert 0.95 * measured <= plan.trainer.terms["attention scores (s x s)"] <= 1.2 * measured
+
+
+def test_transformer_engine_attention_has_no_scores_term_and_lora_or_a_gpu_without_it_has(monkeypatch):
+    """The trainer builds megatron-core's local layers for LoRA, and on a GPU where Transformer Engine is not usable; a
+    plan made without CUDA takes full fine-tuning to run on Transformer Engine's attention."""
+    from moerl.models import qwen_moe
+    from moerl.orchestrator import memory
+    from moerl.orchestrator.config import load_config
+
+    full, lora = _plan(), _plan("lora.enabled=true", "sync.method=disk")
+    assert "attention scores (s x s)" not in full.trainer.terms
+    assert "Transformer Engine's (no s x s scores)" in full.table()
+    assert lora.trainer.terms["attention scores (s x s)"] > 20 * GIB  # 16 heads a TP rank, 16,384 x 6,144 tokens a head
+    assert "megatron-core's local attention" in lora.table()
+    cfg = load_config(REPO / "recipes" / "qwen3_30b_a3b.yaml", [f"model.path={QWEN3_30B}", "engines.urls=[]"])
+    assert not memory.local_attention(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(qwen_moe, "te_usable", lambda: False)
+    assert memory.local_attention(cfg)
+
+
+def test_a_32k_response_is_a_micro_batch_of_its_own_and_sizes_the_terms():
+    """At rollout.max_new_tokens=32768 the longest sample (the response and a prompt taken as 2,048 tokens) is 34,816
+    tokens, more than the recipe's 16,384-token budget: a micro-batch of its own, by which the activations and logits
+    are sized; at max_new_tokens 4096 the budget sizes them."""
+    budget, long = _plan(), _plan("rollout.max_new_tokens=32768")
+    assert (budget.micro_batch.tokens, long.micro_batch.tokens) == (16384, 34816)
+    assert long.micro_batch.width == 34816 and budget.micro_batch.width == 6144  # padded rows: the longest sample
+    activations = "activations (est.)"
+    assert long.trainer.terms[activations] == pytest.approx(budget.trainer.terms[activations] * 34816 / 16384)
+    vocab = 151936 / 2  # over TP2
+    assert long.trainer.terms["logits (fp32)"] == 3 * 34816 * vocab * 4 + 2 * vocab * 2048 * 4
+
+
+def test_the_30b_recipe_at_32k_responses_is_refused_for_its_logits_and_fits_at_tp4():
+    plan = _plan("rollout.max_new_tokens=32768")
+    assert 84 * GIB < plan.trainer.total < 85 * GIB  # it was 60.3 GiB: micro_batch_tokens alone, two logits copies
+    (problem,) = plan.problems
+    assert "the largest term is logits (fp32) at 30.7 GiB" in problem and "raise trainer.tp" in problem
+    assert "(a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)" in problem
+    wider = _plan("rollout.max_new_tokens=32768", "trainer.tp=4", "run.trainer_ranks=32")
+    assert not wider.problems and wider.trainer.total < 55 * GIB
+
+
+def test_the_weight_sync_communicators_are_an_engine_term():
+    """Each sender (the recipe's 8 expert-parallel ranks of its one stage) forms a group with every engine GPU, again
+    after each failed push: 8 x (1 + 3) communicators of 256 MiB, outside mem_fraction_static."""
+    from moerl.orchestrator.memory import COMMUNICATOR_BYTES, MAX_GROUPS_PER_ENGINE
+
+    assert COMMUNICATOR_BYTES == 256 << 20 and MAX_GROUPS_PER_ENGINE == 4
+    plan = _plan()
+    assert (plan.senders, plan.communicators) == (8, 8 * GIB)
+    assert ("weight-sync communicators 8.0 GiB, outside mem_fraction_static: 8 sender(s) x 4 groups x 256 MiB"
+            in plan.table())
+    staged = _plan("trainer.pp=2", "run.trainer_ranks=32")
+    assert staged.senders == 16
+    disk = _plan("sync.method=disk")
+    assert disk.communicators == 0 and "communicators" not in disk.table()
+
+
+def test_engines_refuse_communicators_that_do_not_fit():
+    """Beside mem_fraction_static: the plan says how far to lower it (the KV cache of one group still fits down to
+    weights and that floor); past the device: weights, the KV floor and the communicators together."""
+    tight = _plan("engines.mem_fraction_static=0.92")
+    (problem,) = tight.problems
+    assert "8.0 GiB of weight-sync communicators (8 senders x 4 groups) do not fit" in problem
+    assert "lower it to at most 0.90 (one group's KV cache fits down to 0.37)" in problem
+    # 6 stages x 8 expert-parallel ranks send: 48 GiB of communicators beside 28.4 GiB of weights and a 12 GiB KV floor.
+    many = _plan("trainer.pp=6", "run.trainer_ranks=96", "rollout.max_new_tokens=32768")
+    (problem,) = [p for p in many.problems if "engine GPU" in p]
+    assert problem.startswith("an engine GPU needs 88.4 GiB of 80 GiB")
+    assert "48.0 GiB of weight-sync communicators" in problem and "sync.method=disk" in problem
+    given = _plan("engines.mem_fraction_static=0.92", "engines.urls=[http://node3:30000]")  # engines elsewhere: theirs
+    assert not given.problems and "weight-sync communicators 8.0 GiB" in given.table()
