@@ -224,3 +224,72 @@ def test_client_raises_the_engines_message_on_a_refusal(server, shape):
     # ... and a body the contract refuses is never sent.
     with pytest.raises(ProtocolError, match=r"top_p: Input should be greater than 0"):
         run(go([1, 2], {"top_p": 0}))
+
+
+# ---- the prefix cache -------------------------------------------------------------------------------------------------
+LONG_PROMPT = [3, 17, 42, 99, 7, 11, 12, 13, 200, 5, 9, 31, 64, 2]
+
+
+def _prompt_routing(model, prompt) -> np.ndarray:
+    """The MoE layers' expert sets of a fresh forward of ``prompt`` alone, sorted: [positions, moe layers, topk]."""
+    _, routing = _recompute(model, prompt[:-1], torch.tensor([prompt[-1], 0]))  # fed: all but the last output token
+    return np.sort(routing.numpy(), -1)
+
+
+def test_a_prompt_reuses_only_its_own_keys_kv_and_never_kv_from_before_an_update(models, shape, tmp_path):
+    """SGLang's radix cache, partitioned by extra_key: a group's n completions share their prompt's prefill, a request
+    of another key reuses nothing, and after an update that could not flush (an in_place pause) a request keyed to the
+    new version gets its prompt's routing from a fresh forward under the new weights; the old key would still be served
+    the old routing, which is why clients key requests by policy version."""
+    p = len(LONG_PROMPT)
+    group = {"max_new_tokens": 3, "ignore_eos": True, "n": 4, "sampling_seed": 1}
+    one = {**group, "n": 1}
+
+    async def go():
+        async with EngineClient([url], shape) as client:
+            ask = lambda params, key: client.generate(LONG_PROMPT, params, return_routed_experts=True, extra_key=key)  # noqa: E731
+            first, again, elsewhere = await ask(group, "v0"), await ask(group, "v0"), await ask(one, "other")
+            await client.pause("in_place")
+            await client.update_weights_from_disk(str(models[1]), weight_version="v1", flush_cache=False)
+            await client.resume()
+            new, old_key = await ask(group, "v1"), await ask(one, "v0")
+            await client.flush_cache()
+            return first, again, elsewhere, new, old_key, await ask(one, "v0")
+
+    with running_server(models[0], tmp_path) as url:
+        first, again, elsewhere, new, old_key, flushed = run(go())
+    assert [c.cached_tokens for c in first] == [0, p - 1, p - 1, p - 1]  # one prefill for the group
+    assert [c.cached_tokens for c in again] == [p - 1] * 4
+    assert elsewhere[0].cached_tokens == 0
+    assert [c.cached_tokens for c in new] == [0, p - 1, p - 1, p - 1]
+    assert old_key[0].cached_tokens == p - 1 and flushed[0].cached_tokens == 0
+    old_weights = _prompt_routing(AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).eval(), LONG_PROMPT)
+    new_weights = _prompt_routing(AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32).eval(), LONG_PROMPT)
+    assert not np.array_equal(old_weights, new_weights)  # the two models route this prompt differently: the test can tell
+    prompt_rows = lambda c: np.sort(c.routing[:p], -1)  # noqa: E731
+    for c in [*first, *again, *elsewhere]:
+        assert np.array_equal(prompt_rows(c), old_weights)
+    for c in [*new, *flushed]:
+        assert np.array_equal(prompt_rows(c), new_weights)
+    assert np.array_equal(prompt_rows(old_key[0])[: p - 1], old_weights[: p - 1])  # served from before the update
+
+
+def test_a_finished_completion_is_reused_by_the_prompt_that_extends_it(models, shape, tmp_path):
+    """As SGLang's radix cache keeps a finished request's tokens, a next turn's prompt (the last prompt, its completion,
+    more tokens) reuses their KV, routing included; an adapter's requests do not reuse the base model's."""
+    params = {"max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 2}
+
+    async def go():
+        async with EngineClient([url], shape) as client:
+            (turn,) = await client.generate(LONG_PROMPT, params, return_routed_experts=True, extra_key="k")
+            follow = LONG_PROMPT + turn.output_ids.tolist() + [21, 22, 23]
+            (next_turn,) = await client.generate(follow, params, return_routed_experts=True, extra_key="k")
+            return turn, follow, next_turn
+
+    with running_server(models[0], tmp_path) as url:
+        turn, follow, next_turn = run(go())
+    fed = len(LONG_PROMPT) + len(turn.output_ids) - 1  # the last output token was sampled, never fed
+    assert next_turn.cached_tokens == fed
+    assert np.array_equal(next_turn.routing[:fed], turn.routing)
+    fresh = _prompt_routing(AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).eval(), follow)
+    assert np.array_equal(np.sort(next_turn.routing[: len(follow)], -1), fresh)

@@ -156,8 +156,8 @@ def test_routing_sampled_before_a_retract_is_kept_when_new_weights_prefill_it_ag
     params = {"max_new_tokens": 40, "ignore_eos": True, "temperature": 0.0}
     body = {"input_ids": PROMPT, "sampling_params": params, "return_routed_experts": True}
 
-    async def routing_of(session):
-        async with session.post(server + "/generate", json=body) as resp:
+    async def routing_of(session, key=None):
+        async with session.post(server + "/generate", json={**body, "extra_key": key} if key else body) as resp:
             return _raw_routing(await resp.json())
 
     async def go():
@@ -168,7 +168,7 @@ def test_routing_sampled_before_a_retract_is_kept_when_new_weights_prefill_it_ag
             await client.update_weights_from_disk(str(models[1]), weight_version="v2", flush_cache=False)
             await client.resume()
             final = await finish
-            new = await routing_of(session)
+            new = await routing_of(session, key="v2")  # keyed to the new weights: nothing cached before the update is reused
             await client.update_weights_from_disk(str(models[0]), weight_version="v3")  # the module's server, as it was
             return old, final, new
 

@@ -4,6 +4,7 @@ problem, quickly, and the server still serving the same weights afterwards."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import socket
@@ -105,16 +106,18 @@ DEEP = b"[" * 10_000 + b"]" * 10_000
 
 
 @pytest.mark.parametrize("path, raw, headers, names", [
-    ("/generate", b'{"input_ids": [1, 2], "text": "\xff\xfe"}', None, ["Invalid JSON"]),
+    ("/generate", b'{"input_ids": [1, 2], "text": "\xff\xfe"}', None, ["text", "not valid Unicode"]),
     ("/generate", DEEP, None, ["Invalid JSON"]),
     ("/generate", b'{"input_ids": [1], "sampling_params": {"n": 1' + b"0" * 5000 + b"}}", None, ["Invalid JSON"]),
-    ("/generate", b'{"text": "\\ud800 lonely"}', None, ["Invalid JSON"]),
+    ("/generate", b'{"text": "\\ud800 lonely"}', None, ["text", "not valid Unicode"]),
+    ("/generate", b'{"input_ids": [1], "rid": "\\udc00"}', None, ["rid", "not valid Unicode"]),
+    ("/load_lora_adapter", b'{"lora_name": "a", "lora_path": "/x\\ud83d"}', None, ["lora_path", "not valid Unicode"]),
     ("/generate", b'{"input_ids": [1]}', {"Content-Type": "application/json; charset=bogus"}, ["charset 'bogus'"]),
     ("/generate", b'{"input_ids": [1], "sampling_params": {"temperature": NaN}}', None, ["sampling_params.temperature"]),
     ("/generate", b'{"input_ids": [1], "sampling_params": {"temperature": Infinity}}', None, ["sampling_params.temperature"]),
     ("/pause_generation", b'{"mode": 3}', None, ["mode"]),
     ("/abort_request", b"[1, 2]", None, ["Input should be an object"]),
-], ids=["non-utf8", "deep-nesting", "huge-integer", "lone-surrogate", "bogus-charset", "nan", "infinity", "wrong-type", "not-an-object"])
+], ids=["non-utf8", "deep-nesting", "huge-integer", "lone-surrogate", "lone-trailing-surrogate", "lone-surrogate-path", "bogus-charset", "nan", "infinity", "wrong-type", "not-an-object"])
 def test_malformed_bodies_get_a_json_400(server, reference, path, raw, headers, names):
     assert_refused(*request(server, path, raw=raw, headers=headers), *names)
     assert_unchanged(server, reference)
@@ -287,7 +290,12 @@ def _adapter(tmp_path, model_dir, rank=4, config_rank=None, module="model.layers
     ("dtype", ["must be floating point"]),
     ("nan", ["NaN or infinite"]),
     ("corrupt", ["not a readable safetensors file"]),
-    ("config", ["not valid JSON"]),
+    ("config", ["adapter_config.json", "not valid JSON"]),
+    ("config-list", ["adapter_config.json", "must be a JSON object, got list"]),
+    ("config-rank-text", ["adapter_config.json", "r:"]),
+    ("config-alpha-bool", ["adapter_config.json", "lora_alpha"]),
+    ("config-targets-number", ["adapter_config.json", "target_modules"]),
+    ("config-rslora-text", ["adapter_config.json", "use_rslora"]),
 ])
 def test_adapters_that_are_not_what_they_claim_are_refused(server, reference, models, tmp_path, kind, names):
     base = models["base"]
@@ -297,16 +305,51 @@ def test_adapters_that_are_not_what_they_claim_are_refused(server, reference, mo
         "dtype": lambda: _adapter(tmp_path, base, dtype=torch.int32, value=10),
         "nan": lambda: _adapter(tmp_path, base, value=float("nan")),
         "corrupt": lambda: _adapter(tmp_path, base),
-        "config": lambda: _adapter(tmp_path, base),
-    }[kind]()
+    }.get(kind, lambda: _adapter(tmp_path, base))()
     if kind == "corrupt":
         (path / "adapter_model.safetensors").write_bytes(b"\x00" * 40)
-    if kind == "config":
-        (path / "adapter_config.json").write_text("{r: 4")
+    config = {"config": "{r: 4", "config-list": "[4, 8]", "config-rank-text": '{"r": "4", "lora_alpha": 8}',
+              "config-alpha-bool": '{"r": 4, "lora_alpha": true}', "config-targets-number": '{"r": 4, "lora_alpha": 8, "target_modules": 3}',
+              "config-rslora-text": '{"r": 4, "lora_alpha": 8, "use_rslora": "yes"}'}.get(kind)
+    if config is not None:
+        (path / "adapter_config.json").write_text(config)
     assert_refused(*request(server, "/load_lora_adapter", {"lora_name": f"bad-{kind}", "lora_path": str(path)}), *names)
     status, answer, _ = request(server, "/load_lora_adapter_from_tensors", {
         "lora_name": "garbage", "config_dict": {"r": 4, "lora_alpha": 8}, "serialized_named_tensors": ["%%%"], "load_format": "safetensors"})
     assert_refused(status, answer, 0.0, "not base64")
+    assert_unchanged(server, reference)
+
+
+@pytest.mark.parametrize("config, names", [
+    ({"r": [4], "lora_alpha": 8}, ["config_dict", "r:"]),
+    ({"r": 4, "lora_alpha": "8"}, ["config_dict", "lora_alpha"]),
+    ({"r": 4, "lora_alpha": 8, "bias": "all"}, ["config_dict", "unsupported settings"]),
+])
+def test_a_malformed_tensor_adapters_config_is_refused_naming_config_dict(server, reference, models, tmp_path, config, names):
+    payload = base64.b64encode((_adapter(tmp_path, models["base"]) / "adapter_model.safetensors").read_bytes()).decode()
+    assert_refused(*request(server, "/load_lora_adapter_from_tensors", {
+        "lora_name": "bad-config", "config_dict": config, "serialized_named_tensors": [payload], "load_format": "safetensors"}), *names)
+    assert_unchanged(server, reference)
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/update_weights_from_disk", {"model_path": "/tmp/" + "x" * 5000}, "model_path"),
+    ("/update_weights_from_disk", {"model_path": "/" + "d/" * 3000}, "model_path"),
+    ("/load_lora_adapter", {"lora_name": "long", "lora_path": "/tmp/" + "x" * 5000}, "lora_path"),
+])
+def test_a_path_the_os_refuses_gets_a_400_naming_the_field(server, reference, path, body, field):
+    status, answer, seconds = request(server, path, body)
+    assert_refused(status, answer, seconds, field)
+    assert len(answer["error"]["message"]) < 500  # the path is not echoed whole
+    assert_unchanged(server, reference)
+
+
+@pytest.mark.parametrize("body, names", [
+    ({**GREEDY, "bogus": None}, ["unknown", "bogus"]),
+    ({**GREEDY, "sampling_params": {**GREEDY["sampling_params"], "bogus": None}}, ["unknown", "sampling_params.bogus"]),
+])
+def test_an_unknown_field_is_refused_whatever_its_value(server, reference, body, names):
+    assert_refused(*request(server, "/generate", body), *names)
     assert_unchanged(server, reference)
 
 

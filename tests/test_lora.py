@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from moerl.checkpoint.cli import main as convert_main
 from moerl.checkpoint.convert import hf_to_mcore
 from moerl.checkpoint.peft import export_adapter, peft_would_drop, save_adapter
-from moerl.engines.embedded.lora import AdapterSet
+from moerl.engines.embedded.lora import AdapterConfig, AdapterSet
 from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.engines.sglang import lora_target_modules
 from moerl.megatron.launch import run_ranks
@@ -211,7 +211,7 @@ def test_the_engine_refuses_the_peft_layout_with_what_to_do(trained, models):
     files = _adapter_files(hf, trained["qwen2"][0]["lora"], "peft")
     adapters = AdapterSet(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), family_for(json.loads((hf / "config.json").read_text())))
     with pytest.raises(LoRAError, match="--adapter-format sglang"):
-        adapters.from_tensors("p", files.config, files.tensors)
+        adapters.from_tensors("p", AdapterConfig.of("adapter_config.json", files.config), files.tensors)
 
 
 def test_lora_trainer_resumes_exactly(models, rollouts, tmp_path):

@@ -142,6 +142,24 @@ def test_an_in_place_update_splits_the_version_spans_where_it_happened(server, m
     assert 20 <= spans[0]["end"] <= 100
 
 
+def test_the_prefix_cache_is_the_embedded_engines_by_key_group_and_finished_turn(server):
+    """As the embedded engine's (tests/test_engine.py): n completions share one prefill, another key reuses nothing, a
+    prompt extending a finished completion reuses what it fed, a flush drops it all."""
+    prompt, p = list(range(40, 70)), 30
+    group = {"n": 3, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 4}
+
+    def ask(ids, key, params=group):
+        return generate(server, {"input_ids": ids, "sampling_params": params, "extra_key": key})
+
+    assert [c["meta_info"]["cached_tokens"] for c in ask(prompt, "sim-a")] == [0, p - 1, p - 1]
+    assert [c["meta_info"]["cached_tokens"] for c in ask(prompt, "sim-b")] == [0, p - 1, p - 1]
+    (turn,) = ask(prompt, "sim-a", {**group, "n": 1})
+    follow = prompt + turn["output_ids"] + [7, 8]
+    assert ask(follow, "sim-a", {**group, "n": 1})[0]["meta_info"]["cached_tokens"] == p + 5 - 1
+    assert request(server, "/flush_cache")[0] == 200
+    assert ask(prompt, "sim-a", {**group, "n": 1})[0]["meta_info"]["cached_tokens"] == 0
+
+
 def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models):
     """The answers of requests aborted because their client left are never built: at true size, a stopping job's
     hundreds of them would cost the engines seconds of CPU and gigabytes for nobody."""

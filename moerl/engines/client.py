@@ -146,8 +146,10 @@ class EngineClient:
     # ---- generation -----------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
                        return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
-                       return_sampling_mask: bool = False, rid: str | None = None, lora_path: str | None = None) -> list[Completion]:
-        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica. Raises
+                       return_sampling_mask: bool = False, rid: str | None = None, lora_path: str | None = None,
+                       extra_key: str | None = None) -> list[Completion]:
+        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica; ``extra_key``: the
+        prefix-cache partition it may reuse KV from (SGLang's; a policy version's, say). Raises
         :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when the
         worker carrying it died (the replica is not blamed): either may be re-issued."""
         if isinstance(sampling_params, dict):
@@ -164,6 +166,8 @@ class EngineClient:
             fields["rid"] = rid
         if lora_path is not None:
             fields["lora_path"] = lora_path
+        if extra_key is not None:
+            fields["extra_key"] = extra_key
         request = P.GenerateReqInput(**fields)
         usable = self.health.usable()
         if not usable:
@@ -208,6 +212,18 @@ class EngineClient:
 
     async def resume(self) -> None:
         await self._everywhere(P.CONTINUE, P.ContinueGenerationReqInput())
+
+    async def release(self, urls: list[str], timeout_s: float = 5.0) -> None:
+        """End the weight-update session and continue generation on ``urls``, engines a failed update leaves out that may
+        be stuck: each call given ``timeout_s``, whatever they answer."""
+        async def one(url: str) -> None:
+            for route, request in ((P.END_UPDATE, P.EndWeightUpdateReqInput()), (P.CONTINUE, P.ContinueGenerationReqInput())):
+                try:
+                    await asyncio.wait_for(self._call(url, route, request, retries=0), timeout_s)
+                except (EngineError, asyncio.TimeoutError):
+                    pass
+
+        await asyncio.gather(*(one(u) for u in urls))
 
     async def abort(self, rid: str | None = None, quietly: bool = False) -> None:
         """Abort request ``rid`` (None: all) everywhere; ``quietly``: on the healthy replicas only, once each, whatever

@@ -35,6 +35,8 @@ class BrokenAnswer(ValueError):
 
 
 SGLANG_VERSION = "0.5.23"  # the release this contract is written and tested against (the sglang extra pins it)
+# The torch release each SGLang release's wheel pins, and with it the NCCL its engines join a weight group with.
+SGLANG_TORCH = {"0.5.23": "2.14.1"}
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
 GREEDY_BELOW = 1e-6  # SGLang samples greedily (temperature 1, top_k 1) below this temperature
 MAX_N = 1024  # completions of one prompt per request (SGLang sets no bound; one request must not flood the engine)
@@ -61,11 +63,48 @@ class WireModel(BaseModel):
         try:
             return cls.model_validate_json(body) if isinstance(body, (bytes, str)) else cls.model_validate(body)
         except ValidationError as e:
-            raise ProtocolError(describe(e)) from None
+            raise ProtocolError(_not_unicode(body, e) or describe(e)) from None
 
     def body(self) -> dict[str, Any]:
         """What a client sends: the fields it set (the server applies the defaults)."""
         return self.model_dump(mode="json", exclude_unset=True)
+
+
+def _not_unicode(body: bytes | str | dict, error: ValidationError) -> str | None:
+    """For a body the JSON parser refused: the field holding text that is not Unicode (bytes that are not UTF-8, or an
+    unpaired surrogate escape such as ``\\ud800``), which the parser's own message does not name. None otherwise."""
+    if isinstance(body, dict) or not any(p["type"] == "json_invalid" for p in error.errors()):
+        return None
+    text = body.decode("utf-8", "surrogateescape") if isinstance(body, bytes) else body
+    try:  # Python's parser keeps what is not Unicode as lone surrogates, where it can be found
+        decoded = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    where = _first_not_unicode(decoded, ())
+    if where is None:
+        return None
+    return f"{'.'.join(map(str, where)) or 'the body'}: not valid Unicode (bytes that are not UTF-8, or an unpaired surrogate escape)"
+
+
+def _first_not_unicode(value: Any, path: tuple) -> tuple | None:
+    if isinstance(value, str):
+        return None if value.isascii() or _encodes(value) else path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and not _encodes(key):
+            return path
+        found = _first_not_unicode(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def describe(error: ValidationError) -> str:
@@ -87,7 +126,8 @@ class _NullMeansDefault(WireModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        # Only a known field's null: an unknown field is refused whatever its value.
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields} if isinstance(data, dict) else data
 
 
 # ---- /generate ----------------------------------------------------------------------------------
@@ -134,6 +174,9 @@ class GenerateReqInput(_NullMeansDefault):
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     lora_path: str | None = None  # name of a loaded LoRA adapter
     stream: bool = False
+    # Either partitions the prefix cache: a prompt reuses only KV (and routing) that requests of the same keys left.
+    extra_key: str | None = None
+    cache_salt: str | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateReqInput":
@@ -183,6 +226,7 @@ class GenerateMetaInfo(TypedDict, total=False):
     finish_reason: dict  # {"type": "stop" | "length" | "abort", ...}
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # of the prompt, reused from the prefix cache (KV and routing computed by an earlier request)
     weight_version: str  # of the last output token
     weight_versions: list[dict]  # spans {version, start, end} (end exclusive) over output positions
     output_token_logprobs: list[list]  # [logprob, token id, None]: temperature-scaled, before truncation
@@ -325,6 +369,7 @@ class ServerInfo(TypedDict, total=False):
     version: str  # SGLang's version (the embedded engine: moerl's, with engine "moerl-embedded")
     engine: str
     dtype: str  # what it computes in: SGLang's --dtype ("auto": fp16/bf16 from the checkpoint), the embedded engine's torch dtype
+    torch_version: str  # moerl's engines: the torch they run (SGLang's is what its release pins: SGLANG_TORCH)
 
 
 class ModelInfo(TypedDict):
@@ -446,6 +491,7 @@ class Completion:
     logprobs: np.ndarray | None = None  # float32 [T], temperature-scaled, before truncation
     routing: np.ndarray | None = None  # uint8/int16 [positions, moe_layers, topk]
     routing_start: int = 0  # position of routing row 0
+    cached_tokens: int = 0  # of the prompt, reused from the engine's prefix cache
     mask_offsets: np.ndarray | None = None  # int64 [T+1]
     mask_ids: np.ndarray | None = None  # int32
     sampling_logprobs: np.ndarray | None = None  # float32 [T] ("selected" mode)
@@ -460,6 +506,7 @@ def decode_generate(response: GenerateResponse, shape: ModelShape | None, routin
         finish_reason=meta["finish_reason"],
         weight_versions=meta.get("weight_versions") or [],
         routing_start=routing_start,
+        cached_tokens=meta.get("cached_tokens", 0),
     )
     if "output_token_logprobs" in meta:
         completion.logprobs = np.fromiter((lp for lp, _, _ in meta["output_token_logprobs"]), dtype=np.float32)

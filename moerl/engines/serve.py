@@ -13,6 +13,7 @@ from aiohttp import web
 
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
+from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS
 from moerl.engines.embedded.server import EmbeddedEngine, build_app
 from moerl.engines.simulated import SimulatedEngine
 from moerl.simulation import Profile
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--sampling-mask-max-tokens", type=int, default=protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS)
+    p.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
+                   help="tokens the prefix cache holds at most, KV and routing of earlier prompts and completions, reused "
+                   "within the same extra_key / cache_salt / adapter as SGLang's radix cache (0: no prefix cache)")
     p.add_argument("--simulate", metavar="PROFILE", help="serve no model: a simulated engine with this profile's throughput "
                    "and response lengths (a YAML file: see moerl/simulation.py; the tests' is tests/data/simulation/tiny.yaml)")
     p.add_argument("--time-scale", type=float, default=1.0, help="with --simulate: simulated seconds per real second")
@@ -67,8 +71,10 @@ def _engines(args: argparse.Namespace) -> list[EmbeddedEngine]:
         raise ConfigError(f"{model} is not a HF model directory (no config.json)")
     if profile is not None:
         _return_freed_answers()
-        return [SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens) for _ in args.ports or [args.port]]
-    return [EmbeddedEngine(model, MODEL_DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens)]
+        return [SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens, args.prefix_cache_tokens)
+                for _ in args.ports or [args.port]]
+    return [EmbeddedEngine(model, MODEL_DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens,
+                           args.prefix_cache_tokens)]
 
 
 def _return_freed_answers() -> None:

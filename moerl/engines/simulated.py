@@ -34,7 +34,7 @@ from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import DENSE_LAYER, hub_tensor_view, moe_gates
-from moerl.engines.embedded.scheduler import Request, Scheduler
+from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
 from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.engines.protocol import ProtocolError
 from moerl.simulation import EngineProfile, Profile
@@ -57,8 +57,9 @@ class SimulatedScheduler(Scheduler):
     """The embedded scheduler's queues and control, with time in place of a model (``runner`` is None)."""
 
     def __init__(self, profile: EngineProfile, time_scale: float, vocab_size: int, adapters: AdapterSet,
-                 eos_token_ids: set[int], max_length: int):
-        super().__init__(None, adapters, eos_token_ids, max_length, profile.max_running_requests)
+                 eos_token_ids: set[int], max_length: int, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+        super().__init__(None, adapters, eos_token_ids, max_length, profile.max_running_requests,
+                         prefix_cache_tokens=prefix_cache_tokens)
         self.profile, self.time_scale, self.vocab_size = profile, time_scale, vocab_size
         self._clock = time.monotonic()  # up to when the running requests' progress is counted
         self._prefill_ends = 0.0  # the engine decodes nothing before this (monotonic seconds)
@@ -77,7 +78,11 @@ class SimulatedScheduler(Scheduler):
         self._admit()
 
     def _keep_cache_rows(self, rows: list[int]) -> None:
-        pass  # no cache
+        pass  # no batch cache
+
+    def _cache_finished(self, row: int, request: SimulatedRequest) -> None:
+        if self.prefix_cache.takes(len(request.fed_tokens)):
+            self.prefix_cache.insert(request.cache_namespace, request.fed_tokens)  # the tokens alone: no KV is computed
 
     # ---- time ----------------------------------------------------------------------------------
     def _decoding_since(self, now: float) -> float:
@@ -132,7 +137,13 @@ class SimulatedScheduler(Scheduler):
             if request.target == 0:
                 self._finish(request, {"type": "length", "length": 0})
                 continue
-            prompt_tokens += len(request.input_ids) + int(request.progress)  # a retracted request is prefilled again whole
+            if request.progress:  # retracted: prefilled again whole
+                prompt_tokens += len(request.input_ids) + int(request.progress)
+                request.recomputed = True
+            else:  # the prefix cache's part of its prompt is not computed
+                request.cached_tokens = self.cached_prefix(request)[0]
+                prompt_tokens += len(request.input_ids) - request.cached_tokens
+                self.prefix_cache.insert(request.cache_namespace, request.input_ids)
             self.running.append(request)
         if prompt_tokens:
             now = time.monotonic()
@@ -169,7 +180,8 @@ class SimulatedEngine(EmbeddedEngine):
     request_type = SimulatedRequest
 
     def __init__(self, profile: Profile, model_dir: str, time_scale: float = 1.0,
-                 sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS):
+                 sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
         """``model_dir``: the Hub model (its config.json and tokenizer): the profile's, or one in its place."""
         if not time_scale > 0:
             raise ProtocolError(f"time_scale must be > 0, got {time_scale}")
@@ -181,7 +193,7 @@ class SimulatedEngine(EmbeddedEngine):
         self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
         self._disk_update_began = 0.0  # monotonic seconds
         self._serve(model_dir, model, lambda adapters, eos_ids, max_length: SimulatedScheduler(
-            profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length), sampling_mask_max_tokens)
+            profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length, prefix_cache_tokens), sampling_mask_max_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -196,15 +208,7 @@ class SimulatedEngine(EmbeddedEngine):
         n = len(request.output_ids)
         rng = np.random.default_rng()
         config = self.model.config
-        spans = protocol.version_spans(_token_versions(request.marks, n))
-        meta: protocol.GenerateMetaInfo = {
-            "id": request.rid,
-            "finish_reason": request.finish_reason,
-            "prompt_tokens": len(request.input_ids),
-            "completion_tokens": n,
-            "weight_version": spans[-1]["version"] if spans else self.scheduler.weight_version,
-            "weight_versions": spans,
-        }
+        meta = self.meta_info(request, _token_versions(request.marks, n))
         tokens = np.asarray(request.output_ids, dtype=np.int64)
         params = request.params
         truncated = 0 < params.top_k < config.vocab_size or params.top_p < 1 or params.min_p > 0
@@ -219,12 +223,11 @@ class SimulatedEngine(EmbeddedEngine):
         if req.return_logprob:
             full = selected + (np.log(rng.uniform(0.5, 1.0, n)) if truncated else 0.0)
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(full.tolist(), request.output_ids)]
-            if request.logprob_start_len is not None:
-                start = request.logprob_start_len
-                prompt = (-rng.exponential(2.0, len(request.input_ids) - start)).tolist()
-                if start == 0:
-                    prompt[0] = None  # the first prompt token has no log-prob
-                meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:])]
+            start = len(request.input_ids) if request.logprob_start_len is None else request.logprob_start_len
+            prompt = (-rng.exponential(2.0, len(request.input_ids) - start)).tolist()
+            if start == 0:
+                prompt[0] = None  # the first prompt token has no log-prob
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:])]
         if req.return_routed_experts:
             rows = max(len(request.input_ids) + n - 1 - req.routed_experts_start_len, 0)
             meta["routed_experts"] = protocol.encode_routed_experts(self._routing(rows))

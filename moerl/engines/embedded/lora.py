@@ -17,13 +17,16 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load, load_file
 
 from moerl.checkpoint.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPERT_MODULE, PEFT_PREFIX
 from moerl.engines.embedded.runner import hub_tensor_view
+from moerl.engines.protocol import describe
 from moerl.errors import LoRAError
 from moerl.models import ModelFamily
 
@@ -108,9 +111,11 @@ class AdapterSet:
             raise LoRAError(f"{config_file}: not valid JSON ({e})") from None
         try:
             tensors = load_file(str(weights))
+        except OSError:
+            raise  # the path's own failure, which the caller names
         except Exception as e:  # safetensors raises its own error types for a damaged file
             raise LoRAError(f"{weights}: not a readable safetensors file ({e})") from None
-        return self.from_tensors(name, config, tensors)
+        return self.from_tensors(name, AdapterConfig.of(str(config_file), config), tensors)
 
     def from_base64(self, name: str, config: dict, payload: str) -> Adapter:
         try:
@@ -119,12 +124,12 @@ class AdapterSet:
             raise LoRAError(f"adapter {name!r}: serialized_named_tensors[0] is not base64 of a safetensors file ({e})") from None
         except Exception as e:
             raise LoRAError(f"adapter {name!r}: serialized_named_tensors[0] is not a readable safetensors payload ({e})") from None
-        return self.from_tensors(name, config, tensors)
+        return self.from_tensors(name, AdapterConfig.of(f"adapter {name!r}: config_dict", config), tensors)
 
-    def from_tensors(self, name: str, config: dict, tensors: dict[str, torch.Tensor]) -> Adapter:
+    def from_tensors(self, name: str, config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
         """An adapter of PEFT tensors, checked against its config and the served model before anything is kept."""
-        rank, scale = _rank_and_scale(name, config)
-        if config.get("target_parameters"):
+        rank, scale = config.r, config.scale
+        if config.target_parameters:
             raise LoRAError(f"adapter {name!r} is in transformers 5's layout (target_parameters: fused experts), which PEFT "
                             "loads; moerl serve and SGLang take one module per expert: export it with --adapter-format sglang")
         pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -136,7 +141,7 @@ class AdapterSet:
         if not pairs:
             raise LoRAError(f"adapter {name!r} has no tensors")
         problems = []
-        targets = config.get("target_modules")
+        targets = config.target_modules
         adapter = Adapter(name, scale, {}, {})
         for module, ab in sorted(pairs.items()):
             a, b = ab.get("A"), ab.get("B")
@@ -189,16 +194,38 @@ class AdapterSet:
         self.active = None if name is None else self.adapters[name]
 
 
-def _rank_and_scale(name: str, config: dict) -> tuple[int, float]:
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
-        raise LoRAError(f"adapter {name!r}: config r={r!r} must be a positive integer")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
-        raise LoRAError(f"adapter {name!r}: config lora_alpha={alpha!r} must be a finite number")
-    unsupported = {key: config[key] for key, plain in (("fan_in_fan_out", False), ("bias", "none"), ("use_dora", False))
-                   if config.get(key, plain) != plain}
-    if config.get("modules_to_save"):
-        unsupported["modules_to_save"] = config["modules_to_save"]
-    if unsupported:
-        raise LoRAError(f"adapter {name!r}: unsupported settings {unsupported} (plain LoRA only)")
-    return r, alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+class AdapterConfig(BaseModel):
+    """The fields of a PEFT ``adapter_config.json`` the engine reads (the others are passed over)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    r: int = Field(gt=0)
+    lora_alpha: float
+    use_rslora: bool = False
+    target_modules: list[str] | str | None = None  # a string is PEFT's regular expression: not checked here
+    target_parameters: list[str] | None = None
+    fan_in_fan_out: bool = False
+    bias: str = "none"
+    use_dora: bool = False
+    modules_to_save: list[str] | None = None
+
+    @classmethod
+    def of(cls, source: str, config: Any) -> "AdapterConfig":
+        """``config`` checked: any malformed one is a :class:`LoRAError` naming ``source`` (its file, or the request's field)."""
+        if not isinstance(config, dict):
+            raise LoRAError(f"{source}: must be a JSON object, got {type(config).__name__}")
+        try:
+            checked = cls.model_validate(config)
+        except ValidationError as e:
+            raise LoRAError(f"{source}: {describe(e)}") from None
+        unsupported = {key: value for key, plain in (("fan_in_fan_out", False), ("bias", "none"), ("use_dora", False))
+                       if (value := getattr(checked, key)) != plain}
+        if checked.modules_to_save:
+            unsupported["modules_to_save"] = checked.modules_to_save
+        if unsupported:
+            raise LoRAError(f"{source}: unsupported settings {unsupported} (plain LoRA only)")
+        return checked
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / math.sqrt(self.r) if self.use_rslora else self.lora_alpha / self.r

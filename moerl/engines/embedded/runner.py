@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from moerl.engines.embedded.prefix_cache import CachedPrefix
 from moerl.engines.protocol import ProtocolError
 from moerl.models import ModelFamily
 
@@ -61,17 +62,30 @@ class ModelRunner:
         return routing
 
     @torch.no_grad()
-    def prefill(self, token_ids: list[int], logprob_start: int | None = None) -> PrefillResult:
+    def prefill(self, token_ids: list[int], logprob_start: int | None = None, cached: int = 0,
+                prefix: CachedPrefix | None = None) -> PrefillResult:
+        """Prefill ``token_ids``, of which the first ``cached`` come from ``prefix`` (their KV and routing as it holds
+        them); prompt log-probs from ``logprob_start`` need the logits before it, so ``cached < logprob_start``."""
         ids = torch.tensor([token_ids], device=self.device)
-        cache = DynamicCache()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if logprob_start is not None else 1)
+        cache = DynamicCache(ddp_cache_data=prefix.kv_upto(cached)) if cached else DynamicCache()
+        positions = torch.arange(cached, len(token_ids), device=self.device)[None]
+        out = self.model(input_ids=ids[:, cached:], position_ids=positions, past_key_values=cache, use_cache=True,
+                         logits_to_keep=0 if logprob_start is not None else 1)
         logits = out.logits[0]
         prompt_logprobs = None
         if logprob_start is not None:
-            logprobs = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
-            prompt_logprobs = torch.cat([torch.tensor([float("nan")], device=self.device), logprobs])[logprob_start:].cpu()
+            logprobs = torch.full((len(token_ids),), float("nan"), device=self.device)  # the first token has none
+            logprobs[cached + 1 :] = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, cached + 1 :, None]).squeeze(1)
+            prompt_logprobs = logprobs[logprob_start:].cpu()
         kv = [(layer.keys, layer.values) for layer in cache.layers]
-        return PrefillResult(logits[-1], self._routing(len(token_ids)), prompt_logprobs, kv)
+        routing = self._routing(len(token_ids) - cached)
+        if cached:
+            routing = torch.cat([prefix.routing[:cached], routing])
+        return PrefillResult(logits[-1], routing, prompt_logprobs, kv)
+
+    def row_kv(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The cache of batch row ``row``'s last ``length`` positions (its tokens: rows are right-aligned), copied out."""
+        return [(k[row : row + 1, :, -length:].clone(), v[row : row + 1, :, -length:].clone()) for k, v in self.kv]
 
     def join(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Append a prefilled request as the last batch row."""

@@ -18,12 +18,14 @@ from typing import Any, Callable
 import torch
 
 from moerl.engines.embedded.lora import AdapterSet
+from moerl.engines.embedded.prefix_cache import CachedPrefix, Namespace, PrefixCache
 from moerl.engines.embedded.runner import ModelRunner
 from moerl.engines.embedded.sampler import Draw, sample_batch
 from moerl.engines.protocol import SamplingParams
 from moerl.errors import LoRAError
 
 log = logging.getLogger("moerl.serve")
+DEFAULT_PREFIX_CACHE_TOKENS = 32768
 
 
 @dataclass
@@ -37,14 +39,17 @@ class Request:
     return_sampling_mask: bool = False
     lora: str | None = None  # adapter name
     stream: bool = False  # its client reads each token as it comes
+    cache_namespace: Namespace = (None, None, None)  # which cached prefixes it may reuse (prefix_cache.Namespace)
     # Called on the engine thread with (request, finished: bool) after every new token and at the end.
     on_update: Callable[["Request", bool], None] = lambda request, finished: None
 
     output_ids: list[int] = field(default_factory=list)
     draws: list[Draw] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)  # weight version that produced each output token
-    routing: list[torch.Tensor] = field(default_factory=list)  # int32 [n, layers, topk] chunks
+    routing: list[torch.Tensor] = field(default_factory=list)  # int32 [n, layers, topk] chunks, one row per fed token
     prompt_logprobs: torch.Tensor | None = None
+    cached_tokens: int = 0  # of its prompt, reused from the prefix cache
+    recomputed: bool = False  # prefilled again after a retract: its KV no longer matches the routing it keeps
     finish_reason: dict | None = None
     generator: torch.Generator | None = None
 
@@ -56,9 +61,11 @@ class Request:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner | None, adapters: AdapterSet, eos_token_ids: set[int], max_length: int,
-                 max_running: int = 64, weight_version: str = "default"):
-        """``runner``: the model's (None where a subclass computes no tokens); ``max_length``: the context length."""
+                 max_running: int = 64, weight_version: str = "default", prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+        """``runner``: the model's (None where a subclass computes no tokens); ``max_length``: the context length;
+        ``prefix_cache_tokens``: what the prefix cache holds at most (0: none)."""
         self.runner = runner
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
         self.adapters = adapters
         self.eos_token_ids = eos_token_ids
         self.max_running = max_running
@@ -158,14 +165,17 @@ class Scheduler:
     def _prefill(self, request: Request):
         """Prefill ``request`` (and sample its first token); its cache to join the batch, or None if it finished."""
         self.adapters.activate(request.lora)
-        resumed = bool(request.output_ids)  # retracted earlier: its next token is already sampled
-        prefill = self.runner.prefill(request.fed_tokens if resumed else request.input_ids, None if resumed else request.logprob_start_len)
-        if resumed:
+        if request.output_ids:  # retracted earlier: its next token is already sampled
             # The routing of the positions fed before the retract stays what produced their tokens: a re-prefill under
             # weights updated meanwhile routes them otherwise, and the trainer replays what sampled (miles #3277).
-            return prefill.kv
-        if request.return_routed_experts:
-            request.routing = [prefill.routing]
+            request.recomputed = True
+            return self.runner.prefill(request.fed_tokens).kv
+        cached, prefix = self.cached_prefix(request)
+        prefill = self.runner.prefill(request.input_ids, request.logprob_start_len, cached, prefix)
+        request.cached_tokens = cached
+        request.routing = [prefill.routing]
+        if self.prefix_cache.takes(len(request.input_ids)):
+            self.prefix_cache.insert(request.cache_namespace, request.input_ids, prefill.kv, prefill.routing)
         request.prompt_logprobs = prefill.prompt_logprobs
         if request.params.max_new_tokens == 0:
             self._finish(request, {"type": "length", "length": 0})
@@ -200,16 +210,32 @@ class Scheduler:
         )
         draws = sample_batch(logits, [r.params for r in batch], [r.generator for r in batch], [r.return_sampling_mask for r in batch])
         for i, (request, draw) in enumerate(zip(batch, draws)):
-            if request.return_routed_experts:
-                request.routing.append(routing[i : i + 1])
+            request.routing.append(routing[i : i + 1])
             self._accept(request, draw)
         self._drop_finished()
+
+    def cached_prefix(self, request: Request) -> tuple[int, CachedPrefix | None]:
+        """How much of a new request's prompt the prefix cache holds, as SGLang matches it: the last prompt token is
+        always computed (its logits sample the first output), and so is every position whose log-prob was asked for."""
+        limit = len(request.input_ids) - 1
+        if request.logprob_start_len is not None:
+            limit = min(limit, request.logprob_start_len - 1)
+        return self.prefix_cache.match(request.cache_namespace, request.input_ids, limit)
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
         if len(keep) != len(self.running):
+            for row, request in enumerate(self.running):
+                if request.finish_reason is not None and not request.recomputed:
+                    self._cache_finished(row, request)
             self._keep_cache_rows(keep)
             self.running = [self.running[i] for i in keep]
+
+    def _cache_finished(self, row: int, request: Request) -> None:
+        """As SGLang does, a finished request leaves what it fed (its prompt and output but the last token) in the cache."""
+        fed = request.fed_tokens
+        if self.prefix_cache.takes(len(fed)):
+            self.prefix_cache.insert(request.cache_namespace, fed, self.runner.row_kv(row, len(fed)), torch.cat(request.routing))
 
     def _keep_cache_rows(self, rows: list[int]) -> None:
         self.runner.keep_rows(rows)
@@ -259,5 +285,8 @@ class Scheduler:
         return not self.running and (self.paused or not self.waiting)
 
     def flush_cache(self) -> bool:
-        # There is no prefix cache to flush; SGLang refuses unless idle, and so do we.
-        return self.idle()
+        """Drop the prefix cache; refused (False) unless idle, as SGLang's."""
+        if not self.idle():
+            return False
+        self.prefix_cache.clear()
+        return True

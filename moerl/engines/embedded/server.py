@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
@@ -29,7 +30,7 @@ from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
 from moerl.engines import protocol
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
-from moerl.engines.embedded.scheduler import Request, Scheduler
+from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
 from moerl.engines.protocol import ProtocolError
 from moerl.engines.weight_group import bucket_layout, in_daemon_thread, join_weight_group, unflatten_bucket, weight_store
 from moerl.errors import MoerlError
@@ -58,10 +59,11 @@ class EmbeddedEngine:
     request_type = Request  # what make_requests queues
 
     def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None,
-                 max_running: int = 64, sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS):
+                 max_running: int = 64, sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
         self.runner = ModelRunner(model_dir, dtype, device)
         self._serve(model_dir, self.runner.model, lambda adapters, eos_ids, max_length: Scheduler(
-            self.runner, adapters, eos_ids, max_length, max_running), sampling_mask_max_tokens)
+            self.runner, adapters, eos_ids, max_length, max_running, prefix_cache_tokens=prefix_cache_tokens), sampling_mask_max_tokens)
 
     def _serve(self, model_dir: str, model: torch.nn.Module, scheduler, sampling_mask_max_tokens: int) -> None:
         """What serving needs besides the computation: ``model`` (the served transformers model: names, shapes,
@@ -144,30 +146,36 @@ class EmbeddedEngine:
             requests.append(self.request_type(
                 rid=rid if params.n == 1 else f"{rid}-{i}", parent=None if params.n == 1 else rid, input_ids=prompt,
                 params=params.model_copy(update={"sampling_seed": seed}),
-                logprob_start_len=max(req.logprob_start_len, 0) if req.return_logprob else None,
+                # SGLang's -1: the output tokens' log-probs alone
+                logprob_start_len=req.logprob_start_len if req.return_logprob and req.logprob_start_len >= 0 else None,
                 return_routed_experts=req.return_routed_experts, return_sampling_mask=req.return_sampling_mask,
                 lora=req.lora_path, stream=req.stream, on_update=on_update,
+                cache_namespace=(req.extra_key or None, req.cache_salt or None, req.lora_path),
             ))
         return requests
 
-    def response(self, request: Request, req: protocol.GenerateReqInput) -> protocol.GenerateResponse:
-        n_out = len(request.output_ids)
-        meta: protocol.GenerateMetaInfo = {
+    def meta_info(self, request: Request, versions: list[str]) -> protocol.GenerateMetaInfo:
+        """What every answer's meta_info holds; ``versions``: each output token's weight version."""
+        spans = protocol.version_spans(versions)
+        return {
             "id": request.rid,
             "finish_reason": request.finish_reason,
             "prompt_tokens": len(request.input_ids),
-            "completion_tokens": n_out,
-            "weight_version": request.versions[-1] if request.versions else self.scheduler.weight_version,
-            "weight_versions": protocol.version_spans(request.versions),
+            "completion_tokens": len(request.output_ids),
+            "cached_tokens": request.cached_tokens,
+            "weight_version": spans[-1]["version"] if spans else self.scheduler.weight_version,
+            "weight_versions": spans,
         }
+
+    def response(self, request: Request, req: protocol.GenerateReqInput) -> protocol.GenerateResponse:
+        n_out = len(request.output_ids)
+        meta = self.meta_info(request, request.versions)
         if req.return_logprob:
             meta["output_token_logprobs"] = [[d.logprob, d.token, None] for d in request.draws]
-            if request.prompt_logprobs is not None:
-                start = max(req.logprob_start_len, 0)
-                meta["input_token_logprobs"] = [
-                    [None if lp != lp else float(lp), tok, None]  # the first prompt token has no log-prob
-                    for lp, tok in zip(request.prompt_logprobs.tolist(), request.input_ids[start:])
-                ]
+            meta["input_token_logprobs"] = [] if request.prompt_logprobs is None else [
+                [None if lp != lp else float(lp), tok, None]  # the first prompt token has no log-prob
+                for lp, tok in zip(request.prompt_logprobs.tolist(), request.input_ids[request.logprob_start_len:])
+            ]
         if req.return_routed_experts:
             rows = torch.cat(request.routing) if request.routing else torch.zeros(0, self.runner.num_layers, self.runner.topk, dtype=torch.int32)
             end = len(request.input_ids) + n_out - 1
@@ -211,6 +219,8 @@ class EmbeddedEngine:
         if abort_all:
             sched.abort(message="weights updated")
         self.write_weights(pairs)
+        if flush:  # checked above: nothing runs
+            sched.prefix_cache.clear()
         if version is not None:
             sched.weight_version = version
 
@@ -271,6 +281,16 @@ class EmbeddedEngine:
             "num_experts_per_tok": self.model.config.num_experts_per_tok,
             "vocab_size": self.model.config.vocab_size,
         }
+
+
+@contextlib.contextmanager
+def refused_path(field: str, path: str):
+    """What the OS says of a path a request gave (too long, not readable, ...) as that field's refusal."""
+    try:
+        yield
+    except OSError as e:
+        shown = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
+        raise ProtocolError(f"{field} {shown!r}: {e.strerror or e}") from None
 
 
 def _gone(request: web.Request) -> bool:
@@ -441,7 +461,7 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         from moerl import __version__
 
         info: P.ServerInfo = {"tp_size": 1, "version": __version__, "engine": engine.engine_name,
-                              "dtype": str(engine.model.dtype).removeprefix("torch.")}
+                              "dtype": str(engine.model.dtype).removeprefix("torch."), "torch_version": torch.__version__}
         return web.json_response(info, dumps=_dumps)
 
     @routes.get(P.MODEL_INFO.path)
@@ -501,7 +521,8 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     @routes.post(P.UPDATE_FROM_DISK.path)
     async def update_weights_from_disk(request):
         req = await parse(request, P.UpdateWeightFromDiskReqInput)
-        named = await in_pool("disk", engine.read_model_dir, req.model_path)
+        with refused_path("model_path", req.model_path):
+            named = await in_pool("disk", engine.read_model_dir, req.model_path)
         await on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache))
         return ok(f"loaded {req.model_path}", num_paused_requests=0)
 
@@ -560,7 +581,8 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
     @routes.post(P.LOAD_LORA.path)
     async def load_lora_adapter(request):
         req = await parse(request, P.LoadLoRAAdapterReqInput)
-        adapter = await in_pool("lora", engine.adapters.from_dir, req.lora_name, req.lora_path)
+        with refused_path("lora_path", req.lora_path):
+            adapter = await in_pool("lora", engine.adapters.from_dir, req.lora_name, req.lora_path)
         await on_engine(lambda: engine.adapters.add(adapter))
         return ok(f"loaded {req.lora_name}", loaded_adapters=sorted(engine.adapters.adapters))
 
