@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -660,3 +662,122 @@ def test_parts_rank_0_takes_alone_end_together_on_every_rank(tmp_path):
     assert all(relayed for _, _, relayed in other[1:])
     assert other[2][1] == "global rank 0 failed in recording the step's metrics (its error says why)"
     assert f"writing the run state of checkpoint {tmp_path / 'checkpoints' / 'step_2'}" in other[3][1]
+
+
+def test_the_manager_keys_prompts_by_policy_holds_them_through_an_update_and_reissues_a_stale_prefix(random_model, tmp_path):
+    """The rollout manager keys each request's prefix cache (extra_key) by the weight version it is issued under, sends
+    none while an update is under way (Updating until Served), and re-issues a group an engine answered from a prefix
+    cached under another version than the one its first token was sampled with (a request that raced an update)."""
+    import base64
+    import pickle
+    from collections import deque
+
+    import zmq
+    from aiohttp import web
+
+    from moerl.orchestrator.config import load_config, to_yaml
+    from moerl.orchestrator.manager import RolloutManager
+    from moerl.orchestrator.messages import EVENTS, Generate, GroupDone, ManagerSpec, RolloutFailed, Served, Stop, Stopped, Updating, checked
+    from tests.engine_server import serving
+
+    config = json.loads((random_model / "config.json").read_text())
+    layers, topk = config["num_hidden_layers"], config["num_experts_per_tok"]
+    bodies: list[dict] = []
+    answered_with = deque([("2", 4)])  # (first token's version, cached tokens): the first answer raced an update
+
+    async def generate(request):
+        body = await request.json()
+        bodies.append(body)
+        version, cached = answered_with.popleft() if answered_with else (body["extra_key"].rsplit("-v", 1)[1], 3)
+        prompt = len(body["input_ids"])
+        routing = base64.b64encode(np.zeros((prompt + 1, layers, topk), dtype=np.int32).tobytes()).decode()
+        meta = {"finish_reason": {"type": "stop"}, "prompt_tokens": prompt, "completion_tokens": 2, "cached_tokens": cached,
+                "weight_version": version, "weight_versions": [{"version": version, "start": 0, "end": 2}],
+                "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None]], "routed_experts": routing}
+        return web.json_response([{"text": "", "output_ids": [5, 6], "meta_info": {**meta, "id": f"{body['rid']}-{i}"}}
+                                  for i in range(body["sampling_params"]["n"])])
+
+    async def healthy(request):
+        return web.Response(text="")
+
+    async def go():
+        async with serving({("POST", "/generate"): generate, ("GET", "/health"): healthy}) as url:
+            ctx = zmq.Context()
+            orders, events = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+            orders_port, events_port = orders.bind_to_random_port("tcp://127.0.0.1"), events.bind_to_random_port("tcp://127.0.0.1")
+            cfg = load_config(None, [f"run.dir={tmp_path}", "trainer.replay.sampling_mask=false", "rollout.samples_per_prompt=2",
+                                    "rollout.generation_workers=0"])
+            (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+            spec = ManagerSpec(str(tmp_path / "config.yaml"), str(random_model), [url], f"tcp://127.0.0.1:{orders_port}",
+                               f"tcp://127.0.0.1:{events_port}", cursor=0, reissue=[])
+            manager = asyncio.create_task(RolloutManager(load_config(spec.config, []), spec).run())
+
+            async def order(message):  # a PUSH socket blocks until the manager, in this event loop, connects
+                while True:
+                    try:
+                        return orders.send_pyobj(message, zmq.NOBLOCK)
+                    except zmq.Again:
+                        await asyncio.sleep(0.02)
+
+            async def next_event(kind):
+                while True:
+                    while not events.poll(0):
+                        await asyncio.sleep(0.02)
+                    head, *arrays = events.recv_multipart()
+                    event = checked(pickle.loads(head, buffers=[bytearray(a) for a in arrays]), EVENTS)
+                    assert not isinstance(event, RolloutFailed), event.message
+                    if isinstance(event, kind):
+                        return event
+
+            await order(Served("1", [url]))
+            await order(Generate(1))
+            first = await next_event(GroupDone)
+            await order(Updating())
+            await order(Generate(1))
+            await asyncio.sleep(1.0)
+            held = len(bodies)
+            await order(Served("2", [url]))
+            second = await next_event(GroupDone)
+            await order(Stop())
+            await next_event(Stopped)
+            await manager
+            orders.close(linger=0)
+            events.close(linger=0)
+            ctx.term()
+            return first, held, second
+
+    first, held, second = asyncio.run(go())
+    keys = [body["extra_key"] for body in bodies]
+    assert first.stale_prefixes == 1 and second.stale_prefixes == 0
+    assert len(bodies) == 3 and held == 2  # nothing was sent between Updating and Served
+    assert keys[0] == keys[1] and keys[0].endswith("-v1") and keys[2].endswith("-v2")
+    assert keys[2].removesuffix("-v2") == keys[0].removesuffix("-v1")  # one salt for the run's manager
+    assert bodies[0]["sampling_params"]["sampling_seed"] != bodies[1]["sampling_params"]["sampling_seed"]
+
+
+def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_host(monkeypatch):
+    """Each sender hosts its weight group's rendezvous at the sync address: a loopback one (127.0.1.1, what a hostname
+    resolves to on many distributions) where an engine is on another host would leave the first push waiting for
+    engines that never connect. Refused at start, naming MOERL_SYNC_ADDRESS; fine where every engine is on this host."""
+    from moerl.errors import ConfigError
+    from moerl.orchestrator import main as job_module
+    from moerl.orchestrator.config import load_config
+
+    monkeypatch.delenv("MOERL_SYNC_ADDRESS", raising=False)
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    local, remote = load_config(None, []), load_config(None, ["engines.urls=[http://10.11.12.13:30000]"])
+    assert job_module.sync_address(local) == "127.0.0.1"  # the job's engines, beside this rank
+    assert job_module.sync_address(load_config(None, ["engines.urls=[http://localhost:30000]"])) == "127.0.0.1"
+    monkeypatch.setattr(job_module, "_route_from", lambda host: "127.0.1.1")
+    with pytest.raises(ConfigError, match=r"127\.0\.1\.1, a loopback address \(.* resolves to it\), which the engines on "
+                                          r"10\.11\.12\.13 cannot reach: set MOERL_SYNC_ADDRESS"):
+        job_module.sync_address(remote)
+    monkeypatch.setenv("GROUP_RANK", "1")  # a second node: the job's engines are on the first, torchrun's MASTER_ADDR
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    with pytest.raises(ConfigError, match="engines on 10.0.0.1 cannot reach"):
+        job_module.sync_address(local)
+    monkeypatch.setenv("MOERL_SYNC_ADDRESS", "127.0.1.1")
+    with pytest.raises(ConfigError, match=r"loopback address \(MOERL_SYNC_ADDRESS\)"):
+        job_module.sync_address(remote)
+    monkeypatch.setenv("MOERL_SYNC_ADDRESS", "10.0.0.2")
+    assert job_module.sync_address(remote) == job_module.sync_address(local) == "10.0.0.2"

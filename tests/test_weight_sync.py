@@ -126,10 +126,12 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
     """Under NCCL a broadcast's wait makes the device's stream wait: one for a bucket no engine joins would hold every
     later kernel and collective of the rank. So a bucket is waited for only after the engines answered, and a refused
     one's group is aborted and dropped, with the engine's error, even when the refusal comes back before the broadcast
-    is enqueued. A group formed again aborts the one it replaces."""
+    is enqueued. A group formed again aborts the one it replaces, and closing the sync its last: aborted, not destroyed
+    (NCCL's destroy is collective with the engines)."""
     import time
 
     import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
 
     from moerl.engines.client import EngineError
     from moerl.weight_sync.broadcast import BroadcastSync
@@ -182,9 +184,13 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
             sync.link.run(sync.link.client.abandon_weight_update())
             sync._form_group([url])
         events.clear()
+        replaced = sync.group
         sync._form_group([url])  # a push made again: the group it replaces leaves this side's device
-        assert events == [("abort",)]
+        # and the registry: at exit the job destroys every group it holds, which NCCL makes a collective with the engines
+        assert events == [("abort",)] and replaced not in _world.pg_map
+        current = sync.group
         sync.close()
+        assert events == [("abort",), ("abort",)] and current not in _world.pg_map
         enqueue_after[0] = 0.0
         again = BroadcastSync([url], "127.0.0.1", "gloo")  # the engine serves on and takes a new group's updates
         again.connect()
@@ -212,6 +218,33 @@ def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_re
     assert ranks[0]["groups"] == ranks[1]["groups"] == [2, 3]  # at connect and for the push made again; then once more
 
 
+def test_engines_a_failed_bucket_may_have_wedged_are_restarted_or_left_out_never_pushed_to_again(tiny_ckpts, tmp_path):
+    """SGLang answers a bucket before its GPU has the bytes, and an engine that took one whose broadcast then failed (a
+    peer refused it, or died) waits in NCCL for good while its HTTP process answers on. After such a failure the push is
+    made again without them: the job restarts those it started (the push then reaches the new process), and one given by
+    URL is left out; with none left the update stops at once with EnginesDown, not after engines.down_timeout_s. On gloo
+    nothing wedges: this is the mechanism, on engines that would."""
+    from moerl.models.tiny import save_tiny_hf
+    from moerl.trainer.config import TrainerConfig
+    from tests.engine_server import running_server
+    from tests.workers import syncs_where_one_engine_refuses_a_bucket_the_other_took
+
+    hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    other_vocab = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "other-vocab", vocab_size=300)
+    with running_server(other_vocab, tmp_path / "logs") as refusing:
+        out = run_ranks(syncs_where_one_engine_refuses_a_bucket_the_other_took, 1, str(mcore_dir), TrainerConfig(),
+                        str(hf_dir), refusing, str(tmp_path / "pool-logs"))[0]
+    started = out["started"]
+    assert out["wedged"] == [sorted([started, refusing])] * 2
+    assert out["first"] and out["targets"] == [started] and out["versions"] == ["0"] and out["restarts"] == {0: 1}
+    both, first = [started, refusing], out["first_announced"]
+    tried = first.index([started])  # buckets announced to both, up to the embedding's, which one refused
+    assert tried > 0 and first[:tried] == [both] * tried
+    assert all(targets == [started] for targets in first[tried:])  # then the whole push to the restarted engine alone
+    assert "took part in a weight broadcast that failed" in out["second"] and out["second_seconds"] < 60
+    assert out["announced"] == [both] * tried  # the second update: the same buckets, and the push not made again
+
+
 def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push():
     """A replica the job starts again at its address is outside the broadcast's groups, though the engines chosen may
     read the same: the sync is told, so that its senders form their groups again (the test above)."""
@@ -220,7 +253,8 @@ def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push():
     from moerl.orchestrator.main import Job
 
     told = []
-    job = SimpleNamespace(pool=SimpleNamespace(revive=lambda most: ["http://b"]), cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3)),
+    job = SimpleNamespace(pool=SimpleNamespace(revive=lambda most, window: ["http://b"]),
+                          cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3, restart_window_s=3600.0)),
                           buffer=SimpleNamespace(restarting=told.append), sync=SimpleNamespace(may_be_new={"http://a"}))
     Job.revive(job)
     assert job.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]]
@@ -242,3 +276,73 @@ def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_er
         assert (kind0, kind1) == ("WeightSyncError", "MoerlError") and message0 == "an engine does not serve it"
         assert "global rank 0 failed in the weight sync" in message1
     assert not relayed0 and relayed1  # only rank 0 prints its error
+
+
+def test_an_engine_holding_all_the_weight_groups_it_may_is_restarted_or_left_out():
+    """An engine keeps every weight group it joins, a communicator per sender outside mem_fraction_static: where the
+    senders would form their groups again, one holding MAX_GROUPS_PER_ENGINE of the run's is restarted if the job started
+    it (a new process holds none) and otherwise left out for the rest of the run; with none left the push stops."""
+    from moerl.errors import EnginesDown
+    from moerl.weight_sync.broadcast import MAX_GROUPS_PER_ENGINE, BroadcastSync
+
+    started, given, other = "http://started", "http://given", "http://other"
+    sync = BroadcastSync([started, given, other], "127.0.0.1", "gloo")
+    try:
+        client, told = sync.link.client, []
+        sync.restart_engines = lambda urls: told.append(urls) or [url for url in urls if url == started]
+
+        def regroup(targets, new=()):
+            client.targets, sync.members = list(targets), []  # as after a failed push: every sender forms its group again
+            chosen = sync._members(set(new))
+            sync.members = chosen[0]
+            return chosen
+
+        for _ in range(MAX_GROUPS_PER_ENGINE):
+            assert regroup([started, given]) == ([started, given], False)
+        sync.members = [started, given]
+        client.targets = [started, given]
+        assert sync._members(set()) == ([started, given], False) and not told  # no group formed: nothing counted
+        assert regroup([started, given, other], new=[other]) == ([other], True)
+        assert told == [[started, given]] and sync.may_be_new == {started} and sync.retired == {given}
+        assert regroup([started, other], new=[started]) == ([started, other], True)  # restarted: it holds none
+
+        async def all_answer(paused=False):
+            return [True, True, True]
+
+        client.healthy = all_answer
+        assert sync.choose_engines() == [started, other]  # the engine given by URL is not chosen again
+        assert sync.groups_held == {started: 1, given: MAX_GROUPS_PER_ENGINE, other: 2}
+        sync.groups_held.update({started: MAX_GROUPS_PER_ENGINE, other: MAX_GROUPS_PER_ENGINE})
+        sync.restart_engines = None
+        with pytest.raises(EnginesDown, match="holds 4 weight groups of this run"):
+            regroup([started, other])
+    finally:
+        sync.close()
+
+
+def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_group_forms(tiny_ckpts, tmp_path, monkeypatch):
+    """Each torch bundles its NCCL, and one communicator of two NCCL releases fails or hangs: SGLang 0.5.23 pins torch
+    2.14.1. Where the weight sync would form NCCL groups, an engine on another torch is refused at connect with what to
+    align; over gloo it does not matter."""
+    from moerl.errors import ConfigError
+    from moerl.weight_sync import broadcast
+    from moerl.weight_sync.broadcast import BroadcastSync, torch_mismatch
+    from tests.engine_server import running_server
+
+    sglang = {"tp_size": 2, "version": "0.5.23"}
+    assert torch_mismatch(["http://a"], [sglang], "2.14.1+cu130") is None
+    assert torch_mismatch(["http://a", "http://b"], [sglang, {"tp_size": 1, "version": "0.1.0", "torch_version": "2.11.0+cu130"}],
+                          "2.11.0") == ("a NCCL weight group needs one NCCL release on both sides, and torch bundles its own: "
+                                        "http://a runs torch 2.14.1, which SGLang 0.5.23 pins, this trainer torch 2.11.0: "
+                                        "install torch==2.14.1 for the trainer, or set sync.method=disk")
+    assert torch_mismatch(["http://a"], [{"tp_size": 1, "version": "0.9.9"}], "2.11.0") is None  # a release it does not know
+
+    monkeypatch.setattr(broadcast.torch, "__version__", "2.11.0+cu130")  # the trainer's; the engine reports its own
+    with running_server(tiny_ckpts["Qwen3MoeForCausalLM"][0], tmp_path) as url:
+        sync = BroadcastSync([url], "127.0.0.1", "nccl")
+        try:
+            with pytest.raises(ConfigError, match=rf"{url} runs torch 2\.13\.0, this trainer torch 2\.11\.0: install torch==2\.13\.0"):
+                sync.connect()
+            assert sync.group is None
+        finally:
+            sync.close()

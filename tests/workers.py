@@ -301,6 +301,63 @@ def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]
     return {"turns": turns, "versions": versions, "version": str(trainer.version), "groups": groups}
 
 
+def syncs_where_one_engine_refuses_a_bucket_the_other_took(mcore_dir: str, trainer_cfg, hf_dir: str, refusing_url: str,
+                                                           log_dir: str) -> dict:
+    """Broadcast updates to two engines: one this rank starts (a pool of one replica, as the job's), one given by URL whose
+    model's vocabulary differs, so that it refuses the embedding's bucket after the first engine took it. The first
+    update (the job restarts what it started) is made again to the restarted engine alone; the second (nothing
+    restarted) has no engine left and stops at once. What each update did and what the engines then serve."""
+    import time
+
+    from moerl.engines import weight_group
+    from moerl.engines.sglang import SGLangConfig, SGLangPool
+    from moerl.errors import EnginesDown
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.broadcast import BroadcastSync
+
+    weight_group.TIMEOUT_S = 30  # the refused buckets' broadcasts, which gloo cannot abort, wait this long here
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    pool = SGLangPool(SGLangConfig(model_path=hf_dir, server="embedded", base_port=0, dtype="float32", log_dir=log_dir))
+    pool.start()
+    started = pool.replica_urls[0]
+    sync = BroadcastSync([started, refusing_url], "127.0.0.1", "gloo", bucket_bytes=64 << 10)
+    sync.down_timeout_s = 120
+    out: dict = {"started": started, "wedged": [], "announced": []}
+
+    def restart(urls):
+        out["wedged"].append(sorted(urls))
+        killed = pool.kill(urls)
+        sync.may_be_new |= set(pool.revive(max_restarts=3))
+        return killed
+
+    try:
+        sync.connect()
+        announce = sync.sender.client.update_weights_from_distributed
+
+        async def recorded(*args, **kwargs):
+            out["announced"].append(list(sync.sender.client.targets))
+            return await announce(*args, **kwargs)
+
+        sync.sender.client.update_weights_from_distributed = recorded
+        sync.restart_engines, sync.while_down = restart, lambda: sync.may_be_new.update(pool.revive(max_restarts=3))
+        out["first"] = sync.update(trainer) is not None
+        out["targets"] = list(sync.link.client.targets)
+        out["versions"] = sync.link.run(sync.link.client.weight_versions())
+        out["restarts"] = dict(pool.restarts)
+        out["first_announced"], out["announced"] = out["announced"], []
+        sync.restart_engines = lambda urls: out["wedged"].append(sorted(urls)) or []  # engines given by URL: none restarted
+        start = time.monotonic()
+        try:
+            sync.update(trainer)
+        except EnginesDown as e:
+            out["second"] = str(e)
+        out["second_seconds"] = time.monotonic() - start
+    finally:
+        sync.close()
+        pool.stop()
+    return out
+
+
 def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict:
     """One step on the whole batch, and one (fresh trainer) on the same batch fed a group at a time: the
     metrics and the gradients each step applied."""

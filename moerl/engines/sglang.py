@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -153,6 +154,8 @@ class SGLangPool:
         self.ports: list[int] = [cfg.base_port + i for i in range(cfg.replicas)] if cfg.base_port else []
         self.logs: dict[int, Path] = {}  # pid -> log file
         self.restarts: dict[int, int] = {}  # replica -> times restarted by revive()
+        self._restarted_at: dict[int, deque[float]] = {}  # replica -> when revive() restarted it, within the window
+        self.given_up: set[int] = set()  # replicas restarted too often within the window: left dead
         self._next_restart: dict[int, float] = {}  # replica -> earliest monotonic time of its next restart (backoff)
         self._failed_starts: dict[int, int] = {}  # replica -> restarts in a row not yet seen answering /health
         self._left_since: dict[int, list[float]] = {}  # replica -> [when revive() first found its dead server's processes
@@ -256,11 +259,22 @@ class SGLangPool:
             if waiting:
                 time.sleep(1)
 
-    def revive(self, max_restarts: int) -> list[str]:
-        """Start again, on its own port and devices, each replica whose process has exited, at most ``max_restarts``
-        times each, once every process of its server has ended (what is left of it is killed here). Restarts that
-        follow each other without the replica ever answering /health in between (a crash loop) back off: 1, 2, 4 ... s;
-        one that came up resets that. Returns the URLs restarted; each is reachable once
+    def kill(self, urls: list[str]) -> list[str]:
+        """SIGKILL the servers of those of ``urls`` this pool started, for :meth:`revive` to start them again; those."""
+        killed = [url for url in urls if url in self.replica_urls]
+        for url in killed:
+            try:
+                os.killpg(self.procs[self.replica_urls.index(url)].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return killed
+
+    def revive(self, max_restarts: int, window_s: float = math.inf) -> list[str]:
+        """Start again, on its own port and devices, each replica whose process has exited, once every process of its
+        server has ended (what is left of it is killed here). A replica that would be restarted more than
+        ``max_restarts`` times within ``window_s`` seconds (a crash loop) is given up on, for good; one that fails now
+        and then is always restarted. Restarts that follow each other without the replica ever answering /health in
+        between back off: 1, 2, 4 ... s; one that came up resets that. Returns the URLs restarted; each is reachable once
         it answers /health, and serves the model it started from until a weight sync reaches it."""
         now, restarted = time.monotonic(), []
         unconfirmed = [i for i in range(len(self.ports)) if self._failed_starts.get(i) and self.procs[i].poll() is None]
@@ -270,7 +284,15 @@ class SGLangPool:
         for i, port in enumerate(self.ports):
             proc = self.procs[i]
             done = self.restarts.get(i, 0)
-            if proc.poll() is None or done >= max_restarts or now < self._next_restart.get(i, 0.0):
+            if proc.poll() is None or i in self.given_up or now < self._next_restart.get(i, 0.0):
+                continue
+            recent = self._restarted_at.setdefault(i, deque())
+            while recent and recent[0] <= now - window_s:
+                recent.popleft()
+            if len(recent) >= max_restarts:
+                self.given_up.add(i)
+                log.error("engine %d (port %d) exited with %s after %d restarts within %g s: not started again; its log: %s", i,
+                          port, proc.returncode, len(recent), window_s, self.logs.get(proc.pid))
                 continue
             try:  # its workers (SGLang's scheduler processes) may outlive it, holding its GPUs
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -287,10 +309,11 @@ class SGLangPool:
                     self._left_since[i][1] = now
                 continue
             self._left_since.pop(i, None)
-            log.warning("engine %d (port %d) exited with %s: restart %d of %d; its log: %s", i, port, proc.returncode, done + 1,
-                        max_restarts, self.logs.get(proc.pid))
+            log.warning("engine %d (port %d) exited with %s: restart %d (%d of %d within %g s); its log: %s", i, port,
+                        proc.returncode, done + 1, len(recent) + 1, max_restarts, window_s, self.logs.get(proc.pid))
             self.procs[i] = self._spawn_replica(i, port, restart=True)
             self.restarts[i] = done + 1
+            recent.append(now)
             failed = self._failed_starts.get(i, 0)
             self._next_restart[i] = now + (2.0 ** (failed - 1) if failed else 0.0)
             self._failed_starts[i] = failed + 1

@@ -23,8 +23,12 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from moerl.dtypes import dtype_name
 from moerl.engines.protocol import ProtocolError
 
+# How long a weight group's rendezvous and each of its collectives may take. gloo cannot abort a collective: after a
+# failed bucket its broadcast waits this long in its thread, and the process waits for that thread at its exit.
+TIMEOUT_S = 600.0
 
-def weight_store(master_address: str, master_port: int, world_size: int, rank: int, timeout_s: float = 600) -> dist.TCPStore:
+
+def weight_store(master_address: str, master_port: int, world_size: int, rank: int) -> dist.TCPStore:
     """The group's rendezvous store, hosted by rank 0. On rank 0, ``master_port=0`` binds a free port
     (read it back as ``store.port``): a port chosen beforehand and bound later can be taken in between
     by any process on the machine (gloo's own listening sockets, for one).
@@ -33,18 +37,24 @@ def weight_store(master_address: str, master_port: int, world_size: int, rank: i
     agent's store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting this group's at master_port.
     """
     return dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+                         timeout=datetime.timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
 
 
-def join_weight_group(backend: str, store: dist.Store, world_size: int, rank: int, group_name: str,
-                      timeout_s: float = 600) -> dist.ProcessGroup:
+def join_weight_group(backend: str, store: dist.Store, world_size: int, rank: int, group_name: str) -> dist.ProcessGroup:
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
     # Collectives on a group take global ranks; here the group is its own world.
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def abandon_weight_group(group: dist.ProcessGroup) -> None:
+    """Abort ``group`` on this side and forget it. An abort is local and frees its communicator's buffers; NCCL's destroy
+    is collective with the engines, which are not calling it, so a group still registered when the job destroys its
+    process groups at exit would hang there."""
+    dist.distributed_c10d._abort_process_group(group)
 
 
 def in_daemon_thread(fn, *args) -> asyncio.Future:

@@ -23,7 +23,7 @@ import zmq
 from moerl.errors import EnginesDown, MoerlError, RolloutManagerLost
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop, Stopped,
-                                         receive_event)
+                                         Updating, receive_event)
 from moerl.sample import Sample
 
 
@@ -124,6 +124,10 @@ class RolloutBuffer:
         if groups > 0:
             self._send(Generate(groups))
 
+    def updating(self) -> None:
+        """A weight update begins: the manager holds new requests until :meth:`served`."""
+        self._send(Updating())
+
     def served(self, weight_version: str | None, engines: list[str], adapter: str | None = None, version: int = 0,
                also: bool = False) -> None:
         """The last weight sync reached ``engines``, which now report ``weight_version``; new requests sample with
@@ -153,7 +157,7 @@ class RolloutBuffer:
         elif isinstance(event, GroupDone):
             self.ready.append(Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries))
             self.acct.set(event.index, "ready")
-            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
+            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost, stale_prefix=event.stale_prefixes)
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)

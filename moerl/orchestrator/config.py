@@ -82,7 +82,10 @@ class EngineSection:
     health_interval_s: float = 2.0
     health_failures: int = 3
     down_timeout_s: float = 600.0
-    max_restarts: int = 3  # per replica the job started itself (engines given by URL are polled back in instead)
+    # A replica the job started itself is restarted whenever it dies, unless that would be its max_restarts + 1-th
+    # restart within restart_window_s (a crash loop): then it is given up on. Engines given by URL are polled back in.
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
 
     def __post_init__(self):
         check_choices(self, "engines")
@@ -301,8 +304,9 @@ def check(cfg: RunConfig) -> None:
     if r.engine_retries < 0 or r.generation_workers < 0:
         problems.append("rollout.engine_retries and rollout.generation_workers must be >= 0")
     e = cfg.engines
-    if min(1 if e.request_timeout_s is None else e.request_timeout_s, e.health_interval_s, e.down_timeout_s) <= 0 or e.health_failures < 1 or e.max_restarts < 0:
-        problems.append("engines.request_timeout_s (null: derived), health_interval_s and down_timeout_s must be > 0, "
+    if (min(1 if e.request_timeout_s is None else e.request_timeout_s, e.health_interval_s, e.down_timeout_s, e.restart_window_s) <= 0
+            or e.health_failures < 1 or e.max_restarts < 0):
+        problems.append("engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be > 0, "
                         "health_failures >= 1 and max_restarts >= 0")
     problems += simulation_problems(cfg)
     if problems:

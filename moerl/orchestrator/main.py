@@ -396,6 +396,7 @@ class Job:
         self.cpu = CpuMeter(self.manager.pid, self.buffer)
         if self.pool is not None:
             self.sync.while_down = self.revive
+            self.sync.restart_engines = self.restart_wedged
         self.writer = MetricsWriter(self.run_dir, resume_after=self.trainer.version if cfg.run.resume != "false" else None)
         if cfg.run.progress:
             self.bar = tqdm(total=cfg.run.steps, initial=self.trainer.version, desc=f"GRPO {cfg.run.mode}", unit="step", dynamic_ncols=True)
@@ -433,6 +434,7 @@ class Job:
                 self.revive()  # the sync reaches those that answer by then
             self.buffer.drain()  # what replicas lost until now, the sync gives them (those it misses are stale after it)
             self.buffer.take_left()
+            self.buffer.updating()
 
         on_lead(before_the_sync, "taking in the rollouts after the step")
         try:
@@ -451,9 +453,18 @@ class Job:
     def revive(self) -> None:
         """Rank 0: the replicas whose process died are started again (stale until a sync reaches them, outside the
         broadcast's groups until it forms them again)."""
-        restarted = self.pool.revive(self.cfg.engines.max_restarts)
+        e = self.cfg.engines
+        restarted = self.pool.revive(e.max_restarts, e.restart_window_s)
         self.sync.may_be_new |= set(restarted)
         self.buffer.restarting(restarted)
+
+    def restart(self, urls: list[str]) -> list[str]:
+        """Rank 0: of these replicas, which the weight sync cannot use as they are (waiting in a failed broadcast for good,
+        or holding all the weight groups they may), those the job started are killed and started again (now, or by a
+        later revive once their processes have ended); those."""
+        killed = self.pool.kill(urls)
+        self.revive()
+        return killed
 
     def while_waiting(self) -> Interlude | None:
         """Rank 0, while the step waits for groups: replicas that died are started again; when none serves and one is
@@ -535,6 +546,7 @@ class Job:
             "time/train_seconds": trained_at - start, "time/trainer_idle_fraction": (buffer.waited_s - waited) / (end - start),
             "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / (end - start),
             "rollout/retries_engine_failure": float(reissues["engine_failure"]), "rollout/retries_worker_lost": float(reissues["worker_lost"]),
+            "rollout/retries_stale_prefix": float(reissues["stale_prefix"]),
             "sync/catch_ups": float(self.catch_ups),
             "prompts/dropped_engine_failure": float(buffer.acct.dropped["engine_failure"]),
         })
@@ -667,18 +679,51 @@ def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Pa
         return SimulatedSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
     if cfg.sync.method == "disk":
         return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
-    # Each pipeline stage's first rank hosts its own weight group: the engines must reach this rank's node.
-    # Engines the job starts itself run beside rank 0, on the first node (torchrun's GROUP_RANK 0).
-    local = not cfg.engines.urls and os.environ.get("GROUP_RANK", "0") == "0"
-    address = os.environ.get("MOERL_SYNC_ADDRESS", "127.0.0.1" if local else _host_address())
-    return BroadcastSync(urls, address, "nccl" if torch.cuda.is_available() else "gloo", bucket_bytes=cfg.sync.bucket_mb << 20,
-                         pause=pause, flush_cache=flush)
+    return BroadcastSync(urls, sync_address(cfg), "nccl" if torch.cuda.is_available() else "gloo",
+                         bucket_bytes=cfg.sync.bucket_mb << 20, pause=pause, flush_cache=flush)
 
 
-def _host_address() -> str:
+def sync_address(cfg: RunConfig) -> str:
+    """Where the engines reach this rank, which hosts its weight group's rendezvous if it sends: ``MOERL_SYNC_ADDRESS``,
+    else the address this host routes to the engines from. A loopback address where an engine is on another host would
+    leave the first push waiting for engines that never connect: refused. Engines the job starts run beside global rank
+    0, on torchrun's first node (its rendezvous host, MASTER_ADDR, seen from the others)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    if cfg.engines.urls:
+        hosts = [urlsplit(url).hostname or "" for url in cfg.engines.urls]
+    else:
+        hosts = ["127.0.0.1" if os.environ.get("GROUP_RANK", "0") == "0" else os.environ.get("MASTER_ADDR", "")]
+
+    def loopback(host: str) -> bool:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except (OSError, ValueError):
+            return False
+
+    given = os.environ.get("MOERL_SYNC_ADDRESS")
+    address = given or _route_from(hosts[0])
+    elsewhere = [host for host in hosts if host and not loopback(host)]
+    if elsewhere and loopback(address):
+        raise ConfigError(f"the weight sync would host its groups at {address}, a loopback address" +
+                          (" (MOERL_SYNC_ADDRESS)" if given else f" ({socket.gethostname()} resolves to it)") +
+                          f", which the engines on {', '.join(elsewhere)} cannot reach: set MOERL_SYNC_ADDRESS on each "
+                          "trainer node to the address the engines reach that node at")
+    return address
+
+
+def _route_from(host: str) -> str:
+    """This host's address on the route to ``host`` (no packet is sent), else the one its hostname resolves to."""
     import socket
 
-    return socket.gethostbyname(socket.gethostname())
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def save_checkpoint(trainer, buffer, run_dir: Path) -> None:

@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import traceback
+import uuid
 from collections import deque
 
 import numpy as np
@@ -35,13 +36,29 @@ from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
 from moerl.orchestrator.messages import (ORDERS, Dropped, EnginesChanged, Generate, GroupDone, Issued, ManagerSpec, Restarting, RolloutFailed,
-                                         Served, Stopped, checked, send_event)
+                                         Served, Stopped, Updating, checked, send_event)
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
 
 log = logging.getLogger("moerl.rollout")
 WORKER_LOSSES_PER_PROMPT = 3  # a prompt whose generation worker dies more often than this stops the run: they keep dying
+STALE_PREFIXES_PER_PROMPT = 3  # a prompt answered from a stale prefix more often than this stops the run (see _stale_prefix)
+
+
+def _stale_prefix(completions, served: str | None) -> str | None:
+    """Why a group's answers reused KV computed under other weights than those they sampled with (None: they did not):
+    a request issued under weight version ``served``, queued on an engine past an update to the next, found a prefix the
+    requests of its version left. Their first token shows the weights they were admitted under (it is sampled at the
+    prefill); continuing under later ones is what an in-place update allows. Before any sync has named a version
+    (``served`` None) there is nothing to compare with."""
+    if served is None:
+        return None
+    for c in completions:
+        if c.cached_tokens and c.weight_versions and c.weight_versions[0]["version"] != served:
+            return (f"{c.cached_tokens} prompt tokens came from a prefix cached under weight version {served}, its first token "
+                    f"was sampled under {c.weight_versions[0]['version']}")
+    return None
 
 
 def sampling_seed(run_seed: int, index: int, attempt: int) -> int:
@@ -71,6 +88,9 @@ class RolloutManager:
         self.adapter: tuple[str | None, int] = (None, 0)
         self.users: dict[str, int] = {}
         self.retired: set[str] = set()
+        self.salt = uuid.uuid4().hex[:12]  # this manager's prefix-cache keys: engines given by URL hold other runs' prefixes
+        self.serving = asyncio.Event()  # cleared while a weight update is under way (Updating until Served)
+        self.serving.set()
         self.stop_ids = sorted({t for t in (self.tokenizer.eos_token_id, config.get("eos_token_id"), *cfg.rollout.stop_token_ids)
                                 if isinstance(t, int)})
 
@@ -86,7 +106,10 @@ class RolloutManager:
                 if isinstance(order, Generate):
                     for _ in range(order.groups):
                         self._start(*((self.reissue.popleft(), False) if self.reissue else (self._next(), True)))
+                elif isinstance(order, Updating):
+                    self.serving.clear()
                 elif isinstance(order, Served):
+                    self.serving.set()
                     await self._served(order)
                 elif isinstance(order, Restarting):
                     for url in order.urls:
@@ -151,21 +174,27 @@ class RolloutManager:
             await send_event(self.events, Issued(index, new))
             record, ids = self.stream.get(index)
             r = self.r
-            attempt, engine_retries, workers_lost, start = 0, 0, 0, time.perf_counter()
+            attempt, engine_retries, workers_lost, stale_prefixes, start = 0, 0, 0, 0, time.perf_counter()
             while True:
+                await self.serving.wait()  # no request while a weight update is under way: see Updating
                 # Before the adapter is read: a replica that comes back after this wait holds only the current one.
                 await self._until_healthy()
                 adapter, adapter_version = self.adapter
+                served = self.client.health.served
                 params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                         max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids,
-                                        sampling_seed=sampling_seed(r.seed, index, attempt))
+                                        sampling_seed=sampling_seed(r.seed, index, attempt + stale_prefixes))
                 if adapter is not None:
                     self.users[adapter] = self.users.get(adapter, 0) + 1
                 try:
                     completions = await self.client.generate(
                         # Routing comes back under every replay mode: the agreement metrics compare against it.
                         ids, params, return_routed_experts=True, lora_path=adapter,
-                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask, rid=f"p{index}-a{attempt}-e{engine_retries}-w{workers_lost}")
+                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask,
+                        rid=f"p{index}-a{attempt}-s{stale_prefixes}-e{engine_retries}-w{workers_lost}",
+                        # The prompt reuses only KV computed under the policy it starts under (engines do not flush
+                        # their prefix cache on an update while requests run).
+                        extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}")
                 except NoHealthyEngine:
                     continue  # the last healthy replica left between the wait and the request: wait again
                 except WorkerLost as e:  # not the engine's failure: re-issued without counting against the prompt's engine retries
@@ -194,6 +223,14 @@ class RolloutManager:
                         self.users[adapter] -= 1
                 if adapter in self.retired:
                     await self._unload_unused()
+                if adapter is None and (stale := _stale_prefix(completions, served)):
+                    stale_prefixes += 1
+                    if stale_prefixes > STALE_PREFIXES_PER_PROMPT:
+                        raise RuntimeError(f"prompt {index}: the engines answered it {stale_prefixes} times from a prefix cached "
+                                           f"under another weight version ({stale}): they ignore extra_key; serve them with "
+                                           "SGLang >= 0.5.23 or moerl's engines")
+                    log.warning("prompt %d re-issued: %s", index, stale)
+                    continue
                 aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
                 if not (aborted and r.partial == "retry"):
                     break
@@ -205,7 +242,8 @@ class RolloutManager:
                         if self.cfg.lora.enabled else None)
             samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
                        for c, x in zip(completions, rewards)]
-            await send_event(self.events, GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost))
+            await send_event(self.events, GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost,
+                                                    stale_prefixes))
         except asyncio.CancelledError:
             raise
         except EnginesDown as e:

@@ -24,6 +24,13 @@ class Generate:
 
 
 @dataclass(frozen=True)
+class Updating:
+    """A weight update begins: no new request is sent until the next :class:`Served`. One sent meanwhile would wait on a
+    paused engine and start under the new weights, keyed to the old version's prefix cache, which the update could not
+    flush while requests run (``rollout.partial=in_place``)."""
+
+
+@dataclass(frozen=True)
 class Served:
     """After each weight sync: a replica out of rotation comes back once it is among ``engines`` and reports
     ``weight_version``; a healthy one not among them is stale (it answered too late for the sync). In LoRA runs
@@ -47,7 +54,7 @@ class Stop:
     """Abort what is in flight and exit; answered by :class:`Stopped`."""
 
 
-ORDERS = (Generate, Served, Restarting, Stop)
+ORDERS = (Generate, Updating, Served, Restarting, Stop)
 
 
 # ---- events: manager -> trainer ------------------------------------------------------------------
@@ -65,6 +72,7 @@ class GroupDone:
     seconds: float  # from issue to scored
     engine_retries: int = 0  # re-issues after its replica failed (transport error, deadline)
     workers_lost: int = 0  # re-issues after the generation worker carrying it died (not the replica's failure)
+    stale_prefixes: int = 0  # re-issues after an engine answered it from a prefix cached under older weights
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,12 @@ class WeightSync(ABC):
         # Global rank 0: called each second an update waits for an engine to answer; the job starts the replicas that
         # died again there, since nothing else does while the update waits.
         self.while_down: Callable[[], None] | None = None
+        # Global rank 0: engines left out of the rest of this push, which may wait for good in a broadcast that failed
+        # (see set_wedged); those left out for the rest of the run (a broadcast sync's, holding all the weight groups they
+        # may); and what the job does with such engines: it restarts those it started, and returns them.
+        self.wedged: set[str] = set()
+        self.retired: set[str] = set()
+        self.restart_engines: Callable[[list[str]], list[str]] | None = None
 
     def connect(self) -> None:
         """Prepare the transport (a process group with the engines, a directory)."""
@@ -132,9 +138,17 @@ class WeightSync(ABC):
         them paused (at least one: it waits up to :attr:`down_timeout_s`, then raises :class:`EnginesDown`); every
         control call then goes to them only. ``only``: those of these engines that answer now, perhaps none."""
         client = self.link.client
+        if self.wedged | self.retired >= set(client.urls):
+            why = []
+            if self.wedged:
+                why.append(f"{', '.join(sorted(self.wedged))} took part in a weight broadcast that failed and may wait in it for good")
+            if self.retired:
+                why.append(f"{', '.join(sorted(self.retired))} hold all the weight groups they may")
+            raise EnginesDown(f"no engine is left to push to: {'; '.join(why)}: restart them (moerl engines), then resume "
+                              "the run (run.resume=true)")
         deadline = time.monotonic() + self.down_timeout_s
         while not (up := [url for url, ok in zip(client.urls, self.link.run(client.healthy(self.paused)))
-                          if ok and (only is None or url in only)]):
+                          if ok and url not in self.wedged | self.retired and (only is None or url in only)]):
             if only is not None:
                 return up
             if time.monotonic() > deadline:
@@ -150,6 +164,25 @@ class WeightSync(ABC):
                         f"; passed over: {', '.join(left)}" if left else "", f"; back: {', '.join(back)}" if back else "")
         client.targets = up
         return up
+
+    def set_wedged(self, urls: list[str]) -> None:
+        """Global rank 0: ``urls`` were told of a bucket whose broadcast failed, and those that took it wait in it for good
+        (NCCL's kernels do not time out and nothing in SGLang aborts the group; its stream, and so every later forward
+        and update, waits behind it), while their HTTP process still answers /model_info. The job restarts those it
+        started (:attr:`restart_engines`); the others are left out of the rest of this update, their session ended and their
+        generation continued, so that a real forward (SGLang's /health, which the rollout manager's probe asks) brings
+        them back once one answers."""
+        restarted = set(self.restart_engines(list(urls))) if self.restart_engines is not None else set()
+        self.may_be_new |= restarted
+        client = self.link.client
+        left = [url for url in urls if url not in restarted]
+        self.wedged |= set(left)
+        client.targets = [url for url in client.targets if url not in urls]
+        log.warning("weight sync: a broadcast failed after its bucket was announced: %s", "; ".join(
+            part for part in (f"restarting {', '.join(sorted(restarted))}" if restarted else "",
+                              f"leaving out {', '.join(left)} until a forward answers there" if left else "") if part))
+        if left:
+            self.link.run(client.release(left))
 
     def on_engines(self, call, again: bool = True, wait: bool = True):
         """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. While it fails on

@@ -32,14 +32,20 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from moerl.engines.weight_group import flatten_bucket, in_daemon_thread, join_weight_group, weight_store
-from moerl.errors import EnginesDown, relayed
+
+from moerl.engines.protocol import SGLANG_TORCH
+from moerl.engines.weight_group import abandon_weight_group, flatten_bucket, in_daemon_thread, join_weight_group, weight_store
+from moerl.errors import ConfigError, EnginesDown, relayed
 from moerl.megatron.parallel import collective_device, lead_agrees
 from moerl.megatron.weights import Gather, sends_weights
 from moerl.weight_sync.base import EngineLink, FullWeightSync, SyncStats, WeightSyncError
 from moerl.weight_sync.export import hf_pieces
 
 log = logging.getLogger("moerl.sync")
+# Groups of one run an engine may hold per sender: the first and three formed again (after failed pushes, engines gone
+# and back). Each holds an NCCL communicator on the engine's GPUs, outside mem_fraction_static, until the engine exits:
+# SGLang 0.5.23's /destroy_weights_update_group destroys, which NCCL makes a collective with peers that aborted their side.
+MAX_GROUPS_PER_ENGINE = 4
 
 
 def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
@@ -87,6 +93,9 @@ class BroadcastSync(FullWeightSync):
         self.engines = 0  # every rank: how many engines the push goes to
         self.tp_sizes: dict[str, int] = {}  # each engine's tensor-parallel size: its ranks in a group
         self.sent = SyncStats()  # what this rank itself sent in the last push (all zero on a rank that sends nothing)
+        self.bucket_lost = False  # every rank: the last push attempt failed with a bucket announced to the engines
+        self.groups_held: dict[str, int] = {}  # global rank 0: groups of this run each engine process holds, per sender
+        self._announced_lost = False  # this rank: a bucket it announced did not arrive whole
         self._rank, self._groups = 0, 0
 
     def connect(self) -> None:
@@ -95,14 +104,18 @@ class BroadcastSync(FullWeightSync):
         sender."""
         in_trainer = dist.is_initialized()
         sends, self._rank = (sends_weights(), dist.get_rank()) if in_trainer else (True, 0)
-        engines = [None, None]
+        engines = [None, None, None]
         if self.link is not None:
-            engines = [self.link.client.urls, [info["tp_size"] for info in self.link.run(self.link.client.server_info())]]
+            urls, infos = self.link.client.urls, self.link.run(self.link.client.server_info())
+            engines = [urls, [info["tp_size"] for info in infos], torch_mismatch(urls, infos) if self.backend == "nccl" else None]
         if in_trainer and dist.get_world_size() > 1:
             dist.broadcast_object_list(engines, src=0)  # once per run: a few URLs and sizes
+        urls, tp_sizes, mismatch = engines
+        if mismatch is not None:
+            raise ConfigError(mismatch) if self.link is not None else relayed(ConfigError(
+                "the engines run another torch, and NCCL, than the trainer (global rank 0's error says what to align)"))
         if not sends:
             return
-        urls, tp_sizes = engines
         self.tp_sizes = dict(zip(urls, tp_sizes))
         self.sender = self.link or EngineLink(urls, f"moerl-weight-sync-{self._rank}")
         self._form_group(urls)
@@ -112,7 +125,7 @@ class BroadcastSync(FullWeightSync):
         engine that died leaves its groups unusable, one that restarted has none). The group it replaces is aborted on
         this side: an abort is local, and frees that communicator's device buffers (the engines keep theirs)."""
         if self.group is not None:
-            self.group.abort()
+            abandon_weight_group(self.group)
             self.group = None
         client = self.sender.client
         client.targets = members
@@ -134,9 +147,16 @@ class BroadcastSync(FullWeightSync):
         """Every sender sends its share at once, inside one session that rank 0 opens and closes, to the engines
         rank 0 chose (:meth:`choose_engines`): the senders' groups are formed again when those change. A push that
         fails (an engine left during it, or came back restarted, without its groups) is made once more, in new groups,
-        to the engines that answer then. Every rank raises together."""
+        to the engines that answer then, less those a failed bucket may have left waiting in its broadcast
+        (:meth:`~moerl.weight_sync.base.WeightSync.set_wedged`). Every rank raises together."""
         if self.gather is None:
             self.gather = Gather(model, per_sender=True)
+        try:
+            return self._push_and_once_more(hf_config, version)
+        finally:
+            self.wedged = set()  # the next update asks /health of them (a real forward on SGLang) before it chooses
+
+    def _push_and_once_more(self, hf_config: dict, version: str) -> SyncStats | None:
         gave_up = None
         for attempt in range(2):
             try:
@@ -146,6 +166,8 @@ class BroadcastSync(FullWeightSync):
                 if attempt:
                     raise
                 if self.link is not None:
+                    if self.bucket_lost:
+                        self.set_wedged(self.link.client.targets)
                     self.link.run(self.link.client.abandon_weight_update())
                     log.warning("weight sync failed (%s); pushing once more, in new groups, to the engines that answer", e)
                     try:
@@ -153,6 +175,7 @@ class BroadcastSync(FullWeightSync):
                     except Exception as err:  # noqa: BLE001 - told to every rank by the next _regroup
                         gave_up = err
                 self.members = []  # every sender forms its group again
+        return None
 
     def _regroup(self, gave_up: BaseException | None) -> None:
         """Collective: every rank learns the engines rank 0 chose (rank 0 may have none to offer: ``gave_up``), and each
@@ -160,10 +183,12 @@ class BroadcastSync(FullWeightSync):
         process at its address (:attr:`may_be_new`), outside every group."""
         chosen = [None]  # (the engines, whether one of them is back), or None where rank 0 has none to offer
         if self.link is not None:
-            targets = self.link.client.targets
+            new, self.may_be_new = self.may_be_new, set()
             if gave_up is None:
-                chosen = [(targets, bool(self.may_be_new & set(targets)))]
-            self.may_be_new = set()
+                try:
+                    chosen = [self._members(new)]
+                except EnginesDown as e:
+                    gave_up = e
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(chosen, src=0)  # a few URLs
         if chosen[0] is None:
@@ -180,6 +205,35 @@ class BroadcastSync(FullWeightSync):
                 formed = e
         _agree(formed is None, "a sender could not form its group with the engines (that rank's error says why)", formed)
 
+    def _members(self, new: set[str]) -> tuple[list[str], bool]:
+        """Global rank 0: the engines this push goes to, and whether one of them may be a new process (``new``), outside
+        every group. Where the senders form their groups again, an engine that holds :data:`MAX_GROUPS_PER_ENGINE` of
+        them already is left out (its communicators are what the memory plan allows): restarted where the job started it
+        (:attr:`~moerl.weight_sync.base.WeightSync.restart_engines`), else for the rest of the run."""
+        client = self.link.client
+        back = new & set(client.targets)
+        for url in back:
+            self.groups_held[url] = 0
+        if client.targets == self.members and not back:
+            return client.targets, False
+        full = [url for url in client.targets if self.groups_held.get(url, 0) >= MAX_GROUPS_PER_ENGINE]
+        if full:
+            restarted = set(self.restart_engines(full)) if self.restart_engines is not None else set()
+            self.may_be_new |= restarted
+            self.retired |= set(full) - restarted
+            client.targets = [url for url in client.targets if url not in full]
+            log.warning("weight sync: %s hold %d weight groups of this run each (NCCL communicators outside "
+                        "mem_fraction_static): %s", ", ".join(full), MAX_GROUPS_PER_ENGINE, "; ".join(part for part in (
+                            f"restarting {', '.join(sorted(restarted))}" if restarted else "",
+                            f"leaving out {', '.join(sorted(set(full) - restarted))} for the rest of the run (restart "
+                            "engines given by URL between runs)" if set(full) - restarted else "") if part))
+            if not client.targets:
+                raise EnginesDown(f"every engine this push chose holds {MAX_GROUPS_PER_ENGINE} weight groups of this run: "
+                                  "restart them, then resume the run (run.resume=true)")
+        for url in client.targets:
+            self.groups_held[url] = self.groups_held.get(url, 0) + 1
+        return client.targets, bool(back)
+
     def _push_once(self, hf_config: dict, version: str) -> SyncStats | None:
         start = time.perf_counter()
         opened = None
@@ -190,6 +244,7 @@ class BroadcastSync(FullWeightSync):
                 opened = e
         _agree(opened is None, "the weight-update session did not open on the engines (global rank 0's error says why)", opened)
         self.sent, failed, stopped = SyncStats(), None, False  # stopped: a sender failed, so no sender sends more
+        self.bucket_lost = self._announced_lost = False
         pending: deque[tuple[str, torch.Tensor]] = deque()  # this sender's tensors not yet sent
         pieces = hf_pieces(self.gather, hf_config)  # every rank iterates: the gathers are collective
         for piece in itertools.chain(pieces, [None]):
@@ -214,11 +269,13 @@ class BroadcastSync(FullWeightSync):
                     except Exception as e:  # noqa: BLE001 - every rank hears of it after this turn
                         failed = e
                 # After one sender's failure no sender may send: an engine that took its announcement waits in its
-                # broadcast for good, so every later sender's would wait behind it, each to its deadline.
-                flag = torch.tensor([failed is not None], dtype=torch.int32, device=collective_device())
+                # broadcast for good, so every later sender's would wait behind it, each to its deadline. 2: a bucket
+                # was announced, and the engines may wait in it (see set_wedged).
+                lost = 0 if failed is None else 2 if self._announced_lost else 1
+                flag = torch.tensor([lost], dtype=torch.int32, device=collective_device())
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 if flag.item():
-                    stopped = True
+                    stopped, self.bucket_lost = True, flag.item() == 2
                     pending.clear()
                     break
         totals = torch.tensor([self.sent.tensors, self.sent.bytes, self.sent.buckets], dtype=torch.int64, device=collective_device())
@@ -296,11 +353,18 @@ class BroadcastSync(FullWeightSync):
                 names, dtypes, shapes, self.group_name, load_format="flattened_bucket", flush_cache=False))
         except BaseException:
             broadcast.refused()
-            self.group, self.members = None, []
+            self.group, self.members, self._announced_lost = None, [], True
             raise
-        await in_daemon_thread(work.wait)
+        try:
+            await in_daemon_thread(work.wait)
+        except BaseException:
+            self._announced_lost = True
+            raise
 
     def close(self) -> None:
+        if self.group is not None:  # left by an abort, not a destroy: the engines take no part in this side's exit
+            abandon_weight_group(self.group)
+            self.group = None
         if self.sender is not None and self.sender is not self.link:
             self.sender.close()
         super().close()
@@ -319,14 +383,36 @@ class _Broadcast:
         with self.lock:
             self.queued = True
             if self.refusal:
-                self.group.abort()
+                abandon_weight_group(self.group)
         return work
 
     def refused(self) -> None:
         with self.lock:
             self.refusal = True
             if self.queued:
-                self.group.abort()
+                abandon_weight_group(self.group)
+
+
+def torch_mismatch(urls: list[str], infos: list[dict], ours: str | None = None) -> str | None:
+    """What to align where an engine joins a NCCL weight group with another torch release than this process's (None:
+    none does): each torch bundles its own NCCL, and two NCCL releases in one communicator fail or hang. An SGLang engine
+    runs the torch its release pins (:data:`~moerl.engines.protocol.SGLANG_TORCH`); moerl's report theirs."""
+    ours = _release(ours or torch.__version__)
+    differ: list[tuple[str, str, str]] = []  # (engine, its torch, why it has that one)
+    for url, info in zip(urls, infos, strict=True):
+        reported = info.get("torch_version")
+        theirs = reported or SGLANG_TORCH.get(str(info.get("version")))
+        if theirs is not None and _release(theirs) != ours:
+            differ.append((url, _release(theirs), "" if reported else f", which SGLang {info.get('version')} pins"))
+    if not differ:
+        return None
+    engines = "; ".join(f"{url} runs torch {theirs}{why}" for url, theirs, why in differ)
+    return (f"a NCCL weight group needs one NCCL release on both sides, and torch bundles its own: {engines}, this "
+            f"trainer torch {ours}: install torch=={differ[0][1]} for the trainer, or set sync.method=disk")
+
+
+def _release(version: str) -> str:
+    return version.split("+")[0]
 
 
 def _nbytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
