@@ -31,8 +31,9 @@ import queue
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from moerl.engines import protocol as P
 from moerl.env import exit_with
@@ -53,8 +54,8 @@ class _Worker:
     stopping: bool = False
 
     def send(self, *message) -> None:
-        """Never blocks: a worker that stops reading fills its socket, and a write from the event loop would stop the loop
-        (and every deadline with it)."""
+        """Never blocks: a worker that stops reading fills its socket, and a write from the event loop would stop the
+        loop (and every deadline with it)."""
         self.outbox.put(pickle.dumps(message))
 
     def fail_jobs(self, why: str) -> None:
@@ -91,7 +92,7 @@ class GenerationWorkers:
             if not worker.stopping:
                 worker.send("cancel", job)
             raise
-        except asyncio.TimeoutError:  # its client's own deadline passed long ago: the worker is stuck
+        except TimeoutError:  # its client's own deadline passed long ago: the worker is stuck
             if not future.done():  # (the answer may have come in the deadline's own turn)
                 self._lost(worker, f"no answer in {self.deadline_s:.0f} s; killed")
             completions, error = await future
@@ -121,7 +122,8 @@ class GenerationWorkers:
 
     def _read(self, worker: _Worker, loop: asyncio.AbstractEventLoop) -> None:
         """This worker's answers, on a thread: the pipe is read (GIL released) and unpickled (a copy of arrays) off the
-        event loop's turn. When it ends it ends the writer, which closes the connection: no thread closes it under another."""
+        event loop's turn. When it ends it ends the writer, which closes the connection: no thread closes it under
+        another."""
         try:
             while True:
                 try:
@@ -135,7 +137,8 @@ class GenerationWorkers:
                     break
                 if error is not None and trace:
                     error.add_note(f"in the generation worker:\n{trace}")
-                if not _call_soon(loop, lambda job=job, outcome=(completions, error): _settle(worker.jobs.get(job), outcome)):
+                outcome = (completions, error)
+                if not _call_soon(loop, lambda job=job, outcome=outcome: _settle(worker.jobs.get(job), outcome)):
                     return
             if not worker.stopping:
                 _call_soon(loop, self._lost, worker, why)
@@ -149,8 +152,8 @@ class GenerationWorkers:
         why = f"{why}, exit code {worker.process.exitcode}"
         if worker in self.workers:
             self.workers[self.workers.index(worker)] = None
-            log.warning("a generation worker died (%s): the %d generations it carried are lost and re-issued; a new one "
-                        "starts at the next request", why, len(worker.jobs))
+            log.warning("a generation worker died (%s): the %d generations it carried are lost and re-issued; a new "
+                        "one starts at the next request", why, len(worker.jobs))
         worker.fail_jobs(f"the generation worker carrying it died ({why}); the engine aborts what nobody reads")
 
     def close(self) -> None:
@@ -205,57 +208,80 @@ def _serve(conn, owner_pid: int, make_client: Callable[[], Any]) -> None:
 
 
 async def _serve_requests(conn, make_client: Callable[[], Any]) -> None:
-    loop = asyncio.get_running_loop()
     messages: asyncio.Queue = asyncio.Queue()
-
-    def receive():
-        while True:
-            try:
-                message = pickle.loads(conn.recv_bytes())
-            except BaseException:  # the owner closed its end, or sent what this cannot read: either way, stop
-                message = ("stop",)
-            loop.call_soon_threadsafe(messages.put_nowait, message)
-            if message[0] == "stop":
-                return
-
-    threading.Thread(target=receive, daemon=True).start()
-    running: dict[int, asyncio.Task] = {}  # a job leaves it when it ends or when the owner gives up on it
-
-    async def carry(client, job: int, url: str, request: P.GenerateReqInput, routing_start: int) -> None:
-        try:
-            answer = (job, await client.generate_on(url, request, routing_start), None, None)
-        except asyncio.CancelledError:
-            if job not in running:
-                return  # the owner gave up on it: nothing to answer
-            answer = (job, None, WorkerLost("cancelled in the generation worker"), None)
-        except Exception as e:
-            answer = (job, None, e, traceback.format_exc())
-        running.pop(job, None)
-        try:
-            message = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
-            if answer[2] is not None:
-                pickle.loads(message)  # an exception that pickles may still not unpickle (a constructor of other arguments)
-        except Exception:  # its text still reaches the owner
-            message = pickle.dumps((job, None, RuntimeError(f"in a generation worker: {answer[2]!r}"), answer[3] or traceback.format_exc()))
-        try:
-            conn.send_bytes(message)
-        except OSError:
-            pass  # the owner is gone; so will this process be
-
+    threading.Thread(target=_receive, args=(conn, asyncio.get_running_loop(), messages), daemon=True).start()
     async with make_client() as client:
+        await _Carrier(conn, client).serve(messages)
+
+
+def _receive(conn, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue) -> None:
+    """The owner's messages into ``messages``, on a thread, until a stop."""
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except BaseException:  # the owner closed its end, or sent what this cannot read: either way, stop
+            message = ("stop",)
+        loop.call_soon_threadsafe(messages.put_nowait, message)
+        if message[0] == "stop":
+            return
+
+
+class _Carrier:
+    """The worker's generations: each carried by ``client`` in a task of its own and answered through ``conn``."""
+
+    def __init__(self, conn, client):
+        self.conn, self.client = conn, client
+        self.running: dict[int, asyncio.Task] = {}  # a job leaves it when it ends or when the owner gives up on it
+
+    async def serve(self, messages: asyncio.Queue) -> None:
+        """Do what the owner's messages say, until it says stop."""
         while True:
             message = await messages.get()
             if message[0] == "generate":
                 _, job, url, request, routing_start = message
-                running[job] = asyncio.create_task(carry(client, job, url, request, routing_start))
+                self.running[job] = asyncio.create_task(self.carry(job, url, request, routing_start))
             elif message[0] == "cancel":
-                task = running.pop(message[1], None)
+                task = self.running.pop(message[1], None)
                 if task is not None:
                     task.cancel()
             else:
-                tasks = list(running.values())
-                running.clear()
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await self.stop()
                 return
+
+    async def stop(self) -> None:
+        """Cancel every generation still carried, and wait for them to end."""
+        tasks = list(self.running.values())
+        self.running.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def carry(self, job: int, url: str, request: P.GenerateReqInput, routing_start: int) -> None:
+        """One generation, its outcome sent to the owner (none once the owner has given up on it)."""
+        try:
+            answer: tuple = (job, await self.client.generate_on(url, request, routing_start), None, None)
+        except asyncio.CancelledError:
+            if job not in self.running:
+                return  # the owner gave up on it: nothing to answer
+            answer = (job, None, WorkerLost("cancelled in the generation worker"), None)
+        except Exception as e:
+            answer = (job, None, e, traceback.format_exc())
+        self.running.pop(job, None)
+        message = _pickled(answer)
+        try:
+            self.conn.send_bytes(message)
+        except OSError:
+            pass  # the owner is gone; so will this process be
+
+
+def _pickled(answer: tuple) -> bytes:
+    """``(job, completions, error, trace)`` as the owner can unpickle it."""
+    job, _, error, trace = answer
+    try:
+        message = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
+        if error is not None:
+            pickle.loads(message)  # an exception that pickles may still not unpickle (a constructor of other arguments)
+    except Exception:  # its text still reaches the owner
+        message = pickle.dumps((job, None, RuntimeError(f"in a generation worker: {error!r}"),
+                                trace or traceback.format_exc()))
+    return message

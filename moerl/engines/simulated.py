@@ -35,10 +35,9 @@ from moerl.engines import protocol
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import DENSE_LAYER, hub_tensor_view, moe_gates
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
-from moerl.engines.embedded.server import EmbeddedEngine
+from moerl.engines.embedded.server import EmbeddedEngine, TokenDetails
 from moerl.engines.protocol import ProtocolError
 from moerl.simulation import EngineProfile, Profile
-
 
 _ROUTING_TABLES: dict[tuple, np.ndarray] = {}  # (layers, top-k, experts, MoE layers) -> the routing rows responses take
 STREAM_INTERVAL_S = 0.05  # how often a streamed request sends what it decoded since (only these wake the loop)
@@ -49,7 +48,8 @@ class SimulatedRequest(Request):
     target: int = -1  # output tokens it ends with (drawn at its first admission)
     stop_token: int | None = None  # the token it ends on (None: it runs to its length cap)
     progress: float = 0.0  # output tokens decoded so far, fractional
-    marks: list[tuple[int, str]] = field(default_factory=list)  # (first output position, weight version) per version change
+    # (first output position, weight version) per version change
+    marks: list[tuple[int, str]] = field(default_factory=list)
     rng: np.random.Generator | None = None
 
 
@@ -66,7 +66,8 @@ class SimulatedScheduler(Scheduler):
 
     # ---- the loop's phases ----------------------------------------------------------------------
     def _wait(self) -> None:
-        if not (self._stop or self._commands or (not self.paused and self.waiting and len(self.running) < self.max_running)):
+        admissible = not self.paused and self.waiting and len(self.running) < self.max_running
+        if not (self._stop or self._commands or admissible):
             self._wake.wait(self._until_next_finish())
 
     def _run(self, commands: list) -> None:
@@ -130,7 +131,8 @@ class SimulatedScheduler(Scheduler):
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting.popleft()
             if request.lora is not None and request.lora not in self.adapters.adapters:
-                self._finish(request, {"type": "abort", "message": f"engine error: adapter {request.lora!r} is not loaded"})
+                message = f"engine error: adapter {request.lora!r} is not loaded"
+                self._finish(request, {"type": "abort", "message": message})
                 continue
             if request.target < 0:
                 self._plan(request)
@@ -147,15 +149,17 @@ class SimulatedScheduler(Scheduler):
             self.running.append(request)
         if prompt_tokens:
             now = time.monotonic()
-            self._prefill_ends = max(self._prefill_ends, now) + prompt_tokens / self.profile.prefill_tokens_per_s / self.time_scale
+            prefill_s = prompt_tokens / self.profile.prefill_tokens_per_s / self.time_scale
+            self._prefill_ends = max(self._prefill_ends, now) + prefill_s
 
     def _plan(self, request: SimulatedRequest) -> None:
-        """Its length: where it draws a stop token (at the profile's length distribution), or its cap (max_new_tokens, the
-        context). A seeded request, and a greedy one (same prompt, same weights), is the same each time."""
+        """Its length: where it draws a stop token (at the profile's length distribution), or its cap (max_new_tokens,
+        the context). A seeded request, and a greedy one (same prompt, same weights), is the same each time."""
         p = request.params
         seed = p.sampling_seed
         if seed is None and p.top_k == 1:
-            seed = int.from_bytes(hashlib.sha256(repr((request.input_ids, self.weight_version)).encode()).digest()[:8], "little")
+            digest = hashlib.sha256(repr((request.input_ids, self.weight_version)).encode()).digest()
+            seed = int.from_bytes(digest[:8], "little")
         request.rng = np.random.default_rng(seed)
         cap = min(p.max_new_tokens, self.max_length - len(request.input_ids))
         stop_ids = ([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids or [])
@@ -193,7 +197,8 @@ class SimulatedEngine(EmbeddedEngine):
         self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
         self._disk_update_began = 0.0  # monotonic seconds
         self._serve(model_dir, model, lambda adapters, eos_ids, max_length: SimulatedScheduler(
-            profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length, prefix_cache_tokens), sampling_mask_max_tokens)
+            profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length, prefix_cache_tokens),
+            sampling_mask_max_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -204,35 +209,34 @@ class SimulatedEngine(EmbeddedEngine):
         return self._moe_layers
 
     # ---- responses ---------------------------------------------------------------------------
-    def response(self, request: SimulatedRequest, req: protocol.GenerateReqInput) -> protocol.GenerateResponse:
+    def token_details(self, request: SimulatedRequest, req: protocol.GenerateReqInput) -> TokenDetails:
+        """Random values at their true sizes; a token's log-prob is at most its log-prob over its kept set."""
         n = len(request.output_ids)
         rng = np.random.default_rng()
-        config = self.model.config
-        meta = self.meta_info(request, _token_versions(request.marks, n))
-        tokens = np.asarray(request.output_ids, dtype=np.int64)
+        details = TokenDetails(_token_versions(request.marks, n))
         params = request.params
-        truncated = 0 < params.top_k < config.vocab_size or params.top_p < 1 or params.min_p > 0
         if req.return_sampling_mask:
-            kept_sizes = np.full(n, params.top_k) if params.top_p >= 1 and params.min_p == 0 else rng.integers(1, params.top_k + 1, n)
+            if params.top_p >= 1 and params.min_p == 0:
+                kept_sizes = np.full(n, params.top_k)
+            else:
+                kept_sizes = rng.integers(1, params.top_k + 1, n)
+            tokens = np.asarray(request.output_ids, dtype=np.int64)
             kept_ids, kept_logprobs, selected = self._kept_sets(rng, tokens, kept_sizes)
-            meta["output_token_sampling_mask"] = kept_ids
-            meta["output_token_sampling_mask_length"] = n
-            meta["output_token_sampling_logprobs"] = selected.tolist() if req.sampling_logprobs_mode == "selected" else kept_logprobs
+            mask_logprobs = selected.tolist() if req.sampling_logprobs_mode == "selected" else kept_logprobs
+            details.sampling_mask = kept_ids, mask_logprobs
         else:
             selected = -rng.exponential(1.0, n)
         if req.return_logprob:
+            truncated = 0 < params.top_k < self.model.config.vocab_size or params.top_p < 1 or params.min_p > 0
             full = selected + (np.log(rng.uniform(0.5, 1.0, n)) if truncated else 0.0)
-            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(full.tolist(), request.output_ids)]
             start = len(request.input_ids) if request.logprob_start_len is None else request.logprob_start_len
             prompt = (-rng.exponential(2.0, len(request.input_ids) - start)).tolist()
             if start == 0:
                 prompt[0] = None  # the first prompt token has no log-prob
-            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:])]
+            details.logprobs = full.tolist(), prompt
         if req.return_routed_experts:
-            rows = max(len(request.input_ids) + n - 1 - req.routed_experts_start_len, 0)
-            meta["routed_experts"] = protocol.encode_routed_experts(self._routing(rows))
-        return {"text": self.tokenizer.decode(request.output_ids) if self.tokenizer is not None else "",
-                "output_ids": list(request.output_ids), "meta_info": meta}
+            details.routing = self._routing(max(len(request.input_ids) + n - 1 - req.routed_experts_start_len, 0))
+        return details
 
     def _routing(self, rows: int) -> np.ndarray:
         """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1): rows of one random table
@@ -252,20 +256,22 @@ class SimulatedEngine(EmbeddedEngine):
             _ROUTING_TABLES[shape] = table  # two replicas growing it at once both make one: either is kept
         return table[:rows]
 
-    def _kept_sets(self, rng: np.random.Generator, tokens: np.ndarray, sizes: np.ndarray) -> tuple[list, list, np.ndarray]:
-        """Each token's kept set (ascending ids that include it), its log-probs over the set, and the token's own; drawn for
-        all tokens at once (a per-token loop costs a second per 32K-token response)."""
+    def _kept_sets(self, rng: np.random.Generator, tokens: np.ndarray,
+                   sizes: np.ndarray) -> tuple[list, list, np.ndarray]:
+        """Each token's kept set (ascending ids that include it), its log-probs over the set, and the token's own; drawn
+        for all tokens at once (a per-token loop costs a second per 32K-token response)."""
         vocab, widest = self.model.config.vocab_size, int(sizes.max(initial=1))
         column = np.arange(widest)
         inside = column < sizes[:, None]
-        ids = np.where(inside, (tokens[:, None] + column * max(vocab // widest, 1)) % vocab, vocab)  # distinct; vocab pads
+        # Distinct ids, each row padded with vocab past its size.
+        ids = np.where(inside, (tokens[:, None] + column * max(vocab // widest, 1)) % vocab, vocab)
         order = np.argsort(ids, axis=1, kind="stable")
         ids = np.take_along_axis(ids, order, axis=1)
         logits = np.where(inside, rng.standard_normal(ids.shape), -np.inf)
         logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
         selected = logprobs[np.arange(len(tokens)), np.argmax(order == 0, axis=1)]  # column 0 holds the token itself
-        kept_ids = [row[:size] for row, size in zip(ids.tolist(), sizes.tolist())]
-        kept_logprobs = [row[:size] for row, size in zip(logprobs.tolist(), sizes.tolist())]
+        kept_ids = [row[:size] for row, size in zip(ids.tolist(), sizes.tolist(), strict=True)]
+        kept_logprobs = [row[:size] for row, size in zip(logprobs.tolist(), sizes.tolist(), strict=True)]
         return kept_ids, kept_logprobs, selected
 
     # ---- weights -----------------------------------------------------------------------------
@@ -273,7 +279,8 @@ class SimulatedEngine(EmbeddedEngine):
         """The checkpoint's names and shapes, from its safetensors headers (no tensor is read)."""
         self._disk_update_began = time.monotonic()
         _, dtype = self.model_dir_reader(path)
-        return [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape in self.family.hub_shapes(self.hub_config).items()]
+        return [(name, torch.empty(shape, dtype=dtype, device="meta"))
+                for name, shape in self.family.hub_shapes(self.hub_config).items()]
 
     def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A disk update takes its bytes' time at the profile's rate, counted from when it began, so the headers' checks
@@ -285,7 +292,8 @@ class SimulatedEngine(EmbeddedEngine):
     def weight_values(self, name: str, truncate_size: int) -> list | None:
         if hub_tensor_view(self.family, dict(self.model.named_parameters()), name) is None:
             return None
-        raise ProtocolError("the simulated engine holds no weights to read back (run sync.verify against a real engine)")
+        raise ProtocolError("the simulated engine holds no weights to read back "
+                            "(run sync.verify against a real engine)")
 
     def checksum(self) -> str:
         raise ProtocolError("the simulated engine holds no weights to checksum (run sync.verify against a real engine)")

@@ -6,6 +6,8 @@ name and shape (and read every tensor) before the first write: a refused update 
 weights and version as they were. Slow control work runs in pools of its own (group joins, broadcasts,
 disk loads, adapter loads), so one stuck join cannot starve the others; the model belongs to the
 scheduler's thread alone.
+
+:class:`EmbeddedEngine` does the work; :class:`EngineServer` gives each route a method over it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import socket
 import tempfile
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from aiohttp import web
 
@@ -32,7 +36,13 @@ from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
 from moerl.engines.protocol import ProtocolError
-from moerl.engines.weight_group import bucket_layout, in_daemon_thread, join_weight_group, unflatten_bucket, weight_store
+from moerl.engines.weight_group import (
+    bucket_layout,
+    in_daemon_thread,
+    join_weight_group,
+    unflatten_bucket,
+    weight_store,
+)
 from moerl.errors import MoerlError
 from moerl.models import family_for
 
@@ -52,6 +62,19 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
 
+@dataclass
+class TokenDetails:
+    """What an answer tells of a completion's tokens besides their ids; a part is None unless its request asked for it.
+    Each engine makes them its own way (:meth:`EmbeddedEngine.token_details`); the answer is built from them alike."""
+
+    versions: list[str]  # each output token's weight version
+    # The output tokens' log-probs, and the prompt's from logprob_start_len (None: the first prompt token's).
+    logprobs: tuple[list[float], list[float | None]] | None = None
+    routing: np.ndarray | None = None  # int32 [positions, layers, top-k], from routed_experts_start_len
+    # Each output token's kept set, and the log-probs over it that the request's sampling_logprobs_mode asks for.
+    sampling_mask: tuple[list[list[int]], list] | None = None
+
+
 class EmbeddedEngine:
     """Owns the model runner, the scheduler and the tokenizer; builds SGLang-shaped responses."""
 
@@ -63,7 +86,8 @@ class EmbeddedEngine:
                  prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
         self.runner = ModelRunner(model_dir, dtype, device)
         self._serve(model_dir, self.runner.model, lambda adapters, eos_ids, max_length: Scheduler(
-            self.runner, adapters, eos_ids, max_length, max_running, prefix_cache_tokens=prefix_cache_tokens), sampling_mask_max_tokens)
+            self.runner, adapters, eos_ids, max_length, max_running, prefix_cache_tokens=prefix_cache_tokens),
+            sampling_mask_max_tokens)
 
     def _serve(self, model_dir: str, model: torch.nn.Module, scheduler, sampling_mask_max_tokens: int) -> None:
         """What serving needs besides the computation: ``model`` (the served transformers model: names, shapes,
@@ -76,7 +100,8 @@ class EmbeddedEngine:
         self.hub_config = self.family.normalize(raw)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        self.scheduler = scheduler(AdapterSet(model, self.family), eos_ids, getattr(config, "max_position_embeddings", 1 << 30))
+        max_length = getattr(config, "max_position_embeddings", 1 << 30)
+        self.scheduler = scheduler(AdapterSet(model, self.family), eos_ids, max_length)
         self.limits = protocol.EngineLimits(config.vocab_size, self.scheduler.max_length, sampling_mask_max_tokens)
         self.weight_groups: dict[str, object] = {}
         self.joining: set[str] = set()
@@ -84,7 +109,8 @@ class EmbeddedEngine:
         # Slow loads, each kind in its own thread, so a large disk load does not hold up an adapter. Group
         # joins and broadcasts run in daemon threads of their own (weight_group.in_daemon_thread): a peer
         # that never comes keeps one waiting until the group's timeout, holding up nothing else, not even exit.
-        self.pools = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"moerl-{kind}") for kind in ("disk", "lora")}
+        self.pools = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"moerl-{kind}")
+                      for kind in ("disk", "lora")}
 
     @property
     def adapters(self) -> AdapterSet:
@@ -168,27 +194,47 @@ class EmbeddedEngine:
         }
 
     def response(self, request: Request, req: protocol.GenerateReqInput) -> protocol.GenerateResponse:
-        n_out = len(request.output_ids)
-        meta = self.meta_info(request, request.versions)
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [[d.logprob, d.token, None] for d in request.draws]
-            meta["input_token_logprobs"] = [] if request.prompt_logprobs is None else [
-                [None if lp != lp else float(lp), tok, None]  # the first prompt token has no log-prob
-                for lp, tok in zip(request.prompt_logprobs.tolist(), request.input_ids[request.logprob_start_len:])
+        """SGLang's answer for ``request``: its tokens, and what ``req`` asked to know of them (``token_details``)."""
+        details = self.token_details(request, req)
+        meta = self.meta_info(request, details.versions)
+        output_ids = request.output_ids
+        if details.logprobs is not None:
+            output, prompt = details.logprobs
+            start = len(request.input_ids) if request.logprob_start_len is None else request.logprob_start_len
+            meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(output, output_ids, strict=True)]
+            # Not strict: a request aborted before its prefill has no prompt log-probs.
+            meta["input_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:], strict=False)
             ]
+        if details.routing is not None:
+            meta["routed_experts"] = protocol.encode_routed_experts(details.routing)
+        if details.sampling_mask is not None:
+            kept_ids, kept_logprobs = details.sampling_mask
+            meta["output_token_sampling_mask"] = kept_ids
+            meta["output_token_sampling_mask_length"] = len(kept_ids)
+            meta["output_token_sampling_logprobs"] = kept_logprobs
+        text = self.tokenizer.decode(output_ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+    def token_details(self, request: Request, req: protocol.GenerateReqInput) -> TokenDetails:
+        """What ``req`` asked to know of ``request``'s tokens: from its draws, its prefill and the model's routing."""
+        details = TokenDetails(request.versions)
+        if req.return_logprob:
+            prompt = [] if request.prompt_logprobs is None else [
+                None if lp != lp else float(lp)  # the first prompt token has no log-prob
+                for lp in request.prompt_logprobs.tolist()
+            ]
+            details.logprobs = [d.logprob for d in request.draws], prompt
         if req.return_routed_experts:
-            rows = torch.cat(request.routing) if request.routing else torch.zeros(0, self.runner.num_layers, self.runner.topk, dtype=torch.int32)
-            end = len(request.input_ids) + n_out - 1
-            meta["routed_experts"] = protocol.encode_routed_experts(rows[req.routed_experts_start_len : max(end, 0)].numpy())
+            rows = torch.cat(request.routing) if request.routing else torch.zeros(
+                0, self.runner.num_layers, self.runner.topk, dtype=torch.int32)
+            end = len(request.input_ids) + len(request.output_ids) - 1
+            details.routing = rows[req.routed_experts_start_len : max(end, 0)].numpy()
         if req.return_sampling_mask:
-            meta["output_token_sampling_mask"] = [d.kept_ids.tolist() for d in request.draws]
-            meta["output_token_sampling_mask_length"] = len(request.draws)
-            if req.sampling_logprobs_mode == "selected":
-                meta["output_token_sampling_logprobs"] = [d.selected_logprob for d in request.draws]
-            else:
-                meta["output_token_sampling_logprobs"] = [d.kept_logprobs.tolist() for d in request.draws]
-        text = self.tokenizer.decode(request.output_ids) if self.tokenizer is not None else ""
-        return {"text": text, "output_ids": list(request.output_ids), "meta_info": meta}
+            selected = req.sampling_logprobs_mode == "selected"
+            details.sampling_mask = [d.kept_ids.tolist() for d in request.draws], [
+                d.selected_logprob if selected else d.kept_logprobs.tolist() for d in request.draws]
+        return details
 
     # ---- weights -----------------------------------------------------------------------------
     def read_model_dir(self, path: str) -> list[tuple[str, torch.Tensor]]:
@@ -211,7 +257,8 @@ class EmbeddedEngine:
             raise ProtocolError(f"{refused}: the cache cannot be flushed while requests are running "
                                 "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
 
-    def apply_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool, flush: bool) -> None:
+    def apply_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool,
+                      flush: bool) -> None:
         """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
         sched = self.scheduler
         pairs = hub_tensor_targets(self.family, self.model, named)
@@ -238,7 +285,8 @@ class EmbeddedEngine:
         """SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes."""
         digest = hashlib.sha256()
         for name, param in sorted(self.model.named_parameters()):
-            tensor = hashlib.sha256(param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()[:16]
+            data = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            tensor = hashlib.sha256(data).hexdigest()[:16]
             digest.update(name.encode())
             digest.update(tensor.encode())
         return digest.hexdigest()
@@ -253,7 +301,8 @@ class EmbeddedEngine:
             store = weight_store(req.master_address, req.master_port, req.world_size, req.rank_offset)
             return join_weight_group(req.backend, store, req.world_size, req.rank_offset, req.group_name)
         except RuntimeError as e:  # the rendezvous failed or timed out (torch's DistError and its kin)
-            raise ProtocolError(f"weight group {req.group_name!r}: could not join as rank {req.rank_offset}: {e}") from None
+            raise ProtocolError(f"weight group {req.group_name!r}: could not join as rank {req.rank_offset}: "
+                                f"{e}") from None
 
     def receive(self, req: protocol.UpdateWeightsFromDistributedReqInput, group) -> list[tuple[str, torch.Tensor]]:
         import torch.distributed as dist
@@ -264,7 +313,8 @@ class EmbeddedEngine:
             flat = torch.empty(spans[-1][1], dtype=torch.uint8, device=device)
             dist.broadcast(flat, 0, group)
             return unflatten_bucket(flat, req.names, req.dtypes, req.shapes)
-        named = [(n, torch.empty(s, dtype=getattr(torch, d), device=device)) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
+        named = [(n, torch.empty(s, dtype=getattr(torch, d), device=device))
+                 for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)]
         for _, tensor in named:
             dist.broadcast(tensor, 0, group)
         return named
@@ -323,213 +373,146 @@ class _Spilled:
         self.file.close()
 
 
+# ---- the HTTP server ------------------------------------------------------------------------------
 def build_app(engine: EmbeddedEngine) -> web.Application:
-    routes = web.RouteTableDef()
-    sched = engine.scheduler
-    P = protocol
+    """``engine`` served over HTTP: SGLang's routes; its scheduler runs while the app does."""
+    return EngineServer(engine).app()
 
-    async def parse(request: web.Request, kind: type[P.WireModel]):
-        charset = request.charset
-        if charset is not None and charset.lower().replace("-", "").replace("_", "") != "utf8":
-            raise ProtocolError(f"charset {charset!r}: JSON bodies are UTF-8")
-        raw = await request.read()
-        return kind.parse(raw if raw.strip() else b"{}")
 
-    async def on_engine(fn):
-        return await asyncio.wrap_future(sched.call(fn))
+class EngineServer:
+    """The routes over one engine: each a method named after its route (the route table is :meth:`app`'s)."""
 
-    async def in_pool(kind: str, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(engine.pools[kind], functools.partial(fn, *args))
+    def __init__(self, engine: EmbeddedEngine):
+        self.engine = engine
+        self.sched = engine.scheduler
 
-    def ok(message: str, **extra) -> web.Response:
-        body: protocol.ControlResponse = {"success": True, "message": message, **extra}
-        return web.json_response(body, dumps=_dumps)
+    def app(self) -> web.Application:
+        P = protocol
+        app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
+        app.add_routes([
+            web.post(P.GENERATE.path, self.generate),
+            web.get(P.HEALTH.path, self.health),
+            web.get("/health_generate", self.health),
+            web.get(P.SERVER_INFO.path, self.server_info),
+            web.get(P.MODEL_INFO.path, self.model_info),
+            web.get("/get_model_info", self.model_info),
+            web.post(P.PAUSE.path, self.pause_generation),
+            web.post(P.CONTINUE.path, self.continue_generation),
+            web.post(P.ABORT.path, self.abort_request),
+            web.get(P.FLUSH_CACHE.path, self.flush_cache),
+            web.post(P.FLUSH_CACHE.path, self.flush_cache),
+            web.post(P.GET_WEIGHTS.path, self.get_weights_by_name),
+            web.post(P.WEIGHTS_CHECKER.path, self.weights_checker),
+            web.post(P.UPDATE_WEIGHT_VERSION.path, self.update_weight_version),
+            web.post(P.UPDATE_FROM_DISK.path, self.update_weights_from_disk),
+            web.post(P.INIT_GROUP.path, self.init_weights_update_group),
+            web.post(P.BEGIN_UPDATE.path, self.begin_weight_update),
+            web.post(P.END_UPDATE.path, self.end_weight_update),
+            web.post(P.UPDATE_FROM_DISTRIBUTED.path, self.update_weights_from_distributed),
+            web.post(P.LOAD_LORA.path, self.load_lora_adapter),
+            web.post(P.LOAD_LORA_TENSORS.path, self.load_lora_adapter_from_tensors),
+            web.post(P.UNLOAD_LORA.path, self.unload_lora_adapter),
+        ])
+        app.on_startup.append(self.start_engine)
+        app.on_cleanup.append(self.stop_engine)
+        return app
 
-    @routes.post(P.GENERATE.path)
-    async def generate(request: web.Request) -> web.StreamResponse:
-        req = await parse(request, P.GenerateReqInput)
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
+    async def start_engine(self, app: web.Application) -> None:
+        self.sched.start()
 
-        unread = threading.Event()  # the requests were aborted for good: what they decoded is made for nobody
-        done = 0  # completions finished (counted on the scheduler's thread, the only one calling on_update)
+    async def stop_engine(self, app: web.Application) -> None:
+        await asyncio.to_thread(self.sched.stop)
+        for pool in self.engine.pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
 
-        def on_update(r: Request, finished: bool) -> None:
-            nonlocal done
-            if unread.is_set():
-                return
-            if req.stream:
-                loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, engine.response(r, req)))
-            elif finished:
-                # Serialized here, as it finishes: a long answer's lists take several times its JSON, and answers waiting
-                # as objects for the event loop held a simulated engine's process at twice its memory. Spilled here too,
-                # all but the last: spilled by the handler, each answer's bytes also stayed in its frame until the next
-                # completion came (at 32 trainer + 96 engine GPUs, 0.5 GB in each process of four simulated replicas).
-                done += 1
-                try:
-                    answer = _dumps(engine.response(r, req)).encode()
-                except ValueError as e:  # a NaN: the handler answers 500
-                    answer = e
-                else:
-                    answer = _Spilled(answer) if len(answer) > SPILL_BYTES and done < len(requests) else answer
-                loop.call_soon_threadsafe(updates.put_nowait, (r.rid, finished, answer))
+    async def on_engine(self, fn):
+        """What ``fn()`` returns, run on the engine thread between steps."""
+        return await asyncio.wrap_future(self.sched.call(fn))
 
-        requests = engine.make_requests(req, on_update)
+    async def in_pool(self, kind: str, fn, *args):
+        """What ``fn(*args)`` returns, run in the engine's pool for ``kind`` of slow load."""
+        return await asyncio.get_running_loop().run_in_executor(self.engine.pools[kind], functools.partial(fn, *args))
 
-        async def abandon(message: str) -> None:
-            unread.set()
-            await on_engine(lambda: sched.abort_these(requests, message))
-        # As SGLang does, chunks of an n > 1 stream say which completion they belong to.
-        index_of = {r.rid: i for i, r in enumerate(requests)} if len(requests) > 1 else {}
-        for r in requests:
-            sched.submit(r)
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """``n`` completions of one prompt: streamed as they decode, or answered whole once all have finished."""
+        generation = _Generation(self, request, await _parse(request, protocol.GenerateReqInput))
+        generation.submit()
+        return await (generation.stream() if generation.req.stream else generation.whole())
 
-        async def next_update():
-            """The next update, or None once the client has gone away (its requests are then aborted)."""
-            while True:
-                try:
-                    return await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if _gone(request):
-                        await abandon("client disconnected")
-                        return None
-
-        if req.stream:
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            remaining = len(requests)
-            try:
-                while remaining:
-                    update = await next_update()
-                    if update is None:
-                        return resp
-                    rid, finished, payload = update
-                    remaining -= finished
-                    if index_of:
-                        payload["index"] = index_of[rid]
-                    await resp.write(f"data: {_dumps(payload)}\n\n".encode())
-                await resp.write(b"data: [DONE]\n\n")
-            except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
-                await abandon("client disconnected")
-            return resp
-        # Finished completions wait for the other n - 1, past SPILL_BYTES on disk (spilled by on_update).
-        results: dict[str, bytes | _Spilled] = {}
-        pieces: list[bytes | _Spilled] = []
-        try:
-            while len(results) < len(requests):
-                update = await next_update()
-                if update is None:
-                    return web.Response(status=499, text="client disconnected")
-                rid, _, answer = update
-                if isinstance(answer, ValueError):  # a 500, and nothing left running for an answer that cannot be sent
-                    await abandon("the answer could not be serialized")
-                    raise answer
-                results[rid] = answer
-            pieces = [results.pop(r.rid) for r in requests]
-            if len(pieces) > 1:  # a JSON list, written piece by piece: never joined into a second copy of the whole answer
-                separated = [x for piece in pieces for x in (b", ", piece)]
-                pieces = [b"[", *separated[1:], b"]"]
-            resp = web.StreamResponse()
-            resp.content_type, resp.content_length = "application/json", sum(map(len, pieces))
-            try:
-                await resp.prepare(request)
-                while pieces:
-                    piece = pieces.pop(0)  # each one freed once the socket has taken it
-                    for chunk in (piece.chunks() if isinstance(piece, _Spilled) else (piece,)):
-                        await resp.write(chunk)
-                await resp.write_eof()
-            except ConnectionError:  # the client left while its answer was sent: nothing is running for it any more
-                pass
-            return resp
-        finally:  # a client gone, or an answer that could not be made: no file left open (one still on its way to the
-            # queue, put before abandon stopped them, closes with its last reference)
-            queued = [updates.get_nowait()[2] for _ in range(updates.qsize())]
-            for held in [*results.values(), *pieces, *queued]:
-                if isinstance(held, _Spilled):
-                    held.close()
-
-    @routes.get(P.HEALTH.path)
-    @routes.get("/health_generate")
-    async def health(request):
+    async def health(self, request: web.Request) -> web.Response:
         # As SGLang's: a one-token generation must come back, so a paused engine is not healthy (SGLang's waits for
         # the pause and answers 503 after 20 s; this answers at once).
-        why = "engine thread stopped" if not sched.alive else "generation is paused" if sched.paused else ""
+        why = "engine thread stopped" if not self.sched.alive else "generation is paused" if self.sched.paused else ""
         return web.Response(text=why, status=503 if why else 200)
 
-    @routes.get(P.SERVER_INFO.path)
-    async def server_info(request):
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.PauseGenerationReqInput)
+        await self.on_engine(lambda: self.sched.pause(req.mode))
+        return _ok(f"paused ({req.mode})")
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _parse(request, protocol.ContinueGenerationReqInput)
+        await self.on_engine(self.sched.resume)
+        return _ok("continued")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.AbortReq)
+        count = await self.on_engine(lambda: self.sched.abort(None if req.abort_all else req.rid))
+        return _ok(f"aborted {count}", aborted=count)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        flushed = await self.on_engine(self.sched.flush_cache)
+        text = "Cache flushed." if flushed else "Cache not flushed: requests are running."
+        return web.Response(text=text, status=200 if flushed else 400)
+
+    # ---- info ---------------------------------------------------------------------------------
+    async def server_info(self, request: web.Request) -> web.Response:
         from moerl import __version__
 
-        info: P.ServerInfo = {"tp_size": 1, "version": __version__, "engine": engine.engine_name,
-                              "dtype": str(engine.model.dtype).removeprefix("torch."), "torch_version": torch.__version__}
+        info: protocol.ServerInfo = {"tp_size": 1, "version": __version__, "engine": self.engine.engine_name,
+                                     "dtype": str(self.engine.model.dtype).removeprefix("torch."),
+                                     "torch_version": torch.__version__}
         return web.json_response(info, dumps=_dumps)
 
-    @routes.get(P.MODEL_INFO.path)
-    @routes.get("/get_model_info")
-    async def model_info(request):
-        return web.json_response(engine.model_info(), dumps=_dumps)
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.engine.model_info(), dumps=_dumps)
 
-    @routes.post(P.PAUSE.path)
-    async def pause_generation(request):
-        req = await parse(request, P.PauseGenerationReqInput)
-        await on_engine(lambda: sched.pause(req.mode))
-        return ok(f"paused ({req.mode})")
-
-    @routes.post(P.CONTINUE.path)
-    async def continue_generation(request):
-        await parse(request, P.ContinueGenerationReqInput)
-        await on_engine(sched.resume)
-        return ok("continued")
-
-    @routes.post(P.ABORT.path)
-    async def abort_request(request):
-        req = await parse(request, P.AbortReq)
-        count = await on_engine(lambda: sched.abort(None if req.abort_all else req.rid))
-        return ok(f"aborted {count}", aborted=count)
-
-    @routes.get(P.FLUSH_CACHE.path)
-    @routes.post(P.FLUSH_CACHE.path)
-    async def flush_cache(request):
-        flushed = await on_engine(sched.flush_cache)
-        return web.Response(text="Cache flushed." if flushed else "Cache not flushed: requests are running.", status=200 if flushed else 400)
-
-    @routes.post(P.GET_WEIGHTS.path)
-    async def get_weights_by_name(request):
-        req = await parse(request, P.GetWeightsByNameReqInput)
-        values = await on_engine(lambda: engine.weight_values(req.name, req.truncate_size))
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.GetWeightsByNameReqInput)
+        values = await self.on_engine(lambda: self.engine.weight_values(req.name, req.truncate_size))
         if values is None:
             raise ProtocolError(f"{req.name!r} is not a weight of the served model (give a Hub tensor name)")
         return web.json_response(values, dumps=_dumps)
 
-    @routes.post(P.WEIGHTS_CHECKER.path)
-    async def weights_checker(request):
-        await parse(request, P.CheckWeightsReqInput)
-        return ok("checksums computed", per_engine_checksum=await on_engine(engine.checksum))
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        await _parse(request, protocol.CheckWeightsReqInput)
+        return _ok("checksums computed", per_engine_checksum=await self.on_engine(self.engine.checksum))
 
-    @routes.post(P.UPDATE_WEIGHT_VERSION.path)
-    async def update_weight_version(request):
-        req = await parse(request, P.UpdateWeightVersionReqInput)
+    # ---- weights ------------------------------------------------------------------------------
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.UpdateWeightVersionReqInput)
 
         def apply():
             if req.abort_all_requests:
-                sched.abort(message="weight version changed")
-            sched.weight_version = req.new_version
+                self.sched.abort(message="weight version changed")
+            self.sched.weight_version = req.new_version
 
-        await on_engine(apply)
-        return ok(f"weight version {req.new_version}")
+        await self.on_engine(apply)
+        return _ok(f"weight version {req.new_version}")
 
-    @routes.post(P.UPDATE_FROM_DISK.path)
-    async def update_weights_from_disk(request):
-        req = await parse(request, P.UpdateWeightFromDiskReqInput)
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.UpdateWeightFromDiskReqInput)
+        engine = self.engine
         with refused_path("model_path", req.model_path):
-            named = await in_pool("disk", engine.read_model_dir, req.model_path)
-        await on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache))
-        return ok(f"loaded {req.model_path}", num_paused_requests=0)
+            named = await self.in_pool("disk", engine.read_model_dir, req.model_path)
+        await self.on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests,
+                                                          req.flush_cache))
+        return _ok(f"loaded {req.model_path}", num_paused_requests=0)
 
-    @routes.post(P.INIT_GROUP.path)
-    async def init_weights_update_group(request):
-        req = await parse(request, P.InitWeightsUpdateGroupReqInput)
-        name = req.group_name
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.InitWeightsUpdateGroupReqInput)
+        engine, name = self.engine, req.group_name
         if name in engine.weight_groups or name in engine.joining:
             raise ProtocolError(f"weight group {name!r} is already initialised (or being joined)")
         if len(engine.joining) >= MAX_JOINING:
@@ -541,29 +524,28 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
             engine.weight_groups[name] = await in_daemon_thread(engine.join_group, req)
         finally:
             engine.joining.discard(name)
-        return ok(f"joined {name} as rank {req.rank_offset}")
+        return _ok(f"joined {name} as rank {req.rank_offset}")
 
-    @routes.post(P.BEGIN_UPDATE.path)
-    async def begin_weight_update(request):
-        await parse(request, P.BeginWeightUpdateReqInput)
-        if engine.update_session:
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await _parse(request, protocol.BeginWeightUpdateReqInput)
+        if self.engine.update_session:
             raise ProtocolError("a weight-update session is already open; call /end_weight_update first")
-        engine.update_session = True
-        return ok("weight-update session open")
+        self.engine.update_session = True
+        return _ok("weight-update session open")
 
-    @routes.post(P.END_UPDATE.path)
-    async def end_weight_update(request):
-        await parse(request, P.EndWeightUpdateReqInput)
-        if not engine.update_session:
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _parse(request, protocol.EndWeightUpdateReqInput)
+        if not self.engine.update_session:
             raise ProtocolError("no weight-update session is open; call /begin_weight_update first")
-        engine.update_session = False
-        return ok("weight-update session closed")
+        self.engine.update_session = False
+        return _ok("weight-update session closed")
 
-    @routes.post(P.UPDATE_FROM_DISTRIBUTED.path)
-    async def update_weights_from_distributed(request):
-        req = await parse(request, P.UpdateWeightsFromDistributedReqInput)
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.UpdateWeightsFromDistributedReqInput)
+        engine = self.engine
         # Names, shapes and layout are checked before a byte is received: never allocate what a request claims.
-        shapes = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta")) for n, d, s in zip(req.names, req.dtypes, req.shapes)]
+        shapes = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
+                  for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)]
         hub_tensor_targets(engine.family, engine.model, shapes)
         if req.load_format == "flattened_bucket":
             bucket_layout(req.dtypes, req.shapes)
@@ -571,64 +553,201 @@ def build_app(engine: EmbeddedEngine) -> web.Application:
         if group is None:
             raise ProtocolError(f"group {req.group_name!r} is not initialised: call /init_weights_update_group first")
         if not engine.update_session:
-            raise ProtocolError("update_weights_from_distributed must run between /begin_weight_update and /end_weight_update")
-        engine.check_flush(req.flush_cache, req.abort_all_requests, "weights not received")  # before a byte is received
-        log.info("receiving %d tensors from weight group %s", len(req.names), req.group_name)  # the order updates came in
+            raise ProtocolError("update_weights_from_distributed must run between /begin_weight_update and "
+                                "/end_weight_update")
+        engine.check_flush(req.flush_cache, req.abort_all_requests, "weights not received")  # before a byte comes
+        # Logged: the order updates came in.
+        log.info("receiving %d tensors from weight group %s", len(req.names), req.group_name)
         named = await in_daemon_thread(engine.receive, req, group)
-        await on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache))
-        return ok(f"updated {len(named)} tensors")
+        await self.on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests,
+                                                          req.flush_cache))
+        return _ok(f"updated {len(named)} tensors")
 
-    @routes.post(P.LOAD_LORA.path)
-    async def load_lora_adapter(request):
-        req = await parse(request, P.LoadLoRAAdapterReqInput)
+    # ---- LoRA adapters ------------------------------------------------------------------------
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.LoadLoRAAdapterReqInput)
+        adapters = self.engine.adapters
         with refused_path("lora_path", req.lora_path):
-            adapter = await in_pool("lora", engine.adapters.from_dir, req.lora_name, req.lora_path)
-        await on_engine(lambda: engine.adapters.add(adapter))
-        return ok(f"loaded {req.lora_name}", loaded_adapters=sorted(engine.adapters.adapters))
+            adapter = await self.in_pool("lora", adapters.from_dir, req.lora_name, req.lora_path)
+        await self.on_engine(lambda: adapters.add(adapter))
+        return _ok(f"loaded {req.lora_name}", loaded_adapters=sorted(adapters.adapters))
 
-    @routes.post(P.LOAD_LORA_TENSORS.path)
-    async def load_lora_adapter_from_tensors(request):
-        req = await parse(request, P.LoadLoRAAdapterFromTensorsReqInput)
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.LoadLoRAAdapterFromTensorsReqInput)
+        adapters = self.engine.adapters
         if req.load_format != "safetensors":
             raise ProtocolError("the embedded engine takes serialized_named_tensors with load_format='safetensors' "
-                                "(base64 safetensors bytes; SGLang's default is a CUDA-IPC pickle that cannot cross machines)")
+                                "(base64 safetensors bytes; SGLang's default is a CUDA-IPC pickle that cannot cross "
+                                "machines)")
         if len(req.serialized_named_tensors) != 1:
             raise ProtocolError("serialized_named_tensors must hold one entry (the embedded engine has one rank)")
-        adapter = await in_pool("lora", engine.adapters.from_base64, req.lora_name, req.config_dict, req.serialized_named_tensors[0])
-        await on_engine(lambda: engine.adapters.add(adapter))
-        return ok(f"loaded {req.lora_name}", loaded_adapters=sorted(engine.adapters.adapters))
+        adapter = await self.in_pool("lora", adapters.from_base64, req.lora_name, req.config_dict,
+                                     req.serialized_named_tensors[0])
+        await self.on_engine(lambda: adapters.add(adapter))
+        return _ok(f"loaded {req.lora_name}", loaded_adapters=sorted(adapters.adapters))
 
-    @routes.post(P.UNLOAD_LORA.path)
-    async def unload_lora_adapter(request):
-        req = await parse(request, P.UnloadLoRAAdapterReqInput)
-        await on_engine(lambda: sched.unload_adapter(req.lora_name))
-        return ok(f"unloaded {req.lora_name}", loaded_adapters=sorted(engine.adapters.adapters))
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.UnloadLoRAAdapterReqInput)
+        await self.on_engine(lambda: self.sched.unload_adapter(req.lora_name))
+        return _ok(f"unloaded {req.lora_name}", loaded_adapters=sorted(self.engine.adapters.adapters))
 
-    @web.middleware
-    async def errors(request, handler):
+
+class _Generation:
+    """One /generate call: its completions' requests on the scheduler, the queue their updates come back through, and
+    the answer made of them: streamed as they decode, or whole once all have finished."""
+
+    def __init__(self, server: EngineServer, request: web.Request, req: protocol.GenerateReqInput):
+        self.server, self.engine, self.request, self.req = server, server.engine, request, req
+        self.loop = asyncio.get_running_loop()
+        self.updates: asyncio.Queue = asyncio.Queue()  # (rid, finished, payload), put from the scheduler's thread
+        self.unread = threading.Event()  # the requests were aborted for good: what they decoded is made for nobody
+        self.done = 0  # completions finished (counted on the scheduler's thread, the only one calling on_update)
+        self.requests = self.engine.make_requests(req, self.on_update)
+        # As SGLang does, chunks of an n > 1 stream say which completion they belong to.
+        self.index_of = {r.rid: i for i, r in enumerate(self.requests)} if len(self.requests) > 1 else {}
+
+    def submit(self) -> None:
+        for r in self.requests:
+            self.server.sched.submit(r)
+
+    def on_update(self, r: Request, finished: bool) -> None:
+        """On the scheduler's thread: ``r`` has a new token, or has finished."""
+        if self.unread.is_set():
+            return
+        if self.req.stream:
+            update = (r.rid, finished, self.engine.response(r, self.req))
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+        elif finished:
+            # Serialized here, as it finishes: a long answer's lists take several times its JSON, and answers waiting
+            # as objects for the event loop held a simulated engine's process at twice its memory. Spilled here too,
+            # all but the last: spilled by the handler, each answer's bytes also stayed in its frame until the next
+            # completion came (at 32 trainer + 96 engine GPUs, 0.5 GB in each process of four simulated replicas).
+            self.done += 1
+            self.loop.call_soon_threadsafe(self.updates.put_nowait, (r.rid, finished, self._answer(r)))
+
+    def _answer(self, r: Request) -> bytes | _Spilled | ValueError:
+        """``r``'s answer as JSON, on disk past SPILL_BYTES unless it finished last (that one is sent at once); the
+        error of one that cannot be serialized."""
         try:
-            return await handler(request)
-        except MoerlError as e:
-            return _error(400, str(e))
-        except web.HTTPException as e:  # no such route, a wrong method, a body over the size limit
-            if e.status < 400:
-                raise
-            return _error(e.status, f"{request.method} {request.path}: {e.reason}")
-        except Exception as e:  # a bug: the server keeps serving and the caller learns what failed
-            log.exception("request %s failed", request.path)
-            return _error(500, f"{type(e).__name__}: {e}")
+            answer = _dumps(self.engine.response(r, self.req)).encode()
+        except ValueError as e:  # a NaN: the handler answers 500
+            return e
+        return _Spilled(answer) if len(answer) > SPILL_BYTES and self.done < len(self.requests) else answer
 
-    app = web.Application(middlewares=[errors], client_max_size=1 << 30)
-    app.add_routes(routes)
+    async def abandon(self, message: str) -> None:
+        """Abort the requests, and make nothing more of what they decoded."""
+        self.unread.set()
+        await self.server.on_engine(lambda: self.server.sched.abort_these(self.requests, message))
 
-    async def start_engine(app):
-        sched.start()
+    async def next_update(self) -> tuple | None:
+        """The next update, or None once the client has gone away (its requests are then aborted)."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.updates.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if _gone(self.request):
+                    await self.abandon("client disconnected")
+                    return None
 
-    async def stop_engine(app):
-        await asyncio.to_thread(sched.stop)
-        for pool in engine.pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
+    async def stream(self) -> web.StreamResponse:
+        """Each completion's answer so far, as server-sent events, until all have finished."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(self.request)
+        remaining = len(self.requests)
+        try:
+            while remaining:
+                update = await self.next_update()
+                if update is None:
+                    return resp
+                rid, finished, payload = update
+                remaining -= finished
+                if self.index_of:
+                    payload["index"] = self.index_of[rid]
+                await resp.write(f"data: {_dumps(payload)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
+            await self.abandon("client disconnected")
+        return resp
 
-    app.on_startup.append(start_engine)
-    app.on_cleanup.append(stop_engine)
-    return app
+    async def whole(self) -> web.StreamResponse:
+        """Every completion's answer once all have finished: one JSON answer, a list of them when n > 1; 499 for a
+        client gone before."""
+        # Finished completions wait for the other n - 1, past SPILL_BYTES on disk (spilled by on_update).
+        results: dict[str, bytes | _Spilled] = {}
+        pieces: list[bytes | _Spilled] = []
+        try:
+            if not await self._collect(results):
+                return web.Response(status=499, text="client disconnected")
+            pieces = _json_list([results.pop(r.rid) for r in self.requests])
+            return await self._send(pieces)
+        finally:  # a client gone, or an answer that could not be made: no file left open (one still on its way to the
+            # queue, put before abandon stopped them, closes with its last reference)
+            queued = [self.updates.get_nowait()[2] for _ in range(self.updates.qsize())]
+            for held in [*results.values(), *pieces, *queued]:
+                if isinstance(held, _Spilled):
+                    held.close()
+
+    async def _collect(self, results: dict[str, bytes | _Spilled]) -> bool:
+        """Every completion's answer into ``results`` by rid; False if the client went away first."""
+        while len(results) < len(self.requests):
+            update = await self.next_update()
+            if update is None:
+                return False
+            rid, _, answer = update
+            if isinstance(answer, ValueError):  # a 500, and nothing left running for an answer that cannot be sent
+                await self.abandon("the answer could not be serialized")
+                raise answer
+            results[rid] = answer
+        return True
+
+    async def _send(self, pieces: list[bytes | _Spilled]) -> web.StreamResponse:
+        """One JSON body of ``pieces``, taken from the list as they are sent."""
+        resp = web.StreamResponse()
+        resp.content_type, resp.content_length = "application/json", sum(map(len, pieces))
+        try:
+            await resp.prepare(self.request)
+            while pieces:
+                piece = pieces.pop(0)  # each one freed once the socket has taken it
+                for chunk in (piece.chunks() if isinstance(piece, _Spilled) else (piece,)):
+                    await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionError:  # the client left while its answer was sent: nothing is running for it any more
+            pass
+        return resp
+
+
+def _json_list(answers: list[bytes | _Spilled]) -> list[bytes | _Spilled]:
+    """Several answers as the pieces of one JSON list, written piece by piece: never joined into a second copy of the
+    whole answer. One answer stays itself."""
+    if len(answers) <= 1:
+        return answers
+    separated = [x for answer in answers for x in (b", ", answer)]
+    return [b"[", *separated[1:], b"]"]
+
+
+async def _parse(request: web.Request, kind: type[protocol.WireModel]):
+    charset = request.charset
+    if charset is not None and charset.lower().replace("-", "").replace("_", "") != "utf8":
+        raise ProtocolError(f"charset {charset!r}: JSON bodies are UTF-8")
+    raw = await request.read()
+    return kind.parse(raw if raw.strip() else b"{}")
+
+
+def _ok(message: str, **extra) -> web.Response:
+    body: protocol.ControlResponse = {"success": True, "message": message, **extra}
+    return web.json_response(body, dumps=_dumps)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except MoerlError as e:
+        return _error(400, str(e))
+    except web.HTTPException as e:  # no such route, a wrong method, a body over the size limit
+        if e.status < 400:
+            raise
+        return _error(e.status, f"{request.method} {request.path}: {e.reason}")
+    except Exception as e:  # a bug: the server keeps serving and the caller learns what failed
+        log.exception("request %s failed", request.path)
+        return _error(500, f"{type(e).__name__}: {e}")
