@@ -8,8 +8,13 @@ to change. Any other exception is a bug in moerl.
 from __future__ import annotations
 
 
-class MoerlError(ValueError):
+class MoerlError(Exception):
     """Bad input or setup; the message names the problem and what to change."""
+
+    def __init__(self, message: str = ""):
+        super().__init__(message)
+        self.relayed = False  # raised on a trainer rank because global rank 0 hit the problem: rank 0 prints it
+        self.said = False  # printed where it was raised already (the job says it before its teardown)
 
 
 def relayed(error: MoerlError) -> MoerlError:

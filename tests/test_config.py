@@ -17,6 +17,7 @@ import pytest
 
 from moerl.env import child_env
 from moerl.errors import ConfigError
+from moerl.config import choice_fields
 from moerl.orchestrator.config import RunConfig, load_config, schema_type
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,19 +26,7 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 NEEDS = {("task.name", "file"): ["task.path=prompts.jsonl"]}
 
 
-def choice_fields(section_type=RunConfig, prefix: str = "") -> list[tuple[str, tuple[str, ...]]]:
-    out = []
-    hints = typing.get_type_hints(section_type)
-    for f in dataclasses.fields(section_type):
-        key = f"{prefix}.{f.name}" if prefix else f.name
-        if "choices" in f.metadata:
-            out.append((key, f.metadata["choices"]))
-        elif dataclasses.is_dataclass(hints[f.name]):
-            out += choice_fields(hints[f.name], key)
-    return out
-
-
-ENUM_VALUES = [(key, value) for key, options in choice_fields() for value in options]
+ENUM_VALUES = [(key, value) for key, options in choice_fields(RunConfig) for value in options]
 
 
 def _get(cfg, key: str):
@@ -47,7 +36,7 @@ def _get(cfg, key: str):
 
 
 def test_the_config_declares_its_enums():
-    keys = {key for key, _ in choice_fields()}
+    keys = {key for key, _ in choice_fields(RunConfig)}
     assert {"run.mode", "trainer.replay.routing", "trainer.loss.correction", "sync.method", "task.name"} <= keys
 
 
@@ -97,6 +86,14 @@ def test_dr_grpo_divides_by_the_generation_limit():
 KEY = re.compile(rf"(?<![\w.])(?:{'|'.join(SECTIONS)})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*")
 
 
+FILE_NAME = re.compile(r"\.(py|md|sh|yaml|yml|json|jsonl|txt)$")  # `lora.py` names a file, not the lora section's key
+
+
+def doc_pages() -> list[Path]:
+    """The README and every page of the docs site, benchmarks' pages included."""
+    return [REPO / "README.md", *sorted(REPO.glob("docs/**/*.md"))]
+
+
 def _python_strings(path: Path) -> str:
     tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
     kinds = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}  # f-strings are STRING tokens before 3.12
@@ -107,16 +104,17 @@ def named_keys() -> dict[str, set[str]]:
     """key -> where it is named: ``key=value`` anywhere in docs, recipes and moerl's strings, and every
     backticked key in the markdown."""
     found: dict[str, set[str]] = {}
-    texts = {p: p.read_text() for p in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("recipes/*")]}
+    texts = {p: p.read_text() for p in [*doc_pages(), *REPO.glob("recipes/*")]}
     texts.update({p: _python_strings(p) for p in [*REPO.glob("moerl/**/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("bench/*.py")]})
     for path, text in texts.items():
         for match in re.finditer(KEY.pattern + "=", text):
-            found.setdefault(match.group()[:-1], set()).add(path.name)
-        if path.suffix == ".md":  # `key` or `key=value` spans (not `moerl.trainer.config`, `trainer.step(...)`)
-            for code in re.findall(r"`([^`]+)`", text):
+            found.setdefault(match.group()[:-1], set()).add(str(path.relative_to(REPO)))
+        if path.suffix == ".md":  # `key` or `key=value` spans (not `moerl.trainer.config`, `trainer.step(...)`, `lora.py`)
+            prose = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.S | re.M)  # code blocks' backticks would pair spans wrongly
+            for code in re.findall(r"`([^`]+)`", prose):
                 match = KEY.match(code)
-                if match and code[match.end():][:1] in ("", "="):
-                    found.setdefault(match.group(), set()).add(path.name)
+                if match and code[match.end():][:1] in ("", "=") and not FILE_NAME.search(match.group()):
+                    found.setdefault(match.group(), set()).add(str(path.relative_to(REPO)))
     return found
 
 
@@ -129,7 +127,7 @@ def test_every_key_named_in_docs_and_messages_exists():
 
 def readme_recipe_lines() -> list[list[str]]:
     lines = []
-    for text in [(REPO / "README.md").read_text(), *(p.read_text() for p in REPO.glob("docs/*.md"))]:
+    for text in (p.read_text() for p in doc_pages()):
         for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
             for line in block.splitlines():
                 line = line.split("#", 1)[0].strip()

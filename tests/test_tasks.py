@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import zmq
 
+from moerl.errors import MoerlError
 from moerl.models.tiny import tiny_tokenizer
-from moerl.orchestrator.buffer import RolloutBuffer, RolloutError
+from moerl.orchestrator.rollouts import RolloutEndpoint, RolloutError
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped, event_frames, send_event
 from moerl.sample import Sample
@@ -54,12 +55,12 @@ def test_parquet_records_and_clear_errors_for_bad_files(tmp_path):
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), tmp_path / "d.parquet")
     assert read_records(tmp_path / "d.parquet") == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
-    with pytest.raises(ValueError, match="record 0 has no answer"):
+    with pytest.raises(MoerlError, match="record 0 has no answer"):
         read_records(tmp_path / "bad.jsonl")
     (tmp_path / "broken.jsonl").write_text('{"prompt": \n')
-    with pytest.raises(ValueError, match="broken.jsonl:1: not a JSON object"):
+    with pytest.raises(MoerlError, match="broken.jsonl:1: not a JSON object"):
         read_records(tmp_path / "broken.jsonl")
-    with pytest.raises(ValueError, match="task.name=file needs task.path"):
+    with pytest.raises(MoerlError, match="task.name=file needs task.path"):
         TaskConfig(name="file")
 
 
@@ -84,9 +85,9 @@ def test_named_sync_async_and_group_rewards():
     assert score(TaskConfig(name="tiny", reward="tests.test_tasks:length_reward"), ["a", "abc"]) == [1.0, 3.0]
     assert score(TaskConfig(name="tiny", reward="tests.test_tasks:async_reward"), ["ab", "x"]) == [1.0, 0.0]
     assert score(TaskConfig(name="tiny", reward="tests.test_tasks:rank_group", group_reward=True), ["abc", "a", "ab"]) == [2.0, 0.0, 1.0]
-    with pytest.raises(ValueError, match="cannot be loaded"):
+    with pytest.raises(MoerlError, match="cannot be loaded"):
         Rewarder(TaskConfig(name="tiny", reward="tests.test_tasks:missing"))
-    with pytest.raises(ValueError, match="expected one of exact, math, tiny"):
+    with pytest.raises(MoerlError, match="expected one of exact, math, tiny"):
         Rewarder(TaskConfig(name="tiny", reward="nonsense"))
 
 
@@ -126,7 +127,7 @@ def group_event(index: int, versions: list[int]) -> GroupDone:
 @pytest.fixture
 def wired():
     ctx = zmq.Context()
-    buffer = RolloutBuffer(ctx, RolloutSection(groups_per_step=2, max_staleness=1), "async")
+    buffer = RolloutEndpoint(ctx, RolloutSection(groups_per_step=2, max_staleness=1), "async")
     manager_in, manager_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     manager_in.connect(buffer.orders_address)
     manager_out.connect(buffer.events_address)

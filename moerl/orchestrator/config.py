@@ -17,36 +17,36 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moerl.config import check_choices, choice, choice_problems, unbool_choices
-from moerl.dtypes import MODEL_DTYPES
+from moerl.config import check_choices, choices, literal_text
 from moerl.engines.protocol import MAX_N
 from moerl.errors import ConfigError, MoerlError
 from moerl.megatron.lora import LoRAConfig
 from moerl.tasks import TaskConfig
 from moerl.trainer.config import TrainerConfig
 
-MODES = ("sync", "periodic", "async")
-PARTIAL = ("in_place", "retry")
-SERVERS = ("auto", "sglang", "embedded")
-ENGINE_DTYPES = ("auto", *MODEL_DTYPES)  # auto: bfloat16 with CUDA, float32 without
-SYNC_METHODS = ("broadcast", "disk")
-RESUME = ("false", "true", "auto")
+Mode = Literal["sync", "periodic", "async"]
+Partial = Literal["in_place", "retry"]
+Server = Literal["auto", "sglang", "embedded"]
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bfloat16 with CUDA, float32 without; else MODEL_DTYPES
+SyncMethod = Literal["broadcast", "disk"]
+Resume = Literal["false", "true", "auto"]
 
 
 @dataclass
 class RunSection:
     dir: str = "runs/qwen_moe_grpo"
-    mode: str = choice("async", MODES)  # sync (generate, train, sync) | periodic (on-policy, overlapped) | async (bounded staleness)
+    mode: Mode = "async"  # sync (generate, train, sync) | periodic (on-policy, overlapped) | async (bounded staleness)
     steps: int = 40  # optimizer steps (policy versions) to reach
     save_every: int = 0  # trainer checkpoint every N steps (0: only the last step)
     # false: a new run (refused where dir holds one) | true: continue from the newest checkpoint under dir (one must be
     # there) | auto: continue if there is one, else start: for launchers that start the job again (torchrun --max-restarts)
-    resume: str = choice("false", RESUME)
+    resume: Resume = "false"
     cache_dir: str = "~/.cache/moerl"  # the tiny demo model and converted checkpoints, made once
     progress: bool = True  # a progress bar on stderr (rank 0)
     trainer_ranks: int = 0  # torchrun ranks of the trainer (0: trainer.tp * pp * ep); the rest of the node's GPUs serve
@@ -64,11 +64,11 @@ class ModelSection:
 
 @dataclass
 class EngineSection:
-    server: str = choice("auto", SERVERS)  # auto: sglang with CUDA, else embedded
+    server: Server = "auto"  # auto: sglang with CUDA, else embedded
     urls: list[str] = field(default_factory=list)  # engines already running (multi-node); empty: start them here
     replicas: int = 1
     gpus_per_replica: int = 1
-    dtype: str = choice("auto", ENGINE_DTYPES)
+    dtype: EngineDtype = "auto"
     mem_fraction_static: float = 0.7
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 900.0
@@ -102,7 +102,7 @@ class RolloutSection:
     stop_token_ids: list[int] = field(default_factory=list)  # stop tokens besides the tokenizer's end token
     max_staleness: int = 1  # async: groups whose oldest token is more versions old than this are dropped
     max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
-    partial: str = choice("in_place", PARTIAL)  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
+    partial: Partial = "in_place"  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
     engine_retries: int = 3  # re-issues of a prompt whose replica failed (same seed, another replica); then dropped as engine_failure
     # Processes beside the rollout manager that carry its generations: each makes the HTTP requests and reads and decodes
     # the answers (JSON, routing, kept sets: ~20 us per response token of a 48-layer top-8 model), so only compact arrays
@@ -122,7 +122,7 @@ class RolloutSection:
 
 @dataclass
 class SyncSection:
-    method: str = choice("broadcast", SYNC_METHODS)  # broadcast (NCCL/gloo group with the engines) | disk (safetensors + update_weights_from_disk)
+    method: SyncMethod = "broadcast"  # broadcast (NCCL/gloo group with the engines) | disk (safetensors + update_weights_from_disk)
     bucket_mb: int = 512
     # After each update: every engine reports the new version, engines agree on their weight checksums, and
     # each one's log-probs of a fixed probe are within verify_tolerance (mean |delta|) of the trainer's.
@@ -190,15 +190,16 @@ def schema_type(key: str) -> typing.Any:
 
 
 def _is_text(tp: typing.Any) -> bool:
-    return tp is str or (isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)})
+    """A string field, or an enum's (a Literal of strings: ``run.resume=true`` is the word, not a boolean)."""
+    return tp is str or choices(tp) is not None or (isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)})
 
 
 def override_value(key: str, text: str):
-    """The value of ``key=text`` on the command line: a string field's text as typed (``null`` is None
+    """The value of ``key=text`` on the command line: a string or enum field's text as typed (``null`` is None
     where the field may be null; quoted text is read as YAML), anything else read as YAML 1.2."""
     tp = schema_type(key)
     if _is_text(tp) and not (len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""):
-        return None if text in ("null", "~") and tp is not str else text
+        return None if text in ("null", "~") and type(None) in typing.get_args(tp) else text
     return read_yaml(text) if text else None
 
 
@@ -220,21 +221,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.create(read_yaml(Path(path).read_text()) or {}))
+            merged = OmegaConf.merge(merged, OmegaConf.create(literal_text(RunConfig, read_yaml(Path(path).read_text()) or {})))
         merged = OmegaConf.merge(merged, parse_overrides(list(overrides)))
-        unbool_choices(RunConfig, merged)
-        problems = choice_problems(RunConfig, merged, "", nested=True)
-        if problems:
-            raise ConfigError("; ".join(problems))
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
+        options = choices(schema_type(key)) if key else None
+        if options is not None:  # omegaconf's own words for a Literal, as this module's other choice errors read
+            raise ConfigError(f"{key}={e.value!r}: expected one of {', '.join(options)}") from None
         raise ConfigError(f"config{' ' + key if key else ''}: {str(e).splitlines()[0]}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config: not valid YAML: {str(e).splitlines()[0]}") from None
-    except ValueError as e:  # a section's own check (__post_init__)
-        if isinstance(e, MoerlError):
-            raise ConfigError(str(e)) from None
+    except MoerlError as e:  # a section's own check (__post_init__)
+        raise ConfigError(str(e)) from None
+    except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     resolve_defaults(cfg)
     check(cfg)

@@ -12,19 +12,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from moerl.config import ConfigError, check_choices, choice
+from moerl.config import ConfigError, check_choices
 
 DATA_DIR = Path(__file__).parent / "data"
-TASKS = {"tiny": "tiny", "gsm8k": "math", "file": "exact"}  # task -> its default reward
+TaskName = Literal["tiny", "gsm8k", "file"]
+TASKS: dict[TaskName, str] = {"tiny": "tiny", "gsm8k": "math", "file": "exact"}  # task -> its default reward
 
 
 @dataclass
 class TaskConfig:
-    name: str = choice("tiny", tuple(TASKS))
+    name: TaskName = "tiny"
     path: str | None = None  # jsonl or parquet records (file; gsm8k: instead of the shipped sample)
     prompt_key: str = "prompt"
     answer_key: str = "answer"

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from moerl.config import check_choices, choice
+from moerl.config import check_choices
 from moerl.trainer.objectives import LossConfig
-from moerl.trainer.routing import ROUTING_MODES
+from moerl.trainer.routing import RoutingMode
 
-MICRO_BATCH_FORMATS = ("padded", "packed")
-DTYPES = ("auto", "bfloat16", "float32")  # auto: bfloat16 on CUDA, float32 on CPU
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # megatron-core's schedules without extra settings
+MicroBatchFormat = Literal["padded", "packed"]
+TrainerDtype = Literal["auto", "bfloat16", "float32"]  # auto: bfloat16 on CUDA, float32 on CPU
+LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]  # megatron-core's schedules without extra settings
 
 
 @dataclass
 class ReplayConfig:
-    routing: str = choice("R3", ROUTING_MODES)  # off | R2 (replay the old-policy forward's routing) | R3 (replay the rollout's)
+    routing: RoutingMode = "R3"  # off | R2 (replay the old-policy forward's routing) | R3 (replay the rollout's)
     sampling_mask: bool = True  # score tokens renormalised over the engine's kept set
     # The replay trace (moerl check-replay): per step, the experts every router used for this many samples of each
     # data-parallel replica, beside the rollout's, written under trace_dir (the job's: RUN_DIR/replay_trace). 0: none.
@@ -32,7 +33,7 @@ class OptimConfig:
     min_lr: float = 0.0
     lr_warmup_steps: int = 0
     lr_decay_steps: int | None = None  # default: no decay
-    lr_decay_style: str = choice("constant", LR_DECAY_STYLES)
+    lr_decay_style: LRDecayStyle = "constant"
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -50,8 +51,8 @@ class TrainerConfig:
     pp: int = 1
     ep: int = 1
     micro_batch_tokens: int = 4096  # tokens per micro-batch, padding included
-    micro_batch_format: str = choice("padded", MICRO_BATCH_FORMATS)  # padded: [b, s] rows | packed: samples end to end, each attending only to itself
-    dtype: str = choice("auto", DTYPES)
+    micro_batch_format: MicroBatchFormat = "padded"  # padded: [b, s] rows | packed: samples end to end, each attending only to itself
+    dtype: TrainerDtype = "auto"
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
     loss: LossConfig = field(default_factory=LossConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)

@@ -17,17 +17,19 @@ and trainer disagree on wildly, then weighs at most e^20 instead of making the l
 
 from __future__ import annotations
 
+from typing import Literal
+
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from moerl.config import ConfigError, check_choices, choice
+from moerl.config import ConfigError, check_choices
 
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-CORRECTIONS = ("none", "tis", "seq_is", "geo_is", "icepop", "token_mask")
-KL_ESTIMATORS = ("k1", "k3")
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+Correction = Literal["none", "tis", "seq_is", "geo_is", "icepop", "token_mask"]
+KLEstimator = Literal["k1", "k3"]
 LOG_RATIO_BOUND = 20.0  # |log r| before exp: e^20 is finite in fp32 even times any advantage
 SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence ratio is at most e^10
 K3_MAX = 10.0
@@ -35,21 +37,21 @@ K3_MAX = 10.0
 
 @dataclass
 class LossConfig:
-    policy_loss: str = choice("ppo", POLICY_LOSSES)
+    policy_loss: PolicyLoss = "ppo"
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28
     dual_clip: float | None = 3.0  # for negative advantages, the loss is capped at -A * dual_clip (PPO only)
-    aggregation: str = choice("token_mean", AGGREGATIONS)  # seq_mean_token_sum_norm: Dr. GRPO
+    aggregation: Aggregation = "token_mean"  # seq_mean_token_sum_norm: Dr. GRPO
     max_response_len: int | None = None  # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
     std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
-    correction: str = choice("tis", CORRECTIONS)  # behaviour -> proximal
+    correction: Correction = "tis"  # behaviour -> proximal
     is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights
     # icepop weighs a token by k = old/behaviour inside [band_low, band_high] and zeroes it outside;
     # token_mask keeps the in-band tokens unweighted (rejection only, no correction).
     band_low: float = 0.5
     band_high: float = 2.0
     kl_coef: float = 0.0  # reference KL penalty (0: no reference model)
-    kl_estimator: str = choice("k3", KL_ESTIMATORS)
+    kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
 
     def __post_init__(self):

@@ -7,6 +7,8 @@ pipeline stage, in build order, which is the order ``RouterReplay.set_replay_dat
 
 from __future__ import annotations
 
+from typing import Literal
+
 import logging
 
 import numpy as np
@@ -21,7 +23,7 @@ from moerl.trainer.replay_trace import TracedSample, write_rank
 
 log = logging.getLogger(__name__)
 
-ROUTING_MODES = ("off", "R2", "R3")
+RoutingMode = Literal["off", "R2", "R3"]
 
 
 def _unwrap(model):
