@@ -8,7 +8,7 @@ once, at a time scale that makes generation itself instant. Measured: this proce
 response, the workers' CPU per response, and the wall time; the median of ``--repeats`` rounds, after one round to
 warm up (worker start, imports).
 
-    python bench/engine_client_cpu.py [--tokens 8192 --requests 16 --workers 0,4] [--out docs/benchmarks.md]
+    python bench/engine_client_cpu.py [--tokens 8192 --requests 16 --workers 0,4] [--out docs/benchmarks/simulation.md]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from report import publish  # noqa: E402
 from simulation import model_dir  # noqa: E402
 
 from moerl.engines.client import EngineClient  # noqa: E402
-from moerl.engines.sglang import SGLangConfig, SGLangPool  # noqa: E402
+from moerl.engines.pool import EnginePool, EnginePoolConfig  # noqa: E402
 from moerl.models import model_shape  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
 
@@ -80,12 +80,12 @@ def main() -> int:
     profile = Profile.load(args.profile)
     config = json.loads(Path(args.config).read_text())
     shape = model_shape(config)
-    lines = [f"### Engine client CPU per response: {profile.name} ({shape.num_layers} layers, top-{shape.topk}), {args.tokens}-token responses "
+    lines = [f"## Engine client CPU per response: {profile.name} ({shape.num_layers} layers, top-{shape.topk}), {args.tokens}-token responses "
              f"with routing and top-16 kept sets, {args.requests} per round, {args.concurrency} in flight (median of {args.repeats} rounds)", "",
              "| generation workers | client process CPU ms/response | workers' CPU ms/response | wall ms/response |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory(prefix="moerl-client-cpu-") as tmp:
         model = model_dir(Path(args.profile), Path(args.config), Path(tmp))
-        pool = SGLangPool(SGLangConfig(model_path=str(model), server="simulated", simulate=args.profile, time_scale=1e6, base_port=0,
+        pool = EnginePool(EnginePoolConfig(model_path=str(model), server="simulated", simulate=args.profile, time_scale=1e6, base_port=0,
                                        dtype=profile.dtype, log_dir=tmp))
         with pool:
             for workers in (int(w) for w in args.workers.split(",")):

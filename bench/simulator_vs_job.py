@@ -17,7 +17,7 @@ the real engine and trainer would share the cores, so both runs pin them apart: 
 everything else (trainer ranks, rollout manager, this script) to the second. The real job's figures are then those of
 a one-CPU engine pool beside a one-CPU trainer pool, the shape the simulator models.
 
-    python bench/simulator_vs_job.py [--steps 8] [--profile-out bench/profiles/cpu_demo.yaml] [--out docs/benchmarks.md]
+    python bench/simulator_vs_job.py [--steps 8] [--profile-out bench/profiles/cpu_demo.yaml] [--out docs/benchmarks/simulator-vs-job.md]
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def main() -> int:
         raise SystemExit("this check pins the engine and the job to different CPUs: it needs 2")
     os.sched_setaffinity(0, JOB_CPUS)  # the job and everything it starts; the engines are moved to ENGINE_CPUS
     from moerl.dtypes import resolve
-    from moerl.engines.sglang import SGLangConfig, SGLangPool
+    from moerl.engines.pool import EnginePool, EnginePoolConfig
     from moerl.models.tiny import save_tiny_hf
 
     modes = args.modes.split(",")
@@ -221,7 +221,7 @@ def main() -> int:
         model = save_tiny_hf("Qwen3MoeForCausalLM", work / "random-tiny")
         real = {mode: run_job(work / f"real-{mode}", mode, args.steps, model, []) for mode in modes}
         prompt_ids = prompts(model, 64)
-        with EnginePinning(), SGLangPool(SGLangConfig(model_path=str(model), server="embedded", base_port=0, dtype=resolve("auto"),
+        with EnginePinning(), EnginePool(EnginePoolConfig(model_path=str(model), server="embedded", base_port=0, dtype=resolve("auto"),
                                                       log_dir=str(work / "engine-logs"))) as pool:
             engine = asyncio.run(measure_engine(pool.urls[0], model, prompt_ids))
         print("engine", engine, file=sys.stderr, flush=True)
@@ -235,7 +235,7 @@ def main() -> int:
                      for mode in modes}
     real_s = {m: mode_summary(rows) for m, rows in real.items()}
     sim_s = {m: mode_summary(rows) for m, rows in simulated.items()}
-    lines = [f"### Simulated against real, the CPU demo's shape ({platform.machine()}, {os.cpu_count()} cores, engine and job "
+    lines = [f"## Simulated against real, the CPU demo's shape ({platform.machine()}, {os.cpu_count()} cores, engine and job "
              f"pinned to a CPU each, {args.steps - 1} measured steps, {GROUPS} x {SAMPLES} samples, {date.today().isoformat()})", "",
              "| mode | real samples/s | x sync | trainer idle | simulated samples/s | x sync | trainer idle | simulated x sync against real |",
              "|---|---|---|---|---|---|---|---|"]

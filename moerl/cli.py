@@ -8,7 +8,7 @@ import sys
 
 COMMANDS = {
     "serve": ("moerl.engines.serve", "serve a HF MoE model over SGLang's HTTP API (embedded engine, or a simulated one)"),
-    "engines": ("moerl.engines.sglang", "start SGLang replicas on this node for a job whose trainer runs elsewhere"),
+    "engines": ("moerl.engines.pool", "start SGLang replicas on this node for a job whose trainer runs elsewhere"),
     "convert-ckpt": ("moerl.checkpoint.cli", "convert checkpoints between HF and Megatron layouts"),
     "train": ("moerl.orchestrator.main", "the GRPO job on one rank (launched by recipes/qwen_moe_grpo.sh via torchrun)"),
     "plot": ("moerl.orchestrator.metrics", "plot a run's metrics.jsonl as PNG curves"),

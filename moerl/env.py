@@ -24,7 +24,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def free_port() -> int:
     """A TCP port free at the time of asking. Another process can take it before the caller's child
-    binds it: launchers using it must handle that (SGLangPool restarts the replica on another)."""
+    binds it: launchers using it must handle that (EnginePool restarts the replica on another)."""
     return free_ports(1)[0]
 
 

@@ -32,7 +32,6 @@ class Sample:
     mask_offsets: np.ndarray | None = None  # int64 [R + 1], CSR over response tokens
     mask_ids: np.ndarray | None = None  # int32 [mask_offsets[-1]]
     reward: float = 0.0
-    token_rewards: np.ndarray | None = None  # float32 [R], optional shaped reward
     group_id: int = 0
     finish_reason: str = "stop"
     engine: str = ""
@@ -58,7 +57,7 @@ class Sample:
         p, r = self.prompt_len, self.response_len
         if p < 1 or r < 1:
             raise SampleError(f"a sample needs >= 1 prompt and >= 1 response token, got P={p}, R={r}")
-        for name in ("behaviour_logprobs", "versions", "selected_logprobs", "token_rewards"):
+        for name in ("behaviour_logprobs", "versions", "selected_logprobs"):
             value = getattr(self, name)
             if value is not None and value.shape != (r,):
                 raise SampleError(f"{name} has shape {value.shape}, expected ({r},) (one per response token)")

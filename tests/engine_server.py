@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-from moerl.engines.sglang import SGLangConfig, SGLangPool
+from moerl.engines.pool import EnginePool, EnginePoolConfig
 
 
 @contextmanager
@@ -19,10 +19,21 @@ def running_server(model_dir: Path, log_dir: Path, *extra: str):
 @contextmanager
 def running_servers(model_dir: Path, log_dir: Path, replicas: int, *extra: str):
     """As :func:`running_server`, ``replicas`` of them, each logging to a file of its own in ``log_dir``; yields their URLs."""
-    pool = SGLangPool(SGLangConfig(model_path=str(model_dir), server="embedded", base_port=0, dtype="float32", replicas=replicas,
+    pool = EnginePool(EnginePoolConfig(model_path=str(model_dir), server="embedded", base_port=0, dtype="float32", replicas=replicas,
                                    log_dir=str(log_dir), extra_args=list(extra)))
     with pool:
         yield pool.urls
+
+
+async def weights_by_name(url: str, name: str) -> list:
+    """The engine's copy of the Hub tensor ``name``, whole, as nested lists: SGLang's /get_weights_by_name, which no
+    moerl code asks (a sync verifies by log-probs and checksums)."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}) as resp:
+            resp.raise_for_status()
+            return await resp.json()
 
 
 @asynccontextmanager

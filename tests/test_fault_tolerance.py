@@ -16,13 +16,13 @@ import pytest
 import zmq
 
 from moerl.engines.client import EngineClient
-from moerl.engines.sglang import SGLangConfig, SGLangPool
+from moerl.engines.pool import EnginePool, EnginePoolConfig
 from moerl.env import group_left
 from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
 from moerl.errors import EnginesDown
-from moerl.orchestrator.buffer import RolloutBuffer
+from moerl.orchestrator.rollouts import RolloutEndpoint
 from moerl.orchestrator.config import load_config, to_yaml
-from moerl.orchestrator.main import start_manager
+from moerl.orchestrator.components import start_manager
 
 GROUPS = 8
 
@@ -41,10 +41,10 @@ def rollouts(model: Path, run_dir: Path, replicas: int, *overrides: str):
                              *overrides])
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    pool = SGLangPool(SGLangConfig(model_path=str(model), server="embedded", replicas=replicas, base_port=0, dtype="float32",
+    pool = EnginePool(EnginePoolConfig(model_path=str(model), server="embedded", replicas=replicas, base_port=0, dtype="float32",
                                    log_dir=str(run_dir / "logs")))
     ctx = zmq.Context()
-    buffer = RolloutBuffer(ctx, cfg.rollout, "sync")
+    buffer = RolloutEndpoint(ctx, cfg.rollout, "sync")
     manager = None
     try:
         urls = pool.start()
@@ -66,12 +66,12 @@ async def serve_version_0(urls: list[str]) -> None:
         await client.set_weight_version("0")
 
 
-def take(buffer: RolloutBuffer, groups: int) -> list:
+def take(buffer: RolloutEndpoint, groups: int) -> list:
     """``groups`` finished groups (sync mode orders them)."""
     return [group for piece in buffer.pieces(0, groups, whole=False) for group in piece]
 
 
-def signal_replica(pool: SGLangPool, replica: int, sig: int) -> None:
+def signal_replica(pool: EnginePool, replica: int, sig: int) -> None:
     os.killpg(pool.procs[replica].pid, sig)
 
 
@@ -124,7 +124,7 @@ def test_an_update_that_finds_every_engine_dead_has_them_started_again_while_it_
     starts them again meanwhile; nothing else would, and the run would stop after engines.down_timeout_s."""
     from moerl.weight_sync.disk import DiskSync
 
-    with SGLangPool(SGLangConfig(model_path=str(model), server="embedded", base_port=0, dtype="float32",
+    with EnginePool(EnginePoolConfig(model_path=str(model), server="embedded", base_port=0, dtype="float32",
                                  log_dir=str(tmp_path / "logs"))) as pool:
         sync = DiskSync(pool.urls, tmp_path / "sync", model)
         try:
@@ -144,18 +144,18 @@ def test_a_dead_replica_is_started_again_only_once_every_process_of_its_server_h
     """A GPU's memory is free once every process that held it has ended: a server started earlier fails for want of
     it, which costs one of the replica's restarts. revive() kills what is left, says what it waits for, and starts the
     replica at a later call."""
-    from moerl.engines import sglang
+    from moerl.engines import pool as pool_module
 
     # A server that has exited and left a worker in its process group, as SGLang's scheduler processes may.
     server = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, text=True, start_new_session=True)
     worker = int(server.stdout.readline())
     server.wait()
-    pool = SGLangPool(SGLangConfig(model_path=str(tmp_path), server="embedded", base_port=0))
+    pool = EnginePool(EnginePoolConfig(model_path=str(tmp_path), server="embedded", base_port=0))
     pool.ports, pool.procs = [1], [server]
     started = []
     monkeypatch.setattr(pool, "_spawn_replica", lambda i, port, restart=False: started.append((i, restart)) or server)
     lingering = [True]  # a member still ending (in a driver call, say) after the SIGKILL
-    monkeypatch.setattr(sglang, "group_left", lambda pgid: [worker] if lingering[0] else group_left(pgid))
+    monkeypatch.setattr(pool_module, "group_left", lambda pgid: [worker] if lingering[0] else group_left(pgid))
     with caplog.at_level("WARNING", logger="moerl.engines"):
         assert pool.revive(max_restarts=2) == [] and pool.revive(max_restarts=2) == []
     assert started == [] and pool.restarts == {}
@@ -241,7 +241,7 @@ def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads
     from moerl.orchestrator.config import RolloutSection
     from moerl.orchestrator.messages import EnginesChanged
 
-    buffer = RolloutBuffer(zmq.Context.instance(), RolloutSection(), "async")
+    buffer = RolloutEndpoint(zmq.Context.instance(), RolloutSection(), "async")
     try:
         buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 0, "b": 0}))
         for states, losses in (({"a": "restarting", "b": "stale"}, {"a": 1, "b": 0}), ({"a": "healthy", "b": "stale"}, {"a": 1, "b": 0})):

@@ -412,7 +412,7 @@ def test_a_fully_reshardable_optimizer_state_loads_into_torch_adam():
 def _plan(*overrides: str, config: str = "recipes/qwen3_30b_a3b.yaml", world: int | None = None):
     from moerl.orchestrator import memory
     from moerl.orchestrator.config import load_config
-    from moerl.orchestrator.main import trainer_world_size
+    from moerl.orchestrator.preflight import trainer_world_size
 
     cfg = load_config(REPO / config, [f"model.path={QWEN3_30B}", "engines.urls=[]", *overrides])
     return memory.plan(cfg, json.loads((QWEN3_30B / "config.json").read_text()), world or trainer_world_size(cfg), 80.0)
@@ -517,7 +517,7 @@ def test_sglang_servers_given_by_url_are_refused_where_the_run_could_not_use_the
 
     from moerl.errors import ConfigError
     from moerl.orchestrator.config import load_config, sglang_lora_problem
-    from moerl.orchestrator.main import check_engine_urls
+    from moerl.orchestrator.preflight import check_engine_urls
     from tests.engine_server import serving
 
     async def health(request):

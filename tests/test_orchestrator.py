@@ -401,7 +401,7 @@ def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
 def test_a_resume_takes_the_newest_checkpoint_whose_run_state_was_written(tmp_path):
     """The run state is written last, so a step directory without it is one a kill cut short; numbers compare as
     numbers (step_10 is newer than step_9)."""
-    from moerl.orchestrator.main import RUN_STATE, latest_checkpoint
+    from moerl.orchestrator.run_state import RUN_STATE, latest_checkpoint
 
     assert latest_checkpoint(tmp_path) is None
     for step, complete in ((2, True), (9, True), (10, True), (12, False)):
@@ -417,9 +417,9 @@ def test_a_checkpoint_cut_short_is_replaced_when_its_step_is_saved_again(tmp_pat
     and gets the new run state."""
     from types import SimpleNamespace
 
-    from moerl.orchestrator import main
+    from moerl.orchestrator import run_state
 
-    monkeypatch.setattr(main, "on_lead", lambda call, what: call())  # one process: rank 0's part runs here
+    monkeypatch.setattr(run_state, "on_lead", lambda call, what: call())  # one process: rank 0's part runs here
 
     def save(out: Path) -> None:
         out.mkdir(parents=True)  # as Trainer.save: exist_ok=False
@@ -428,16 +428,16 @@ def test_a_checkpoint_cut_short_is_replaced_when_its_step_is_saved_again(tmp_pat
 
     saves: list[Path] = []
     trainer = SimpleNamespace(version=3, save=save)
-    buffer = SimpleNamespace(drain=lambda: None, cursor=12, pending=lambda: [7, 9], acct=SimpleNamespace(state=lambda: {"issued": 14}))
+    rollouts = SimpleNamespace(drain=lambda: None, cursor=12, pending=lambda: [7, 9], acct=SimpleNamespace(state=lambda: {"issued": 14}))
     cut = tmp_path / "checkpoints" / "step_3"
     cut.mkdir(parents=True)
     (cut / "shard.distcp").write_text("half-written")
-    main.save_checkpoint(trainer, buffer, tmp_path)
-    assert sorted(p.name for p in cut.iterdir()) == [main.RUN_STATE, "weights"] and len(saves) == 1
-    buffer.pending = lambda: [9]
-    main.save_checkpoint(trainer, buffer, tmp_path)
+    run_state.save_checkpoint(trainer, rollouts, tmp_path)
+    assert sorted(p.name for p in cut.iterdir()) == [run_state.RUN_STATE, "weights"] and len(saves) == 1
+    rollouts.pending = lambda: [9]
+    run_state.save_checkpoint(trainer, rollouts, tmp_path)
     assert len(saves) == 1 and (cut / "weights").read_text() == "saved 0"
-    assert json.loads((cut / main.RUN_STATE).read_text()) == {"step": 3, "cursor": 12, "pending": [9], "accounting": {"issued": 14}}
+    assert json.loads((cut / run_state.RUN_STATE).read_text()) == {"step": 3, "cursor": 12, "pending": [9], "accounting": {"issued": 14}}
 
 
 @pytest.fixture(scope="module")
@@ -489,7 +489,7 @@ def test_engines_given_by_url_get_the_runs_weights_before_the_first_rollout(cach
 
 def test_verify_is_as_tight_as_the_engines_reported_precision_allows():
     from moerl.orchestrator.config import load_config
-    from moerl.orchestrator.main import verify_tolerance
+    from moerl.orchestrator.components import verify_tolerance
 
     cfg = load_config(None, ["trainer.dtype=float32", "engines.dtype=float32"])
     assert verify_tolerance(cfg) == 1e-4
@@ -511,7 +511,7 @@ def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
     from moerl.orchestrator.messages import EVENTS, ORDERS, Generate, GroupDone, ManagerSpec, Stop, checked
 
     assert checked(Generate(3), ORDERS) == Generate(3) and checked(Stop(), ORDERS) == Stop()
-    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, Served, Restarting, Stop"):
+    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, Updating, Served, Restarting, Stop"):
         checked({"cmd": "generate", "groups": 3}, ORDERS)
     with pytest.raises(TypeError, match="unexpected message Generate"):
         checked(Generate(1), EVENTS)  # an order is not an event
@@ -526,12 +526,12 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
 
     from moerl.orchestrator import main as job_module
     from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.lead import Lead
 
     ordered = []
 
     class Sync:
-        adapter = None
-        link = SimpleNamespace(client=SimpleNamespace(targets=["http://a"]))
+        adapter, engines = None, ["http://a"]
 
         def start(self, trainer, engines_hold_it):
             self.adapter = None if engines_hold_it else "moerl-lora-v3"
@@ -539,7 +539,7 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
         def served(self, version):
             return None, self.adapter
 
-    class Buffer:
+    class Rollouts:
         def served(self, weight_version, engines, adapter, version, also):
             ordered.append(("served", weight_version, engines, adapter, version, also))
 
@@ -547,7 +547,9 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
             ordered.append(("generate", groups))
 
     def start_rollouts(self):
-        self.sync, self.buffer = Sync(), Buffer()
+        self.sync = Sync()
+        self.lead = Lead.__new__(Lead)  # rank 0's part, without the processes it starts
+        self.lead.sync, self.lead.rollouts = self.sync, Rollouts()
 
     job = job_module.Job(load_config(None, ["run.mode=async", "run.steps=3", "sync.verify=false"]))
     monkeypatch.setattr(job_module.Job, "setup", lambda self: setattr(self, "trainer", SimpleNamespace(version=3)) or True)
@@ -564,15 +566,15 @@ def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_wh
 
     from moerl.orchestrator import main as job_module
     from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.lead import Lead
 
     served = []
 
     class Sync:
-        adapter, reached = None, True
-        link = SimpleNamespace(client=SimpleNamespace(targets=["http://a", "http://b"]))
+        adapter, reached, engines = None, True, ["http://a", "http://b"]
 
         def update(self, trainer, only=None):
-            self.link.client.targets = [url for url in only if url != "http://c"]  # "c" went again before the sync
+            self.engines = [url for url in only if url != "http://c"]  # "c" went again before the sync
             return SimpleNamespace(seconds=0.1)
 
         def served(self, version):
@@ -580,11 +582,12 @@ def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_wh
 
     job = job_module.Job(load_config(None, ["run.mode=async", "sync.verify=false"]))
     job.sync, job.trainer = Sync(), SimpleNamespace(version=4)
-    job.buffer = SimpleNamespace(served=lambda *args, **kw: served.append((args, kw)))
-    job.back, job.caught_up = ["http://b", "http://c"], {"http://a", "http://b", "http://c"}
-    job.interlude(job_module.CATCH_UP)
+    job.lead = lead = Lead.__new__(Lead)  # rank 0's part, without the processes it starts
+    lead.sync, lead.rollouts, lead.catch_ups = job.sync, SimpleNamespace(served=lambda *args, **kw: served.append((args, kw))), 0
+    lead.back, lead.caught_up = ["http://b", "http://c"], {"http://a", "http://b", "http://c"}
+    job.interlude(job_module.Pause.CATCH_UP)
     assert served == [(("4", ["http://b"], None, 4), {"also": True})]
-    assert job.caught_up == {"http://a", "http://b"} and job.catch_ups == 1
+    assert lead.caught_up == {"http://a", "http://b"} and lead.catch_ups == 1
 
 
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
@@ -760,7 +763,7 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
     resolves to on many distributions) where an engine is on another host would leave the first push waiting for
     engines that never connect. Refused at start, naming MOERL_SYNC_ADDRESS; fine where every engine is on this host."""
     from moerl.errors import ConfigError
-    from moerl.orchestrator import main as job_module
+    from moerl.orchestrator import components as job_module
     from moerl.orchestrator.config import load_config
 
     monkeypatch.delenv("MOERL_SYNC_ADDRESS", raising=False)

@@ -44,6 +44,8 @@ while state(leader) != "Z":
     time.sleep(0.05)
 seen = [sorted(group_left(server.pid)) == sorted([worker, leader])]
 os.kill(worker, signal.SIGKILL)
+while state(worker) != "Z":  # a SIGKILL takes effect when the kernel next runs it
+    time.sleep(0.05)
 seen.append(group_left(server.pid) == [leader])
 os.kill(leader, signal.SIGKILL)
 while state(worker) != "Z" or len(os.listdir(f"/proc/{leader}/task")) > 1:

@@ -18,7 +18,7 @@ import torch
 
 from moerl.engines.client import EngineClient
 from moerl.engines.protocol import GenerateReqInput, ProtocolError, decode_routed_experts, decode_sampling_masks, encode_routed_experts
-from moerl.engines.sglang import SGLangConfig, SGLangPool, router_args, server_args
+from moerl.engines.pool import EnginePool, EnginePoolConfig, router_args, server_args
 from moerl.models import ModelShape
 from moerl.models.tiny import save_tiny_hf
 
@@ -28,7 +28,7 @@ def _flag_value(args: list[str], flag: str) -> str:
 
 
 def test_server_args_carry_the_rl_flags():
-    cfg = SGLangConfig(model_path="/m", replicas=2, gpus_per_replica=4, base_port=31000)
+    cfg = EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=4, base_port=31000)
     args = server_args(cfg, port=31001)
     assert _flag_value(args, "--port") == "31001" and _flag_value(args, "--tp-size") == "4"
     assert "--enable-return-routed-experts" in args and "--enable-memory-saver" in args
@@ -36,22 +36,22 @@ def test_server_args_carry_the_rl_flags():
     assert "--enable-lora" not in args
 
     with pytest.raises(ValueError, match="target modules"):
-        server_args(SGLangConfig(model_path="/m", lora_max_rank=16), port=30000)
-    lora = server_args(SGLangConfig(model_path="/m", lora_max_rank=16, lora_target_modules=["o_proj", "q_proj"], enable_memory_saver=False),
+        server_args(EnginePoolConfig(model_path="/m", lora_max_rank=16), port=30000)
+    lora = server_args(EnginePoolConfig(model_path="/m", lora_max_rank=16, lora_target_modules=["o_proj", "q_proj"], enable_memory_saver=False),
                        port=30000)
     assert lora[lora.index("--lora-target-modules") + 1 : lora.index("--lora-target-modules") + 3] == ["o_proj", "q_proj"]
     assert _flag_value(lora, "--max-lora-rank") == "16" and _flag_value(lora, "--lora-backend") == "triton_v2"
     assert _flag_value(lora, "--moe-a2a-backend") == "none" and _flag_value(lora, "--moe-runner-backend") == "lora_triton"
     assert "--enable-memory-saver" not in lora
 
-    pool = SGLangPool(cfg)
+    pool = EnginePool(cfg)
     assert pool.replica_urls == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     router = router_args(cfg, pool.replica_urls)
     assert router[router.index("--worker-urls") + 1 : router.index("--host")] == pool.replica_urls
 
 
 def test_replicas_get_disjoint_visible_gpus(monkeypatch):
-    pool = SGLangPool(SGLangConfig(model_path="/m", replicas=2, gpus_per_replica=2))
+    pool = EnginePool(EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=2))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert [pool._gpus(i) for i in range(2)] == ["4,5", "6,7"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
@@ -59,15 +59,15 @@ def test_replicas_get_disjoint_visible_gpus(monkeypatch):
         pool._gpus(0)
     # Without CUDA_VISIBLE_DEVICES, the node's GPUs: 8 trainer ranks leave no room for an engine on an 8-GPU node.
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.setattr("moerl.engines.sglang._gpu_count", lambda: 8)
-    after_trainer = SGLangPool(SGLangConfig(model_path="/m", replicas=1, gpus_per_replica=2, gpu_offset=8))
+    monkeypatch.setattr("moerl.engines.pool._gpu_count", lambda: 8)
+    after_trainer = EnginePool(EnginePoolConfig(model_path="/m", replicas=1, gpus_per_replica=2, gpu_offset=8))
     with pytest.raises(RuntimeError, match="need 10 GPUs; 8 visible"):
         after_trainer._gpus(0)
-    assert SGLangPool(SGLangConfig(model_path="/m", replicas=2, gpus_per_replica=2, gpu_offset=4))._gpus(1) == "6,7"
+    assert EnginePool(EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=2, gpu_offset=4))._gpus(1) == "6,7"
 
 
 def _stand_in_python(tmp_path):
-    """An interpreter path for SGLangPool that starts ``moerl serve`` where it is asked for
+    """An interpreter path for EnginePool that starts ``moerl serve`` where it is asked for
     ``-m sglang.launch_server``, so the pool's real start/health/stop path runs on CPU."""
     script = tmp_path / "python-standin"
     script.write_text(
@@ -86,7 +86,7 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
     """Replica 0 is first given a port another process holds: it fails to bind and starts again elsewhere."""
     import socket
 
-    import moerl.engines.sglang as sglang_driver
+    import moerl.engines.pool as pool_module
     from moerl.env import free_ports
 
     model = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "model")
@@ -99,10 +99,10 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
     def taken_first(n, avoid=()):
         return [taken, *free_ports(n - 1, avoid=[*avoid, taken])] if next(first, False) else free_ports(n, avoid)
 
-    monkeypatch.setattr(sglang_driver, "free_ports", taken_first)
-    monkeypatch.setattr(sglang_driver, "_gpu_count", lambda: 2)  # the stand-in servers' GPUs
-    cfg = SGLangConfig(model_path=str(model), replicas=2, base_port=0, log_dir=str(tmp_path / "logs"))
-    pool = SGLangPool(cfg, python=_stand_in_python(tmp_path))
+    monkeypatch.setattr(pool_module, "free_ports", taken_first)
+    monkeypatch.setattr(pool_module, "_gpu_count", lambda: 2)  # the stand-in servers' GPUs
+    cfg = EnginePoolConfig(model_path=str(model), replicas=2, base_port=0, log_dir=str(tmp_path / "logs"))
+    pool = EnginePool(cfg, python=_stand_in_python(tmp_path))
 
     async def generate_on_both(urls):
         async with EngineClient(urls) as client:
@@ -131,9 +131,9 @@ def test_ports_picked_together_are_distinct_and_avoid_those_handed_out():
 
 
 def test_pool_reports_a_server_that_dies_during_startup(tmp_path, monkeypatch):
-    monkeypatch.setattr("moerl.engines.sglang._gpu_count", lambda: 1)  # the stand-in server's GPU
-    cfg = SGLangConfig(model_path=str(tmp_path / "no-such-model"), log_dir=str(tmp_path / "logs"))
-    pool = SGLangPool(cfg, python=_stand_in_python(tmp_path))
+    monkeypatch.setattr("moerl.engines.pool._gpu_count", lambda: 1)  # the stand-in server's GPU
+    cfg = EnginePoolConfig(model_path=str(tmp_path / "no-such-model"), log_dir=str(tmp_path / "logs"))
+    pool = EnginePool(cfg, python=_stand_in_python(tmp_path))
     with pytest.raises(RuntimeError, match="exited during start-up"):
         pool.start(timeout_s=60)
     assert pool.procs == []
@@ -157,12 +157,12 @@ def test_server_args_parse_with_sglangs_parser(sglang_io):
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(server_args(SGLangConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8,
+    ns = parser.parse_args(server_args(EnginePoolConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8,
                                                     lora_target_modules=["down_proj", "gate_proj", "q_proj"]), port=30000))
     assert ns.lora_target_modules == ["down_proj", "gate_proj", "q_proj"]
     assert ns.enable_return_routed_experts and ns.enable_memory_saver and ns.enable_lora
     assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend, ns.moe_runner_backend) == (2, 8, "triton_v2", "none", "lora_triton")
-    assert ns.sampling_mask_max_tokens == SGLangConfig.sampling_mask_max_tokens
+    assert ns.sampling_mask_max_tokens == EnginePoolConfig.sampling_mask_max_tokens
 
 
 def _captured_bodies() -> list[tuple[str, dict]]:

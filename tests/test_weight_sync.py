@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
@@ -135,7 +136,7 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
 
     from moerl.engines.client import EngineError
     from moerl.weight_sync.broadcast import BroadcastSync
-    from tests.engine_server import running_server
+    from tests.engine_server import running_server, weights_by_name
 
     broadcast, events, enqueue_after = dist.broadcast, [], [0.0]
 
@@ -195,9 +196,9 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
         again = BroadcastSync([url], "127.0.0.1", "gloo")  # the engine serves on and takes a new group's updates
         again.connect()
         again.push([("model.norm.weight", torch.full((hidden,), 0.25))], "3")
-        served = again.link.run(again.link.client.weights_by_name("model.norm.weight"))
+        served = asyncio.run(weights_by_name(url, "model.norm.weight"))
         again.close()
-    assert torch.equal(torch.tensor(served[0]), torch.full((hidden,), 0.25))  # one engine's copy
+    assert torch.equal(torch.tensor(served), torch.full((hidden,), 0.25))
 
 
 def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_reaches_the_engines(tiny_ckpts, tmp_path):
@@ -250,14 +251,14 @@ def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push():
     read the same: the sync is told, so that its senders form their groups again (the test above)."""
     from types import SimpleNamespace
 
-    from moerl.orchestrator.main import Job
+    from moerl.orchestrator.lead import Lead
 
     told = []
-    job = SimpleNamespace(pool=SimpleNamespace(revive=lambda most, window: ["http://b"]),
-                          cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3, restart_window_s=3600.0)),
-                          buffer=SimpleNamespace(restarting=told.append), sync=SimpleNamespace(may_be_new={"http://a"}))
-    Job.revive(job)
-    assert job.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]]
+    lead = SimpleNamespace(pool=SimpleNamespace(revive=lambda most, window: ["http://b"]),
+                           cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3, restart_window_s=3600.0)),
+                           rollouts=SimpleNamespace(restarting=told.append), sync=SimpleNamespace(may_be_new={"http://a"}))
+    Lead.revive(lead)
+    assert lead.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]]
 
 
 @pytest.mark.parametrize("failure", ["engines_down", "other"])

@@ -243,6 +243,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.broadcast import BroadcastSync
     from moerl.weight_sync.export import hf_named_tensors
+    from tests.engine_server import weights_by_name
 
     trainer = Trainer(mcore_dir, trainer_cfg)
     trainer.step(samples)
@@ -258,7 +259,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     link = sync.link
 
     async def read_back():
-        return {name: await link.client.weights_by_name(name, truncate_size=1 << 30) for name, _ in trained}
+        return {name: [await weights_by_name(url, name) for url in urls] for name, _ in trained}
 
     served = link.run(read_back())
     versions = link.run(link.client.weight_versions())
@@ -310,14 +311,14 @@ def syncs_where_one_engine_refuses_a_bucket_the_other_took(mcore_dir: str, train
     import time
 
     from moerl.engines import weight_group
-    from moerl.engines.sglang import SGLangConfig, SGLangPool
+    from moerl.engines.pool import EnginePool, EnginePoolConfig
     from moerl.errors import EnginesDown
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.broadcast import BroadcastSync
 
     weight_group.TIMEOUT_S = 30  # the refused buckets' broadcasts, which gloo cannot abort, wait this long here
     trainer = Trainer(mcore_dir, trainer_cfg)
-    pool = SGLangPool(SGLangConfig(model_path=hf_dir, server="embedded", base_port=0, dtype="float32", log_dir=log_dir))
+    pool = EnginePool(EnginePoolConfig(model_path=hf_dir, server="embedded", base_port=0, dtype="float32", log_dir=log_dir))
     pool.start()
     started = pool.replica_urls[0]
     sync = BroadcastSync([started, refusing_url], "127.0.0.1", "gloo", bucket_bytes=64 << 10)
@@ -560,8 +561,8 @@ def what_each_rank_raises_from_parts_rank_0_takes_alone(run_dir: str) -> list[tu
 
     from moerl.errors import RolloutManagerLost
     from moerl.megatron.parallel import init_process_group, on_lead
-    from moerl.orchestrator.buffer import RolloutError
-    from moerl.orchestrator.main import save_checkpoint
+    from moerl.orchestrator.rollouts import RolloutError
+    from moerl.orchestrator.run_state import save_checkpoint
 
     def manager_lost():
         raise RolloutManagerLost("the rollout manager process exited (killed by signal 9)")

@@ -1,8 +1,8 @@
 """Exact, streaming conversion between Hugging Face checkpoints and moerl Megatron checkpoints.
 
-The Megatron model is built on the meta device (no memory); one piece at a time (the embedding,
+The Megatron model is built on the meta device (no memory); one weight layer at a time (the embedding,
 norm and output layer, then each decoder layer) is materialised from the HF tensors, saved as a
-``dist_checkpointing`` piece, and dropped. Peak memory is about one layer plus what safetensors
+``dist_checkpointing`` checkpoint of its own, and dropped. Peak memory is about one layer plus what safetensors
 maps, so a 30B MoE converts on a 24 GiB machine. Output is written to a temporary sibling directory
 and renamed into place only when complete: a failed conversion leaves nothing behind.
 """
@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, check_hf_tensors, copy_carried_files, read_config
-from moerl.checkpoint.mcore import (HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, hf_config_of, load_sharded, merge_pieces,
+from moerl.checkpoint.mcore import (HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, hf_config_of, load_sharded, merge_layer_checkpoints,
                                    read_moerl_meta, save_sharded, write_moerl_meta)
 from moerl.checkpoint.peft import AdapterFiles, check_adapter, export_adapter, merge_into, peft_would_drop, write_adapter_files
 from moerl.dtypes import MODEL_DTYPES, dtype_name
@@ -27,7 +27,7 @@ from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import ensure_single_process_env, init_distributed
 from moerl.models import ModelFamily, family_for
-from moerl.models.family import in_piece
+from moerl.models.family import in_layer
 
 
 
@@ -94,19 +94,19 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
     with _staging_dir(out) as staging:
         model = _meta_model(cfg, dtype)
         params = dict(model.named_parameters())
-        piece_dirs = []
-        for k, (prefix, rules) in enumerate(tqdm(family.layer_pieces(cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
+        layer_dirs = []
+        for k, (prefix, rules) in enumerate(tqdm(family.weight_layers(cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
             for rule in rules:
                 tensor = family.to_mcore(rule, [reader.get(n) for n in rule.hf], cfg).to(dtype)
                 _set_param(model, rule.mcore, tensor)
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
-            piece = staging / f"piece{k}"
-            piece.mkdir()
-            save_sharded({n: t for n, t in sharded.items() if in_piece(n, prefix)}, piece, validate_access_integrity=False)
-            piece_dirs.append(piece)
+            layer_dir = staging / f"layer{k}"
+            layer_dir.mkdir()
+            save_sharded({n: t for n, t in sharded.items() if in_layer(n, prefix)}, layer_dir, validate_access_integrity=False)
+            layer_dirs.append(layer_dir)
             for rule in rules:
                 _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="meta"))
-        merge_pieces(staging, piece_dirs)
+        merge_layer_checkpoints(staging, layer_dirs)
         (staging / HF_SUBDIR).mkdir()
         copy_carried_files(hf_dir, staging / HF_SUBDIR)
         write_moerl_meta(staging, family.architecture, dtype_name(dtype), str(hf_dir.resolve()))
@@ -181,13 +181,13 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
         model = _meta_model(cfg, dtype, lora_cfg)
         params = dict(model.named_parameters())
         writer = HFWriter(staging, max_shard_bytes)
-        for prefix, rules in tqdm(family.layer_pieces(cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
+        for prefix, rules in tqdm(family.weight_layers(cfg), desc="mcore-to-hf", unit="layer", disable=not progress):
             names = [rule.mcore for rule in rules]
-            names += [n for n in params if is_lora_param(n) and in_piece(n, prefix)]
+            names += [n for n in params if is_lora_param(n) and in_layer(n, prefix)]
             for name in names:
                 _set_param(model, name, torch.empty_like(params[name], device="cpu"))
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
-            state = load_sharded({n: t for n, t in sharded.items() if in_piece(n, prefix)}, mcore_dir)
+            state = load_sharded({n: t for n, t in sharded.items() if in_layer(n, prefix)}, mcore_dir)
             for rule in rules:
                 weight, module = state[rule.mcore], rule.mcore.removesuffix(".weight")
                 if f"{module}.lora_A" in state:

@@ -133,20 +133,20 @@ def load_megatron_model(ckpt_dir, layout: Layout, dtype: torch.dtype = torch.flo
     return cfg, model
 
 
-def merge_pieces(root: Path, pieces: list[Path]) -> None:
+def merge_layer_checkpoints(root: Path, layer_dirs: list[Path]) -> None:
     """Join checkpoints that each hold a disjoint set of keys into one checkpoint at ``root``.
 
-    The converter saves one ``dist_checkpointing`` piece per layer (so memory holds one layer);
+    The converter saves one ``dist_checkpointing`` checkpoint per weight layer (so memory holds one layer);
     torch DCP reads everything through the root ``.metadata``, whose storage entries name the file
     that holds each chunk, so merging is moving the data files and uniting the metadata.
     """
     merged = None
-    for k, piece in enumerate(pieces):
-        with open(piece / ".metadata", "rb") as f:
+    for k, layer_dir in enumerate(layer_dirs):
+        with open(layer_dir / ".metadata", "rb") as f:
             meta = pickle.load(f)
         renamed = {}
-        for data_file in piece.glob("*.distcp"):
-            target = f"__piece{k}{data_file.name}"
+        for data_file in layer_dir.glob("*.distcp"):
+            target = f"__layer{k}{data_file.name}"
             shutil.move(str(data_file), root / target)
             renamed[data_file.name] = target
         for index, info in meta.storage_data.items():
@@ -154,7 +154,7 @@ def merge_pieces(root: Path, pieces: list[Path]) -> None:
         if merged is None:
             merged = meta
             for name in ("metadata.json", "common.pt"):
-                shutil.move(str(piece / name), root / name)
+                shutil.move(str(layer_dir / name), root / name)
         else:
             for key, tensor_meta in meta.state_dict_metadata.items():
                 if key in merged.state_dict_metadata:
@@ -162,7 +162,7 @@ def merge_pieces(root: Path, pieces: list[Path]) -> None:
                 else:
                     merged.state_dict_metadata[key] = tensor_meta
             merged.storage_data.update(meta.storage_data)
-        shutil.rmtree(piece)
+        shutil.rmtree(layer_dir)
     merged.all_local_plans = None
     with open(root / ".metadata", "wb") as f:
         pickle.dump(merged, f)

@@ -90,7 +90,7 @@ class EngineClient:
             self._workers.close()
 
     def worker_pids(self) -> list[int]:
-        """The generation workers' processes, to count their CPU."""
+        """The generation workers' processes, to count their CPU (bench/engine_client_cpu.py)."""
         return self._workers.pids() if self._workers is not None else []
 
     def _http(self) -> aiohttp.ClientSession:
@@ -145,13 +145,13 @@ class EngineClient:
 
     # ---- generation -----------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
-                       return_logprob: bool = True, return_routed_experts: bool = False, routed_experts_start_len: int = 0,
-                       return_sampling_mask: bool = False, rid: str | None = None, lora_path: str | None = None,
-                       extra_key: str | None = None) -> list[Completion]:
-        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica; ``extra_key``: the
-        prefix-cache partition it may reuse KV from (SGLang's; a policy version's, say). Raises
-        :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when the
-        worker carrying it died (the replica is not blamed): either may be re-issued."""
+                       return_logprob: bool = True, return_routed_experts: bool = False,
+                       routed_experts_start_len: int = 0, return_sampling_mask: bool = False, rid: str | None = None,
+                       lora_path: str | None = None, extra_key: str | None = None) -> list[Completion]:
+        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica; ``extra_key``:
+        the prefix-cache partition it may reuse KV from (SGLang's; a policy version's, say). Raises
+        :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when
+        the worker carrying it died (the replica is not blamed): either may be re-issued."""
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams.parse(sampling_params)
         fields: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or SamplingParams(),
@@ -162,16 +162,14 @@ class EngineClient:
             fields.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start_len)
         if return_sampling_mask:
             fields.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
-        if rid is not None:
-            fields["rid"] = rid
-        if lora_path is not None:
-            fields["lora_path"] = lora_path
-        if extra_key is not None:
-            fields["extra_key"] = extra_key
+        # Those not given stay unset, so the body leaves them out.
+        optional = {"rid": rid, "lora_path": lora_path, "extra_key": extra_key}
+        fields.update({name: value for name, value in optional.items() if value is not None})
         request = P.GenerateReqInput(**fields)
         usable = self.health.usable()
         if not usable:
-            raise NoHealthyEngine("no engine replica is healthy: " + ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls))
+            states = ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls)
+            raise NoHealthyEngine(f"no engine replica is healthy: {states}")
         url = min(usable, key=self.in_flight.__getitem__)
         epoch = self.health.epochs[url]
         self.in_flight[url] += 1
@@ -182,7 +180,8 @@ class EngineClient:
                 completions = await self.generate_on(url, request, routed_experts_start_len)
         except EngineError as e:
             if lora_path is not None and e.status == 400 and P.ADAPTER_NEVER_LOADED in str(e) and lora_path in str(e):
-                self.health.lost_policy(url, f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen", epoch)
+                reason = f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen"
+                self.health.lost_policy(url, reason, epoch)
                 raise ReplicaDown(url, str(e).removeprefix(f"{url}: "), e.status) from None
             if e.status is not None and e.status < 500:
                 raise
@@ -193,8 +192,10 @@ class EngineClient:
             raise ReplicaDown(url, str(e)) from None
         finally:
             self.in_flight[url] -= 1
-        if (stray := self.health.foreign_version(span["version"] for c in completions for span in c.weight_versions)) is not None:
-            reason = f"answered under weight version {stray!r}, which no weight sync of this run left: it restarted unseen"
+        versions = (span["version"] for c in completions for span in c.weight_versions)
+        if (stray := self.health.foreign_version(versions)) is not None:
+            reason = (f"answered under weight version {stray!r}, which no weight sync of this run left: "
+                      "it restarted unseen")
             self.health.lost_policy(url, reason, epoch)
             raise ReplicaDown(url, reason)
         return completions
@@ -280,10 +281,6 @@ class EngineClient:
         await self._everywhere(P.UPDATE_FROM_DISTRIBUTED, P.UpdateWeightsFromDistributedReqInput(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
             load_format=load_format, flush_cache=flush_cache))
-
-    async def weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
-        """Each engine's copy of the Hub tensor ``name`` as nested lists, first ``truncate_size`` rows."""
-        return await self._everywhere(P.GET_WEIGHTS, P.GetWeightsByNameReqInput(name=name, truncate_size=truncate_size))
 
     async def prompt_logprobs(self, input_ids: list[int], lora_path: str | None = None) -> list[np.ndarray]:
         """Each engine's log-probs of ``input_ids[1:]`` given the tokens before them (float32 [len - 1])."""

@@ -97,7 +97,7 @@ def sends_weights() -> bool:
 
 
 class Gather:
-    """Collects a sharded model's parameters (or gradients) whole on global rank 0, piece by piece; or, with
+    """Collects a sharded model's parameters (or gradients) whole on global rank 0, layer by layer; or, with
     ``per_sender``, on the ranks that send them (:func:`sends_weights`), each its own share.
 
     Built once per model on every rank (collective: each pipeline stage's first rank tells rank 0 the

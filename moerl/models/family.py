@@ -3,7 +3,7 @@ formats, the trainer and the embedded engine use, and the plain types it speaks 
 
 A family (one module each, beside its Hugging Face mapping: :mod:`moerl.models.qwen3_moe`,
 :mod:`moerl.models.qwen2_moe`) describes its HF <-> Megatron mapping declaratively, as a list of
-:class:`TensorRule` per piece; every reader walks those rules in whichever direction it needs, so
+:class:`TensorRule` per tensor; every reader walks those rules in whichever direction it needs, so
 nothing outside the family knows a Hub name. :func:`moerl.models.family_for` picks the family of a
 ``config.json``.
 """
@@ -75,8 +75,8 @@ class ModelFamily(Protocol):
     def gpt_model_kwargs(self, cfg: dict) -> dict: ...
 
     # ---- HF mapping ------------------------------------------------------------------------
-    def layer_pieces(self, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
-        """``(state-dict prefix, rules)`` per piece: the non-layer tensors (prefix ``""``), then each layer."""
+    def weight_layers(self, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
+        """``(state-dict prefix, rules)`` per weight layer: the non-layer tensors (prefix ``""``), then each decoder layer."""
 
     def all_rules(self, cfg: dict) -> list[TensorRule]: ...
 
@@ -96,6 +96,6 @@ class ModelFamily(Protocol):
         """Where a Hub tensor lives in transformers 5's model of the family: ``(parameter name, index)``."""
 
 
-def in_piece(mcore_name: str, prefix: str) -> bool:
-    """Whether a megatron state-dict name belongs to the piece of :meth:`ModelFamily.layer_pieces` with ``prefix``."""
+def in_layer(mcore_name: str, prefix: str) -> bool:
+    """Whether a megatron state-dict name belongs to the weight layer of :meth:`ModelFamily.weight_layers` with ``prefix``."""
     return mcore_name.startswith(prefix) if prefix else not mcore_name.startswith("decoder.layers.")

@@ -347,9 +347,9 @@ class QwenMoeFamily:
             rules += _glu_rules(dst + "mlp.", src + "mlp.", h, cfg["intermediate_size"])
         return rules
 
-    def layer_pieces(self, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
-        pieces = [("", self.global_rules(cfg))]
-        return pieces + [(f"decoder.layers.{i}.", self.layer_rules(cfg, i)) for i in range(cfg["num_hidden_layers"])]
+    def weight_layers(self, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
+        layers = [("", self.global_rules(cfg))]
+        return layers + [(f"decoder.layers.{i}.", self.layer_rules(cfg, i)) for i in range(cfg["num_hidden_layers"])]
 
     def hub_numel(self, cfg: dict) -> int:
         """Elements of the whole HF checkpoint (what a full-weight sync moves), from the shapes alone."""
@@ -359,7 +359,7 @@ class QwenMoeFamily:
         return {name: shape for rule in self.all_rules(cfg) for name, shape in zip(rule.hf, rule.hf_shapes)}
 
     def all_rules(self, cfg: dict) -> list[TensorRule]:
-        return [rule for _, rules in self.layer_pieces(cfg) for rule in rules]
+        return [rule for _, rules in self.weight_layers(cfg) for rule in rules]
 
     def to_mcore(self, rule: TensorRule, tensors: list[torch.Tensor], cfg: dict) -> torch.Tensor:
         """Fuse the Hub tensors of one rule into the full megatron parameter."""

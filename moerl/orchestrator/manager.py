@@ -21,6 +21,7 @@ import json
 import logging
 import time
 import traceback
+from pathlib import Path
 import uuid
 from collections import deque
 
@@ -76,7 +77,7 @@ class RolloutManager:
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.stream = PromptStream(cfg.task, self.tokenizer)
         self.rewarder = Rewarder(cfg.task)
-        config = json.loads(open(f"{hf_dir}/config.json").read())
+        config = json.loads(Path(hf_dir, "config.json").read_text())
         e = cfg.engines
         self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=request_timeout_real_s(cfg), failures_to_dead=e.health_failures,
                                    workers=cfg.rollout.generation_workers)

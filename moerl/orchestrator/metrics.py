@@ -7,6 +7,10 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moerl.orchestrator.rollouts import RolloutEndpoint
 
 KEY_CURVES = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "routing/agreement", "mismatch/k3_kl",
               "mismatch/k3_kl_routing_differ", "routing/differs_any_layer", "staleness/max", "sync/seconds", "time/step_seconds",
@@ -102,3 +106,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}")
         return 2
     return 0
+
+
+class CpuMeter:
+    """The orchestrator's own CPU cost per step, never scaled in a simulation: the rollout manager process's (the engine
+    client, rewards, and the completions its generation workers hand it), its helper processes' (the generation
+    workers: engine requests and decoding), and rank 0's rollout buffer's (taking in the finished groups). The manager's own is the figure that must
+    stay well below the step: it is one process."""
+
+    def __init__(self, manager_pid: int, rollouts: RolloutEndpoint):
+        import psutil
+
+        self.manager, self.rollouts = psutil.Process(manager_pid), rollouts
+        self.helpers: dict[int, float] = {}  # each helper's CPU when last seen: one that ended keeps its last reading
+        self.manager_s = self.helpers_s = self.rollouts_s = 0.0
+
+    def _manager_total(self) -> float:
+        import psutil
+
+        try:
+            t = self.manager.cpu_times()
+        except psutil.Error:  # it stopped: its time so far is all there is
+            return self.manager_s
+        return t.user + t.system
+
+    def _helpers_total(self) -> float:
+        import psutil
+
+        try:
+            helpers = self.manager.children(recursive=True)
+        except psutil.Error:
+            helpers = []
+        for p in helpers:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            self.helpers[p.pid] = t.user + t.system
+        return sum(self.helpers.values())
+
+    def start_step(self) -> None:
+        self.manager_s, self.helpers_s, self.rollouts_s = self._manager_total(), self._helpers_total(), self.rollouts.cpu_s
+
+    def step_metrics(self, wall_s: float) -> dict[str, float]:
+        manager = self._manager_total() - self.manager_s
+        return {"cpu/manager_seconds": manager, "cpu/manager_fraction": manager / wall_s,
+                "cpu/manager_helpers_seconds": self._helpers_total() - self.helpers_s, "cpu/buffer_seconds": self.rollouts.cpu_s - self.rollouts_s}

@@ -1,5 +1,5 @@
-"""The rollout buffer (trainer rank 0): finished groups from the rollout manager, bounded, with every
-prompt accounted for.
+"""The trainer's end of the rollouts (global rank 0): orders to the rollout manager process, the finished groups it
+streams back (a bounded buffer), the engines' health it reports, and every prompt accounted for.
 
 Each prompt index is in exactly one state: in flight (issued, not back), ready (back, not taken),
 taken (in the step being trained), trained, or dropped with a reason. Staleness is judged when a
@@ -75,7 +75,9 @@ class Accounting:
         return {"issued": self.issued, "trained": self.trained, "dropped": dict(self.dropped)}
 
 
-class RolloutBuffer:
+class RolloutEndpoint:
+    """What rank 0 holds of the rollouts: the manager's process and sockets, the ready groups, the accounting."""
+
     def __init__(self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None, cursor: int = 0):
         self.cfg, self.mode = cfg, mode
         self.orders = ctx.socket(zmq.PUSH)

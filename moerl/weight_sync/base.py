@@ -16,6 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Iterable
 
 import numpy as np
@@ -63,6 +64,20 @@ class EngineLink:
         self._thread.join()
 
 
+class EngineCall(Enum):
+    """How a control call stands on the engines it was made on, where some go while it is made (``(again, wait)``)."""
+
+    # Made again on the engines left, as often as engines keep going (a call that may be repeated); with every engine
+    # gone, waits for one (choose_engines, which may start replicas again).
+    REPEATED = (True, True)
+    # Stands where it succeeded, and fails if it failed on an engine still there (one a second time would refuse).
+    ONCE = (False, True)
+    # The same two, but with every chosen engine gone they fail at once, as EnginesDown: the calls that end a push, which
+    # must not reach an engine started meanwhile at a chosen one's address (it would not hold the push).
+    REPEATED_ON_CHOSEN = (True, False)
+    ONCE_ON_CHOSEN = (False, False)
+
+
 class WeightSync(ABC):
     """One way of bringing the engines to the trainer's policy. Each method is collective over the trainer's ranks.
 
@@ -89,6 +104,15 @@ class WeightSync(ABC):
         self.wedged: set[str] = set()
         self.retired: set[str] = set()
         self.restart_engines: Callable[[list[str]], list[str]] | None = None
+
+    @property
+    def engines(self) -> list[str]:
+        """Global rank 0: the engines the last update chose and that are still there (those holding its policy)."""
+        return list(self.link.client.targets)
+
+    def server_info(self) -> list[dict]:
+        """Global rank 0: every engine's /server_info."""
+        return self.link.run(self.link.client.server_info())
 
     def connect(self) -> None:
         """Prepare the transport (a process group with the engines, a directory)."""
@@ -184,14 +208,11 @@ class WeightSync(ABC):
         if left:
             self.link.run(client.release(left))
 
-    def on_engines(self, call, again: bool = True, wait: bool = True):
+    def on_engines(self, call, policy: EngineCall = EngineCall.REPEATED):
         """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. While it fails on
-        engines that have gone since, those left are the chosen ones; with ``again`` the call is made again on them (one
-        that may be repeated), as often as engines keep going, else it stands where it succeeded (None), and fails if
-        it failed on any of them. A failure on an engine that is still there is raised. ``wait``: with every engine gone,
-        wait for one (:meth:`choose_engines`, which may start replicas again); else the failure is raised at once, for a
-        call that must not reach an engine started meanwhile at a chosen one's address (it would not hold the push): as
-        :class:`EnginesDown` where none of the chosen engines answers."""
+        engines that have gone since, those left are the chosen ones, and ``policy`` says what the call then does
+        (:class:`EngineCall`). A failure on an engine that is still there is raised."""
+        again, wait = policy.value
         client = self.link.client
         while True:
             try:

@@ -38,8 +38,8 @@ from moerl.engines.weight_group import abandon_weight_group, flatten_bucket, in_
 from moerl.errors import ConfigError, EnginesDown, relayed
 from moerl.megatron.parallel import collective_device, lead_agrees
 from moerl.megatron.weights import Gather, sends_weights
-from moerl.weight_sync.base import EngineLink, FullWeightSync, SyncStats, WeightSyncError
-from moerl.weight_sync.export import hf_pieces
+from moerl.weight_sync.base import EngineCall, EngineLink, FullWeightSync, SyncStats, WeightSyncError
+from moerl.weight_sync.export import hf_layers
 
 log = logging.getLogger("moerl.sync")
 # Groups of one run an engine may hold per sender: the first and three formed again (after failed pushes, engines gone
@@ -90,7 +90,7 @@ class BroadcastSync(FullWeightSync):
         self.group: dist.ProcessGroup | None = None  # its group with the engines
         self.group_name = group_name  # that group's name, as the engines know it
         self.members: list[str] = []  # the engines in it
-        self.engines = 0  # every rank: how many engines the push goes to
+        self.engine_count = 0  # every rank: how many engines the push goes to
         self.tp_sizes: dict[str, int] = {}  # each engine's tensor-parallel size: its ranks in a group
         self.sent = SyncStats()  # what this rank itself sent in the last push (all zero on a rank that sends nothing)
         self.bucket_lost = False  # every rank: the last push attempt failed with a bucket announced to the engines
@@ -196,7 +196,7 @@ class BroadcastSync(FullWeightSync):
                 raise gave_up
             raise relayed(EnginesDown("no engine to push to (global rank 0's error says why)"))
         members, back = chosen[0]
-        self.engines = len(members)
+        self.engine_count = len(members)
         formed = None
         if self.sender is not None and (members != self.members or back):
             try:
@@ -246,12 +246,12 @@ class BroadcastSync(FullWeightSync):
         self.sent, failed, stopped = SyncStats(), None, False  # stopped: a sender failed, so no sender sends more
         self.bucket_lost = self._announced_lost = False
         pending: deque[tuple[str, torch.Tensor]] = deque()  # this sender's tensors not yet sent
-        pieces = hf_pieces(self.gather, hf_config)  # every rank iterates: the gathers are collective
-        for piece in itertools.chain(pieces, [None]):
-            last = piece is None
+        layers = hf_layers(self.gather, hf_config)  # every rank iterates: the gathers are collective
+        for layer in itertools.chain(layers, [None]):
+            last = layer is None
             if not (last or stopped) and self.sender is not None:
-                pending += piece
-            del piece
+                pending += layer
+            del layer
             if stopped:
                 continue
             held = torch.tensor([_nbytes(pending)], dtype=torch.int64, device=collective_device())
@@ -262,7 +262,7 @@ class BroadcastSync(FullWeightSync):
             # A turn each, in rank order (the module's docstring says why); one engine takes the senders' buckets in one
             # order whatever it is, so then they send at once.
             holders = everyone.nonzero().flatten().tolist()
-            for turn in [holders] if self.engines == 1 else [[rank] for rank in holders]:
+            for turn in [holders] if self.engine_count == 1 else [[rank] for rank in holders]:
                 if dist.get_rank() in turn:
                     try:  # whole buckets; the last, unfilled, waits for the next turn unless this is the end
                         self._send_buckets(_drained(pending, len(pending) if last else _whole_buckets(pending, self.bucket_bytes)), self.sent)
@@ -309,10 +309,10 @@ class BroadcastSync(FullWeightSync):
         the push fails at once (not waiting for one: a replica started again at a chosen address meanwhile would be
         told the version without the weights). The end is not asked twice of an engine (it would refuse: no session
         open); the version and the flush may be."""
-        self.on_engines(lambda client: client.end_weight_update(), again=False, wait=False)
-        self.on_engines(lambda client: client.set_weight_version(version), wait=False)
+        self.on_engines(lambda client: client.end_weight_update(), EngineCall.ONCE_ON_CHOSEN)
+        self.on_engines(lambda client: client.set_weight_version(version), EngineCall.REPEATED_ON_CHOSEN)
         if self.flush_cache:
-            self.on_engines(lambda client: client.flush_cache(), wait=False)
+            self.on_engines(lambda client: client.flush_cache(), EngineCall.REPEATED_ON_CHOSEN)
 
     def _send_buckets(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
         """Double-buffered: while one bucket is on the wire, the next is flattened (on the device, in the model dtype)."""

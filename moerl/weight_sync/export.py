@@ -1,6 +1,6 @@
 """The trainer's weights under the Hub names the engines load, one layer at a time.
 
-Each piece (the non-layer tensors, then each decoder layer) is gathered whole on global rank 0 over
+Each weight layer (the non-layer tensors, then each decoder layer) is gathered whole on global rank 0 over
 the groups that shard it (:class:`~moerl.megatron.weights.Gather`) and split into its Hub tensors by
 the model family's mapping, so peak memory is one layer, not the model. Collective over the world:
 every rank iterates.
@@ -14,34 +14,34 @@ import torch
 
 from moerl.megatron.weights import Gather
 from moerl.models import family_for
-from moerl.models.family import in_piece
+from moerl.models.family import in_layer
 
 
 def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on rank 0's device; on
     every other rank nothing (but iterate it to the end there too: the gathers are collective). With a
     ``per_sender`` gather: on each rank that sends, its own share (a stage's dense tensors, an EP rank's experts)."""
-    for piece in hf_pieces(gather, hf_config):
-        yield from piece
+    for layer in hf_layers(gather, hf_config):
+        yield from layer
 
 
-def hf_pieces(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """:func:`hf_named_tensors` a piece at a time (the non-layer tensors, then each decoder layer): the same number of
-    pieces on every rank, each empty where the rank holds none of it, so that ranks can act together between pieces."""
+def hf_layers(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`hf_named_tensors` a weight layer at a time (the non-layer tensors, then each decoder layer): the same number
+    of layers on every rank, each empty where the rank holds none of it, so that ranks can act together between them."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
-    pieces = family.layer_pieces(cfg)
-    # The non-layer piece last: its TP gathers (the embedding pair's, the largest) would hold back the first broadcast.
-    for prefix, rules in pieces[1:] + pieces[:1]:
-        full = gather.gather(lambda name: in_piece(name, prefix))
+    layers = family.weight_layers(cfg)
+    # The non-layer tensors last: their TP gathers (the embedding pair's, the largest) would hold back the first broadcast.
+    for prefix, rules in layers[1:] + layers[:1]:
+        full = gather.gather(lambda name: in_layer(name, prefix))
         named: list[tuple[str, torch.Tensor]] = []
         if full is not None:
             for rule in rules:
-                # A sender holds its stage's layers only, and of their experts only its own; the non-layer piece is
+                # A sender holds its stage's layers only, and of their experts only its own; the non-layer tensors are
                 # split between the first stage and the last.
                 if gather.per_sender and rule.mcore not in full:
                     continue
                 named += zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
         del full
         yield named
-        del named  # before the next piece is gathered: one layer held at a time, not two
+        del named  # before the next layer is gathered: one held at a time, not two

@@ -21,7 +21,7 @@ from moerl.engines.client import EngineError
 from moerl.megatron.lora import LoRAConfig, is_lora_param
 from moerl.megatron.weights import Gather
 from moerl.models import family_for
-from moerl.weight_sync.base import SyncStats, WeightSync
+from moerl.weight_sync.base import EngineCall, SyncStats, WeightSync
 
 
 log = logging.getLogger("moerl.sync")
@@ -104,7 +104,7 @@ class AdapterSync(WeightSync):
         """Rank 0: the adapter ``files`` into every chosen engine under ``name``. An engine that goes meanwhile is passed
         over (it takes the adapter when it is back); those that loaded it are not asked again, which they would refuse."""
         if self.directory is None:
-            self.on_engines(lambda client: client.load_lora_from_tensors(name, files.config, files.tensors), again=False)
+            self.on_engines(lambda client: client.load_lora_from_tensors(name, files.config, files.tensors), EngineCall.ONCE)
         else:
             path = save_adapter(self.directory / name, files)
-            self.on_engines(lambda client: client.load_lora(name, str(path.resolve())), again=False)
+            self.on_engines(lambda client: client.load_lora(name, str(path.resolve())), EngineCall.ONCE)

@@ -1,0 +1,158 @@
+"""The job's parts, as each run configures them: the trainer (or a simulation's), the engines (started here or given by
+URL), the rollout manager's process, and the weight-sync strategy with the address its groups are hosted at."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from moerl.dtypes import MODEL_DTYPES, resolve as resolve_dtype
+from moerl.env import child_env, die_with_parent
+from moerl.errors import ConfigError
+from moerl.orchestrator.config import RunConfig, served_by
+from moerl.orchestrator.messages import ManagerSpec
+from moerl.orchestrator.preflight import simulation_profile
+from moerl.trainer.trainer import Trainer
+from moerl.weight_sync.base import WeightSync
+from moerl.weight_sync.broadcast import BroadcastSync
+from moerl.weight_sync.disk import DiskSync
+from moerl.weight_sync.lora import AdapterSync
+
+log = logging.getLogger("moerl.train")
+
+
+def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int):
+    """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
+    from moerl.engines.pool import EnginePool, EnginePoolConfig
+    from moerl.engines.sglang import lora_target_modules
+
+    e = cfg.engines
+    if e.urls:  # health-checked by run() before the model was prepared
+        return list(e.urls), None
+    cuda = torch.cuda.is_available()
+    server = served_by(e, cfg.simulation)
+    pool = EnginePool(EnginePoolConfig(
+        model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=0,
+        dtype=resolve_dtype(e.dtype), mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
+        gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
+        lora_target_modules=lora_target_modules(hf, cfg.lora.targets) if cfg.lora.enabled and server == "sglang" else None,
+        simulate=cfg.simulation.profile, time_scale=cfg.simulation.time_scale,
+        replicas_per_process=cfg.simulation.replicas_per_process if server == "simulated" else 1,
+    ))
+    if e.server == "auto" and cuda and server == "embedded":
+        from moerl.engines.sglang import sglang_problem
+
+        log.warning("engines.server=auto: %s; serving with moerl's embedded engine instead", sglang_problem())
+    log.info("starting %d %s engine(s); logs in %s", e.replicas, server, run_dir / "logs")
+    return pool.start(e.start_timeout_s), pool
+
+
+def start_manager(cfg_path: Path, hf: Path, urls: list[str], rollouts, cursor: int, reissue: list[int], run_dir: Path) -> subprocess.Popen:
+    spec = ManagerSpec(config=str(cfg_path), hf_dir=str(hf), urls=urls, orders=rollouts.orders_address, events=rollouts.events_address,
+                       cursor=cursor, reissue=reissue).write(run_dir / "manager_spec.json")
+    # A session of its own: a signal to the job's process group (a launcher stopping it) reaches rank 0, whose teardown
+    # stops the manager in order and reads its last events; the manager dies with rank 0 if rank 0 dies first.
+    with open(run_dir / "logs" / "rollout_manager.log", "a") as log_file:  # the child keeps its own copy
+        return subprocess.Popen([sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec)], stdout=log_file,
+                                stderr=subprocess.STDOUT, env=child_env(), start_new_session=True, preexec_fn=die_with_parent)
+
+
+def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None):
+    """The trainer of the Megatron checkpoint ``mcore``, or in a simulation the simulated one of the model at ``hf``."""
+    profile = simulation_profile(cfg)
+    if profile is None:
+        return Trainer(mcore, cfg.trainer, lora=cfg.lora)
+    from moerl.trainer.simulated import SimulatedTrainer
+
+    s = cfg.simulation
+    return SimulatedTrainer(hf, cfg.trainer, profile.trainer, s.trainer_gpus, s.time_scale, MODEL_DTYPES[profile.dtype])
+
+
+def full_weight_bytes(trainer) -> int:
+    from moerl.models import family_for
+
+    family = family_for(trainer.hf_config)
+    return family.hub_numel(family.normalize(trainer.hf_config)) * trainer.dtype.itemsize
+
+
+def verify_tolerance(cfg: RunConfig, engine_dtypes: list[str] | None = None) -> float:
+    """sync.verify's bound on the mean |log-prob delta| of the probe: tight where engine and trainer both
+    compute in fp32 (only summation order differs), loose where either rounds to bf16. ``engine_dtypes``: what the
+    engines given by URL report they compute in (their configured dtype is not this job's to set; SGLang's "auto" is
+    never fp32)."""
+    if cfg.sync.verify_tolerance is not None:
+        return cfg.sync.verify_tolerance
+    engines = engine_dtypes if engine_dtypes is not None else [resolve_dtype(cfg.engines.dtype)]
+    return 1e-4 if resolve_dtype(cfg.trainer.dtype) == "float32" and all(d == "float32" for d in engines) else 5e-2
+
+
+def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
+    """The configured weight-sync strategy; ``urls``: the engines, on global rank 0, None on the other ranks."""
+    sync = _sync_strategy(cfg, urls, hf, run_dir, hf_config)
+    sync.down_timeout_s = cfg.engines.down_timeout_s
+    return sync
+
+
+def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
+    if cfg.lora.enabled:
+        return AdapterSync(urls, cfg.lora, hf_config, str(hf.resolve()), directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
+    pause = "abort" if cfg.rollout.partial == "retry" else "in_place"
+    # Updates that land while requests keep running (async, continued in place) cannot flush the engines'
+    # cache: SGLang refuses. Everywhere else nothing runs during an update and the cache is flushed.
+    flush = not (cfg.run.mode == "async" and cfg.rollout.partial == "in_place")
+    if cfg.simulation.profile is not None:
+        from moerl.weight_sync.simulated import SimulatedSync
+
+        return SimulatedSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
+    if cfg.sync.method == "disk":
+        return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
+    return BroadcastSync(urls, sync_address(cfg), "nccl" if torch.cuda.is_available() else "gloo",
+                         bucket_bytes=cfg.sync.bucket_mb << 20, pause=pause, flush_cache=flush)
+
+
+def sync_address(cfg: RunConfig) -> str:
+    """Where the engines reach this rank, which hosts its weight group's rendezvous if it sends: ``MOERL_SYNC_ADDRESS``,
+    else the address this host routes to the engines from. A loopback address where an engine is on another host would
+    leave the first push waiting for engines that never connect: refused. Engines the job starts run beside global rank
+    0, on torchrun's first node (its rendezvous host, MASTER_ADDR, seen from the others)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    if cfg.engines.urls:
+        hosts = [urlsplit(url).hostname or "" for url in cfg.engines.urls]
+    else:
+        hosts = ["127.0.0.1" if os.environ.get("GROUP_RANK", "0") == "0" else os.environ.get("MASTER_ADDR", "")]
+
+    def loopback(host: str) -> bool:
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except (OSError, ValueError):
+            return False
+
+    given = os.environ.get("MOERL_SYNC_ADDRESS")
+    address = given or _route_from(hosts[0])
+    elsewhere = [host for host in hosts if host and not loopback(host)]
+    if elsewhere and loopback(address):
+        raise ConfigError(f"the weight sync would host its groups at {address}, a loopback address" +
+                          (" (MOERL_SYNC_ADDRESS)" if given else f" ({socket.gethostname()} resolves to it)") +
+                          f", which the engines on {', '.join(elsewhere)} cannot reach: set MOERL_SYNC_ADDRESS on each "
+                          "trainer node to the address the engines reach that node at")
+    return address
+
+
+def _route_from(host: str) -> str:
+    """This host's address on the route to ``host`` (no packet is sent), else the one its hostname resolves to."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())

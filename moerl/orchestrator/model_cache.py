@@ -1,0 +1,66 @@
+"""The model a run trains, made once and cached under ``run.cache_dir``: the CPU demo's tiny warmed-up model, and each
+HF model's Megatron checkpoint, converted once per model (keyed by its path, config and files)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from moerl.env import child_env, die_with_parent
+from moerl.errors import ConfigError
+from moerl.files import staged_dir
+from moerl.orchestrator.config import RunConfig
+from moerl.orchestrator.preflight import model_dir, simulation_profile
+
+log = logging.getLogger("moerl.train")
+TINY_MODEL = "tiny-qwen3-moe-addition-v1"
+
+
+def _done(path: Path) -> bool:
+    return (path / ".complete").is_file()
+
+
+def _build_once(target: Path, build) -> Path:
+    """``build(staging)`` into a staging directory renamed to ``target``: a crash never leaves a half model."""
+    if _done(target):
+        return target
+    with staged_dir(target) as staging:
+        build(staging)
+        (staging / ".complete").write_text("")
+    return target
+
+
+def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
+    """(HF directory, Megatron checkpoint) of the model to train, made once and cached; a simulation has no checkpoint."""
+    cache = Path(cfg.run.cache_dir).expanduser()
+    profile = simulation_profile(cfg)
+    if model_dir(cfg, profile) is None:
+        from moerl.tasks.tiny import save_warm_tiny_model
+
+        def build(staging: Path) -> None:
+            log.info("creating the tiny demo model (once) in %s", cache / TINY_MODEL)
+            save_warm_tiny_model(staging / "model")  # a subdirectory: the build marker stays out of the HF directory
+
+        hf = _build_once(cache / TINY_MODEL / "hf", build) / "model"
+    else:
+        hf = Path(model_dir(cfg, profile))
+    if profile is not None:
+        return hf, None
+    if cfg.model.mcore:
+        mcore = Path(cfg.model.mcore)
+        if not mcore.is_dir():
+            raise ConfigError(f"model.mcore={mcore} does not exist; leave it null to convert model.path once into run.cache_dir")
+        return hf, mcore
+    fingerprint = hashlib.sha1(str(hf.resolve()).encode() + (hf / "config.json").read_bytes()).hexdigest()[:12]
+    for f in sorted(hf.glob("*.safetensors")):
+        fingerprint = hashlib.sha1((fingerprint + f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}").encode()).hexdigest()[:12]
+
+    def convert(staging: Path) -> None:
+        log.info("converting %s to the Megatron layout (tools/convert_ckpt.py hf-to-mcore)", hf)
+        subprocess.run([sys.executable, "-m", "moerl.checkpoint.cli", "hf-to-mcore", "--hf", str(hf), "--out", str(staging / "ckpt")],
+                       check=True, env=child_env(), preexec_fn=die_with_parent)
+
+    return hf, _build_once(cache / "mcore" / fingerprint, convert) / "ckpt"

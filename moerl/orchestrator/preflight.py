@@ -1,0 +1,149 @@
+"""What the job checks before any rank starts (the recipe runs it before torchrun, rank 0 again at start): the
+layout, the run directory, the engines given by URL, the task, the model's config and tensors, and the memory plan.
+Every problem is one :class:`~moerl.errors.ConfigError` naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from moerl.errors import ConfigError
+from moerl.orchestrator.config import RunConfig, sglang_lora_problem
+from moerl.orchestrator.run_state import latest_checkpoint
+
+
+def trainer_world_size(cfg: RunConfig) -> int:
+    if cfg.simulation.profile is not None:
+        return 1  # one process stands for the simulated trainer
+    t = cfg.trainer
+    return cfg.run.trainer_ranks or t.tp * t.pp * t.ep
+
+
+def check_layout(cfg: RunConfig, world: int) -> None:
+    from moerl.layout import Layout, LayoutError
+
+    if cfg.simulation.profile is not None:
+        if world != 1:
+            raise ConfigError(f"simulation.profile: a simulated trainer runs as one process, not {world} (launch the recipe, which starts one)")
+        return
+    try:
+        Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep).check_world(world)
+    except LayoutError as e:
+        raise ConfigError(f"trainer layout (tp={cfg.trainer.tp}, pp={cfg.trainer.pp}, ep={cfg.trainer.ep}) on {world} rank(s): {e}") from None
+
+
+def check_model(cfg: RunConfig, hf: Path, converting: bool) -> None:
+    """The model at ``hf`` can be trained at the configured layout (and, when it is to be converted, its
+    tensors are all there with the right shapes): one error line before minutes of preparation."""
+    from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
+    from moerl.layout import Layout
+    from moerl.models import family_for
+
+    raw = read_config(hf)
+    family = family_for(raw)
+    model = family.normalize(raw)
+    family.check(model)
+    family.check_layout(model, Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep))
+    if converting:
+        check_hf_tensors(HFReader(hf), family, model)
+
+
+def preflight(cfg: RunConfig, world: int) -> None:
+    """Everything that can be checked before the ranks start (the recipe runs it before torchrun): the
+    layout, the run directory, the engines given by URL, the task and the model's config and tensors."""
+    check_layout(cfg, world)
+    run_dir = Path(cfg.run.dir)
+    if (run_dir / "metrics.jsonl").exists() and cfg.run.resume == "false":
+        raise ConfigError(f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir")
+    if cfg.run.resume == "true" and latest_checkpoint(run_dir) is None:
+        raise ConfigError(f"run.resume=true: {run_dir / 'checkpoints'} holds no checkpoint to continue from "
+                          "(run.resume=auto starts the run where there is none)")
+    if cfg.engines.urls:
+        check_engine_urls(cfg.engines.urls, simulated=cfg.simulation.profile is not None, sglang_refused=sglang_lora_problem(cfg))
+    elif cfg.engines.server == "sglang":
+        from moerl.engines.sglang import sglang_problem
+
+        if problem := sglang_problem():
+            raise ConfigError(f"engines.server=sglang: {problem}; or set engines.server=embedded")
+    check_task(cfg)
+    profile = simulation_profile(cfg)
+    if (model_path := model_dir(cfg, profile)) is not None:
+        hf = Path(model_path)
+        if not (hf / "config.json").is_file():
+            raise ConfigError(f"model.path={hf} is not a HF model directory (no config.json)")
+        check_model(cfg, hf, converting=profile is None and not cfg.model.mcore)
+    if profile is None:  # a simulation's trainer holds no memory to plan
+        print(memory_plan(cfg, world, checked=True).table(), file=sys.stderr)
+
+
+def simulation_profile(cfg: RunConfig):
+    """The :class:`~moerl.simulation.Profile` of a simulation (one that times a trainer too), None for a real run."""
+    from moerl.simulation import Profile
+
+    if cfg.simulation.profile is None:
+        return None
+    profile = Profile.load(cfg.simulation.profile)
+    if profile.trainer is None:
+        raise ConfigError(f"simulation.profile={cfg.simulation.profile} has no trainer section: the job's simulation needs its "
+                          "trainer's rate (tokens_per_s_per_gpu, optimizer_step_s)")
+    return profile
+
+
+def model_dir(cfg: RunConfig, profile) -> str | None:
+    """The HF directory given for the run (a simulation's profile may name one), None for the CPU demo's tiny model."""
+    return cfg.model.path or (profile.model if profile is not None else None)
+
+
+def memory_plan(cfg: RunConfig, world: int, checked: bool):
+    """The memory plan (:mod:`moerl.orchestrator.memory`) of the configured model on ``world`` trainer ranks;
+    ``checked``: a plan that does not fit raises :class:`ConfigError`."""
+    from moerl.checkpoint.hf import read_config
+    from moerl.orchestrator import memory
+
+    if cfg.model.path is None:
+        from moerl.models.tiny import TINY_QWEN3
+
+        model_config = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
+    else:
+        model_config = read_config(cfg.model.path)
+    return (memory.check if checked else memory.plan_for)(cfg, model_config, world)
+
+
+def check_task(cfg: RunConfig) -> None:
+    """The prompts load and the reward function resolves, before the rollout manager needs them."""
+    from moerl.tasks import load_records
+    from moerl.tasks.rewards import Rewarder
+
+    load_records(cfg.task)
+    Rewarder(cfg.task)
+
+
+def check_engine_urls(urls: list[str], simulated: bool = False, sglang_refused: str | None = None) -> None:
+    """Every engine answers, those that are SGLang servers run a release whose API moerl speaks (and none is, with
+    ``sglang_refused``: why this run cannot use one), and they are simulated engines exactly when the run is a
+    simulation (a simulation's hollow checkpoints would load as zeros into a real engine; a simulated one answers a real
+    run with random tokens). The config's own check cannot see that an engine given by URL is SGLang."""
+    from moerl.engines.client import EngineClient
+    from moerl.engines.sglang import sglang_problem
+
+    async def health():
+        async with EngineClient(urls, retries=0) as client:
+            up = await client.healthy()
+            return up, (await client.server_info() if all(up) else [])
+
+    up, infos = asyncio.run(health())
+    down = [u for u, ok in zip(urls, up) if not ok]
+    if down:
+        raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
+    for url, info in zip(urls, infos):
+        engine = str(info.get("engine"))
+        if (engine == "moerl-simulated") != simulated:
+            raise ConfigError(f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this run "
+                              f"{'is' if simulated else 'is not'} a simulation (simulation.profile)")
+        if engine.startswith("moerl-"):
+            continue
+        if problem := sglang_problem(str(info.get("version"))):
+            raise ConfigError(f"engines.urls: {url} runs {problem}")
+        if sglang_refused:
+            raise ConfigError(f"engines.urls: {url} is an SGLang server, and {sglang_refused}")

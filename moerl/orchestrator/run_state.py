@@ -1,0 +1,36 @@
+"""A run's checkpoints: the trainer's (collective) and, beside it, the run state global rank 0 writes (the data position and
+every prompt not yet trained, to be issued again), which marks the checkpoint complete."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from moerl.megatron.parallel import on_lead
+
+RUN_STATE = "run_state.json"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [d for d in (run_dir / "checkpoints").glob("step_*") if (d / RUN_STATE).is_file()]
+    return max(done, key=lambda d: int(d.name.split("_")[1])) if done else None
+
+
+def save_checkpoint(trainer, rollouts, run_dir: Path) -> None:
+    """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
+    out = run_dir / "checkpoints" / f"step_{trainer.version}"
+    complete = (out / RUN_STATE).is_file()  # the same version saved already (a stop in the step after it): its state is new
+    if not complete:
+        # A previous attempt at this step that never finished.
+        on_lead(lambda: shutil.rmtree(out) if out.exists() else None, f"removing the unfinished checkpoint {out}")
+        trainer.save(out)
+
+    def run_state() -> None:
+        rollouts.drain()
+        state = {"step": trainer.version, "cursor": rollouts.cursor, "pending": rollouts.pending(), "accounting": rollouts.acct.state()}
+        partial = out / f".{RUN_STATE}.partial"
+        partial.write_text(json.dumps(state, indent=1))
+        partial.replace(out / RUN_STATE)  # whole or not at all: it marks the checkpoint complete
+
+    on_lead(run_state, f"writing the run state of checkpoint {out}")
