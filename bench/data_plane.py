@@ -14,7 +14,7 @@ stage reads) and against what the whole-batch broadcast it replaced sent every r
 On paper: Qwen3-30B-A3B (its config.json, bf16) on 2 nodes x 8 H100 at the recipe's TP2xEP8, from the same
 byte counts.
 
-    python bench/data_plane.py --work /tmp/dataplane [--out docs/benchmarks.md]
+    python bench/data_plane.py --work /tmp/dataplane [--out docs/benchmarks/data-plane.md]
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def weight_sync(work: Path, repeats: int) -> tuple[list[str], int]:
         for name, (world, layout) in SYNC_LAYOUTS.items():
             results[name] = run_ranks(sync_worker, world, str(mcore), layout, url, repeats)
     base = results["world 1"][0]["seconds"]
-    lines = [f"### Weight sync per rank (x86_64, 2 cores; generated Qwen3-MoE, 32 experts, 2 layers, {model_bytes / 2**20:.0f} MiB "
+    lines = [f"## Weight sync per rank (x86_64, 2 cores; generated Qwen3-MoE, 32 experts, 2 layers, {model_bytes / 2**20:.0f} MiB "
              f"in fp32; one embedded engine over gloo; {BUCKET >> 20} MiB buckets; median of {repeats})", "",
              "| layout | ranks | senders | sync s | vs world 1 | vs raw push | taken in, rank 0 (x model) | most taken in by another rank "
              "(x model) | peak RSS growth per rank (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -190,7 +190,7 @@ def distribution(samples_n: int) -> list[str]:
     samples = with_kept_sets(long_tailed_batch(samples_n, 8, vocab, moe_layers, 64, topk, 4096), rng, vocab)
     pickled = len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))
     tokens = sum(s.prompt_len + s.response_len for s in samples)
-    lines = [f"### Batch distribution per rank ({samples_n} long-tailed samples, {tokens} tokens, routing of {moe_layers} MoE layers x "
+    lines = [f"## Batch distribution per rank ({samples_n} long-tailed samples, {tokens} tokens, routing of {moe_layers} MoE layers x "
              f"top-{topk}, kept sets; the batch pickled: {pickled / 2**20:.1f} MiB, what the whole-batch broadcast sent every rank)", "",
              "| layout | ranks | received per rank (MiB) | received / own shard | received / whole-batch broadcast | peak RSS growth (MiB) |",
              "|---|---|---|---|---|---|"]
@@ -227,7 +227,7 @@ def on_paper() -> list[str]:
     nvlink, ib = 450e9, 50e9  # bytes/s: H100 NVLink per direction; 400 Gb/s InfiniBand
     g = 1e9
     return [
-        "### On paper: Qwen3-30B-A3B (bf16) on 2 nodes x 8 H100, TP2xEP8 (the recipe's 16 ranks), 512 x 32K-token samples per step", "",
+        "## On paper: Qwen3-30B-A3B (bf16) on 2 nodes x 8 H100, TP2xEP8 (the recipe's 16 ranks), 512 x 32K-token samples per step", "",
         "| what | before (world-wide object gathers / broadcasts) | now | seconds now |", "|---|---|---|---|",
         f"| model (Hub bytes) | {total / g:.1f} GB | | |",
         f"| sync: taken in by rank 0 | {old / g:.0f} GB, pickled | {rank0 / g:.1f} GB (its TP peer's halves, NVLink) | "

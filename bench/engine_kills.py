@@ -17,7 +17,7 @@ prompts dropped as engine_failure, re-issues, whether the accounting balances, a
 run without kills. The killed run is stopped (SIGTERM, a clean teardown) once the kills are done and it has trained
 a few more steps.
 
-    python bench/engine_kills.py --kills 100 [--out docs/benchmarks.md]
+    python bench/engine_kills.py --kills 100 [--out docs/benchmarks/fault-tolerance.md]
     python bench/engine_kills.py --kills 100 --profile bench/profiles/qwen3_30b_a3b_h100.yaml --pool 8:24 --baseline-steps 0
 """
 
@@ -229,7 +229,7 @@ def main() -> None:
     killed = killed_run(shape, work / "killed", args.kills, args.after, args.seed, args.max_down)
     wait = ("it is back in rotation" if shape.in_rotation else
             f"the job has started every killed replica again and fewer than {args.max_down} hold no policy (restarted, not yet synced)")
-    lines = [f"### Engines killed under the main job ({shape.title}; a replica SIGKILLed {killed['kills']} times, each 0-2 s after {wait})",
+    lines = [f"## Engines killed under the main job ({shape.title}; a replica SIGKILLed {killed['kills']} times, each 0-2 s after {wait})",
              "", "| run | kills | engine restarts | steps | prompts lost | dropped engine_failure | re-issues | accounting balanced | "
              "max staleness | samples/s (training time) | vs no kills |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in (("no kills", base), ("kills", killed)):

@@ -8,7 +8,7 @@ random tensors of the exact shapes the trainer exports; gathering them across ra
 (the full-weight path gathers too). Bytes are also computed, without tensors, for Qwen3-30B-A3B's
 shape (128 experts, top-8, 48 layers).
 
-Usage: python bench/lora_sync.py [--out docs/benchmarks.md]
+Usage: python bench/lora_sync.py [--out docs/benchmarks/lora-sync.md]
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def main() -> None:
                         f"{t['adapter_disk_s']:.3f} | {t['full_s'] / t['adapter_tensors_s']:.1f}x |")
     full, adapter = byte_counts(QWEN3_30B_A3B, 2)
     lines = [
-        f"\n### Adapter-only vs full-weight sync (LoRA rank {LORA.rank} on every linear layer and every expert; fp32; "
+        f"\n## Adapter-only vs full-weight sync (LoRA rank {LORA.rank} on every linear layer and every expert; fp32; "
         f"one embedded engine; median of {args.repeats})\n",
         "| model | full MiB | adapter MiB | bytes ratio | full sync s | adapter s (tensors) | adapter s (directory) | time ratio |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows,

@@ -7,7 +7,7 @@ One trainer rank (R3 routing replay of random rollout routing, full-vocabulary l
 warm-up step, then the median seconds of ``--repeats`` steps. Reported per form: micro-batches per
 step, the share of fed positions that are padding, seconds per step, trained tokens per second.
 
-    python bench/micro_batches.py [--samples 64] [--budget 2048] [--out docs/benchmarks.md]
+    python bench/micro_batches.py [--samples 64] [--budget 2048] [--out docs/benchmarks/micro-batches.md]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> None:
     lengths = [s.response_len for s in samples]
     base = results["padded"]
     lines = [
-        f"\n### Padded vs packed micro-batches ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, one fp32 trainer rank, "
+        f"\n## Padded vs packed micro-batches ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, one fp32 trainer rank, "
         f"tiny Qwen3-MoE, {args.samples} samples, responses mean {np.mean(lengths):.0f} / max {max(lengths)} tokens, "
         f"budget {args.budget} tokens, median of {args.repeats} steps)\n",
         "| form | micro-batches | padding share of fed positions | seconds per step | trained tokens/s | vs padded |",

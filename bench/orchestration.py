@@ -11,7 +11,7 @@ Weight sync: one process pushes a model's Hub-named tensors to an embedded engin
 ``BroadcastSync``, in 512 MiB flattened buckets and one tensor per bucket (one HTTP announce and one
 broadcast per tensor), and reports the seconds per update.
 
-    python bench/orchestration.py [--steps 12] [--out docs/benchmarks.md]
+    python bench/orchestration.py [--steps 12] [--out docs/benchmarks/orchestration.md]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> None:
         sync = sync_times(work, big)
     base = modes["sync"]
     lines = [
-        f"\n### Orchestration modes ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.steps} steps each, "
+        f"\n## Orchestration modes ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.steps} steps each, "
         f"8 groups x 8 samples per step, random tiny Qwen3-MoE, responses mean {base['len_mean']:.0f} / max {base['len_max']:.0f} tokens)\n",
         "| mode | samples/s | vs sync | trainer idle fraction | vs sync | max staleness | prompts dropped |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -103,7 +103,7 @@ def main() -> None:
         lines.append(f"| {mode} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['idle']:.2f} | "
                      f"{r['idle'] / base['idle'] if base['idle'] else float('nan'):.2f}x | {r['staleness_max']:.0f} | {r['dropped']} |")
     lines += [
-        f"\n### Weight sync, bucketed vs tensor by tensor (gloo broadcast to one embedded engine, {sync['tensors']} tensors, "
+        f"\n## Weight sync, bucketed vs tensor by tensor (gloo broadcast to one embedded engine, {sync['tensors']} tensors, "
         f"{sync['mib']:.0f} MiB, median of 3)\n",
         "| transport | seconds per update |", "| --- | --- |",
         f"| 512 MiB flattened buckets | {sync['bucketed_s']:.3f} |", f"| one tensor per bucket | {sync['per_tensor_s']:.3f} |",

@@ -9,7 +9,7 @@ configuration: one trainer step (fp32, one rank) on the same samples, whose old-
 (``mismatch/*``: the trainer's log-probs against the engine's) on the tokens whose positions the trainer routes
 natively as the engine did in every MoE layer (agree) and on the rest (differ).
 
-    python bench/replay_ablation.py [--prompts 16 --samples 4 --max-new-tokens 48] [--out docs/benchmarks.md]
+    python bench/replay_ablation.py [--prompts 16 --samples 4 --max-new-tokens 48] [--out docs/benchmarks/routing-replay.md]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def table(name: str, hf_dir: Path, root: Path, args) -> list[str]:
     samples = rollouts(hf_dir, args.prompts, args.samples, args.max_new_tokens)
     mcore = hf_to_mcore(hf_dir, hf_dir.with_name(hf_dir.name + "-mcore"), progress=False)
     tokens = sum(s.response_len for s in samples)
-    lines = [f"### {name}: bf16 engine, fp32 trainer, {len(samples)} samples, {tokens} response tokens", "",
+    lines = [f"## {name}: bf16 engine, fp32 trainer, {len(samples)} samples, {tokens} response tokens", "",
              "| routing replay | sampling mask replay | routing agreement | tokens differing in a layer | k3 all | k3 agree | "
              "k3 differ | differ / agree | mean abs delta all |", "|---|---|---|---|---|---|---|---|---|"]
     for routing, mask in GRID:

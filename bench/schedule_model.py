@@ -30,7 +30,7 @@ steps' mean response and longest trained response), the ratio, groups dropped as
 and where in its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median
 over the trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
 ``--abort-doomed`` a group is counted dropped at the sync that dooms it, not when it would have finished. The model's ``groups`` row is the job's policy: compare it with the job's
-rows in docs/benchmarks.md to see how far the model can be trusted at a shape.
+rows in docs/benchmarks/simulation.md and simulation-96.md to see how far the model can be trusted at a shape.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def main() -> int:
     profile = Profile.load(args.profile)
     trainer_gpus, engine_gpus = (int(x) for x in args.pool.split(":"))
     shape = Shape(trainer_gpus, engine_gpus, args.groups, args.samples, args.max_staleness, args.max_new_tokens, args.model_gb)
-    lines = [f"### Async loop, modelled: {profile.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
+    lines = [f"## Async loop, modelled: {profile.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
              f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds", "",
              "| policy | depth | restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | dropped as stale | "
              "longest trained | issue point, trained / dropped (median) |",

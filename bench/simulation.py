@@ -39,7 +39,7 @@ concurrency c throughout, which slows the longest response to R(c) / c,
 The first measured steps' responses may have begun in the fill step, which is not measured, so over N measured steps
 async's tail-counted ratio may read high by up to about s / N.
 
-    python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] [--out docs/benchmarks.md]
+    python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] [--out docs/benchmarks/simulation.md]
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     profile = Profile.load(args.profile)
-    lines = [f"### Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
+    lines = [f"## Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
              f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}", "",
              "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | bound, tail counted | ratio | "
              "x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (of the simulated step) | "
