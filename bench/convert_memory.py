@@ -35,9 +35,18 @@ def generate(out: Path, layers: int, experts: int, shard_gb: float) -> dict:
     from moerl.models import family_for
 
     config = Qwen3MoeConfig(
-        vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=4, head_dim=128, moe_intermediate_size=512,
-        num_experts=experts, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+        vocab_size=32768,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        moe_intermediate_size=512,
+        num_experts=experts,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
     )
     config.architectures = ["Qwen3MoeForCausalLM"]
     config.dtype = "bfloat16"
@@ -78,7 +87,9 @@ def bitwise_equal(a: Path, b: Path) -> bool:
     from moerl.checkpoint.hf import HFReader
 
     ra, rb = HFReader(a), HFReader(b)
-    return ra.names() == rb.names() and all(torch.equal(ra.get(n), rb.get(n)) for n in tqdm(sorted(ra.names()), desc="compare"))
+    return ra.names() == rb.names() and all(
+        torch.equal(ra.get(n), rb.get(n)) for n in tqdm(sorted(ra.names()), desc="compare")
+    )
 
 
 def main() -> None:
@@ -98,7 +109,17 @@ def main() -> None:
         runs = {
             "hf-to-mcore": peak_memory([*tool, "hf-to-mcore", "--hf", str(hf), "--out", str(mcore), "--no-progress"]),
             "mcore-to-hf": peak_memory(
-                [*tool, "mcore-to-hf", "--mcore", str(mcore), "--out", str(back), "--max-shard-gb", str(args.shard_gb), "--no-progress"]
+                [
+                    *tool,
+                    "mcore-to-hf",
+                    "--mcore",
+                    str(mcore),
+                    "--out",
+                    str(back),
+                    "--max-shard-gb",
+                    str(args.shard_gb),
+                    "--no-progress",
+                ]
             ),
         }
         exact = bitwise_equal(hf, back)

@@ -40,12 +40,17 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from convert_memory import generate  # noqa: E402
 from micro_batches import long_tailed_batch  # noqa: E402
-
 from moerl.layout import Layout  # noqa: E402
 from report import publish  # noqa: E402
 
-LAYOUTS = {"world 1": (1, Layout()), "EP2": (2, Layout(ep=2)), "EP4": (4, Layout(ep=4)), "TP2xEP2": (4, Layout(tp=2, ep=2))}
-SYNC_LAYOUTS = {**LAYOUTS, "PP2": (2, Layout(pp=2)), "EP2xPP2": (4, Layout(ep=2, pp=2))}  # several senders: per stage, per EP rank
+LAYOUTS = {
+    "world 1": (1, Layout()),
+    "EP2": (2, Layout(ep=2)),
+    "EP4": (4, Layout(ep=4)),
+    "TP2xEP2": (4, Layout(tp=2, ep=2)),
+}
+# several senders: per stage, per EP rank
+SYNC_LAYOUTS = {**LAYOUTS, "PP2": (2, Layout(pp=2)), "EP2xPP2": (4, Layout(ep=2, pp=2))}
 BUCKET = 64 << 20
 
 
@@ -79,7 +84,9 @@ def sync_worker(mcore_dir: str, layout: Layout, url: str, repeats: int) -> dict:
 
     cfg, model = load_megatron_model(mcore_dir, layout)
     rank0 = dist.get_rank() == 0
-    sync = BroadcastSync([url] if rank0 else None, "127.0.0.1", "gloo", group_name=f"bench-{layout}", bucket_bytes=BUCKET)
+    sync = BroadcastSync(
+        [url] if rank0 else None, "127.0.0.1", "gloo", group_name=f"bench-{layout}", bucket_bytes=BUCKET
+    )
     sync.connect()
     seconds, received = [], []
     with PeakRSS() as rss:
@@ -93,7 +100,12 @@ def sync_worker(mcore_dir: str, layout: Layout, url: str, repeats: int) -> dict:
             seconds.append(time.perf_counter() - start)
             received.append(sync.gather.received)
     sync.close()
-    return {"seconds": statistics.median(seconds), "received": max(received), "rss_growth": rss.growth, "sends": sync.sender is not None}
+    return {
+        "seconds": statistics.median(seconds),
+        "received": max(received),
+        "rss_growth": rss.growth,
+        "sends": sync.sender is not None,
+    }
 
 
 def raw_push(model: Path, url: str, repeats: int) -> float:
@@ -121,8 +133,11 @@ def weight_sync(work: Path, repeats: int) -> tuple[list[str], int]:
     if not (hf / "config.json").exists():
         generate(hf, layers=2, experts=32, shard_gb=1.0)
     if not mcore.exists():
-        subprocess.run([sys.executable, "-m", "moerl.checkpoint.cli", "hf-to-mcore", "--hf", str(hf), "--out", str(mcore)], check=True,
-                       cwd=REPO)
+        subprocess.run(
+            [sys.executable, "-m", "moerl.checkpoint.cli", "hf-to-mcore", "--hf", str(hf), "--out", str(mcore)],
+            check=True,
+            cwd=REPO,
+        )
     from moerl.checkpoint.hf import read_config
     from moerl.models import family_for
 
@@ -135,16 +150,26 @@ def weight_sync(work: Path, repeats: int) -> tuple[list[str], int]:
         for name, (world, layout) in SYNC_LAYOUTS.items():
             results[name] = run_ranks(sync_worker, world, str(mcore), layout, url, repeats)
     base = results["world 1"][0]["seconds"]
-    lines = [f"## Weight sync per rank (x86_64, 2 cores; generated Qwen3-MoE, 32 experts, 2 layers, {model_bytes / 2**20:.0f} MiB "
-             f"in fp32; one embedded engine over gloo; {BUCKET >> 20} MiB buckets; median of {repeats})", "",
-             "| layout | ranks | senders | sync s | vs world 1 | vs raw push | taken in, rank 0 (x model) | most taken in by another rank "
-             "(x model) | peak RSS growth per rank (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Weight sync per rank (x86_64, 2 cores; generated Qwen3-MoE, 32 experts, 2 layers, {model_bytes / 2**20:.0f} MiB "
+        f"in fp32; one embedded engine over gloo; {BUCKET >> 20} MiB buckets; median of {repeats})",
+        "",
+        "| layout | ranks | senders | sync s | vs world 1 | vs raw push | taken in, rank 0 (x model) | most taken in by another rank "
+        "(x model) | peak RSS growth per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, ranks in results.items():
         others = max((r["received"] for r in ranks[1:]), default=0)
         growth = " / ".join(f"{r['rss_growth'] / 2**20:.0f}" for r in ranks)
-        lines.append(f"| {name} | {len(ranks)} | {sum(r['sends'] for r in ranks)} | {ranks[0]['seconds']:.2f} | {ranks[0]['seconds'] / base:.2f}x | "
-                     f"{ranks[0]['seconds'] / raw_s:.2f}x | {ranks[0]['received'] / model_bytes:.2f} | {others / model_bytes:.2f} | {growth} |")
-    lines += ["", f"Raw push of the same {model_bytes / 2**20:.0f} MiB from one process (tensors in memory): {raw_s:.2f} s.", ""]
+        lines.append(
+            f"| {name} | {len(ranks)} | {sum(r['sends'] for r in ranks)} | {ranks[0]['seconds']:.2f} | {ranks[0]['seconds'] / base:.2f}x | "
+            f"{ranks[0]['seconds'] / raw_s:.2f}x | {ranks[0]['received'] / model_bytes:.2f} | {others / model_bytes:.2f} | {growth} |"
+        )
+    lines += [
+        "",
+        f"Raw push of the same {model_bytes / 2**20:.0f} MiB from one process (tensors in memory): {raw_s:.2f} s.",
+        "",
+    ]
     return lines, model_bytes
 
 
@@ -166,8 +191,12 @@ def distribute_worker(layout: Layout, samples: list, moe_layers: int) -> dict:
     with PeakRSS() as rss:
         piece = distributor.scatter(samples if dist.get_rank() == 0 else None)
     needs = distributor.needs
-    own = sum(s.routing.nbytes + (4 * (s.prompt_len + s.response_len) if needs.ids else 0)
-              + (s.response_len * (4 + 8 + 4) + 4 * len(s.mask_ids) if needs.last else 0) for s in piece.samples)
+    own = sum(
+        s.routing.nbytes
+        + (4 * (s.prompt_len + s.response_len) if needs.ids else 0)
+        + (s.response_len * (4 + 8 + 4) + 4 * len(s.mask_ids) if needs.last else 0)
+        for s in piece.samples
+    )
     return {"received": piece.received, "own": own, "rss_growth": rss.growth}
 
 
@@ -190,19 +219,28 @@ def distribution(samples_n: int) -> list[str]:
     samples = with_kept_sets(long_tailed_batch(samples_n, 8, vocab, moe_layers, 64, topk, 4096), rng, vocab)
     pickled = len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))
     tokens = sum(s.prompt_len + s.response_len for s in samples)
-    lines = [f"## Batch distribution per rank ({samples_n} long-tailed samples, {tokens} tokens, routing of {moe_layers} MoE layers x "
-             f"top-{topk}, kept sets; the batch pickled: {pickled / 2**20:.1f} MiB, what the whole-batch broadcast sent every rank)", "",
-             "| layout | ranks | received per rank (MiB) | received / own shard | received / whole-batch broadcast | peak RSS growth (MiB) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"## Batch distribution per rank ({samples_n} long-tailed samples, {tokens} tokens, routing of {moe_layers} MoE layers x "
+        f"top-{topk}, kept sets; the batch pickled: {pickled / 2**20:.1f} MiB, what the whole-batch broadcast sent every rank)",
+        "",
+        "| layout | ranks | received per rank (MiB) | received / own shard | received / whole-batch broadcast | peak RSS growth (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, (world, layout) in {**LAYOUTS, "PP2xDP2": (4, Layout(pp=2, ep=2))}.items():
         ranks = run_ranks(distribute_worker, world, layout, samples, moe_layers)
         others = ranks[1:] or ranks
         received = " / ".join(f"{r['received'] / 2**20:.2f}" for r in ranks)
         growth = " / ".join(f"{r['rss_growth'] / 2**20:.0f}" for r in ranks)
-        lines.append(f"| {name} | {world} | {received} | {max(r['received'] / r['own'] for r in others):.3f} | "
-                     f"{max(r['received'] for r in others) / pickled:.3f} | {growth} |")
-    lines += ["", "Rank 0 holds the batch and receives nothing; \"received / own shard\" is the worst other rank's bytes over the "
-              "arrays its stage reads of its own samples (the rest is the plan: six numbers per sample of the piece).", ""]
+        lines.append(
+            f"| {name} | {world} | {received} | {max(r['received'] / r['own'] for r in others):.3f} | "
+            f"{max(r['received'] for r in others) / pickled:.3f} | {growth} |"
+        )
+    lines += [
+        "",
+        'Rank 0 holds the batch and receives nothing; "received / own shard" is the worst other rank\'s bytes over the '
+        "arrays its stage reads of its own samples (the rest is the plan: six numbers per sample of the piece).",
+        "",
+    ]
     return lines
 
 
@@ -213,7 +251,15 @@ def on_paper() -> list[str]:
     raw = json.loads((REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json").read_text())
     family = family_for(raw)
     cfg = family.normalize(raw)
-    expert = sum(np.prod(s) for rule in family.all_rules(cfg) if ".experts.local_experts." in rule.mcore for s in rule.hf_shapes) * 2
+    expert = (
+        sum(
+            np.prod(s)
+            for rule in family.all_rules(cfg)
+            if ".experts.local_experts." in rule.mcore
+            for s in rule.hf_shapes
+        )
+        * 2
+    )
     total = family.hub_numel(cfg) * 2
     dense = total - expert
     world, tp, ep = 16, 2, 8
@@ -227,8 +273,10 @@ def on_paper() -> list[str]:
     nvlink, ib = 450e9, 50e9  # bytes/s: H100 NVLink per direction; 400 Gb/s InfiniBand
     g = 1e9
     return [
-        "## On paper: Qwen3-30B-A3B (bf16) on 2 nodes x 8 H100, TP2xEP8 (the recipe's 16 ranks), 512 x 32K-token samples per step", "",
-        "| what | before (world-wide object gathers / broadcasts) | now | seconds now |", "|---|---|---|---|",
+        "## On paper: Qwen3-30B-A3B (bf16) on 2 nodes x 8 H100, TP2xEP8 (the recipe's 16 ranks), 512 x 32K-token samples per step",
+        "",
+        "| what | before (world-wide object gathers / broadcasts) | now | seconds now |",
+        "|---|---|---|---|",
         f"| model (Hub bytes) | {total / g:.1f} GB | | |",
         f"| sync: taken in by rank 0 | {old / g:.0f} GB, pickled | {rank0 / g:.1f} GB (its TP peer's halves, NVLink) | "
         f"{rank0 / nvlink:.3f} s at NVLink |",
@@ -245,7 +293,8 @@ def on_paper() -> list[str]:
         "Peers, as published: verl checkpoint-engine 4.4 s, miles 2.7 s (NCCL) / 2.2 s (RDMA) on 2 H100 nodes, NeMo-RL reshard "
         "0.74-1.0 s on H100. With a sender per EP rank no trainer link carries more than the dense weights and an eighth of the "
         "experts; the bound moves to the engines, whose every GPU takes in the whole model (SGLang broadcasts each bucket to all "
-        "of a replica's ranks, and its scheduler takes one group's update at a time).", "",
+        "of a replica's ranks, and its scheduler takes one group's update at a time).",
+        "",
     ]
 
 

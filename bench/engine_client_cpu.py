@@ -28,13 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from report import publish  # noqa: E402
-from simulation import model_dir  # noqa: E402
-
 from moerl.engines.client import EngineClient  # noqa: E402
 from moerl.engines.pool import EnginePool, EnginePoolConfig  # noqa: E402
 from moerl.models import model_shape  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
+from report import publish  # noqa: E402
+from simulation import model_dir  # noqa: E402
 
 
 def cpu(process: psutil.Process) -> float:
@@ -52,8 +51,12 @@ async def rounds(url: str, shape, args, workers: int) -> list[tuple[float, float
 
         async def one(i: int):
             async with gate:
-                (completion,) = await client.generate(list(range(1, 65)), {**params, "sampling_seed": i}, return_routed_experts=True,
-                                                      return_sampling_mask=True)
+                (completion,) = await client.generate(
+                    list(range(1, 65)),
+                    {**params, "sampling_seed": i},
+                    return_routed_experts=True,
+                    return_sampling_mask=True,
+                )
                 assert len(completion.output_ids) == args.tokens and completion.routing.shape[0] >= args.tokens
 
         for r in range(args.repeats + 1):  # round 0 starts the workers and is not counted
@@ -69,7 +72,11 @@ async def rounds(url: str, shape, args, workers: int) -> list[tuple[float, float
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"))
-    p.add_argument("--config", default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"), help="the model's Hub config.json")
+    p.add_argument(
+        "--config",
+        default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"),
+        help="the model's Hub config.json",
+    )
     p.add_argument("--tokens", type=int, default=8192, help="tokens of each response")
     p.add_argument("--requests", type=int, default=16, help="responses per round")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
@@ -80,13 +87,26 @@ def main() -> int:
     profile = Profile.load(args.profile)
     config = json.loads(Path(args.config).read_text())
     shape = model_shape(config)
-    lines = [f"## Engine client CPU per response: {profile.name} ({shape.num_layers} layers, top-{shape.topk}), {args.tokens}-token responses "
-             f"with routing and top-16 kept sets, {args.requests} per round, {args.concurrency} in flight (median of {args.repeats} rounds)", "",
-             "| generation workers | client process CPU ms/response | workers' CPU ms/response | wall ms/response |", "|---|---|---|---|"]
+    lines = [
+        f"## Engine client CPU per response: {profile.name} ({shape.num_layers} layers, top-{shape.topk}), {args.tokens}-token responses "
+        f"with routing and top-16 kept sets, {args.requests} per round, {args.concurrency} in flight (median of {args.repeats} rounds)",
+        "",
+        "| generation workers | client process CPU ms/response | workers' CPU ms/response | wall ms/response |",
+        "|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory(prefix="moerl-client-cpu-") as tmp:
         model = model_dir(Path(args.profile), Path(args.config), Path(tmp))
-        pool = EnginePool(EnginePoolConfig(model_path=str(model), server="simulated", simulate=args.profile, time_scale=1e6, base_port=0,
-                                       dtype=profile.dtype, log_dir=tmp))
+        pool = EnginePool(
+            EnginePoolConfig(
+                model_path=str(model),
+                server="simulated",
+                simulate=args.profile,
+                time_scale=1e6,
+                base_port=0,
+                dtype=profile.dtype,
+                log_dir=tmp,
+            )
+        )
         with pool:
             for workers in (int(w) for w in args.workers.split(",")):
                 measured = asyncio.run(rounds(pool.urls[0], shape, args, workers))

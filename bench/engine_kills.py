@@ -33,9 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import psutil
 
@@ -44,14 +44,19 @@ sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
 import simulation  # noqa: E402
-from report import publish  # noqa: E402
-
 from moerl.engines.client import EngineClient, EngineError  # noqa: E402
 from moerl.engines.health import names_a_policy  # noqa: E402
+from report import publish  # noqa: E402
 
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 # Every replica may be restarted without end, and a dead one is found within half a second.
-FAULTS = ["run.mode=async", "run.progress=false", "engines.health_interval_s=0.2", "engines.health_failures=2", "engines.max_restarts=100000"]
+FAULTS = [
+    "run.mode=async",
+    "run.progress=false",
+    "engines.health_interval_s=0.2",
+    "engines.health_failures=2",
+    "engines.max_restarts=100000",
+]
 DEMO = ["trainer.ep=1", "engines.replicas=2", "rollout.groups_per_step=4", "sync.verify=false"]
 
 
@@ -65,9 +70,13 @@ class Shape:
 
 
 def demo_shape(cache: Path) -> Shape:
-    return Shape("x86_64, 2 cores, no GPU; async, tiny demo model, 1 trainer rank, 2 embedded replicas",
-                 lambda run_dir, steps: [f"run.dir={run_dir}", f"run.cache_dir={cache}", f"run.steps={steps}", *DEMO, *FAULTS],
-                 replicas=2, time_scale=1.0, in_rotation=True)
+    return Shape(
+        "x86_64, 2 cores, no GPU; async, tiny demo model, 1 trainer rank, 2 embedded replicas",
+        lambda run_dir, steps: [f"run.dir={run_dir}", f"run.cache_dir={cache}", f"run.steps={steps}", *DEMO, *FAULTS],
+        replicas=2,
+        time_scale=1.0,
+        in_rotation=True,
+    )
 
 
 def simulated_shape(args, root: Path) -> Shape:
@@ -83,9 +92,15 @@ def simulated_shape(args, root: Path) -> Shape:
         return [*simulation.job_overrides(run_dir, "async", pool, job, model, profile), *FAULTS]
 
     replicas = pool[1] // profile.engine.gpus
-    return Shape(f"simulated, {profile.name}, {pool[0]}:{pool[1]} GPUs ({replicas} replicas, one process each), async, max staleness "
-                 f"{args.max_staleness}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
-                 f"time x{args.time_scale:g}; x86_64, 2 cores", overrides, replicas, args.time_scale, in_rotation=False)
+    return Shape(
+        f"simulated, {profile.name}, {pool[0]}:{pool[1]} GPUs ({replicas} replicas, one process each), async, max staleness "
+        f"{args.max_staleness}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
+        f"time x{args.time_scale:g}; x86_64, 2 cores",
+        overrides,
+        replicas,
+        args.time_scale,
+        in_rotation=False,
+    )
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -130,12 +145,19 @@ def memory_gb(job: subprocess.Popen) -> float:
 
 
 def start(shape: Shape, run_dir: Path, steps: int) -> subprocess.Popen:
-    return subprocess.Popen(["bash", str(RECIPE), *shape.overrides(run_dir, steps)], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=open(run_dir.with_suffix(".log"), "w"), start_new_session=True, env={**os.environ, "PYTHON": sys.executable})
+    return subprocess.Popen(
+        ["bash", str(RECIPE), *shape.overrides(run_dir, steps)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=open(run_dir.with_suffix(".log"), "w"),
+        start_new_session=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
 
 
 def weight_versions(served: list[str]) -> list[str] | None:
     """What each replica reports holding (None: one does not answer)."""
+
     async def ask():
         async with EngineClient(served, retries=0) as client:
             return await client.weight_versions()
@@ -149,7 +171,11 @@ def weight_versions(served: list[str]) -> list[str] | None:
 def ready_for_a_kill(shape: Shape, run_dir: Path, job: subprocess.Popen, kills: int, max_down: int) -> bool:
     """Whether the job has brought back every replica killed so far (``kills``), as the shape counts it."""
     if shape.in_rotation:
-        return bool(last := rows(run_dir)) and last[-1]["engines/restarts"] >= kills and last[-1]["engines/healthy"] == shape.replicas
+        return (
+            bool(last := rows(run_dir))
+            and last[-1]["engines/restarts"] >= kills
+            and last[-1]["engines/healthy"] == shape.replicas
+        )
     # Every process up and answering, and fewer than max_down replicas without a policy a sync left (a restarted one
     # holds the base weights, version "default", until the next sync or a catch-up reaches it).
     served = [url for engine in engines(job) for url in urls(engine)]
@@ -202,10 +228,19 @@ def summary(shape: Shape, run_dir: Path, seconds: float, kills: int) -> dict:
     samples = sum(r["rollout/samples"] for r in done)
     step_seconds = sum(r["time/step_seconds"] for r in done) * shape.time_scale
     lost = acct["issued"] - acct["trained"] - sum(acct["dropped"].values()) - acct["live"]
-    return {"kills": kills, "steps": len(done), "seconds": seconds, "samples_per_s": samples / step_seconds, "lost": lost,
-            "engine_failure": acct["dropped"].get("engine_failure", 0), "dropped": acct["dropped"], "balanced": acct["balanced"],
-            "reissues": sum(r["rollout/retries_engine_failure"] for r in done), "restarts": done[-1]["engines/restarts"] if done else 0,
-            "staleness_max": max((r["staleness/max"] for r in done), default=0)}
+    return {
+        "kills": kills,
+        "steps": len(done),
+        "seconds": seconds,
+        "samples_per_s": samples / step_seconds,
+        "lost": lost,
+        "engine_failure": acct["dropped"].get("engine_failure", 0),
+        "dropped": acct["dropped"],
+        "balanced": acct["balanced"],
+        "reissues": sum(r["rollout/retries_engine_failure"] for r in done),
+        "restarts": done[-1]["engines/restarts"] if done else 0,
+        "staleness_max": max((r["staleness/max"] for r in done), default=0),
+    }
 
 
 def main() -> None:
@@ -216,29 +251,46 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default=None, help="where the runs go (default: a temporary directory)")
     p.add_argument("--out", help="append the table to this markdown file")
-    sim = p.add_argument_group("the job at production shape, simulated (as bench/simulation.py runs it; without --profile: "
-                               "the CPU demo, for real)")
+    sim = p.add_argument_group(
+        "the job at production shape, simulated (as bench/simulation.py runs it; without --profile: "
+        "the CPU demo, for real)"
+    )
     simulation.add_shape_arguments(sim, profile=None, groups=24, max_staleness=2)
     sim.add_argument("--pool", default="8:24", help="trainer GPUs:engine GPUs")
-    sim.add_argument("--max-down", type=int, default=3, help="a kill waits until fewer replicas than this hold no policy")
+    sim.add_argument(
+        "--max-down", type=int, default=3, help="a kill waits until fewer replicas than this hold no policy"
+    )
     args = p.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="moerl-kills-"))
     work.mkdir(parents=True, exist_ok=True)
     shape = simulated_shape(args, work) if args.profile else demo_shape(work / "cache")
     base = baseline_run(shape, work / "baseline", args.baseline_steps) if args.baseline_steps else None
     killed = killed_run(shape, work / "killed", args.kills, args.after, args.seed, args.max_down)
-    wait = ("it is back in rotation" if shape.in_rotation else
-            f"the job has started every killed replica again and fewer than {args.max_down} hold no policy (restarted, not yet synced)")
-    lines = [f"## Engines killed under the main job ({shape.title}; a replica SIGKILLed {killed['kills']} times, each 0-2 s after {wait})",
-             "", "| run | kills | engine restarts | steps | prompts lost | dropped engine_failure | re-issues | accounting balanced | "
-             "max staleness | samples/s (training time) | vs no kills |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    wait = (
+        "it is back in rotation"
+        if shape.in_rotation
+        else f"the job has started every killed replica again and fewer than {args.max_down} hold no policy (restarted, not yet synced)"
+    )
+    lines = [
+        f"## Engines killed under the main job ({shape.title}; a replica SIGKILLed {killed['kills']} times, each 0-2 s after {wait})",
+        "",
+        "| run | kills | engine restarts | steps | prompts lost | dropped engine_failure | re-issues | accounting balanced | "
+        "max staleness | samples/s (training time) | vs no kills |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in (("no kills", base), ("kills", killed)):
         if r is not None:
             versus = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "n/a"
-            lines.append(f"| {name} | {r['kills']} | {r['restarts']:.0f} | {r['steps']} | {r['lost']} | {r['engine_failure']} | {r['reissues']:.0f} | "
-                         f"{r['balanced']} | {r['staleness_max']:.0f} | {r['samples_per_s']:.3g} | {versus} |")
-    lines += ["", f"Dropped, by reason (killed run): {killed['dropped']}. Wall time of the killed run: {killed['seconds']:.0f} s; "
-              f"the job's processes held at most {killed['peak_gb']:.1f} GB.", ""]
+            lines.append(
+                f"| {name} | {r['kills']} | {r['restarts']:.0f} | {r['steps']} | {r['lost']} | {r['engine_failure']} | {r['reissues']:.0f} | "
+                f"{r['balanced']} | {r['staleness_max']:.0f} | {r['samples_per_s']:.3g} | {versus} |"
+            )
+    lines += [
+        "",
+        f"Dropped, by reason (killed run): {killed['dropped']}. Wall time of the killed run: {killed['seconds']:.0f} s; "
+        f"the job's processes held at most {killed['peak_gb']:.1f} GB.",
+        "",
+    ]
     publish(lines, args.out)
 
 

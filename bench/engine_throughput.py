@@ -44,8 +44,17 @@ def run_generate_loop(model, requests, batch_size: int, pad_id: int) -> float:
             mask[row, width - len(prompt) :] = 1
         longest = max(length for _, length in batch)
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                           max_new_tokens=longest, min_new_tokens=longest, pad_token_id=pad_id)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=pad_id,
+            )
     return time.perf_counter() - start
 
 
@@ -56,7 +65,12 @@ def run_engine(model_dir: Path, requests, batch_size: int, routing_and_masks: bo
     from moerl.engines.protocol import SamplingParams
     from moerl.models import family_for
 
-    scheduler = Scheduler(ModelRunner(model_dir, device="cpu"), family_for(read_config(model_dir)), eos_token_ids=set(), max_running=batch_size)
+    scheduler = Scheduler(
+        ModelRunner(model_dir, device="cpu"),
+        family_for(read_config(model_dir)),
+        eos_token_ids=set(),
+        max_running=batch_size,
+    )
     scheduler.start()
     done = threading.Semaphore(0)
     bar = tqdm(total=len(requests), desc="embedded engine", leave=False)
@@ -68,10 +82,16 @@ def run_engine(model_dir: Path, requests, batch_size: int, routing_and_masks: bo
 
     start = time.perf_counter()
     for i, (prompt, length) in enumerate(requests):
-        scheduler.submit(Request(
-            rid=str(i), input_ids=prompt, params=SamplingParams(max_new_tokens=length, ignore_eos=True),
-            return_routed_experts=routing_and_masks, return_sampling_mask=routing_and_masks, on_update=on_update,
-        ))
+        scheduler.submit(
+            Request(
+                rid=str(i),
+                input_ids=prompt,
+                params=SamplingParams(max_new_tokens=length, ignore_eos=True),
+                return_routed_experts=routing_and_masks,
+                return_sampling_mask=routing_and_masks,
+                on_update=on_update,
+            )
+        )
     for _ in requests:
         done.acquire()
     elapsed = time.perf_counter() - start
@@ -83,7 +103,9 @@ def run_engine(model_dir: Path, requests, batch_size: int, routing_and_masks: bo
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=16, help="generate's batch size and the engine's max running requests")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="generate's batch size and the engine's max running requests"
+    )
     parser.add_argument("--median-len", type=int, default=32, help="median response length")
     parser.add_argument("--max-len", type=int, default=384, help="longest response")
     parser.add_argument("--hidden", type=int, help="override the tiny model's hidden size")
@@ -98,7 +120,11 @@ def main() -> None:
 
     from moerl.models.tiny import save_tiny_hf
 
-    overrides = {k: v for k, v in {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_experts": args.experts}.items() if v}
+    overrides = {
+        k: v
+        for k, v in {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_experts": args.experts}.items()
+        if v
+    }
     if args.layers:
         overrides["mlp_only_layers"] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,15 +142,22 @@ def main() -> None:
 
     lengths = np.array([length for _, length in requests])
     params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen3-MoE {params / 1e6:.2f}M params, hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers, "
-          f"{model.config.num_experts} experts top-{model.config.num_experts_per_tok}")
-    print(f"requests: {len(requests)}, response length median {int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, "
-          f"max {lengths.max()}, {tokens} tokens; batch {args.batch_size}; {args.threads} threads; "
-          f"{platform.processor() or platform.machine()}, torch {torch.__version__}")
+    print(
+        f"model: Qwen3-MoE {params / 1e6:.2f}M params, hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers, "
+        f"{model.config.num_experts} experts top-{model.config.num_experts_per_tok}"
+    )
+    print(
+        f"requests: {len(requests)}, response length median {int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, "
+        f"max {lengths.max()}, {tokens} tokens; batch {args.batch_size}; {args.threads} threads; "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+    )
     print("| loop | seconds | tokens/s | ratio to model.generate |")
     print("| --- | --- | --- | --- |")
-    for name, seconds in [("model.generate, fixed batches", baseline), ("embedded engine", plain),
-                          ("embedded engine + routing + sampling masks", rl)]:
+    for name, seconds in [
+        ("model.generate, fixed batches", baseline),
+        ("embedded engine", plain),
+        ("embedded engine + routing + sampling masks", rl),
+    ]:
         print(f"| {name} | {seconds:.1f} | {tokens / seconds:.0f} | {baseline / seconds:.2f} |")
 
 

@@ -27,10 +27,21 @@ from moerl.models import family_for
 
 LORA = LoRAConfig(enabled=True, rank=8)
 QWEN3_30B_A3B = {  # config.json of Qwen/Qwen3-30B-A3B, the keys the mapping reads
-    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
-    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_experts": 128, "norm_topk_prob": True,
-    "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "moe_intermediate_size": 768,
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 
 
@@ -87,7 +98,10 @@ def timings(work: Path, model: Path, repeats: int) -> dict[str, float]:
             runs = {"full_s": [], "adapter_tensors_s": [], "adapter_disk_s": []}
             for i in range(repeats):
                 runs["full_s"].append(full.push(sorted(weights.items()), version=f"full{i}").seconds)
-                for key, sync, version in (("adapter_tensors_s", tensor_sync, 2 * i), ("adapter_disk_s", disk_sync, 2 * i + 1)):
+                for key, sync, version in (
+                    ("adapter_tensors_s", tensor_sync, 2 * i),
+                    ("adapter_disk_s", disk_sync, 2 * i + 1),
+                ):
                     runs[key].append(sync.push(lora, version).seconds)
                     sync.link.run(sync.link.client.unload_lora(f"moerl-lora-v{version}"))
             out = {k: statistics.median(v) for k, v in runs.items()}
@@ -107,28 +121,42 @@ def main() -> None:
     p.add_argument("--out", help="append the tables to this markdown file")
     args = p.parse_args()
     from bench.report import publish
+
     from moerl.models.tiny import save_tiny_hf
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="moerl-bench-lora-") as tmp:
         work = Path(tmp)
         models = {
-            "tiny Qwen3-MoE (8 experts, top-2, hidden 64, 4 layers)": save_tiny_hf("Qwen3MoeForCausalLM", work / "tiny"),
+            "tiny Qwen3-MoE (8 experts, top-2, hidden 64, 4 layers)": save_tiny_hf(
+                "Qwen3MoeForCausalLM", work / "tiny"
+            ),
             "generated Qwen3-MoE (128 experts, top-8, hidden 256, expert width 128, 4 layers)": save_tiny_hf(
-                "Qwen3MoeForCausalLM", work / "e128", hidden_size=256, intermediate_size=1024, moe_intermediate_size=128,
-                num_experts=128, num_experts_per_tok=8, head_dim=64, mlp_only_layers=[]),
+                "Qwen3MoeForCausalLM",
+                work / "e128",
+                hidden_size=256,
+                intermediate_size=1024,
+                moe_intermediate_size=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                head_dim=64,
+                mlp_only_layers=[],
+            ),
         }
         for label, model in models.items():
             t = timings(work, model, args.repeats)
-            rows.append(f"| {label} | {t['full_bytes'] / 2**20:.2f} | {t['adapter_bytes'] / 2**20:.2f} | "
-                        f"{t['full_bytes'] / t['adapter_bytes']:.1f}x | {t['full_s']:.3f} | {t['adapter_tensors_s']:.3f} | "
-                        f"{t['adapter_disk_s']:.3f} | {t['full_s'] / t['adapter_tensors_s']:.1f}x |")
+            rows.append(
+                f"| {label} | {t['full_bytes'] / 2**20:.2f} | {t['adapter_bytes'] / 2**20:.2f} | "
+                f"{t['full_bytes'] / t['adapter_bytes']:.1f}x | {t['full_s']:.3f} | {t['adapter_tensors_s']:.3f} | "
+                f"{t['adapter_disk_s']:.3f} | {t['full_s'] / t['adapter_tensors_s']:.1f}x |"
+            )
     full, adapter = byte_counts(QWEN3_30B_A3B, 2)
     lines = [
         f"\n## Adapter-only vs full-weight sync (LoRA rank {LORA.rank} on every linear layer and every expert; fp32; "
         f"one embedded engine; median of {args.repeats})\n",
         "| model | full MiB | adapter MiB | bytes ratio | full sync s | adapter s (tensors) | adapter s (directory) | time ratio |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows,
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
         f"\nQwen3-30B-A3B's shape in bf16 (bytes only): full {full / 2**30:.1f} GiB, adapters {adapter / 2**20:.0f} MiB, "
         f"{full / adapter:.0f}x fewer bytes.",
     ]

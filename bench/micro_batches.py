@@ -27,7 +27,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def long_tailed_batch(samples: int, group: int, vocab: int, moe_layers: int, experts: int, topk: int, cap: int, seed: int = 0) -> list:
+def long_tailed_batch(
+    samples: int, group: int, vocab: int, moe_layers: int, experts: int, topk: int, cap: int, seed: int = 0
+) -> list:
     from moerl.sample import Sample
 
     rng = np.random.default_rng(seed)
@@ -36,11 +38,17 @@ def long_tailed_batch(samples: int, group: int, vocab: int, moe_layers: int, exp
         prompt, response = int(rng.integers(16, 48)), int(min(cap, max(4, rng.lognormal(4.5, 0.8))))
         fed = prompt + response - 1
         routing = np.argsort(rng.random((fed, moe_layers, experts)), axis=-1)[..., :topk].astype(np.uint8)
-        out.append(Sample(
-            prompt_ids=rng.integers(0, vocab, prompt, dtype=np.int32), response_ids=rng.integers(0, vocab, response, dtype=np.int32),
-            behaviour_logprobs=np.full(response, -5.0, np.float32), versions=np.zeros(response, np.int64), routing=routing,
-            reward=float(rng.random()), group_id=i // group,
-        ).validate())
+        out.append(
+            Sample(
+                prompt_ids=rng.integers(0, vocab, prompt, dtype=np.int32),
+                response_ids=rng.integers(0, vocab, response, dtype=np.int32),
+                behaviour_logprobs=np.full(response, -5.0, np.float32),
+                versions=np.zeros(response, np.int64),
+                routing=routing,
+                reward=float(rng.random()),
+                group_id=i // group,
+            ).validate()
+        )
     return out
 
 
@@ -58,8 +66,13 @@ def steps(mcore_dir: str, cfg, samples: list, repeats: int) -> dict:
         start = time.perf_counter()
         metrics = trainer.step(samples)
         times.append(time.perf_counter() - start)
-    return {"micro_batches": len(batches), "padding": 1 - fed / positions, "seconds": statistics.median(times),
-            "tokens": metrics["train/tokens"], "fed": fed}
+    return {
+        "micro_batches": len(batches),
+        "padding": 1 - fed / positions,
+        "seconds": statistics.median(times),
+        "tokens": metrics["train/tokens"],
+        "fed": fed,
+    }
 
 
 def main() -> None:
@@ -72,6 +85,7 @@ def main() -> None:
     p.add_argument("--out", help="append the table to this markdown file")
     args = p.parse_args()
     from bench.report import publish
+
     from moerl.checkpoint.convert import hf_to_mcore
     from moerl.megatron.launch import run_ranks
     from moerl.models import family_for
@@ -85,10 +99,15 @@ def main() -> None:
         raw = json.loads((hf / "config.json").read_text())
         c = family_for(raw).normalize(raw)
         moe_layers = sum(family_for(c).moe_layer_pattern(c))
-        samples = long_tailed_batch(args.samples, args.group, c["vocab_size"], moe_layers, c["num_experts"],
-                                    c["num_experts_per_tok"], args.cap)
+        samples = long_tailed_batch(
+            args.samples, args.group, c["vocab_size"], moe_layers, c["num_experts"], c["num_experts_per_tok"], args.cap
+        )
         for form in ("padded", "packed"):
-            cfg = TrainerConfig(micro_batch_tokens=args.budget, micro_batch_format=form, replay=ReplayConfig(routing="R3", sampling_mask=False))
+            cfg = TrainerConfig(
+                micro_batch_tokens=args.budget,
+                micro_batch_format=form,
+                replay=ReplayConfig(routing="R3", sampling_mask=False),
+            )
             results[form] = run_ranks(steps, 1, str(mcore), cfg, samples, args.repeats)[0]
             print(form, results[form], flush=True)
     lengths = [s.response_len for s in samples]
@@ -101,8 +120,10 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for form, r in results.items():
-        lines.append(f"| {form} | {r['micro_batches']} | {r['padding']:.2f} | {r['seconds']:.2f} | {r['tokens'] / r['seconds']:.0f} | "
-                     f"{base['seconds'] / r['seconds']:.2f}x |")
+        lines.append(
+            f"| {form} | {r['micro_batches']} | {r['padding']:.2f} | {r['seconds']:.2f} | {r['tokens'] / r['seconds']:.0f} | "
+            f"{base['seconds'] / r['seconds']:.2f}x |"
+        )
     publish(lines, args.out)
 
 

@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_modes(work: Path, steps: int, model: Path) -> dict[str, dict]:
     from bench.report import measured_steps, mode_summary
+
     from moerl.models.tiny import tiny_tokenizer
 
     # Four stop characters: the random model draws one every ~20 tokens, so lengths spread out to the cap.
@@ -38,9 +39,20 @@ def run_modes(work: Path, steps: int, model: Path) -> dict[str, dict]:
     results = {}
     for mode in ("sync", "periodic", "async"):
         run_dir = work / mode
-        args = ["bash", str(REPO / "recipes/qwen_moe_grpo.sh"), f"run.dir={run_dir}", f"run.mode={mode}", f"run.steps={steps}",
-                "run.progress=false", f"run.cache_dir={work / 'cache'}", f"model.path={model}", "rollout.max_new_tokens=64",
-                f"rollout.stop_token_ids=[{stops}]", "rollout.groups_per_step=8", "rollout.samples_per_prompt=8"]
+        args = [
+            "bash",
+            str(REPO / "recipes/qwen_moe_grpo.sh"),
+            f"run.dir={run_dir}",
+            f"run.mode={mode}",
+            f"run.steps={steps}",
+            "run.progress=false",
+            f"run.cache_dir={work / 'cache'}",
+            f"model.path={model}",
+            "rollout.max_new_tokens=64",
+            f"rollout.stop_token_ids=[{stops}]",
+            "rollout.groups_per_step=8",
+            "rollout.samples_per_prompt=8",
+        ]
         start = time.perf_counter()
         out = subprocess.run(args, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True)
         if out.returncode:
@@ -79,18 +91,28 @@ def sync_times(work: Path, model: Path, repeats: int = 3) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--sync-hidden", type=int, default=256, help="hidden size of the model used for the weight-sync timing")
+    p.add_argument(
+        "--sync-hidden", type=int, default=256, help="hidden size of the model used for the weight-sync timing"
+    )
     p.add_argument("--out", help="append the table to this markdown file")
     args = p.parse_args()
     from bench.report import publish
+
     from moerl.models.tiny import save_tiny_hf
 
     with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
         work = Path(tmp)
         model = save_tiny_hf("Qwen3MoeForCausalLM", work / "random-tiny")
         modes = run_modes(work, args.steps, model)
-        big = save_tiny_hf("Qwen3MoeForCausalLM", work / "sync-model", hidden_size=args.sync_hidden, intermediate_size=4 * args.sync_hidden,
-                           moe_intermediate_size=args.sync_hidden, num_experts=32, head_dim=64)
+        big = save_tiny_hf(
+            "Qwen3MoeForCausalLM",
+            work / "sync-model",
+            hidden_size=args.sync_hidden,
+            intermediate_size=4 * args.sync_hidden,
+            moe_intermediate_size=args.sync_hidden,
+            num_experts=32,
+            head_dim=64,
+        )
         sync = sync_times(work, big)
     base = modes["sync"]
     lines = [
@@ -100,13 +122,17 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, r in modes.items():
-        lines.append(f"| {mode} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['idle']:.2f} | "
-                     f"{r['idle'] / base['idle'] if base['idle'] else float('nan'):.2f}x | {r['staleness_max']:.0f} | {r['dropped']} |")
+        lines.append(
+            f"| {mode} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['idle']:.2f} | "
+            f"{r['idle'] / base['idle'] if base['idle'] else float('nan'):.2f}x | {r['staleness_max']:.0f} | {r['dropped']} |"
+        )
     lines += [
         f"\n## Weight sync, bucketed vs tensor by tensor (gloo broadcast to one embedded engine, {sync['tensors']} tensors, "
         f"{sync['mib']:.0f} MiB, median of 3)\n",
-        "| transport | seconds per update |", "| --- | --- |",
-        f"| 512 MiB flattened buckets | {sync['bucketed_s']:.3f} |", f"| one tensor per bucket | {sync['per_tensor_s']:.3f} |",
+        "| transport | seconds per update |",
+        "| --- | --- |",
+        f"| 512 MiB flattened buckets | {sync['bucketed_s']:.3f} |",
+        f"| one tensor per bucket | {sync['per_tensor_s']:.3f} |",
         f"| ratio | {sync['per_tensor_s'] / sync['bucketed_s']:.1f}x |",
     ]
     publish(lines, args.out)

@@ -38,8 +38,15 @@ def fragile_model(out: Path, experts: int, topk: int, layers: int, router_scale:
     from moerl.models.tiny import tiny_hf_model, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
-    model = tiny_hf_model("Qwen3MoeForCausalLM", num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=topk,
-                          mlp_only_layers=[], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = tiny_hf_model(
+        "Qwen3MoeForCausalLM",
+        num_hidden_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=topk,
+        mlp_only_layers=[],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -68,11 +75,29 @@ def rollouts(hf_dir: Path, prompts: int, samples: int, max_new_tokens: int) -> l
     try:
         for group in range(prompts):
             _, ids = stream.get(group)
-            body = {"input_ids": ids, "return_logprob": True, "return_routed_experts": True, "return_sampling_mask": True,
-                    "sampling_params": {"n": samples, "max_new_tokens": max_new_tokens, "top_k": 16, "sampling_seed": group}}
+            body = {
+                "input_ids": ids,
+                "return_logprob": True,
+                "return_routed_experts": True,
+                "return_sampling_mask": True,
+                "sampling_params": {
+                    "n": samples,
+                    "max_new_tokens": max_new_tokens,
+                    "top_k": 16,
+                    "sampling_seed": group,
+                },
+            }
             for response in engine.generate(body):
-                out.append(Sample.from_completion(decode_generate(response, shape), ids, temperature=1.0, reward=float(group % 2), group_id=group,
-                                                  versions={"default": 0}))
+                out.append(
+                    Sample.from_completion(
+                        decode_generate(response, shape),
+                        ids,
+                        temperature=1.0,
+                        reward=float(group % 2),
+                        group_id=group,
+                        versions={"default": 0},
+                    )
+                )
     finally:
         engine.scheduler.stop()
     return out
@@ -93,15 +118,23 @@ def table(name: str, hf_dir: Path, root: Path, args) -> list[str]:
     samples = rollouts(hf_dir, args.prompts, args.samples, args.max_new_tokens)
     mcore = hf_to_mcore(hf_dir, hf_dir.with_name(hf_dir.name + "-mcore"), progress=False)
     tokens = sum(s.response_len for s in samples)
-    lines = [f"## {name}: bf16 engine, fp32 trainer, {len(samples)} samples, {tokens} response tokens", "",
-             "| routing replay | sampling mask replay | routing agreement | tokens differing in a layer | k3 all | k3 agree | "
-             "k3 differ | differ / agree | mean abs delta all |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## {name}: bf16 engine, fp32 trainer, {len(samples)} samples, {tokens} response tokens",
+        "",
+        "| routing replay | sampling mask replay | routing agreement | tokens differing in a layer | k3 all | k3 agree | "
+        "k3 differ | differ / agree | mean abs delta all |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for routing, mask in GRID:
-        cfg = TrainerConfig(micro_batch_tokens=4096, dtype="float32", replay=ReplayConfig(routing=routing, sampling_mask=mask))
+        cfg = TrainerConfig(
+            micro_batch_tokens=4096, dtype="float32", replay=ReplayConfig(routing=routing, sampling_mask=mask)
+        )
         m = run_ranks(step_metrics, 1, str(mcore), cfg, samples)[0]
         agree, differ = m["mismatch/k3_kl_routing_agree"], m["mismatch/k3_kl_routing_differ"]
-        lines.append(f"| {routing} | {'on' if mask else 'off'} | {m['routing/agreement']:.4f} | {m['routing/differs_any_layer']:.3f} | "
-                     f"{m['mismatch/k3_kl']:.3e} | {agree:.3e} | {differ:.3e} | {differ / agree:.2f} | {m['mismatch/abs_logprob_delta']:.3e} |")
+        lines.append(
+            f"| {routing} | {'on' if mask else 'off'} | {m['routing/agreement']:.4f} | {m['routing/differs_any_layer']:.3f} | "
+            f"{m['mismatch/k3_kl']:.3e} | {agree:.3e} | {differ:.3e} | {differ / agree:.2f} | {m['mismatch/abs_logprob_delta']:.3e} |"
+        )
         print(lines[-1], file=sys.stderr, flush=True)
     return lines
 
@@ -111,7 +144,12 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--router-scale", type=float, default=0.05, help="the generated model's gate weights times this: near-tied logits")
+    p.add_argument(
+        "--router-scale",
+        type=float,
+        default=0.05,
+        help="the generated model's gate weights times this: near-tied logits",
+    )
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=4, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=48)
@@ -119,14 +157,25 @@ def main() -> int:
     args = p.parse_args()
     from moerl.tasks.tiny import save_warm_tiny_model
 
-    lines = [f"Machine: {platform.machine()}, {os.cpu_count()} cores; prompts of the tiny task, top-k 16, temperature 1.", ""]
+    lines = [
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores; prompts of the tiny task, top-k 16, temperature 1.",
+        "",
+    ]
     with tempfile.TemporaryDirectory(prefix="moerl-replay-") as tmp:
         root = Path(tmp)
         fragile = fragile_model(root / "fragile", args.experts, args.topk, args.layers, args.router_scale)
-        lines += table(f"Generated, fragile routing ({args.experts} experts, top-{args.topk}, {args.layers} MoE layers, router x{args.router_scale:g})",
-                       fragile, root, args) + [""]
-        lines += table("The CPU demo's model (warmed-up tiny Qwen3-MoE, 8 experts, top-2, 3 MoE layers)",
-                       save_warm_tiny_model(root / "demo"), root, args)
+        lines += table(
+            f"Generated, fragile routing ({args.experts} experts, top-{args.topk}, {args.layers} MoE layers, router x{args.router_scale:g})",
+            fragile,
+            root,
+            args,
+        ) + [""]
+        lines += table(
+            "The CPU demo's model (warmed-up tiny Qwen3-MoE, 8 experts, top-2, 3 MoE layers)",
+            save_warm_tiny_model(root / "demo"),
+            root,
+            args,
+        )
     publish(lines, args.out)
     return 0
 

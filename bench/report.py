@@ -18,11 +18,14 @@ def mode_summary(rows: list[dict]) -> dict:
     """Samples/s and the trainer's idle fraction over the steps' own time, response lengths, the worst staleness and
     the prompts dropped, of ``rows`` (:func:`measured_steps`)."""
     seconds = sum(r["time/step_seconds"] for r in rows)
-    return {"samples_per_s": sum(r["rollout/samples"] for r in rows) / seconds,
-            "idle": sum(r["time/trainer_idle_fraction"] * r["time/step_seconds"] for r in rows) / seconds,
-            "len_mean": statistics.mean(r["rollout/response_len_mean"] for r in rows),
-            "len_max": max(r["rollout/response_len_max"] for r in rows),
-            "staleness_max": max(r["staleness/max"] for r in rows), "dropped": rows[-1]["prompts/dropped"]}
+    return {
+        "samples_per_s": sum(r["rollout/samples"] for r in rows) / seconds,
+        "idle": sum(r["time/trainer_idle_fraction"] * r["time/step_seconds"] for r in rows) / seconds,
+        "len_mean": statistics.mean(r["rollout/response_len_mean"] for r in rows),
+        "len_max": max(r["rollout/response_len_max"] for r in rows),
+        "staleness_max": max(r["staleness/max"] for r in rows),
+        "dropped": rows[-1]["prompts/dropped"],
+    }
 
 
 def publish(lines: list[str], out: str | None) -> None:

@@ -47,10 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
+from moerl.simulation import Profile  # noqa: E402
 from report import publish  # noqa: E402
 from simulation import bounds, step_times  # noqa: E402
-
-from moerl.simulation import Profile  # noqa: E402
 
 POLICIES = ("groups", "capped", "migrate")
 AGE_CHECK_S = 5.0  # how often requests are looked at for their age, where a policy routes by it
@@ -89,7 +88,8 @@ class AsyncLoop:
         self.per_request = np.array([self.e.decode_rate(max(1, int(c))) for c in running])
         self.sync_s = shape.model_gb / self.e.weight_update_gb_per_s
         self.in_flight = max(1, round(shape.groups * max(1, shape.staleness) * policy.depth))
-        # Requests: tokens left, replica (-1 while waiting for one), start time, group; groups: their issue version and time.
+        # Requests: tokens left, replica (-1 while waiting for one), start time, group; groups: their issue version and
+        # time.
         self.length, self.left, self.start = np.zeros(0), np.zeros(0), np.zeros(0)
         self.replica, self.group, self.alive = np.zeros(0, int), np.zeros(0, int), np.zeros(0, bool)
         self.hold = np.zeros(self.replicas)  # a replica prefilling a moved request decodes nothing until then
@@ -129,7 +129,12 @@ class AsyncLoop:
     def restart(self, g: int) -> None:
         members = np.nonzero(self.group == g)[0]
         lengths = self._draw()
-        self.length[members], self.left[members], self.start[members], self.alive[members] = lengths, lengths, self.now, True
+        self.length[members], self.left[members], self.start[members], self.alive[members] = (
+            lengths,
+            lengths,
+            self.now,
+            True,
+        )
         if self.policy.name != "groups":
             self.replica[members] = -1
         self.version_of[g], self.issued_at[g], self.running_of[g] = self.version, self.now, len(members)
@@ -163,7 +168,7 @@ class AsyncLoop:
         old = placed & (self.now - self.start > p.old_after_s)
         kept = np.zeros(self.replicas, bool)
         if p.name == "migrate":
-            kept[self.replicas - max(1, round(self.replicas * p.tail_share)):] = True
+            kept[self.replicas - max(1, round(self.replicas * p.tail_share)) :] = True
             for i in np.nonzero(old & ~kept[np.maximum(self.replica, 0)])[0]:
                 free = np.nonzero(kept & (running < p.cap))[0]
                 if not len(free):
@@ -177,7 +182,11 @@ class AsyncLoop:
         holding_old = np.zeros(self.replicas, bool)
         holding_old[self.replica[old]] = True
         for i in np.nonzero(self.alive & (self.replica < 0))[0]:
-            limit = np.where(holding_old, p.cap, self.e.max_running_requests) if p.name == "capped" else self.e.max_running_requests
+            limit = (
+                np.where(holding_old, p.cap, self.e.max_running_requests)
+                if p.name == "capped"
+                else self.e.max_running_requests
+            )
             may = ~kept & (running < limit)
             if not may.any():
                 return
@@ -201,8 +210,10 @@ class AsyncLoop:
             if len(live) and not self.paused:
                 running = np.bincount(self.replica[live], minlength=self.replicas)
                 if running.max() > self.e.max_running_requests:
-                    raise SystemExit(f"a replica would run {running.max()} requests, more than max_running_requests "
-                                     f"{self.e.max_running_requests}: this model does not queue them")
+                    raise SystemExit(
+                        f"a replica would run {running.max()} requests, more than max_running_requests "
+                        f"{self.e.max_running_requests}: this model does not queue them"
+                    )
                 rate = self.per_request[running[self.replica[live]]] * (self.hold[self.replica[live]] <= self.now)
                 moving = rate > 0
                 until_done = (self.left[live][moving] / rate[moving]).min() if moving.any() else math.inf
@@ -235,14 +246,24 @@ class AsyncLoop:
                     taken.append(g)
                     busy_until = max(busy_until, self.now) + self.t.seconds(self.tokens_of[g], s.trainer_gpus)
                 if len(taken) == B:
-                    records.append({"rollout/samples": B * s.samples,
-                                    "rollout/response_len_mean": float(np.mean([self.tokens_of[g] for g in taken])) / s.samples,
-                                    "rollout/response_len_max": max(self.longest_of[g] for g in taken)})
+                    records.append(
+                        {
+                            "rollout/samples": B * s.samples,
+                            "rollout/response_len_mean": float(np.mean([self.tokens_of[g] for g in taken])) / s.samples,
+                            "rollout/response_len_max": max(self.longest_of[g] for g in taken),
+                        }
+                    )
                     phase, phase_end, taken = "train", busy_until + self.t.optimizer_step_s, []
             elif phase == "train" and self.now >= phase_end - 1e-9:
                 phase, phase_end, self.paused, paused_at = "sync", self.now + self.sync_s, True, self.now
             elif phase == "sync" and self.now >= phase_end - 1e-9:
-                self.paused, self.version, phase, phase_end, busy_until = False, self.version + 1, "collect", math.inf, self.now
+                self.paused, self.version, phase, phase_end, busy_until = (
+                    False,
+                    self.version + 1,
+                    "collect",
+                    math.inf,
+                    self.now,
+                )
                 self.served_at.append(self.now)
                 records[-1]["ended"] = self.now
                 self._at_sync(paused_at)
@@ -268,15 +289,31 @@ def one(profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int) -
     measured = records[1:]  # the first step fills the pipeline, as in bench/simulation.py
     seconds = ends[-1] - ends[0]
     trained = sum(r["rollout/samples"] for r in measured)
-    times = [step_times(profile, (shape.trainer_gpus, shape.engine_gpus), r["rollout/samples"], r["rollout/response_len_mean"],
-                        r["rollout/response_len_max"], shape.model_gb * 1e9, loop.in_flight * shape.samples, shape.staleness)
-             for r in measured]
+    times = [
+        step_times(
+            profile,
+            (shape.trainer_gpus, shape.engine_gpus),
+            r["rollout/samples"],
+            r["rollout/response_len_mean"],
+            r["rollout/response_len_max"],
+            shape.model_gb * 1e9,
+            loop.in_flight * shape.samples,
+            shape.staleness,
+        )
+        for r in measured
+    ]
     bound = bounds(times, trained, shape.groups)["async_tail"]
     rate = trained / seconds
     points = {fate: float(np.median(p)) if (p := loop.issue_points(fate)) else math.nan for fate in loop.fates}
-    return {"rate": rate, "bound": bound, "ratio": rate / bound, "dropped": loop.dropped,
-            "point_trained": points["trained"], "point_dropped": points["dropped"],
-            "longest": float(np.mean([r["rollout/response_len_max"] for r in measured]))}
+    return {
+        "rate": rate,
+        "bound": bound,
+        "ratio": rate / bound,
+        "dropped": loop.dropped,
+        "point_trained": points["trained"],
+        "point_dropped": points["dropped"],
+        "longest": float(np.mean([r["rollout/response_len_max"] for r in measured])),
+    }
 
 
 def main() -> int:
@@ -287,26 +324,43 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=8, help="completions a group (rollout.samples_per_prompt)")
     p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness")
     p.add_argument("--max-new-tokens", type=int, default=32768, help="responses are cut here")
-    p.add_argument("--model-gb", type=float, default=61.1, help="the weights a sync moves (Qwen3-30B-A3B in BF16: 61.1 GB)")
+    p.add_argument(
+        "--model-gb", type=float, default=61.1, help="the weights a sync moves (Qwen3-30B-A3B in BF16: 61.1 GB)"
+    )
     p.add_argument("--steps", type=int, default=10, help="trainer steps a run; the first is not measured")
     p.add_argument("--seeds", type=int, default=3, help="runs a policy, their means reported")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
-    p.add_argument("--depth", type=float, nargs="+", default=[1.0], help="groups in flight, a multiple of groups x max(1, max staleness)")
-    p.add_argument("--old-after", type=float, default=150.0, help="capped, migrate: seconds after which a request is old")
+    p.add_argument(
+        "--depth",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        help="groups in flight, a multiple of groups x max(1, max staleness)",
+    )
+    p.add_argument(
+        "--old-after", type=float, default=150.0, help="capped, migrate: seconds after which a request is old"
+    )
     p.add_argument("--cap", type=int, default=8, help="capped, migrate: running requests of a replica holding old ones")
-    p.add_argument("--tail-share", type=float, default=1 / 6, help="migrate: the share of the replicas kept for old requests")
+    p.add_argument(
+        "--tail-share", type=float, default=1 / 6, help="migrate: the share of the replicas kept for old requests"
+    )
     p.add_argument("--restart-young", type=float, nargs="+", default=[0.0], help="seconds (0: off); see above")
     p.add_argument("--abort-doomed", action="store_true", help="see above")
     p.add_argument("--out", help="a markdown file the table is appended to (it is printed either way)")
     args = p.parse_args()
     profile = Profile.load(args.profile)
     trainer_gpus, engine_gpus = (int(x) for x in args.pool.split(":"))
-    shape = Shape(trainer_gpus, engine_gpus, args.groups, args.samples, args.max_staleness, args.max_new_tokens, args.model_gb)
-    lines = [f"## Async loop, modelled: {profile.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
-             f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds", "",
-             "| policy | depth | restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | dropped as stale | "
-             "longest trained | issue point, trained / dropped (median) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    shape = Shape(
+        trainer_gpus, engine_gpus, args.groups, args.samples, args.max_staleness, args.max_new_tokens, args.model_gb
+    )
+    lines = [
+        f"## Async loop, modelled: {profile.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
+        f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds",
+        "",
+        "| policy | depth | restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | dropped as stale | "
+        "longest trained | issue point, trained / dropped (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name in args.policies.split(","):
         if name not in POLICIES:
             raise SystemExit(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
@@ -315,9 +369,11 @@ def main() -> int:
                 policy = Policy(name, depth, args.old_after, args.cap, args.tail_share, young, args.abort_doomed)
                 runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]
                 mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
-                lines.append(f"| {name} | {depth:g} | {young:g} | {'yes' if args.abort_doomed else 'no'} | {mean['rate']:.2f} | "
-                             f"{mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['dropped']:.0f} | {mean['longest']:.0f} | "
-                             f"{mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |")
+                lines.append(
+                    f"| {name} | {depth:g} | {young:g} | {'yes' if args.abort_doomed else 'no'} | {mean['rate']:.2f} | "
+                    f"{mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['dropped']:.0f} | {mean['longest']:.0f} | "
+                    f"{mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |"
+                )
                 print(lines[-1], file=sys.stderr, flush=True)
     publish(lines, args.out)
     return 0

@@ -45,8 +45,8 @@ async's tail-counted ratio may read high by up to about s / N.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -57,11 +57,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from report import publish  # noqa: E402
-
 from moerl.orchestrator.config import RunConfig, load_config  # noqa: E402
 from moerl.orchestrator.metrics import read_metrics  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
+from report import publish  # noqa: E402
 
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 MODES = ("sync", "periodic", "async")
@@ -83,11 +82,20 @@ def add_shape_arguments(parser, profile: str | None, groups: int, max_staleness:
     """The options that give the simulated job its shape, which :func:`job_overrides` reads (bench/engine_kills.py
     takes them too)."""
     parser.add_argument("--profile", default=profile, help="a simulation profile (bench/profiles/*.yaml)")
-    parser.add_argument("--config", default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"), help="the model's Hub config.json")
+    parser.add_argument(
+        "--config",
+        default=str(REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json"),
+        help="the model's Hub config.json",
+    )
     parser.add_argument("--groups", type=int, default=groups, help="prompts per step")
     parser.add_argument("--samples", type=int, default=8, help="responses per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32768)
-    parser.add_argument("--max-staleness", type=int, default=max_staleness, help="async: versions a group may lag (its in-flight depth: groups x this)")
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=max_staleness,
+        help="async: versions a group may lag (its in-flight depth: groups x this)",
+    )
     parser.add_argument("--time-scale", type=float, default=4.0, help="simulated seconds per real second")
 
 
@@ -96,31 +104,59 @@ def job_overrides(run_dir: Path, mode: str, pool: tuple[int, int], args, model: 
     arguments (``args``: profile, steps, time_scale, replicas_per_process, groups, samples, max_new_tokens,
     max_staleness, extra)."""
     trainer_gpus, engine_gpus = pool
-    return [f"run.dir={run_dir}", "run.progress=false", f"run.mode={mode}", f"run.steps={args.steps}", f"model.path={model}",
-            f"simulation.profile={args.profile}", f"simulation.time_scale={args.time_scale}", f"simulation.trainer_gpus={trainer_gpus}",
-            f"simulation.replicas_per_process={args.replicas_per_process}", f"engines.replicas={engine_gpus // profile.engine.gpus}",
-            f"rollout.groups_per_step={args.groups}", f"rollout.samples_per_prompt={args.samples}",
-            f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.max_staleness={args.max_staleness}", "task.name=gsm8k",
-            *args.extra]
+    return [
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        f"run.mode={mode}",
+        f"run.steps={args.steps}",
+        f"model.path={model}",
+        f"simulation.profile={args.profile}",
+        f"simulation.time_scale={args.time_scale}",
+        f"simulation.trainer_gpus={trainer_gpus}",
+        f"simulation.replicas_per_process={args.replicas_per_process}",
+        f"engines.replicas={engine_gpus // profile.engine.gpus}",
+        f"rollout.groups_per_step={args.groups}",
+        f"rollout.samples_per_prompt={args.samples}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.max_staleness={args.max_staleness}",
+        "task.name=gsm8k",
+        *args.extra,
+    ]
 
 
-def run(mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, root: Path) -> tuple[list[dict], RunConfig]:
+def run(
+    mode: str, pool: tuple[int, int], args, model: Path, profile: Profile, root: Path
+) -> tuple[list[dict], RunConfig]:
     run_dir = root / f"{pool[0]}x{pool[1]}-{mode}"
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:
-        done = subprocess.run(["bash", str(RECIPE), *job_overrides(run_dir, mode, pool, args, model, profile)], cwd=REPO, stdout=f,
-                              stderr=subprocess.STDOUT)
+        done = subprocess.run(
+            ["bash", str(RECIPE), *job_overrides(run_dir, mode, pool, args, model, profile)],
+            cwd=REPO,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode:  # kept out of the temporary directory, which goes with the script's exit
         kept = Path(tempfile.mkdtemp(prefix=f"moerl-sim-failed-{pool[0]}x{pool[1]}-{mode}-"))
         shutil.copy(log, kept)
         if run_dir.exists():
             shutil.copytree(run_dir, kept / run_dir.name, ignore=shutil.ignore_patterns("checkpoints"))
-        raise SystemExit(f"{mode} at {pool[0]}:{pool[1]} failed; its log and run directory (metrics, the manager's log): {kept}")
+        raise SystemExit(
+            f"{mode} at {pool[0]}:{pool[1]} failed; its log and run directory (metrics, the manager's log): {kept}"
+        )
     return read_metrics(run_dir), load_config(run_dir / "config.yaml")
 
 
-def step_times(profile: Profile, pool: tuple[int, int], samples: int, response_tokens: float, longest: float, model_bytes: float,
-               in_flight: int, staleness: int) -> dict:
+def step_times(
+    profile: Profile,
+    pool: tuple[int, int],
+    samples: int,
+    response_tokens: float,
+    longest: float,
+    model_bytes: float,
+    in_flight: int,
+    staleness: int,
+) -> dict:
     """One step's T_gen, T_tail, T_train and T_sync (the module's docstring); ``longest``: its longest trained response;
     ``staleness``: the versions a group may lag in this mode (0: on-policy)."""
     trainer_gpus, engine_gpus = pool
@@ -129,9 +165,12 @@ def step_times(profile: Profile, pool: tuple[int, int], samples: int, response_t
     running = max(1, round(min(e.max_running_requests, in_flight / replicas)))
     generate = samples * response_tokens / (replicas * e.decode_rate(running) * running)
     alone = max(e.decode_rate(c) for c in range(1, e.max_running_requests + 1))  # R(1), whatever the profile's shape
-    return {"T_gen": generate, "T_tail": longest / ((staleness + 1) * alone),
-            "T_train": t.seconds(samples * response_tokens, trainer_gpus) + t.optimizer_step_s,
-            "T_sync": model_bytes / (e.weight_update_gb_per_s * 1e9)}
+    return {
+        "T_gen": generate,
+        "T_tail": longest / ((staleness + 1) * alone),
+        "T_train": t.seconds(samples * response_tokens, trainer_gpus) + t.optimizer_step_s,
+        "T_sync": model_bytes / (e.weight_update_gb_per_s * 1e9),
+    }
 
 
 def bounds(steps: list[dict], samples: int, groups: int) -> dict:
@@ -145,14 +184,23 @@ def bounds(steps: list[dict], samples: int, groups: int) -> dict:
         "periodic": sum(s["T_sync"] + max(s["T_gen"] + s["T_train"] / groups, s["T_train"]) for s in steps),
         "async": total["T_sync"] + max(total["T_gen"], total["T_train"]),
         "sync_tail": sum(on_policy) + total["T_train"] + total["T_sync"],
-        "periodic_tail": sum(s["T_sync"] + max(gen + s["T_train"] / groups, s["T_train"]) for s, gen in zip(steps, on_policy)),
+        "periodic_tail": sum(
+            s["T_sync"] + max(gen + s["T_train"] / groups, s["T_train"]) for s, gen in zip(steps, on_policy)
+        ),
         "async_tail": total["T_sync"] + max(total["T_gen"], total["T_train"], total["T_tail"]),
     }
     return {mode: samples / t for mode, t in seconds.items()}
 
 
-def one_concurrency_guide(profile: Profile, pool: tuple[int, int], samples: float, tokens: float, longest: float, steps: list[dict],
-                          staleness: int) -> tuple[float, int]:
+def one_concurrency_guide(
+    profile: Profile,
+    pool: tuple[int, int],
+    samples: float,
+    tokens: float,
+    longest: float,
+    steps: list[dict],
+    staleness: int,
+) -> tuple[float, int]:
     """Async's guide (the module's docstring) over ``steps`` (their :func:`step_times`), which trained ``samples``
     responses of ``tokens`` in all, ``longest`` the sum of each step's longest: (samples/s, the concurrency giving it)."""
     e = profile.engine
@@ -161,7 +209,9 @@ def one_concurrency_guide(profile: Profile, pool: tuple[int, int], samples: floa
 
     def rate(c: int) -> float:
         tokens_per_s = e.decode_rate(c) * c  # one replica's
-        return samples / (sync + max(tokens / (replicas * tokens_per_s), train, c * longest / ((staleness + 1) * tokens_per_s)))
+        return samples / (
+            sync + max(tokens / (replicas * tokens_per_s), train, c * longest / ((staleness + 1) * tokens_per_s))
+        )
 
     best = max(range(1, e.max_running_requests + 1), key=rate)
     return rate(best), best
@@ -169,7 +219,9 @@ def one_concurrency_guide(profile: Profile, pool: tuple[int, int], samples: floa
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_shape_arguments(p, profile=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"), groups=48, max_staleness=1)
+    add_shape_arguments(
+        p, profile=str(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml"), groups=48, max_staleness=1
+    )
     p.add_argument("--pools", default="8:24", help="trainer GPUs:engine GPUs, comma-separated")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--replicas-per-process", type=int, default=12)
@@ -178,12 +230,15 @@ def main() -> int:
     p.add_argument("--out")
     args = p.parse_args()
     profile = Profile.load(args.profile)
-    lines = [f"## Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
-             f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}", "",
-             "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | bound, tail counted | ratio | "
-             "x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (of the simulated step) | "
-             "its generation workers' CPU s/step | buffer CPU s/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
+        f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}",
+        "",
+        "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | bound, tail counted | ratio | "
+        "x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (of the simulated step) | "
+        "its generation workers' CPU s/step | buffer CPU s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     with tempfile.TemporaryDirectory(prefix="moerl-sim-") as tmp:
         root = Path(tmp)
         model = model_dir(Path(args.profile), Path(args.config), root)
@@ -199,9 +254,19 @@ def main() -> int:
                 response = float(np.mean([r["rollout/response_len_mean"] for r in rows]))
                 samples = args.groups * args.samples
                 staleness = args.max_staleness if mode == "async" else 0
-                steps = [step_times(profile, pool, r["rollout/samples"], r["rollout/response_len_mean"], r["rollout/response_len_max"],
-                                    r["sync/full_weight_bytes"], cfg.rollout.outstanding * args.samples if mode == "async" else samples,
-                                    staleness) for r in rows]
+                steps = [
+                    step_times(
+                        profile,
+                        pool,
+                        r["rollout/samples"],
+                        r["rollout/response_len_mean"],
+                        r["rollout/response_len_max"],
+                        r["sync/full_weight_bytes"],
+                        cfg.rollout.outstanding * args.samples if mode == "async" else samples,
+                        staleness,
+                    )
+                    for r in rows
+                ]
                 bound = bounds(steps, trained, args.groups)
                 seconds = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
                 tail = bound[f"{mode}_tail"]
@@ -213,17 +278,30 @@ def main() -> int:
                 helpers = np.mean([r["cpu/manager_helpers_seconds"] for r in rows])
                 buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
                 versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
-                lines.append(f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {tail:.3f} | {rate / tail:.2f} | {versus_sync} | "
-                             f"{idle:.2f} | {lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | "
-                             f"{manager:.2f} ({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |")
+                lines.append(
+                    f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {tail:.3f} | {rate / tail:.2f} | {versus_sync} | "
+                    f"{idle:.2f} | {lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | "
+                    f"{manager:.2f} ({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |"
+                )
                 guide = ""
                 if mode == "async":
-                    best, at = one_concurrency_guide(profile, pool, trained,
-                                                     sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in rows),
-                                                     sum(r["rollout/response_len_max"] for r in rows), steps, staleness)
+                    best, at = one_concurrency_guide(
+                        profile,
+                        pool,
+                        trained,
+                        sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in rows),
+                        sum(r["rollout/response_len_max"] for r in rows),
+                        steps,
+                        staleness,
+                    )
                     guide = f", one-concurrency guide {best:.3f} samples/s (c = {at}; ratio {rate / best:.2f})"
-                print(lines[-1], ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), f"mean response {response:.0f} tokens{guide}",
-                      file=sys.stderr, flush=True)
+                print(
+                    lines[-1],
+                    ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
+                    f"mean response {response:.0f} tokens{guide}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     publish(lines, args.out)
     return 0
 

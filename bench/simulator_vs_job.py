@@ -45,15 +45,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from report import measured_steps, mode_summary, publish  # noqa: E402
-
 from moerl.simulation import Z99  # noqa: E402
+from report import measured_steps, mode_summary, publish  # noqa: E402
 
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 MODES = ("sync", "periodic", "async")
 ENGINE_CPUS, JOB_CPUS = {0}, {1}
 MAX_NEW_TOKENS, GROUPS, SAMPLES = 64, 8, 8
-CONCURRENCY = (1, 8, 16, 32, 64)  # running requests the engine's decode rate is measured at (64: its max_running_requests)
+CONCURRENCY = (
+    1,
+    8,
+    16,
+    32,
+    64,
+)  # running requests the engine's decode rate is measured at (64: its max_running_requests)
 
 
 class EnginePinning:
@@ -64,7 +69,7 @@ class EnginePinning:
         self._pinned: set[int] = set()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def __enter__(self) -> "EnginePinning":
+    def __enter__(self) -> EnginePinning:
         self._thread.start()
         return self
 
@@ -94,10 +99,21 @@ def stop_ids() -> list[int]:
 
 
 def run_job(run_dir: Path, mode: str, steps: int, model: Path, extra: list[str]) -> list[dict]:
-    args = ["bash", str(RECIPE), f"run.dir={run_dir}", f"run.mode={mode}", f"run.steps={steps}", "run.progress=false",
-            f"run.cache_dir={run_dir.parent / 'cache'}", f"model.path={model}", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
-            f"rollout.stop_token_ids=[{','.join(map(str, stop_ids()))}]", f"rollout.groups_per_step={GROUPS}",
-            f"rollout.samples_per_prompt={SAMPLES}", *extra]
+    args = [
+        "bash",
+        str(RECIPE),
+        f"run.dir={run_dir}",
+        f"run.mode={mode}",
+        f"run.steps={steps}",
+        "run.progress=false",
+        f"run.cache_dir={run_dir.parent / 'cache'}",
+        f"model.path={model}",
+        f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+        f"rollout.stop_token_ids=[{','.join(map(str, stop_ids()))}]",
+        f"rollout.groups_per_step={GROUPS}",
+        f"rollout.samples_per_prompt={SAMPLES}",
+        *extra,
+    ]
     with EnginePinning():
         done = subprocess.run(args, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True)
     if done.returncode:
@@ -129,19 +145,33 @@ async def measure_engine(url: str, model: Path, prompt_ids: list[list[int]]) -> 
 
     r = RolloutSection()
     async with EngineClient([url], shape=model_shape(read_config(model))) as client:
+
         async def batch(count: int, tokens: int, **params) -> float:
             start = time.perf_counter()
-            await asyncio.gather(*(client.generate(prompt_ids[i % len(prompt_ids)], SamplingParams(
-                temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=tokens, **params),
-                return_routed_experts=True, return_sampling_mask=True) for i in range(count)))
+            await asyncio.gather(
+                *(
+                    client.generate(
+                        prompt_ids[i % len(prompt_ids)],
+                        SamplingParams(
+                            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=tokens, **params
+                        ),
+                        return_routed_experts=True,
+                        return_sampling_mask=True,
+                    )
+                    for i in range(count)
+                )
+            )
             return time.perf_counter() - start
 
         await batch(8, MAX_NEW_TOKENS, ignore_eos=True)  # warm-up
         decode, prefill = {}, 0.0
         for count in CONCURRENCY:
-            short, long = [min([await batch(count, tokens, ignore_eos=True) for _ in range(3)]) for tokens in (1, MAX_NEW_TOKENS)]
+            short, long = [
+                min([await batch(count, tokens, ignore_eos=True) for _ in range(3)]) for tokens in (1, MAX_NEW_TOKENS)
+            ]
             decode[count] = round(count * (MAX_NEW_TOKENS - 1) / (long - short), 1)
-            prefill = count * statistics.mean(map(len, prompt_ids)) / short  # the last, largest set: the fixed costs matter least
+            # the last, largest set: the fixed costs matter least
+            prefill = count * statistics.mean(map(len, prompt_ids)) / short
     return {"decode": decode, "prefill": round(prefill, 1)}
 
 
@@ -159,7 +189,7 @@ def length_profile(rows: list[dict]) -> dict:
 
     def capped_mean(sigma: float) -> float:  # E[min(X, cap)] of the log-normal with P(X >= cap) = capped
         mu = cap - sigma * z
-        return math.exp(mu + sigma ** 2 / 2) * normal.cdf((cap - mu - sigma ** 2) / sigma) + MAX_NEW_TOKENS * capped
+        return math.exp(mu + sigma**2 / 2) * normal.cdf((cap - mu - sigma**2) / sigma) + MAX_NEW_TOKENS * capped
 
     low, high = 1e-3, 10.0  # capped_mean falls as sigma grows: the mass below the cap spreads down
     for _ in range(100):
@@ -184,7 +214,8 @@ def write_profile(path: Path, engine: dict, lengths: dict, trainer: dict, update
     today = date.today().isoformat()
     where = f"{platform.machine()}, {os.cpu_count()} cores, {today}"
     profile = {
-        "name": "cpu-demo", "dtype": "float32",
+        "name": "cpu-demo",
+        "dtype": "float32",
         "sources": [
             f"engine: measured by bench/simulator_vs_job.py ({where}): one embedded engine on one CPU serving the random tiny "
             f"Qwen3-MoE, requests of 1 and {MAX_NEW_TOKENS} tokens with the job's sampling and routing flags, best of 3",
@@ -192,13 +223,20 @@ def write_profile(path: Path, engine: dict, lengths: dict, trainer: dict, update
             "fed tokens); weight update: that run's full-weight bytes over its sync seconds; response lengths: that run's mean "
             f"and its fraction reaching the cap of {MAX_NEW_TOKENS} tokens",
         ],
-        "engine": {"gpus": 1, "max_running_requests": max(CONCURRENCY), "prefill_tokens_per_s": engine["prefill"],
-                   "decode_tokens_per_s": engine["decode"], "weight_update_gb_per_s": round(update, 4),
-                   "response_tokens": lengths},
+        "engine": {
+            "gpus": 1,
+            "max_running_requests": max(CONCURRENCY),
+            "prefill_tokens_per_s": engine["prefill"],
+            "decode_tokens_per_s": engine["decode"],
+            "weight_update_gb_per_s": round(update, 4),
+            "response_tokens": lengths,
+        },
         "trainer": trainer,
     }
-    path.write_text("# The CPU demo's shape, measured here (bench/simulator_vs_job.py wrote this file).\n"
-                    + yaml.safe_dump(profile, sort_keys=False, width=1000))
+    path.write_text(
+        "# The CPU demo's shape, measured here (bench/simulator_vs_job.py wrote this file).\n"
+        + yaml.safe_dump(profile, sort_keys=False, width=1000)
+    )
 
 
 def main() -> int:
@@ -221,8 +259,18 @@ def main() -> int:
         model = save_tiny_hf("Qwen3MoeForCausalLM", work / "random-tiny")
         real = {mode: run_job(work / f"real-{mode}", mode, args.steps, model, []) for mode in modes}
         prompt_ids = prompts(model, 64)
-        with EnginePinning(), EnginePool(EnginePoolConfig(model_path=str(model), server="embedded", base_port=0, dtype=resolve("auto"),
-                                                      log_dir=str(work / "engine-logs"))) as pool:
+        with (
+            EnginePinning(),
+            EnginePool(
+                EnginePoolConfig(
+                    model_path=str(model),
+                    server="embedded",
+                    base_port=0,
+                    dtype=resolve("auto"),
+                    log_dir=str(work / "engine-logs"),
+                )
+            ) as pool,
+        ):
             engine = asyncio.run(measure_engine(pool.urls[0], model, prompt_ids))
         print("engine", engine, file=sys.stderr, flush=True)
         sync = real["sync"]
@@ -230,23 +278,41 @@ def main() -> int:
         update = float(np.median([r["sync/full_weight_bytes"] / r["sync/seconds"] / 1e9 for r in sync]))
         profile = Path(args.profile_out)
         write_profile(profile, engine, length_profile(sync), trainer, update, len(sync))
-        simulated = {mode: run_job(work / f"sim-{mode}", mode, args.steps, model,
-                                   [f"simulation.profile={profile}", "simulation.trainer_gpus=1", "simulation.replicas_per_process=1"])
-                     for mode in modes}
+        simulated = {
+            mode: run_job(
+                work / f"sim-{mode}",
+                mode,
+                args.steps,
+                model,
+                [f"simulation.profile={profile}", "simulation.trainer_gpus=1", "simulation.replicas_per_process=1"],
+            )
+            for mode in modes
+        }
     real_s = {m: mode_summary(rows) for m, rows in real.items()}
     sim_s = {m: mode_summary(rows) for m, rows in simulated.items()}
-    lines = [f"## Simulated against real, the CPU demo's shape ({platform.machine()}, {os.cpu_count()} cores, engine and job "
-             f"pinned to a CPU each, {args.steps - 1} measured steps, {GROUPS} x {SAMPLES} samples, {date.today().isoformat()})", "",
-             "| mode | real samples/s | x sync | trainer idle | simulated samples/s | x sync | trainer idle | simulated x sync against real |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Simulated against real, the CPU demo's shape ({platform.machine()}, {os.cpu_count()} cores, engine and job "
+        f"pinned to a CPU each, {args.steps - 1} measured steps, {GROUPS} x {SAMPLES} samples, {date.today().isoformat()})",
+        "",
+        "| mode | real samples/s | x sync | trainer idle | simulated samples/s | x sync | trainer idle | simulated x sync against real |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for mode in modes:
         r, s = real_s[mode], sim_s[mode]
-        real_x, sim_x = r["samples_per_s"] / real_s["sync"]["samples_per_s"], s["samples_per_s"] / sim_s["sync"]["samples_per_s"]
-        lines.append(f"| {mode} | {r['samples_per_s']:.1f} | {real_x:.2f} | {r['idle']:.2f} | {s['samples_per_s']:.1f} | {sim_x:.2f} | "
-                     f"{s['idle']:.2f} | {sim_x / real_x - 1:+.1%} |")
-    lines += ["", f"Profile written to `{os.path.relpath(args.profile_out, REPO)}`: decode tokens/s {engine['decode']}, prefill "
-              f"{engine['prefill']}, trainer {trainer}, weight update {update:.4f} GB/s; mean response real "
-              f"{real_s['sync']['len_mean']:.1f}, simulated {sim_s['sync']['len_mean']:.1f} tokens."]
+        real_x, sim_x = (
+            r["samples_per_s"] / real_s["sync"]["samples_per_s"],
+            s["samples_per_s"] / sim_s["sync"]["samples_per_s"],
+        )
+        lines.append(
+            f"| {mode} | {r['samples_per_s']:.1f} | {real_x:.2f} | {r['idle']:.2f} | {s['samples_per_s']:.1f} | {sim_x:.2f} | "
+            f"{s['idle']:.2f} | {sim_x / real_x - 1:+.1%} |"
+        )
+    lines += [
+        "",
+        f"Profile written to `{os.path.relpath(args.profile_out, REPO)}`: decode tokens/s {engine['decode']}, prefill "
+        f"{engine['prefill']}, trainer {trainer}, weight update {update:.4f} GB/s; mean response real "
+        f"{real_s['sync']['len_mean']:.1f}, simulated {sim_s['sync']['len_mean']:.1f} tokens.",
+    ]
     publish(lines, args.out)
     return 0
 

@@ -7,13 +7,25 @@ import os
 import sys
 
 COMMANDS = {
-    "serve": ("moerl.engines.serve", "serve a HF MoE model over SGLang's HTTP API (embedded engine, or a simulated one)"),
+    "serve": (
+        "moerl.engines.serve",
+        "serve a HF MoE model over SGLang's HTTP API (embedded engine, or a simulated one)",
+    ),
     "engines": ("moerl.engines.pool", "start SGLang replicas on this node for a job whose trainer runs elsewhere"),
     "convert-ckpt": ("moerl.checkpoint.cli", "convert checkpoints between HF and Megatron layouts"),
-    "train": ("moerl.orchestrator.main", "the GRPO job on one rank (launched by recipes/qwen_moe_grpo.sh via torchrun)"),
+    "train": (
+        "moerl.orchestrator.main",
+        "the GRPO job on one rank (launched by recipes/qwen_moe_grpo.sh via torchrun)",
+    ),
     "plot": ("moerl.orchestrator.metrics", "plot a run's metrics.jsonl as PNG curves"),
-    "ablate": ("moerl.orchestrator.ablate", "run the main job under a grid of overrides; a comparison table and overlaid curves"),
-    "check-replay": ("moerl.trainer.replay_trace", "verify a run's replay trace: every router used the rollout's experts"),
+    "ablate": (
+        "moerl.orchestrator.ablate",
+        "run the main job under a grid of overrides; a comparison table and overlaid curves",
+    ),
+    "check-replay": (
+        "moerl.trainer.replay_trace",
+        "verify a run's replay trace: every router used the rollout's experts",
+    ),
 }
 
 

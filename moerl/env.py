@@ -9,9 +9,24 @@ import socket
 import sys
 from collections.abc import Iterable
 
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                      "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-                      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -114,8 +129,12 @@ def group_left(pgid: int) -> list[int]:
         return [pgid]
     left = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and (fields := _stat(entry.name)) is not None and int(fields[2]) == pgid \
-                and not _ended(entry.name, fields):
+        if (
+            entry.name.isdigit()
+            and (fields := _stat(entry.name)) is not None
+            and int(fields[2]) == pgid
+            and not _ended(entry.name, fields)
+        ):
             left.append(int(entry.name))
     return left
 

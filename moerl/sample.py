@@ -53,7 +53,7 @@ class Sample:
     def fed_ids(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, self.response_ids])[:-1]
 
-    def validate(self) -> "Sample":
+    def validate(self) -> Sample:
         p, r = self.prompt_len, self.response_len
         if p < 1 or r < 1:
             raise SampleError(f"a sample needs >= 1 prompt and >= 1 response token, got P={p}, R={r}")
@@ -67,8 +67,15 @@ class Sample:
             raise SampleError("mask_offsets and mask_ids come together")
         if self.mask_offsets is not None:
             offsets = self.mask_offsets
-            if offsets.shape != (r + 1,) or offsets[0] != 0 or offsets[-1] != len(self.mask_ids) or np.any(np.diff(offsets) < 1):
-                raise SampleError(f"mask_offsets must be [R+1] = [{r + 1}] non-decreasing from 0 to len(mask_ids) with >= 1 id per token")
+            if (
+                offsets.shape != (r + 1,)
+                or offsets[0] != 0
+                or offsets[-1] != len(self.mask_ids)
+                or np.any(np.diff(offsets) < 1)
+            ):
+                raise SampleError(
+                    f"mask_offsets must be [R+1] = [{r + 1}] non-decreasing from 0 to len(mask_ids) with >= 1 id per token"
+                )
             rows = np.repeat(np.arange(r), np.diff(offsets))
             # Per token, over its own non-empty run of ids (offsets rise at each): ufunc.at took a tenth of the rollout
             # manager's CPU at 32K-token lengths.
@@ -78,8 +85,17 @@ class Sample:
         return self
 
     @classmethod
-    def from_completion(cls, completion, prompt_ids, *, temperature: float, reward: float = 0.0, group_id: int = 0,
-                        engine: str = "", versions: dict[str, int] | None = None) -> "Sample":
+    def from_completion(
+        cls,
+        completion,
+        prompt_ids,
+        *,
+        temperature: float,
+        reward: float = 0.0,
+        group_id: int = 0,
+        engine: str = "",
+        versions: dict[str, int] | None = None,
+    ) -> Sample:
         """A sample from an engine :class:`~moerl.engines.protocol.Completion` of ``prompt_ids``.
 
         ``versions`` maps the engine's weight-version strings to policy versions (default: int(s)).
@@ -87,16 +103,26 @@ class Sample:
         if completion.logprobs is None:
             raise SampleError("the completion has no output log-probs: request return_logprob=True")
         if completion.routing is not None and completion.routing_start != 0:
-            raise SampleError(f"the completion's routing starts at position {completion.routing_start}; "
-                              "the trainer needs prompt routing too (routed_experts_start_len=0)")
+            raise SampleError(
+                f"the completion's routing starts at position {completion.routing_start}; "
+                "the trainer needs prompt routing too (routed_experts_start_len=0)"
+            )
         per_token = np.empty(len(completion.output_ids), dtype=np.int64)
         for span in completion.weight_versions:
             v = span["version"]
             per_token[span["start"] : span["end"]] = versions[v] if versions is not None else int(v)
         return cls(
-            prompt_ids=np.asarray(prompt_ids, dtype=np.int32), response_ids=completion.output_ids.astype(np.int32),
-            behaviour_logprobs=completion.logprobs.astype(np.float32), versions=per_token, temperature=temperature,
-            selected_logprobs=completion.sampling_logprobs, routing=completion.routing,
-            mask_offsets=completion.mask_offsets, mask_ids=completion.mask_ids, reward=float(reward), group_id=group_id,
-            finish_reason=completion.finish_reason.get("type", ""), engine=engine,
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            response_ids=completion.output_ids.astype(np.int32),
+            behaviour_logprobs=completion.logprobs.astype(np.float32),
+            versions=per_token,
+            temperature=temperature,
+            selected_logprobs=completion.sampling_logprobs,
+            routing=completion.routing,
+            mask_offsets=completion.mask_offsets,
+            mask_ids=completion.mask_ids,
+            reward=float(reward),
+            group_id=group_id,
+            finish_reason=completion.finish_reason.get("type", ""),
+            engine=engine,
         ).validate()

@@ -47,7 +47,7 @@ class LengthProfile(_Strict):
     p99: float = Field(gt=0)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "LengthProfile":
+    def _ordered(self) -> LengthProfile:
         if self.p99 < self.median:
             raise ValueError(f"p99 ({self.p99}) is below the median ({self.median})")
         return self
@@ -61,17 +61,19 @@ class EngineProfile(_Strict):
 
     gpus: int = Field(default=1, gt=0)  # of one replica: a pool of N engine GPUs serves N // gpus replicas
     max_running_requests: int = Field(gt=0)
-    prefill_tokens_per_s: float = Field(gt=0)  # while it prefills, the engine decodes nothing (SGLang without mixed chunks)
+    # while it prefills, the engine decodes nothing (SGLang without mixed chunks)
+    prefill_tokens_per_s: float = Field(gt=0)
     # Decode tokens/s of the whole engine by the number of requests running: linear between the points, flat above the
     # last; below the first, each request decodes at the first point's rate per request.
     decode_tokens_per_s: dict[int, float] = Field(min_length=1)
-    # A disk update's bytes per second into the engine: the update holds it this long. The job's simulation syncs by disk,
-    # so this stands for whatever transport the figure comes from; a broadcast's bytes take the real transport's time.
+    # A disk update's bytes per second into the engine: the update holds it this long. The job's simulation syncs by
+    # disk, so this stands for whatever transport the figure comes from; a broadcast's bytes take the real transport's
+    # time.
     weight_update_gb_per_s: float = Field(gt=0)
     response_tokens: LengthProfile
 
     @model_validator(mode="after")
-    def _positive(self) -> "EngineProfile":
+    def _positive(self) -> EngineProfile:
         bad = {k: v for k, v in self.decode_tokens_per_s.items() if k < 1 or not v > 0}
         if bad:
             raise ValueError(f"decode_tokens_per_s needs running requests >= 1 and tokens/s > 0, got {bad}")
@@ -89,7 +91,8 @@ class EngineProfile(_Strict):
 class TrainerProfile(_Strict):
     """The trainer at the layout the figures come from, per GPU: the job's ``simulation.trainer_gpus`` scales it."""
 
-    # Training tokens (prompt and response) per second per GPU, the proximal-policy pass and the forward-backward together.
+    # Training tokens (prompt and response) per second per GPU, the proximal-policy pass and the forward-backward
+    # together.
     tokens_per_s_per_gpu: float = Field(gt=0)
     optimizer_step_s: float = Field(ge=0)  # per step, whatever its tokens: gradient reduction, clipping, the optimizer
 
@@ -107,13 +110,13 @@ class Profile(_Strict):
     trainer: TrainerProfile | None = None
 
     @model_validator(mode="after")
-    def _dtype(self) -> "Profile":
+    def _dtype(self) -> Profile:
         if self.dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(MODEL_DTYPES)}")
         return self
 
     @classmethod
-    def load(cls, path: str | Path) -> "Profile":
+    def load(cls, path: str | Path) -> Profile:
         path = Path(path)
         try:
             raw = yaml.safe_load(path.read_text())

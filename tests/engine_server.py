@@ -19,8 +19,17 @@ def running_server(model_dir: Path, log_dir: Path, *extra: str):
 @contextmanager
 def running_servers(model_dir: Path, log_dir: Path, replicas: int, *extra: str):
     """As :func:`running_server`, ``replicas`` of them, each logging to a file of its own in ``log_dir``; yields their URLs."""
-    pool = EnginePool(EnginePoolConfig(model_path=str(model_dir), server="embedded", base_port=0, dtype="float32", replicas=replicas,
-                                   log_dir=str(log_dir), extra_args=list(extra)))
+    pool = EnginePool(
+        EnginePoolConfig(
+            model_path=str(model_dir),
+            server="embedded",
+            base_port=0,
+            dtype="float32",
+            replicas=replicas,
+            log_dir=str(log_dir),
+            extra_args=list(extra),
+        )
+    )
     with pool:
         yield pool.urls
 

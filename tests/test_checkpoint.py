@@ -93,7 +93,11 @@ def _norm_keys(ckpt) -> set[str]:
 
 
 def test_checkpoints_hold_the_norms_extra_state_from_format_3(checkpoints):
-    assert json.loads((checkpoints["current"] / mcore.MOERL_META).read_text())["format_version"] == mcore.FORMAT_VERSION == 3
+    assert (
+        json.loads((checkpoints["current"] / mcore.MOERL_META).read_text())["format_version"]
+        == mcore.FORMAT_VERSION
+        == 3
+    )
     assert {f"{Q_NORM}._extra_state", "decoder.final_layernorm._extra_state"} <= _norm_keys(checkpoints["current"])
     assert _norm_keys(checkpoints["old"]) == set()
 
@@ -106,7 +110,9 @@ def test_a_checkpoint_of_either_format_loads_into_norms_of_either_spec(checkpoin
     assert got["tensors"].keys() == reference.keys()
     for name, tensor in got["tensors"].items():
         assert torch.equal(tensor, reference[name]), name
-    assert torch.equal(got["tensors"][f"{Q_NORM}.weight"], HFReader(checkpoints["hf"]).get("model.layers.0.self_attn.q_norm.weight"))
+    assert torch.equal(
+        got["tensors"][f"{Q_NORM}.weight"], HFReader(checkpoints["hf"]).get("model.layers.0.self_attn.q_norm.weight")
+    )
     assert got["resumed_same"]
     # Each norm is given the checkpoint's extra state where it holds one, else its own (TE's: a pickled empty dict).
     own = pickle.dumps({}) if norm == "te" else b""
@@ -115,5 +121,7 @@ def test_a_checkpoint_of_either_format_loads_into_norms_of_either_spec(checkpoin
 
 
 def test_a_key_the_checkpoint_lacks_other_than_an_extra_state_still_fails(checkpoints):
-    with pytest.raises(RuntimeError, match=r"decoder\.layers\.0\.self_attention\.(q_layernorm\.|linear_qkv\.layer_norm_)bias"):
+    with pytest.raises(
+        RuntimeError, match=r"decoder\.layers\.0\.self_attention\.(q_layernorm\.|linear_qkv\.layer_norm_)bias"
+    ):
         run_ranks(load_with_a_norm_bias, 1, str(checkpoints["old"]))

@@ -10,14 +10,13 @@ import shlex
 import subprocess
 import sys
 import tokenize
-import typing
 from pathlib import Path
 
 import pytest
 
+from moerl.config import choice_fields
 from moerl.env import child_env
 from moerl.errors import ConfigError
-from moerl.config import choice_fields
 from moerl.orchestrator.config import RunConfig, load_config, schema_type
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,19 +51,33 @@ def test_every_enum_value_can_be_typed_unquoted(tmp_path, key, value):
 
 
 def test_the_routing_ablation_through_the_recipe_as_typed():
-    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "trainer.replay.routing=off", "--show-config"],
-                         env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "trainer.replay.routing=off", "--show-config"],
+        env=child_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "routing: 'off'" in out.stdout
 
 
 def test_yaml_11_booleans_still_set_boolean_fields():
-    for text, expected in (("off", False), ("on", True), ("no", False), ("yes", True), ("false", False), ("true", True)):
+    for text, expected in (
+        ("off", False),
+        ("on", True),
+        ("no", False),
+        ("yes", True),
+        ("false", False),
+        ("true", True),
+    ):
         assert load_config(None, [f"trainer.replay.sampling_mask={text}"]).trainer.replay.sampling_mask is expected
 
 
 def test_string_fields_take_the_text_as_typed():
-    cfg = load_config(None, ["task.system_prompt=Answer: yes # briefly", "run.dir=0123", "model.path=null", "task.reward='exact'"])
+    cfg = load_config(
+        None, ["task.system_prompt=Answer: yes # briefly", "run.dir=0123", "model.path=null", "task.reward='exact'"]
+    )
     assert cfg.task.system_prompt == "Answer: yes # briefly" and cfg.run.dir == "0123"
     assert cfg.model.path is None and cfg.task.reward == "exact"
 
@@ -96,7 +109,8 @@ def doc_pages() -> list[Path]:
 
 def _python_strings(path: Path) -> str:
     tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    kinds = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}  # f-strings are STRING tokens before 3.12
+    # f-strings are STRING tokens before 3.12
+    kinds = {tokenize.STRING, getattr(tokenize, "FSTRING_MIDDLE", tokenize.STRING)}
     return "\n".join(t.string for t in tokens if t.type in kinds)
 
 
@@ -105,15 +119,23 @@ def named_keys() -> dict[str, set[str]]:
     backticked key in the markdown."""
     found: dict[str, set[str]] = {}
     texts = {p: p.read_text() for p in [*doc_pages(), *REPO.glob("recipes/*")]}
-    texts.update({p: _python_strings(p) for p in [*REPO.glob("moerl/**/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("bench/*.py")]})
+    texts.update(
+        {
+            p: _python_strings(p)
+            for p in [*REPO.glob("moerl/**/*.py"), *REPO.glob("tools/*.py"), *REPO.glob("bench/*.py")]
+        }
+    )
     for path, text in texts.items():
         for match in re.finditer(KEY.pattern + "=", text):
             found.setdefault(match.group()[:-1], set()).add(str(path.relative_to(REPO)))
-        if path.suffix == ".md":  # `key` or `key=value` spans (not `moerl.trainer.config`, `trainer.step(...)`, `lora.py`)
-            prose = re.sub(r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.S | re.M)  # code blocks' backticks would pair spans wrongly
+        # `key` or `key=value` spans (not `moerl.trainer.config`, `trainer.step(...)`, `lora.py`)
+        if path.suffix == ".md":
+            prose = re.sub(
+                r"^[ \t]*```.*?^[ \t]*```", "", text, flags=re.S | re.M
+            )  # code blocks' backticks would pair spans wrongly
             for code in re.findall(r"`([^`]+)`", prose):
                 match = KEY.match(code)
-                if match and code[match.end():][:1] in ("", "=") and not FILE_NAME.search(match.group()):
+                if match and code[match.end() :][:1] in ("", "=") and not FILE_NAME.search(match.group()):
                     found.setdefault(match.group(), set()).add(str(path.relative_to(REPO)))
     return found
 
@@ -160,8 +182,13 @@ def test_a_request_deadline_outlasts_a_full_length_response_and_a_simulations_co
     profile = REPO / "tests" / "data" / "simulation" / "tiny.yaml"
     assert request_timeout_real_s(load_config(None, ["engines.request_timeout_s=600"])) == 600
     long = request_timeout_real_s(load_config(None, ["rollout.max_new_tokens=32768"]))
-    assert long > 32768 / SLOWEST_DECODE_TOKENS_PER_S and long > request_timeout_real_s(load_config(None, ["rollout.max_new_tokens=4096"])) > 600
-    simulated = load_config(None, ["engines.request_timeout_s=600", f"simulation.profile={profile}", "simulation.time_scale=0.5"])
+    assert (
+        long > 32768 / SLOWEST_DECODE_TOKENS_PER_S
+        and long > request_timeout_real_s(load_config(None, ["rollout.max_new_tokens=4096"])) > 600
+    )
+    simulated = load_config(
+        None, ["engines.request_timeout_s=600", f"simulation.profile={profile}", "simulation.time_scale=0.5"]
+    )
     assert request_timeout_real_s(simulated) == 1200
     with pytest.raises(ConfigError, match="engines.request_timeout_s"):
         load_config(None, ["engines.request_timeout_s=0"])
@@ -173,4 +200,6 @@ def test_sglang_deterministic_inference_is_refused_for_it_seeds_a_whole_group_al
     for flag in ("--enable-deterministic-inference", "--enable-deterministic-inference=true"):
         with pytest.raises(ConfigError, match="identical"):
             load_config(None, ["engines.server=sglang", f"engines.extra_args=[{flag}]"])
-    load_config(None, ["engines.server=embedded", "engines.extra_args=[--enable-deterministic-inference]"])  # not SGLang's flag there
+    load_config(
+        None, ["engines.server=embedded", "engines.extra_args=[--enable-deterministic-inference]"]
+    )  # not SGLang's flag there

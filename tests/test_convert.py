@@ -99,7 +99,10 @@ def _edit_tensors(hf_dir: Path, fn):
     "changes, message",
     [
         (dict(num_experts=None), "missing required keys: num_experts"),
-        (dict(quantization_config={"quant_method": "fp8"}), "unsupported keys (they may change the math): quantization_config"),
+        (
+            dict(quantization_config={"quant_method": "fp8"}),
+            "unsupported keys (they may change the math): quantization_config",
+        ),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
         (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}), "only plain RoPE"),
         (dict(use_sliding_window=True), "sliding-window attention is not supported"),
@@ -117,9 +120,18 @@ def test_bad_config_is_refused_with_its_reason(hf_copy, tmp_path, changes, messa
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda s: s.pop("model.layers.1.mlp.experts.3.up_proj.weight"), "tensors missing, e.g. ['model.layers.1.mlp.experts.3.up_proj.weight']"),
-        (lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 64)}), "model.layers.0.self_attn.q_proj.weight: (3, 64) != expected (64, 64)"),
-        (lambda s: s.update({"model.layers.0.mlp.mystery.weight": torch.zeros(2)}), "tensors the model does not use, e.g. ['model.layers.0.mlp.mystery.weight']"),
+        (
+            lambda s: s.pop("model.layers.1.mlp.experts.3.up_proj.weight"),
+            "tensors missing, e.g. ['model.layers.1.mlp.experts.3.up_proj.weight']",
+        ),
+        (
+            lambda s: s.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 64)}),
+            "model.layers.0.self_attn.q_proj.weight: (3, 64) != expected (64, 64)",
+        ),
+        (
+            lambda s: s.update({"model.layers.0.mlp.mystery.weight": torch.zeros(2)}),
+            "tensors the model does not use, e.g. ['model.layers.0.mlp.mystery.weight']",
+        ),
     ],
 )
 def test_bad_tensors_are_refused_by_name(hf_copy, tmp_path, edit, message):
@@ -229,12 +241,19 @@ def test_what_a_save_forks_dies_with_the_saver_and_its_queue_server_watches_it(t
         return value
 
     seen = []
-    monkeypatch.setattr(mcore.dist_checkpointing, "save", lambda *args, **kwargs: seen.append(death_signal_of_a_child()))
-    monkeypatch.setattr(filesystem_async, "_results_queue", filesystem_async._results_queue or object())  # started already
+    monkeypatch.setattr(
+        mcore.dist_checkpointing, "save", lambda *args, **kwargs: seen.append(death_signal_of_a_child())
+    )
+    # started already
+    monkeypatch.setattr(filesystem_async, "_results_queue", filesystem_async._results_queue or object())
     mcore.save_sharded({}, tmp_path)
     assert seen == [signal.SIGKILL] and death_signal_of_a_child() == 0
 
-    saver = subprocess.run([sys.executable, "-c", f"""
+    saver = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, sys
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from moerl.checkpoint import mcore
@@ -242,7 +261,12 @@ mcore.dist_checkpointing.save = lambda *args, **kwargs: None
 mcore.save_sharded({{}}, {str(tmp_path)!r})
 open({str(tmp_path / "server")!r}, "w").write(str(filesystem_async._results_queue._manager._process.pid))
 os.kill(os.getpid(), 9)
-"""], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)  # no pipe: the server would hold it open
+""",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=300,
+    )  # no pipe: the server would hold it open
     assert saver.returncode == -signal.SIGKILL
     server, deadline = int((tmp_path / "server").read_text()), time.monotonic() + 10
     while _running(server):

@@ -16,7 +16,8 @@ def test_every_patch_target_exists():
     import importlib
 
     missing = [
-        f"{module}.{attr}" for module, attr, _ in cpu_compat._patches()
+        f"{module}.{attr}"
+        for module, attr, _ in cpu_compat._patches()
         if not hasattr(importlib.import_module(module), attr)
     ]
     assert missing == []
@@ -26,13 +27,13 @@ def test_a_moved_target_raises_compat_error_naming_it(monkeypatch):
     monkeypatch.setattr(
         cpu_compat, "_patches", lambda: [("megatron.core.tensor_parallel.random", "_renamed_in_a_new_release", None)]
     )
-    with pytest.raises(cpu_compat.CompatError, match=r"megatron\.core\.tensor_parallel\.random\._renamed_in_a_new_release"):
+    with pytest.raises(
+        cpu_compat.CompatError, match=r"megatron\.core\.tensor_parallel\.random\._renamed_in_a_new_release"
+    ):
         cpu_compat._patch(*cpu_compat._patches()[0])
 
 
-@pytest.mark.skipif(
-    __import__("torch").cuda.is_available(), reason="the layer is applied only without CUDA"
-)
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the layer is applied only without CUDA")
 def test_apply_makes_cuda_device_arguments_land_on_the_cpu():
     # In a fresh interpreter: the layer installs a process-wide torch function mode.
     code = textwrap.dedent(

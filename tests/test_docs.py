@@ -18,7 +18,10 @@ from tests.test_config import doc_pages, named_keys, readme_recipe_lines
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 README = REPO / "README.md"
-QUICKSTART = ["bash tools/install.sh && bash recipes/qwen_moe_grpo.sh", "bash tools/install.sh dev && python3 -m pytest"]
+QUICKSTART = [
+    "bash tools/install.sh && bash recipes/qwen_moe_grpo.sh",
+    "bash tools/install.sh dev && python3 -m pytest",
+]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -91,7 +94,22 @@ def test_relative_links_resolve(page: Path):
 
 def test_mkdocs_builds_the_site_in_strict_mode(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs comes with the dev extra")
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"),
-                             "--site-dir", str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(REPO / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "site" / "index.html").is_file()

@@ -59,7 +59,9 @@ def _recompute(model, prompt, output):
     with torch.no_grad():
         out = model(ids, output_router_logits=True)
     topk = model.config.num_experts_per_tok
-    routing = torch.stack([torch.topk(torch.softmax(r.float(), -1), topk, -1).indices for r in out.router_logits], dim=1)
+    routing = torch.stack(
+        [torch.topk(torch.softmax(r.float(), -1), topk, -1).indices for r in out.router_logits], dim=1
+    )
     return out.logits[0], routing
 
 
@@ -77,8 +79,15 @@ def test_routing_equals_the_routing_of_a_full_rerun(server, shape, reference):
 def test_routed_experts_start_len_drops_prompt_rows(server, shape):
     async def go():
         async with EngineClient([server], shape) as client:
-            full = await client.generate(PROMPTS[2], {"max_new_tokens": 4, "sampling_seed": 1}, return_routed_experts=True)
-            part = await client.generate(PROMPTS[2], {"max_new_tokens": 4, "sampling_seed": 1}, return_routed_experts=True, routed_experts_start_len=5)
+            full = await client.generate(
+                PROMPTS[2], {"max_new_tokens": 4, "sampling_seed": 1}, return_routed_experts=True
+            )
+            part = await client.generate(
+                PROMPTS[2],
+                {"max_new_tokens": 4, "sampling_seed": 1},
+                return_routed_experts=True,
+                routed_experts_start_len=5,
+            )
             return full[0], part[0]
 
     full, part = run(go())
@@ -86,11 +95,14 @@ def test_routed_experts_start_len_drops_prompt_rows(server, shape):
     assert np.array_equal(part.routing, full.routing[5:])
 
 
-@pytest.mark.parametrize("params", [
-    {"top_k": 20, "top_p": 0.9, "temperature": 0.8},
-    {"top_k": 50, "min_p": 0.05},
-    {"top_k": 1},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"top_k": 20, "top_p": 0.9, "temperature": 0.8},
+        {"top_k": 50, "min_p": 0.05},
+        {"top_k": 1},
+    ],
+)
 def test_sampled_tokens_lie_in_their_kept_set_and_logprobs_match(server, shape, reference, params):
     params = {**params, "max_new_tokens": 10, "sampling_seed": 3, "ignore_eos": True}
     results = run(_generate_all(server, shape, params, return_sampling_mask=True))
@@ -113,7 +125,10 @@ def test_each_completion_returns_when_it_finishes(server, shape):
     async def go():
         order = []
         async with EngineClient([server], shape) as client:
-            prompts = [(PROMPTS[0], {"max_new_tokens": 120, "ignore_eos": True}), (PROMPTS[1], {"max_new_tokens": 2, "ignore_eos": True})]
+            prompts = [
+                (PROMPTS[0], {"max_new_tokens": 120, "ignore_eos": True}),
+                (PROMPTS[1], {"max_new_tokens": 2, "ignore_eos": True}),
+            ]
             for next_done in asyncio.as_completed([client.generate(ids, params) for ids, params in prompts]):
                 (c,) = await next_done
                 order.append(len(c.output_ids))
@@ -142,9 +157,14 @@ def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(mod
 
     from moerl.engines.embedded import server as served
 
-    body = {"input_ids": PROMPTS[0], "rid": "spilled", "return_logprob": True, "return_routed_experts": True,
-            "return_sampling_mask": True, "sampling_params": {"n": 3, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5,
-                                                              "top_k": 20}}
+    body = {
+        "input_ids": PROMPTS[0],
+        "rid": "spilled",
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "return_sampling_mask": True,
+        "sampling_params": {"n": 3, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5, "top_k": 20},
+    }
     files = []
 
     def temporary_file():
@@ -173,7 +193,11 @@ def test_stream_of_n_completions_tags_each_chunk_with_its_index(server):
     async def go():
         chunks = []
         async with aiohttp.ClientSession() as session:
-            body = {"input_ids": PROMPTS[0], "sampling_params": {"n": 3, "max_new_tokens": 5, "ignore_eos": True}, "stream": True}
+            body = {
+                "input_ids": PROMPTS[0],
+                "sampling_params": {"n": 3, "max_new_tokens": 5, "ignore_eos": True},
+                "stream": True,
+            }
             async with session.post(server + "/generate", json=body) as resp:
                 async for line in resp.content:
                     if line.startswith(b"data: {"):
@@ -197,14 +221,26 @@ async def _post(url, route, body):
             return r.status, await r.json(content_type=None)
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"input_ids": [1, 2], "return_routed_expert": True}, "unknown or unsupported field(s): return_routed_expert"),
-    ({"input_ids": []}, "input_ids is empty"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens: Input should be greater than or equal to 0"),
-    ({"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": -1}}, "return_sampling_mask needs a finite top_k"),
-    ({"input_ids": [1], "lora_path": "nope"}, "Got LoRA adapter that has never been loaded: nope"),  # SGLang's words
-    ({"input_ids": [1, 9999]}, "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"input_ids": [1, 2], "return_routed_expert": True}, "unknown or unsupported field(s): return_routed_expert"),
+        ({"input_ids": []}, "input_ids is empty"),
+        (
+            {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}},
+            "sampling_params.max_new_tokens: Input should be greater than or equal to 0",
+        ),
+        (
+            {"input_ids": [1], "return_sampling_mask": True, "sampling_params": {"top_k": -1}},
+            "return_sampling_mask needs a finite top_k",
+        ),
+        (
+            {"input_ids": [1], "lora_path": "nope"},
+            "Got LoRA adapter that has never been loaded: nope",
+        ),  # SGLang's words
+        ({"input_ids": [1, 9999]}, "outside the vocabulary"),
+    ],
+)
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, shape, body, message):
     status, answer = run(_post(server, "/generate", body))
     assert status == 400 and message in answer["error"]["message"]
@@ -226,7 +262,8 @@ def test_client_raises_the_engines_message_on_a_refusal(server, shape):
         run(go([1, 2], {"top_p": 0}))
 
 
-# ---- the prefix cache -------------------------------------------------------------------------------------------------
+# ---- the prefix cache
+# -------------------------------------------------------------------------------------------------
 LONG_PROMPT = [3, 17, 42, 99, 7, 11, 12, 13, 200, 5, 9, 31, 64, 2]
 
 
@@ -263,9 +300,14 @@ def test_a_prompt_reuses_only_its_own_keys_kv_and_never_kv_from_before_an_update
     assert elsewhere[0].cached_tokens == 0
     assert [c.cached_tokens for c in new] == [0, p - 1, p - 1, p - 1]
     assert old_key[0].cached_tokens == p - 1 and flushed[0].cached_tokens == 0
-    old_weights = _prompt_routing(AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).eval(), LONG_PROMPT)
-    new_weights = _prompt_routing(AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32).eval(), LONG_PROMPT)
-    assert not np.array_equal(old_weights, new_weights)  # the two models route this prompt differently: the test can tell
+    old_weights = _prompt_routing(
+        AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32).eval(), LONG_PROMPT
+    )
+    new_weights = _prompt_routing(
+        AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32).eval(), LONG_PROMPT
+    )
+    # the two models route this prompt differently: the test can tell
+    assert not np.array_equal(old_weights, new_weights)
     prompt_rows = lambda c: np.sort(c.routing[:p], -1)  # noqa: E731
     for c in [*first, *again, *elsewhere]:
         assert np.array_equal(prompt_rows(c), old_weights)

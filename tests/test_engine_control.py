@@ -73,7 +73,10 @@ def test_weight_update_from_disk_changes_outputs_and_bumps_the_version(server, m
 def test_in_place_update_mid_generation_splits_the_version_spans(server, models):
     async def go():
         async with aiohttp.ClientSession() as session, EngineClient([server]) as client:
-            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 0}}
+            body = {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "sampling_seed": 0},
+            }
             finish = await _stream_until_tokens(session, server, body, 3)
             await client.pause("in_place")
             await client.update_weights_from_disk(str(models[1]), weight_version="v2", flush_cache=False)
@@ -91,7 +94,11 @@ def test_in_place_update_mid_generation_splits_the_version_spans(server, models)
 def test_abort_returns_the_partial_output(server):
     async def go():
         async with aiohttp.ClientSession() as session, EngineClient([server]) as client:
-            body = {"input_ids": PROMPT, "rid": "long-one", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+            body = {
+                "input_ids": PROMPT,
+                "rid": "long-one",
+                "sampling_params": {"max_new_tokens": 500, "ignore_eos": True},
+            }
             finish = await _stream_until_tokens(session, server, body, 2)
             await client.abort("long-one")
             return await finish
@@ -168,7 +175,8 @@ def test_routing_sampled_before_a_retract_is_kept_when_new_weights_prefill_it_ag
             await client.update_weights_from_disk(str(models[1]), weight_version="v2", flush_cache=False)
             await client.resume()
             final = await finish
-            new = await routing_of(session, key="v2")  # keyed to the new weights: nothing cached before the update is reused
+            # keyed to the new weights: nothing cached before the update is reused
+            new = await routing_of(session, key="v2")
             await client.update_weights_from_disk(str(models[0]), weight_version="v3")  # the module's server, as it was
             return old, final, new
 
@@ -205,7 +213,9 @@ def test_weight_update_from_distributed_broadcast(server, models, load_format):
         async with EngineClient([server]) as client:
             before = (await client.generate(PROMPT, GREEDY))[0]
             joined = asyncio.to_thread(join_weight_group, "gloo", store, 2, 0, group_name)
-            group, _ = await asyncio.gather(joined, client.init_weights_update_group("127.0.0.1", store.port, 2, group_name, "gloo"))
+            group, _ = await asyncio.gather(
+                joined, client.init_weights_update_group("127.0.0.1", store.port, 2, group_name, "gloo")
+            )
             if load_format == "flattened_bucket":
                 flat, names, dtypes, shapes = flatten_bucket(named)
                 send = asyncio.to_thread(dist.broadcast, flat, 0, group)
@@ -218,7 +228,12 @@ def test_weight_update_from_distributed_broadcast(server, models, load_format):
             with pytest.raises(EngineError, match="must run between /begin_weight_update and /end_weight_update"):
                 await client.update_weights_from_distributed(names, dtypes, shapes, group_name, load_format=load_format)
             await client.begin_weight_update()
-            await asyncio.gather(send, client.update_weights_from_distributed(names, dtypes, shapes, group_name, weight_version="step-1", load_format=load_format))
+            await asyncio.gather(
+                send,
+                client.update_weights_from_distributed(
+                    names, dtypes, shapes, group_name, weight_version="step-1", load_format=load_format
+                ),
+            )
             await client.end_weight_update()
             pushed = (await client.generate(PROMPT, GREEDY))[0]
             await client.update_weights_from_disk(str(models[1]))
@@ -235,8 +250,11 @@ def test_a_mismatched_weight_update_is_refused_and_changes_nothing(server):
     async def go():
         async with EngineClient([server]) as client:
             before = (await client.generate(PROMPT, GREEDY))[0]
-            status, answer = await _post_json(server, "/update_weights_from_distributed",
-                                              {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[3]], "group_name": "nope"})
+            status, answer = await _post_json(
+                server,
+                "/update_weights_from_distributed",
+                {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[3]], "group_name": "nope"},
+            )
             after = (await client.generate(PROMPT, GREEDY))[0]
             return before, after, status, answer
 
@@ -282,7 +300,9 @@ def test_lora_adapter_changes_outputs_and_unloading_restores_them(server, models
             base = [(await client.generate(p, GREEDY))[0].output_ids for p in prompts]
             await client.load_lora("a", str(adapter))
             # Mixed batch: requests with and without the adapter, concurrently.
-            mixed = await asyncio.gather(*(client.generate(p, GREEDY, lora_path=lp) for p in prompts for lp in (None, "a")))
+            mixed = await asyncio.gather(
+                *(client.generate(p, GREEDY, lora_path=lp) for p in prompts for lp in (None, "a"))
+            )
             await client.unload_lora("a")
             after = [(await client.generate(p, GREEDY))[0].output_ids for p in prompts]
             status, answer = await _post_json(server, "/generate", {"input_ids": PROMPT, "lora_path": "a"})
@@ -306,8 +326,12 @@ def test_lora_adapter_from_tensors_and_bad_adapters(server, models, tmp_path):
     async def go():
         async with EngineClient([server]) as client:
             (from_dir,) = await _load_and_generate(client, "d", lambda: client.load_lora("d", str(adapter)))
-            (from_tensors,) = await _load_and_generate(client, "t", lambda: client.load_lora_from_tensors("t", config, tensors))
-            bad = await _post_json(server, "/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "missing")})
+            (from_tensors,) = await _load_and_generate(
+                client, "t", lambda: client.load_lora_from_tensors("t", config, tensors)
+            )
+            bad = await _post_json(
+                server, "/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path / "missing")}
+            )
             dup = await _post_json(server, "/load_lora_adapter", {"lora_name": "d", "lora_path": str(adapter)})
             return from_dir, from_tensors, bad, dup
 
@@ -325,6 +349,7 @@ async def _load_and_generate(client, name, load):
 def test_the_server_reports_what_it_computes_in(server):
     """A job verifying engines given by URL bounds their log-prob deltas by the dtype they report (as SGLang's
     /server_info carries its --dtype), not by its own engines.dtype."""
+
     async def info():
         async with EngineClient([server]) as client:
             return await client.server_info()
@@ -405,7 +430,9 @@ def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_jus
     from moerl.weight_sync.lora import AdapterSync
 
     adapter = _write_adapter(tmp_path / "adapter", models[0])
-    files = AdapterFiles(json.loads((adapter / "adapter_config.json").read_text()), load_file(adapter / "adapter_model.safetensors"))
+    files = AdapterFiles(
+        json.loads((adapter / "adapter_config.json").read_text()), load_file(adapter / "adapter_model.safetensors")
+    )
     hf_config = json.loads((models[0] / "config.json").read_text())
     ids = probe_ids(hf_config["vocab_size"])
     with socket.socket() as closed:
@@ -427,8 +454,12 @@ def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_jus
                 after_the_update_chose_both(lambda: sync.check_engines(ids, ours + 0.1, "default", 1e-3))
             after_the_update_chose_both(lambda: sync.load("a", files))
             assert client.targets == [server]
-            assert sync.check_engines(ids, ours, None, 10.0, "a")["sync/verify_max_abs_delta"] > 0  # the adapter is in use
-            with pytest.raises(WeightSyncError, match=rf"{server} does not serve the trainer's weights \(adapter a\).*start it again from model.path"):
+            # the adapter is in use
+            assert sync.check_engines(ids, ours, None, 10.0, "a")["sync/verify_max_abs_delta"] > 0
+            with pytest.raises(
+                WeightSyncError,
+                match=rf"{server} does not serve the trainer's weights \(adapter a\).*start it again from model.path",
+            ):
                 sync.check_engines(ids, ours + 0.1, None, 1e-3, "a")
             with pytest.raises(EngineError, match="already loaded") as refused:
                 after_the_update_chose_both(lambda: sync.load("a", files))
@@ -529,7 +560,11 @@ def test_a_replica_that_lost_the_runs_policy_unseen_fails_the_request_and_leaves
             health.sync_reached(None, [server])  # a LoRA run's: the adapter names the policy
             with pytest.raises(EngineError) as bad:  # the request's own fault, whatever adapter it names
                 await client.generate([10**6], GREEDY, lora_path="moerl-lora-v3")
-            assert bad.value.status == 400 and not isinstance(bad.value, ReplicaDown) and health.state(server) is State.HEALTHY
+            assert (
+                bad.value.status == 400
+                and not isinstance(bad.value, ReplicaDown)
+                and health.state(server) is State.HEALTHY
+            )
             with pytest.raises(ReplicaDown, match="has never been loaded"):
                 await client.generate(PROMPT, GREEDY, lora_path="moerl-lora-v3")
             assert health.state(server) is State.STALE
@@ -537,6 +572,10 @@ def test_a_replica_that_lost_the_runs_policy_unseen_fails_the_request_and_leaves
             health.probed(server, True, "3")
             with pytest.raises(EngineError) as bad:
                 await client.generate([10**6], GREEDY)  # past the vocabulary
-            assert bad.value.status == 400 and not isinstance(bad.value, ReplicaDown) and health.state(server) is State.HEALTHY
+            assert (
+                bad.value.status == 400
+                and not isinstance(bad.value, ReplicaDown)
+                and health.state(server) is State.HEALTHY
+            )
 
     asyncio.run(go())

@@ -18,11 +18,11 @@ import zmq
 from moerl.engines.client import EngineClient
 from moerl.engines.pool import EnginePool, EnginePoolConfig
 from moerl.env import group_left
-from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
 from moerl.errors import EnginesDown
-from moerl.orchestrator.rollouts import RolloutEndpoint
-from moerl.orchestrator.config import load_config, to_yaml
+from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
 from moerl.orchestrator.components import start_manager
+from moerl.orchestrator.config import load_config, to_yaml
+from moerl.orchestrator.rollouts import RolloutEndpoint
 
 GROUPS = 8
 
@@ -36,13 +36,31 @@ def model(tmp_path_factory) -> Path:
 def rollouts(model: Path, run_dir: Path, replicas: int, *overrides: str):
     """``replicas`` embedded engines, the rollout manager on them, and the buffer it reports to (sync mode)."""
     stops = ",".join(str(tiny_tokenizer().convert_tokens_to_ids(c)) for c in "eat ")
-    cfg = load_config(None, [f"model.path={model}", "run.mode=sync", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=48",
-                             f"rollout.stop_token_ids=[{stops}]", "engines.health_interval_s=0.2", "engines.health_failures=2",
-                             *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model}",
+            "run.mode=sync",
+            "rollout.samples_per_prompt=2",
+            "rollout.max_new_tokens=48",
+            f"rollout.stop_token_ids=[{stops}]",
+            "engines.health_interval_s=0.2",
+            "engines.health_failures=2",
+            *overrides,
+        ],
+    )
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    pool = EnginePool(EnginePoolConfig(model_path=str(model), server="embedded", replicas=replicas, base_port=0, dtype="float32",
-                                   log_dir=str(run_dir / "logs")))
+    pool = EnginePool(
+        EnginePoolConfig(
+            model_path=str(model),
+            server="embedded",
+            replicas=replicas,
+            base_port=0,
+            dtype="float32",
+            log_dir=str(run_dir / "logs"),
+        )
+    )
     ctx = zmq.Context()
     buffer = RolloutEndpoint(ctx, cfg.rollout, "sync")
     manager = None
@@ -124,8 +142,11 @@ def test_an_update_that_finds_every_engine_dead_has_them_started_again_while_it_
     starts them again meanwhile; nothing else would, and the run would stop after engines.down_timeout_s."""
     from moerl.weight_sync.disk import DiskSync
 
-    with EnginePool(EnginePoolConfig(model_path=str(model), server="embedded", base_port=0, dtype="float32",
-                                 log_dir=str(tmp_path / "logs"))) as pool:
+    with EnginePool(
+        EnginePoolConfig(
+            model_path=str(model), server="embedded", base_port=0, dtype="float32", log_dir=str(tmp_path / "logs")
+        )
+    ) as pool:
         sync = DiskSync(pool.urls, tmp_path / "sync", model)
         try:
             signal_replica(pool, 0, signal.SIGKILL)
@@ -147,7 +168,9 @@ def test_a_dead_replica_is_started_again_only_once_every_process_of_its_server_h
     from moerl.engines import pool as pool_module
 
     # A server that has exited and left a worker in its process group, as SGLang's scheduler processes may.
-    server = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    server = subprocess.Popen(
+        ["sh", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     worker = int(server.stdout.readline())
     server.wait()
     pool = EnginePool(EnginePoolConfig(model_path=str(tmp_path), server="embedded", base_port=0))
@@ -161,7 +184,8 @@ def test_a_dead_replica_is_started_again_only_once_every_process_of_its_server_h
     assert started == [] and pool.restarts == {}
     assert [r.getMessage() for r in caplog.records if "still running" in r.getMessage()] == [
         f"engine 0 (port 1) exited with 0; processes of its server still running (pids [{worker}]) after SIGKILL, for 0 s: "
-        "it is started again once they have ended"]  # once, not at each call
+        "it is started again once they have ended"
+    ]  # once, not at each call
     deadline = time.monotonic() + 30
     while group_left(server.pid):  # the worker, SIGKILLed by revive(), ends
         assert time.monotonic() < deadline, f"worker {worker} outlived its SIGKILL"
@@ -244,10 +268,14 @@ def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads
     buffer = RolloutEndpoint(zmq.Context.instance(), RolloutSection(), "async")
     try:
         buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 0, "b": 0}))
-        for states, losses in (({"a": "restarting", "b": "stale"}, {"a": 1, "b": 0}), ({"a": "healthy", "b": "stale"}, {"a": 1, "b": 0})):
+        for states, losses in (
+            ({"a": "restarting", "b": "stale"}, {"a": 1, "b": 0}),
+            ({"a": "healthy", "b": "stale"}, {"a": 1, "b": 0}),
+        ):
             buffer._handle(EnginesChanged(states, losses))
         assert buffer.take_left() == {"a"} and buffer.take_left() == set()  # though the last report shows it healthy
-        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 1, "b": 1}))  # restarted unseen, stale again
+        # restarted unseen, stale again
+        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 1, "b": 1}))
         buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 1, "b": 1}))
         assert buffer.take_left() == {"b"}
     finally:
@@ -279,7 +307,13 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
         seen.append((manager.adapter, manager.client.health.usable()))
 
     manager = RolloutManager.__new__(RolloutManager)  # the order handling alone: no engines, tokenizer or sockets
-    manager.client, manager.adapter, manager.users, manager.retired, manager._report = Client(), ("v2", 2), {}, set(), report
+    manager.client, manager.adapter, manager.users, manager.retired, manager._report = (
+        Client(),
+        ("v2", 2),
+        {},
+        set(),
+        report,
+    )
     health = manager.client.health
     health.sync_reached(None, ["a", "b"])
 
@@ -295,7 +329,6 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
     seen.clear()
     asyncio.run(manager._served(Served(None, ["a"], "v3", 3)))
     assert seen == [(("v3", 3), ["a"])] and health.state("b") is State.STALE and unloaded == ["v2", "v2.1"]
-
 
 
 def test_a_probe_answer_that_predates_a_sync_does_not_undo_it():

@@ -36,11 +36,16 @@ def test_the_process_group_is_made_after_the_device_is_chosen(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend, sorted(kw))))
     monkeypatch.setenv("LOCAL_RANK", "3")
     parallel.init_process_group()
-    assert calls == [("set_device", 3), ("init", "nccl", ["timeout"])]  # no device_id: the weight group is no split of it
+    # no device_id: the weight group is no split of it
+    assert calls == [("set_device", 3), ("init", "nccl", ["timeout"])]
 
 
 def test_only_one_place_creates_the_process_group():
-    callers = [p.relative_to(REPO).as_posix() for p in (REPO / "moerl").rglob("*.py") if "dist.init_process_group(" in p.read_text()]
+    callers = [
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "moerl").rglob("*.py")
+        if "dist.init_process_group(" in p.read_text()
+    ]
     assert callers == ["moerl/megatron/parallel.py"]
 
 
@@ -68,8 +73,12 @@ def test_conversion_on_a_cuda_host_runs_on_the_cpu(tmp_path, monkeypatch):
     original, round_trip = load_file(hf / "model.safetensors"), {}
     for shard in back.glob("*.safetensors"):
         round_trip.update(load_file(shard))
-    assert original.keys() - {"lm_head.weight"} == round_trip.keys() and all(torch.equal(original[k], round_trip[k]) for k in round_trip)
-    with pytest.raises(CheckpointError, match="already exists"):  # a user's mistake comes back as itself, not a traceback
+    assert original.keys() - {"lm_head.weight"} == round_trip.keys() and all(
+        torch.equal(original[k], round_trip[k]) for k in round_trip
+    )
+    with pytest.raises(
+        CheckpointError, match="already exists"
+    ):  # a user's mistake comes back as itself, not a traceback
         convert.hf_to_mcore(hf, tmp_path / "mcore", progress=False)
 
 
@@ -90,10 +99,11 @@ def test_norms_are_checkpointed_and_exported_under_transformer_engines_names(arc
     """megatron-core's own TE layer spec (with stand-in TE classes) says where TE keeps each norm; the local
     spec must checkpoint every norm under that name, and weight export must map TE's names to the Hub's."""
     result = run_ranks(te_norm_names, 1, arch)[0]
-    assert result["te_names"] == result["local_keys"], (result["te_names"] ^ result["local_keys"])
+    assert result["te_names"] == result["local_keys"], result["te_names"] ^ result["local_keys"]
     assert result["exported"] == result["rule_names"]
     dense = [i for i, moe in enumerate(result["pattern"]) if not moe]
-    assert dense and any(f"layers.{dense[0]}.mlp.linear_fc1.layer_norm_weight" in n for n in result["te_names"])  # fused in dense layers
+    # fused in dense layers
+    assert dense and any(f"layers.{dense[0]}.mlp.linear_fc1.layer_norm_weight" in n for n in result["te_names"])
     moe = result["pattern"].index(1)
     assert f"decoder.layers.{moe}.pre_mlp_layernorm.weight" in result["te_names"]  # kept apart in MoE layers
 
@@ -133,8 +143,13 @@ def test_transformer_engines_fusions_are_on_where_it_builds_the_model(monkeypatc
     from moerl.models.tiny import TINY_QWEN3
 
     monkeypatch.setattr(qwen_moe, "te_usable", lambda: True)
-    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):
+    for name in (
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_unpermute",
+    ):
         monkeypatch.setattr(moe_utils, name, object(), raising=False)
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", object())
     monkeypatch.setattr(tp_layers, "_grad_accum_fusion_available", apex)
@@ -199,9 +214,13 @@ def test_a_bf16_engine_applies_adapters_unmerged_in_fp32_on_the_models_device(tm
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     g = torch.Generator().manual_seed(0)
-    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, h, generator=g) * 1e-2,
-               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(out, 2, generator=g) * 1e-2},
-              str(adapter / "adapter_model.safetensors"))
+    save_file(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(2, h, generator=g) * 1e-2,
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(out, 2, generator=g) * 1e-2,
+        },
+        str(adapter / "adapter_model.safetensors"),
+    )
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4}))
     engine = EmbeddedEngine(str(hf), dtype=torch.bfloat16, device="cpu")
     q_proj = engine.runner.model.get_submodule("model.layers.0.self_attn.q_proj")
@@ -215,7 +234,9 @@ def test_a_bf16_engine_applies_adapters_unmerged_in_fp32_on_the_models_device(tm
         engine.adapters.activate("small")
         adapted = q_proj(x)
         engine.adapters.activate(None)
-    expected = plain + (2.0 * torch.nn.functional.linear(torch.nn.functional.linear(x.float(), a), b)).to(torch.bfloat16)
+    expected = plain + (2.0 * torch.nn.functional.linear(torch.nn.functional.linear(x.float(), a), b)).to(
+        torch.bfloat16
+    )
     assert torch.equal(adapted, expected) and not torch.equal(adapted, plain)
     assert torch.equal(q_proj.weight, base_weight)
 
@@ -234,16 +255,28 @@ def test_joins_broadcasts_and_loads_are_never_retried():
         return web.json_response({"error": {"message": "busy"}}, status=503)
 
     async def go():
-        async with serving({("*", "/{tail:.*}"): failing}) as url, EngineClient([url], retries=2, backoff_s=0.01) as client:
-            for call in (client.weight_versions(), client.init_weights_update_group("127.0.0.1", 1, 2, "g", "gloo"),
-                         client.update_weights_from_distributed(["w"], ["float32"], [[1]], "g"), client.load_lora("a", "/x"),
-                         client.update_weights_from_disk("/x")):
+        async with (
+            serving({("*", "/{tail:.*}"): failing}) as url,
+            EngineClient([url], retries=2, backoff_s=0.01) as client,
+        ):
+            for call in (
+                client.weight_versions(),
+                client.init_weights_update_group("127.0.0.1", 1, 2, "g", "gloo"),
+                client.update_weights_from_distributed(["w"], ["float32"], [[1]], "g"),
+                client.load_lora("a", "/x"),
+                client.update_weights_from_disk("/x"),
+            ):
                 with pytest.raises(EngineError, match="503"):
                     await call
 
     asyncio.run(go())
-    assert hits == {"/model_info": 3, "/init_weights_update_group": 1, "/update_weights_from_distributed": 1, "/load_lora_adapter": 1,
-                    "/update_weights_from_disk": 1}
+    assert hits == {
+        "/model_info": 3,
+        "/init_weights_update_group": 1,
+        "/update_weights_from_distributed": 1,
+        "/load_lora_adapter": 1,
+        "/update_weights_from_disk": 1,
+    }
 
 
 # ---- 9: SGLang present and recent enough, or said why not ---------------------------------------------
@@ -258,6 +291,7 @@ def test_sglang_is_used_only_when_it_is_installed_and_recent(monkeypatch):
             if version is None:
                 raise metadata.PackageNotFoundError(name)
             return version
+
         monkeypatch.setattr(metadata, "version", lookup)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -276,9 +310,22 @@ def test_an_explicit_sglang_without_sglang_is_one_error_line(tmp_path):
 
     from moerl.env import child_env
 
-    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "engines.server=sglang", f"run.dir={tmp_path}/r",
-                          f"run.cache_dir={tmp_path}/c"], env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: engines.server=sglang: sglang is not installed")
+    out = subprocess.run(
+        [
+            "bash",
+            str(REPO / "recipes" / "qwen_moe_grpo.sh"),
+            "engines.server=sglang",
+            f"run.dir={tmp_path}/r",
+            f"run.cache_dir={tmp_path}/c",
+        ],
+        env=child_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+        "error: engines.server=sglang: sglang is not installed"
+    )
 
 
 # ---- 13: the trainer's memory ------------------------------------------------------------------------
@@ -327,15 +374,22 @@ def fused_accumulation_output_layer() -> dict:
 
     tp_layers._grad_accum_fusion_available = True  # as with Apex's kernel, which the backward below does not reach
     init_distributed(Layout())
-    model = build_model(dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"]), Layout(), torch.bfloat16,
-                        gradient_accumulation_fusion=True)
+    model = build_model(
+        dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"]),
+        Layout(),
+        torch.bfloat16,
+        gradient_accumulation_fusion=True,
+    )
     built_fused = model.output_layer.gradient_accumulation_fusion
     _fp32_output_layer(model)
     logits, _ = model.output_layer(torch.randn(4, 1, TINY_QWEN3["hidden_size"], dtype=torch.bfloat16))
     logits.sum().backward()
     grad = model.output_layer.weight.grad
-    return {"built_fused": built_fused, "fused": model.output_layer.gradient_accumulation_fusion,
-            "grad": grad is not None and bool(grad.abs().sum() > 0)}
+    return {
+        "built_fused": built_fused,
+        "fused": model.output_layer.gradient_accumulation_fusion,
+        "grad": grad is not None and bool(grad.abs().sum() > 0),
+    }
 
 
 # ---- megatron-core without Transformer Engine or Apex on a GPU (found on an H100) -----------------------
@@ -395,8 +449,14 @@ def test_a_fully_reshardable_optimizer_state_loads_into_torch_adam():
     KeyError 'step'. With the trainer's adjustment the shard's values load and the loaded step stays."""
     from moerl.trainer.trainer import _keep_loaded_adam_steps
 
-    saved = [{"fp32_param": torch.arange(6.0), "exp_avg": torch.arange(6.0) + 10, "exp_avg_sq": torch.arange(6.0) + 20,
-              "step": torch.tensor(3.0)}]
+    saved = [
+        {
+            "fp32_param": torch.arange(6.0),
+            "exp_avg": torch.arange(6.0) + 10,
+            "exp_avg_sq": torch.arange(6.0) + 20,
+            "step": torch.tensor(3.0),
+        }
+    ]
     unadjusted, _, _ = _one_parameter_distributed_optimizer()
     with pytest.raises(KeyError, match="step"):
         unadjusted.load_parameter_state_from_fully_reshardable(saved)
@@ -404,7 +464,12 @@ def test_a_fully_reshardable_optimizer_state_loads_into_torch_adam():
     _keep_loaded_adam_steps(opt)
     opt.load_parameter_state_from_fully_reshardable(saved)
     assert main.tolist() == [1.0, 2.0, 3.0, 4.0]
-    assert state["exp_avg"].tolist() == [11.0, 12.0, 13.0, 14.0] and state["exp_avg_sq"].tolist() == [21.0, 22.0, 23.0, 24.0]
+    assert state["exp_avg"].tolist() == [11.0, 12.0, 13.0, 14.0] and state["exp_avg_sq"].tolist() == [
+        21.0,
+        22.0,
+        23.0,
+        24.0,
+    ]
     assert state["step"].item() == 7.0
 
 
@@ -446,7 +511,8 @@ def test_the_30b_recipe_fits_and_its_terms_add_up():
     assert terms["optimizer state"] < 12 * plan.trainer.params / 2 + 1  # experts over expert-DP 2, the rest over DP 8
     assert plan.trainer.total < 0.9 * 80 * 2**30
     lora = _plan("lora.enabled=true", "lora.rank=16", "sync.method=disk")
-    # LoRA trains megatron-core's local attention: what it saves in gradients and Adam's state, its s x s scores take back.
+    # LoRA trains megatron-core's local attention: what it saves in gradients and Adam's state, its s x s scores take
+    # back.
     scores = lora.trainer.terms["attention scores (s x s)"]
     assert lora.trainer.trainable < plan.trainer.params / 20 and lora.trainer.total - scores < plan.trainer.total / 2
     # The plan counts the modules lora.targets names, as add_lora adapts them: attention alone trains far less.
@@ -481,9 +547,22 @@ def test_the_job_refuses_a_plan_that_does_not_fit_before_any_preparation(tmp_pat
 
     from moerl.env import child_env
 
-    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), f"model.path={QWEN3_30B}", "trainer.ep=1", "run.trainer_ranks=1",
-                          "rollout.max_new_tokens=64", "model.mcore=/nonexistent", f"run.dir={tmp_path}/r"],
-                         env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            "bash",
+            str(REPO / "recipes" / "qwen_moe_grpo.sh"),
+            f"model.path={QWEN3_30B}",
+            "trainer.ep=1",
+            "run.trainer_ranks=1",
+            "rollout.max_new_tokens=64",
+            "model.mcore=/nonexistent",
+            f"run.dir={tmp_path}/r",
+        ],
+        env=child_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr.strip().splitlines()[-1].startswith("error: memory plan: a trainer rank needs")
     assert not (tmp_path / "r").exists()
@@ -495,9 +574,21 @@ def test_the_plan_is_printed_with_show_plan():
 
     from moerl.env import child_env
 
-    out = subprocess.run(["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "--config", "recipes/qwen3_30b_a3b.yaml",
-                          f"model.path={QWEN3_30B}", "--show-plan"], env=child_env(PYTHON=sys.executable), capture_output=True,
-                         text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [
+            "bash",
+            str(REPO / "recipes" / "qwen_moe_grpo.sh"),
+            "--config",
+            "recipes/qwen3_30b_a3b.yaml",
+            f"model.path={QWEN3_30B}",
+            "--show-plan",
+        ],
+        env=child_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     assert "4,400,822,272 parameters" in out.stdout and "optimizer state" in out.stdout
 
@@ -532,7 +623,9 @@ def test_sglang_servers_given_by_url_are_refused_where_the_run_could_not_use_the
     async def go():
         async with serving({("GET", "/health"): health, ("GET", "/server_info"): server_info}) as url:
             await asyncio.to_thread(check_engine_urls, [url])
-            with pytest.raises(ConfigError, match="is an SGLang server, and lora.enabled with SGLang engines needs sync.method=disk"):
+            with pytest.raises(
+                ConfigError, match="is an SGLang server, and lora.enabled with SGLang engines needs sync.method=disk"
+            ):
                 await asyncio.to_thread(check_engine_urls, [url], False, refused)
 
     asyncio.run(go())

@@ -11,8 +11,17 @@ import moerl
 ROOT = Path(moerl.__file__).parent
 # Lowest first. A module imports from its own layer or lower ones.
 LAYERS = [
-    {"moerl", "moerl.errors", "moerl.env", "moerl.config", "moerl.dtypes", "moerl.files", "moerl.layout", "moerl.sample",
-     "moerl.simulation"},
+    {
+        "moerl",
+        "moerl.errors",
+        "moerl.env",
+        "moerl.config",
+        "moerl.dtypes",
+        "moerl.files",
+        "moerl.layout",
+        "moerl.sample",
+        "moerl.simulation",
+    },
     {"moerl.models"},
     {"moerl.megatron"},
     {"moerl.checkpoint"},
@@ -41,7 +50,9 @@ def imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 found |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
         out[name] = {m for m in found if m.split(".")[0] == "moerl" and m != name}
     return out
@@ -68,7 +79,7 @@ def test_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt in graph and not state.get(nxt):
                 visit(nxt, stack + [nxt])
         state[node] = 2

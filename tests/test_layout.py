@@ -33,7 +33,8 @@ def test_world_size_must_divide():
 
 
 @pytest.mark.parametrize(
-    "layout, world", [(Layout(), 1), (Layout(tp=2), 2), (Layout(tp=2, ep=2), 2), (Layout(ep=4, pp=2), 8), (Layout(tp=2, pp=2), 4)]
+    "layout, world",
+    [(Layout(), 1), (Layout(tp=2), 2), (Layout(tp=2, ep=2), 2), (Layout(ep=4, pp=2), 8), (Layout(tp=2, pp=2), 4)],
 )
 def test_smallest_world_for_a_layout(layout, world):
     assert world_size_for(layout) == world

@@ -53,7 +53,13 @@ def test_logprobs_and_entropy_match_dense_reference_across_tp_shards(tp, outlier
     (upstream * (masked + full + ent)).sum().backward()
     if tp == 1:
         shard = logits.clone().requires_grad_(True)
-        got = [{"masked": masked_logprobs(shard, targets, offsets, ids), "full": full_logprobs(shard, targets), "entropy": entropy(shard)}]
+        got = [
+            {
+                "masked": masked_logprobs(shard, targets, offsets, ids),
+                "full": full_logprobs(shard, targets),
+                "entropy": entropy(shard),
+            }
+        ]
         (upstream * (got[0]["masked"] + got[0]["full"] + got[0]["entropy"])).sum().backward()
         got[0]["grad"] = shard.grad
     else:

@@ -44,8 +44,11 @@ SAVED = (dict(pp=2), dict(tp=2, ep=2))
 def models(tmp_path_factory, tiny_ckpts) -> dict:
     root = tmp_path_factory.mktemp("lora-models")
     hf = save_tiny_hf("Qwen3MoeForCausalLM", root / "qwen3-hf", mlp_only_layers=[])
-    return {"qwen3-all-moe": (hf, hf_to_mcore(hf, root / "qwen3-mcore", progress=False)),
-            "qwen3-dense": tiny_ckpts["Qwen3MoeForCausalLM"], "qwen2": tiny_ckpts["Qwen2MoeForCausalLM"]}
+    return {
+        "qwen3-all-moe": (hf, hf_to_mcore(hf, root / "qwen3-mcore", progress=False)),
+        "qwen3-dense": tiny_ckpts["Qwen3MoeForCausalLM"],
+        "qwen2": tiny_ckpts["Qwen2MoeForCausalLM"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,9 @@ def trained(models, rollouts, tmp_path_factory) -> dict:
         for layout in layouts:
             cfg = trainer_config(**layout)
             world = max(layout.get("tp", 1), layout.get("ep", 1)) * layout.get("pp", 1)  # EP folds over the TP ranks
-            save = str(root / f"{name}-{'-'.join(f'{k}{v}' for k, v in layout.items())}-ckpt") if layout in SAVED else None
+            save = (
+                str(root / f"{name}-{'-'.join(f'{k}{v}' for k, v in layout.items())}-ckpt") if layout in SAVED else None
+            )
             result = run_ranks(lora_train_export, world, str(mcore), cfg, LORA, samples, INPUT_IDS, STEPS, save)
             logits = next(r["logits"] for r in result if r["logits"] is not None)  # the last pipeline stage's
             out[name].append({**result[0], "logits": logits, "layout": layout, "checkpoint": save})
@@ -90,10 +95,25 @@ def test_an_sglang_server_serves_the_modules_the_adapters_take(trained, models):
     buffers too), and the experts' whatever the targets (SGLang's LoRA MoE runner refuses to start without them)."""
     for name, runs in trained.items():
         hf, _ = models[name]
-        assert lora_target_modules(hf, LORA.targets) == _adapter_files(hf, runs[0]["lora"], "sglang").config["target_modules"], name
+        assert (
+            lora_target_modules(hf, LORA.targets)
+            == _adapter_files(hf, runs[0]["lora"], "sglang").config["target_modules"]
+        ), name
     hf, _ = models["qwen2"]
-    assert lora_target_modules(hf, ["linear_qkv"]) == ["down_proj", "gate_proj", "k_proj", "q_proj", "up_proj", "v_proj"]
-    assert lora_target_modules(hf, ["*.local_experts.*.linear_fc1", "linear_proj"]) == ["down_proj", "gate_proj", "o_proj", "up_proj"]
+    assert lora_target_modules(hf, ["linear_qkv"]) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
+    assert lora_target_modules(hf, ["*.local_experts.*.linear_fc1", "linear_proj"]) == [
+        "down_proj",
+        "gate_proj",
+        "o_proj",
+        "up_proj",
+    ]
     with pytest.raises(ValueError, match="match no linear layer"):
         lora_target_modules(hf, ["linear_qkvz"])
 
@@ -132,20 +152,41 @@ def test_each_export_means_the_trained_model_in_its_consumer(trained, models, tm
     for run in (r for r in trained[name] if r["checkpoint"]):
         where = tmp_path / "-".join(f"{k}{v}" for k, v in run["layout"].items())
         merged = where / "merged"
-        assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(merged), "--merge-lora", "--no-progress"]) == 0
+        assert (
+            convert_main(
+                ["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(merged), "--merge-lora", "--no-progress"]
+            )
+            == 0
+        )
         with torch.no_grad():
             merged_logits = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(INPUT_IDS).logits
         assert (merged_logits - run["logits"]).abs().max() < 1e-4, run["layout"]
 
         for fmt in ("peft", "sglang"):
             adapter = where / fmt
-            assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(adapter), "--adapter-only",
-                                 "--adapter-format", fmt, "--no-progress"]) == 0
+            assert (
+                convert_main(
+                    [
+                        "mcore-to-hf",
+                        "--mcore",
+                        run["checkpoint"],
+                        "--out",
+                        str(adapter),
+                        "--adapter-only",
+                        "--adapter-format",
+                        fmt,
+                        "--no-progress",
+                    ]
+                )
+                == 0
+            )
             config = json.loads((adapter / "adapter_config.json").read_text())
             assert config["r"] == LORA.rank and config["base_model_name_or_path"] == str(hf.resolve())
         # PEFT finds the base model from the adapter alone and applies every module.
         with torch.no_grad():
-            peft_logits = AutoPeftModelForCausalLM.from_pretrained(where / "peft", dtype=torch.float32).eval()(INPUT_IDS).logits
+            peft_logits = (
+                AutoPeftModelForCausalLM.from_pretrained(where / "peft", dtype=torch.float32).eval()(INPUT_IDS).logits
+            )
             plain = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()(INPUT_IDS).logits
         assert (peft_logits - merged_logits).abs().max() < 1e-4, (name, run["layout"])
         assert (peft_logits - plain).abs().max() > 1e-2  # the adapter changes the model
@@ -154,9 +195,26 @@ def test_each_export_means_the_trained_model_in_its_consumer(trained, models, tm
         assert [ids for ids, _ in with_adapter] == [ids for ids, _ in from_merged]
         assert all(abs(x - y) < 1e-4 for (_, a), (_, b) in zip(with_adapter, from_merged) for x, y in zip(a, b))
 
-    # A LoRA checkpoint converted as if it held full weights would silently drop the training; an adapter needs its consumer.
-    assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(tmp_path / "plain"), "--no-progress"]) == 2
-    assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(tmp_path / "a"), "--adapter-only", "--no-progress"]) == 2
+    # A LoRA checkpoint converted as if it held full weights would silently drop the training; an adapter needs its
+    # consumer.
+    assert (
+        convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(tmp_path / "plain"), "--no-progress"])
+        == 2
+    )
+    assert (
+        convert_main(
+            [
+                "mcore-to-hf",
+                "--mcore",
+                run["checkpoint"],
+                "--out",
+                str(tmp_path / "a"),
+                "--adapter-only",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "--adapter-format peft" in capsys.readouterr().err
 
 
@@ -182,7 +240,9 @@ def test_what_peft_would_drop_is_named_and_is_what_peft_drops(trained, models, t
         for module, (a, b) in hub_factors(family, family.normalize(raw), lora).items():
             if module not in dropped:
                 hub_tensor_view(family, params, module + ".weight").add_(LORA.scale * (b @ a))
-        peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), save_adapter(tmp_path / "a", files))
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), save_adapter(tmp_path / "a", files)
+        )
         got = peft_model.eval()(INPUT_IDS).logits
         assert (got - expected(INPUT_IDS).logits).abs().max() < 1e-4
         if dropped:  # so PEFT's model is not the trained one
@@ -194,14 +254,38 @@ def test_a_planted_drop_is_detected(trained, tmp_path, capsys):
 
     run = next(r for r in trained["qwen2"] if r["checkpoint"])
     adapter = tmp_path / "adapter"
-    assert convert_main(["mcore-to-hf", "--mcore", run["checkpoint"], "--out", str(adapter), "--adapter-only", "--adapter-format", "peft",
-                         "--no-progress"]) == 0
-    assert convert_main(["check-adapter", "--mcore", run["checkpoint"], "--adapter", str(adapter), "--adapter-format", "peft"]) == 0
+    assert (
+        convert_main(
+            [
+                "mcore-to-hf",
+                "--mcore",
+                run["checkpoint"],
+                "--out",
+                str(adapter),
+                "--adapter-only",
+                "--adapter-format",
+                "peft",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert (
+        convert_main(
+            ["check-adapter", "--mcore", run["checkpoint"], "--adapter", str(adapter), "--adapter-format", "peft"]
+        )
+        == 0
+    )
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     planted = [k for k in tensors if ".shared_expert.down_proj." in k]
     save_file({k: v for k, v in tensors.items() if k not in planted}, str(adapter / "adapter_model.safetensors"))
     capsys.readouterr()
-    assert convert_main(["check-adapter", "--mcore", run["checkpoint"], "--adapter", str(adapter), "--adapter-format", "peft"]) == 1
+    assert (
+        convert_main(
+            ["check-adapter", "--mcore", run["checkpoint"], "--adapter", str(adapter), "--adapter-format", "peft"]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert f"{len(planted)} tensor(s) missing" in err and "shared_expert.down_proj" in err
 
@@ -209,7 +293,10 @@ def test_a_planted_drop_is_detected(trained, tmp_path, capsys):
 def test_the_engine_refuses_the_peft_layout_with_what_to_do(trained, models):
     hf, _ = models["qwen2"]
     files = _adapter_files(hf, trained["qwen2"][0]["lora"], "peft")
-    adapters = AdapterSet(AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32), family_for(json.loads((hf / "config.json").read_text())))
+    adapters = AdapterSet(
+        AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32),
+        family_for(json.loads((hf / "config.json").read_text())),
+    )
     with pytest.raises(LoRAError, match="--adapter-format sglang"):
         adapters.from_tensors("p", AdapterConfig.of("adapter_config.json", files.config), files.tensors)
 
@@ -218,7 +305,9 @@ def test_lora_trainer_resumes_exactly(models, rollouts, tmp_path):
     """Adapters, their optimizer state, the schedule and the version come back from a checkpoint: one step
     after resuming equals the second step of a run never interrupted."""
     _, mcore = models["qwen2"]
-    out = run_ranks(save_and_resume, 2, str(mcore), trainer_config(ep=2), rollouts["qwen2"], str(tmp_path / "ckpt"), LORA)[0]
+    out = run_ranks(
+        save_and_resume, 2, str(mcore), trainer_config(ep=2), rollouts["qwen2"], str(tmp_path / "ckpt"), LORA
+    )[0]
     assert out["version"] == 2 and out["got"]["train/loss"] != out["first"]["train/loss"]
     for key in ("train/loss", "train/grad_norm"):
         assert out["got"][key] == out["expected"][key], key
@@ -233,9 +322,15 @@ def serve(model_dir, adapter=None) -> list:
         engine.adapters.add(engine.adapters.from_dir("trained", adapter))
     engine.scheduler.start()
     try:
-        body = {"input_ids": INPUT_IDS[0].tolist(), "return_logprob": True, "lora_path": "trained" if adapter else None,
-                "sampling_params": {"n": 2, "max_new_tokens": 6, "top_k": 8, "sampling_seed": 3, "ignore_eos": True}}
-        return [(r["output_ids"], [x[0] for x in r["meta_info"]["output_token_logprobs"]]) for r in engine.generate(body)]
+        body = {
+            "input_ids": INPUT_IDS[0].tolist(),
+            "return_logprob": True,
+            "lora_path": "trained" if adapter else None,
+            "sampling_params": {"n": 2, "max_new_tokens": 6, "top_k": 8, "sampling_seed": 3, "ignore_eos": True},
+        }
+        return [
+            (r["output_ids"], [x[0] for x in r["meta_info"]["output_token_logprobs"]]) for r in engine.generate(body)
+        ]
     finally:
         engine.scheduler.stop()
 
@@ -245,8 +340,12 @@ def test_bad_lora_config():
         LoRAConfig(enabled=True, rank=0)
     with pytest.raises(LoRAError, match="dropout"):
         LoRAConfig(enabled=True, dropout=1.0)
-    assert LoRAConfig(targets=["*.local_experts.*.linear_fc1"]).targets_module("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1")
-    assert not LoRAConfig(targets=["*.local_experts.*.linear_fc1"]).targets_module("decoder.layers.0.mlp.shared_experts.linear_fc1")
+    assert LoRAConfig(targets=["*.local_experts.*.linear_fc1"]).targets_module(
+        "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1"
+    )
+    assert not LoRAConfig(targets=["*.local_experts.*.linear_fc1"]).targets_module(
+        "decoder.layers.0.mlp.shared_experts.linear_fc1"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

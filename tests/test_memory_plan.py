@@ -44,8 +44,9 @@ class PeakBytes(TorchDispatchMode):
         return out
 
 
-LOGITS_MODEL = dict(vocab_size=8192, hidden_size=32, num_hidden_layers=1, mlp_only_layers=[],
-                    max_position_embeddings=256)
+LOGITS_MODEL = dict(
+    vocab_size=8192, hidden_size=32, num_hidden_layers=1, mlp_only_layers=[], max_position_embeddings=256
+)
 ROWS, WIDTH = 2, 256  # the measured micro-batch: two responses of 256 tokens after a one-token prompt
 
 
@@ -77,11 +78,20 @@ def logits_peaks(cases: list[tuple[bool, bool]]) -> list[int]:
             ids = rng.integers(0, vocab, WIDTH).astype(np.int32)
             kept = np.stack([ids, (ids + 1) % vocab], 1).reshape(-1).astype(np.int32)  # two ids a token
             zeros = np.zeros(WIDTH, np.float32)
-            samples.append(Sample(prompt_ids=np.ones(1, np.int32), response_ids=ids, behaviour_logprobs=zeros,
-                                  versions=np.zeros(WIDTH, np.int64), selected_logprobs=zeros,
-                                  mask_offsets=np.arange(WIDTH + 1, dtype=np.int64) * 2, mask_ids=kept))
-        mb = build_micro_batch(samples, [1.0] * ROWS, [1.0] * ROWS, multiple=1, use_masks=sampling_mask,
-                               routed_experts=None)
+            samples.append(
+                Sample(
+                    prompt_ids=np.ones(1, np.int32),
+                    response_ids=ids,
+                    behaviour_logprobs=zeros,
+                    versions=np.zeros(WIDTH, np.int64),
+                    selected_logprobs=zeros,
+                    mask_offsets=np.arange(WIDTH + 1, dtype=np.int64) * 2,
+                    mask_ids=kept,
+                )
+            )
+        mb = build_micro_batch(
+            samples, [1.0] * ROWS, [1.0] * ROWS, multiple=1, use_masks=sampling_mask, routed_experts=None
+        )
         trainer = SimpleNamespace(cfg=SimpleNamespace(replay=SimpleNamespace(sampling_mask=sampling_mask)))
         hidden = torch.randn(WIDTH, ROWS, LOGITS_MODEL["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
         with PeakBytes() as counted:
@@ -121,13 +131,19 @@ def attention_peaks(cases: list[tuple[str, bool, int]]) -> list[int]:
     for dtype_name, packed, layers in cases:
         dtype = getattr(torch, dtype_name)
         config = family.transformer_config(cfg, Layout(), dtype)
-        attention = [DotProductAttention(config, layer_number=i + 1, attn_mask_type=AttnMaskType.causal,
-                                         attention_type="self") for i in range(layers)]
+        attention = [
+            DotProductAttention(config, layer_number=i + 1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+            for i in range(layers)
+        ]
         query = torch.randn(SEQ, 1, heads, dim, dtype=dtype, requires_grad=True)
         key, value = (torch.randn(SEQ, 1, groups, dim, dtype=dtype, requires_grad=True) for _ in range(2))
         half = SEQ // 2
-        mb = MicroBatch(torch.zeros(1, SEQ, dtype=torch.long), *(None,) * 9, fed_lengths=[half, half],
-                        cu_seqlens=torch.tensor([0, half, SEQ], dtype=torch.int32))
+        mb = MicroBatch(
+            torch.zeros(1, SEQ, dtype=torch.long),
+            *(None,) * 9,
+            fed_lengths=[half, half],
+            cu_seqlens=torch.tensor([0, half, SEQ], dtype=torch.int32),
+        )
         with PeakBytes() as counted:
             mask = mb.packed_inputs(torch.device("cpu"), thd=False)["attention_mask"] if packed else None
             out = query
@@ -161,17 +177,21 @@ def test_the_logits_term_is_what_the_logits_path_allocates(measured_logits, samp
     rows divided by their temperature), 4 over the full vocabulary, 3 more with the entropy; within 5% of the peak the
     path reaches (the plan also counts the output layer's fp32 weight copy's gradient, made once the logits are
     gone)."""
-    plan = _tiny_plan(LOGITS_MODEL, f"trainer.micro_batch_tokens={ROWS * WIDTH}",
-                      f"trainer.replay.sampling_mask={str(sampling_mask).lower()}",
-                      f"trainer.loss.entropy_coef={0.01 * with_entropy}")
+    plan = _tiny_plan(
+        LOGITS_MODEL,
+        f"trainer.micro_batch_tokens={ROWS * WIDTH}",
+        f"trainer.replay.sampling_mask={str(sampling_mask).lower()}",
+        f"trainer.loss.entropy_coef={0.01 * with_entropy}",
+    )
     assert plan.micro_batch.tokens == ROWS * WIDTH  # the sample is capped by the context, 256
     assert plan.micro_batch.logits_copies == 3 + (not sampling_mask) + 3 * with_entropy
     measured = measured_logits[(sampling_mask, with_entropy)]
     assert measured <= plan.trainer.terms["logits (fp32)"] <= 1.05 * measured
 
 
-ATTENTION_CASES = [(dtype, packed, layers) for dtype in ("bfloat16", "float32") for packed in (False, True)
-                   for layers in (1, 3)]
+ATTENTION_CASES = [
+    (dtype, packed, layers) for dtype in ("bfloat16", "float32") for packed in (False, True) for layers in (1, 3)
+]
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +208,14 @@ def test_the_attention_scores_term_is_what_local_attention_allocates(measured_at
     bool); on the CPU one cached bool mask stands in, so the padded terms run higher."""
     fmt = "packed" if packed else "padded"
     for recompute, measured_layers in ((False, layers), (True, 1)):
-        plan = _tiny_plan(dict(ATTENTION_MODEL, num_hidden_layers=layers), "lora.enabled=true",
-                          f"trainer.dtype={dtype}", f"trainer.micro_batch_tokens={SEQ}",
-                          f"trainer.micro_batch_format={fmt}", f"trainer.recompute={str(recompute).lower()}")
+        plan = _tiny_plan(
+            dict(ATTENTION_MODEL, num_hidden_layers=layers),
+            "lora.enabled=true",
+            f"trainer.dtype={dtype}",
+            f"trainer.micro_batch_tokens={SEQ}",
+            f"trainer.micro_batch_format={fmt}",
+            f"trainer.recompute={str(recompute).lower()}",
+        )
         assert plan.micro_batch.local_attention and (plan.micro_batch.tokens, plan.micro_batch.width) == (SEQ, SEQ)
         measured = measured_attention[(dtype, packed, measured_layers)]
         assert 0.95 * measured <= plan.trainer.terms["attention scores (s x s)"] <= 1.2 * measured
@@ -246,8 +271,10 @@ def test_the_weight_sync_communicators_are_an_engine_term():
     assert COMMUNICATOR_BYTES == 256 << 20 and MAX_GROUPS_PER_ENGINE == 4
     plan = _plan()
     assert (plan.senders, plan.communicators) == (8, 8 * GIB)
-    assert ("weight-sync communicators 8.0 GiB, outside mem_fraction_static: 8 sender(s) x 4 groups x 256 MiB"
-            in plan.table())
+    assert (
+        "weight-sync communicators 8.0 GiB, outside mem_fraction_static: 8 sender(s) x 4 groups x 256 MiB"
+        in plan.table()
+    )
     staged = _plan("trainer.pp=2", "run.trainer_ranks=32")
     assert staged.senders == 16
     disk = _plan("sync.method=disk")

@@ -22,7 +22,9 @@ def test_grpo_advantages_centre_and_scale_each_group():
     adv = objectives.grpo_advantages(rewards, groups, std_normalize=True, eps=0.0)
     std0 = math.sqrt(0.75 * 0.25)  # group 0: mean 0.75, population std
     np.testing.assert_allclose(adv, [0.25 / std0, -0.75 / std0, 0.25 / std0, 0.25 / std0, 1.0, -1.0], rtol=1e-6)
-    np.testing.assert_allclose(objectives.grpo_advantages(rewards, groups, std_normalize=False), [0.25, -0.75, 0.25, 0.25, 1.0, -1.0])
+    np.testing.assert_allclose(
+        objectives.grpo_advantages(rewards, groups, std_normalize=False), [0.25, -0.75, 0.25, 0.25, 1.0, -1.0]
+    )
 
 
 def test_aggregation_weights():
@@ -77,15 +79,18 @@ def test_cispo_keeps_gradients_of_clipped_tokens_with_a_capped_weight():
     assert clipped.tolist() == [1.0, 0.0]
 
 
-@pytest.mark.parametrize("kind, expected", [
-    ("none", [1.0, 1.0, 1.0]),
-    ("tis", [math.exp(0.5), math.exp(0.3), math.exp(-1.0)]),  # exp(old - behaviour), under the cap of 2
-    # IcePop: k = old/behaviour where k lies in [0.5, 2], else 0 (e^-1 < 0.5 is zeroed).
-    ("icepop", [math.exp(0.5), math.exp(0.3), 0.0]),
-    ("token_mask", [1.0, 1.0, 0.0]),  # the same band, kept tokens unweighted
-    ("seq_is", [2.0, 2.0, math.exp(-1.0)]),  # exp(0.5 + 0.3) > 2 is capped; sequence 1 alone
-    ("geo_is", [math.exp(0.4), math.exp(0.4), math.exp(-1.0)]),  # exp(mean over the sequence)
-])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("none", [1.0, 1.0, 1.0]),
+        ("tis", [math.exp(0.5), math.exp(0.3), math.exp(-1.0)]),  # exp(old - behaviour), under the cap of 2
+        # IcePop: k = old/behaviour where k lies in [0.5, 2], else 0 (e^-1 < 0.5 is zeroed).
+        ("icepop", [math.exp(0.5), math.exp(0.3), 0.0]),
+        ("token_mask", [1.0, 1.0, 0.0]),  # the same band, kept tokens unweighted
+        ("seq_is", [2.0, 2.0, math.exp(-1.0)]),  # exp(0.5 + 0.3) > 2 is capped; sequence 1 alone
+        ("geo_is", [math.exp(0.4), math.exp(0.4), math.exp(-1.0)]),  # exp(mean over the sequence)
+    ],
+)
 def test_behaviour_to_proximal_corrections(kind, expected):
     cfg = LossConfig(correction=kind, is_cap=2.0, band_low=0.5, band_high=2.0)
     old = T([0.0, 0.0, 0.0])
@@ -97,8 +102,9 @@ def test_behaviour_to_proximal_corrections(kind, expected):
 def test_kl_estimators():
     new, ref = T([0.0, -1.0]), T([-0.5, -0.5])
     np.testing.assert_allclose(objectives.kl_terms(new, ref, "k1").numpy(), [0.5, -0.5])
-    np.testing.assert_allclose(objectives.kl_terms(new, ref, "k3").numpy(),
-                               [math.exp(-0.5) + 0.5 - 1, math.exp(0.5) - 0.5 - 1], rtol=1e-6)
+    np.testing.assert_allclose(
+        objectives.kl_terms(new, ref, "k3").numpy(), [math.exp(-0.5) + 0.5 - 1, math.exp(0.5) - 0.5 - 1], rtol=1e-6
+    )
 
 
 def test_bad_loss_config_names_the_field():
@@ -113,8 +119,13 @@ def test_bad_loss_config_names_the_field():
 def test_icepop_band_edges_are_inclusive():
     low, high = 0.5, 2.0
     behaviour = -T([math.log(low), math.log(high), math.log(high) + 1e-3])
-    w = objectives.correction(torch.zeros(3), behaviour, torch.zeros(3, dtype=torch.long), 1,
-                              LossConfig(correction="icepop", band_low=low, band_high=high))
+    w = objectives.correction(
+        torch.zeros(3),
+        behaviour,
+        torch.zeros(3, dtype=torch.long),
+        1,
+        LossConfig(correction="icepop", band_low=low, band_high=high),
+    )
     np.testing.assert_allclose(w.numpy(), [low, high, 0.0], rtol=1e-5)
 
 

@@ -22,8 +22,21 @@ from moerl.orchestrator.metrics import plot, read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
-REQUIRED = ("step", "mode", "rollout/reward_mean", "rollout/response_len_mean", "train/loss", "routing/agreement", "mismatch/k3_kl",
-            "staleness/max", "sync/seconds", "time/step_seconds", "time/trainer_idle_fraction", "prompts/trained", "prompts/dropped")
+REQUIRED = (
+    "step",
+    "mode",
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "train/loss",
+    "routing/agreement",
+    "mismatch/k3_kl",
+    "staleness/max",
+    "sync/seconds",
+    "time/step_seconds",
+    "time/trainer_idle_fraction",
+    "prompts/trained",
+    "prompts/dropped",
+)
 GROUPS = 4
 
 
@@ -55,31 +68,60 @@ def engine_bound(random_model) -> list[str]:
     is still generating when each weight update comes: every update met a rollout in flight in the runs tried, also with
     a busy process taking a core. At a full batch of shorter responses the engine could have a step's groups back
     before the update, and now and then no update met any."""
-    return [f"model.path={random_model}", "rollout.max_new_tokens=96", "rollout.stop_token_ids=[]",
-            "engines.extra_args=[--max-running-requests,1]"]
+    return [
+        f"model.path={random_model}",
+        "rollout.max_new_tokens=96",
+        "rollout.stop_token_ids=[]",
+        "engines.extra_args=[--max-running-requests,1]",
+    ]
 
 
 def job_args(cache: Path, run_dir: Path, *overrides: str) -> list[str]:
     # sync.verify: after every update each engine must serve the trainer's policy (fp32: probe log-probs within 1e-4).
-    return ["bash", str(RECIPE), f"run.dir={run_dir}", f"run.cache_dir={cache}", "run.progress=false", f"rollout.groups_per_step={GROUPS}",
-            "sync.verify=true", *overrides]
+    return [
+        "bash",
+        str(RECIPE),
+        f"run.dir={run_dir}",
+        f"run.cache_dir={cache}",
+        "run.progress=false",
+        f"rollout.groups_per_step={GROUPS}",
+        "sync.verify=true",
+        *overrides,
+    ]
 
 
 def job(cache: Path, run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(job_args(cache, run_dir, *overrides), env=child_env(PYTHON=sys.executable), capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return subprocess.run(
+        job_args(cache, run_dir, *overrides),
+        env=child_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
 
 
 def start_job(cache: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
     """The job in the background, in a session of its own, its stderr kept."""
-    return subprocess.Popen(job_args(cache, run_dir, *overrides), env=child_env(PYTHON=sys.executable), cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        job_args(cache, run_dir, *overrides),
+        env=child_env(PYTHON=sys.executable),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def rows_so_far(run_dir: Path) -> list[dict]:
     """The metrics rows a running job has written completely."""
     metrics = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")] if metrics.exists() else []
+    return (
+        [json.loads(line) for line in metrics.read_text().splitlines(keepends=True) if line.endswith("\n")]
+        if metrics.exists()
+        else []
+    )
 
 
 def wait_while_running(proc: subprocess.Popen, condition, what: str, timeout_s: float = 300) -> None:
@@ -101,13 +143,22 @@ def accounting(run_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize("mode, steps, groups", [("sync", 10, 8), ("periodic", 4, 4), ("async", 3, 4)])
-def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cache, tmp_path, engine_bound, mode, steps, groups):
+def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
+    cache, tmp_path, engine_bound, mode, steps, groups
+):
     staleness = 1
     extra = engine_bound if mode == "async" else []  # updates meet rollouts in flight, continued in place
     if mode == "periodic":
         extra = ["trainer.replay.trace_samples=2"]
-    out = job(cache, tmp_path, f"run.mode={mode}", f"run.steps={steps}", f"rollout.max_staleness={staleness}",
-              f"rollout.groups_per_step={groups}", *extra)
+    out = job(
+        cache,
+        tmp_path,
+        f"run.mode={mode}",
+        f"run.steps={steps}",
+        f"rollout.max_staleness={staleness}",
+        f"rollout.groups_per_step={groups}",
+        *extra,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -119,7 +170,8 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
         assert r["rollout/samples"] == groups * 8
         assert r["rollout/retries"] == 0
     if mode == "async":
-        assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0  # continued in place: tokens keep their versions
+        # continued in place: tokens keep their versions
+        assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0
         # so the mismatch splits into tokens of the current policy and older ones
         assert any(r["mismatch/k3_kl_lagged"] == r["mismatch/k3_kl_lagged"] for r in rows)
     else:
@@ -146,11 +198,12 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(cach
         assert report.ok and report.steps == steps and report.samples == 2 * replicas * steps, report.summary()
 
 
-
 def test_lora_job_moves_adapters_only(cache, tmp_path):
     """lora.enabled=true through the same recipe: adapters pushed after every step under a new name; on-policy
     (sync, fp32) the engine with the adapter reproduces the trainer's log-probs, so it serves what was trained."""
-    out = job(cache, tmp_path, "run.mode=sync", "run.steps=3", "lora.enabled=true", "lora.rank=4", "trainer.optim.lr=5e-2")
+    out = job(
+        cache, tmp_path, "run.mode=sync", "run.steps=3", "lora.enabled=true", "lora.rank=4", "trainer.optim.lr=5e-2"
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -161,7 +214,9 @@ def test_lora_job_moves_adapters_only(cache, tmp_path):
     assert rows[-1]["train/grad_norm"] > 0
     assert accounting(tmp_path)["balanced"]
     manager_log = (tmp_path / "logs" / "rollout_manager.log").read_text()
-    assert re.search(r"new requests use adapter moerl-lora-\w+-v2 ", manager_log) and re.search(r"unloaded adapter moerl-lora-\w+-v1:", manager_log)
+    assert re.search(r"new requests use adapter moerl-lora-\w+-v2 ", manager_log) and re.search(
+        r"unloaded adapter moerl-lora-\w+-v1:", manager_log
+    )
 
 
 def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, engine_bound):
@@ -182,16 +237,30 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     update flushes the engines' cache (not in place: SGLang refuses while requests run)."""
     rng = random.Random(0)
     steps = 30
-    proc = start_job(cache, tmp_path, "run.mode=async", f"run.steps={steps}", "engines.replicas=2",
-                     "engines.health_interval_s=0.2", "engines.health_failures=2", *long_tailed)
+    proc = start_job(
+        cache,
+        tmp_path,
+        "run.mode=async",
+        f"run.steps={steps}",
+        "engines.replicas=2",
+        "engines.health_interval_s=0.2",
+        "engines.health_failures=2",
+        *long_tailed,
+    )
 
     try:
         killed_after = 0
         for kills in range(2):
             # Both replicas up and in rotation after the job restarted the last one killed: a row written between a kill
             # and the health checks that see it still reads both healthy, with the killed one's process already gone.
-            wait_while_running(proc, lambda: any(r["step"] > killed_after and r["engines/restarts"] == kills and r["engines/healthy"] == 2
-                                                 for r in rows_so_far(tmp_path)), "the engines were back")
+            wait_while_running(
+                proc,
+                lambda: any(
+                    r["step"] > killed_after and r["engines/restarts"] == kills and r["engines/healthy"] == 2
+                    for r in rows_so_far(tmp_path)
+                ),
+                "the engines were back",
+            )
             time.sleep(rng.uniform(0, 1))
             engines = engines_of(proc)
             assert len(engines) == 2
@@ -212,19 +281,37 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     assert any(r["engines/healthy"] < 2 for r in done)  # the kills were seen
 
 
-def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_current_adapter(cache, tmp_path, long_tailed):
+def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_current_adapter(
+    cache, tmp_path, long_tailed
+):
     """One replica, LoRA, sync mode. SIGKILLed as a step's rollouts start, the step waits while the job starts it again,
     and every rank stops for a catch-up sync that loads it the current adapter (verified) before it takes a request;
     later SIGSTOPped past a request's deadline and continued, it is probed back in. Every step completes, none lost."""
     steps = 6
-    proc = start_job(cache, tmp_path, "run.mode=sync", f"run.steps={steps}", "lora.enabled=true", "lora.rank=4",
-                     "engines.health_interval_s=0.2", "engines.health_failures=2", "engines.request_timeout_s=4", *long_tailed)
+    proc = start_job(
+        cache,
+        tmp_path,
+        "run.mode=sync",
+        f"run.steps={steps}",
+        "lora.enabled=true",
+        "lora.rank=4",
+        "engines.health_interval_s=0.2",
+        "engines.health_failures=2",
+        "engines.request_timeout_s=4",
+        *long_tailed,
+    )
 
     def engine_after(step: int, restarts: int) -> psutil.Process:
         """The engine as the step after ``step`` starts its rollouts (sync mode: the metrics row ends a step), once the
         job has restarted it ``restarts`` times (a row can end a step before the health checks see a kill)."""
-        wait_while_running(proc, lambda: any(r["step"] > step and r["engines/restarts"] == restarts and r["engines/healthy"] == 1
-                                             for r in rows_so_far(tmp_path)), "its engine was back")
+        wait_while_running(
+            proc,
+            lambda: any(
+                r["step"] > step and r["engines/restarts"] == restarts and r["engines/healthy"] == 1
+                for r in rows_so_far(tmp_path)
+            ),
+            "its engine was back",
+        )
         (engine,) = engines_of(proc)
         return engine
 
@@ -242,11 +329,17 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
     done = rows_so_far(tmp_path)
     assert [r["step"] for r in done] == list(range(1, steps + 1))
     acct = accounting(tmp_path)
-    assert acct["balanced"] and acct["live"] == 0 and "engine_failure" not in acct["dropped"] and acct["trained"] == steps * GROUPS, acct
+    assert (
+        acct["balanced"]
+        and acct["live"] == 0
+        and "engine_failure" not in acct["dropped"]
+        and acct["trained"] == steps * GROUPS
+    ), acct
     assert done[-1]["engines/restarts"] == 1 and sum(r["sync/catch_ups"] for r in done) >= 1
     assert sum(r["rollout/retries_engine_failure"] for r in done) > 0  # both faults caught requests in flight
     manager_log = (tmp_path / "logs" / "rollout_manager.log").read_text()
-    assert "-> stale" in manager_log and "-> dead" in manager_log  # the restarted replica waited for its adapter; the hung one was probed out
+    # the restarted replica waited for its adapter; the hung one was probed out
+    assert "-> stale" in manager_log and "-> dead" in manager_log
 
 
 def the_error_after(proc: subprocess.Popen, run_dir: Path, steps: int, kill) -> str:
@@ -267,8 +360,16 @@ def the_error_after(proc: subprocess.Popen, run_dir: Path, steps: int, kill) -> 
 def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_and_resumes(cache, tmp_path):
     """No restarts left: after engines.down_timeout_s the run writes a checkpoint (every prompt not trained pending) and
     stops with one error line; once engines are back, run.resume=true continues from that checkpoint."""
-    proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0", "engines.max_restarts=0",
-                     "engines.down_timeout_s=3", "engines.health_interval_s=0.2")
+    proc = start_job(
+        cache,
+        tmp_path,
+        "run.mode=async",
+        "run.steps=20",
+        "run.save_every=0",
+        "engines.max_restarts=0",
+        "engines.down_timeout_s=3",
+        "engines.health_interval_s=0.2",
+    )
 
     def kill_the_engine():
         (engine,) = engines_of(proc)
@@ -293,7 +394,9 @@ def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_er
     proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0")
 
     def kill_manager():
-        (manager,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if "moerl.orchestrator.manager" in p.cmdline()]
+        (manager,) = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "moerl.orchestrator.manager" in p.cmdline()
+        ]
         manager.kill()
 
     error = the_error_after(proc, tmp_path, 1, kill_manager)
@@ -301,7 +404,9 @@ def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_er
     (checkpoint,) = (tmp_path / "checkpoints").iterdir()
     state = json.loads((checkpoint / "run_state.json").read_text())
     acct = state["accounting"]
-    assert state["step"] >= 1 and len(set(state["pending"])) == acct["issued"] - acct["trained"] - sum(acct["dropped"].values())
+    assert state["step"] >= 1 and len(set(state["pending"])) == acct["issued"] - acct["trained"] - sum(
+        acct["dropped"].values()
+    )
     assert accounting(tmp_path)["balanced"]
 
 
@@ -354,12 +459,15 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun's own session: its ranks are not in it
         proc.wait()
         deadline = time.monotonic() + 90  # a rank's teardown, or its end a minute after
-        while alive := [p for p in family if not ended(p.pid)]:  # orphans: a zombie is what an init that never reaps leaves
+        # orphans: a zombie is what an init that never reaps leaves
+        while alive := [p for p in family if not ended(p.pid)]:
             assert time.monotonic() < deadline, [p.cmdline() for p in alive]
             time.sleep(0.5)
     finally:
         _kill_tree_of(family)
-    saved = sorted(int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists())
+    saved = sorted(
+        int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists()
+    )
     assert saved and saved[-1] < 6, f"the ranks ran on without their launcher: checkpoints {saved}"
     out = job(cache, killed, *steps, "run.resume=auto")
     assert out.returncode == 0, out.stderr[-4000:]
@@ -368,7 +476,11 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     # The same tokens, rewards and weights; float32 rounding may differ: the engine's log-probs (the behaviour policy of
     # the loss's correction) depend on what it batched them with, by ~1e-7, which moves a GRPO loss of ~0 by as much.
     for x, y in zip(a, b):
-        assert x["rollout/reward_mean"] == y["rollout/reward_mean"], (x["step"], x["rollout/reward_mean"], y["rollout/reward_mean"])
+        assert x["rollout/reward_mean"] == y["rollout/reward_mean"], (
+            x["step"],
+            x["rollout/reward_mean"],
+            y["rollout/reward_mean"],
+        )
         assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-5, abs=1e-6), x["step"]
         assert x["train/grad_norm"] == pytest.approx(y["train/grad_norm"], rel=1e-5), x["step"]
         assert x["prompts/trained"] == y["prompts/trained"]
@@ -387,7 +499,9 @@ def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
         ranks = {int(p.environ()["RANK"]): p for p in family if p.ppid() == proc.pid}  # torchrun's workers
         assert sorted(ranks) == [0, 1]
         children = [p for p in family if p.ppid() == ranks[0].pid]
-        assert any(_is_engine(p) for p in children) and any("moerl.orchestrator.manager" in p.cmdline() for p in children)
+        assert any(_is_engine(p) for p in children) and any(
+            "moerl.orchestrator.manager" in p.cmdline() for p in children
+        )
         ranks[1].kill()
         assert proc.wait(timeout=120) != 0
         _, alive = psutil.wait_procs(family, timeout=30)
@@ -428,7 +542,9 @@ def test_a_checkpoint_cut_short_is_replaced_when_its_step_is_saved_again(tmp_pat
 
     saves: list[Path] = []
     trainer = SimpleNamespace(version=3, save=save)
-    rollouts = SimpleNamespace(drain=lambda: None, cursor=12, pending=lambda: [7, 9], acct=SimpleNamespace(state=lambda: {"issued": 14}))
+    rollouts = SimpleNamespace(
+        drain=lambda: None, cursor=12, pending=lambda: [7, 9], acct=SimpleNamespace(state=lambda: {"issued": 14})
+    )
     cut = tmp_path / "checkpoints" / "step_3"
     cut.mkdir(parents=True)
     (cut / "shard.distcp").write_text("half-written")
@@ -437,7 +553,12 @@ def test_a_checkpoint_cut_short_is_replaced_when_its_step_is_saved_again(tmp_pat
     rollouts.pending = lambda: [9]
     run_state.save_checkpoint(trainer, rollouts, tmp_path)
     assert len(saves) == 1 and (cut / "weights").read_text() == "saved 0"
-    assert json.loads((cut / run_state.RUN_STATE).read_text()) == {"step": 3, "cursor": 12, "pending": [9], "accounting": {"issued": 14}}
+    assert json.loads((cut / run_state.RUN_STATE).read_text()) == {
+        "step": 3,
+        "cursor": 12,
+        "pending": [9],
+        "accounting": {"issued": 14},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -454,15 +575,18 @@ def bad_models(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("override, message", [
-    ("run.bogus=1", "run.bogus"),
-    ("run.trainer_ranks=3", "world size 3 is not divisible"),
-    ("engines.urls=[http://127.0.0.1:9]", "http://127.0.0.1:9 unreachable"),
-    ("run.mode=fast", "run.mode='fast'"),
-    ("lora.rank=0", "lora.rank=0"),
-    ("model.path={bad}/gelu", "hidden_act='gelu': only 'silu' is supported"),
-    ("model.path={bad}/broken", "config.json: not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("run.bogus=1", "run.bogus"),
+        ("run.trainer_ranks=3", "world size 3 is not divisible"),
+        ("engines.urls=[http://127.0.0.1:9]", "http://127.0.0.1:9 unreachable"),
+        ("run.mode=fast", "run.mode='fast'"),
+        ("lora.rank=0", "lora.rank=0"),
+        ("model.path={bad}/gelu", "hidden_act='gelu': only 'silu' is supported"),
+        ("model.path={bad}/broken", "config.json: not valid JSON"),
+    ],
+)
 def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, bad_models, override, message):
     start = time.monotonic()
     out = job(cache, tmp_path, override.format(bad=bad_models), timeout=180)
@@ -488,13 +612,14 @@ def test_engines_given_by_url_get_the_runs_weights_before_the_first_rollout(cach
 
 
 def test_verify_is_as_tight_as_the_engines_reported_precision_allows():
-    from moerl.orchestrator.config import load_config
     from moerl.orchestrator.components import verify_tolerance
+    from moerl.orchestrator.config import load_config
 
     cfg = load_config(None, ["trainer.dtype=float32", "engines.dtype=float32"])
     assert verify_tolerance(cfg) == 1e-4
     assert verify_tolerance(cfg, ["float32"]) == 1e-4
-    assert verify_tolerance(cfg, ["float32", "bfloat16"]) == 5e-2  # an engine given by URL in bf16, whatever engines.dtype says
+    # an engine given by URL in bf16, whatever engines.dtype says
+    assert verify_tolerance(cfg, ["float32", "bfloat16"]) == 5e-2
     assert verify_tolerance(cfg, ["auto"]) == 5e-2  # SGLang's auto: fp16 or bf16
     assert verify_tolerance(load_config(None, ["sync.verify_tolerance=0.3"]), ["float32"]) == 0.3
 
@@ -503,7 +628,11 @@ def test_a_directory_holding_a_run_is_continued_only_on_request(cache, tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     out = job(cache, tmp_path, timeout=180)
     assert out.returncode != 0
-    assert any("already holds a run: pass run.resume=true" in line for line in out.stderr.splitlines() if line.startswith("error:"))
+    assert any(
+        "already holds a run: pass run.resume=true" in line
+        for line in out.stderr.splitlines()
+        if line.startswith("error:")
+    )
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
@@ -511,12 +640,16 @@ def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
     from moerl.orchestrator.messages import EVENTS, ORDERS, Generate, GroupDone, ManagerSpec, Stop, checked
 
     assert checked(Generate(3), ORDERS) == Generate(3) and checked(Stop(), ORDERS) == Stop()
-    with pytest.raises(TypeError, match="unexpected message dict: expected one of Generate, Updating, Served, Restarting, Stop"):
+    with pytest.raises(
+        TypeError, match="unexpected message dict: expected one of Generate, Updating, Served, Restarting, Stop"
+    ):
         checked({"cmd": "generate", "groups": 3}, ORDERS)
     with pytest.raises(TypeError, match="unexpected message Generate"):
         checked(Generate(1), EVENTS)  # an order is not an event
     assert checked(GroupDone(4, [], 0, 1.5), EVENTS).index == 4
-    spec = ManagerSpec(config="c.yaml", hf_dir="hf", urls=["http://a"], orders="tcp://o", events="tcp://e", cursor=7, reissue=[3, 5])
+    spec = ManagerSpec(
+        config="c.yaml", hf_dir="hf", urls=["http://a"], orders="tcp://o", events="tcp://e", cursor=7, reissue=[3, 5]
+    )
     assert ManagerSpec.read(spec.write(tmp_path / "spec.json")) == spec
 
 
@@ -552,11 +685,16 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
         self.lead.sync, self.lead.rollouts = self.sync, Rollouts()
 
     job = job_module.Job(load_config(None, ["run.mode=async", "run.steps=3", "sync.verify=false"]))
-    monkeypatch.setattr(job_module.Job, "setup", lambda self: setattr(self, "trainer", SimpleNamespace(version=3)) or True)
+    monkeypatch.setattr(
+        job_module.Job, "setup", lambda self: setattr(self, "trainer", SimpleNamespace(version=3)) or True
+    )
     monkeypatch.setattr(job_module.Job, "start_rollouts", start_rollouts)
     monkeypatch.setattr(job_module.Job, "teardown", lambda self: None)
     job.run()
-    assert ordered[:2] == [("served", None, ["http://a"], "moerl-lora-v3", 3, False), ("generate", job.cfg.rollout.outstanding)]
+    assert ordered[:2] == [
+        ("served", None, ["http://a"], "moerl-lora-v3", 3, False),
+        ("generate", job.cfg.rollout.outstanding),
+    ]
 
 
 def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_what_it_missed():
@@ -583,7 +721,11 @@ def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_wh
     job = job_module.Job(load_config(None, ["run.mode=async", "sync.verify=false"]))
     job.sync, job.trainer = Sync(), SimpleNamespace(version=4)
     job.lead = lead = Lead.__new__(Lead)  # rank 0's part, without the processes it starts
-    lead.sync, lead.rollouts, lead.catch_ups = job.sync, SimpleNamespace(served=lambda *args, **kw: served.append((args, kw))), 0
+    lead.sync, lead.rollouts, lead.catch_ups = (
+        job.sync,
+        SimpleNamespace(served=lambda *args, **kw: served.append((args, kw))),
+        0,
+    )
     lead.back, lead.caught_up = ["http://b", "http://c"], {"http://a", "http://b", "http://c"}
     job.interlude(job_module.Pause.CATCH_UP)
     assert served == [(("4", ["http://b"], None, 4), {"also": True})]
@@ -595,12 +737,17 @@ def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
 
     for name, slope in (("R3", 0.1), ("off", 0.05)):
         (tmp_path / name).mkdir()
-        rows = [{"step": s, "mode": "sync", "rollout/reward_mean": slope * s, "mismatch/k3_kl": 1e-4 / s} for s in range(1, 6)]
+        rows = [
+            {"step": s, "mode": "sync", "rollout/reward_mean": slope * s, "mismatch/k3_kl": 1e-4 / s}
+            for s in range(1, 6)
+        ]
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     one = plot(tmp_path / "R3")
     assert plot_main([str(tmp_path / "R3"), str(tmp_path / "off")]) == 0
     both = tmp_path / "compare.png"
-    assert one == tmp_path / "R3" / "curves.png" and both.stat().st_size > 10_000 and both.read_bytes() != one.read_bytes()
+    assert (
+        one == tmp_path / "R3" / "curves.png" and both.stat().st_size > 10_000 and both.read_bytes() != one.read_bytes()
+    )
     (tmp_path / "again" / "R3").mkdir(parents=True)
     (tmp_path / "again" / "R3" / "metrics.jsonl").write_text((tmp_path / "R3" / "metrics.jsonl").read_text())
     with pytest.raises(ValueError, match="distinct directory names"):
@@ -610,9 +757,12 @@ def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
 def test_an_ablation_grid_is_every_combination_the_first_axis_slowest_and_each_run_named_by_its_values():
     from moerl.orchestrator.ablate import AblationError, combinations, run_name
 
-    combos = combinations(["trainer.replay.routing=off,R2,R3", "trainer.replay.sampling_mask=true,false", "data.path=a/b.jsonl"])
-    assert [run_name(c) for c in combos] == [f"routing-{r}+sampling_mask-{m}+path-a_b.jsonl"
-                                             for r in ("off", "R2", "R3") for m in ("true", "false")]
+    combos = combinations(
+        ["trainer.replay.routing=off,R2,R3", "trainer.replay.sampling_mask=true,false", "data.path=a/b.jsonl"]
+    )
+    assert [run_name(c) for c in combos] == [
+        f"routing-{r}+sampling_mask-{m}+path-a_b.jsonl" for r in ("off", "R2", "R3") for m in ("true", "false")
+    ]
     assert combos[1] == ["trainer.replay.routing=off", "trainer.replay.sampling_mask=false", "data.path=a/b.jsonl"]
     for bad in (["trainer.replay.routing"], ["=off,R3"], ["trainer.replay.routing=,"], ["a=1", "a=2"]):
         with pytest.raises(AblationError):
@@ -628,12 +778,34 @@ def test_an_ablation_runs_its_grid_with_the_same_seeds_and_writes_the_table_and_
 
     def ablate(*grid: str) -> subprocess.CompletedProcess:
         grids = [arg for axis in grid for arg in ("--grid", axis)]
-        return subprocess.run([sys.executable, "-m", "moerl.cli", "ablate", "--out", str(out), "--last", "2", *grids, "--",
-                               f"run.cache_dir={cache}", "run.mode=sync", "run.steps=2", "rollout.groups_per_step=2"],
-                              env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=900, cwd=REPO)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moerl.cli",
+                "ablate",
+                "--out",
+                str(out),
+                "--last",
+                "2",
+                *grids,
+                "--",
+                f"run.cache_dir={cache}",
+                "run.mode=sync",
+                "run.steps=2",
+                "rollout.groups_per_step=2",
+            ],
+            env=child_env(PYTHON=sys.executable),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=REPO,
+        )
 
     bad = ablate("trainer.replay.routing=off,R4")
-    assert bad.returncode == 2 and "routing-R4" in bad.stdout and "R4" in bad.stdout.splitlines()[-1] and not out.exists()
+    assert (
+        bad.returncode == 2 and "routing-R4" in bad.stdout and "R4" in bad.stdout.splitlines()[-1] and not out.exists()
+    )
     done = ablate("trainer.replay.routing=off,R3", "trainer.replay.sampling_mask=false")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     names = ["routing-off+sampling_mask-false", "routing-R3+sampling_mask-false"]
@@ -661,13 +833,17 @@ def test_parts_rank_0_takes_alone_end_together_on_every_rank(tmp_path):
     lead, other = run_ranks(what_each_rank_raises_from_parts_rank_0_takes_alone, 2, str(tmp_path), timeout_s=120)
     assert [kind for kind, _, _ in lead] == ["", "RolloutManagerLost", "OSError", "RolloutError"]
     assert lead[0][1] == "rank 0's" and "reward function raised" in lead[3][1] and not any(r for _, _, r in lead)
-    assert [kind for kind, _, _ in other] == ["", "RolloutManagerLost", "MoerlError", "MoerlError"] and other[0][1] is None
+    assert [kind for kind, _, _ in other] == ["", "RolloutManagerLost", "MoerlError", "MoerlError"] and other[0][
+        1
+    ] is None
     assert all(relayed for _, _, relayed in other[1:])
     assert other[2][1] == "global rank 0 failed in recording the step's metrics (its error says why)"
     assert f"writing the run state of checkpoint {tmp_path / 'checkpoints' / 'step_2'}" in other[3][1]
 
 
-def test_the_manager_keys_prompts_by_policy_holds_them_through_an_update_and_reissues_a_stale_prefix(random_model, tmp_path):
+def test_the_manager_keys_prompts_by_policy_holds_them_through_an_update_and_reissues_a_stale_prefix(
+    random_model, tmp_path
+):
     """The rollout manager keys each request's prefix cache (extra_key) by the weight version it is issued under, sends
     none while an update is under way (Updating until Served), and re-issues a group an engine answered from a prefix
     cached under another version than the one its first token was sampled with (a request that raced an update)."""
@@ -680,7 +856,18 @@ def test_the_manager_keys_prompts_by_policy_holds_them_through_an_update_and_rei
 
     from moerl.orchestrator.config import load_config, to_yaml
     from moerl.orchestrator.manager import RolloutManager
-    from moerl.orchestrator.messages import EVENTS, Generate, GroupDone, ManagerSpec, RolloutFailed, Served, Stop, Stopped, Updating, checked
+    from moerl.orchestrator.messages import (
+        EVENTS,
+        Generate,
+        GroupDone,
+        ManagerSpec,
+        RolloutFailed,
+        Served,
+        Stop,
+        Stopped,
+        Updating,
+        checked,
+    )
     from tests.engine_server import serving
 
     config = json.loads((random_model / "config.json").read_text())
@@ -694,11 +881,22 @@ def test_the_manager_keys_prompts_by_policy_holds_them_through_an_update_and_rei
         version, cached = answered_with.popleft() if answered_with else (body["extra_key"].rsplit("-v", 1)[1], 3)
         prompt = len(body["input_ids"])
         routing = base64.b64encode(np.zeros((prompt + 1, layers, topk), dtype=np.int32).tobytes()).decode()
-        meta = {"finish_reason": {"type": "stop"}, "prompt_tokens": prompt, "completion_tokens": 2, "cached_tokens": cached,
-                "weight_version": version, "weight_versions": [{"version": version, "start": 0, "end": 2}],
-                "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None]], "routed_experts": routing}
-        return web.json_response([{"text": "", "output_ids": [5, 6], "meta_info": {**meta, "id": f"{body['rid']}-{i}"}}
-                                  for i in range(body["sampling_params"]["n"])])
+        meta = {
+            "finish_reason": {"type": "stop"},
+            "prompt_tokens": prompt,
+            "completion_tokens": 2,
+            "cached_tokens": cached,
+            "weight_version": version,
+            "weight_versions": [{"version": version, "start": 0, "end": 2}],
+            "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None]],
+            "routed_experts": routing,
+        }
+        return web.json_response(
+            [
+                {"text": "", "output_ids": [5, 6], "meta_info": {**meta, "id": f"{body['rid']}-{i}"}}
+                for i in range(body["sampling_params"]["n"])
+            ]
+        )
 
     async def healthy(request):
         return web.Response(text="")
@@ -707,12 +905,29 @@ def test_the_manager_keys_prompts_by_policy_holds_them_through_an_update_and_rei
         async with serving({("POST", "/generate"): generate, ("GET", "/health"): healthy}) as url:
             ctx = zmq.Context()
             orders, events = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-            orders_port, events_port = orders.bind_to_random_port("tcp://127.0.0.1"), events.bind_to_random_port("tcp://127.0.0.1")
-            cfg = load_config(None, [f"run.dir={tmp_path}", "trainer.replay.sampling_mask=false", "rollout.samples_per_prompt=2",
-                                    "rollout.generation_workers=0"])
+            orders_port, events_port = (
+                orders.bind_to_random_port("tcp://127.0.0.1"),
+                events.bind_to_random_port("tcp://127.0.0.1"),
+            )
+            cfg = load_config(
+                None,
+                [
+                    f"run.dir={tmp_path}",
+                    "trainer.replay.sampling_mask=false",
+                    "rollout.samples_per_prompt=2",
+                    "rollout.generation_workers=0",
+                ],
+            )
             (tmp_path / "config.yaml").write_text(to_yaml(cfg))
-            spec = ManagerSpec(str(tmp_path / "config.yaml"), str(random_model), [url], f"tcp://127.0.0.1:{orders_port}",
-                               f"tcp://127.0.0.1:{events_port}", cursor=0, reissue=[])
+            spec = ManagerSpec(
+                str(tmp_path / "config.yaml"),
+                str(random_model),
+                [url],
+                f"tcp://127.0.0.1:{orders_port}",
+                f"tcp://127.0.0.1:{events_port}",
+                cursor=0,
+                reissue=[],
+            )
             manager = asyncio.create_task(RolloutManager(load_config(spec.config, []), spec).run())
 
             async def order(message):  # a PUSH socket blocks until the manager, in this event loop, connects
@@ -772,8 +987,11 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
     assert job_module.sync_address(local) == "127.0.0.1"  # the job's engines, beside this rank
     assert job_module.sync_address(load_config(None, ["engines.urls=[http://localhost:30000]"])) == "127.0.0.1"
     monkeypatch.setattr(job_module, "_route_from", lambda host: "127.0.1.1")
-    with pytest.raises(ConfigError, match=r"127\.0\.1\.1, a loopback address \(.* resolves to it\), which the engines on "
-                                          r"10\.11\.12\.13 cannot reach: set MOERL_SYNC_ADDRESS"):
+    with pytest.raises(
+        ConfigError,
+        match=r"127\.0\.1\.1, a loopback address \(.* resolves to it\), which the engines on "
+        r"10\.11\.12\.13 cannot reach: set MOERL_SYNC_ADDRESS",
+    ):
         job_module.sync_address(remote)
     monkeypatch.setenv("GROUP_RANK", "1")  # a second node: the job's engines are on the first, torchrun's MASTER_ADDR
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")

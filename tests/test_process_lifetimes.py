@@ -88,8 +88,9 @@ def test_a_rank_whose_launcher_is_killed_is_signalled_then_ended(tmp_path, teard
     """SIGKILL of the launcher alone: its rank gets SIGTERM (its teardown runs) and, should that not end it, is ended
     ``grace_s`` later. Whatever read its stderr went with the launcher, so saying why fails; the signal comes first."""
     mark = tmp_path / "mark"
-    launcher = subprocess.Popen([sys.executable, "-c", HEADER + LAUNCHER, HEADER + RANK, str(mark), teardown],
-                                stdout=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", HEADER + LAUNCHER, HEADER + RANK, str(mark), teardown], stdout=subprocess.PIPE, text=True
+    )
     rank = int(launcher.stdout.readline())
     launcher.kill()
     launcher.wait()

@@ -12,11 +12,14 @@ def _sample(prompt, response, version, routing_rows_from=0):
     r = len(response)
     fed = len(prompt) + r - 1
     return Sample(
-        prompt_ids=np.array(prompt, np.int32), response_ids=np.array(response, np.int32),
-        behaviour_logprobs=np.full(r, -float(version), np.float32), versions=np.full(r, version),
+        prompt_ids=np.array(prompt, np.int32),
+        response_ids=np.array(response, np.int32),
+        behaviour_logprobs=np.full(r, -float(version), np.float32),
+        versions=np.full(r, version),
         selected_logprobs=np.full(r, -0.5 * version, np.float32),
         routing=np.arange(routing_rows_from, routing_rows_from + fed, dtype=np.uint8)[:, None, None].repeat(2, 2),
-        mask_offsets=np.arange(r + 1, dtype=np.int64) * 2, mask_ids=np.stack([np.array(response), np.array(response) + 1], 1).ravel().astype(np.int32),
+        mask_offsets=np.arange(r + 1, dtype=np.int64) * 2,
+        mask_ids=np.stack([np.array(response), np.array(response) + 1], 1).ravel().astype(np.int32),
     ).validate()
 
 
@@ -45,7 +48,9 @@ def test_a_packed_micro_batch_lays_samples_end_to_end_and_walls_them_off():
 
     samples = [_sample([1, 2, 3], [4, 5], 0), _sample([6], [7, 8, 9], 1)]
     padded = build_micro_batch(samples, [1.0, -1.0], [0.5, 0.5], multiple=4, use_masks=True, routed_experts=8)
-    packed = build_micro_batch(samples, [1.0, -1.0], [0.5, 0.5], multiple=4, use_masks=True, routed_experts=8, packed=True)
+    packed = build_micro_batch(
+        samples, [1.0, -1.0], [0.5, 0.5], multiple=4, use_masks=True, routed_experts=8, packed=True
+    )
     assert packed.input_ids.tolist() == [[1, 2, 3, 4, 6, 7, 8, 0]]  # fed lengths 4 and 3, padded to a multiple of 4
     assert packed.cu_seqlens.tolist() == [0, 4, 7]
     # every response token is scored at the same fed token in both forms

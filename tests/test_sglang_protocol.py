@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from moerl.engines.client import EngineClient
-from moerl.engines.protocol import GenerateReqInput, ProtocolError, decode_routed_experts, decode_sampling_masks, encode_routed_experts
 from moerl.engines.pool import EnginePool, EnginePoolConfig, router_args, server_args
+from moerl.engines.protocol import (
+    GenerateReqInput,
+    ProtocolError,
+    decode_routed_experts,
+    decode_sampling_masks,
+    encode_routed_experts,
+)
 from moerl.models import ModelShape
 from moerl.models.tiny import save_tiny_hf
 
@@ -37,11 +43,20 @@ def test_server_args_carry_the_rl_flags():
 
     with pytest.raises(ValueError, match="target modules"):
         server_args(EnginePoolConfig(model_path="/m", lora_max_rank=16), port=30000)
-    lora = server_args(EnginePoolConfig(model_path="/m", lora_max_rank=16, lora_target_modules=["o_proj", "q_proj"], enable_memory_saver=False),
-                       port=30000)
-    assert lora[lora.index("--lora-target-modules") + 1 : lora.index("--lora-target-modules") + 3] == ["o_proj", "q_proj"]
+    lora = server_args(
+        EnginePoolConfig(
+            model_path="/m", lora_max_rank=16, lora_target_modules=["o_proj", "q_proj"], enable_memory_saver=False
+        ),
+        port=30000,
+    )
+    assert lora[lora.index("--lora-target-modules") + 1 : lora.index("--lora-target-modules") + 3] == [
+        "o_proj",
+        "q_proj",
+    ]
     assert _flag_value(lora, "--max-lora-rank") == "16" and _flag_value(lora, "--lora-backend") == "triton_v2"
-    assert _flag_value(lora, "--moe-a2a-backend") == "none" and _flag_value(lora, "--moe-runner-backend") == "lora_triton"
+    assert (
+        _flag_value(lora, "--moe-a2a-backend") == "none" and _flag_value(lora, "--moe-runner-backend") == "lora_triton"
+    )
     assert "--enable-memory-saver" not in lora
 
     pool = EnginePool(cfg)
@@ -114,7 +129,9 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
         procs = list(pool.procs)
         outputs, versions = asyncio.run(generate_on_both(pool.urls))
     assert taken not in pool.ports and len(set(pool.ports)) == 2
-    assert "address already in use" in (tmp_path / "logs" / "sglang-0.log").read_text().lower()  # the failed attempt's log is kept
+    assert (
+        "address already in use" in (tmp_path / "logs" / "sglang-0.log").read_text().lower()
+    )  # the failed attempt's log is kept
     assert pool.urls == [f"http://127.0.0.1:{port}" for port in pool.ports]
     assert all(np.array_equal(o, outputs[0]) and len(o) == 3 for o in outputs)
     assert len(versions) == 2
@@ -157,11 +174,26 @@ def test_server_args_parse_with_sglangs_parser(sglang_io):
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(server_args(EnginePoolConfig(model_path="/m", gpus_per_replica=2, lora_max_rank=8,
-                                                    lora_target_modules=["down_proj", "gate_proj", "q_proj"]), port=30000))
+    ns = parser.parse_args(
+        server_args(
+            EnginePoolConfig(
+                model_path="/m",
+                gpus_per_replica=2,
+                lora_max_rank=8,
+                lora_target_modules=["down_proj", "gate_proj", "q_proj"],
+            ),
+            port=30000,
+        )
+    )
     assert ns.lora_target_modules == ["down_proj", "gate_proj", "q_proj"]
     assert ns.enable_return_routed_experts and ns.enable_memory_saver and ns.enable_lora
-    assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend, ns.moe_runner_backend) == (2, 8, "triton_v2", "none", "lora_triton")
+    assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend, ns.moe_runner_backend) == (
+        2,
+        8,
+        "triton_v2",
+        "none",
+        "lora_triton",
+    )
     assert ns.sampling_mask_max_tokens == EnginePoolConfig.sampling_mask_max_tokens
 
 
@@ -173,16 +205,32 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         async def _call(self, url, route, request=None):
             sent.append((route.path, request.body() if request is not None else None))
             if route.path == "/generate":
-                return {"output_ids": [1], "meta_info": {"id": "r", "prompt_tokens": 2, "finish_reason": {"type": "length"},
-                                                          "routed_experts": encode_routed_experts(np.zeros((2, 2, 2), np.int32)),
-                                                          "output_token_sampling_mask": [[1]]}}
+                return {
+                    "output_ids": [1],
+                    "meta_info": {
+                        "id": "r",
+                        "prompt_tokens": 2,
+                        "finish_reason": {"type": "length"},
+                        "routed_experts": encode_routed_experts(np.zeros((2, 2, 2), np.int32)),
+                        "output_token_sampling_mask": [[1]],
+                    },
+                }
             return {"weight_version": "0"}
 
     async def run():
         client = Capturing(["http://x"], shape=ModelShape(2, 2, [0, 1], 4))
-        await client.generate([1, 2], {"max_new_tokens": 1, "top_k": 5, "n": 1}, return_routed_experts=True,
-                              routed_experts_start_len=1, return_sampling_mask=True, rid="r", lora_path="a")
-        await client.generate([1, 2], {"temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "stop_token_ids": [3], "ignore_eos": False})
+        await client.generate(
+            [1, 2],
+            {"max_new_tokens": 1, "top_k": 5, "n": 1},
+            return_routed_experts=True,
+            routed_experts_start_len=1,
+            return_sampling_mask=True,
+            rid="r",
+            lora_path="a",
+        )
+        await client.generate(
+            [1, 2], {"temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "stop_token_ids": [3], "ignore_eos": False}
+        )
         await client.pause("in_place")
         await client.resume()
         await client.abort("r")
@@ -192,7 +240,9 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.update_weights_from_disk("/ckpt", weight_version="3")
         await client.init_weights_update_group("127.0.0.1", 29500, 2, "g", "nccl")
         await client.begin_weight_update()
-        await client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 2]], "g", weight_version="4", load_format="flattened_bucket")
+        await client.update_weights_from_distributed(
+            ["w"], ["bfloat16"], [[2, 2]], "g", weight_version="4", load_format="flattened_bucket"
+        )
         await client.end_weight_update()
         await client.load_lora("a", "/adapters/a")
         await client.load_lora_from_tensors("t", {"r": 2}, {"w": torch.ones(2)})
@@ -208,13 +258,18 @@ def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
 
     io = sglang_io
     types = {
-        "/generate": io.GenerateReqInput, "/pause_generation": io.PauseGenerationReqInput,
-        "/continue_generation": io.ContinueGenerationReqInput, "/abort_request": io.AbortReq,
-        "/update_weight_version": io.UpdateWeightVersionReqInput, "/update_weights_from_disk": io.UpdateWeightFromDiskReqInput,
+        "/generate": io.GenerateReqInput,
+        "/pause_generation": io.PauseGenerationReqInput,
+        "/continue_generation": io.ContinueGenerationReqInput,
+        "/abort_request": io.AbortReq,
+        "/update_weight_version": io.UpdateWeightVersionReqInput,
+        "/update_weights_from_disk": io.UpdateWeightFromDiskReqInput,
         "/init_weights_update_group": io.InitWeightsUpdateGroupReqInput,
-        "/begin_weight_update": io.BeginWeightUpdateReqInput, "/end_weight_update": io.EndWeightUpdateReqInput,
+        "/begin_weight_update": io.BeginWeightUpdateReqInput,
+        "/end_weight_update": io.EndWeightUpdateReqInput,
         "/update_weights_from_distributed": io.UpdateWeightsFromDistributedReqInput,
-        "/load_lora_adapter": io.LoadLoRAAdapterReqInput, "/load_lora_adapter_from_tensors": io.LoadLoRAAdapterFromTensorsReqInput,
+        "/load_lora_adapter": io.LoadLoRAAdapterReqInput,
+        "/load_lora_adapter_from_tensors": io.LoadLoRAAdapterFromTensorsReqInput,
         "/unload_lora_adapter": io.UnloadLoRAAdapterReqInput,
     }
     sent = _captured_bodies()
@@ -224,7 +279,9 @@ def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
             continue
         kind = types[route]
         # SGLang ignores unknown fields silently, so a misspelled one would be lost: check names too.
-        assert set(body) <= set(kind.__struct_fields__ if hasattr(kind, "__struct_fields__") else kind.__dataclass_fields__), (route, body)
+        assert set(body) <= set(
+            kind.__struct_fields__ if hasattr(kind, "__struct_fields__") else kind.__dataclass_fields__
+        ), (route, body)
         parsed = TypeAdapter(kind).validate_python(body)
         if route == "/generate":
             assert generate_contract_error(body) is None, body
@@ -232,15 +289,18 @@ def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
             assert parsed.input_ids == body["input_ids"]
 
 
-@pytest.mark.parametrize("body", [
-    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "top_k": 5}, "return_sampling_mask": True},
-    {"input_ids": [1, 2], "sampling_params": {"top_kk": 5}},
-    {"input_ids": "12"},
-    {"input_ids": [1], "sampling_params": {"max_new_tokens": "4"}},
-    {"input_ids": [1], "sampling_params": {"temperature": "hot"}},
-    {"input_ids": [1], "return_logprob": "yes"},
-    {"input_ids": [1], "sampling_params": {"stop_token_ids": "3"}},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "top_k": 5}, "return_sampling_mask": True},
+        {"input_ids": [1, 2], "sampling_params": {"top_kk": 5}},
+        {"input_ids": "12"},
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": "4"}},
+        {"input_ids": [1], "sampling_params": {"temperature": "hot"}},
+        {"input_ids": [1], "return_logprob": "yes"},
+        {"input_ids": [1], "sampling_params": {"stop_token_ids": "3"}},
+    ],
+)
 def test_generate_bodies_sglangs_contract_refuses_are_refused_here(sglang_io, body):
     from sglang.srt.entrypoints.api_contract import generate_contract_error
 
@@ -262,7 +322,9 @@ def test_routing_and_mask_codecs_match_sglangs(sglang_io):
     (theirs,) = DetokenizerManager._b64_encode_per_request([torch.from_numpy(routing)])
     assert np.array_equal(decode_routed_experts(theirs, 3, 4, [0, 2], 60), routing[:, [0, 2]])
     ours = encode_routed_experts(routing)
-    assert np.array_equal(extract_routed_experts_from_meta_info({"meta_info": {"routed_experts": ours}}), routing.ravel())
+    assert np.array_equal(
+        extract_routed_experts_from_meta_info({"meta_info": {"routed_experts": ours}}), routing.ravel()
+    )
 
     rows = SamplingMaskRows()
     kept = [rng.choice(1000, size=k, replace=False).astype(np.int32) for k in (1, 5, 3, 8)]

@@ -33,16 +33,33 @@ def model(tmp_path_factory) -> Path:
 
 def simulate(model: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     # Three replicas, two in one process: the pool's shared processes and a process of its own both serve.
-    args = ["bash", str(RECIPE), f"run.dir={run_dir}", "run.progress=false", f"model.path={model}", f"simulation.profile={PROFILE}",
-            f"simulation.time_scale={TIME_SCALE}", "simulation.trainer_gpus=1", "simulation.replicas_per_process=2", "engines.replicas=3",
-            f"rollout.groups_per_step={GROUPS}", f"rollout.samples_per_prompt={N}", "rollout.max_new_tokens=64", *overrides]
-    return subprocess.run(args, env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=300, cwd=REPO)
+    args = [
+        "bash",
+        str(RECIPE),
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        f"model.path={model}",
+        f"simulation.profile={PROFILE}",
+        f"simulation.time_scale={TIME_SCALE}",
+        "simulation.trainer_gpus=1",
+        "simulation.replicas_per_process=2",
+        "engines.replicas=3",
+        f"rollout.groups_per_step={GROUPS}",
+        f"rollout.samples_per_prompt={N}",
+        "rollout.max_new_tokens=64",
+        *overrides,
+    ]
+    return subprocess.run(
+        args, env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=300, cwd=REPO
+    )
 
 
 @pytest.mark.parametrize("mode, staleness", [("sync", 0), ("periodic", 0), ("async", 1)])
 def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_path, mode, staleness):
     steps = 3
-    out = simulate(model, tmp_path, f"run.mode={mode}", f"run.steps={steps}", "rollout.max_staleness=1", "run.save_every=2")
+    out = simulate(
+        model, tmp_path, f"run.mode={mode}", f"run.steps={steps}", "rollout.max_staleness=1", "run.save_every=2"
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -51,7 +68,9 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
         assert r["mode"] == mode and r["rollout/samples"] == GROUPS * N
         assert r["staleness/max"] <= staleness
         # The step held for the profile's time of at least its response tokens (the fed tokens count the prompts too).
-        assert r["time/train_seconds"] >= (trainer.seconds(r["train/tokens"], 1) + trainer.optimizer_step_s) / TIME_SCALE
+        assert (
+            r["time/train_seconds"] >= (trainer.seconds(r["train/tokens"], 1) + trainer.optimizer_step_s) / TIME_SCALE
+        )
         # Every sync moved the model's whole size, of a checkpoint made of holes.
         assert r["sync/bytes"] == r["sync/full_weight_bytes"] > 0
         assert r["cpu/buffer_seconds"] > 0 and 0 <= r["cpu/manager_fraction"] < 1
@@ -61,7 +80,8 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
     if mode != "async":
         assert acct["dropped"] == {}
     else:
-        assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0  # updates met requests in flight, continued in place
+        # updates met requests in flight, continued in place
+        assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0
     engines = sorted(p.name for p in (tmp_path / "logs").glob("simulated-*.log"))
     assert engines == ["simulated-0.log", "simulated-2.log"]  # replicas 0 and 1 in one process, 2 in another
     if mode == "sync":  # the run state and the simulated trainer's checkpoint resume the run where it stopped
@@ -95,8 +115,13 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
             for p in psutil.process_iter(["cmdline"]):
                 command = " ".join(p.info["cmdline"] or [])
                 if "moerl.orchestrator.manager" in command and str(tmp_path) in command:
-                    return [w for child in p.children() if "forkserver" in " ".join(child.cmdline()) for w in child.children()
-                            if w.pid not in killed]
+                    return [
+                        w
+                        for child in p.children()
+                        if "forkserver" in " ".join(child.cmdline())
+                        for w in child.children()
+                        if w.pid not in killed
+                    ]
         except psutil.Error:  # a process ended while it was looked at
             pass
         return []
@@ -104,7 +129,8 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
     def kill_twice() -> None:
         for _ in range(2):
             deadline = time.monotonic() + 120
-            while len(found := workers()) < 2 and time.monotonic() < deadline:  # both started (the second round: both again)
+            # both started (the second round: both again)
+            while len(found := workers()) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
             time.sleep(1.0)  # while they carry requests
             for w in found:
@@ -117,26 +143,38 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
 
     killer = threading.Thread(target=kill_twice, daemon=True)
     killer.start()
-    out = simulate(deep, tmp_path / "run", "run.mode=async", "run.steps=4", "rollout.max_new_tokens=128", "rollout.generation_workers=2")
+    out = simulate(
+        deep,
+        tmp_path / "run",
+        "run.mode=async",
+        "run.steps=4",
+        "rollout.max_new_tokens=128",
+        "rollout.generation_workers=2",
+    )
     killer.join(timeout=10)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert rounds == [2, 2] and len(killed) == 4, (rounds, killed)
     rows = read_metrics(tmp_path / "run")
     assert sum(r["cpu/manager_helpers_seconds"] for r in rows) > 0
-    assert sum(r["rollout/retries_engine_failure"] for r in rows) == 0 and rows[-1]["prompts/dropped_engine_failure"] == 0
+    assert (
+        sum(r["rollout/retries_engine_failure"] for r in rows) == 0 and rows[-1]["prompts/dropped_engine_failure"] == 0
+    )
     acct = json.loads((tmp_path / "run" / "accounting.json").read_text())
     assert acct["balanced"] and acct["trained"] == 4 * GROUPS
     log = (tmp_path / "run" / "logs" / "rollout_manager.log").read_text()
     lost = log.count("re-issued: the generation worker carrying it died")
     assert log.count("a generation worker died") >= 2 and lost >= 1
-    assert 1 <= sum(r["rollout/retries_worker_lost"] for r in rows) <= lost  # those of prompts still live at the end are not in a step
+    # those of prompts still live at the end are not in a step
+    assert 1 <= sum(r["rollout/retries_worker_lost"] for r in rows) <= lost
 
 
 def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):
     from safetensors import safe_open
 
-    named = [("a.weight", torch.empty(4096, 65536, dtype=torch.bfloat16, device="meta")),
-             ("b.bias", torch.empty(3, dtype=torch.float32, device="meta"))]
+    named = [
+        ("a.weight", torch.empty(4096, 65536, dtype=torch.bfloat16, device="meta")),
+        ("b.bias", torch.empty(3, dtype=torch.float32, device="meta")),
+    ]
     path = tmp_path / "model-00000.safetensors"
     write_hollow_safetensors(named, path)
     stat = path.stat()
@@ -150,13 +188,16 @@ def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):
         assert f.get_tensor("b.bias").tolist() == [0.0, 0.0, 0.0]  # a hole reads as zeros
 
 
-@pytest.mark.parametrize("override, message", [
-    ("sync.verify=true", "simulated engines hold no weights"),
-    ("lora.enabled=true", "full weights only"),
-    ("engines.server=embedded", "leave engines.server=auto"),
-    ("simulation.time_scale=0", "simulation.time_scale must be > 0"),
-    ("trainer.replay.trace_samples=2", "runs no routers to trace"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("sync.verify=true", "simulated engines hold no weights"),
+        ("lora.enabled=true", "full weights only"),
+        ("engines.server=embedded", "leave engines.server=auto"),
+        ("simulation.time_scale=0", "simulation.time_scale must be > 0"),
+        ("trainer.replay.trace_samples=2", "runs no routers to trace"),
+    ],
+)
 def test_what_a_simulation_cannot_do_is_one_error(model, tmp_path, override, message):
     out = simulate(model, tmp_path, override)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
@@ -174,6 +215,14 @@ def test_a_real_run_refuses_simulated_engines_given_by_url(model, tmp_path):
     from tests.engine_server import running_server
 
     with running_server(model, tmp_path / "logs", "--simulate", str(PROFILE)) as url:
-        out = subprocess.run(["bash", str(RECIPE), f"run.dir={tmp_path / 'run'}", f"model.path={model}", f"engines.urls=[{url}]"],
-                             env=child_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert out.returncode == 2 and "is a simulated engine and this run is not a simulation" in out.stderr, out.stderr[-2000:]
+        out = subprocess.run(
+            ["bash", str(RECIPE), f"run.dir={tmp_path / 'run'}", f"model.path={model}", f"engines.urls=[{url}]"],
+            env=child_env(PYTHON=sys.executable),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+    assert out.returncode == 2 and "is a simulated engine and this run is not a simulation" in out.stderr, out.stderr[
+        -2000:
+    ]

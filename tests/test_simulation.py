@@ -73,8 +73,13 @@ def test_the_server_says_it_is_simulated_and_holds_no_weights(server):
 
 def test_lengths_and_payloads_follow_the_profile(server):
     profile = Profile.load(PROFILE).engine
-    body = {"input_ids": PROMPT, "sampling_params": {"n": 200, "max_new_tokens": 400, "top_k": 5, "sampling_seed": 7},
-            "return_logprob": True, "return_routed_experts": True, "return_sampling_mask": True}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"n": 200, "max_new_tokens": 400, "top_k": 5, "sampling_seed": 7},
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "return_sampling_mask": True,
+    }
     completions = generate(server, body)
     lengths = np.array([len(c["output_ids"]) for c in completions])
     # Seeded: the same 200 draws every run. Their median is within sampling error (about 9% here) of the profile's.
@@ -89,7 +94,11 @@ def test_lengths_and_payloads_follow_the_profile(server):
         routing = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(-1, LAYERS, TOPK)
         assert routing.shape[0] == len(PROMPT) + n - 1  # every position fed: the prompt and the output but its last
         moe = routing[:, (routing >= 0).all(axis=(0, 2))]
-        assert moe.shape[1] > 0 and (moe < 8).all() and all(len(set(row)) == TOPK for row in moe.reshape(-1, TOPK).tolist())
+        assert (
+            moe.shape[1] > 0
+            and (moe < 8).all()
+            and all(len(set(row)) == TOPK for row in moe.reshape(-1, TOPK).tolist())
+        )
         kept = meta["output_token_sampling_mask"]
         assert [len(k) for k in kept] == [5] * n
         assert all(tok in k and k == sorted(set(k)) for tok, k in zip(c["output_ids"], kept))
@@ -97,12 +106,25 @@ def test_lengths_and_payloads_follow_the_profile(server):
 
 
 def test_kept_sets_under_top_p_vary_in_size_and_their_log_probs_normalise(server):
-    body = {"input_ids": PROMPT, "sampling_params": {"n": 4, "max_new_tokens": 60, "top_k": 6, "top_p": 0.9, "sampling_seed": 3,
-                                                     "ignore_eos": True}, "return_sampling_mask": True, "sampling_logprobs_mode": "support"}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {
+            "n": 4,
+            "max_new_tokens": 60,
+            "top_k": 6,
+            "top_p": 0.9,
+            "sampling_seed": 3,
+            "ignore_eos": True,
+        },
+        "return_sampling_mask": True,
+        "sampling_logprobs_mode": "support",
+    }
     sizes = []
     for c in generate(server, body):
         meta = c["meta_info"]
-        for token, ids, logprobs in zip(c["output_ids"], meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]):
+        for token, ids, logprobs in zip(
+            c["output_ids"], meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]
+        ):
             assert token in ids and ids == sorted(set(ids)) and len(logprobs) == len(ids)
             assert abs(np.logaddexp.reduce(logprobs)) < 1e-9
             sizes.append(len(ids))
@@ -172,7 +194,10 @@ def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models
     built = []
     real_response = engine.response
     engine.response = lambda r, req: built.append(r.rid) or real_response(r, req)
-    body = {"input_ids": PROMPT, "sampling_params": {"n": 8, "max_new_tokens": 500, "ignore_eos": True}}  # 15 s at the profile's rates
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"n": 8, "max_new_tokens": 500, "ignore_eos": True},
+    }  # 15 s at the profile's rates
 
     async def leave() -> None:
         async with serving_app(build_app(engine)) as url:
@@ -210,14 +235,20 @@ def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkey
         real_spill(self, data)
 
     def response(r, req):  # on the scheduler's thread, as each completion finishes: the earlier ones wait on disk
-        holders.extend(type(holder).__name__ for data in spilled for holder in gc.get_referrers(data) if holder is not spilled)
+        holders.extend(
+            type(holder).__name__ for data in spilled for holder in gc.get_referrers(data) if holder is not spilled
+        )
         checked.append(len(spilled))
         return real_response(r, req)
 
     monkeypatch.setattr(served._Spilled, "__init__", spill)
     engine.response = response
     n = 4
-    body = {"input_ids": PROMPT, "sampling_params": {"n": n, "max_new_tokens": 400, "sampling_seed": 3}, "return_routed_experts": True}
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"n": n, "max_new_tokens": 400, "sampling_seed": 3},
+        "return_routed_experts": True,
+    }
 
     async def ask() -> list:
         async with serving_app(served.build_app(engine)) as url, aiohttp.ClientSession() as session:
@@ -263,13 +294,26 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
         return body
 
     async def generations(client):
-        return await client.generate(PROMPT, params, return_routed_experts=True, routed_experts_start_len=2, return_sampling_mask=True)
+        return await client.generate(
+            PROMPT, params, return_routed_experts=True, routed_experts_start_len=2, return_sampling_mask=True
+        )
 
     async def go():
-        async with serving({("POST", "/generate"): broken}) as bad, serving({("POST", "/generate"): fixed}) as same, \
-                EngineClient([same], shape=shape) as here, EngineClient([server, bad, same], shape=shape, workers=2) as there:
-            request = P.GenerateReqInput(input_ids=PROMPT, sampling_params=params, return_logprob=True, return_routed_experts=True,
-                                         routed_experts_start_len=2, return_sampling_mask=True, sampling_logprobs_mode="selected")
+        async with (
+            serving({("POST", "/generate"): broken}) as bad,
+            serving({("POST", "/generate"): fixed}) as same,
+            EngineClient([same], shape=shape) as here,
+            EngineClient([server, bad, same], shape=shape, workers=2) as there,
+        ):
+            request = P.GenerateReqInput(
+                input_ids=PROMPT,
+                sampling_params=params,
+                return_logprob=True,
+                return_routed_experts=True,
+                routed_experts_start_len=2,
+                return_sampling_mask=True,
+                sampling_logprobs_mode="selected",
+            )
             answer["body"] = await here._call(server, P.GENERATE, request, parse=keep)
             assert len(answer["body"]) <= P.largest_answer_bytes(request, shape) < client_module.CARRY_ELSEWHERE_BYTES
             await generations(there)
@@ -306,7 +350,9 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
 
             async with EngineClient([server], shape=shape, workers=1) as stuck:
                 await stuck.generate(PROMPT, {"max_new_tokens": 2})  # its worker started and serving
-                stuck._workers.deadline_s = 2.0  # in place of the client's 600 s and the grace: one this test can wait for
+                stuck._workers.deadline_s = (
+                    2.0  # in place of the client's 600 s and the grace: one this test can wait for
+                )
                 running = asyncio.ensure_future(stuck.generate(PROMPT, long))
                 await asyncio.sleep(0.5)
                 (pid,) = stuck.worker_pids()
@@ -331,19 +377,26 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
             assert getattr(a, name) == getattr(b, name), name
         for name in ("output_ids", "logprobs", "routing", "mask_offsets", "mask_ids", "sampling_logprobs"):
             assert np.array_equal(getattr(a, name), getattr(b, name)), name
-        assert np.array_equal(a.output_ids, c.output_ids) and np.array_equal(a.routing, c.routing)  # seeded: the same again
+        # seeded: the same again
+        assert np.array_equal(a.output_ids, c.output_ids) and np.array_equal(a.routing, c.routing)
     assert state is not State.HEALTHY
 
 
 def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(PROFILE.read_text().replace("prefill_tokens_per_s: 20000", "prefill_tokens_per_s: -1").replace("p99: 200", "p99: 20"))
+    bad.write_text(
+        PROFILE.read_text()
+        .replace("prefill_tokens_per_s: 20000", "prefill_tokens_per_s: -1")
+        .replace("p99: 200", "p99: 20")
+    )
     with pytest.raises(ConfigError) as err:
         Profile.load(bad)
     assert "engine.prefill_tokens_per_s" in str(err.value) and "engine.response_tokens" in str(err.value)
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "bench" / "profiles").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parents[1] / "bench" / "profiles").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_the_shipped_profiles_load_with_a_trainer_and_per_request_rates_that_fall_with_load(path):
     profile = Profile.load(path)
     engine = profile.engine
@@ -354,7 +407,9 @@ def test_the_shipped_profiles_load_with_a_trainer_and_per_request_rates_that_fal
 def test_the_async_guide_is_the_full_engines_without_a_tail_and_is_held_by_the_tail_with_one():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_simulation", Path(__file__).parents[1] / "bench" / "simulation.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_simulation", Path(__file__).parents[1] / "bench" / "simulation.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     profile = Profile.load(Path(__file__).parents[1] / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml")

@@ -11,9 +11,18 @@ import zmq
 
 from moerl.errors import MoerlError
 from moerl.models.tiny import tiny_tokenizer
-from moerl.orchestrator.rollouts import RolloutEndpoint, RolloutError
 from moerl.orchestrator.config import RolloutSection
-from moerl.orchestrator.messages import Generate, GroupDone, Issued, RolloutFailed, Stop, Stopped, event_frames, send_event
+from moerl.orchestrator.messages import (
+    Generate,
+    GroupDone,
+    Issued,
+    RolloutFailed,
+    Stop,
+    Stopped,
+    event_frames,
+    send_event,
+)
+from moerl.orchestrator.rollouts import RolloutEndpoint, RolloutError
 from moerl.sample import Sample
 from moerl.tasks import PromptStream, TaskConfig, read_records
 from moerl.tasks.rewards import Rewarder, math
@@ -32,7 +41,9 @@ def test_gsm8k_sample_ships_and_scores_its_own_answers():
     rewarder = Rewarder(TaskConfig(name="gsm8k"))
     record = stream.record(0)
     final = record["answer"].rsplit("####", 1)[1].strip()
-    assert asyncio.run(rewarder.score([f"... so \\boxed{{{final}}}", "no idea"], record["answer"], record["prompt"])) == [1.0, 0.0]
+    assert asyncio.run(
+        rewarder.score([f"... so \\boxed{{{final}}}", "no idea"], record["answer"], record["prompt"])
+    ) == [1.0, 0.0]
 
 
 def test_prompt_stream_is_seeded_reshuffled_per_epoch_and_addressable(tmp_path):
@@ -53,7 +64,10 @@ def test_parquet_records_and_clear_errors_for_bad_files(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), tmp_path / "d.parquet")
-    assert read_records(tmp_path / "d.parquet") == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    assert read_records(tmp_path / "d.parquet") == [
+        {"prompt": "1+1=", "answer": "2"},
+        {"prompt": "2+2=", "answer": "4"},
+    ]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n')
     with pytest.raises(MoerlError, match="record 0 has no answer"):
         read_records(tmp_path / "bad.jsonl")
@@ -84,7 +98,9 @@ def test_named_sync_async_and_group_rewards():
     score = lambda cfg, responses: asyncio.run(Rewarder(cfg).score(responses, "ab", "p"))  # noqa: E731
     assert score(TaskConfig(name="tiny", reward="tests.test_tasks:length_reward"), ["a", "abc"]) == [1.0, 3.0]
     assert score(TaskConfig(name="tiny", reward="tests.test_tasks:async_reward"), ["ab", "x"]) == [1.0, 0.0]
-    assert score(TaskConfig(name="tiny", reward="tests.test_tasks:rank_group", group_reward=True), ["abc", "a", "ab"]) == [2.0, 0.0, 1.0]
+    assert score(
+        TaskConfig(name="tiny", reward="tests.test_tasks:rank_group", group_reward=True), ["abc", "a", "ab"]
+    ) == [2.0, 0.0, 1.0]
     with pytest.raises(MoerlError, match="cannot be loaded"):
         Rewarder(TaskConfig(name="tiny", reward="tests.test_tasks:missing"))
     with pytest.raises(MoerlError, match="expected one of exact, math, tiny"):
@@ -118,9 +134,17 @@ def test_remote_verifier_is_called_per_response():
 
 # ---- the buffer ------------------------------------------------------------------------------
 def group_event(index: int, versions: list[int]) -> GroupDone:
-    samples = [Sample(prompt_ids=np.array([1, 2], np.int32), response_ids=np.array([3, 4], np.int32),
-                      behaviour_logprobs=np.zeros(2, np.float32), versions=np.array([v, v], np.int64), reward=float(i), group_id=index)
-               for i, v in enumerate(versions)]
+    samples = [
+        Sample(
+            prompt_ids=np.array([1, 2], np.int32),
+            response_ids=np.array([3, 4], np.int32),
+            behaviour_logprobs=np.zeros(2, np.float32),
+            versions=np.array([v, v], np.int64),
+            reward=float(i),
+            group_id=index,
+        )
+        for i, v in enumerate(versions)
+    ]
     return GroupDone(index, samples, retries=0, seconds=0.1)
 
 
@@ -160,7 +184,11 @@ def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     send_event(events, Stopped([3]))
     buffer.stop(timeout_s=5)
     assert orders.recv_pyobj() == Stop()
-    assert dict(buffer.acct.dropped) == {"stale": 1, "in_flight_at_stop": 1} and buffer.acct.balanced() and not buffer.acct.live
+    assert (
+        dict(buffer.acct.dropped) == {"stale": 1, "in_flight_at_stop": 1}
+        and buffer.acct.balanced()
+        and not buffer.acct.live
+    )
 
 
 def test_a_groups_arrays_cross_out_of_band_and_arrive_whole_and_writable(wired):

@@ -20,10 +20,8 @@ from moerl.models import model_shape
 from moerl.sample import Sample, SampleError
 from moerl.trainer.config import OptimConfig, ReplayConfig, TrainerConfig
 from moerl.trainer.objectives import LossConfig
-from tests.workers import resume_and_step
+from tests.workers import resume_and_step, step_at_version, train_steps
 from tests.workers import save_and_resume as save_and_resume_worker
-from tests.workers import step_at_version
-from tests.workers import train_steps
 
 ARCH = "Qwen3MoeForCausalLM"
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [20, 21, 22, 23, 24, 25], [40, 41]]
@@ -36,14 +34,28 @@ def rollout(hf_dir, dtype: torch.dtype) -> list[Sample]:
     samples = []
     try:
         for group, prompt in enumerate(PROMPTS):
-            body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True, "return_sampling_mask": True,
-                    "sampling_params": {"n": 4, "max_new_tokens": 6 + 3 * group, "top_k": 24, "temperature": 1.0,
-                                        "sampling_seed": 100 * group, "ignore_eos": True}}
+            body = {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "return_routed_experts": True,
+                "return_sampling_mask": True,
+                "sampling_params": {
+                    "n": 4,
+                    "max_new_tokens": 6 + 3 * group,
+                    "top_k": 24,
+                    "temperature": 1.0,
+                    "sampling_seed": 100 * group,
+                    "ignore_eos": True,
+                },
+            }
             for response in engine.generate(body):
                 completion = decode_generate(response, shape)
                 reward = float(np.mean(completion.output_ids % 2 == 0))  # a reward the policy can learn: even tokens
-                samples.append(Sample.from_completion(completion, prompt, temperature=1.0, reward=reward, group_id=group,
-                                                      versions={"default": 0}))
+                samples.append(
+                    Sample.from_completion(
+                        completion, prompt, temperature=1.0, reward=reward, group_id=group, versions={"default": 0}
+                    )
+                )
     finally:
         engine.scheduler.stop()
     return samples
@@ -70,14 +82,25 @@ def config(routing: str, lr: float = 1e-3, **layout) -> TrainerConfig:
 
 
 PACKED = {"micro_batch_format": "packed"}
-LAYOUTS = {"TP1": (1, {}), "DP2": (2, {}), "TP2+SP": (2, {"tp": 2}), "EP2": (2, {"ep": 2}), "PP2": (2, {"pp": 2}), "PP4": (4, {"pp": 4}),
-           "packed TP2+SP+EP2": (2, {"tp": 2, "ep": 2, **PACKED}), "packed PP2": (2, {"pp": 2, **PACKED})}
+LAYOUTS = {
+    "TP1": (1, {}),
+    "DP2": (2, {}),
+    "TP2+SP": (2, {"tp": 2}),
+    "EP2": (2, {"ep": 2}),
+    "PP2": (2, {"pp": 2}),
+    "PP4": (4, {"pp": 4}),
+    "packed TP2+SP+EP2": (2, {"tp": 2, "ep": 2, **PACKED}),
+    "packed PP2": (2, {"pp": 2, **PACKED}),
+}
 
 
 @pytest.fixture(scope="module")
 def r3_runs(tiny_ckpts, fp32_samples):
     mcore = str(tiny_ckpts[ARCH][1])
-    return {name: run_ranks(train_steps, world, mcore, config("R3", **layout), fp32_samples, 1) for name, (world, layout) in LAYOUTS.items()}
+    return {
+        name: run_ranks(train_steps, world, mcore, config("R3", **layout), fp32_samples, 1)
+        for name, (world, layout) in LAYOUTS.items()
+    }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -110,8 +133,11 @@ def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
-@pytest.mark.parametrize("layout,window", [({"pp": 2, "ep": 2}, None), ({"pp": 4}, 1), ({"tp": 2, "pp": 2}, None)],
-                         ids=["PP2xDP2", "PP4-window", "TP2xPP2"])
+@pytest.mark.parametrize(
+    "layout,window",
+    [({"pp": 2, "ep": 2}, None), ({"pp": 4}, 1), ({"tp": 2, "pp": 2}, None)],
+    ids=["PP2xDP2", "PP4-window", "TP2xPP2"],
+)
 def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckpts, fp32_samples, layout, window):
     """PP2xDP2 (EP2): two replicas of two stages; PP4: one layer per stage, the second dense. MoE layers 0, 2 and 3
     are routing columns 0, 1 and 2; the first stage reads token ids, the last ids and what the loss reads, a middle one
@@ -136,10 +162,16 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
         shard_bytes = 0
         for got, sent in zip(out["samples"], mine):
             assert np.array_equal(got.routing, sent.routing[:, list(needs.columns)])
-            assert got.prompt_len == sent.prompt_len and got.response_len == sent.response_len and got.temperature == sent.temperature
+            assert (
+                got.prompt_len == sent.prompt_len
+                and got.response_len == sent.response_len
+                and got.temperature == sent.temperature
+            )
             shard_bytes += got.routing.nbytes
             if needs.ids:
-                assert np.array_equal(got.prompt_ids, sent.prompt_ids) and np.array_equal(got.response_ids, sent.response_ids)
+                assert np.array_equal(got.prompt_ids, sent.prompt_ids) and np.array_equal(
+                    got.response_ids, sent.response_ids
+                )
                 shard_bytes += 4 * (sent.prompt_len + sent.response_len)
             else:
                 assert not got.prompt_ids.any() and not got.response_ids.any()
@@ -153,7 +185,8 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
             assert out["received"] == 0
         else:  # fields are 8-byte aligned
             assert shard_bytes <= out["received"] - plan_bytes < shard_bytes + 8 * 5, rank
-    sent = [out["received"] - plan_bytes for rank, out in enumerate(ranks) if rank and rank % layout.get("tp", 1) == 0]  # TP firsts
+    # TP firsts
+    sent = [out["received"] - plan_bytes for rank, out in enumerate(ranks) if rank and rank % layout.get("tp", 1) == 0]
     assert ranks[0]["staged_peak"] == (max(sent) if window else sum(sent)) and (len(sent) == 1 or max(sent) < sum(sent))
 
 
@@ -164,7 +197,9 @@ def test_replay_targets_leave_the_device_once_no_backward_replays_them(tiny_ckpt
     pass holds all its micro-batches' targets on the device at once."""
     from tests.workers import replay_queue_depths
 
-    (seen,) = run_ranks(replay_queue_depths, 1, str(tiny_ckpts[ARCH][1]), config("R3", recompute=recompute), fp32_samples)
+    (seen,) = run_ranks(
+        replay_queue_depths, 1, str(tiny_ckpts[ARCH][1]), config("R3", recompute=recompute), fp32_samples
+    )
     assert seen["given"] > 2 * 3 * 2  # several micro-batches a pass, two passes, the tiny model's three MoE layers
     assert seen["deepest"] == 1  # without pipelining, a micro-batch's backward comes before the next one's forward
 
@@ -202,14 +237,23 @@ def test_the_mismatch_splits_by_routing_and_lag_where_flips_and_drift_are_plante
         flipped = np.arange(1, s.response_len, 3)
         for j in flipped:
             column = 0 if j % 2 else -1
-            routing[s.prompt_len - 1 + j, column] = (routing[s.prompt_len - 1 + j, column].astype(np.int64) + 1) % experts
+            routing[s.prompt_len - 1 + j, column] = (
+                routing[s.prompt_len - 1 + j, column].astype(np.int64) + 1
+            ) % experts
         behaviour[flipped] -= 0.5
         selected[flipped] -= 0.5
         lag = int(s.group_id < 2)
         differ[lag] += len(flipped)
         tokens[lag] += s.response_len
-        planted.append(dataclasses.replace(s, routing=routing, behaviour_logprobs=behaviour, selected_logprobs=selected,
-                                           versions=np.full(s.response_len, 1 - lag, dtype=np.int64)))
+        planted.append(
+            dataclasses.replace(
+                s,
+                routing=routing,
+                behaviour_logprobs=behaviour,
+                selected_logprobs=selected,
+                versions=np.full(s.response_len, 1 - lag, dtype=np.int64),
+            )
+        )
     world, parallel = LAYOUTS[layout]
     metrics = run_ranks(step_at_version, world, str(tiny_ckpts[ARCH][1]), config("off", **parallel), planted, 1)[0]
     k3 = np.exp(-0.5) + 0.5 - 1
@@ -218,14 +262,22 @@ def test_the_mismatch_splits_by_routing_and_lag_where_flips_and_drift_are_plante
     for part in ("routing", "lag0_routing"):
         assert metrics[f"mismatch/abs_logprob_delta_{part}_differ"] == pytest.approx(0.5, abs=1e-5)
         assert metrics[f"mismatch/k3_kl_{part}_differ"] == pytest.approx(k3, abs=1e-5)
-        assert metrics[f"mismatch/abs_logprob_delta_{part}_agree"] < 1e-5 and metrics[f"mismatch/k3_kl_{part}_agree"] < 1e-9
+        assert (
+            metrics[f"mismatch/abs_logprob_delta_{part}_agree"] < 1e-5
+            and metrics[f"mismatch/k3_kl_{part}_agree"] < 1e-9
+        )
     for lag, part in enumerate(("lag0", "lagged")):
         assert metrics[f"mismatch/abs_logprob_delta_{part}"] == pytest.approx(0.5 * differ[lag] / tokens[lag], abs=1e-5)
     assert metrics["staleness/lag_1"] == pytest.approx(tokens[1] / tokens.sum())
 
 
-TRACED = {"TP2+SP": LAYOUTS["TP2+SP"], "EP2": LAYOUTS["EP2"], "PP2": LAYOUTS["PP2"], "packed TP2+SP+EP2": LAYOUTS["packed TP2+SP+EP2"],
-          "recompute PP2": (2, {"pp": 2, "recompute": True})}
+TRACED = {
+    "TP2+SP": LAYOUTS["TP2+SP"],
+    "EP2": LAYOUTS["EP2"],
+    "PP2": LAYOUTS["PP2"],
+    "packed TP2+SP+EP2": LAYOUTS["packed TP2+SP+EP2"],
+    "recompute PP2": (2, {"pp": 2, "recompute": True}),
+}
 
 
 def traced(tmp_path, routing: str = "R3", samples: int = 8, **layout) -> TrainerConfig:
@@ -250,16 +302,20 @@ def test_check_replay_passes_on_real_runs(tiny_ckpts, bf16_samples, tmp_path, la
     assert report.checked > report.informative > 0 and report.native_agree < 1.0
 
 
-@pytest.mark.parametrize("worker", ["train_with_routing_one_position_late", "train_with_routing_columns_swapped",
-                                    "train_without_replay"])
+@pytest.mark.parametrize(
+    "worker", ["train_with_routing_one_position_late", "train_with_routing_columns_swapped", "train_without_replay"]
+)
 def test_check_replay_finds_a_planted_fault_and_says_where(tiny_ckpts, bf16_samples, tmp_path, capsys, worker):
     """Routing placed one position late in the micro-batches (TP2+SP); the routing a rank is sent put in the wrong
     column (EP2); the training pass run without replay (PP2 with recompute)."""
     from moerl.cli import main
     from tests import workers
 
-    layout = {"train_with_routing_one_position_late": {"tp": 2}, "train_with_routing_columns_swapped": {"ep": 2},
-              "train_without_replay": {"pp": 2, "recompute": True}}[worker]
+    layout = {
+        "train_with_routing_one_position_late": {"tp": 2},
+        "train_with_routing_columns_swapped": {"ep": 2},
+        "train_without_replay": {"pp": 2, "recompute": True},
+    }[worker]
     run_ranks(getattr(workers, worker), 2, str(tiny_ckpts[ARCH][1]), traced(tmp_path, **layout), bf16_samples, 1)
     assert main(["check-replay", str(tmp_path), "--show", "100000"]) == 1
     out = capsys.readouterr().out
@@ -280,7 +336,9 @@ def test_check_replay_under_r2_checks_the_training_pass_against_the_old_policy_p
     report = check_replay(tmp_path)
     assert report.ok, report.summary()
     assert report.mode == "R2" and report.passes == {"score", "train", "recompute"}
-    assert report.native_agree < 1.0  # a bf16 engine: the trainer's routers disagree with it, and R2 does not replay the rollout
+    assert (
+        report.native_agree < 1.0
+    )  # a bf16 engine: the trainer's routers disagree with it, and R2 does not replay the rollout
     # One optimizer step per batch: the training pass runs at the old-policy pass's weights, so it would route the same
     # without replay, and the report says the trace cannot tell.
     assert report.informative == 0 and "UNINFORMATIVE" in report.summary()
@@ -296,13 +354,17 @@ def test_the_expert_load_of_a_planted_routing_is_what_it_must_be(tiny_ckpts, fp3
     raw = json.loads((tiny_ckpts[ARCH][0] / "config.json").read_text())
     hf_config = family_for(raw).normalize(raw)
     experts, k = hf_config["num_experts"], hf_config["num_experts_per_tok"]
-    planted = [dataclasses.replace(s, routing=np.broadcast_to(np.arange(k, dtype=s.routing.dtype), s.routing.shape).copy())
-               for s in fp32_samples]
+    planted = [
+        dataclasses.replace(s, routing=np.broadcast_to(np.arange(k, dtype=s.routing.dtype), s.routing.shape).copy())
+        for s in fp32_samples
+    ]
     (off,) = run_ranks(train_steps, 1, str(tiny_ckpts[ARCH][1]), config("off"), planted, 1)
     metrics = off["metrics"][0]
     assert metrics["load/rollout_max_over_mean"] == pytest.approx(experts / k)
     assert metrics["load/rollout_entropy"] == pytest.approx(np.log(k) / np.log(experts))
-    assert metrics["load/native_max_over_mean"] < experts / k and metrics["load/native_entropy"] > np.log(k) / np.log(experts)
+    assert metrics["load/native_max_over_mean"] < experts / k and metrics["load/native_entropy"] > np.log(k) / np.log(
+        experts
+    )
 
 
 def test_after_a_load_each_parameter_counts_its_own_adam_steps(tiny_ckpts, fp32_samples):
@@ -310,7 +372,9 @@ def test_after_a_load_each_parameter_counts_its_own_adam_steps(tiny_ckpts, fp32_
     torch's Adam adds 1 to it in place per parameter; the trainer gives each its own, so the count stays the step's."""
     from tests.workers import adam_steps_after_a_shared_step_is_loaded
 
-    (steps,) = run_ranks(adam_steps_after_a_shared_step_is_loaded, 1, str(tiny_ckpts[ARCH][1]), config("R3"), fp32_samples)
+    (steps,) = run_ranks(
+        adam_steps_after_a_shared_step_is_loaded, 1, str(tiny_ckpts[ARCH][1]), config("R3"), fp32_samples
+    )
     assert len(steps) > 1 and set(steps) == {2.0}
 
 
@@ -346,7 +410,9 @@ def test_samples_refuse_inconsistent_arrays(fp32_samples):
 @pytest.fixture(scope="module")
 def ep2_resume(tiny_ckpts, fp32_samples, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("resume") / "ckpt"
-    return ckpt, run_ranks(save_and_resume_worker, 2, str(tiny_ckpts[ARCH][1]), config("R3", ep=2), fp32_samples, str(ckpt))[0]
+    return ckpt, run_ranks(
+        save_and_resume_worker, 2, str(tiny_ckpts[ARCH][1]), config("R3", ep=2), fp32_samples, str(ckpt)
+    )[0]
 
 
 def test_saved_trainer_resumes_exactly(ep2_resume):
@@ -411,4 +477,10 @@ def test_a_batch_fed_in_pieces_steps_like_the_whole_batch(tiny_ckpts, fp32_sampl
     for key in ("train/loss", "train/grad_norm", "routing/agreement", "mismatch/k3_kl", "train/tokens"):
         assert out["got"][key] == pytest.approx(out["expected"][key], rel=1e-5, abs=1e-7), key
     for name, grad in out["expected_grads"].items():
-        torch.testing.assert_close(out["grads"][name], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            out["grads"][name],
+            grad,
+            rtol=1e-5,
+            atol=1e-6 * grad.abs().max().item(),
+            msg=lambda m, name=name: f"{name}: {m}",
+        )

@@ -20,9 +20,15 @@ def _sample(rng: np.random.Generator, fed: int, layers: int, topk: int, experts:
     """A sample of ``fed`` fed tokens (a one-token prompt), each routed to ``topk`` distinct experts in every layer."""
     routing = np.argsort(rng.random((fed, layers, experts)), axis=-1)[..., :topk].astype(np.uint8)
     ids = rng.integers(1, 200, fed + 1, dtype=np.int32)
-    return Sample(prompt_ids=ids[:1], response_ids=ids[1:], behaviour_logprobs=np.full(fed, -2.0, np.float32),
-                  versions=np.zeros(fed, np.int64), routing=routing, reward=float(rng.random()),
-                  group_id=group).validate()
+    return Sample(
+        prompt_ids=ids[:1],
+        response_ids=ids[1:],
+        behaviour_logprobs=np.full(fed, -2.0, np.float32),
+        versions=np.zeros(fed, np.int64),
+        routing=routing,
+        reward=float(rng.random()),
+        group_id=group,
+    ).validate()
 
 
 def _padding_loads(batch, experts: int, ep: int) -> tuple[np.ndarray, np.ndarray]:
@@ -42,8 +48,15 @@ def test_padding_is_spread_evenly_over_the_experts_of_every_expert_parallel_rank
     samples' own routing as it came. Experts 0..topk-1 for all padding put it on rank 0 alone: max/mean = ep."""
     rng = np.random.default_rng(0)
     samples = [_sample(rng, fed, 3, topk, experts, group) for group, fed in enumerate([60, 12, 12, 12, 12, 12])]
-    batch = build_micro_batch(samples, [0.0] * 6, [1.0] * 6, multiple=360 if packed else 60, use_masks=False,
-                              routed_experts=experts, packed=packed)
+    batch = build_micro_batch(
+        samples,
+        [0.0] * 6,
+        [1.0] * 6,
+        multiple=360 if packed else 60,
+        use_masks=False,
+        routed_experts=experts,
+        packed=packed,
+    )
     real = batch.real_positions()
     padding_positions = int((~real).sum())
     assert padding_positions == 240 == 2 * real.sum()  # whole turns of the rotation at every shape: 16, 15, 4 positions
@@ -112,8 +125,9 @@ def test_the_model_inputs_and_replay_targets_go_through_the_non_blocking_copy(mo
     rng = np.random.default_rng(1)
     samples = [_sample(rng, fed, 3, 2, 8) for fed in (5, 3)]
     cuda = torch.device("cuda")
-    packed = build_micro_batch(samples, [1.0, 1.0], [1.0, 1.0], multiple=5, use_masks=False, routed_experts=8,
-                               packed=True)
+    packed = build_micro_batch(
+        samples, [1.0, 1.0], [1.0, 1.0], multiple=5, use_masks=False, routed_experts=8, packed=True
+    )
     packed.packed_inputs(cuda, thd=True)
     assert copied == [((10,), torch.int64, "cuda"), ((4,), torch.int32, "cuda")]  # positions; bounds, the tail's too
     copied.clear()
@@ -166,8 +180,12 @@ def test_the_probe_runs_only_in_the_old_pass_of_a_batch_with_routing(tiny_ckpts)
 
     rng = np.random.default_rng(2)
     samples = [_sample(rng, fed, 3, 2, 8, group=i // 2) for i, fed in enumerate([9, 4, 12, 6, 3, 7, 5, 10])]
-    cfg = TrainerConfig(micro_batch_tokens=32, loss=LossConfig(kl_coef=0.1),
-                        replay=ReplayConfig(routing="off", sampling_mask=False), optim=OptimConfig(lr=1e-3))
+    cfg = TrainerConfig(
+        micro_batch_tokens=32,
+        loss=LossConfig(kl_coef=0.1),
+        replay=ReplayConfig(routing="off", sampling_mask=False),
+        optim=OptimConfig(lr=1e-3),
+    )
     (out,) = run_ranks(probed_steps, 1, str(tiny_ckpts[ARCH][1]), cfg, samples)
     with_routing, without = out["routing"], out["none"]
     assert without["probes"] == 0 and with_routing["probes"] == 1

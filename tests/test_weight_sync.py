@@ -16,9 +16,14 @@ from tests.workers import export_hf
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("world, layout", [(2, Layout(tp=2)), (2, Layout(ep=2)), (2, Layout(pp=2)), (4, Layout(tp=2, ep=2, pp=2))],
-                         ids=["TP2", "EP2", "PP2", "TP2xEP2xPP2"])
-def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_senders(tiny_ckpts, arch, world, layout):
+@pytest.mark.parametrize(
+    "world, layout",
+    [(2, Layout(tp=2)), (2, Layout(ep=2)), (2, Layout(pp=2)), (4, Layout(tp=2, ep=2, pp=2))],
+    ids=["TP2", "EP2", "PP2", "TP2xEP2xPP2"],
+)
+def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_senders(
+    tiny_ckpts, arch, world, layout
+):
     hf_dir, mcore_dir = tiny_ckpts[arch]
     reader = HFReader(hf_dir)
     ranks = run_ranks(export_hf, world, str(mcore_dir), layout)
@@ -39,7 +44,11 @@ def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_
             assert out["received"] == 0, rank  # it only sends its shards
             continue
         # A later stage's first rank takes in less than its own stage's tensors: its TP and EP peers' shards.
-        stage = [n for n in reader.names() if (int(n.split(".")[2]) in out["layers"] if n.startswith("model.layers.") else out["last"])]
+        stage = [
+            n
+            for n in reader.names()
+            if (int(n.split(".")[2]) in out["layers"] if n.startswith("model.layers.") else out["last"])
+        ]
         assert out["received"] < nbytes(stage), rank
         assert (out["received"] > 0) == (layout.tp > 1 or layout.ep > 1), rank
 
@@ -88,7 +97,9 @@ def test_after_a_broadcast_sync_every_engine_holds_the_trainers_weights_bitwise(
         ranks = run_ranks(train_then_sync, 2, str(mcore_dir), cfg, samples, urls)
     # SGLang takes one update at a time, in the order they reach it: every engine must take the senders' buckets in
     # one order, or each of two waits in a broadcast the other has not reached.
-    orders = [re.findall(r"from weight group (\S+)", log.read_text()) for log in sorted((tmp_path / "logs").glob("*.log"))]
+    orders = [
+        re.findall(r"from weight group (\S+)", log.read_text()) for log in sorted((tmp_path / "logs").glob("*.log"))
+    ]
     assert len(orders) == 2 and orders[0] == orders[1] and len(orders[0]) > 2 and len(set(orders[0])) == 2
     out = ranks[0]
     reader = HFReader(hf_dir)
@@ -103,7 +114,9 @@ def test_after_a_broadcast_sync_every_engine_holds_the_trainers_weights_bitwise(
     assert out["versions"] == ["1", "1"]  # the policy version after one step
     changed = 0
     for name, tensor in out["trained"]:
-        assert all(torch.equal(torch.tensor(served, dtype=tensor.dtype), tensor) for served in out["served"][name]), name
+        assert all(torch.equal(torch.tensor(served, dtype=tensor.dtype), tensor) for served in out["served"][name]), (
+            name
+        )
         changed += not torch.equal(tensor, reader.get(name))
     assert changed > len(out["trained"]) // 2  # the step moved the weights the engine now serves
 
@@ -123,7 +136,9 @@ def test_a_second_run_joins_the_engines_the_first_left(tiny_ckpts, tmp_path):
     assert names[0] != names[1]
 
 
-def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_ones_group_is_aborted(tiny_ckpts, tmp_path, monkeypatch):
+def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_ones_group_is_aborted(
+    tiny_ckpts, tmp_path, monkeypatch
+):
     """Under NCCL a broadcast's wait makes the device's stream wait: one for a bucket no engine joins would hold every
     later kernel and collective of the rank. So a bucket is waited for only after the engines answered, and a refused
     one's group is aborted and dropped, with the engine's error, even when the refusal comes back before the broadcast
@@ -180,14 +195,17 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
             while ("abort",) not in events and time.monotonic() < deadline:  # a late enqueue aborts in its thread
                 time.sleep(0.05)
             enqueued, answered = ("broadcast", 48, True), ("answered",)
-            assert events in ([enqueued, answered, ("abort",)], [answered, enqueued, ("abort",)]) and (delay == 0 or events[0] == answered)
+            assert events in ([enqueued, answered, ("abort",)], [answered, enqueued, ("abort",)]) and (
+                delay == 0 or events[0] == answered
+            )
             assert sync.group is None
             sync.link.run(sync.link.client.abandon_weight_update())
             sync._form_group([url])
         events.clear()
         replaced = sync.group
         sync._form_group([url])  # a push made again: the group it replaces leaves this side's device
-        # and the registry: at exit the job destroys every group it holds, which NCCL makes a collective with the engines
+        # and the registry: at exit the job destroys every group it holds, which NCCL makes a collective with the
+        # engines
         assert events == [("abort",)] and replaced not in _world.pg_map
         current = sync.group
         sync.close()
@@ -233,8 +251,15 @@ def test_engines_a_failed_bucket_may_have_wedged_are_restarted_or_left_out_never
     hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
     other_vocab = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "other-vocab", vocab_size=300)
     with running_server(other_vocab, tmp_path / "logs") as refusing:
-        out = run_ranks(syncs_where_one_engine_refuses_a_bucket_the_other_took, 1, str(mcore_dir), TrainerConfig(),
-                        str(hf_dir), refusing, str(tmp_path / "pool-logs"))[0]
+        out = run_ranks(
+            syncs_where_one_engine_refuses_a_bucket_the_other_took,
+            1,
+            str(mcore_dir),
+            TrainerConfig(),
+            str(hf_dir),
+            refusing,
+            str(tmp_path / "pool-logs"),
+        )[0]
     started = out["started"]
     assert out["wedged"] == [sorted([started, refusing])] * 2
     assert out["first"] and out["targets"] == [started] and out["versions"] == ["0"] and out["restarts"] == {0: 1}
@@ -254,9 +279,12 @@ def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push():
     from moerl.orchestrator.lead import Lead
 
     told = []
-    lead = SimpleNamespace(pool=SimpleNamespace(revive=lambda most, window: ["http://b"]),
-                           cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3, restart_window_s=3600.0)),
-                           rollouts=SimpleNamespace(restarting=told.append), sync=SimpleNamespace(may_be_new={"http://a"}))
+    lead = SimpleNamespace(
+        pool=SimpleNamespace(revive=lambda most, window: ["http://b"]),
+        cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3, restart_window_s=3600.0)),
+        rollouts=SimpleNamespace(restarting=told.append),
+        sync=SimpleNamespace(may_be_new={"http://a"}),
+    )
     Lead.revive(lead)
     assert lead.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]]
 
@@ -270,7 +298,8 @@ def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_er
     from tests.workers import what_each_rank_raises_when_rank_0_fails_an_agreed_step
 
     (kind0, message0, relayed0), (kind1, message1, relayed1) = run_ranks(
-        what_each_rank_raises_when_rank_0_fails_an_agreed_step, 2, failure, timeout_s=120)
+        what_each_rank_raises_when_rank_0_fails_an_agreed_step, 2, failure, timeout_s=120
+    )
     if failure == "engines_down":
         assert (kind0, kind1) == ("EnginesDown", "EnginesDown") and message0 == "no engine answered"
     else:
@@ -293,7 +322,8 @@ def test_an_engine_holding_all_the_weight_groups_it_may_is_restarted_or_left_out
         sync.restart_engines = lambda urls: told.append(urls) or [url for url in urls if url == started]
 
         def regroup(targets, new=()):
-            client.targets, sync.members = list(targets), []  # as after a failed push: every sender forms its group again
+            # as after a failed push: every sender forms its group again
+            client.targets, sync.members = list(targets), []
             chosen = sync._members(set(new))
             sync.members = chosen[0]
             return chosen
@@ -321,7 +351,9 @@ def test_an_engine_holding_all_the_weight_groups_it_may_is_restarted_or_left_out
         sync.close()
 
 
-def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_group_forms(tiny_ckpts, tmp_path, monkeypatch):
+def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_group_forms(
+    tiny_ckpts, tmp_path, monkeypatch
+):
     """Each torch bundles its NCCL, and one communicator of two NCCL releases fails or hangs: SGLang 0.5.23 pins torch
     2.14.1. Where the weight sync would form NCCL groups, an engine on another torch is refused at connect with what to
     align; over gloo it does not matter."""
@@ -332,17 +364,25 @@ def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_gro
 
     sglang = {"tp_size": 2, "version": "0.5.23"}
     assert torch_mismatch(["http://a"], [sglang], "2.14.1+cu130") is None
-    assert torch_mismatch(["http://a", "http://b"], [sglang, {"tp_size": 1, "version": "0.1.0", "torch_version": "2.11.0+cu130"}],
-                          "2.11.0") == ("a NCCL weight group needs one NCCL release on both sides, and torch bundles its own: "
-                                        "http://a runs torch 2.14.1, which SGLang 0.5.23 pins, this trainer torch 2.11.0: "
-                                        "install torch==2.14.1 for the trainer, or set sync.method=disk")
-    assert torch_mismatch(["http://a"], [{"tp_size": 1, "version": "0.9.9"}], "2.11.0") is None  # a release it does not know
+    assert torch_mismatch(
+        ["http://a", "http://b"],
+        [sglang, {"tp_size": 1, "version": "0.1.0", "torch_version": "2.11.0+cu130"}],
+        "2.11.0",
+    ) == (
+        "a NCCL weight group needs one NCCL release on both sides, and torch bundles its own: "
+        "http://a runs torch 2.14.1, which SGLang 0.5.23 pins, this trainer torch 2.11.0: "
+        "install torch==2.14.1 for the trainer, or set sync.method=disk"
+    )
+    # a release it does not know
+    assert torch_mismatch(["http://a"], [{"tp_size": 1, "version": "0.9.9"}], "2.11.0") is None
 
     monkeypatch.setattr(broadcast.torch, "__version__", "2.11.0+cu130")  # the trainer's; the engine reports its own
     with running_server(tiny_ckpts["Qwen3MoeForCausalLM"][0], tmp_path) as url:
         sync = BroadcastSync([url], "127.0.0.1", "nccl")
         try:
-            with pytest.raises(ConfigError, match=rf"{url} runs torch 2\.13\.0, this trainer torch 2\.11\.0: install torch==2\.13\.0"):
+            with pytest.raises(
+                ConfigError, match=rf"{url} runs torch 2\.13\.0, this trainer torch 2\.11\.0: install torch==2\.13\.0"
+            ):
                 sync.connect()
             assert sync.group is None
         finally:

@@ -49,9 +49,15 @@ def adam_steps_before_loading(mcore_dir: str, trainer_cfg) -> dict:
     fresh = sum(len(inner.state) for inner in inners)
     _adam_state_before_loading(trainer.optimizer)
     states = [inner.state.get(p) for inner in inners for g in inner.param_groups for p in g["params"]]
-    return {"fresh": fresh, "params": len(states), "steps": sorted({s["step"].item() for s in states if s and "step" in s}),
-            "with_state": sum(1 for s in states if s and "step" in s),
-            "moments_zero": all(torch.count_nonzero(s["exp_avg"]) == 0 and torch.count_nonzero(s["exp_avg_sq"]) == 0 for s in states if s)}
+    return {
+        "fresh": fresh,
+        "params": len(states),
+        "steps": sorted({s["step"].item() for s in states if s and "step" in s}),
+        "with_state": sum(1 for s in states if s and "step" in s),
+        "moments_zero": all(
+            torch.count_nonzero(s["exp_avg"]) == 0 and torch.count_nonzero(s["exp_avg_sq"]) == 0 for s in states if s
+        ),
+    }
 
 
 def full_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] | None:
@@ -107,7 +113,9 @@ def parity(mcore_dir: str, layout: Layout, input_ids: torch.Tensor, config_overr
     return out
 
 
-def shard_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, upstream: torch.Tensor) -> dict:
+def shard_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor, upstream: torch.Tensor
+) -> dict:
     """Kept-set and full log-probs and entropy on this TP rank's vocabulary shard of ``logits``,
     with the gradient of ``sum(upstream * (masked + full + entropy))`` w.r.t. the shard."""
     from megatron.core import parallel_state
@@ -177,8 +185,13 @@ def scatter_piece(mcore_dir: str, trainer_cfg, samples: list, window: int | None
         distribute.SCATTER_WINDOW_BYTES = window
     trainer = Trainer(mcore_dir, trainer_cfg)
     piece = trainer.batches.scatter(samples if torch.distributed.get_rank() == 0 else None)
-    return {"needs": trainer.batches.needs, "samples": piece.samples, "received": piece.received, "advantages": piece.advantages,
-            "staged_peak": trainer.batches.staged_peak}
+    return {
+        "needs": trainer.batches.needs,
+        "samples": piece.samples,
+        "received": piece.received,
+        "advantages": piece.advantages,
+        "staged_peak": trainer.batches.staged_peak,
+    }
 
 
 def parallel_state_counts() -> bool:
@@ -200,8 +213,14 @@ def save_and_resume(mcore_dir: str, trainer_cfg, samples: list, save_dir: str, l
     resumed = Trainer(mcore_dir, trainer_cfg, lora=lora)
     resumed.load(save_dir)
     got = resumed.step(samples)
-    return {"first": first, "expected": expected, "got": got, "version": resumed.version,
-            "expected_weights": expected_weights, "weights": full_tensors(resumed.model.module)}
+    return {
+        "first": first,
+        "expected": expected,
+        "got": got,
+        "version": resumed.version,
+        "expected_weights": expected_weights,
+        "weights": full_tensors(resumed.model.module),
+    }
 
 
 def resume_and_step(mcore_dir: str, trainer_cfg, samples: list, save_dir: str) -> dict:
@@ -224,7 +243,11 @@ def export_hf(mcore_dir: str, layout: Layout, te_expert_marks: bool = False) -> 
 
     cfg, model = load_megatron_model(mcore_dir, layout)
     if te_expert_marks:
-        marked = [p for n, p in model.named_parameters() if ".local_experts." in n and getattr(p, "tensor_model_parallel", False)]
+        marked = [
+            p
+            for n, p in model.named_parameters()
+            if ".local_experts." in n and getattr(p, "tensor_model_parallel", False)
+        ]
         assert any(p.partition_dim == 1 for p in marked)  # linear_fc2's, until marked as TE does
         for param in marked:
             param.partition_dim = 0
@@ -232,9 +255,16 @@ def export_hf(mcore_dir: str, layout: Layout, te_expert_marks: bool = False) -> 
     stream = [(name, tensor.clone()) for name, tensor in hf_named_tensors(gather, cfg)]
     senders = Gather(model, per_sender=True)  # what broadcast sync sends: each sender its own share
     share = [(name, tensor.clone()) for name, tensor in hf_named_tensors(senders, cfg)]
-    return {"stream": stream, "received": gather.received, "lead": gather.lead,
-            "share": share, "share_received": senders.received, "sends": senders.sends,
-            "layers": sorted(layer.layer_number - 1 for layer in model.decoder.layers), "last": parallel_state.is_pipeline_last_stage()}
+    return {
+        "stream": stream,
+        "received": gather.received,
+        "lead": gather.lead,
+        "share": share,
+        "share_received": senders.received,
+        "sends": senders.sends,
+        "layers": sorted(layer.layer_number - 1 for layer in model.decoder.layers),
+        "last": parallel_state.is_pipeline_last_stage(),
+    }
 
 
 def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str]) -> dict:
@@ -302,8 +332,9 @@ def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]
     return {"turns": turns, "versions": versions, "version": str(trainer.version), "groups": groups}
 
 
-def syncs_where_one_engine_refuses_a_bucket_the_other_took(mcore_dir: str, trainer_cfg, hf_dir: str, refusing_url: str,
-                                                           log_dir: str) -> dict:
+def syncs_where_one_engine_refuses_a_bucket_the_other_took(
+    mcore_dir: str, trainer_cfg, hf_dir: str, refusing_url: str, log_dir: str
+) -> dict:
     """Broadcast updates to two engines: one this rank starts (a pool of one replica, as the job's), one given by URL whose
     model's vocabulary differs, so that it refuses the embedding's bucket after the first engine took it. The first
     update (the job restarts what it started) is made again to the restarted engine alone; the second (nothing
@@ -318,7 +349,9 @@ def syncs_where_one_engine_refuses_a_bucket_the_other_took(mcore_dir: str, train
 
     weight_group.TIMEOUT_S = 30  # the refused buckets' broadcasts, which gloo cannot abort, wait this long here
     trainer = Trainer(mcore_dir, trainer_cfg)
-    pool = EnginePool(EnginePoolConfig(model_path=hf_dir, server="embedded", base_port=0, dtype="float32", log_dir=log_dir))
+    pool = EnginePool(
+        EnginePoolConfig(model_path=hf_dir, server="embedded", base_port=0, dtype="float32", log_dir=log_dir)
+    )
     pool.start()
     started = pool.replica_urls[0]
     sync = BroadcastSync([started, refusing_url], "127.0.0.1", "gloo", bucket_bytes=64 << 10)
@@ -346,7 +379,8 @@ def syncs_where_one_engine_refuses_a_bucket_the_other_took(mcore_dir: str, train
         out["versions"] = sync.link.run(sync.link.client.weight_versions())
         out["restarts"] = dict(pool.restarts)
         out["first_announced"], out["announced"] = out["announced"], []
-        sync.restart_engines = lambda urls: out["wedged"].append(sorted(urls)) or []  # engines given by URL: none restarted
+        # engines given by URL: none restarted
+        sync.restart_engines = lambda urls: out["wedged"].append(sorted(urls)) or []
         start = time.monotonic()
         try:
             sync.update(trainer)
@@ -370,11 +404,23 @@ def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict
     pieced = Trainer(mcore_dir, trainer_cfg)
     groups = sorted({s.group_id for s in samples})
     got = pieced.step(iter([[s for s in samples if s.group_id == g] for g in groups]))
-    return {"expected": expected, "got": got, "expected_grads": expected_grads, "grads": full_tensors(pieced.model.module, grads=True)}
+    return {
+        "expected": expected,
+        "got": got,
+        "expected_grads": expected_grads,
+        "grads": full_tensors(pieced.model.module, grads=True),
+    }
 
 
-def lora_train_export(mcore_dir: str, trainer_cfg, lora_cfg, samples: list, input_ids: torch.Tensor, steps: int,
-                      save_dir: str | None = None) -> dict:
+def lora_train_export(
+    mcore_dir: str,
+    trainer_cfg,
+    lora_cfg,
+    samples: list,
+    input_ids: torch.Tensor,
+    steps: int,
+    save_dir: str | None = None,
+) -> dict:
     """``steps`` LoRA steps on ``samples``; what trains, what changed, the exported adapter and logits."""
     from moerl.megatron.lora import is_lora_param
     from moerl.trainer.trainer import Trainer
@@ -389,11 +435,16 @@ def lora_train_export(mcore_dir: str, trainer_cfg, lora_cfg, samples: list, inpu
         trainer.save(save_dir)
     after = full_tensors(model)
     return {
-        "metrics": metrics, "lora": Gather(model, select=is_lora_param).gather(), "logits": forward_logits(model, input_ids),
+        "metrics": metrics,
+        "lora": Gather(model, select=is_lora_param).gather(),
+        "logits": forward_logits(model, input_ids),
         "trainable": sorted(n for n, p in named.items() if p.requires_grad),
         # fp32 on the CPU: megatron's optimizers wrap torch's Adam, whose state is keyed by the parameters themselves
-        "with_state": sorted(by_id.get(id(p), "?") for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
-                             for p in opt.optimizer.state),
+        "with_state": sorted(
+            by_id.get(id(p), "?")
+            for opt in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+            for p in opt.optimizer.state
+        ),
         "base_unchanged": after is None or all(torch.equal(before[n], after[n]) for n in before),
         "lora_names": sorted(n for n in named if is_lora_param(n)),
     }
@@ -426,23 +477,38 @@ def te_norm_names(arch: str) -> dict:
 
     class Backend:
         def __getattr__(self, name):
-            return {"column_parallel_layer_norm_linear": lambda: LayerNormLinear, "layer_norm": lambda **kw: Norm,
-                    "fuse_layernorm_and_linear": lambda: True,
-                    "grouped_mlp_modules": lambda *a, **kw: (Other, MLPSubmodules(linear_fc1=Other, linear_fc2=Other))}.get(name, lambda *a, **kw: Other)
+            return {
+                "column_parallel_layer_norm_linear": lambda: LayerNormLinear,
+                "layer_norm": lambda **kw: Norm,
+                "fuse_layernorm_and_linear": lambda: True,
+                "grouped_mlp_modules": lambda *a, **kw: (Other, MLPSubmodules(linear_fc1=Other, linear_fc2=Other)),
+            }.get(name, lambda *a, **kw: Other)
 
     init_distributed(Layout())
     cfg = dict(TINY_QWEN3 if arch.startswith("Qwen3") else TINY_QWEN2, architectures=[arch])
     family = family_for(cfg)
     config = family.transformer_config(family.normalize(cfg), Layout())
-    with mock.patch.object(gpt_layer_specs, "TESpecProvider", Backend, create=True), mock.patch.object(gpt_layer_specs, "TENorm", Norm, create=True):
-        layers = gpt_layer_specs.get_gpt_decoder_layer_specs(config, use_transformer_engine=True, normalization="RMSNorm")
+    with (
+        mock.patch.object(gpt_layer_specs, "TESpecProvider", Backend, create=True),
+        mock.patch.object(gpt_layer_specs, "TENorm", Norm, create=True),
+    ):
+        layers = gpt_layer_specs.get_gpt_decoder_layer_specs(
+            config, use_transformer_engine=True, normalization="RMSNorm"
+        )
     te_names = set()
     for i, layer in enumerate(layers):
         sub, prefix = layer.submodules, f"decoder.layers.{i}."
         attention = sub.self_attention.submodules
-        te_names |= {prefix + name for name, module in (
-            ("input_layernorm.weight", sub.input_layernorm), ("self_attention.q_layernorm.weight", attention.q_layernorm),
-            ("self_attention.k_layernorm.weight", attention.k_layernorm), ("pre_mlp_layernorm.weight", sub.pre_mlp_layernorm)) if module is Norm}
+        te_names |= {
+            prefix + name
+            for name, module in (
+                ("input_layernorm.weight", sub.input_layernorm),
+                ("self_attention.q_layernorm.weight", attention.q_layernorm),
+                ("self_attention.k_layernorm.weight", attention.k_layernorm),
+                ("pre_mlp_layernorm.weight", sub.pre_mlp_layernorm),
+            )
+            if module is Norm
+        }
         if attention.linear_qkv is LayerNormLinear:
             te_names.add(prefix + "self_attention.linear_qkv.layer_norm_weight")
         fc1 = getattr(sub.mlp.submodules, "linear_fc1", None)
@@ -450,12 +516,23 @@ def te_norm_names(arch: str) -> dict:
             te_names.add(prefix + "mlp.linear_fc1.layer_norm_weight")
     with torch.device("meta"):
         model = build_model(cfg, Layout())
-    local_keys = {v.key for v in model.sharded_state_dict(metadata=SHARDED_METADATA).values()
-                  if ("layernorm" in v.key or "layer_norm" in v.key) and not v.key.endswith("_extra_state")}
-    rule_names = {r.mcore for r in family.all_rules(family.normalize(cfg)) if r.mcore.startswith("decoder.layers.") and "norm" in r.mcore}
-    return {"te_names": te_names, "local_keys": {k for k in local_keys if k.startswith("decoder.layers.")},
-            "exported": {global_name(model, n) for n in te_names}, "rule_names": rule_names,
-            "pattern": family.moe_layer_pattern(family.normalize(cfg))}
+    local_keys = {
+        v.key
+        for v in model.sharded_state_dict(metadata=SHARDED_METADATA).values()
+        if ("layernorm" in v.key or "layer_norm" in v.key) and not v.key.endswith("_extra_state")
+    }
+    rule_names = {
+        r.mcore
+        for r in family.all_rules(family.normalize(cfg))
+        if r.mcore.startswith("decoder.layers.") and "norm" in r.mcore
+    }
+    return {
+        "te_names": te_names,
+        "local_keys": {k for k in local_keys if k.startswith("decoder.layers.")},
+        "exported": {global_name(model, n) for n in te_names},
+        "rule_names": rule_names,
+        "pattern": family.moe_layer_pattern(family.normalize(cfg)),
+    }
 
 
 def step_at_version(mcore_dir: str, trainer_cfg, samples: list, version: int) -> dict:
@@ -539,7 +616,11 @@ def what_each_rank_raises_when_rank_0_fails_an_agreed_step(failure: str) -> tupl
             return None, None
 
     def fails():
-        raise EnginesDown("no engine answered") if failure == "engines_down" else WeightSyncError("an engine does not serve it")
+        raise (
+            EnginesDown("no engine answered")
+            if failure == "engines_down"
+            else WeightSyncError("an engine does not serve it")
+        )
 
     init_process_group(timeout_s=60)
     rank = torch.distributed.get_rank()
@@ -575,9 +656,12 @@ def what_each_rank_raises_from_parts_rank_0_takes_alone(run_dir: str) -> list[tu
             raise RolloutError("rollout of prompt 3 failed: the reward function raised")
 
     trainer = SimpleNamespace(version=2, save=lambda out: None)  # the trainer's part is collective and saved here
-    parts = [lambda: on_lead(lambda: "rank 0's", "a part"), lambda: on_lead(manager_lost, "a part"),
-             lambda: on_lead(disk_full, "recording the step's metrics"),
-             lambda: save_checkpoint(trainer, FailedRollout() if torch.distributed.get_rank() == 0 else None, Path(run_dir))]
+    parts = [
+        lambda: on_lead(lambda: "rank 0's", "a part"),
+        lambda: on_lead(manager_lost, "a part"),
+        lambda: on_lead(disk_full, "recording the step's metrics"),
+        lambda: save_checkpoint(trainer, FailedRollout() if torch.distributed.get_rank() == 0 else None, Path(run_dir)),
+    ]
     init_process_group(timeout_s=60)
     out = []
     for part in parts:

@@ -31,10 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size (default 2 GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     lora = p.add_mutually_exclusive_group()
-    lora.add_argument("--adapter-only", action="store_true",
-                      help="a LoRA-trained checkpoint: write its adapters only, as a PEFT adapter directory (give --adapter-format)")
-    lora.add_argument("--merge-lora", action="store_true",
-                      help="a LoRA-trained checkpoint: write the full model with the adapters merged into its weights")
+    lora.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA-trained checkpoint: write its adapters only, as a PEFT adapter directory (give --adapter-format)",
+    )
+    lora.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA-trained checkpoint: write the full model with the adapters merged into its weights",
+    )
     _adapter_options(p)
 
     p = sub.add_parser("check-adapter", help="check an adapter directory against the LoRA checkpoint it came from")
@@ -49,17 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1, help="expert parallel size")
     p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: tp when ep=1, else 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    p.add_argument("--tolerance", type=float, default=1e-3, help="max allowed |logit difference| in fp32 (default 1e-3)")
+    p.add_argument(
+        "--tolerance", type=float, default=1e-3, help="max allowed |logit difference| in fp32 (default 1e-3)"
+    )
     return parser
 
 
 def _adapter_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapter-format", choices=FORMATS, default=None,
-                   help="the layout for the adapter's consumer: peft (PEFT over transformers, e.g. to evaluate or publish) or "
-                        "sglang (SGLang and moerl serve: one module per expert). Each drops parts of the other's layout.")
-    p.add_argument("--base-model", default=None,
-                   help="the base model the adapter's config names (base_model_name_or_path; default: the HF directory "
-                        "the checkpoint was converted from)")
+    p.add_argument(
+        "--adapter-format",
+        choices=FORMATS,
+        default=None,
+        help="the layout for the adapter's consumer: peft (PEFT over transformers, e.g. to evaluate or publish) or "
+        "sglang (SGLang and moerl serve: one module per expert). Each drops parts of the other's layout.",
+    )
+    p.add_argument(
+        "--base-model",
+        default=None,
+        help="the base model the adapter's config names (base_model_name_or_path; default: the HF directory "
+        "the checkpoint was converted from)",
+    )
 
 
 def _release_freed_tensors_to_the_os() -> None:
@@ -82,8 +97,10 @@ def _release_freed_tensors_to_the_os() -> None:
 
 def _adapter_format(args) -> str:
     if args.adapter_format is None:
-        raise MoerlError("give --adapter-format peft (PEFT over transformers) or sglang (SGLang, moerl serve): "
-                         "an adapter in one consumer's layout loads with parts missing in the other")
+        raise MoerlError(
+            "give --adapter-format peft (PEFT over transformers) or sglang (SGLang, moerl serve): "
+            "an adapter in one consumer's layout loads with parts missing in the other"
+        )
     return args.adapter_format
 
 
@@ -106,13 +123,21 @@ def main(argv: list[str] | None = None) -> int:
             out, dropped = export_adapter_dir(args.mcore, args.out, _adapter_format(args), args.base_model)
             print(f"wrote {args.adapter_format} adapter {out}")
             if dropped:
-                print(f"warning: PEFT over transformers 5 would load {len(dropped)} module(s) of this adapter into nothing "
-                      f"(e.g. {dropped[0]}) and serve another model; for PEFT, export it with --adapter-format peft", file=sys.stderr)
+                print(
+                    f"warning: PEFT over transformers 5 would load {len(dropped)} module(s) of this adapter into nothing "
+                    f"(e.g. {dropped[0]}) and serve another model; for PEFT, export it with --adapter-format peft",
+                    file=sys.stderr,
+                )
         elif args.command == "mcore-to-hf":
             from moerl.checkpoint.convert import mcore_to_hf
 
-            out = mcore_to_hf(args.mcore, args.out, progress=not args.no_progress, max_shard_bytes=int(args.max_shard_gb * 1024**3),
-                              merge_lora=args.merge_lora)
+            out = mcore_to_hf(
+                args.mcore,
+                args.out,
+                progress=not args.no_progress,
+                max_shard_bytes=int(args.max_shard_gb * 1024**3),
+                merge_lora=args.merge_lora,
+            )
             print(f"wrote HF model {out}")
         elif args.command == "check-adapter":
             from moerl.checkpoint.convert import check_adapter_dir
@@ -121,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             for problem in problems:
                 print(f"error: {args.adapter}: {problem}", file=sys.stderr)
             if not problems:
-                print(f"{args.adapter}: every adapter of {args.mcore} is there, as trained ({args.adapter_format} format)")
+                print(
+                    f"{args.adapter}: every adapter of {args.mcore} is there, as trained ({args.adapter_format} format)"
+                )
             return 1 if problems else 0
         else:
             from moerl.checkpoint.verify import verify
@@ -129,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             layout = Layout(tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp)
             diff = verify(args.hf, args.mcore, layout)
             ok = diff <= args.tolerance
-            print(f"verify {layout}: max |logit diff| = {diff:.3e} ({'OK' if ok else 'FAIL'}, tolerance {args.tolerance:.1e})")
+            print(
+                f"verify {layout}: max |logit diff| = {diff:.3e} ({'OK' if ok else 'FAIL'}, tolerance {args.tolerance:.1e})"
+            )
             return 0 if ok else 1
     except MoerlError as e:
         print(f"error: {e}", file=sys.stderr)

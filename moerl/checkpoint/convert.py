@@ -17,9 +17,25 @@ import torch
 from tqdm import tqdm
 
 from moerl.checkpoint.hf import CheckpointError, HFReader, HFWriter, check_hf_tensors, copy_carried_files, read_config
-from moerl.checkpoint.mcore import (HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, hf_config_of, load_sharded, merge_layer_checkpoints,
-                                   read_moerl_meta, save_sharded, write_moerl_meta)
-from moerl.checkpoint.peft import AdapterFiles, check_adapter, export_adapter, merge_into, peft_would_drop, write_adapter_files
+from moerl.checkpoint.mcore import (
+    HF_SUBDIR,
+    SHARDED_METADATA,
+    TRAINER_STATE,
+    hf_config_of,
+    load_sharded,
+    merge_layer_checkpoints,
+    read_moerl_meta,
+    save_sharded,
+    write_moerl_meta,
+)
+from moerl.checkpoint.peft import (
+    AdapterFiles,
+    check_adapter,
+    export_adapter,
+    merge_into,
+    peft_would_drop,
+    write_adapter_files,
+)
 from moerl.dtypes import MODEL_DTYPES, dtype_name
 from moerl.files import staged_dir
 from moerl.layout import Layout
@@ -28,7 +44,6 @@ from moerl.megatron.model import build_model
 from moerl.megatron.parallel import ensure_single_process_env, init_distributed
 from moerl.models import ModelFamily, family_for
 from moerl.models.family import in_layer
-
 
 
 def _staging_dir(out: Path):
@@ -95,14 +110,18 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
         model = _meta_model(cfg, dtype)
         params = dict(model.named_parameters())
         layer_dirs = []
-        for k, (prefix, rules) in enumerate(tqdm(family.weight_layers(cfg), desc="hf-to-mcore", unit="layer", disable=not progress)):
+        for k, (prefix, rules) in enumerate(
+            tqdm(family.weight_layers(cfg), desc="hf-to-mcore", unit="layer", disable=not progress)
+        ):
             for rule in rules:
                 tensor = family.to_mcore(rule, [reader.get(n) for n in rule.hf], cfg).to(dtype)
                 _set_param(model, rule.mcore, tensor)
             sharded = model.sharded_state_dict(metadata=SHARDED_METADATA)
             layer_dir = staging / f"layer{k}"
             layer_dir.mkdir()
-            save_sharded({n: t for n, t in sharded.items() if in_layer(n, prefix)}, layer_dir, validate_access_integrity=False)
+            save_sharded(
+                {n: t for n, t in sharded.items() if in_layer(n, prefix)}, layer_dir, validate_access_integrity=False
+            )
             layer_dirs.append(layer_dir)
             for rule in rules:
                 _set_param(model, rule.mcore, torch.empty_like(params[rule.mcore], device="meta"))
@@ -125,11 +144,15 @@ def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> tuple[A
     """The adapters of a LoRA-trained checkpoint as the files of ``fmt`` (read without the base weights), and its family."""
     meta, family, cfg, lora_cfg = _read_checkpoint(mcore_dir)
     if lora_cfg is None:
-        raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only")
+        raise CheckpointError(
+            f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only"
+        )
     base_model = base_model or meta.get("hf_source")
     if not base_model:
-        raise CheckpointError(f"{mcore_dir} does not record the HF model it was converted from: pass --base-model "
-                              "(a directory or Hub id) so the adapter's config names the model it applies to")
+        raise CheckpointError(
+            f"{mcore_dir} does not record the HF model it was converted from: pass --base-model "
+            "(a directory or Hub id) so the adapter's config names the model it applies to"
+        )
     model = _meta_model(cfg, MODEL_DTYPES[meta["dtype"]], lora_cfg)
     params = dict(model.named_parameters())
     adapters = [n for n in params if is_lora_param(n)]
@@ -141,7 +164,9 @@ def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> tuple[A
 
 
 @_on_the_cpu
-def export_adapter_dir(mcore_dir: str | Path, out_dir: str | Path, fmt: str, base_model: str | None = None) -> tuple[Path, list[str]]:
+def export_adapter_dir(
+    mcore_dir: str | Path, out_dir: str | Path, fmt: str, base_model: str | None = None
+) -> tuple[Path, list[str]]:
     """A LoRA-trained checkpoint's adapters as an adapter directory of format ``fmt`` (``peft``: what PEFT over
     transformers loads; ``sglang``: what SGLang and ``moerl serve`` load), read back and checked before it
     appears. Returns it and the modules PEFT would drop from it (``sglang`` format with dense or shared MLPs)."""
@@ -156,15 +181,22 @@ def export_adapter_dir(mcore_dir: str | Path, out_dir: str | Path, fmt: str, bas
 
 
 @_on_the_cpu
-def check_adapter_dir(mcore_dir: str | Path, adapter_dir: str | Path, fmt: str, base_model: str | None = None) -> list[str]:
+def check_adapter_dir(
+    mcore_dir: str | Path, adapter_dir: str | Path, fmt: str, base_model: str | None = None
+) -> list[str]:
     """Where an adapter directory differs from what the checkpoint's adapters export to in ``fmt`` (with the same
     ``base_model`` as at export)."""
     return check_adapter(adapter_dir, _adapter_files(Path(mcore_dir), fmt, base_model)[0])
 
 
 @_on_the_cpu
-def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = True, max_shard_bytes: int = 2 * 1024**3,
-                merge_lora: bool = False) -> Path:
+def mcore_to_hf(
+    mcore_dir: str | Path,
+    out_dir: str | Path,
+    progress: bool = True,
+    max_shard_bytes: int = 2 * 1024**3,
+    merge_lora: bool = False,
+) -> Path:
     """Convert a moerl Megatron checkpoint back to a HF directory that transformers and SGLang load.
 
     A checkpoint trained with LoRA converts with ``merge_lora`` (the full model with every adapter's update
@@ -173,10 +205,14 @@ def mcore_to_hf(mcore_dir: str | Path, out_dir: str | Path, progress: bool = Tru
     meta, family, cfg, lora_cfg = _read_checkpoint(mcore_dir)
     dtype = MODEL_DTYPES[meta["dtype"]]
     if lora_cfg is None and merge_lora:
-        raise CheckpointError(f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --merge-lora")
+        raise CheckpointError(
+            f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --merge-lora"
+        )
     if lora_cfg is not None and not merge_lora:
-        raise CheckpointError(f"{mcore_dir} was trained with LoRA: pass --adapter-only --adapter-format peft|sglang (the adapter) "
-                              "or --merge-lora (merged full weights)")
+        raise CheckpointError(
+            f"{mcore_dir} was trained with LoRA: pass --adapter-only --adapter-format peft|sglang (the adapter) "
+            "or --merge-lora (merged full weights)"
+        )
     with _staging_dir(out) as staging:
         model = _meta_model(cfg, dtype, lora_cfg)
         params = dict(model.named_parameters())

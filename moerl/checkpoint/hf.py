@@ -107,7 +107,9 @@ class HFReader:
         try:
             return self._handle(name).get_tensor(name)
         except Exception as e:  # safetensors' own error types: a file damaged past its header
-            raise CheckpointError(f"{self.directory / self.file_of[name]}: tensor {name} cannot be read ({e})") from None
+            raise CheckpointError(
+                f"{self.directory / self.file_of[name]}: tensor {name} cannot be read ({e})"
+            ) from None
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -115,7 +117,9 @@ def _weight_map(index: Path) -> dict[str, str]:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a weight_map): {e!r}") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
         raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
     odd = sorted({v for v in weight_map.values() if not v or "/" in v or "\0" in v or v in (".", "..")})
     if odd:
@@ -157,7 +161,9 @@ def check_hf_tensors(reader: HFReader, family: ModelFamily, cfg: dict) -> torch.
         raise CheckpointError(f"{reader.directory}: " + "; ".join(problems))
     dtypes = {reader.dtype(n) for n in expected}
     if len(dtypes) != 1:
-        raise CheckpointError(f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one parameter dtype")
+        raise CheckpointError(
+            f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one parameter dtype"
+        )
     return dtypes.pop()
 
 

@@ -30,7 +30,8 @@ from moerl.models import family_for
 SHARDED_METADATA = {"non_homogeneous_layers": True}
 # 2: a MoE layer's pre-MLP norm is stored as "pre_mlp_layernorm.weight", as Transformer Engine's spec stores
 #    it (1 stored it as "mlp.linear_fc1.layer_norm_weight", which a TE model does not load).
-# 3: every norm stores an (empty) "_extra_state", as Transformer Engine's norm does (2 stored none, which a TE model asks for).
+# 3: every norm stores an (empty) "_extra_state", as Transformer Engine's norm does (2 stored none, which a TE model
+# asks for).
 FORMAT_VERSION = 3
 HF_SUBDIR = "hf"
 MOERL_META = "moerl.json"
@@ -40,7 +41,9 @@ TRAINER_STATE = "trainer.json"  # a trainer checkpoint's version, schedule and c
 def read_moerl_meta(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / MOERL_META
     if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir}: no {MOERL_META}; not a moerl Megatron checkpoint (convert one with tools/convert_ckpt.py hf-to-mcore)")
+        raise CheckpointError(
+            f"{ckpt_dir}: no {MOERL_META}; not a moerl Megatron checkpoint (convert one with tools/convert_ckpt.py hf-to-mcore)"
+        )
     return json.loads(path.read_text())
 
 
@@ -56,6 +59,7 @@ def load_sharded(sharded: dict, ckpt_dir: str | Path) -> dict:
     holds it, so loading it into the module, strictly, leaves the module as it was. Any other key the checkpoint lacks
     fails."""
     if read_moerl_meta(ckpt_dir).get("format_version", 1) < 2:
+
         def legacy(item):
             if hasattr(item, "key") and ".pre_mlp_layernorm." in item.key:  # only MoE layers still have one
                 item.key = item.key.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
@@ -97,7 +101,9 @@ def save_sharded(sharded: dict, ckpt_dir: str | Path, **options) -> None:
         import multiprocessing
         from multiprocessing.managers import SyncManager
 
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # spawn, as megatron-core's: this process runs threads
+        manager = SyncManager(
+            ctx=multiprocessing.get_context("spawn")
+        )  # spawn, as megatron-core's: this process runs threads
         manager.start(initializer=exit_with, initargs=(os.getpid(),))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager
     _saving = True
@@ -119,8 +125,13 @@ def load_model_weights(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     model.load_state_dict(state, strict=True)
 
 
-def load_megatron_model(ckpt_dir, layout: Layout, dtype: torch.dtype = torch.float32, transformer_engine: bool | None = None,
-                        **config_overrides):
+def load_megatron_model(
+    ckpt_dir,
+    layout: Layout,
+    dtype: torch.dtype = torch.float32,
+    transformer_engine: bool | None = None,
+    **config_overrides,
+):
     """Initialise parallel state for ``layout`` and load a moerl Megatron checkpoint into this rank's model.
 
     Returns ``(hf_config, model)``.

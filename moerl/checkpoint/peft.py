@@ -48,7 +48,9 @@ class AdapterFiles:
     tensors: dict[str, torch.Tensor]
 
 
-def hub_factors(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def hub_factors(
+    family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Hub module name -> its (A [r, in], B [out, r]), one per Hub module (experts and gate/up apart)."""
     rules = {rule.mcore: rule for rule in family.all_rules(cfg)}
     out = {}
@@ -65,12 +67,24 @@ def hub_target_modules(family: ModelFamily, cfg: dict, lora_cfg: LoRAConfig) -> 
     ``target_modules`` names them: an SGLang server must serve at least these to load the adapters
     (:func:`moerl.engines.sglang.lora_target_modules` adds what SGLang itself needs, and not ``all``, which would give
     lm_head and embed_tokens LoRA buffers too)."""
-    return sorted({hub.removesuffix(".weight").rsplit(".", 1)[-1] for rule in family.all_rules(cfg)
-                   if lora_cfg.adapts(rule.mcore) for hub in rule.hf})
+    return sorted(
+        {
+            hub.removesuffix(".weight").rsplit(".", 1)[-1]
+            for rule in family.all_rules(cfg)
+            if lora_cfg.adapts(rule.mcore)
+            for hub in rule.hf
+        }
+    )
 
 
-def export_adapter(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor], lora_cfg: LoRAConfig, fmt: str,
-                   base_model: str | None) -> AdapterFiles:
+def export_adapter(
+    family: ModelFamily,
+    cfg: dict,
+    lora: dict[str, torch.Tensor],
+    lora_cfg: LoRAConfig,
+    fmt: str,
+    base_model: str | None,
+) -> AdapterFiles:
     """The adapters ``lora`` (full megatron names) as the files of format ``fmt`` (one of :data:`FORMATS`)."""
     factors = hub_factors(family, cfg, lora)
     if fmt == "sglang":
@@ -80,16 +94,27 @@ def export_adapter(family: ModelFamily, cfg: dict, lora: dict[str, torch.Tensor]
         plain = {m: f for m, f in factors.items() if not EXPERT_MODULE.match(m)}
         tensors = {**_per_module(plain), **_fused_experts(factors, cfg["num_experts"])}
         params = [m for m in plain if m.rsplit(".", 1)[-1] in _MLP_LEAVES]
-        extra = {"target_modules": sorted({m.rsplit(".", 1)[-1] for m in plain if m not in params}),
-                 "target_parameters": sorted({_parameter_suffix(m) for m in params}
-                                             | {f"mlp.experts.{fused}" for fused in _adapted_fused(factors)})}
+        extra = {
+            "target_modules": sorted({m.rsplit(".", 1)[-1] for m in plain if m not in params}),
+            "target_parameters": sorted(
+                {_parameter_suffix(m) for m in params} | {f"mlp.experts.{fused}" for fused in _adapted_fused(factors)}
+            ),
+        }
     else:
         raise ValueError(f"adapter format {fmt!r}: expected one of {', '.join(FORMATS)}")
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora_cfg.rank,
+        "lora_alpha": lora_cfg.alpha,
         # Dropout is a training matter; PEFT's parameter wrappers refuse any other value at load.
-        "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True,
-        "base_model_name_or_path": base_model, **extra,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model,
+        **extra,
     }
     return AdapterFiles(config, tensors)
 
@@ -128,7 +153,8 @@ def _fused_experts(factors, num_experts: int) -> dict[str, torch.Tensor]:
             pairs = [p or (torch.zeros_like(like[0]), torch.zeros_like(like[1])) for p in pairs]
             path = f"{PEFT_PREFIX}{experts_module}" + ".base_layer" * (len(adapted) - 1 - i)
             out[f"{path}.lora_A.weight"] = torch.cat([a for a, _ in pairs])  # [r * E, in], expert-major
-            out[f"{path}.lora_B.weight"] = torch.stack([b for _, b in pairs], dim=-1).flatten(1)  # [out, r * E], expert-minor
+            # [out, r * E], expert-minor
+            out[f"{path}.lora_B.weight"] = torch.stack([b for _, b in pairs], dim=-1).flatten(1)
     return out
 
 
@@ -138,7 +164,9 @@ def _expert_pair(own: dict, parts: tuple[str, ...]):
         return None
     missing = [p for p in parts if p not in own]
     if missing:
-        raise ValueError(f"expert adapters for {missing} are missing beside {[p for p in parts if p in own]}: they are one fused weight")
+        raise ValueError(
+            f"expert adapters for {missing} are missing beside {[p for p in parts if p in own]}: they are one fused weight"
+        )
     a = own[parts[0]][0]
     return a, torch.cat([own[p][1] for p in parts])
 
@@ -184,7 +212,11 @@ def check_adapter(directory: str | Path, expected: AdapterFiles) -> list[str]:
 
 def write_adapter_files(directory: Path, files: AdapterFiles) -> None:
     (directory / ADAPTER_CONFIG).write_text(json.dumps(files.config, indent=1))
-    save_file({k: t.contiguous() for k, t in files.tensors.items()}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(
+        {k: t.contiguous() for k, t in files.tensors.items()},
+        str(directory / ADAPTER_WEIGHTS),
+        metadata={"format": "pt"},
+    )
 
 
 def save_adapter(out_dir: str | Path, files: AdapterFiles) -> Path:

@@ -74,6 +74,5 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, layout: Layout = Layout())
         dist.all_gather_object(gathered, results[0])
         results = gathered
     else:
-
         results = run_ranks(_verify_rank, world_size_for(layout), *args)
     return max(r for r in results if r is not None)

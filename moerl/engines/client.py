@@ -17,7 +17,8 @@ import base64
 import functools
 import json
 import logging
-from typing import Any, Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -41,7 +42,9 @@ class EngineError(RuntimeError):
     def __init__(self, url: str, message: str, status: int | None = None):
         super().__init__(f"{url}: {message}")
         self.url, self.message, self.status = url, message, status
-        self.failures = [self]  # a call that ended on every engine (EngineClient._on_each): each engine's error, this one first
+        self.failures = [
+            self
+        ]  # a call that ended on every engine (EngineClient._on_each): each engine's error, this one first
 
     def __reduce__(self):  # raised in a generation worker, re-raised in its owner
         return type(self), (self.url, self.message, self.status)
@@ -56,8 +59,16 @@ class NoHealthyEngine(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, urls: Iterable[str], shape: ModelShape | None = None, timeout_s: float = 600.0,
-                 retries: int = 3, backoff_s: float = 0.5, failures_to_dead: int = 3, workers: int = 0):
+    def __init__(
+        self,
+        urls: Iterable[str],
+        shape: ModelShape | None = None,
+        timeout_s: float = 600.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        failures_to_dead: int = 3,
+        workers: int = 0,
+    ):
         """``timeout_s``: each request's deadline; ``failures_to_dead``: see :class:`ReplicaHealth`; ``workers``:
         processes that carry the generations whose answers may exceed :data:`CARRY_ELSEWHERE_BYTES`, their HTTP and
         decoding (:mod:`~moerl.engines.generation_workers`; 0: this one carries all)."""
@@ -73,10 +84,15 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         # Bodies read and decoded at once (each can be tens of MB): the rest wait in the engines' sockets, not here.
         self._parsing = asyncio.Semaphore(2)
-        self._workers = GenerationWorkers(workers, functools.partial(EngineClient, self.urls, shape, timeout_s, retries=0),
-                                          timeout_s) if workers > 0 else None
+        self._workers = (
+            GenerationWorkers(
+                workers, functools.partial(EngineClient, self.urls, shape, timeout_s, retries=0), timeout_s
+            )
+            if workers > 0
+            else None
+        )
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -98,8 +114,14 @@ class EngineClient:
             self._session = aiohttp.ClientSession(timeout=self.timeout)
         return self._session
 
-    async def _call(self, url: str, route: Route, request: WireModel | None = None, retries: int | None = None,
-                    parse: Callable[[bytes], Awaitable[Any]] | None = None) -> Any:
+    async def _call(
+        self,
+        url: str,
+        route: Route,
+        request: WireModel | None = None,
+        retries: int | None = None,
+        parse: Callable[[bytes], Awaitable[Any]] | None = None,
+    ) -> Any:
         """One route on one engine; transport errors and 5xx are retried (``retries``, default the client's) where the
         route is idempotent. ``parse``: what a success's raw body becomes, read and parsed only while fewer than
         :attr:`_parsing` other bodies are."""
@@ -119,7 +141,8 @@ class EngineClient:
                     if resp.status < 500:
                         raise EngineError(url, f"{route.path} refused ({resp.status}): {message}", resp.status)
                     last = EngineError(url, f"{route.path} failed ({resp.status}): {message}", resp.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:  # a broken answer is a transport failure
+            # a broken answer is a transport failure
+            except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as e:
                 last = EngineError(url, f"{route.path}: {type(e).__name__}: {e}")
             if attempt + 1 < attempts:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
@@ -144,18 +167,30 @@ class EngineClient:
         raise errors[0]
 
     # ---- generation -----------------------------------------------------------------------------
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict[str, Any] | None = None, *,
-                       return_logprob: bool = True, return_routed_experts: bool = False,
-                       routed_experts_start_len: int = 0, return_sampling_mask: bool = False, rid: str | None = None,
-                       lora_path: str | None = None, extra_key: str | None = None) -> list[Completion]:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        *,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        routed_experts_start_len: int = 0,
+        return_sampling_mask: bool = False,
+        rid: str | None = None,
+        lora_path: str | None = None,
+        extra_key: str | None = None,
+    ) -> list[Completion]:
         """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica; ``extra_key``:
         the prefix-cache partition it may reuse KV from (SGLang's; a policy version's, say). Raises
         :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when
         the worker carrying it died (the replica is not blamed): either may be re-issued."""
         if isinstance(sampling_params, dict):
             sampling_params = SamplingParams.parse(sampling_params)
-        fields: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling_params or SamplingParams(),
-                                  "return_logprob": return_logprob}
+        fields: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_params or SamplingParams(),
+            "return_logprob": return_logprob,
+        }
         if return_routed_experts:
             if self.shape is None:
                 raise ValueError("return_routed_experts needs EngineClient(shape=ModelShape...) to decode the routing")
@@ -194,14 +229,16 @@ class EngineClient:
             self.in_flight[url] -= 1
         versions = (span["version"] for c in completions for span in c.weight_versions)
         if (stray := self.health.foreign_version(versions)) is not None:
-            reason = (f"answered under weight version {stray!r}, which no weight sync of this run left: "
-                      "it restarted unseen")
+            reason = (
+                f"answered under weight version {stray!r}, which no weight sync of this run left: it restarted unseen"
+            )
             self.health.lost_policy(url, reason, epoch)
             raise ReplicaDown(url, reason)
         return completions
 
     async def generate_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
         """One /generate on ``url``, read and decoded in this process; no retry, no health accounting."""
+
         async def decode(body: bytes) -> list[Completion]:
             return P.decode_generate_body(body, self.shape, routing_start)
 
@@ -217,11 +254,15 @@ class EngineClient:
     async def release(self, urls: list[str], timeout_s: float = 5.0) -> None:
         """End the weight-update session and continue generation on ``urls``, engines a failed update leaves out that may
         be stuck: each call given ``timeout_s``, whatever they answer."""
+
         async def one(url: str) -> None:
-            for route, request in ((P.END_UPDATE, P.EndWeightUpdateReqInput()), (P.CONTINUE, P.ContinueGenerationReqInput())):
+            for route, request in (
+                (P.END_UPDATE, P.EndWeightUpdateReqInput()),
+                (P.CONTINUE, P.ContinueGenerationReqInput()),
+            ):
                 try:
                     await asyncio.wait_for(self._call(url, route, request, retries=0), timeout_s)
-                except (EngineError, asyncio.TimeoutError):
+                except (TimeoutError, EngineError):
                     pass
 
         await asyncio.gather(*(one(u) for u in urls))
@@ -233,7 +274,9 @@ class EngineClient:
         if not quietly:
             await self._everywhere(P.ABORT, request)
             return
-        await asyncio.gather(*(self._call(u, P.ABORT, request, retries=0) for u in self.health.usable()), return_exceptions=True)
+        await asyncio.gather(
+            *(self._call(u, P.ABORT, request, retries=0) for u in self.health.usable()), return_exceptions=True
+        )
 
     async def server_info(self) -> list[P.ServerInfo]:
         return await self._everywhere(P.SERVER_INFO)
@@ -242,26 +285,53 @@ class EngineClient:
         return [info["weight_version"] for info in await self._everywhere(P.MODEL_INFO)]
 
     async def set_weight_version(self, version: str, abort_all_requests: bool = False) -> None:
-        await self._everywhere(P.UPDATE_WEIGHT_VERSION, P.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=abort_all_requests))
+        await self._everywhere(
+            P.UPDATE_WEIGHT_VERSION,
+            P.UpdateWeightVersionReqInput(new_version=version, abort_all_requests=abort_all_requests),
+        )
 
     async def flush_cache(self) -> None:
         """Drop every engine's prefix cache (refused while requests run)."""
         await self._everywhere(P.FLUSH_CACHE)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> None:
-        await self._everywhere(P.UPDATE_FROM_DISK, P.UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=weight_version,
-                                                                                 flush_cache=flush_cache))
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> None:
+        await self._everywhere(
+            P.UPDATE_FROM_DISK,
+            P.UpdateWeightFromDiskReqInput(
+                model_path=model_path, weight_version=weight_version, flush_cache=flush_cache
+            ),
+        )
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                                        backend: str, rank_offsets: list[int] | None = None) -> None:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        rank_offsets: list[int] | None = None,
+    ) -> None:
         """Each replica joins the trainer's broadcast group at its own rank offset (default 1, 2, ...)."""
         offsets = rank_offsets or list(range(1, len(self.targets) + 1))
-        await asyncio.gather(*(
-            self._call(u, P.INIT_GROUP, P.InitWeightsUpdateGroupReqInput(
-                master_address=master_address, master_port=master_port, rank_offset=offset, world_size=world_size,
-                group_name=group_name, backend=backend))
-            for u, offset in zip(self.targets, offsets, strict=True)
-        ))
+        await asyncio.gather(
+            *(
+                self._call(
+                    u,
+                    P.INIT_GROUP,
+                    P.InitWeightsUpdateGroupReqInput(
+                        master_address=master_address,
+                        master_port=master_port,
+                        rank_offset=offset,
+                        world_size=world_size,
+                        group_name=group_name,
+                        backend=backend,
+                    ),
+                )
+                for u, offset in zip(self.targets, offsets, strict=True)
+            )
+        )
 
     async def begin_weight_update(self) -> None:
         await self._everywhere(P.BEGIN_UPDATE, P.BeginWeightUpdateReqInput())
@@ -272,25 +342,52 @@ class EngineClient:
 
     async def abandon_weight_update(self) -> None:
         """After a failed update: end the session wherever one is open (engines without one, or gone, are passed over)."""
-        await asyncio.gather(*(self._call(u, P.END_UPDATE, P.EndWeightUpdateReqInput(), retries=0) for u in self.targets),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(self._call(u, P.END_UPDATE, P.EndWeightUpdateReqInput(), retries=0) for u in self.targets),
+            return_exceptions=True,
+        )
 
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
-                                              weight_version: str | None = None, load_format: str | None = None,
-                                              flush_cache: bool = True) -> None:
-        await self._everywhere(P.UPDATE_FROM_DISTRIBUTED, P.UpdateWeightsFromDistributedReqInput(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
-            load_format=load_format, flush_cache=flush_cache))
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        await self._everywhere(
+            P.UPDATE_FROM_DISTRIBUTED,
+            P.UpdateWeightsFromDistributedReqInput(
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                group_name=group_name,
+                weight_version=weight_version,
+                load_format=load_format,
+                flush_cache=flush_cache,
+            ),
+        )
 
     async def prompt_logprobs(self, input_ids: list[int], lora_path: str | None = None) -> list[np.ndarray]:
         """Each engine's log-probs of ``input_ids[1:]`` given the tokens before them (float32 [len - 1])."""
-        request = P.GenerateReqInput(input_ids=list(input_ids), return_logprob=True, logprob_start_len=0, lora_path=lora_path,
-                                     sampling_params=SamplingParams(max_new_tokens=1, temperature=1.0))
+        request = P.GenerateReqInput(
+            input_ids=list(input_ids),
+            return_logprob=True,
+            logprob_start_len=0,
+            lora_path=lora_path,
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=1.0),
+        )
         answers = await self._everywhere(P.GENERATE, request)
-        return [np.asarray([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]], dtype=np.float32) for a in answers]
+        return [
+            np.asarray([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]], dtype=np.float32)
+            for a in answers
+        ]
 
     async def weight_checksums(self) -> list[str | None]:
         """Each engine's checksum over all its weights, None where it has no /weights_checker."""
+
         async def one(url):
             try:
                 return (await self._call(url, P.WEIGHTS_CHECKER, P.CheckWeightsReqInput()))["per_engine_checksum"]
@@ -312,8 +409,12 @@ class EngineClient:
         from safetensors.torch import save
 
         payload = base64.b64encode(save({k: v.contiguous() for k, v in tensors.items()})).decode("ascii")
-        await self._on_each(P.LOAD_LORA_TENSORS, P.LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=name, config_dict=config, serialized_named_tensors=[payload], load_format="safetensors"))
+        await self._on_each(
+            P.LOAD_LORA_TENSORS,
+            P.LoadLoRAAdapterFromTensorsReqInput(
+                lora_name=name, config_dict=config, serialized_named_tensors=[payload], load_format="safetensors"
+            ),
+        )
 
     async def unload_lora(self, name: str) -> None:
         await self._everywhere(P.UNLOAD_LORA, P.UnloadLoRAAdapterReqInput(lora_name=name))
@@ -336,9 +437,11 @@ class EngineClient:
 
     async def _healthy(self, url: str, paused: bool = False) -> bool:
         try:
-            async with self._http().get(url + self.liveness_route(paused).path, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            async with self._http().get(
+                url + self.liveness_route(paused).path, timeout=aiohttp.ClientTimeout(total=5)
+            ) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def healthy(self, paused: bool = False) -> list[bool]:

@@ -110,8 +110,9 @@ class GenerationWorkers:
 
     def _start(self) -> _Worker:
         ours, theirs = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=_serve, args=(theirs, os.getpid(), self.make_client), daemon=True,
-                                        name="moerl-generation-worker")
+        process = self._context.Process(
+            target=_serve, args=(theirs, os.getpid(), self.make_client), daemon=True, name="moerl-generation-worker"
+        )
         process.start()
         theirs.close()
         worker = _Worker(process, ours)
@@ -152,8 +153,12 @@ class GenerationWorkers:
         why = f"{why}, exit code {worker.process.exitcode}"
         if worker in self.workers:
             self.workers[self.workers.index(worker)] = None
-            log.warning("a generation worker died (%s): the %d generations it carried are lost and re-issued; a new "
-                        "one starts at the next request", why, len(worker.jobs))
+            log.warning(
+                "a generation worker died (%s): the %d generations it carried are lost and re-issued; a new "
+                "one starts at the next request",
+                why,
+                len(worker.jobs),
+            )
         worker.fail_jobs(f"the generation worker carrying it died ({why}); the engine aborts what nobody reads")
 
     def close(self) -> None:
@@ -282,6 +287,7 @@ def _pickled(answer: tuple) -> bytes:
         if error is not None:
             pickle.loads(message)  # an exception that pickles may still not unpickle (a constructor of other arguments)
     except Exception:  # its text still reaches the owner
-        message = pickle.dumps((job, None, RuntimeError(f"in a generation worker: {error!r}"),
-                                trace or traceback.format_exc()))
+        message = pickle.dumps(
+            (job, None, RuntimeError(f"in a generation worker: {error!r}"), trace or traceback.format_exc())
+        )
     return message

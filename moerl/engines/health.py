@@ -133,7 +133,8 @@ class ReplicaHealth:
             replica.failed_probes += 1
             if replica.state in (State.SUSPECT, State.STALE) and replica.failed_probes >= self.failures_to_dead:
                 self.set(url, State.DEAD, f"/health failed {replica.failed_probes} times in a row")
-                self._forget(url)  # it may come back restarted by someone else (an engine given by URL), holding nothing
+                # it may come back restarted by someone else (an engine given by URL), holding nothing
+                self._forget(url)
             return
         replica.failed_probes = 0
         if self.synced is not None and url not in self.synced:

@@ -16,9 +16,9 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
@@ -31,7 +31,8 @@ log = logging.getLogger("moerl.engines")
 @dataclass
 class EnginePoolConfig:
     model_path: str
-    server: str = "sglang"  # sglang | embedded (moerl serve: the same HTTP API, runs on CPU) | simulated (moerl serve --simulate)
+    # sglang | embedded (moerl serve: the same HTTP API, runs on CPU) | simulated (moerl serve --simulate)
+    server: str = "sglang"
     replicas: int = 1
     gpus_per_replica: int = 1  # the tensor-parallel size of each replica
     host: str = "127.0.0.1"
@@ -41,7 +42,9 @@ class EnginePoolConfig:
     sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS
     enable_memory_saver: bool = True  # release/resume memory occupation around training
     lora_max_rank: int | None = None  # set to serve LoRA adapters (per-expert keys need triton_v2)
-    lora_target_modules: list[str] | None = None  # with lora_max_rank: the adapters' Hub modules (lora_target_modules())
+    lora_target_modules: list[str] | None = (
+        None  # with lora_max_rank: the adapters' Hub modules (lora_target_modules())
+    )
     router: bool = False  # front the replicas with sglang-router
     router_port: int = 29000
     log_dir: str | None = None
@@ -55,32 +58,46 @@ class EnginePoolConfig:
 def server_args(cfg: EnginePoolConfig, port: int) -> list[str]:
     """``sglang.launch_server`` arguments of the replica serving on ``port``."""
     args = [
-        "--model-path", cfg.model_path,
-        "--host", cfg.host,
-        "--port", str(port),
-        "--tp-size", str(cfg.gpus_per_replica),
-        "--dtype", cfg.dtype,
-        "--mem-fraction-static", str(cfg.mem_fraction_static),
+        "--model-path",
+        cfg.model_path,
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(cfg.gpus_per_replica),
+        "--dtype",
+        cfg.dtype,
+        "--mem-fraction-static",
+        str(cfg.mem_fraction_static),
         # Keep Routing: every token's routed experts come back with the completion.
         "--enable-return-routed-experts",
         # Keep Sampling Mask: the top-k/top-p kept set of each sampled token.
-        "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens),
+        "--sampling-mask-max-tokens",
+        str(cfg.sampling_mask_max_tokens),
     ]
     if cfg.enable_memory_saver:
         args.append("--enable-memory-saver")
     if cfg.lora_max_rank is not None:
         if not cfg.lora_target_modules:
-            raise ValueError("a LoRA server needs the adapters' target modules: lora_target_modules(model, lora.targets)")
+            raise ValueError(
+                "a LoRA server needs the adapters' target modules: lora_target_modules(model, lora.targets)"
+            )
         args += [
             "--enable-lora",
-            "--max-lora-rank", str(cfg.lora_max_rank),
-            "--lora-target-modules", *cfg.lora_target_modules,
+            "--max-lora-rank",
+            str(cfg.lora_max_rank),
+            "--lora-target-modules",
+            *cfg.lora_target_modules,
             # Per-expert adapter keys (experts.<i>.<proj>) need the triton_v2 backend, which does
             # not run with an all-to-all MoE backend, and whose routed-expert LoRA layer refuses to
             # start (a ValueError per MoE layer) under any MoE runner but a LoRA one.
-            "--lora-backend", "triton_v2",
-            "--moe-a2a-backend", "none",
-            "--moe-runner-backend", "lora_triton",
+            "--lora-backend",
+            "triton_v2",
+            "--moe-a2a-backend",
+            "none",
+            "--moe-runner-backend",
+            "lora_triton",
         ]
     return args + list(cfg.extra_args)
 
@@ -88,9 +105,24 @@ def server_args(cfg: EnginePoolConfig, port: int) -> list[str]:
 def launch_args(cfg: EnginePoolConfig, ports: list[int]) -> list[str]:
     """``python`` arguments that start a replica of ``cfg.server`` on each of ``ports`` (several: simulated replicas only)."""
     if cfg.server == "simulated":
-        return ["-m", "moerl.cli", "serve", "--simulate", str(cfg.simulate), "--time-scale", str(cfg.time_scale), "--model", cfg.model_path,
-                "--host", cfg.host, "--ports", ",".join(map(str, ports)), "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens),
-                *cfg.extra_args]
+        return [
+            "-m",
+            "moerl.cli",
+            "serve",
+            "--simulate",
+            str(cfg.simulate),
+            "--time-scale",
+            str(cfg.time_scale),
+            "--model",
+            cfg.model_path,
+            "--host",
+            cfg.host,
+            "--ports",
+            ",".join(map(str, ports)),
+            "--sampling-mask-max-tokens",
+            str(cfg.sampling_mask_max_tokens),
+            *cfg.extra_args,
+        ]
     if len(ports) != 1:
         raise ValueError(f"engines.server={cfg.server!r} serves one replica per process, not {len(ports)}")
     port = ports[0]
@@ -99,9 +131,24 @@ def launch_args(cfg: EnginePoolConfig, ports: list[int]) -> list[str]:
     if cfg.server == "embedded":
         import torch
 
-        return ["-m", "moerl.cli", "serve", "--model", cfg.model_path, "--host", cfg.host, "--port", str(port),
-                "--dtype", cfg.dtype, "--device", "cuda" if torch.cuda.is_available() else "cpu",
-                "--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens), *cfg.extra_args]
+        return [
+            "-m",
+            "moerl.cli",
+            "serve",
+            "--model",
+            cfg.model_path,
+            "--host",
+            cfg.host,
+            "--port",
+            str(port),
+            "--dtype",
+            cfg.dtype,
+            "--device",
+            "cuda" if torch.cuda.is_available() else "cpu",
+            "--sampling-mask-max-tokens",
+            str(cfg.sampling_mask_max_tokens),
+            *cfg.extra_args,
+        ]
     raise ValueError(f"engines.server={cfg.server!r}: expected sglang, embedded or simulated")
 
 
@@ -122,7 +169,9 @@ class EnginePool:
         self.given_up: set[int] = set()  # replicas restarted too often within the window: left dead
         self._next_restart: dict[int, float] = {}  # replica -> earliest monotonic time of its next restart (backoff)
         self._failed_starts: dict[int, int] = {}  # replica -> restarts in a row not yet seen answering /health
-        self._left_since: dict[int, list[float]] = {}  # replica -> [when revive() first found its dead server's processes
+        self._left_since: dict[
+            int, list[float]
+        ] = {}  # replica -> [when revive() first found its dead server's processes
         # running, when it last said so]
 
     @property
@@ -141,8 +190,10 @@ class EnginePool:
         need = self.cfg.gpu_offset + self.cfg.replicas * self.cfg.gpus_per_replica
         devices = visible.split(",") if visible else [str(i) for i in range(_gpu_count())]
         if len(devices) < need:
-            raise RuntimeError(f"{self.cfg.replicas} replicas x {self.cfg.gpus_per_replica} GPUs after {self.cfg.gpu_offset} "
-                               f"trainer GPU(s) need {need} GPUs; {len(devices)} visible")
+            raise RuntimeError(
+                f"{self.cfg.replicas} replicas x {self.cfg.gpus_per_replica} GPUs after {self.cfg.gpu_offset} "
+                f"trainer GPU(s) need {need} GPUs; {len(devices)} visible"
+            )
         start = self.cfg.gpu_offset + replica * self.cfg.gpus_per_replica
         return ",".join(devices[start : start + self.cfg.gpus_per_replica])
 
@@ -160,7 +211,9 @@ class EnginePool:
     @staticmethod
     def _popen(args: list[str], env: dict, log) -> subprocess.Popen:
         # Own process group: stopping the pool stops each server's workers too.
-        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        return subprocess.Popen(
+            args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+        )
 
     def _spawn_replica(self, replica: int, port: int, restart: bool = False) -> subprocess.Popen:
         """A replica's server; a restart appends to its log, so the failed attempt's stays readable."""
@@ -170,7 +223,9 @@ class EnginePool:
         """The server of replicas ``first``, ``first + 1`` ... on ``ports`` (one process)."""
         gpus = self._gpus(first)
         env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
-        return self._spawn([self.python, *launch_args(self.cfg, ports)], env, f"{self.cfg.server}-{first}", append=restart)
+        return self._spawn(
+            [self.python, *launch_args(self.cfg, ports)], env, f"{self.cfg.server}-{first}", append=restart
+        )
 
     def start(self, timeout_s: float = 900) -> list[str]:
         """Start every replica (and the router) and wait until each answers ``/health``.
@@ -181,7 +236,8 @@ class EnginePool:
         try:
             if not self.cfg.base_port:
                 self.ports = free_ports(self.cfg.replicas)
-            # procs[i] is replica i's process, shared by the replicas it serves; a replica restarted gets one of its own.
+            # procs[i] is replica i's process, shared by the replicas it serves; a replica restarted gets one of its
+            # own.
             per = self.cfg.replicas_per_process
             self.procs = []
             for first in range(0, len(self.ports), per):
@@ -189,8 +245,13 @@ class EnginePool:
                 self.procs += [self._spawn_replicas(first, ports)] * len(ports)
             self.wait_healthy(lambda: self.replica_urls, timeout_s)
             if self.cfg.router:
-                self.procs.append(self._spawn([self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg, self.replica_urls)],
-                                              child_env(), "router"))
+                self.procs.append(
+                    self._spawn(
+                        [self.python, "-m", "sglang_router.launch_router", *router_args(self.cfg, self.replica_urls)],
+                        child_env(),
+                        "router",
+                    )
+                )
                 self.wait_healthy(lambda: self.urls, 120)
         except BaseException:
             self.stop()
@@ -208,7 +269,12 @@ class EnginePool:
                     continue
                 log = self.logs.get(proc.pid)
                 text = log.read_text() if log else ""
-                if i < len(self.ports) and not self.cfg.base_port and "address already in use" in text.lower() and restarts < 3:
+                if (
+                    i < len(self.ports)
+                    and not self.cfg.base_port
+                    and "address already in use" in text.lower()
+                    and restarts < 3
+                ):
                     restarts += 1
                     served = [j for j in range(i, len(self.ports)) if self.procs[j] is proc]
                     others = [port for j, port in enumerate(self.ports) if j not in served]
@@ -259,8 +325,15 @@ class EnginePool:
                 recent.popleft()
             if len(recent) >= max_restarts:
                 self.given_up.add(i)
-                log.error("engine %d (port %d) exited with %s after %d restarts within %g s: not started again; its log: %s", i,
-                          port, proc.returncode, len(recent), window_s, self.logs.get(proc.pid))
+                log.error(
+                    "engine %d (port %d) exited with %s after %d restarts within %g s: not started again; its log: %s",
+                    i,
+                    port,
+                    proc.returncode,
+                    len(recent),
+                    window_s,
+                    self.logs.get(proc.pid),
+                )
                 continue
             try:  # its workers (SGLang's scheduler processes) may outlive it, holding its GPUs
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -271,14 +344,29 @@ class EnginePool:
             if left := group_left(proc.pid):
                 since, said = self._left_since.setdefault(i, [now, -math.inf])
                 if now - said >= 60:  # at once, then each minute
-                    log.warning("engine %d (port %d) exited with %s; processes of its server still running (pids %s) after "
-                                "SIGKILL, for %.0f s: it is started again once they have ended", i, port, proc.returncode,
-                                left[:8], now - since)
+                    log.warning(
+                        "engine %d (port %d) exited with %s; processes of its server still running (pids %s) after "
+                        "SIGKILL, for %.0f s: it is started again once they have ended",
+                        i,
+                        port,
+                        proc.returncode,
+                        left[:8],
+                        now - since,
+                    )
                     self._left_since[i][1] = now
                 continue
             self._left_since.pop(i, None)
-            log.warning("engine %d (port %d) exited with %s: restart %d (%d of %d within %g s); its log: %s", i, port,
-                        proc.returncode, done + 1, len(recent) + 1, max_restarts, window_s, self.logs.get(proc.pid))
+            log.warning(
+                "engine %d (port %d) exited with %s: restart %d (%d of %d within %g s); its log: %s",
+                i,
+                port,
+                proc.returncode,
+                done + 1,
+                len(recent) + 1,
+                max_restarts,
+                window_s,
+                self.logs.get(proc.pid),
+            )
             self.procs[i] = self._spawn_replica(i, port, restart=True)
             self.restarts[i] = done + 1
             recent.append(now)
@@ -301,7 +389,7 @@ class EnginePool:
                 p.wait()
         self.procs = []
 
-    def __enter__(self) -> "EnginePool":
+    def __enter__(self) -> EnginePool:
         self.start()
         return self
 
@@ -328,30 +416,51 @@ def main(argv: list[str] | None = None) -> int:
 
     from moerl.megatron.lora import LoRAConfig
 
-    p = argparse.ArgumentParser(prog="moerl engines", description=(
-        "Start SGLang replicas on this node's GPUs with the flags moerl's RL loop needs (routed experts, sampling "
-        "masks, memory saver, LoRA), wait until each is healthy, print their URLs and keep them up until interrupted. "
-        "Give the URLs to the job: engines.urls=[...]."))
+    p = argparse.ArgumentParser(
+        prog="moerl engines",
+        description=(
+            "Start SGLang replicas on this node's GPUs with the flags moerl's RL loop needs (routed experts, sampling "
+            "masks, memory saver, LoRA), wait until each is healthy, print their URLs and keep them up until interrupted. "
+            "Give the URLs to the job: engines.urls=[...]."
+        ),
+    )
     p.add_argument("--model", required=True, help="HF model directory (the one the job trains)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--gpus-per-replica", type=int, default=1, help="tensor-parallel size of each replica")
     p.add_argument("--base-port", type=int, default=30000, help="replica i serves on base-port + i")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--mem-fraction-static", type=float, default=0.8)
-    p.add_argument("--lora-max-rank", type=int, default=None, help="serve LoRA adapters up to this rank (the job's lora.rank)")
-    p.add_argument("--lora-targets", nargs="+", default=LoRAConfig().targets, metavar="PATTERN",
-                   help="the job's lora.targets (megatron module patterns; default: %(default)s): the replicas serve LoRA on "
-                        "their Hub modules only")
+    p.add_argument(
+        "--lora-max-rank", type=int, default=None, help="serve LoRA adapters up to this rank (the job's lora.rank)"
+    )
+    p.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=LoRAConfig().targets,
+        metavar="PATTERN",
+        help="the job's lora.targets (megatron module patterns; default: %(default)s): the replicas serve LoRA on "
+        "their Hub modules only",
+    )
     p.add_argument("--log-dir", default="engine-logs")
     args = p.parse_args(argv)
     problem = sglang_problem()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    pool = EnginePool(EnginePoolConfig(model_path=args.model, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                                   host="0.0.0.0", base_port=args.base_port, dtype=args.dtype, log_dir=args.log_dir,
-                                   mem_fraction_static=args.mem_fraction_static, lora_max_rank=args.lora_max_rank,
-                                   lora_target_modules=lora_target_modules(args.model, args.lora_targets) if args.lora_max_rank else None))
+    pool = EnginePool(
+        EnginePoolConfig(
+            model_path=args.model,
+            replicas=args.replicas,
+            gpus_per_replica=args.gpus_per_replica,
+            host="0.0.0.0",
+            base_port=args.base_port,
+            dtype=args.dtype,
+            log_dir=args.log_dir,
+            mem_fraction_static=args.mem_fraction_static,
+            lora_max_rank=args.lora_max_rank,
+            lora_target_modules=lora_target_modules(args.model, args.lora_targets) if args.lora_max_rank else None,
+        )
+    )
     pool.start()
     node = socket.gethostname()
     print("engines.urls=[" + ",".join(f"http://{node}:{port}" for port in pool.ports) + "]", flush=True)

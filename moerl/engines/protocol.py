@@ -127,7 +127,11 @@ class _NullMeansDefault(WireModel):
     @classmethod
     def _drop_nulls(cls, data: Any) -> Any:
         # Only a known field's null: an unknown field is refused whatever its value.
-        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields} if isinstance(data, dict) else data
+        return (
+            {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+            if isinstance(data, dict)
+            else data
+        )
 
 
 # ---- /generate ----------------------------------------------------------------------------------
@@ -143,7 +147,8 @@ class SamplingParams(_NullMeansDefault):
     max_new_tokens: int = Field(128, ge=0, le=INT64[1])
     stop_token_ids: list[int] | None = None  # stop on any of these, besides the model's end token
     ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=MAX_N)  # completions of the prompt; the embedded engine seeds completion i sampling_seed + i
+    # completions of the prompt; the embedded engine seeds completion i sampling_seed + i
+    n: int = Field(1, ge=1, le=MAX_N)
     # SGLang 0.5.23 reads it only under --enable-deterministic-inference, and then gives all n completions this one seed
     sampling_seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
 
@@ -154,7 +159,7 @@ class SamplingParams(_NullMeansDefault):
             raise ValueError("must be -1 (no limit) or >= 1")
         return value
 
-    def resolved(self) -> "SamplingParams":
+    def resolved(self) -> SamplingParams:
         """What is sampled: a temperature below GREEDY_BELOW means greedy, as in SGLang (temperature 1, top_k 1)."""
         return self.model_copy(update={"temperature": 1.0, "top_k": 1}) if self.temperature < GREEDY_BELOW else self
 
@@ -165,7 +170,9 @@ class GenerateReqInput(_NullMeansDefault):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = SamplingParams()
-    rid: str | None = None  # n > 1: the embedded engine names completion i "<rid>-<i>" and aborts them all by rid (SGLang: neither)
+    rid: str | None = (
+        None  # n > 1: the embedded engine names completion i "<rid>-<i>" and aborts them all by rid (SGLang: neither)
+    )
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1)  # prompt log-probs from this position (-1: none)
     return_routed_experts: bool = False
@@ -179,7 +186,7 @@ class GenerateReqInput(_NullMeansDefault):
     cache_salt: str | None = None
 
     @model_validator(mode="after")
-    def _one_prompt(self) -> "GenerateReqInput":
+    def _one_prompt(self) -> GenerateReqInput:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text and input_ids")
         if self.input_ids is not None and not self.input_ids:
@@ -206,19 +213,29 @@ def check_generate(req: GenerateReqInput, prompt: list[int], limits: EngineLimit
     s = req.sampling_params.resolved()
     stops = [t for t in s.stop_token_ids or [] if not 0 <= t < limits.vocab_size]
     if stops:
-        raise ProtocolError(f"sampling_params.stop_token_ids has ids outside the vocabulary [0, {limits.vocab_size}): {stops[:5]}")
+        raise ProtocolError(
+            f"sampling_params.stop_token_ids has ids outside the vocabulary [0, {limits.vocab_size}): {stops[:5]}"
+        )
     if len(prompt) >= limits.context_len:
-        raise ProtocolError(f"The input ({len(prompt)} tokens) is longer than the model's context length ({limits.context_len} tokens).")
+        raise ProtocolError(
+            f"The input ({len(prompt)} tokens) is longer than the model's context length ({limits.context_len} tokens)."
+        )
     if len(prompt) + s.max_new_tokens > limits.context_len:
-        raise ProtocolError(f"Requested token count exceeds the model's maximum context length of {limits.context_len} tokens: "
-                            f"{len(prompt)} prompt + {s.max_new_tokens} max_new_tokens; reduce either")
+        raise ProtocolError(
+            f"Requested token count exceeds the model's maximum context length of {limits.context_len} tokens: "
+            f"{len(prompt)} prompt + {s.max_new_tokens} max_new_tokens; reduce either"
+        )
     if req.return_logprob and req.logprob_start_len >= len(prompt):
         raise ProtocolError(f"logprob_start_len={req.logprob_start_len} must be < the prompt length {len(prompt)}")
     if req.routed_experts_start_len > len(prompt):
-        raise ProtocolError(f"routed_experts_start_len={req.routed_experts_start_len} exceeds the prompt length {len(prompt)}")
+        raise ProtocolError(
+            f"routed_experts_start_len={req.routed_experts_start_len} exceeds the prompt length {len(prompt)}"
+        )
     if req.return_sampling_mask and not 1 <= s.top_k <= limits.sampling_mask_max_tokens:
-        raise ProtocolError(f"return_sampling_mask needs a finite top_k in [1, {limits.sampling_mask_max_tokens}] "
-                            f"(--sampling-mask-max-tokens), got top_k={s.top_k}")
+        raise ProtocolError(
+            f"return_sampling_mask needs a finite top_k in [1, {limits.sampling_mask_max_tokens}] "
+            f"(--sampling-mask-max-tokens), got top_k={s.top_k}"
+        )
 
 
 class GenerateMetaInfo(TypedDict, total=False):
@@ -261,7 +278,7 @@ class AbortReq(WireModel):
     abort_all: bool = False
 
     @model_validator(mode="after")
-    def _something(self) -> "AbortReq":
+    def _something(self) -> AbortReq:
         if not self.abort_all and not self.rid:
             raise ValueError("give rid or abort_all=true")
         return self
@@ -288,7 +305,7 @@ class InitWeightsUpdateGroupReqInput(WireModel):
     backend: Literal["nccl", "gloo"] = "nccl"
 
     @model_validator(mode="after")
-    def _rank_inside(self) -> "InitWeightsUpdateGroupReqInput":
+    def _rank_inside(self) -> InitWeightsUpdateGroupReqInput:
         if self.rank_offset >= self.world_size:
             raise ValueError(f"rank_offset={self.rank_offset} must be below world_size={self.world_size}")
         return self
@@ -315,9 +332,11 @@ class UpdateWeightsFromDistributedReqInput(WireModel):
     load_format: Literal["flattened_bucket"] | None = None  # one uint8 broadcast of every tensor back to back
 
     @model_validator(mode="after")
-    def _aligned(self) -> "UpdateWeightsFromDistributedReqInput":
+    def _aligned(self) -> UpdateWeightsFromDistributedReqInput:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError(f"names, dtypes and shapes differ in length ({len(self.names)}, {len(self.dtypes)}, {len(self.shapes)})")
+            raise ValueError(
+                f"names, dtypes and shapes differ in length ({len(self.names)}, {len(self.dtypes)}, {len(self.shapes)})"
+            )
         bad = [i for i, shape in enumerate(self.shapes) if any(d < 0 for d in shape)]
         if bad:
             raise ValueError(f"shapes[{bad[0]}]={self.shapes[bad[0]]} has a negative dimension")
@@ -438,17 +457,25 @@ def largest_answer_bytes(req: GenerateReqInput, shape: ModelShape | None) -> int
     if req.return_routed_experts and shape is not None:
         per_token += math.ceil(shape.num_layers * shape.topk * 4 * 4 / 3)
     if req.return_sampling_mask:
-        kept = min(params.top_k, DEFAULT_SAMPLING_MASK_MAX_TOKENS) if params.top_k > 0 else DEFAULT_SAMPLING_MASK_MAX_TOKENS
+        kept = (
+            min(params.top_k, DEFAULT_SAMPLING_MASK_MAX_TOKENS)
+            if params.top_k > 0
+            else DEFAULT_SAMPLING_MASK_MAX_TOKENS
+        )
         per_token += 24 + 32 * kept  # the token's log-prob; an id (and a log-prob) per kept one
     return params.n * ((prompt + params.max_new_tokens) * per_token + 1024)  # 1 KB: the rest of the meta_info
 
 
-def decode_routed_experts(payload: str, num_layers: int, topk: int, moe_layers: list[int], num_experts: int) -> np.ndarray:
+def decode_routed_experts(
+    payload: str, num_layers: int, topk: int, moe_layers: list[int], num_experts: int
+) -> np.ndarray:
     """Routing of the MoE layers only, compact: [positions, len(moe_layers), topk] as uint8 when the
     experts fit (<= 256), else int16."""
     flat = np.frombuffer(base64.b64decode(payload), dtype=np.int32)
     if flat.size % (num_layers * topk):
-        raise ProtocolError(f"routed_experts has {flat.size} ids, not a multiple of num_layers*topk = {num_layers * topk}")
+        raise ProtocolError(
+            f"routed_experts has {flat.size} ids, not a multiple of num_layers*topk = {num_layers * topk}"
+        )
     routing = flat.reshape(-1, num_layers, topk)[:, moe_layers]
     if routing.size and (routing.min() < 0 or routing.max() >= num_experts):
         raise ProtocolError(f"routed_experts has expert ids outside [0, {num_experts}) in MoE layers")
@@ -513,7 +540,9 @@ def decode_generate(response: GenerateResponse, shape: ModelShape | None, routin
     if "routed_experts" in meta:
         if shape is None:
             raise ProtocolError("routed_experts returned but the model shape is unknown")
-        completion.routing = decode_routed_experts(meta["routed_experts"], shape.num_layers, shape.topk, shape.moe_layers, shape.num_experts)
+        completion.routing = decode_routed_experts(
+            meta["routed_experts"], shape.num_layers, shape.topk, shape.moe_layers, shape.num_experts
+        )
     if "output_token_sampling_mask" in meta:
         completion.mask_offsets, completion.mask_ids = decode_sampling_masks(meta["output_token_sampling_mask"])
         lps = meta.get("output_token_sampling_logprobs")

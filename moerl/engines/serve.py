@@ -16,8 +16,8 @@ from moerl.engines import protocol
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS
 from moerl.engines.embedded.server import EmbeddedEngine, build_app
 from moerl.engines.simulated import SimulatedEngine
-from moerl.simulation import Profile
 from moerl.errors import ConfigError, MoerlError
+from moerl.simulation import Profile
 
 log = logging.getLogger("moerl.serve")
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -29,21 +29,36 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a HF MoE model with moerl's embedded engine over SGLang's HTTP API "
         "(routed experts, sampling masks, weight versions, pause/continue, weight updates).",
     )
-    p.add_argument("--model", help="local HF model directory (with --simulate: its config and tokenizer, in place of the profile's)")
+    p.add_argument(
+        "--model",
+        help="local HF model directory (with --simulate: its config and tokenizer, in place of the profile's)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="float32")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--sampling-mask-max-tokens", type=int, default=protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS)
-    p.add_argument("--prefix-cache-tokens", type=int, default=DEFAULT_PREFIX_CACHE_TOKENS,
-                   help="tokens the prefix cache holds at most, KV and routing of earlier prompts and completions, reused "
-                   "within the same extra_key / cache_salt / adapter as SGLang's radix cache (0: no prefix cache)")
-    p.add_argument("--simulate", metavar="PROFILE", help="serve no model: a simulated engine with this profile's throughput "
-                   "and response lengths (a YAML file: see moerl/simulation.py; the tests' is tests/data/simulation/tiny.yaml)")
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE_TOKENS,
+        help="tokens the prefix cache holds at most, KV and routing of earlier prompts and completions, reused "
+        "within the same extra_key / cache_salt / adapter as SGLang's radix cache (0: no prefix cache)",
+    )
+    p.add_argument(
+        "--simulate",
+        metavar="PROFILE",
+        help="serve no model: a simulated engine with this profile's throughput "
+        "and response lengths (a YAML file: see moerl/simulation.py; the tests' is tests/data/simulation/tiny.yaml)",
+    )
     p.add_argument("--time-scale", type=float, default=1.0, help="with --simulate: simulated seconds per real second")
-    p.add_argument("--ports", type=_ports, help="with --simulate: serve one replica on each of these ports (comma-separated), "
-                   "all in this process, in place of --port: many simulated replicas cost one interpreter")
+    p.add_argument(
+        "--ports",
+        type=_ports,
+        help="with --simulate: serve one replica on each of these ports (comma-separated), "
+        "all in this process, in place of --port: many simulated replicas cost one interpreter",
+    )
     return p
 
 
@@ -60,21 +75,35 @@ def _ports(text: str) -> list[int]:
 def _engines(args: argparse.Namespace) -> list[EmbeddedEngine]:
     """One engine per port served."""
     if args.ports and not args.simulate:
-        raise ConfigError("--ports serves several simulated replicas: it needs --simulate (a model's engine serves on --port)")
+        raise ConfigError(
+            "--ports serves several simulated replicas: it needs --simulate (a model's engine serves on --port)"
+        )
     profile = None
     if args.simulate:
         profile = Profile.load(args.simulate)
     model = args.model or (profile.model if profile is not None else None)
     if model is None:
-        raise ConfigError("give --model (a HF model directory)" + (f"; profile {args.simulate} names none" if profile else ""))
+        raise ConfigError(
+            "give --model (a HF model directory)" + (f"; profile {args.simulate} names none" if profile else "")
+        )
     if not Path(model, "config.json").is_file():
         raise ConfigError(f"{model} is not a HF model directory (no config.json)")
     if profile is not None:
         _return_freed_answers()
-        return [SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens, args.prefix_cache_tokens)
-                for _ in args.ports or [args.port]]
-    return [EmbeddedEngine(model, MODEL_DTYPES[args.dtype], args.device, args.max_running_requests, args.sampling_mask_max_tokens,
-                           args.prefix_cache_tokens)]
+        return [
+            SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens, args.prefix_cache_tokens)
+            for _ in args.ports or [args.port]
+        ]
+    return [
+        EmbeddedEngine(
+            model,
+            MODEL_DTYPES[args.dtype],
+            args.device,
+            args.max_running_requests,
+            args.sampling_mask_max_tokens,
+            args.prefix_cache_tokens,
+        )
+    ]
 
 
 def _return_freed_answers() -> None:
@@ -97,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     ports = args.ports or [args.port]
     if len(engines) == 1:
         # On SIGTERM, requests still open (a join whose peers never came, say) get a few seconds, not a minute.
-        web.run_app(build_app(engines[0]), host=args.host, port=ports[0], shutdown_timeout=5,
-                    print=lambda *a: log.info("serving %s on http://%s:%d", engines[0].model_dir, args.host, ports[0]))
+        web.run_app(
+            build_app(engines[0]),
+            host=args.host,
+            port=ports[0],
+            shutdown_timeout=5,
+            print=lambda *a: log.info("serving %s on http://%s:%d", engines[0].model_dir, args.host, ports[0]),
+        )
     else:
         asyncio.run(_serve_all(engines, args.host, ports))
     return 0
@@ -117,7 +151,13 @@ async def _serve_all(engines: list[EmbeddedEngine], host: str, ports: list[int])
             runners.append(runner)
             await runner.setup()
             await web.TCPSite(runner, host, port).start()
-        log.info("serving %d simulated replicas of %s on http://%s:{%s}", len(engines), engines[0].model_dir, host, ",".join(map(str, ports)))
+        log.info(
+            "serving %d simulated replicas of %s on http://%s:{%s}",
+            len(engines),
+            engines[0].model_dir,
+            host,
+            ",".join(map(str, ports)),
+        )
         await stop.wait()
     finally:  # all at once: each may wait its shutdown_timeout for open requests, within the pool's grace for the process
         await asyncio.gather(*(runner.cleanup() for runner in runners), return_exceptions=True)

@@ -56,10 +56,24 @@ class SimulatedRequest(Request):
 class SimulatedScheduler(Scheduler):
     """The embedded scheduler's queues and control, with time in place of a model (``runner`` is None)."""
 
-    def __init__(self, profile: EngineProfile, time_scale: float, vocab_size: int, adapters: AdapterSet,
-                 eos_token_ids: set[int], max_length: int, prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
-        super().__init__(None, adapters, eos_token_ids, max_length, profile.max_running_requests,
-                         prefix_cache_tokens=prefix_cache_tokens)
+    def __init__(
+        self,
+        profile: EngineProfile,
+        time_scale: float,
+        vocab_size: int,
+        adapters: AdapterSet,
+        eos_token_ids: set[int],
+        max_length: int,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+    ):
+        super().__init__(
+            None,
+            adapters,
+            eos_token_ids,
+            max_length,
+            profile.max_running_requests,
+            prefix_cache_tokens=prefix_cache_tokens,
+        )
         self.profile, self.time_scale, self.vocab_size = profile, time_scale, vocab_size
         self._clock = time.monotonic()  # up to when the running requests' progress is counted
         self._prefill_ends = 0.0  # the engine decodes nothing before this (monotonic seconds)
@@ -100,8 +114,12 @@ class SimulatedScheduler(Scheduler):
                     request.marks.append((int(request.progress), self.weight_version))
                 request.progress += tokens
                 if request.progress >= request.target:
-                    self._finish(request, {"type": "length", "length": request.target} if request.stop_token is None
-                                 else {"type": "stop", "matched": request.stop_token})
+                    self._finish(
+                        request,
+                        {"type": "length", "length": request.target}
+                        if request.stop_token is None
+                        else {"type": "stop", "matched": request.stop_token},
+                    )
                 elif request.stream and self._decoded(request):
                     request.on_update(request, False)
             self._drop_finished()
@@ -183,9 +201,14 @@ class SimulatedEngine(EmbeddedEngine):
     engine_name = "moerl-simulated"
     request_type = SimulatedRequest
 
-    def __init__(self, profile: Profile, model_dir: str, time_scale: float = 1.0,
-                 sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+    def __init__(
+        self,
+        profile: Profile,
+        model_dir: str,
+        time_scale: float = 1.0,
+        sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+    ):
         """``model_dir``: the Hub model (its config.json and tokenizer): the profile's, or one in its place."""
         if not time_scale > 0:
             raise ProtocolError(f"time_scale must be > 0, got {time_scale}")
@@ -196,9 +219,14 @@ class SimulatedEngine(EmbeddedEngine):
         self._moe_layers = list(moe_gates(model, model_dir))
         self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
         self._disk_update_began = 0.0  # monotonic seconds
-        self._serve(model_dir, model, lambda adapters, eos_ids, max_length: SimulatedScheduler(
-            profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length, prefix_cache_tokens),
-            sampling_mask_max_tokens)
+        self._serve(
+            model_dir,
+            model,
+            lambda adapters, eos_ids, max_length: SimulatedScheduler(
+                profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length, prefix_cache_tokens
+            ),
+            sampling_mask_max_tokens,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -256,8 +284,9 @@ class SimulatedEngine(EmbeddedEngine):
             _ROUTING_TABLES[shape] = table  # two replicas growing it at once both make one: either is kept
         return table[:rows]
 
-    def _kept_sets(self, rng: np.random.Generator, tokens: np.ndarray,
-                   sizes: np.ndarray) -> tuple[list, list, np.ndarray]:
+    def _kept_sets(
+        self, rng: np.random.Generator, tokens: np.ndarray, sizes: np.ndarray
+    ) -> tuple[list, list, np.ndarray]:
         """Each token's kept set (ascending ids that include it), its log-probs over the set, and the token's own; drawn
         for all tokens at once (a per-token loop costs a second per 32K-token response)."""
         vocab, widest = self.model.config.vocab_size, int(sizes.max(initial=1))
@@ -279,8 +308,10 @@ class SimulatedEngine(EmbeddedEngine):
         """The checkpoint's names and shapes, from its safetensors headers (no tensor is read)."""
         self._disk_update_began = time.monotonic()
         _, dtype = self.model_dir_reader(path)
-        return [(name, torch.empty(shape, dtype=dtype, device="meta"))
-                for name, shape in self.family.hub_shapes(self.hub_config).items()]
+        return [
+            (name, torch.empty(shape, dtype=dtype, device="meta"))
+            for name, shape in self.family.hub_shapes(self.hub_config).items()
+        ]
 
     def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """A disk update takes its bytes' time at the profile's rate, counted from when it began, so the headers' checks
@@ -292,8 +323,9 @@ class SimulatedEngine(EmbeddedEngine):
     def weight_values(self, name: str, truncate_size: int) -> list | None:
         if hub_tensor_view(self.family, dict(self.model.named_parameters()), name) is None:
             return None
-        raise ProtocolError("the simulated engine holds no weights to read back "
-                            "(run sync.verify against a real engine)")
+        raise ProtocolError(
+            "the simulated engine holds no weights to read back (run sync.verify against a real engine)"
+        )
 
     def checksum(self) -> str:
         raise ProtocolError("the simulated engine holds no weights to checksum (run sync.verify against a real engine)")

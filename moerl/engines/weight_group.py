@@ -36,13 +36,26 @@ def weight_store(master_address: str, master_port: int, world_size: int, rank: i
     Made here rather than through rendezvous(): under torchrun, rendezvous() would join the elastic
     agent's store (TORCHELASTIC_USE_AGENT_STORE) instead of hosting this group's at master_port.
     """
-    return dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                         timeout=datetime.timedelta(seconds=TIMEOUT_S), wait_for_workers=False)
+    return dist.TCPStore(
+        master_address,
+        master_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        wait_for_workers=False,
+    )
 
 
-def join_weight_group(backend: str, store: dist.Store, world_size: int, rank: int, group_name: str) -> dist.ProcessGroup:
+def join_weight_group(
+    backend: str, store: dist.Store, world_size: int, rank: int, group_name: str
+) -> dist.ProcessGroup:
     group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
     # Collectives on a group take global ranks; here the group is its own world.

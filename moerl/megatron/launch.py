@@ -24,8 +24,13 @@ from moerl.megatron.parallel import destroy_distributed
 def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
     # As under torchrun, the launching process hosts the rendezvous store and every rank is its client.
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
@@ -33,7 +38,10 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> Non
         torch.save({"ok": result}, Path(out_dir) / f"rank{rank}.pt")
     except BaseException as e:
         # A user's mistake (a MoerlError) travels as itself, so callers report it as one line.
-        torch.save({"error": traceback.format_exc(), "mistake": e if isinstance(e, MoerlError) else None}, Path(out_dir) / f"rank{rank}.pt")
+        torch.save(
+            {"error": traceback.format_exc(), "mistake": e if isinstance(e, MoerlError) else None},
+            Path(out_dir) / f"rank{rank}.pt",
+        )
         raise
     finally:
         destroy_distributed()

@@ -95,8 +95,10 @@ def add_lora(model: torch.nn.Module, cfg: LoRAConfig) -> list[str]:
         adapted.append(path)
     if refused:
         raise LoRAError(
-            "LoRA adapts megatron-core's local-spec linear layers only; these are not: " + ", ".join(refused[:4])
-            + "; narrow lora.targets (Transformer Engine's fused layers are not supported yet)")
+            "LoRA adapts megatron-core's local-spec linear layers only; these are not: "
+            + ", ".join(refused[:4])
+            + "; narrow lora.targets (Transformer Engine's fused layers are not supported yet)"
+        )
     if not adapted:
         raise LoRAError(f"lora.targets={list(cfg.targets)} match no linear layer of the model")
     return adapted
@@ -110,7 +112,9 @@ def _attach(model, path: str, module, cfg: LoRAConfig) -> None:
     if not column and not module.input_is_parallel:
         raise LoRAError(f"{path}: a row-parallel layer with input_is_parallel=False is not supported")
     if module.is_expert and size > 1 and size != parallel_state.get_tensor_model_parallel_world_size():
-        raise LoRAError(f"{path}: expert tensor parallelism {size} differs from tensor parallelism; use etp=1 or etp=tp")
+        raise LoRAError(
+            f"{path}: expert tensor parallelism {size} differs from tensor parallelism; use etp=1 or etp=tp"
+        )
     out_local, in_local = weight.shape
     out_full, in_full = (out_local * size, in_local) if column else (out_local, in_local * size)
     name = global_name(model, f"{path}.lora_A")
@@ -189,12 +193,18 @@ def _sharded_state_dict_with(module, axis_map: dict, glu: bool):
 
     def sharded_state_dict(prefix="", sharded_offsets=(), metadata=None):
         sharded = make_sharded_tensors_for_checkpoint(
-            module.state_dict(prefix="", keep_vars=True), prefix, axis_map, sharded_offsets,
-            tp_group=module.tp_group, dp_cp_group=metadata["dp_cp_group"],
+            module.state_dict(prefix="", keep_vars=True),
+            prefix,
+            axis_map,
+            sharded_offsets,
+            tp_group=module.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
         )
         if glu:
             key = f"{prefix}lora_B"
-            sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets, metadata.get("singleton_local_shards", False))
+            sharded[key] = apply_swiglu_sharded_factory(
+                sharded[key], sharded_offsets, metadata.get("singleton_local_shards", False)
+            )
         return sharded
 
     return sharded_state_dict

@@ -10,8 +10,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from moerl.layout import Layout
-from moerl.models import family_for
-from moerl.models import qwen_moe
+from moerl.models import family_for, qwen_moe
 
 
 def uses_transformer_engine(transformer_engine: bool | None) -> bool:
@@ -27,12 +26,21 @@ def transformer_engine_fusions(ddp_main_grads: bool) -> dict[str, bool]:
     fused into the weight-gradient GEMMs: for a model megatron-core's DistributedDataParallel gives main_grad buffers
     to accumulate into (``ddp_main_grads``), and where Apex's kernel is installed, since the output layer is
     megatron-core's own linear layer under every spec and refuses the switch without it."""
-    return {"apply_rope_fusion": True, "moe_permute_fusion": True,
-            "gradient_accumulation_fusion": ddp_main_grads and tp_layers._grad_accum_fusion_available}
+    return {
+        "apply_rope_fusion": True,
+        "moe_permute_fusion": True,
+        "gradient_accumulation_fusion": ddp_main_grads and tp_layers._grad_accum_fusion_available,
+    }
 
 
-def model_config(cfg: dict, layout: Layout, dtype: torch.dtype = torch.float32, transformer_engine: bool | None = None,
-                 ddp_main_grads: bool = False, **config_overrides) -> TransformerConfig:
+def model_config(
+    cfg: dict,
+    layout: Layout,
+    dtype: torch.dtype = torch.float32,
+    transformer_engine: bool | None = None,
+    ddp_main_grads: bool = False,
+    **config_overrides,
+) -> TransformerConfig:
     """The TransformerConfig :func:`build_model` builds with; ``config_overrides`` win over everything."""
     if uses_transformer_engine(transformer_engine):
         config_overrides = {**transformer_engine_fusions(ddp_main_grads), **config_overrides}
@@ -41,8 +49,14 @@ def model_config(cfg: dict, layout: Layout, dtype: torch.dtype = torch.float32, 
     return family_for(cfg).transformer_config(cfg, layout, dtype, **config_overrides)
 
 
-def build_model(cfg: dict, layout: Layout, dtype: torch.dtype = torch.float32, transformer_engine: bool | None = None,
-                ddp_main_grads: bool = False, **config_overrides) -> GPTModel:
+def build_model(
+    cfg: dict,
+    layout: Layout,
+    dtype: torch.dtype = torch.float32,
+    transformer_engine: bool | None = None,
+    ddp_main_grads: bool = False,
+    **config_overrides,
+) -> GPTModel:
     """The rank's GPTModel (its PP stage, its TP/EP shards), routing replay enabled.
 
     ``transformer_engine=False`` builds megatron-core's local layers even where Transformer Engine is

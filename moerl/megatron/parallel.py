@@ -51,7 +51,9 @@ def lead_agrees(error: Exception | None, what: str) -> None:
     :class:`EnginesDown` and :class:`RolloutManagerLost` are raised as themselves on every rank; any other failure rank 0
     raises as itself and the other ranks as a relayed :class:`MoerlError` saying that rank 0 failed in ``what``."""
     kinds = list(_RAISED_AS_THEMSELVES)
-    code = 0 if error is None else next((i + 1 for i, kind in enumerate(kinds) if isinstance(error, kind)), len(kinds) + 1)
+    code = (
+        0 if error is None else next((i + 1 for i, kind in enumerate(kinds) if isinstance(error, kind)), len(kinds) + 1)
+    )
     outcome = torch.tensor([code], dtype=torch.int32, device=collective_device())
     if dist.get_world_size() > 1:
         dist.broadcast(outcome, 0)

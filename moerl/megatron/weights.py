@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -37,8 +37,10 @@ _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 _GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 # Transformer Engine fuses the attention's input norm into linear_qkv, and a dense layer's pre-MLP norm
 # into linear_fc1: their weights carry the local spec's names in the global model.
-_TE_FUSED_NORMS = ((".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
-                   (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"))
+_TE_FUSED_NORMS = (
+    (".self_attention.linear_qkv.layer_norm_weight", ".input_layernorm.weight"),
+    (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
+)
 # The dim a routed expert's expert-TP shards split (whichever of its weight, bias and LoRA factors is split), by its
 # layer: column-parallel linear_fc1, row-parallel linear_fc2. The local spec's SequentialMLP marks partition_dim so;
 # Transformer Engine's spec does not: under expert TP or EP, TEGroupedLinear splits the experts itself and builds TE's
@@ -52,7 +54,7 @@ def global_name(model, name: str) -> str:
     match = _LAYER.match(name)
     if match:
         layer = model.decoder.layers[int(match.group(1))].layer_number - 1
-        name = f"decoder.layers.{layer}." + name[match.end():]
+        name = f"decoder.layers.{layer}." + name[match.end() :]
     name = _GROUPED_EXPERT.sub(r".experts.local_experts.\3.\1.\2", name)
     for fused, plain in _TE_FUSED_NORMS:
         if name.endswith(fused):
@@ -61,7 +63,7 @@ def global_name(model, name: str) -> str:
     if match:
         num_local = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
         expert = parallel_state.get_expert_model_parallel_rank() * num_local + int(match.group(1))
-        name = name[: match.start()] + f".local_experts.{expert}." + name[match.end():]
+        name = name[: match.start()] + f".local_experts.{expert}." + name[match.end() :]
     return name
 
 
@@ -83,17 +85,24 @@ def stage_lead() -> bool:
     """Whether this rank is its pipeline stage's first in every group (TP, DP, EP, expert-TP, expert-DP): the
     rank where :class:`Gather` assembles the stage."""
     ps = parallel_state
-    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
-            and ps.get_expert_model_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
-            and ps.get_expert_data_parallel_rank() == 0)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank() == 0
+        and ps.get_expert_model_parallel_rank() == 0
+        and ps.get_expert_tensor_parallel_rank() == 0
+        and ps.get_expert_data_parallel_rank() == 0
+    )
 
 
 def sends_weights() -> bool:
     """Whether a ``per_sender`` :class:`Gather` leaves whole tensors on this rank: its stage's first rank, and
     under expert parallelism the first expert-TP rank of each expert-parallel rank (first expert-DP replica)."""
     ps = parallel_state
-    return stage_lead() or (ps.get_expert_model_parallel_world_size() > 1 and ps.get_expert_tensor_parallel_rank() == 0
-                            and ps.get_expert_data_parallel_rank() == 0)
+    return stage_lead() or (
+        ps.get_expert_model_parallel_world_size() > 1
+        and ps.get_expert_tensor_parallel_rank() == 0
+        and ps.get_expert_data_parallel_rank() == 0
+    )
 
 
 class Gather:
@@ -106,7 +115,9 @@ class Gather:
     took in, for tests and benchmarks.
     """
 
-    def __init__(self, model, grads: bool = False, select: Callable[[str], bool] | None = None, per_sender: bool = False):
+    def __init__(
+        self, model, grads: bool = False, select: Callable[[str], bool] | None = None, per_sender: bool = False
+    ):
         self.grads, self.per_sender = grads, per_sender
         self.received = 0
         ps = parallel_state
@@ -141,32 +152,47 @@ class Gather:
             if gathers_experts:
                 local = int(_EXPERT.search(full).group(1)) % num_local
                 names = [_EXPERT.sub(f".local_experts.{j * num_local + local}.", full, count=1) for j in range(ep)]
-            self._entries.append(_Entry(param, names, tuple(shape), group if sharded else None, dim,
-                                        ps.get_expert_model_parallel_group() if gathers_experts else None,
-                                        glu=model.config.gated_linear_unit and full.endswith(glu_names)))
+            self._entries.append(
+                _Entry(
+                    param,
+                    names,
+                    tuple(shape),
+                    group if sharded else None,
+                    dim,
+                    ps.get_expert_model_parallel_group() if gathers_experts else None,
+                    glu=model.config.gated_linear_unit and full.endswith(glu_names),
+                )
+            )
         self.lead = stage_lead()
         self.sends = sends_weights() if per_sender else dist.get_rank() == 0  # where gather() returns tensors
         if per_sender:
             self._spread_over_senders()
             return  # each sender keeps its own share: rank 0 receives nothing, needs no manifest
         # What each stage's first rank yields, in its order: rank 0 receives the later stages' by it.
-        manifest = [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
+        manifest = (
+            [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
+        )
         everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((ps.get_pipeline_model_parallel_rank(), manifest), everyone, dst=0)  # once per model: names and shapes, no tensor
+        # once per model: names and shapes, no tensor
+        dist.gather_object((ps.get_pipeline_model_parallel_rank(), manifest), everyone, dst=0)
         self._senders: list[tuple[int, list]] = []  # (rank, manifest) of each stage's first rank
         problem = None
         if dist.get_rank() == 0:
             for stage in range(ps.get_pipeline_model_parallel_world_size()):
                 leads = [(rank, m) for rank, (s, m) in enumerate(everyone) if s == stage and m is not None]
                 if len(leads) != 1 or (stage == 0 and leads[0][0] != 0):
-                    problem = (f"pipeline stage {stage}: ranks {[r for r, _ in leads]} are first in all their groups; "
-                               "the export needs exactly one, and global rank 0 for stage 0")
+                    problem = (
+                        f"pipeline stage {stage}: ranks {[r for r, _ in leads]} are first in all their groups; "
+                        "the export needs exactly one, and global rank 0 for stage 0"
+                    )
                     break
                 self._senders.append(leads[0])
         ok = torch.tensor([problem is None], dtype=torch.int32, device=collective_device())
         dist.broadcast(ok, 0)  # every rank fails together, none waits in a gather for a rank that gave up
         if not ok.item():
-            raise RuntimeError(problem or "the weight gather's layout check failed on global rank 0 (its error says why)")
+            raise RuntimeError(
+                problem or "the weight gather's layout check failed on global rank 0 (its error says why)"
+            )
 
     def _spread_over_senders(self) -> None:
         """Gathers each TP-sharded dense tensor into the sender of its TP group that has the fewest bytes to send so
@@ -181,8 +207,11 @@ class Gather:
             return entry.group is not None and ".experts." not in entry.names[0]
 
         dense = [e for e in self._entries if spread(e)]
-        fixed = sum(_nbytes(e.shape, self._tensor(e.param).dtype) * len(e.names) for e in self._entries
-                    if not spread(e) and (e.group is None or dist.get_rank(e.group) == 0))
+        fixed = sum(
+            _nbytes(e.shape, self._tensor(e.param).dtype) * len(e.names)
+            for e in self._entries
+            if not spread(e) and (e.group is None or dist.get_rank(e.group) == 0)
+        )
         members = [None] * ps.get_tensor_model_parallel_world_size()
         dist.all_gather_object(members, (self.sends, fixed), group=ps.get_tensor_model_parallel_group())
         load = {i: nbytes for i, (sends, nbytes) in enumerate(members) if sends}
@@ -201,11 +230,14 @@ class Gather:
     def gather(self, select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor] | None:
         """The selected tensors whole, on rank 0's device (None on every other rank); ``per_sender``: on each rank
         that :attr:`sends`, its share of them (None on the others). Collective: call on all ranks."""
+
         def wanted(name: str) -> bool:
             return select is None or select(name)
 
         mine: list[tuple[str, torch.Tensor]] = []
-        for entry in self._entries:  # each group's members gather alike; every side then keeps the names ``select`` takes
+        for (
+            entry
+        ) in self._entries:  # each group's members gather alike; every side then keeps the names ``select`` takes
             if any(wanted(name) for name in entry.names):
                 mine += [(name, tensor) for name, tensor in self._gather_entry(entry) if wanted(name)]
         if self.per_sender:
@@ -232,7 +264,8 @@ class Gather:
         if entry.group is not None:
             dim = entry.dim
             whole = None
-            if dim == 0 and not entry.glu:  # the shards are consecutive rows of the whole: received in place, not joined
+            # the shards are consecutive rows of the whole: received in place, not joined
+            if dim == 0 and not entry.glu:
                 whole = torch.empty(entry.shape, dtype=tensor.dtype, device=tensor.device)
             parts = self._gather_into(tensor, entry.group, entry.dst, whole)
             if parts is None:
@@ -249,7 +282,9 @@ class Gather:
         parts = self._gather_into(tensor, entry.ep_group)
         return [] if parts is None else list(zip(entry.names, parts))
 
-    def _gather_into(self, tensor: torch.Tensor, group, dst: int = 0, whole: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+    def _gather_into(
+        self, tensor: torch.Tensor, group, dst: int = 0, whole: torch.Tensor | None = None
+    ) -> list[torch.Tensor] | None:
         """Every member's ``tensor`` (same shape on all), on the group's rank ``dst`` (into the consecutive rows of
         ``whole`` when given); None on the others."""
         tensor = tensor.contiguous()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from moerl.models import qwen2_moe, qwen3_moe
 from moerl.errors import ConfigError
+from moerl.models import qwen2_moe, qwen3_moe
 from moerl.models.family import ModelFamily, ModelShape, TensorRule
 
 FAMILIES: dict[str, ModelFamily] = {f.architecture: f for f in (qwen3_moe.FAMILY, qwen2_moe.FAMILY)}

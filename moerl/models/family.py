@@ -69,8 +69,13 @@ class ModelFamily(Protocol):
     # ---- megatron-core ----------------------------------------------------------------------
     def transformer_config(self, cfg: dict, layout: Layout, dtype: torch.dtype, **overrides) -> Any: ...
 
-    def layer_spec(self, config: Any, vp_stage: int | None = None, pp_rank: int | None = None,
-                   transformer_engine: bool | None = None) -> Any: ...
+    def layer_spec(
+        self,
+        config: Any,
+        vp_stage: int | None = None,
+        pp_rank: int | None = None,
+        transformer_engine: bool | None = None,
+    ) -> Any: ...
 
     def gpt_model_kwargs(self, cfg: dict) -> dict: ...
 

@@ -25,7 +25,7 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # finalize_model_grads all-reduces, across TP ranks, the grads of params marked so:
         # with sequence parallelism each rank saw only its slice of the sequence.
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

@@ -51,8 +51,12 @@ class Qwen2MoeFamily(QwenMoeFamily):
                 )
             )
         if self.moe_layer_pattern(cfg)[i]:
-            rules += _glu_rules(dst + "mlp.shared_experts.", src + "mlp.shared_expert.", h, cfg["shared_expert_intermediate_size"])
-            rules.append(TensorRule(dst + "mlp.shared_experts.gate_weight", (src + "mlp.shared_expert_gate.weight",), ((1, h),)))
+            rules += _glu_rules(
+                dst + "mlp.shared_experts.", src + "mlp.shared_expert.", h, cfg["shared_expert_intermediate_size"]
+            )
+            rules.append(
+                TensorRule(dst + "mlp.shared_experts.gate_weight", (src + "mlp.shared_expert_gate.weight",), ((1, h),))
+            )
         return rules
 
 

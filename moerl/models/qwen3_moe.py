@@ -8,7 +8,13 @@ from moerl.models.qwen_moe import QwenMoeFamily, TensorRule
 class Qwen3MoeFamily(QwenMoeFamily):
     architecture = "Qwen3MoeForCausalLM"
     model_type = "qwen3_moe"
-    known_keys = QwenMoeFamily.known_keys | {"attention_bias", "use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}
+    known_keys = QwenMoeFamily.known_keys | {
+        "attention_bias",
+        "use_sliding_window",
+        "sliding_window",
+        "max_window_layers",
+        "layer_types",
+    }
 
     def family_problems(self, cfg: dict) -> list[str]:
         problems = []

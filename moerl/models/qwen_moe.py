@@ -23,7 +23,6 @@ from moerl.layout import Layout, LayoutError
 from moerl.models.family import ModelShape, TensorRule
 from moerl.models.norm import RMSNorm
 
-
 # Keys of every transformers config that never change the forward math.
 _GENERIC_KEYS = frozenset(
     """architectures model_type transformers_version torch_dtype dtype bos_token_id eos_token_id
@@ -142,9 +141,7 @@ class QwenMoeFamily:
             problems.append(f"missing required keys: {', '.join(missing)}")
         unknown = sorted(set(cfg) - self.known_keys - _GENERIC_KEYS)
         if unknown:
-            problems.append(
-                f"unsupported keys (they may change the math): {', '.join(unknown)}"
-            )
+            problems.append(f"unsupported keys (they may change the math): {', '.join(unknown)}")
         if cfg.get("hidden_act", "silu") != "silu":
             problems.append(f"hidden_act={cfg['hidden_act']!r}: only 'silu' is supported")
         rope = self._rope_parameters(cfg)
@@ -160,9 +157,7 @@ class QwenMoeFamily:
                 problems.append("no MoE layer: mlp_only_layers/decoder_sparse_step leave only dense layers")
         problems += self.family_problems(cfg)
         if problems:
-            raise ConfigError(
-                f"{self.architecture} config not supported: " + "; ".join(problems)
-            )
+            raise ConfigError(f"{self.architecture} config not supported: " + "; ".join(problems))
 
     def family_problems(self, cfg: dict) -> list[str]:
         return []
@@ -199,7 +194,12 @@ class QwenMoeFamily:
 
     def model_shape(self, cfg: dict) -> ModelShape:
         pattern = self.moe_layer_pattern(cfg)
-        return ModelShape(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], [i for i, moe in enumerate(pattern) if moe], cfg["num_experts"])
+        return ModelShape(
+            cfg["num_hidden_layers"],
+            cfg["num_experts_per_tok"],
+            [i for i, moe in enumerate(pattern) if moe],
+            cfg["num_experts"],
+        )
 
     @staticmethod
     def head_dim(cfg: dict) -> int:
@@ -292,8 +292,13 @@ class QwenMoeFamily:
         if not config.moe_enable_routing_replay:
             raise ConfigError("moe_enable_routing_replay must stay on")
 
-    def layer_spec(self, config: TransformerConfig, vp_stage: int | None = None, pp_rank: int | None = None,
-                   transformer_engine: bool | None = None):
+    def layer_spec(
+        self,
+        config: TransformerConfig,
+        vp_stage: int | None = None,
+        pp_rank: int | None = None,
+        transformer_engine: bool | None = None,
+    ):
         """The decoder's spec: Transformer Engine's layers where it is usable (and not refused), else
         megatron-core's local layers."""
         te = te_usable() if transformer_engine is None else transformer_engine and te_usable()
@@ -335,7 +340,9 @@ class QwenMoeFamily:
                 ((heads * hd, h), (groups * hd, h), (groups * hd, h)),
                 "qkv",
             ),
-            TensorRule(dst + "self_attention.linear_proj.weight", (src + "self_attn.o_proj.weight",), ((h, heads * hd),)),
+            TensorRule(
+                dst + "self_attention.linear_proj.weight", (src + "self_attn.o_proj.weight",), ((h, heads * hd),)
+            ),
             TensorRule(dst + "pre_mlp_layernorm.weight", (src + "post_attention_layernorm.weight",), ((h,),)),
         ]
         if self.moe_layer_pattern(cfg)[i]:

@@ -87,11 +87,15 @@ def tiny_tokenizer():
     )
 
 
-def save_tiny_hf(architecture: str, out_dir: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+def save_tiny_hf(
+    architecture: str, out_dir: str | Path, seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
     """Save a tiny model with its tokenizer as a HF directory (Hub names, per-expert tensors)."""
     out = Path(out_dir)
     tokenizer = tiny_tokenizer()
-    model = tiny_hf_model(architecture, seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
+    model = tiny_hf_model(
+        architecture, seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides
+    )
     model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(out)
     return out

@@ -24,8 +24,16 @@ from moerl.env import child_env
 from moerl.orchestrator.metrics import plot, read_metrics
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen_moe_grpo.sh"
-TABLE_KEYS = ("rollout/reward_mean", "mismatch/k3_kl", "mismatch/k3_kl_routing_agree", "mismatch/k3_kl_routing_differ",
-              "routing/agreement", "routing/differs_any_layer", "train/grad_norm", "time/step_seconds")
+TABLE_KEYS = (
+    "rollout/reward_mean",
+    "mismatch/k3_kl",
+    "mismatch/k3_kl_routing_agree",
+    "mismatch/k3_kl_routing_differ",
+    "routing/agreement",
+    "routing/differs_any_layer",
+    "train/grad_norm",
+    "time/step_seconds",
+)
 
 
 class AblationError(ValueError):
@@ -49,7 +57,9 @@ def combinations(axes: list[str]) -> list[list[str]]:
 
 def run_name(combo: list[str]) -> str:
     """A directory name: the keys' last parts and the values, a value's path separators made underscores."""
-    return "+".join(f"{key.rsplit('.', 1)[-1]}-{value.replace('/', '_')}" for key, _, value in (o.partition("=") for o in combo))
+    return "+".join(
+        f"{key.rsplit('.', 1)[-1]}-{value.replace('/', '_')}" for key, _, value in (o.partition("=") for o in combo)
+    )
 
 
 def table(runs: dict[str, Path], keys: tuple[str, ...], last: int) -> list[str]:
@@ -68,15 +78,25 @@ def table(runs: dict[str, Path], keys: tuple[str, ...], last: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     shared = argv[argv.index("--") + 1 :] if "--" in argv else []
-    p = argparse.ArgumentParser(prog="moerl ablate", description=(
-        "Run the main job under a grid of overrides, one run after another with the same seeds and data; write a comparison "
-        "table (OUT/ablation.md) and the runs' curves on the same axes (OUT/ablation.png)."),
-                                epilog="Overrides after -- go to every run (e.g. -- run.steps=10 run.mode=sync).")
-    p.add_argument("--out", required=True, help="a new directory: a run directory per combination, ablation.md, ablation.png")
-    p.add_argument("--grid", action="append", required=True, metavar="KEY=V1,V2", help="an axis of the grid (repeat for more)")
+    p = argparse.ArgumentParser(
+        prog="moerl ablate",
+        description=(
+            "Run the main job under a grid of overrides, one run after another with the same seeds and data; write a comparison "
+            "table (OUT/ablation.md) and the runs' curves on the same axes (OUT/ablation.png)."
+        ),
+        epilog="Overrides after -- go to every run (e.g. -- run.steps=10 run.mode=sync).",
+    )
+    p.add_argument(
+        "--out", required=True, help="a new directory: a run directory per combination, ablation.md, ablation.png"
+    )
+    p.add_argument(
+        "--grid", action="append", required=True, metavar="KEY=V1,V2", help="an axis of the grid (repeat for more)"
+    )
     p.add_argument("--last", type=int, default=3, help="steps at the end of each run averaged in the table (default 3)")
     p.add_argument("--keys", nargs="+", default=list(TABLE_KEYS), help="metrics in the table")
-    p.add_argument("--recipe", default=str(RECIPE), help="the job's launcher (default: this checkout's recipes/qwen_moe_grpo.sh)")
+    p.add_argument(
+        "--recipe", default=str(RECIPE), help="the job's launcher (default: this checkout's recipes/qwen_moe_grpo.sh)"
+    )
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     try:
         out, recipe = Path(args.out), Path(args.recipe)
@@ -94,18 +114,28 @@ def main(argv: list[str] | None = None) -> int:
         env = child_env(PYTHON=python)
         config = [] if "--config" in shared else ["--config", str(recipe.with_suffix(".yaml"))]  # as the recipe does
         for name, combo in runs.items():  # every configuration checked before any run: a typo costs seconds, not runs
-            check = subprocess.run([python, "-m", "moerl.cli", "train", "--check", *config, f"run.dir={out / name}", *shared, *combo],
-                                   env=env, capture_output=True, text=True)
+            check = subprocess.run(
+                [python, "-m", "moerl.cli", "train", "--check", *config, f"run.dir={out / name}", *shared, *combo],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if check.returncode:
                 said = (check.stdout + check.stderr).strip().splitlines()
-                raise AblationError(f"run {name}: {said[-1] if said else f'the config check failed (exit {check.returncode})'}")
+                raise AblationError(
+                    f"run {name}: {said[-1] if said else f'the config check failed (exit {check.returncode})'}"
+                )
         out.mkdir(parents=True, exist_ok=True)
         done: dict[str, Path] = {}
         for number, (name, combo) in enumerate(runs.items(), 1):
             print(f"[{number}/{len(runs)}] {name}", flush=True)
             with open(out / f"{name}.log", "w") as log:
-                ran = subprocess.run(["bash", str(recipe), f"run.dir={out / name}", "run.progress=false", *shared, *combo],
-                                     env=env, stdout=log, stderr=subprocess.STDOUT)
+                ran = subprocess.run(
+                    ["bash", str(recipe), f"run.dir={out / name}", "run.progress=false", *shared, *combo],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
             if ran.returncode:
                 report(done, args, shared, out)  # what did finish is not lost
                 raise AblationError(f"run {name} failed (exit {ran.returncode}); its log: {out / f'{name}.log'}")
@@ -121,8 +151,12 @@ def report(runs: dict[str, Path], args, shared: list[str], out: Path) -> None:
     """OUT/ablation.md and OUT/ablation.png of the runs that finished."""
     if not runs:
         return
-    lines = [f"Ablation of {', '.join(args.grid)}; every run: {' '.join(shared) or 'the recipe defaults'}; "
-             f"means over each run's last {args.last} steps", "", *table(runs, tuple(args.keys), args.last)]
+    lines = [
+        f"Ablation of {', '.join(args.grid)}; every run: {' '.join(shared) or 'the recipe defaults'}; "
+        f"means over each run's last {args.last} steps",
+        "",
+        *table(runs, tuple(args.keys), args.last),
+    ]
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(plot(list(runs.values()), out / "ablation.png"))

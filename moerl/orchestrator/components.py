@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from moerl.dtypes import MODEL_DTYPES, resolve as resolve_dtype
+from moerl.dtypes import MODEL_DTYPES
+from moerl.dtypes import resolve as resolve_dtype
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import RunConfig, served_by
@@ -36,14 +37,27 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
         return list(e.urls), None
     cuda = torch.cuda.is_available()
     server = served_by(e, cfg.simulation)
-    pool = EnginePool(EnginePoolConfig(
-        model_path=str(hf), server=server, replicas=e.replicas, gpus_per_replica=e.gpus_per_replica, base_port=0,
-        dtype=resolve_dtype(e.dtype), mem_fraction_static=e.mem_fraction_static, log_dir=str(run_dir / "logs"), extra_args=list(e.extra_args),
-        gpu_offset=local_trainer_ranks if cuda else 0, lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
-        lora_target_modules=lora_target_modules(hf, cfg.lora.targets) if cfg.lora.enabled and server == "sglang" else None,
-        simulate=cfg.simulation.profile, time_scale=cfg.simulation.time_scale,
-        replicas_per_process=cfg.simulation.replicas_per_process if server == "simulated" else 1,
-    ))
+    pool = EnginePool(
+        EnginePoolConfig(
+            model_path=str(hf),
+            server=server,
+            replicas=e.replicas,
+            gpus_per_replica=e.gpus_per_replica,
+            base_port=0,
+            dtype=resolve_dtype(e.dtype),
+            mem_fraction_static=e.mem_fraction_static,
+            log_dir=str(run_dir / "logs"),
+            extra_args=list(e.extra_args),
+            gpu_offset=local_trainer_ranks if cuda else 0,
+            lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
+            lora_target_modules=lora_target_modules(hf, cfg.lora.targets)
+            if cfg.lora.enabled and server == "sglang"
+            else None,
+            simulate=cfg.simulation.profile,
+            time_scale=cfg.simulation.time_scale,
+            replicas_per_process=cfg.simulation.replicas_per_process if server == "simulated" else 1,
+        )
+    )
     if e.server == "auto" and cuda and server == "embedded":
         from moerl.engines.sglang import sglang_problem
 
@@ -52,14 +66,29 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     return pool.start(e.start_timeout_s), pool
 
 
-def start_manager(cfg_path: Path, hf: Path, urls: list[str], rollouts, cursor: int, reissue: list[int], run_dir: Path) -> subprocess.Popen:
-    spec = ManagerSpec(config=str(cfg_path), hf_dir=str(hf), urls=urls, orders=rollouts.orders_address, events=rollouts.events_address,
-                       cursor=cursor, reissue=reissue).write(run_dir / "manager_spec.json")
+def start_manager(
+    cfg_path: Path, hf: Path, urls: list[str], rollouts, cursor: int, reissue: list[int], run_dir: Path
+) -> subprocess.Popen:
+    spec = ManagerSpec(
+        config=str(cfg_path),
+        hf_dir=str(hf),
+        urls=urls,
+        orders=rollouts.orders_address,
+        events=rollouts.events_address,
+        cursor=cursor,
+        reissue=reissue,
+    ).write(run_dir / "manager_spec.json")
     # A session of its own: a signal to the job's process group (a launcher stopping it) reaches rank 0, whose teardown
     # stops the manager in order and reads its last events; the manager dies with rank 0 if rank 0 dies first.
     with open(run_dir / "logs" / "rollout_manager.log", "a") as log_file:  # the child keeps its own copy
-        return subprocess.Popen([sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec)], stdout=log_file,
-                                stderr=subprocess.STDOUT, env=child_env(), start_new_session=True, preexec_fn=die_with_parent)
+        return subprocess.Popen(
+            [sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
 
 def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None):
@@ -100,7 +129,13 @@ def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, h
 
 def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
     if cfg.lora.enabled:
-        return AdapterSync(urls, cfg.lora, hf_config, str(hf.resolve()), directory=run_dir / "adapters" if cfg.sync.method == "disk" else None)
+        return AdapterSync(
+            urls,
+            cfg.lora,
+            hf_config,
+            str(hf.resolve()),
+            directory=run_dir / "adapters" if cfg.sync.method == "disk" else None,
+        )
     pause = "abort" if cfg.rollout.partial == "retry" else "in_place"
     # Updates that land while requests keep running (async, continued in place) cannot flush the engines'
     # cache: SGLang refuses. Everywhere else nothing runs during an update and the cache is flushed.
@@ -111,8 +146,14 @@ def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Pa
         return SimulatedSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
     if cfg.sync.method == "disk":
         return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
-    return BroadcastSync(urls, sync_address(cfg), "nccl" if torch.cuda.is_available() else "gloo",
-                         bucket_bytes=cfg.sync.bucket_mb << 20, pause=pause, flush_cache=flush)
+    return BroadcastSync(
+        urls,
+        sync_address(cfg),
+        "nccl" if torch.cuda.is_available() else "gloo",
+        bucket_bytes=cfg.sync.bucket_mb << 20,
+        pause=pause,
+        flush_cache=flush,
+    )
 
 
 def sync_address(cfg: RunConfig) -> str:
@@ -139,10 +180,12 @@ def sync_address(cfg: RunConfig) -> str:
     address = given or _route_from(hosts[0])
     elsewhere = [host for host in hosts if host and not loopback(host)]
     if elsewhere and loopback(address):
-        raise ConfigError(f"the weight sync would host its groups at {address}, a loopback address" +
-                          (" (MOERL_SYNC_ADDRESS)" if given else f" ({socket.gethostname()} resolves to it)") +
-                          f", which the engines on {', '.join(elsewhere)} cannot reach: set MOERL_SYNC_ADDRESS on each "
-                          "trainer node to the address the engines reach that node at")
+        raise ConfigError(
+            f"the weight sync would host its groups at {address}, a loopback address"
+            + (" (MOERL_SYNC_ADDRESS)" if given else f" ({socket.gethostname()} resolves to it)")
+            + f", which the engines on {', '.join(elsewhere)} cannot reach: set MOERL_SYNC_ADDRESS on each "
+            "trainer node to the address the engines reach that node at"
+        )
     return address
 
 

@@ -33,7 +33,8 @@ from moerl.trainer.config import TrainerConfig
 Mode = Literal["sync", "periodic", "async"]
 Partial = Literal["in_place", "retry"]
 Server = Literal["auto", "sglang", "embedded"]
-EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]  # auto: bfloat16 with CUDA, float32 without; else MODEL_DTYPES
+# auto: bfloat16 with CUDA, float32 without; else MODEL_DTYPES
+EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
 SyncMethod = Literal["broadcast", "disk"]
 Resume = Literal["false", "true", "auto"]
 
@@ -45,12 +46,15 @@ class RunSection:
     steps: int = 40  # optimizer steps (policy versions) to reach
     save_every: int = 0  # trainer checkpoint every N steps (0: only the last step)
     # false: a new run (refused where dir holds one) | true: continue from the newest checkpoint under dir (one must be
-    # there) | auto: continue if there is one, else start: for launchers that start the job again (torchrun --max-restarts)
+    # there) | auto: continue if there is one, else start: for launchers that start the job again (torchrun
+    # --max-restarts)
     resume: Resume = "false"
     cache_dir: str = "~/.cache/moerl"  # the tiny demo model and converted checkpoints, made once
     progress: bool = True  # a progress bar on stderr (rank 0)
     trainer_ranks: int = 0  # torchrun ranks of the trainer (0: trainer.tp * pp * ep); the rest of the node's GPUs serve
-    device_memory_gb: float | None = None  # GPU memory the memory plan is made for (default: the visible GPU's, else 80)
+    device_memory_gb: float | None = (
+        None  # GPU memory the memory plan is made for (default: the visible GPU's, else 80)
+    )
 
     def __post_init__(self):
         check_choices(self, "run")
@@ -101,12 +105,15 @@ class RolloutSection:
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)  # stop tokens besides the tokenizer's end token
     max_staleness: int = 1  # async: groups whose oldest token is more versions old than this are dropped
-    max_outstanding_groups: int | None = None  # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
-    partial: Partial = "in_place"  # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
-    engine_retries: int = 3  # re-issues of a prompt whose replica failed (same seed, another replica); then dropped as engine_failure
-    # Processes beside the rollout manager that carry its generations: each makes the HTTP requests and reads and decodes
-    # the answers (JSON, routing, kept sets: ~20 us per response token of a 48-layer top-8 model), so only compact arrays
-    # reach the manager and one manager keeps up with many engines. 0: the manager does it all.
+    # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
+    max_outstanding_groups: int | None = None
+    # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
+    partial: Partial = "in_place"
+    # re-issues of a prompt whose replica failed (same seed, another replica); then dropped as engine_failure
+    engine_retries: int = 3
+    # Processes beside the rollout manager that carry its generations: each makes the HTTP requests and reads and
+    # decodes the answers (JSON, routing, kept sets: ~20 us per response token of a 48-layer top-8 model), so only
+    # compact arrays reach the manager and one manager keeps up with many engines. 0: the manager does it all.
     generation_workers: int = 4
     seed: int = 0
 
@@ -122,7 +129,8 @@ class RolloutSection:
 
 @dataclass
 class SyncSection:
-    method: SyncMethod = "broadcast"  # broadcast (NCCL/gloo group with the engines) | disk (safetensors + update_weights_from_disk)
+    # broadcast (NCCL/gloo group with the engines) | disk (safetensors + update_weights_from_disk)
+    method: SyncMethod = "broadcast"
     bucket_mb: int = 512
     # After each update: every engine reports the new version, engines agree on their weight checksums, and
     # each one's log-probs of a fixed probe are within verify_tolerance (mean |delta|) of the trainer's.
@@ -135,9 +143,9 @@ class SyncSection:
 
 @dataclass
 class SimulationSection:
-    # A simulation profile (YAML, format in moerl/simulation.py; e.g. bench/profiles/): the job runs its own orchestrator
-    # (rollout manager, buffer, modes, syncs, checkpoints, metrics) against simulated engines and a simulated trainer that
-    # take their time from it, on one process for the trainer. null: a real run.
+    # A simulation profile (YAML, format in moerl/simulation.py; e.g. bench/profiles/): the job runs its own
+    # orchestrator (rollout manager, buffer, modes, syncs, checkpoints, metrics) against simulated engines and a
+    # simulated trainer that take their time from it, on one process for the trainer. null: a real run.
     profile: str | None = None
     time_scale: float = 1.0  # simulated seconds per real second (the orchestrator's own CPU time is real, never scaled)
     trainer_gpus: int = 8  # GPUs the simulated trainer stands for: its rate is the profile's per-GPU rate times this
@@ -153,7 +161,8 @@ class RunConfig:
     sync: SyncSection = field(default_factory=SyncSection)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    lora: LoRAConfig = field(default_factory=LoRAConfig)  # per-expert adapters; enabled: base frozen, adapters synced alone
+    # per-expert adapters; enabled: base frozen, adapters synced alone
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     simulation: SimulationSection = field(default_factory=SimulationSection)
 
 
@@ -169,9 +178,14 @@ _Yaml12Loader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Yaml12Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-_Yaml12Loader.add_implicit_resolver(_FLOAT, re.compile(
-    r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"
-    r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"), list("-+0123456789."))
+_Yaml12Loader.add_implicit_resolver(
+    _FLOAT,
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?)$"
+        r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def read_yaml(text: str):
@@ -191,7 +205,11 @@ def schema_type(key: str) -> typing.Any:
 
 def _is_text(tp: typing.Any) -> bool:
     """A string field, or an enum's (a Literal of strings: ``run.resume=true`` is the word, not a boolean)."""
-    return tp is str or choices(tp) is not None or (isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)})
+    return (
+        tp is str
+        or choices(tp) is not None
+        or (isinstance(tp, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)})
+    )
 
 
 def override_value(key: str, text: str):
@@ -221,7 +239,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         if path is not None:
             if not Path(path).is_file():
                 raise ConfigError(f"config file {path} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.create(literal_text(RunConfig, read_yaml(Path(path).read_text()) or {})))
+            merged = OmegaConf.merge(
+                merged, OmegaConf.create(literal_text(RunConfig, read_yaml(Path(path).read_text()) or {}))
+            )
         merged = OmegaConf.merge(merged, parse_overrides(list(overrides)))
         cfg: RunConfig = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -271,8 +291,10 @@ def served_by(engines: EngineSection, simulation: SimulationSection | None = Non
 def sglang_lora_problem(cfg: RunConfig) -> str | None:
     """Why this run's adapters cannot reach SGLang engines, if they cannot."""
     if cfg.lora.enabled and cfg.sync.method == "broadcast":
-        return ("lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from processes on "
-                "its own machine (pickled per TP rank), so adapters reach it as adapter directories")
+        return (
+            "lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from processes on "
+            "its own machine (pickled per TP rank), so adapters reach it as adapter directories"
+        )
     return None
 
 
@@ -280,23 +302,33 @@ def check(cfg: RunConfig) -> None:
     r = cfg.rollout
     problems = []
     if r.groups_per_step < 1 or not 2 <= r.samples_per_prompt <= MAX_N:
-        problems.append(f"rollout.groups_per_step must be >= 1 and samples_per_prompt in [2, {MAX_N}] (GRPO compares within a group)")
+        problems.append(
+            f"rollout.groups_per_step must be >= 1 and samples_per_prompt in [2, {MAX_N}] (GRPO compares within a group)"
+        )
     if r.max_staleness < 0:
         problems.append("rollout.max_staleness must be >= 0")
     if r.outstanding < r.groups_per_step:
-        problems.append(f"rollout.max_outstanding_groups={r.max_outstanding_groups} is below groups_per_step={r.groups_per_step}: a step could never fill")
+        problems.append(
+            f"rollout.max_outstanding_groups={r.max_outstanding_groups} is below groups_per_step={r.groups_per_step}: a step could never fill"
+        )
     if cfg.trainer.replay.sampling_mask and not 1 < r.top_k:
         problems.append(f"trainer.replay.sampling_mask needs a finite rollout.top_k > 1 (got {r.top_k})")
     server = served_by(cfg.engines, cfg.simulation)
     if server == "sglang" and (problem := sglang_lora_problem(cfg)):
         problems.append(problem)
-    if server == "sglang" and any(a.split("=")[0] == "--enable-deterministic-inference" for a in cfg.engines.extra_args):
-        problems.append("engines.extra_args: --enable-deterministic-inference makes SGLang 0.5.23 sample all n completions of a "
-                        "prompt with one seed, so each group's completions would come out identical (no advantage to learn "
-                        "from); leave it out")
+    if server == "sglang" and any(
+        a.split("=")[0] == "--enable-deterministic-inference" for a in cfg.engines.extra_args
+    ):
+        problems.append(
+            "engines.extra_args: --enable-deterministic-inference makes SGLang 0.5.23 sample all n completions of a "
+            "prompt with one seed, so each group's completions would come out identical (no advantage to learn "
+            "from); leave it out"
+        )
     if server == "embedded" and cfg.engines.gpus_per_replica != 1 and not cfg.engines.urls:
-        problems.append(f"engines.gpus_per_replica={cfg.engines.gpus_per_replica}: the embedded engine serves on one device; "
-                        "use engines.server=sglang for tensor-parallel replicas")
+        problems.append(
+            f"engines.gpus_per_replica={cfg.engines.gpus_per_replica}: the embedded engine serves on one device; "
+            "use engines.server=sglang for tensor-parallel replicas"
+        )
     if cfg.run.steps < 1:
         problems.append("run.steps must be >= 1")
     if cfg.trainer.replay.trace_samples < 0:
@@ -304,10 +336,21 @@ def check(cfg: RunConfig) -> None:
     if r.engine_retries < 0 or r.generation_workers < 0:
         problems.append("rollout.engine_retries and rollout.generation_workers must be >= 0")
     e = cfg.engines
-    if (min(1 if e.request_timeout_s is None else e.request_timeout_s, e.health_interval_s, e.down_timeout_s, e.restart_window_s) <= 0
-            or e.health_failures < 1 or e.max_restarts < 0):
-        problems.append("engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be > 0, "
-                        "health_failures >= 1 and max_restarts >= 0")
+    if (
+        min(
+            1 if e.request_timeout_s is None else e.request_timeout_s,
+            e.health_interval_s,
+            e.down_timeout_s,
+            e.restart_window_s,
+        )
+        <= 0
+        or e.health_failures < 1
+        or e.max_restarts < 0
+    ):
+        problems.append(
+            "engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be > 0, "
+            "health_failures >= 1 and max_restarts >= 0"
+        )
     problems += simulation_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
@@ -326,7 +369,9 @@ def simulation_problems(cfg: RunConfig) -> list[str]:
     if cfg.lora.enabled:
         problems.append("lora.enabled: the simulation moves full weights only; set lora.enabled=false")
     if cfg.engines.server != "auto" and not cfg.engines.urls:
-        problems.append(f"engines.server={cfg.engines.server}: a simulation serves simulated engines; leave engines.server=auto")
+        problems.append(
+            f"engines.server={cfg.engines.server}: a simulation serves simulated engines; leave engines.server=auto"
+        )
     if cfg.trainer.replay.trace_samples:
         problems.append("trainer.replay.trace_samples: the simulated trainer runs no routers to trace; set it to 0")
     return problems
@@ -348,5 +393,9 @@ def request_timeout_real_s(cfg: RunConfig) -> float:
     time divided by ``simulation.time_scale``: its deadline is scaled alike, or at time x0.5 a 600 s deadline would cut
     every response past 300 simulated seconds (long ones were re-issued from scratch at 32 trainer + 96 engine GPUs)."""
     e = cfg.engines
-    deadline = e.request_timeout_s if e.request_timeout_s is not None else 600.0 + cfg.rollout.max_new_tokens / SLOWEST_DECODE_TOKENS_PER_S
+    deadline = (
+        e.request_timeout_s
+        if e.request_timeout_s is not None
+        else 600.0 + cfg.rollout.max_new_tokens / SLOWEST_DECODE_TOKENS_PER_S
+    )
     return deadline / (cfg.simulation.time_scale if cfg.simulation.profile else 1.0)

@@ -35,8 +35,17 @@ class StepTimes:
 
 
 class Lead:
-    def __init__(self, cfg: RunConfig, run_dir: Path, hf: Path, urls: list[str], pool: EnginePool | None, sync: WeightSync,
-                 state: dict[str, Any], version: int):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        hf: Path,
+        urls: list[str],
+        pool: EnginePool | None,
+        sync: WeightSync,
+        state: dict[str, Any],
+        version: int,
+    ):
         """``state``: a resumed run's (the data position, the prompts to issue again, the accounting); ``version``: the
         trainer's policy version at start."""
         from tqdm import tqdm
@@ -48,16 +57,20 @@ class Lead:
             acct.set(index, "in_flight")
         self.zmq = zmq.Context()
         self.rollouts = RolloutEndpoint(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
-        self.manager: subprocess.Popen | None = start_manager(run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"],
-                                                             state["pending"], run_dir)
+        self.manager: subprocess.Popen | None = start_manager(
+            run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"], state["pending"], run_dir
+        )
         self.rollouts.watch(self.manager, run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.rollouts)
         if pool is not None:
             sync.while_down = self.revive
             sync.restart_engines = self.restart
         self.writer = MetricsWriter(run_dir, resume_after=version if cfg.run.resume != "false" else None)
-        self.bar = (tqdm(total=cfg.run.steps, initial=version, desc=f"GRPO {cfg.run.mode}", unit="step", dynamic_ncols=True)
-                    if cfg.run.progress else None)
+        self.bar = (
+            tqdm(total=cfg.run.steps, initial=version, desc=f"GRPO {cfg.run.mode}", unit="step", dynamic_ncols=True)
+            if cfg.run.progress
+            else None
+        )
         self.caught_up: set[str] = set()  # replicas a catch-up sync already went to, at the current version
         self.back: list[str] = []  # the replicas the next catch-up sync goes to
         self.catch_ups = 0  # catch-up syncs in the current step
@@ -105,8 +118,12 @@ class Lead:
 
     def caught_up_with(self, stats: SyncStats | None, version: int) -> None:
         """A catch-up sync reached :attr:`sync`'s engines; those it missed, or that went since, are caught up once back."""
-        log.info("catch-up sync of version %d to %s in %.2f s", version, ", ".join(self.sync.engines),
-                 stats.seconds if stats is not None else 0.0)
+        log.info(
+            "catch-up sync of version %d to %s in %.2f s",
+            version,
+            ", ".join(self.sync.engines),
+            stats.seconds if stats is not None else 0.0,
+        )
         self.catch_ups += 1
         self.caught_up -= set(self.back) - set(self.sync.engines)
 
@@ -124,8 +141,15 @@ class Lead:
         self.rollouts.served(weight_version, self.sync.engines, adapter, version, also=catch_up and adapter is None)
 
     # ---- metrics -------------------------------------------------------------------------------
-    def record(self, metrics: dict, taken: list[Group], stats: SyncStats, times: StepTimes, version: int,
-               full_weight_bytes: int) -> None:
+    def record(
+        self,
+        metrics: dict,
+        taken: list[Group],
+        stats: SyncStats,
+        times: StepTimes,
+        version: int,
+        full_weight_bytes: int,
+    ) -> None:
         rollouts = self.rollouts
         rollouts.trained(taken)
         rollouts.drain()
@@ -133,17 +157,27 @@ class Lead:
         metrics.update(rollouts.acct.counts())
         reissues = rollouts.take_reissues()
         wall = times.end - times.start
-        metrics.update({
-            "step": version, "mode": self.cfg.run.mode, "sync/seconds": stats.seconds, "sync/pause_seconds": stats.pause_seconds,
-            "sync/bytes": stats.bytes, "sync/buckets": stats.buckets, "sync/full_weight_bytes": full_weight_bytes,
-            "time/step_seconds": wall, "time/train_seconds": times.trained - times.start,
-            "time/trainer_idle_fraction": (rollouts.waited_s - times.waited_before) / wall,
-            "rollout/retries": float(sum(g.retries for g in taken)), "throughput/samples_per_second": metrics["rollout/samples"] / wall,
-            "rollout/retries_engine_failure": float(reissues["engine_failure"]), "rollout/retries_worker_lost": float(reissues["worker_lost"]),
-            "rollout/retries_stale_prefix": float(reissues["stale_prefix"]),
-            "sync/catch_ups": float(self.catch_ups),
-            "prompts/dropped_engine_failure": float(rollouts.acct.dropped["engine_failure"]),
-        })
+        metrics.update(
+            {
+                "step": version,
+                "mode": self.cfg.run.mode,
+                "sync/seconds": stats.seconds,
+                "sync/pause_seconds": stats.pause_seconds,
+                "sync/bytes": stats.bytes,
+                "sync/buckets": stats.buckets,
+                "sync/full_weight_bytes": full_weight_bytes,
+                "time/step_seconds": wall,
+                "time/train_seconds": times.trained - times.start,
+                "time/trainer_idle_fraction": (rollouts.waited_s - times.waited_before) / wall,
+                "rollout/retries": float(sum(g.retries for g in taken)),
+                "throughput/samples_per_second": metrics["rollout/samples"] / wall,
+                "rollout/retries_engine_failure": float(reissues["engine_failure"]),
+                "rollout/retries_worker_lost": float(reissues["worker_lost"]),
+                "rollout/retries_stale_prefix": float(reissues["stale_prefix"]),
+                "sync/catch_ups": float(self.catch_ups),
+                "prompts/dropped_engine_failure": float(rollouts.acct.dropped["engine_failure"]),
+            }
+        )
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})
         metrics["engines/restarts"] = float(sum(self.pool.restarts.values())) if self.pool is not None else 0.0
@@ -152,15 +186,23 @@ class Lead:
         if self.bar is not None:
             self.bar.update(1)
             down = len(states) - states.count(State.HEALTHY.value)
-            self.bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}", agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",
-                                 stale=int(metrics["staleness/max"]), **({"engines_down": down} if down else {}))
+            self.bar.set_postfix(
+                reward=f"{metrics['rollout/reward_mean']:.3f}",
+                agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",
+                stale=int(metrics["staleness/max"]),
+                **({"engines_down": down} if down else {}),
+            )
 
     # ---- the end -------------------------------------------------------------------------------
     def close(self, run_dir: Path) -> dict:
         """Stop the manager (every live prompt accounted for, written to accounting.json), the metrics and the engines;
         the final accounting."""
         self.rollouts.stop()
-        summary = {**self.rollouts.acct.state(), "balanced": self.rollouts.acct.balanced(), "live": len(self.rollouts.acct.live)}
+        summary = {
+            **self.rollouts.acct.state(),
+            "balanced": self.rollouts.acct.balanced(),
+            "live": len(self.rollouts.acct.live),
+        }
         (run_dir / "accounting.json").write_text(json.dumps(summary, indent=1))
         self.rollouts.close()
         if self.manager is not None:

@@ -39,6 +39,7 @@ from moerl.weight_sync.base import WeightSync
 
 log = logging.getLogger("moerl.train")
 
+
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(
         prog="moerl train",
@@ -47,11 +48,21 @@ def parse_args(argv: list[str] | None):
         epilog="Overrides are omegaconf dotlist entries, e.g. run.mode=sync run.steps=20 trainer.ep=2 model.path=/models/Qwen3-30B-A3B",
     )
     p.add_argument("--config", help="YAML config (default: none; the schema's defaults)")
-    p.add_argument("--check", action="store_true",
-                   help="check the config, model, task and engine URLs as the job would, print the number of trainer ranks it needs, and exit")
-    p.add_argument("--show-config", action="store_true", help="print the whole resolved config (every key, with overrides) and exit")
-    p.add_argument("--show-plan", action="store_true",
-                   help="print the memory plan (per trainer rank and engine GPU, from the model's config.json alone) and exit")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, model, task and engine URLs as the job would, print the number of trainer ranks it needs, and exit",
+    )
+    p.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print the whole resolved config (every key, with overrides) and exit",
+    )
+    p.add_argument(
+        "--show-plan",
+        action="store_true",
+        help="print the memory plan (per trainer rank and engine GPU, from the model's config.json alone) and exit",
+    )
     p.add_argument("overrides", nargs="*", help="section.key=value")
     return p.parse_intermixed_args(argv)  # flags and overrides in any order
 
@@ -96,7 +107,9 @@ class Job:
             self.serve_policy()
             self.verify()
             if self.lead is not None and self.cfg.run.mode == "async":
-                self.lead.rollouts.order(self.cfg.rollout.outstanding)  # a resumed run's pending prompts are re-issued first
+                self.lead.rollouts.order(
+                    self.cfg.rollout.outstanding
+                )  # a resumed run's pending prompts are re-issued first
             while self.trainer.version < self.cfg.run.steps:
                 self.step()
         except Exception as e:
@@ -106,7 +119,12 @@ class Job:
                     print(f"error: {e}", file=sys.stderr, flush=True)
                 e.said = True
             else:
-                log.error("stopping at step %d: %s: %s", self.trainer.version, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                log.error(
+                    "stopping at step %d: %s: %s",
+                    self.trainer.version,
+                    type(e).__name__,
+                    str(e).splitlines()[0] if str(e) else "",
+                )
             raise
         finally:
             summary = self.teardown()
@@ -122,7 +140,8 @@ class Job:
         init_process_group(timeout_s=6 * 3600)
 
         def prepare() -> list[str | None]:
-            preflight(cfg, self.world)  # before minutes of model preparation (again: torchrun may have started this rank directly)
+            # before minutes of model preparation (again: torchrun may have started this rank directly)
+            preflight(cfg, self.world)
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
             return [str(p) if p is not None else None for p in prepare_model(cfg)]
 
@@ -145,7 +164,9 @@ class Job:
 
         def engines() -> list[str]:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-            urls, self.pool = start_engines(cfg, self.hf, self.run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+            urls, self.pool = start_engines(
+                cfg, self.hf, self.run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            )
             return urls
 
         urls = on_lead(engines, "starting the engines")
@@ -165,7 +186,8 @@ class Job:
         start = time.perf_counter()
         waited = self.lead.start_step() if self.lead is not None else 0.0
         taken: list[Group] = []
-        metrics = trainer.step(self.pieces(taken) if self.lead is not None else None, self.interlude)  # rank 0 sends each rank its part
+        # rank 0 sends each rank its part
+        metrics = trainer.step(self.pieces(taken) if self.lead is not None else None, self.interlude)
         trained_at = time.perf_counter()
         on_lead(lambda: self.rank0.before_the_sync(), "taking in the rollouts after the step")
         try:
@@ -178,8 +200,10 @@ class Job:
                 self.lead.rollouts.trained(taken)  # in the step just made: not to be re-issued on resume
             self.stop_with_checkpoint(e)
         times = StepTimes(start, trained_at, end, waited)
-        on_lead(lambda: self.rank0.record(metrics, taken, stats, times, trainer.version, self.full_bytes),
-                "recording the step's metrics")
+        on_lead(
+            lambda: self.rank0.record(metrics, taken, stats, times, trainer.version, self.full_bytes),
+            "recording the step's metrics",
+        )
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
             save_checkpoint(trainer, self.lead.rollouts if self.lead is not None else None, self.run_dir)
 
@@ -188,8 +212,12 @@ class Job:
         or an interlude for every rank: a catch-up sync, or the stop."""
         cfg, lead = self.cfg, self.rank0
         try:
-            for piece in lead.rollouts.pieces(self.trainer.version, cfg.rollout.groups_per_step, whole=cfg.run.mode == "sync",
-                                              waiting=self.while_waiting):
+            for piece in lead.rollouts.pieces(
+                self.trainer.version,
+                cfg.rollout.groups_per_step,
+                whole=cfg.run.mode == "sync",
+                waiting=self.while_waiting,
+            ):
                 if isinstance(piece, Interlude):
                     yield piece
                     continue
@@ -225,7 +253,8 @@ class Job:
         """Collective: the run's checkpoint (every prompt not yet trained pending, to be issued again), then ``error``
         (global rank 0's; the other ranks say rank 0 stopped the run)."""
         if self.lead is not None:
-            self.lead.rollouts.halt()  # the other prompts waiting for an engine fail too, while the checkpoint is written
+            # the other prompts waiting for an engine fail too, while the checkpoint is written
+            self.lead.rollouts.halt()
         save_checkpoint(self.trainer, self.lead.rollouts if self.lead is not None else None, self.run_dir)
         where = f"checkpoint {self.run_dir / 'checkpoints' / f'step_{self.trainer.version}'} written; run.resume=true continues from it"
         if error is None:
@@ -266,7 +295,9 @@ class Job:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # its per-bucket parameter listings drown the run's own lines
+    logging.getLogger("megatron").setLevel(
+        logging.WARNING
+    )  # its per-bucket parameter listings drown the run's own lines
     try:
         cfg = load_config(args.config, args.overrides)
     except MoerlError as e:
@@ -279,8 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:  # the recipe's single-node launch: torchrun will start this many ranks here
             world = trainer_world_size(cfg)
             if torch.cuda.is_available() and world > torch.cuda.device_count():
-                raise ConfigError(f"the trainer needs {world} GPUs and this node has {torch.cuda.device_count()}: launch it across "
-                                  "nodes with torchrun --nnodes N ... --no-python recipes/qwen_moe_grpo.sh (see recipes/qwen3_30b_a3b.yaml)")
+                raise ConfigError(
+                    f"the trainer needs {world} GPUs and this node has {torch.cuda.device_count()}: launch it across "
+                    "nodes with torchrun --nnodes N ... --no-python recipes/qwen_moe_grpo.sh (see recipes/qwen3_30b_a3b.yaml)"
+                )
             preflight(cfg, world)
             print(world)
             return 0
@@ -302,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if summary is not None:
-        print(f"done: {cfg.run.dir} (metrics.jsonl, tensorboard/, accounting.json; plot with: moerl plot {cfg.run.dir})")
+        print(
+            f"done: {cfg.run.dir} (metrics.jsonl, tensorboard/, accounting.json; plot with: moerl plot {cfg.run.dir})"
+        )
     return 0
 
 

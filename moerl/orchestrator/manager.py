@@ -21,9 +21,9 @@ import json
 import logging
 import time
 import traceback
-from pathlib import Path
 import uuid
 from collections import deque
+from pathlib import Path
 
 import numpy as np
 import zmq
@@ -36,15 +36,31 @@ from moerl.engines.protocol import SamplingParams
 from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
-from moerl.orchestrator.messages import (ORDERS, Dropped, EnginesChanged, Generate, GroupDone, Issued, ManagerSpec, Restarting, RolloutFailed,
-                                         Served, Stopped, Updating, checked, send_event)
+from moerl.orchestrator.messages import (
+    ORDERS,
+    Dropped,
+    EnginesChanged,
+    Generate,
+    GroupDone,
+    Issued,
+    ManagerSpec,
+    Restarting,
+    RolloutFailed,
+    Served,
+    Stopped,
+    Updating,
+    checked,
+    send_event,
+)
 from moerl.sample import Sample
 from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
 
 log = logging.getLogger("moerl.rollout")
-WORKER_LOSSES_PER_PROMPT = 3  # a prompt whose generation worker dies more often than this stops the run: they keep dying
-STALE_PREFIXES_PER_PROMPT = 3  # a prompt answered from a stale prefix more often than this stops the run (see _stale_prefix)
+# a prompt whose generation worker dies more often than this stops the run: they keep dying
+WORKER_LOSSES_PER_PROMPT = 3
+# a prompt answered from a stale prefix more often than this stops the run (see _stale_prefix)
+STALE_PREFIXES_PER_PROMPT = 3
 
 
 def _stale_prefix(completions, served: str | None) -> str | None:
@@ -57,8 +73,10 @@ def _stale_prefix(completions, served: str | None) -> str | None:
         return None
     for c in completions:
         if c.cached_tokens and c.weight_versions and c.weight_versions[0]["version"] != served:
-            return (f"{c.cached_tokens} prompt tokens came from a prefix cached under weight version {served}, its first token "
-                    f"was sampled under {c.weight_versions[0]['version']}")
+            return (
+                f"{c.cached_tokens} prompt tokens came from a prefix cached under weight version {served}, its first token "
+                f"was sampled under {c.weight_versions[0]['version']}"
+            )
     return None
 
 
@@ -79,8 +97,13 @@ class RolloutManager:
         self.rewarder = Rewarder(cfg.task)
         config = json.loads(Path(hf_dir, "config.json").read_text())
         e = cfg.engines
-        self.client = EngineClient(spec.urls, shape=model_shape(config), timeout_s=request_timeout_real_s(cfg), failures_to_dead=e.health_failures,
-                                   workers=cfg.rollout.generation_workers)
+        self.client = EngineClient(
+            spec.urls,
+            shape=model_shape(config),
+            timeout_s=request_timeout_real_s(cfg),
+            failures_to_dead=e.health_failures,
+            workers=cfg.rollout.generation_workers,
+        )
         self.reported: EnginesChanged | None = None  # the replicas' states and losses as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
@@ -89,11 +112,18 @@ class RolloutManager:
         self.adapter: tuple[str | None, int] = (None, 0)
         self.users: dict[str, int] = {}
         self.retired: set[str] = set()
-        self.salt = uuid.uuid4().hex[:12]  # this manager's prefix-cache keys: engines given by URL hold other runs' prefixes
+        self.salt = uuid.uuid4().hex[
+            :12
+        ]  # this manager's prefix-cache keys: engines given by URL hold other runs' prefixes
         self.serving = asyncio.Event()  # cleared while a weight update is under way (Updating until Served)
         self.serving.set()
-        self.stop_ids = sorted({t for t in (self.tokenizer.eos_token_id, config.get("eos_token_id"), *cfg.rollout.stop_token_ids)
-                                if isinstance(t, int)})
+        self.stop_ids = sorted(
+            {
+                t
+                for t in (self.tokenizer.eos_token_id, config.get("eos_token_id"), *cfg.rollout.stop_token_ids)
+                if isinstance(t, int)
+            }
+        )
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -141,7 +171,8 @@ class RolloutManager:
         # adapter on a replica the sync passed over that is still in rotation.
         self.client.health.sync_reached(order.weight_version, order.engines, order.also)
         if order.adapter is not None:
-            if self.adapter[0] not in (None, order.adapter):  # the same one again: re-served after a verify passed an engine over
+            # the same one again: re-served after a verify passed an engine over
+            if self.adapter[0] not in (None, order.adapter):
                 self.retired.add(self.adapter[0])
             self.adapter = (order.adapter, order.version)
             log.info("new requests use adapter %s (policy version %d)", *self.adapter)
@@ -182,28 +213,42 @@ class RolloutManager:
                 await self._until_healthy()
                 adapter, adapter_version = self.adapter
                 served = self.client.health.served
-                params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                        max_new_tokens=r.max_new_tokens, stop_token_ids=self.stop_ids,
-                                        sampling_seed=sampling_seed(r.seed, index, attempt + stale_prefixes))
+                params = SamplingParams(
+                    n=r.samples_per_prompt,
+                    temperature=r.temperature,
+                    top_k=r.top_k,
+                    top_p=r.top_p,
+                    max_new_tokens=r.max_new_tokens,
+                    stop_token_ids=self.stop_ids,
+                    sampling_seed=sampling_seed(r.seed, index, attempt + stale_prefixes),
+                )
                 if adapter is not None:
                     self.users[adapter] = self.users.get(adapter, 0) + 1
                 try:
                     completions = await self.client.generate(
                         # Routing comes back under every replay mode: the agreement metrics compare against it.
-                        ids, params, return_routed_experts=True, lora_path=adapter,
+                        ids,
+                        params,
+                        return_routed_experts=True,
+                        lora_path=adapter,
                         return_sampling_mask=self.cfg.trainer.replay.sampling_mask,
                         rid=f"p{index}-a{attempt}-s{stale_prefixes}-e{engine_retries}-w{workers_lost}",
                         # The prompt reuses only KV computed under the policy it starts under (engines do not flush
                         # their prefix cache on an update while requests run).
-                        extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}")
+                        extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}",
+                    )
                 except NoHealthyEngine:
                     continue  # the last healthy replica left between the wait and the request: wait again
-                except WorkerLost as e:  # not the engine's failure: re-issued without counting against the prompt's engine retries
+                except (
+                    WorkerLost
+                ) as e:  # not the engine's failure: re-issued without counting against the prompt's engine retries
                     workers_lost += 1
                     if workers_lost > WORKER_LOSSES_PER_PROMPT:
-                        raise RuntimeError(f"the generation worker carrying prompt {index} died {workers_lost} times (last: {e}); they are "
-                                           "being killed (for memory?): give the manager's host more memory, or set "
-                                           "rollout.generation_workers=0 to carry generations in the manager itself") from None
+                        raise RuntimeError(
+                            f"the generation worker carrying prompt {index} died {workers_lost} times (last: {e}); they are "
+                            "being killed (for memory?): give the manager's host more memory, or set "
+                            "rollout.generation_workers=0 to carry generations in the manager itself"
+                        ) from None
                     log.warning("prompt %d re-issued: %s", index, e)
                     if adapter in self.retired:
                         await self._unload_unused()
@@ -212,8 +257,12 @@ class RolloutManager:
                     await self._report()
                     engine_retries += 1
                     if engine_retries > r.engine_retries:
-                        log.warning("prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e)
-                        await send_event(self.events, Dropped(index, "engine_failure", engine_retries - 1, workers_lost))
+                        log.warning(
+                            "prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e
+                        )
+                        await send_event(
+                            self.events, Dropped(index, "engine_failure", engine_retries - 1, workers_lost)
+                        )
                         return
                     log.warning("prompt %d re-issued (%d of %d): %s", index, engine_retries, r.engine_retries, e)
                     if adapter in self.retired:
@@ -227,9 +276,11 @@ class RolloutManager:
                 if adapter is None and (stale := _stale_prefix(completions, served)):
                     stale_prefixes += 1
                     if stale_prefixes > STALE_PREFIXES_PER_PROMPT:
-                        raise RuntimeError(f"prompt {index}: the engines answered it {stale_prefixes} times from a prefix cached "
-                                           f"under another weight version ({stale}): they ignore extra_key; serve them with "
-                                           "SGLang >= 0.5.23 or moerl's engines")
+                        raise RuntimeError(
+                            f"prompt {index}: the engines answered it {stale_prefixes} times from a prefix cached "
+                            f"under another weight version ({stale}): they ignore extra_key; serve them with "
+                            "SGLang >= 0.5.23 or moerl's engines"
+                        )
                     log.warning("prompt %d re-issued: %s", index, stale)
                     continue
                 aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
@@ -239,12 +290,21 @@ class RolloutManager:
             texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
             rewards = await self.rewarder.score(texts, record["answer"], record["prompt"])
             # Under LoRA the engines' weights never change: the adapter a request used is its tokens' policy.
-            versions = ({span["version"]: adapter_version for c in completions for span in c.weight_versions}
-                        if self.cfg.lora.enabled else None)
-            samples = [Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
-                       for c, x in zip(completions, rewards)]
-            await send_event(self.events, GroupDone(index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost,
-                                                    stale_prefixes))
+            versions = (
+                {span["version"]: adapter_version for c in completions for span in c.weight_versions}
+                if self.cfg.lora.enabled
+                else None
+            )
+            samples = [
+                Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
+                for c, x in zip(completions, rewards)
+            ]
+            await send_event(
+                self.events,
+                GroupDone(
+                    index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost, stale_prefixes
+                ),
+            )
         except asyncio.CancelledError:
             raise
         except EnginesDown as e:
@@ -258,8 +318,12 @@ class RolloutManager:
         deadline = time.monotonic() + e.down_timeout_s
         while not self.client.health.usable():
             if time.monotonic() > deadline:
-                states = ", ".join(f"{r.url} {r.state.value} ({r.reason})" for r in self.client.health.replicas.values())
-                raise EnginesDown(f"no engine replica has been healthy for engines.down_timeout_s={e.down_timeout_s:g} s: {states}")
+                states = ", ".join(
+                    f"{r.url} {r.state.value} ({r.reason})" for r in self.client.health.replicas.values()
+                )
+                raise EnginesDown(
+                    f"no engine replica has been healthy for engines.down_timeout_s={e.down_timeout_s:g} s: {states}"
+                )
             await asyncio.sleep(min(e.health_interval_s, 0.5))
 
     async def _watch(self) -> None:
@@ -293,7 +357,9 @@ class RolloutManager:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moerl.orchestrator.manager", description="Rollout manager (started by the main job).")
+    p = argparse.ArgumentParser(
+        prog="python -m moerl.orchestrator.manager", description="Rollout manager (started by the main job)."
+    )
     p.add_argument("--spec", required=True, help="JSON written by the trainer: config, engines, sockets, data position")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -66,6 +66,7 @@ class RankMemory:
 @dataclass
 class MicroBatchShape:
     """The largest micro-batch the config allows: ``tokens`` in all (padding included), in rows of up to ``width``."""
+
     tokens: int
     width: int
     longest: int  # the longest sample: a prompt of PROMPT_TOKENS and max_new_tokens, within the model's context
@@ -86,21 +87,30 @@ class MemoryPlan:
 
     def table(self) -> str:
         mb = self.micro_batch
-        attention = ("megatron-core's local attention (s x s scores)" if mb.local_attention
-                     else "Transformer Engine's (no s x s scores)")
-        lines = [f"memory plan (device {self.device_bytes / GIB:.0f} GiB; trainer ranks use up to {USABLE:.0%}):",
-                 f"  trainer rank: {self.trainer.params:,} parameters ({self.trainer.trainable:,} trained)",
-                 f"  largest micro-batch: {mb.tokens:,} tokens in rows of up to {mb.width:,}; longest sample "
-                 f"{mb.longest:,} tokens (a prompt taken as {PROMPT_TOKENS:,} + rollout.max_new_tokens, within the "
-                 "model's context)",
-                 f"  {mb.logits_copies} fp32 logits copies; attention: {attention}"]
+        attention = (
+            "megatron-core's local attention (s x s scores)"
+            if mb.local_attention
+            else "Transformer Engine's (no s x s scores)"
+        )
+        lines = [
+            f"memory plan (device {self.device_bytes / GIB:.0f} GiB; trainer ranks use up to {USABLE:.0%}):",
+            f"  trainer rank: {self.trainer.params:,} parameters ({self.trainer.trainable:,} trained)",
+            f"  largest micro-batch: {mb.tokens:,} tokens in rows of up to {mb.width:,}; longest sample "
+            f"{mb.longest:,} tokens (a prompt taken as {PROMPT_TOKENS:,} + rollout.max_new_tokens, within the "
+            "model's context)",
+            f"  {mb.logits_copies} fp32 logits copies; attention: {attention}",
+        ]
         lines += [f"    {name:<30}{_size(value):>12}" for name, value in self.trainer.terms.items()]
         lines.append(f"    {'total':<30}{_size(self.trainer.total):>12}")
-        lines.append(f"  engine GPU: weights {_size(self.engine_weights)}, KV cache for {self.engine_kv_tokens:,} "
-                     "tokens per replica")
+        lines.append(
+            f"  engine GPU: weights {_size(self.engine_weights)}, KV cache for {self.engine_kv_tokens:,} "
+            "tokens per replica"
+        )
         if self.senders:
-            lines.append(f"    weight-sync communicators {_size(self.communicators)}, outside mem_fraction_static: "
-                         f"{self.senders} sender(s) x {MAX_GROUPS_PER_ENGINE} groups x {COMMUNICATOR_BYTES >> 20} MiB")
+            lines.append(
+                f"    weight-sync communicators {_size(self.communicators)}, outside mem_fraction_static: "
+                f"{self.senders} sender(s) x {MAX_GROUPS_PER_ENGINE} groups x {COMMUNICATOR_BYTES >> 20} MiB"
+            )
         return "\n".join(lines)
 
 
@@ -155,9 +165,16 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
         in_features = rule.hf_shapes[0][1]
         return n / (out_features * in_features) * lora.rank * (out_features + in_features)
 
-    stages = [_stage_params(family, mc, layout.tp, layout.ep, layout.etp, layout.pp, s, trainable) for s in range(layout.pp)]
+    stages = [
+        _stage_params(family, mc, layout.tp, layout.ep, layout.etp, layout.pp, s, trainable) for s in range(layout.pp)
+    ]
     params, trained = max(stages)
-    experts = sum(_rule_params(r) for i in range(mc["num_hidden_layers"]) for r in family.layer_rules(mc, i) if ".mlp.experts." in r.mcore)
+    experts = sum(
+        _rule_params(r)
+        for i in range(mc["num_hidden_layers"])
+        for r in family.layer_rules(mc, i)
+        if ".mlp.experts." in r.mcore
+    )
     expert_share = experts / layout.ep / layout.etp / layout.pp / max(params, 1)  # of this rank's parameters
     dtype_bytes = 4 if t.dtype == "float32" else 2
     distributed = t.optim.distributed_optimizer
@@ -177,8 +194,11 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     if mb.local_attention:
         terms["attention scores (s x s)"] = _attention_scores(mc, t, layout, dtype_bytes, mb)
     r = cfg.rollout
-    step_tokens = r.groups_per_step * r.samples_per_prompt * r.max_new_tokens / dense_dp  # every response at its longest
-    terms["loss inputs (a step, at most)"] = step_tokens * (LOSS_BYTES_PER_TOKEN + KEPT_ID_BYTES * r.top_k * t.replay.sampling_mask)
+    # every response at its longest
+    step_tokens = r.groups_per_step * r.samples_per_prompt * r.max_new_tokens / dense_dp
+    terms["loss inputs (a step, at most)"] = step_tokens * (
+        LOSS_BYTES_PER_TOKEN + KEPT_ID_BYTES * r.top_k * t.replay.sampling_mask
+    )
     device = device_memory_gb * GIB
     rank = RankMemory(params, trained, terms)
     problems = []
@@ -187,14 +207,20 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
         problems.append(
             f"a trainer rank needs {rank.total / GIB:.1f} GiB of {USABLE * device / GIB:.1f} GiB usable ({device_memory_gb:g} GiB device, "
             f"layout tp={t.tp} pp={t.pp} ep={t.ep} on {world} ranks); the largest term is {largest} at {terms[largest] / GIB:.1f} GiB: "
-            + _remedy(largest) + " (every term: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])) + ")")
+            + _remedy(largest)
+            + " (every term: "
+            + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]))
+            + ")"
+        )
 
     e = cfg.engines
     engine_dtype = 4 if e.dtype == "float32" else 2
     total = family.hub_numel(mc)
     engine_weights = total * engine_dtype / e.gpus_per_replica
     kv_heads = mc["num_key_value_heads"]
-    kv_per_token = mc["num_hidden_layers"] * 2 * family.head_dim(mc) * engine_dtype * math.ceil(kv_heads / e.gpus_per_replica)
+    kv_per_token = (
+        mc["num_hidden_layers"] * 2 * family.head_dim(mc) * engine_dtype * math.ceil(kv_heads / e.gpus_per_replica)
+    )
     kv_budget = e.mem_fraction_static * device - engine_weights
     kv_tokens = max(0, int(kv_budget // kv_per_token))
     group_tokens = cfg.rollout.samples_per_prompt * cfg.rollout.max_new_tokens
@@ -206,25 +232,33 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     if e.urls:
         pass  # engines running elsewhere: their memory is theirs
     elif kv_budget <= 0:
-        problems.append(f"an engine GPU holds {engine_weights / GIB:.1f} GiB of weights, more than engines.mem_fraction_static="
-                        f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: raise engines.gpus_per_replica (tensor parallelism)")
+        problems.append(
+            f"an engine GPU holds {engine_weights / GIB:.1f} GiB of weights, more than engines.mem_fraction_static="
+            f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: raise engines.gpus_per_replica (tensor parallelism)"
+        )
     elif kv_tokens < group_tokens:
-        problems.append(f"an engine replica's KV cache holds {kv_tokens:,} tokens, fewer than one group's completions "
-                        f"({cfg.rollout.samples_per_prompt} x {cfg.rollout.max_new_tokens}): raise engines.gpus_per_replica "
-                        "or engines.mem_fraction_static, or lower rollout.max_new_tokens")
+        problems.append(
+            f"an engine replica's KV cache holds {kv_tokens:,} tokens, fewer than one group's completions "
+            f"({cfg.rollout.samples_per_prompt} x {cfg.rollout.max_new_tokens}): raise engines.gpus_per_replica "
+            "or engines.mem_fraction_static, or lower rollout.max_new_tokens"
+        )
     elif needed > device:
-        problems.append(f"an engine GPU needs {needed / GIB:.1f} GiB of {device_memory_gb:g} GiB: weights "
-                        f"{engine_weights / GIB:.1f} GiB, the KV cache of one group's completions "
-                        f"{floor / GIB:.1f} GiB and {_size(communicators)} of weight-sync "
-                        f"communicators ({senders} senders x {MAX_GROUPS_PER_ENGINE} groups): raise "
-                        "engines.gpus_per_replica, lower rollout.max_new_tokens, send from fewer ranks (trainer.ep, "
-                        "trainer.pp) or set sync.method=disk")
+        problems.append(
+            f"an engine GPU needs {needed / GIB:.1f} GiB of {device_memory_gb:g} GiB: weights "
+            f"{engine_weights / GIB:.1f} GiB, the KV cache of one group's completions "
+            f"{floor / GIB:.1f} GiB and {_size(communicators)} of weight-sync "
+            f"communicators ({senders} senders x {MAX_GROUPS_PER_ENGINE} groups): raise "
+            "engines.gpus_per_replica, lower rollout.max_new_tokens, send from fewer ranks (trainer.ep, "
+            "trainer.pp) or set sync.method=disk"
+        )
     elif communicators > (1 - e.mem_fraction_static) * device:
-        problems.append(f"an engine GPU's {_size(communicators)} of weight-sync communicators ({senders} senders x "
-                        f"{MAX_GROUPS_PER_ENGINE} groups) do not fit beside engines.mem_fraction_static="
-                        f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: lower it to at most "
-                        f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
-                        f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk")
+        problems.append(
+            f"an engine GPU's {_size(communicators)} of weight-sync communicators ({senders} senders x "
+            f"{MAX_GROUPS_PER_ENGINE} groups) do not fit beside engines.mem_fraction_static="
+            f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: lower it to at most "
+            f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
+            f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk"
+        )
     return MemoryPlan(device, rank, engine_weights, kv_tokens, problems, mb, senders, communicators)
 
 
@@ -241,8 +275,9 @@ def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
     # (Trainer._scores). full_logprobs adds the shifted rows' exp, entropy() three more [T, V/tp]: the shifted rows,
     # their exp and the product. Every copy is counted at the micro-batch's size: a response fills all but its prompt.
     copies = 3 + (not t.replay.sampling_mask) + 3 * bool(t.loss.entropy_coef)
-    return MicroBatchShape(tokens, tokens if t.micro_batch_format == "packed" else longest, longest, copies,
-                           local_attention(cfg))
+    return MicroBatchShape(
+        tokens, tokens if t.micro_batch_format == "packed" else longest, longest, copies, local_attention(cfg)
+    )
 
 
 def local_attention(cfg) -> bool:
@@ -289,7 +324,7 @@ def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape
     layers = 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
     per = SCORE_BYTES[dtype_bytes]
     scores = mc["num_attention_heads"] / layout.tp * mb.tokens * mb.width
-    masks = mb.width ** 2 * (1 if t.micro_batch_format == "packed" else layers + CAUSAL_MASK_TRANSIENT_BYTES)
+    masks = mb.width**2 * (1 if t.micro_batch_format == "packed" else layers + CAUSAL_MASK_TRANSIENT_BYTES)
     return scores * (per["buffer"] + per["kept"] * layers + per["transient"]) + masks
 
 
@@ -297,21 +332,21 @@ def _remedy(term: str) -> str:
     longest = "rollout.max_new_tokens (a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)"
     return {
         "weights": "shard the model over more GPUs (raise trainer.ep for the experts, trainer.tp or trainer.pp), or train "
-                   "LoRA adapters (lora.enabled=true)",
+        "LoRA adapters (lora.enabled=true)",
         "gradients (fp32)": "shard the model over more GPUs (trainer.ep, trainer.tp, trainer.pp), or train LoRA adapters (lora.enabled=true)",
         "optimizer state": "keep trainer.optim.distributed_optimizer=true and add data parallelism (more trainer GPUs: "
-                           "run.trainer_ranks, more nodes), or shard further (trainer.ep, trainer.tp, trainer.pp)",
+        "run.trainer_ranks, more nodes), or shard further (trainer.ep, trainer.tp, trainer.pp)",
         "KL reference": "set trainer.loss.kl_coef=0 (no reference model) or shard the model further",
         "activations (est.)": f"set trainer.recompute=true, or lower trainer.micro_batch_tokens or {longest}",
         "logits (fp32)": f"raise trainer.tp (it splits the vocabulary), or lower trainer.micro_batch_tokens or "
-                         f"{longest}; trainer.loss.entropy_coef=0 and trainer.replay.sampling_mask=true hold fewer "
-                         "copies",
+        f"{longest}; trainer.loss.entropy_coef=0 and trainer.replay.sampling_mask=true hold fewer "
+        "copies",
         "attention scores (s x s)": "train on Transformer Engine's attention (full fine-tuning where "
-                                    "transformer_engine is installed: LoRA runs megatron-core's local attention), set "
-                                    "trainer.recompute=true, trainer.micro_batch_format=padded or raise trainer.tp, or "
-                                    f"lower trainer.micro_batch_tokens or {longest}",
+        "transformer_engine is installed: LoRA runs megatron-core's local attention), set "
+        "trainer.recompute=true, trainer.micro_batch_format=padded or raise trainer.tp, or "
+        f"lower trainer.micro_batch_tokens or {longest}",
         "loss inputs (a step, at most)": "lower rollout.top_k (4 bytes a response token for each id of its kept set), "
-                                         "rollout.max_new_tokens or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",
+        "rollout.max_new_tokens or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",
     }[term]
 
 

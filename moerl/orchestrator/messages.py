@@ -46,7 +46,8 @@ class Served:
 
 @dataclass(frozen=True)
 class Restarting:
-    urls: list[str]  # replicas whose processes the job has just started again (out of rotation until they serve the policy)
+    # replicas whose processes the job has just started again (out of rotation until they serve the policy)
+    urls: list[str]
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,9 @@ EVENTS = (Issued, GroupDone, Dropped, EnginesChanged, RolloutFailed, Stopped)
 def checked(message, kinds: tuple[type, ...]):
     """``message`` if it is one of ``kinds``; otherwise a TypeError naming what arrived."""
     if not isinstance(message, kinds):
-        raise TypeError(f"unexpected message {type(message).__name__}: expected one of {', '.join(k.__name__ for k in kinds)}")
+        raise TypeError(
+            f"unexpected message {type(message).__name__}: expected one of {', '.join(k.__name__ for k in kinds)}"
+        )
     return message
 
 
@@ -151,5 +154,5 @@ class ManagerSpec:
         return path
 
     @classmethod
-    def read(cls, path: str | Path) -> "ManagerSpec":
+    def read(cls, path: str | Path) -> ManagerSpec:
         return cls(**json.loads(Path(path).read_text()))

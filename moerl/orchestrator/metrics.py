@@ -12,9 +12,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from moerl.orchestrator.rollouts import RolloutEndpoint
 
-KEY_CURVES = ("rollout/reward_mean", "rollout/response_len_mean", "train/loss", "routing/agreement", "mismatch/k3_kl",
-              "mismatch/k3_kl_routing_differ", "routing/differs_any_layer", "staleness/max", "sync/seconds", "time/step_seconds",
-              "time/trainer_idle_fraction", "prompts/trained", "prompts/dropped", "train/grad_norm")
+KEY_CURVES = (
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "train/loss",
+    "routing/agreement",
+    "mismatch/k3_kl",
+    "mismatch/k3_kl_routing_differ",
+    "routing/differs_any_layer",
+    "staleness/max",
+    "sync/seconds",
+    "time/step_seconds",
+    "time/trainer_idle_fraction",
+    "prompts/trained",
+    "prompts/dropped",
+    "train/grad_norm",
+)
 
 
 class MetricsWriter:
@@ -22,12 +35,16 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_after is not None and self.path.exists():
             # A resumed run rewrites the steps after its checkpoint: keep the file one line per step.
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_after]
+            kept = [
+                line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_after
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.file = open(self.path, "a")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=None if resume_after is None else resume_after + 1)
+        self.tb = SummaryWriter(
+            str(Path(run_dir) / "tensorboard"), purge_step=None if resume_after is None else resume_after + 1
+        )
 
     def write(self, metrics: dict) -> None:
         self.file.write(json.dumps(metrics) + "\n")
@@ -68,18 +85,22 @@ def plot(run_dirs: str | Path | list, out: str | Path | None = None, keys: tuple
     if not keys:
         raise ValueError(f"none of {len(dirs)} run(s) has any of the metrics asked for")
     cols = 3
-    fig, axes = plt.subplots(math.ceil(len(keys) / cols), cols, figsize=(4.2 * cols, 2.8 * math.ceil(len(keys) / cols)), squeeze=False)
+    fig, axes = plt.subplots(
+        math.ceil(len(keys) / cols), cols, figsize=(4.2 * cols, 2.8 * math.ceil(len(keys) / cols)), squeeze=False
+    )
     for ax, key in zip(axes.flat, keys):
         for name, rows in runs.items():
             points = [(r["step"], r[key]) for r in rows if key in r]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None, label=name)
+            ax.plot(
+                [p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else None, label=name
+            )
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     if len(runs) == 1:
-        (name, rows), = runs.items()
+        ((name, rows),) = runs.items()
         fig.suptitle(f"{name} ({rows[-1].get('mode', '')}, {len(rows)} steps)")
     else:
         handles, labels = axes.flat[0].get_legend_handles_labels()
@@ -93,9 +114,13 @@ def plot(run_dirs: str | Path | list, out: str | Path | None = None, keys: tuple
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="moerl plot", description=(
-        "Plot a run's metrics.jsonl as PNG curves; given several runs, draw them on the same axes (legend: each run "
-        "directory's name), e.g. the runs of an ablation."))
+    p = argparse.ArgumentParser(
+        prog="moerl plot",
+        description=(
+            "Plot a run's metrics.jsonl as PNG curves; given several runs, draw them on the same axes (legend: each run "
+            "directory's name), e.g. the runs of an ablation."
+        ),
+    )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.dir of the job)")
     p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png; several runs: compare.png beside the first)")
     p.add_argument("--keys", nargs="+", help=f"metrics to plot (default: {' '.join(KEY_CURVES)})")
@@ -146,9 +171,17 @@ class CpuMeter:
         return sum(self.helpers.values())
 
     def start_step(self) -> None:
-        self.manager_s, self.helpers_s, self.rollouts_s = self._manager_total(), self._helpers_total(), self.rollouts.cpu_s
+        self.manager_s, self.helpers_s, self.rollouts_s = (
+            self._manager_total(),
+            self._helpers_total(),
+            self.rollouts.cpu_s,
+        )
 
     def step_metrics(self, wall_s: float) -> dict[str, float]:
         manager = self._manager_total() - self.manager_s
-        return {"cpu/manager_seconds": manager, "cpu/manager_fraction": manager / wall_s,
-                "cpu/manager_helpers_seconds": self._helpers_total() - self.helpers_s, "cpu/buffer_seconds": self.rollouts.cpu_s - self.rollouts_s}
+        return {
+            "cpu/manager_seconds": manager,
+            "cpu/manager_fraction": manager / wall_s,
+            "cpu/manager_helpers_seconds": self._helpers_total() - self.helpers_s,
+            "cpu/buffer_seconds": self.rollouts.cpu_s - self.rollouts_s,
+        }

@@ -52,15 +52,32 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
     if cfg.model.mcore:
         mcore = Path(cfg.model.mcore)
         if not mcore.is_dir():
-            raise ConfigError(f"model.mcore={mcore} does not exist; leave it null to convert model.path once into run.cache_dir")
+            raise ConfigError(
+                f"model.mcore={mcore} does not exist; leave it null to convert model.path once into run.cache_dir"
+            )
         return hf, mcore
     fingerprint = hashlib.sha1(str(hf.resolve()).encode() + (hf / "config.json").read_bytes()).hexdigest()[:12]
     for f in sorted(hf.glob("*.safetensors")):
-        fingerprint = hashlib.sha1((fingerprint + f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}").encode()).hexdigest()[:12]
+        fingerprint = hashlib.sha1(
+            (fingerprint + f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}").encode()
+        ).hexdigest()[:12]
 
     def convert(staging: Path) -> None:
         log.info("converting %s to the Megatron layout (tools/convert_ckpt.py hf-to-mcore)", hf)
-        subprocess.run([sys.executable, "-m", "moerl.checkpoint.cli", "hf-to-mcore", "--hf", str(hf), "--out", str(staging / "ckpt")],
-                       check=True, env=child_env(), preexec_fn=die_with_parent)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moerl.checkpoint.cli",
+                "hf-to-mcore",
+                "--hf",
+                str(hf),
+                "--out",
+                str(staging / "ckpt"),
+            ],
+            check=True,
+            env=child_env(),
+            preexec_fn=die_with_parent,
+        )
 
     return hf, _build_once(cache / "mcore" / fingerprint, convert) / "ckpt"

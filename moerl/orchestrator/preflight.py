@@ -25,12 +25,16 @@ def check_layout(cfg: RunConfig, world: int) -> None:
 
     if cfg.simulation.profile is not None:
         if world != 1:
-            raise ConfigError(f"simulation.profile: a simulated trainer runs as one process, not {world} (launch the recipe, which starts one)")
+            raise ConfigError(
+                f"simulation.profile: a simulated trainer runs as one process, not {world} (launch the recipe, which starts one)"
+            )
         return
     try:
         Layout(tp=cfg.trainer.tp, pp=cfg.trainer.pp, ep=cfg.trainer.ep).check_world(world)
     except LayoutError as e:
-        raise ConfigError(f"trainer layout (tp={cfg.trainer.tp}, pp={cfg.trainer.pp}, ep={cfg.trainer.ep}) on {world} rank(s): {e}") from None
+        raise ConfigError(
+            f"trainer layout (tp={cfg.trainer.tp}, pp={cfg.trainer.pp}, ep={cfg.trainer.ep}) on {world} rank(s): {e}"
+        ) from None
 
 
 def check_model(cfg: RunConfig, hf: Path, converting: bool) -> None:
@@ -55,12 +59,18 @@ def preflight(cfg: RunConfig, world: int) -> None:
     check_layout(cfg, world)
     run_dir = Path(cfg.run.dir)
     if (run_dir / "metrics.jsonl").exists() and cfg.run.resume == "false":
-        raise ConfigError(f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir")
+        raise ConfigError(
+            f"run.dir={run_dir} already holds a run: pass run.resume=true to continue it, or choose another run.dir"
+        )
     if cfg.run.resume == "true" and latest_checkpoint(run_dir) is None:
-        raise ConfigError(f"run.resume=true: {run_dir / 'checkpoints'} holds no checkpoint to continue from "
-                          "(run.resume=auto starts the run where there is none)")
+        raise ConfigError(
+            f"run.resume=true: {run_dir / 'checkpoints'} holds no checkpoint to continue from "
+            "(run.resume=auto starts the run where there is none)"
+        )
     if cfg.engines.urls:
-        check_engine_urls(cfg.engines.urls, simulated=cfg.simulation.profile is not None, sglang_refused=sglang_lora_problem(cfg))
+        check_engine_urls(
+            cfg.engines.urls, simulated=cfg.simulation.profile is not None, sglang_refused=sglang_lora_problem(cfg)
+        )
     elif cfg.engines.server == "sglang":
         from moerl.engines.sglang import sglang_problem
 
@@ -85,8 +95,10 @@ def simulation_profile(cfg: RunConfig):
         return None
     profile = Profile.load(cfg.simulation.profile)
     if profile.trainer is None:
-        raise ConfigError(f"simulation.profile={cfg.simulation.profile} has no trainer section: the job's simulation needs its "
-                          "trainer's rate (tokens_per_s_per_gpu, optimizer_step_s)")
+        raise ConfigError(
+            f"simulation.profile={cfg.simulation.profile} has no trainer section: the job's simulation needs its "
+            "trainer's rate (tokens_per_s_per_gpu, optimizer_step_s)"
+        )
     return profile
 
 
@@ -135,12 +147,16 @@ def check_engine_urls(urls: list[str], simulated: bool = False, sglang_refused: 
     up, infos = asyncio.run(health())
     down = [u for u, ok in zip(urls, up) if not ok]
     if down:
-        raise ConfigError(f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs")
+        raise ConfigError(
+            f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs"
+        )
     for url, info in zip(urls, infos):
         engine = str(info.get("engine"))
         if (engine == "moerl-simulated") != simulated:
-            raise ConfigError(f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this run "
-                              f"{'is' if simulated else 'is not'} a simulation (simulation.profile)")
+            raise ConfigError(
+                f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this run "
+                f"{'is' if simulated else 'is not'} a simulation (simulation.profile)"
+            )
         if engine.startswith("moerl-"):
             continue
         if problem := sglang_problem(str(info.get("version"))):

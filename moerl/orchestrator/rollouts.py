@@ -13,19 +13,31 @@ from __future__ import annotations
 import subprocess
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import zmq
 
 from moerl.errors import EnginesDown, MoerlError, RolloutManagerLost
 from moerl.orchestrator.config import RolloutSection
-from moerl.orchestrator.messages import (Dropped, EnginesChanged, Generate, GroupDone, Issued, Restarting, RolloutFailed, Served, Stop, Stopped,
-                                         Updating, receive_event)
+from moerl.orchestrator.messages import (
+    Dropped,
+    EnginesChanged,
+    Generate,
+    GroupDone,
+    Issued,
+    Restarting,
+    RolloutFailed,
+    Served,
+    Stop,
+    Stopped,
+    Updating,
+    receive_event,
+)
 from moerl.sample import Sample
-
 
 WAITING_POLL_S = 0.5  # how often pieces() calls its waiting hook while no group is ready
 
@@ -65,8 +77,14 @@ class Accounting:
 
     def counts(self) -> dict[str, int]:
         states = Counter(self.live.values())
-        return {"prompts/issued": self.issued, "prompts/trained": self.trained, "prompts/dropped": sum(self.dropped.values()),
-                "prompts/in_flight": states["in_flight"], "prompts/ready": states["ready"], "prompts/taken": states["taken"]}
+        return {
+            "prompts/issued": self.issued,
+            "prompts/trained": self.trained,
+            "prompts/dropped": sum(self.dropped.values()),
+            "prompts/in_flight": states["in_flight"],
+            "prompts/ready": states["ready"],
+            "prompts/taken": states["taken"],
+        }
 
     def balanced(self) -> bool:
         return self.issued == self.trained + sum(self.dropped.values()) + len(self.live)
@@ -78,7 +96,9 @@ class Accounting:
 class RolloutEndpoint:
     """What rank 0 holds of the rollouts: the manager's process and sockets, the ready groups, the accounting."""
 
-    def __init__(self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None, cursor: int = 0):
+    def __init__(
+        self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None, cursor: int = 0
+    ):
         self.cfg, self.mode = cfg, mode
         self.orders = ctx.socket(zmq.PUSH)
         self.events = ctx.socket(zmq.PULL)
@@ -92,8 +112,10 @@ class RolloutEndpoint:
         self.engines: dict[str, str] = {}  # every replica's health state, as the manager last reported it
         self.left: set[str] = set()  # replicas that lost what the syncs left there since the last take_left()
         self.losses: dict[str, int] = {}  # each replica's count of such losses, as the manager last reported it
-        self.reissues: Counter = Counter()  # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
-        # What stops the run with a checkpoint: the manager found no engine for engines.down_timeout_s, or the manager is gone.
+        # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
+        self.reissues: Counter = Counter()
+        # What stops the run with a checkpoint: the manager found no engine for engines.down_timeout_s, or the manager
+        # is gone.
         self.stop_error: MoerlError | None = None
         self._stopping = self._stopped = False
         self.manager: subprocess.Popen | None = None
@@ -109,9 +131,14 @@ class RolloutEndpoint:
         if self.manager is None or (code := self.manager.poll()) is None:
             return False
         if self.stop_error is None:
-            how = (f"killed by signal {-code}{' (SIGKILL: most often the kernel, for memory)' if code == -9 else ''}" if code < 0
-                   else f"exit code {code}")
-            self.stop_error = RolloutManagerLost(f"the rollout manager process exited ({how}); its log: {self.manager_log}")
+            how = (
+                f"killed by signal {-code}{' (SIGKILL: most often the kernel, for memory)' if code == -9 else ''}"
+                if code < 0
+                else f"exit code {code}"
+            )
+            self.stop_error = RolloutManagerLost(
+                f"the rollout manager process exited ({how}); its log: {self.manager_log}"
+            )
         return True
 
     def _send(self, order) -> None:
@@ -130,8 +157,14 @@ class RolloutEndpoint:
         """A weight update begins: the manager holds new requests until :meth:`served`."""
         self._send(Updating())
 
-    def served(self, weight_version: str | None, engines: list[str], adapter: str | None = None, version: int = 0,
-               also: bool = False) -> None:
+    def served(
+        self,
+        weight_version: str | None,
+        engines: list[str],
+        adapter: str | None = None,
+        version: int = 0,
+        also: bool = False,
+    ) -> None:
         """The last weight sync reached ``engines``, which now report ``weight_version``; new requests sample with
         the LoRA ``adapter`` it loaded there (policy ``version``), if any. ``also``: it brought them the policy the
         last sync left elsewhere (a catch-up), which those replicas still serve."""
@@ -159,7 +192,9 @@ class RolloutEndpoint:
         elif isinstance(event, GroupDone):
             self.ready.append(Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries))
             self.acct.set(event.index, "ready")
-            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost, stale_prefix=event.stale_prefixes)
+            self.reissues.update(
+                engine_failure=event.engine_retries, worker_lost=event.workers_lost, stale_prefix=event.stale_prefixes
+            )
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
@@ -169,7 +204,8 @@ class RolloutEndpoint:
             self.left |= {url for url, n in event.losses.items() if n > self.losses.get(url, 0)}
             self.engines, self.losses = event.states, event.losses
         elif isinstance(event, RolloutFailed):
-            if self._stopping:  # the run already stops (on the first such error, most likely): the prompt ends live, at stop
+            # the run already stops (on the first such error, most likely): the prompt ends live, at stop
+            if self._stopping:
                 return
             if event.engines_down:  # raised where the step takes its groups, which every rank stops for together
                 self.stop_error = EnginesDown(event.message)
@@ -195,7 +231,9 @@ class RolloutEndpoint:
             pass
 
     # ---- what the trainer takes ---------------------------------------------------------------
-    def pieces(self, version: int, groups: int, whole: bool, waiting: Callable[[], Any] | None = None) -> Iterator[list[Group] | Any]:
+    def pieces(
+        self, version: int, groups: int, whole: bool, waiting: Callable[[], Any] | None = None
+    ) -> Iterator[list[Group] | Any]:
         """``groups`` groups fit for policy ``version``, as pieces the moment they are ready (``whole``:
         one piece once all are ready). Stale groups are dropped (and re-ordered in async mode). While none is ready,
         ``waiting()`` is called every :data:`WAITING_POLL_S`; what it returns, unless None, is yielded in between."""
@@ -272,10 +310,13 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
     lengths = np.array([s.response_len for s in samples])
     solved = [np.ptp([s.reward for s in g.samples]) == 0 for g in groups]
     return {
-        "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
-        "rollout/response_len_mean": float(lengths.mean()), "rollout/response_len_max": float(lengths.max()),
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/reward_std": float(rewards.std()),
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/response_len_max": float(lengths.max()),
         "rollout/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-        "rollout/zero_variance_groups": float(np.mean(solved)), "rollout/samples": float(len(samples)),
+        "rollout/zero_variance_groups": float(np.mean(solved)),
+        "rollout/samples": float(len(samples)),
         "rollout/group_seconds_mean": float(np.mean([g.seconds for g in groups])),
         # Samples continued across a weight update (rollout.partial=in_place): tokens from two or more versions.
         "rollout/mixed_version_fraction": float(np.mean([s.versions.min() != s.versions.max() for s in samples])),

@@ -20,7 +20,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def save_checkpoint(trainer, rollouts, run_dir: Path) -> None:
     """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
     out = run_dir / "checkpoints" / f"step_{trainer.version}"
-    complete = (out / RUN_STATE).is_file()  # the same version saved already (a stop in the step after it): its state is new
+    # the same version saved already (a stop in the step after it): its state is new
+    complete = (out / RUN_STATE).is_file()
     if not complete:
         # A previous attempt at this step that never finished.
         on_lead(lambda: shutil.rmtree(out) if out.exists() else None, f"removing the unfinished checkpoint {out}")
@@ -28,7 +29,12 @@ def save_checkpoint(trainer, rollouts, run_dir: Path) -> None:
 
     def run_state() -> None:
         rollouts.drain()
-        state = {"step": trainer.version, "cursor": rollouts.cursor, "pending": rollouts.pending(), "accounting": rollouts.acct.state()}
+        state = {
+            "step": trainer.version,
+            "cursor": rollouts.cursor,
+            "pending": rollouts.pending(),
+            "accounting": rollouts.acct.state(),
+        }
         partial = out / f".{RUN_STATE}.partial"
         partial.write_text(json.dumps(state, indent=1))
         partial.replace(out / RUN_STATE)  # whole or not at all: it marks the checkpoint complete

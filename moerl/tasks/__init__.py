@@ -67,7 +67,9 @@ def read_records(path: str | Path, prompt_key: str = "prompt", answer_key: str =
             raise ConfigError(f"task.path={path}: record {n} is {type(row).__name__}, not a JSON object")
         missing = [k for k in (prompt_key, answer_key) if k not in row]
         if missing:
-            raise ConfigError(f"task.path={path}: record {n} has no {', '.join(missing)} (keys: {', '.join(row)}); set task.prompt_key/answer_key")
+            raise ConfigError(
+                f"task.path={path}: record {n} has no {', '.join(missing)} (keys: {', '.join(row)}); set task.prompt_key/answer_key"
+            )
     if not rows:
         raise ConfigError(f"task.path={path}: no records")
     return [{"prompt": row[prompt_key], "answer": row[answer_key]} for row in rows]
@@ -98,14 +100,18 @@ class PromptStream:
         epoch, position = divmod(index, len(self.records))
         if epoch not in self._orders:
             n = len(self.records)
-            self._orders = {epoch: np.random.default_rng([self.cfg.seed, epoch]).permutation(n) if self.cfg.shuffle else np.arange(n)}
+            self._orders = {
+                epoch: np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+                if self.cfg.shuffle
+                else np.arange(n)
+            }
         return self.records[int(self._orders[epoch][position])]
 
     def get(self, index: int) -> tuple[dict[str, Any], list[int]]:
         """The record and its prompt token ids."""
         record = self.record(index)
         if self.cfg.chat_template:
-            messages = ([{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else [])
+            messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
             messages.append({"role": "user", "content": record["prompt"]})
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) else ids

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from moerl.errors import ConfigError
 from moerl.tasks import TASKS, TaskConfig
@@ -78,12 +79,14 @@ class Rewarder:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
-        async with self._session.post(self.url, json={"prompt": prompt, "response": response, "answer": answer}) as resp:
+        async with self._session.post(
+            self.url, json={"prompt": prompt, "response": response, "answer": answer}
+        ) as resp:
             if resp.status >= 400:
                 raise RuntimeError(f"reward verifier {self.url} answered {resp.status}: {(await resp.text())[:500]}")
             body = await resp.json()
         if not isinstance(body, dict) or "reward" not in body:
-            raise RuntimeError(f"reward verifier {self.url} answered {body!r}; expected {{\"reward\": float}}")
+            raise RuntimeError(f'reward verifier {self.url} answered {body!r}; expected {{"reward": float}}')
         return float(body["reward"])
 
     async def score(self, responses: list[str], answer: Any, prompt: str) -> list[float]:
@@ -93,7 +96,9 @@ class Rewarder:
         if self.cfg.group_reward:
             rewards = [float(x) for x in await self._call(self.fn, responses, answer, prompt)]
             if len(rewards) != len(responses):
-                raise RuntimeError(f"group reward {self.cfg.reward} returned {len(rewards)} rewards for {len(responses)} responses")
+                raise RuntimeError(
+                    f"group reward {self.cfg.reward} returned {len(rewards)} rewards for {len(responses)} responses"
+                )
             return rewards
         return [float(x) for x in await asyncio.gather(*(self._call(self.fn, r, answer, prompt) for r in responses))]
 

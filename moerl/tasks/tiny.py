@@ -61,9 +61,14 @@ def accuracy(model, tokenizer) -> float:
     for item in records():
         ids = tokenizer(item["prompt"], add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.eos_token_id)
-        hits += reward(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True), item["answer"]) > 0
+            out = model.generate(
+                ids,
+                max_new_tokens=3,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+        hits += reward(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True), item["answer"]) > 0
     return hits / len(records())
 
 

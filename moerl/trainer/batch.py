@@ -82,8 +82,19 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-_LOSS_INPUTS = ("rows", "cols", "targets", "seq", "temperature", "weights", "advantages", "behaviour", "versions", "mask_offsets",
-                "mask_ids")
+_LOSS_INPUTS = (
+    "rows",
+    "cols",
+    "targets",
+    "seq",
+    "temperature",
+    "weights",
+    "advantages",
+    "behaviour",
+    "versions",
+    "mask_offsets",
+    "mask_ids",
+)
 
 
 @dataclass
@@ -106,7 +117,9 @@ class MicroBatch:
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
     sample_indices: list[int] | None = None  # each sample's index in the rank's piece
-    routing_differs: torch.Tensor | None = None  # bool [T]: the old-policy pass's native experts differ from the rollout's somewhere
+    routing_differs: torch.Tensor | None = (
+        None  # bool [T]: the old-policy pass's native experts differ from the rollout's somewhere
+    )
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
     cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each sample starts and ends in the row
 
@@ -147,8 +160,13 @@ class MicroBatch:
         if thd:
             cu = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
             longest = int(lengths.max())
-            return {"position_ids": positions, "attention_mask": None, "packed_seq_params": PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)}
+            return {
+                "position_ids": positions,
+                "attention_mask": None,
+                "packed_seq_params": PackedSeqParams(
+                    qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+                ),
+            }
         # Built on the host: repeat_interleave on a GPU reads its output size back, a wait as long as a blocking copy.
         segment = host_to_device(torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)), device)
         query, key = torch.arange(width, device=device)[:, None], torch.arange(width, device=device)[None, :]
@@ -167,8 +185,15 @@ def padding_routing(count: int, topk: int, num_experts: int, dtype: np.dtype) ->
     return ((np.arange(count)[:, None] + offsets) % num_experts).astype(dtype)
 
 
-def build_micro_batch(samples: list[Sample], advantages: list[float], weights: list[float], multiple: int,
-                      use_masks: bool, routed_experts: int | None, packed: bool = False) -> MicroBatch:
+def build_micro_batch(
+    samples: list[Sample],
+    advantages: list[float],
+    weights: list[float],
+    multiple: int,
+    use_masks: bool,
+    routed_experts: int | None,
+    packed: bool = False,
+) -> MicroBatch:
     """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
     sequence parallelism). ``use_masks``: every sample carries kept sets; ``routed_experts``: every sample carries
     routing, and the model has this many routed experts, over which the padding's routing is spread
@@ -198,9 +223,16 @@ def build_micro_batch(samples: list[Sample], advantages: list[float], weights: l
     else:
         behaviour = cat([s.behaviour_logprobs for s in samples], torch.float32)
     batch = MicroBatch(
-        input_ids=input_ids, rows=cat(rows), cols=cat(cols), targets=cat([s.response_ids for s in samples]),
-        seq=cat(seq), temperature=cat(temps, torch.float32), weights=cat(w, torch.float32),
-        advantages=cat(adv, torch.float32), behaviour=behaviour, versions=cat([s.versions for s in samples]),
+        input_ids=input_ids,
+        rows=cat(rows),
+        cols=cat(cols),
+        targets=cat([s.response_ids for s in samples]),
+        seq=cat(seq),
+        temperature=cat(temps, torch.float32),
+        weights=cat(w, torch.float32),
+        advantages=cat(adv, torch.float32),
+        behaviour=behaviour,
+        versions=cat([s.versions for s in samples]),
         fed_lengths=fed.tolist(),
         cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(fed)]).astype(np.int32)) if packed else None,
     )

@@ -11,7 +11,9 @@ from moerl.trainer.routing import RoutingMode
 
 MicroBatchFormat = Literal["padded", "packed"]
 TrainerDtype = Literal["auto", "bfloat16", "float32"]  # auto: bfloat16 on CUDA, float32 on CPU
-LRDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]  # megatron-core's schedules without extra settings
+LRDecayStyle = Literal[
+    "constant", "linear", "cosine", "inverse-square-root"
+]  # megatron-core's schedules without extra settings
 
 
 @dataclass
@@ -39,7 +41,8 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    distributed_optimizer: bool = True  # shard optimizer state over data parallel (CUDA only: gloo has no reduce-scatter)
+    # shard optimizer state over data parallel (CUDA only: gloo has no reduce-scatter)
+    distributed_optimizer: bool = True
 
     def __post_init__(self):
         check_choices(self, "optim")
@@ -51,7 +54,8 @@ class TrainerConfig:
     pp: int = 1
     ep: int = 1
     micro_batch_tokens: int = 4096  # tokens per micro-batch, padding included
-    micro_batch_format: MicroBatchFormat = "padded"  # padded: [b, s] rows | packed: samples end to end, each attending only to itself
+    # padded: [b, s] rows | packed: samples end to end, each attending only to itself
+    micro_batch_format: MicroBatchFormat = "padded"
     dtype: TrainerDtype = "auto"
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
     loss: LossConfig = field(default_factory=LossConfig)

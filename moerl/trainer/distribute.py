@@ -20,8 +20,8 @@ step goes on. The weights have not changed since the last update: the optimizer 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -87,8 +87,9 @@ def _finish(tensor: torch.Tensor, request) -> int:
     return tensor.numel()
 
 
-def _fields(needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.ndarray, routing: tuple | None,
-            masks: bool) -> list[tuple[str, np.dtype, tuple]]:
+def _fields(
+    needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.ndarray, routing: tuple | None, masks: bool
+) -> list[tuple[str, np.dtype, tuple]]:
     """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths."""
     fields = []
     if needs.ids:
@@ -97,7 +98,10 @@ def _fields(needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.nda
         tokens = int(response.sum())
         fields += [("behaviour", np.dtype(np.float32), (tokens,)), ("versions", np.dtype(np.int64), (tokens,))]
         if masks:
-            fields += [("kept_counts", np.dtype(np.int32), (tokens,)), ("kept_ids", np.dtype(np.int32), (int(kept.sum()),))]
+            fields += [
+                ("kept_counts", np.dtype(np.int32), (tokens,)),
+                ("kept_ids", np.dtype(np.int32), (int(kept.sum()),)),
+            ]
     if routing is not None:  # a stage without MoE layers gets zero columns
         dtype, topk = routing
         fields.append(("routing", np.dtype(dtype), (int((prompt + response - 1).sum()), len(needs.columns), topk)))
@@ -134,9 +138,13 @@ def _pack(samples: list[Sample], needs: Needs, fields, masks: bool) -> np.ndarra
     return buffer
 
 
-def _unpack(buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray) -> list[Sample]:
+def _unpack(
+    buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray
+) -> list[Sample]:
     spans, _ = _spans(fields)
-    arrays = {name: buffer[start:end].view(dtype).reshape(shape) for (name, dtype, shape), (start, end) in zip(fields, spans)}
+    arrays = {
+        name: buffer[start:end].view(dtype).reshape(shape) for (name, dtype, shape), (start, end) in zip(fields, spans)
+    }
     ids_at = np.concatenate([[0], np.cumsum(prompt + response)])
     tokens_at = np.concatenate([[0], np.cumsum(response)])
     fed_at = np.concatenate([[0], np.cumsum(prompt + response - 1)])
@@ -150,10 +158,14 @@ def _unpack(buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray
         else:  # a middle stage: inputs come from the previous stage, only the lengths matter here
             prompt_ids, response_ids = np.zeros(p, dtype=np.int32), np.zeros(r, dtype=np.int32)
         behaviour = arrays["behaviour"][tokens] if "behaviour" in arrays else np.zeros(r, dtype=np.float32)
-        sample = Sample(prompt_ids=prompt_ids, response_ids=response_ids, behaviour_logprobs=behaviour,
-                        versions=arrays["versions"][tokens] if "versions" in arrays else np.zeros(r, dtype=np.int64),
-                        temperature=float(temperature[i]),
-                        routing=arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None)
+        sample = Sample(
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            behaviour_logprobs=behaviour,
+            versions=arrays["versions"][tokens] if "versions" in arrays else np.zeros(r, dtype=np.int64),
+            temperature=float(temperature[i]),
+            routing=arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None,
+        )
         if kept_at is not None:
             offsets = kept_at[tokens_at[i] : tokens_at[i + 1] + 1]
             sample.selected_logprobs = behaviour
@@ -171,8 +183,12 @@ class BatchDistributor:
         """``columns``: the rollout-routing column (MoE layer) of each of this rank's routers, in build order."""
         self.cfg = cfg
         ps = parallel_state
-        self.needs = Needs(dp_rank=ps.get_data_parallel_rank(), ids=ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage(),
-                           last=ps.is_pipeline_last_stage(), columns=tuple(columns))
+        self.needs = Needs(
+            dp_rank=ps.get_data_parallel_rank(),
+            ids=ps.is_pipeline_first_stage() or ps.is_pipeline_last_stage(),
+            last=ps.is_pipeline_last_stage(),
+            columns=tuple(columns),
+        )
         self.dp_size = ps.get_data_parallel_world_size()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Rank 0 sends each replica's stage once, to the first rank of its TP group, which passes it on to its TP peers.
@@ -185,8 +201,9 @@ class BatchDistributor:
         self.received = 0  # bytes taken in over this distributor's life
         self.staged_peak = 0  # global rank 0: the most bytes of other ranks' payloads it has held on the device at once
 
-    def pieces(self, source: Iterable[list[Sample] | Interlude] | None,
-               interlude: Callable[[int], None] | None = None) -> Iterator[LocalPiece]:
+    def pieces(
+        self, source: Iterable[list[Sample] | Interlude] | None, interlude: Callable[[int], None] | None = None
+    ) -> Iterator[LocalPiece]:
         """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends.
         An :class:`Interlude` it yields instead runs ``interlude(kind)`` on every rank, all together."""
         source, piece = iter(source) if self.rank == 0 else None, None
@@ -221,7 +238,8 @@ class BatchDistributor:
         try:  # everything that can fail, before any rank is told a piece is coming
             plan, routing, masks = self._plan(piece)
             lengths, shards = self._lengths(plan)
-            packed: dict[Needs, tuple[list, np.ndarray]] = {}  # (fields, payload); tensor-parallel peers read the same: packed once
+            # (fields, payload); tensor-parallel peers read the same: packed once
+            packed: dict[Needs, tuple[list, np.ndarray]] = {}
             for needs in self.everyone:
                 if needs not in packed:
                     shard = shards[needs.dp_rank]
@@ -261,38 +279,51 @@ class BatchDistributor:
         if not piece:
             raise ValueError("an empty piece of a batch")
         if len(piece) < self.dp_size:
-            raise ValueError(f"{len(piece)} samples cannot feed {self.dp_size} data-parallel ranks: give each piece at least {self.dp_size}")
+            raise ValueError(
+                f"{len(piece)} samples cannot feed {self.dp_size} data-parallel ranks: give each piece at least {self.dp_size}"
+            )
         replay, loss = self.cfg.replay, self.cfg.loss
         masks = replay.sampling_mask
         if masks:
             missing = sum(s.selected_logprobs is None or s.mask_offsets is None for s in piece)
             if missing:
-                raise ValueError(f"sampling-mask replay is on but {missing} sample(s) carry no kept sets or selected "
-                                 "log-probs (request return_sampling_mask with sampling_logprobs_mode='selected')")
+                raise ValueError(
+                    f"sampling-mask replay is on but {missing} sample(s) carry no kept sets or selected "
+                    "log-probs (request return_sampling_mask with sampling_logprobs_mode='selected')"
+                )
         with_routing = [s.routing is not None for s in piece]
         routing = None
         if all(with_routing):  # R3 replays it; otherwise it measures agreement
             dtypes = {s.routing.dtype for s in piece}
             if len(dtypes) != 1 or next(iter(dtypes)) not in ROUTING_DTYPES:
-                raise ValueError(f"routing dtypes {sorted(map(str, dtypes))}: expected one of {[np.dtype(d).name for d in ROUTING_DTYPES]}")
+                raise ValueError(
+                    f"routing dtypes {sorted(map(str, dtypes))}: expected one of {[np.dtype(d).name for d in ROUTING_DTYPES]}"
+                )
             routing = (next(iter(dtypes)), piece[0].routing.shape[2])
         elif replay.routing == "R3":
-            raise ValueError(f"routing replay R3 is on but {len(piece) - sum(with_routing)} sample(s) carry no routing "
-                             "(request return_routed_experts)")
+            raise ValueError(
+                f"routing replay R3 is on but {len(piece) - sum(with_routing)} sample(s) carry no routing "
+                "(request return_routed_experts)"
+            )
         rewards, groups = np.array([s.reward for s in piece]), np.array([s.group_id for s in piece])
         response = np.array([s.response_len for s in piece])
-        plan = np.stack([
-            np.array([s.prompt_len for s in piece], dtype=np.float64), response.astype(np.float64),
-            objectives.grpo_advantages(rewards, groups, loss.std_normalize).astype(np.float64),
-            objectives.sample_weights(response, loss.aggregation).astype(np.float64),
-            np.array([s.temperature for s in piece], dtype=np.float64),
-            np.array([len(s.mask_ids) if masks else 0 for s in piece], dtype=np.float64),
-        ])
+        plan = np.stack(
+            [
+                np.array([s.prompt_len for s in piece], dtype=np.float64),
+                response.astype(np.float64),
+                objectives.grpo_advantages(rewards, groups, loss.std_normalize).astype(np.float64),
+                objectives.sample_weights(response, loss.aggregation).astype(np.float64),
+                np.array([s.temperature for s in piece], dtype=np.float64),
+                np.array([len(s.mask_ids) if masks else 0 for s in piece], dtype=np.float64),
+            ]
+        )
         return plan, routing, masks
 
     def _header(self, status: int, n: int = 0, routing: tuple | None = None, masks: bool = False) -> None:
         code = -1 if routing is None else [np.dtype(d) for d in ROUTING_DTYPES].index(np.dtype(routing[0]))
-        header = torch.tensor([status, n, code, routing[1] if routing else 0, int(masks)], dtype=torch.int64, device=collective_device())
+        header = torch.tensor(
+            [status, n, code, routing[1] if routing else 0, int(masks)], dtype=torch.int64, device=collective_device()
+        )
         dist.broadcast(header, 0)
 
     def _receive(self) -> LocalPiece | Interlude | None:
@@ -328,12 +359,26 @@ class BatchDistributor:
         lengths = plan[[0, 1, 5]].astype(np.int64)
         return lengths, shard_by_tokens((lengths[0] + lengths[1] - 1).tolist(), self.dp_size)
 
-    def _local(self, plan: np.ndarray, lengths: np.ndarray, shards: list[list[int]], fields, payload: np.ndarray, routing,
-               received: int) -> LocalPiece:
+    def _local(
+        self,
+        plan: np.ndarray,
+        lengths: np.ndarray,
+        shards: list[list[int]],
+        fields,
+        payload: np.ndarray,
+        routing,
+        received: int,
+    ) -> LocalPiece:
         shard = shards[self.needs.dp_rank]
         prompt, response, _ = lengths
         samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard])
         self.received += received
-        return LocalPiece(samples=samples, advantages=plan[2, shard], weights=plan[3, shard],
-                          shard_lengths=[(prompt[s] + response[s] - 1).tolist() for s in shards], response_lengths=response,
-                          routing=routing is not None, received=received)
+        return LocalPiece(
+            samples=samples,
+            advantages=plan[2, shard],
+            weights=plan[3, shard],
+            shard_lengths=[(prompt[s] + response[s] - 1).tolist() for s in shards],
+            response_lengths=response,
+            routing=routing is not None,
+            received=received,
+        )

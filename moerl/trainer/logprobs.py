@@ -48,7 +48,9 @@ def full_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _target_logits(logits, targets, rank * logits.shape[1]) - shift - sumexp.log()
 
 
-def masked_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def masked_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, offsets: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """log-prob of ``targets`` renormalised over each row's kept set.
 
     Row ``t``'s kept ids are ``ids[offsets[t]:offsets[t+1]]`` (global vocabulary ids, CSR). The
@@ -58,14 +60,18 @@ def masked_logprobs(logits: torch.Tensor, targets: torch.Tensor, offsets: torch.
     rows_total, shard = logits.shape
     # No step waits for the device to say a size (the kept ids outside this rank's shard are masked, not dropped): the
     # loss would otherwise hold the host after the forward, and the backward's launch with it.
-    rows = torch.repeat_interleave(torch.arange(rows_total, device=logits.device), offsets[1:] - offsets[:-1], output_size=ids.numel())
+    rows = torch.repeat_interleave(
+        torch.arange(rows_total, device=logits.device), offsets[1:] - offsets[:-1], output_size=ids.numel()
+    )
     local = ids.long() - rank * shard
     inside = (local >= 0) & (local < shard)
     # Masked before the exp: masked after it, an outside logit whose exp overflows would give the backward 0 * inf.
     kept = logits[rows, local.clamp(0, shard - 1)].masked_fill(~inside, float("-inf"))
     shift = torch.full((rows_total,), float("-inf"), dtype=logits.dtype, device=logits.device)
     shift = _max(shift.scatter_reduce(0, rows, kept.detach(), reduce="amax"))
-    sumexp = _sum(torch.zeros(rows_total, dtype=logits.dtype, device=logits.device).index_add(0, rows, (kept - shift[rows]).exp()))
+    sumexp = _sum(
+        torch.zeros(rows_total, dtype=logits.dtype, device=logits.device).index_add(0, rows, (kept - shift[rows]).exp())
+    )
     return _target_logits(logits, targets, rank * shard) - shift - sumexp.log()
 
 

@@ -17,9 +17,8 @@ and trainer disagree on wildly, then weighs at most e^20 instead of making the l
 
 from __future__ import annotations
 
-from typing import Literal
-
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -42,7 +41,9 @@ class LossConfig:
     clip_high: float = 0.28
     dual_clip: float | None = 3.0  # for negative advantages, the loss is capped at -A * dual_clip (PPO only)
     aggregation: Aggregation = "token_mean"  # seq_mean_token_sum_norm: Dr. GRPO
-    max_response_len: int | None = None  # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
+    max_response_len: int | None = (
+        None  # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
+    )
     std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
     correction: Correction = "tis"  # behaviour -> proximal
     is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights
@@ -57,7 +58,9 @@ class LossConfig:
     def __post_init__(self):
         check_choices(self, "loss")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ConfigError(f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+            raise ConfigError(
+                f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
+            )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"loss.dual_clip must be > 1 (or null), got {self.dual_clip}")
         if not 0 <= self.band_low < self.band_high:
@@ -107,7 +110,9 @@ def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
 
 
-def correction(old: torch.Tensor, behaviour: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+def correction(
+    old: torch.Tensor, behaviour: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
+) -> torch.Tensor:
     """Per-token weight for the behaviour -> proximal mismatch (a constant: no gradient)."""
     log_w = (old - behaviour).detach()
     if cfg.correction == "none":
@@ -125,8 +130,9 @@ def correction(old: torch.Tensor, behaviour: torch.Tensor, seq: torch.Tensor, nu
     return safe_exp(per_seq).clamp(max=cfg.is_cap)[seq]
 
 
-def policy_terms(new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int,
-                 cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_terms(
+    new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy-gradient loss terms [T] and a per-token "clipped" indicator [T]."""
     old = old.detach()
     log_ratio = new - old

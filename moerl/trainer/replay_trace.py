@@ -74,12 +74,25 @@ def write_source(directory: str | Path, version: int, originals: list[list], cou
     np.savez_compressed(step_dir(directory, version) / "source.npz", meta=np.array(json.dumps(meta)), **arrays)
 
 
-def write_rank(directory: str | Path, version: int, rank: int, mode: str, moe_layers: list[int], columns: list[int],
-               passes: list[str], samples: list[TracedSample]) -> Path:
+def write_rank(
+    directory: str | Path,
+    version: int,
+    rank: int,
+    mode: str,
+    moe_layers: list[int],
+    columns: list[int],
+    passes: list[str],
+    samples: list[TracedSample],
+) -> Path:
     """One rank's trace of one step. ``columns``: the index in ``moe_layers`` of each of this rank's routers; ``passes``:
     those it recorded for every sample (a missing one is a failure of the check)."""
-    meta = {"mode": mode, "moe_layers": moe_layers, "columns": columns, "passes": passes,
-            "samples": [{"key": s.key, "fed_len": s.fed_len, "start": s.start, "stop": s.stop} for s in samples]}
+    meta = {
+        "mode": mode,
+        "moe_layers": moe_layers,
+        "columns": columns,
+        "passes": passes,
+        "samples": [{"key": s.key, "fed_len": s.fed_len, "start": s.start, "stop": s.stop} for s in samples],
+    }
     arrays = {f"{j}/{name}": array for j, s in enumerate(samples) for name, array in s.arrays.items()}
     path = step_dir(directory, version) / f"rank{rank:05d}.npz"
     np.savez_compressed(path, meta=np.array(json.dumps(meta)), **arrays)
@@ -117,29 +130,40 @@ class CheckReport:
     mismatch_count: int = 0
     uncovered: list[str] = field(default_factory=list)  # what should have been recorded and was not
     passes: set[str] = field(default_factory=set)
-    native_agree: float = float("nan")  # of the positions and layers recorded, the fraction routed natively as the rollout
+    # of the positions and layers recorded, the fraction routed natively as the rollout
+    native_agree: float = float("nan")
 
     @property
     def ok(self) -> bool:
         return self.steps > 0 and not self.mismatch_count and not self.uncovered
 
     def summary(self, shown: int = 20) -> str:
-        lines = [f"replay trace: {self.steps} steps, {self.samples} samples, mode {self.mode}, passes {', '.join(sorted(self.passes))}: "
-                 f"{self.checked} (sample, layer, position, pass) sets compared, {self.informative} of them where the trainer's own "
-                 f"routing differs from what replay gives it; native routing agreed with the rollout's at {self.native_agree:.4f} "
-                 "of the recorded sets"]
+        lines = [
+            f"replay trace: {self.steps} steps, {self.samples} samples, mode {self.mode}, passes {', '.join(sorted(self.passes))}: "
+            f"{self.checked} (sample, layer, position, pass) sets compared, {self.informative} of them where the trainer's own "
+            f"routing differs from what replay gives it; native routing agreed with the rollout's at {self.native_agree:.4f} "
+            "of the recorded sets"
+        ]
         if self.mode in ("R2", "R3") and not self.informative:
             lines.append(
                 "UNINFORMATIVE: wherever replay was checked the trainer's routers would have chosen the same experts "
                 "themselves, so this trace cannot tell replay from no replay"
-                + (" (under R2 the training pass runs at the old-policy pass's weights, one optimizer step per batch)"
-                   if self.mode == "R2" else " (an engine that computes as the trainer does; a bf16 engine shows flips)"))
+                + (
+                    " (under R2 the training pass runs at the old-policy pass's weights, one optimizer step per batch)"
+                    if self.mode == "R2"
+                    else " (an engine that computes as the trainer does; a bf16 engine shows flips)"
+                )
+            )
         if self.ok:
-            lines.append("replay OK: every recorded router used what it should, at every layer and position, with the tokens "
-                         "and routing of the rollout")
+            lines.append(
+                "replay OK: every recorded router used what it should, at every layer and position, with the tokens "
+                "and routing of the rollout"
+            )
             return "\n".join(lines)
         if self.mismatch_count:
-            lines.append(f"REPLAY MISMATCH: {self.mismatch_count} sets or tokens differ; the first {min(shown, len(self.mismatches))}:")
+            lines.append(
+                f"REPLAY MISMATCH: {self.mismatch_count} sets or tokens differ; the first {min(shown, len(self.mismatches))}:"
+            )
             lines += [f"  {m}" for m in self.mismatches[:shown]]
         if self.uncovered:
             lines.append("NOT RECORDED (what the trace should hold and does not, so it cannot be checked):")
@@ -205,8 +229,10 @@ class _Checker:
             for c, row in enumerate(cover):
                 missing = np.flatnonzero(~row)
                 if missing.size:
-                    report.uncovered.append(f"{step.name} sample {key} (group {ref['group']}) layer {layers[c]}: positions "
-                                            f"{missing[0]}..{missing[-1]} ({missing.size} of {row.size}) not recorded")
+                    report.uncovered.append(
+                        f"{step.name} sample {key} (group {ref['group']}) layer {layers[c]}: positions "
+                        f"{missing[0]}..{missing[-1]} ({missing.size} of {row.size}) not recorded"
+                    )
 
     def sample(self, step: str, rank: str, meta: dict, s: dict, arrays: dict, ref: dict, source: dict) -> None:
         report, mode = self.report, meta["mode"]
@@ -220,10 +246,23 @@ class _Checker:
         reference = source["routing"][start:stop][:, columns]
         if "tokens_fed" in arrays:
             for p in np.flatnonzero(arrays["tokens_fed"] != source["tokens"][start:stop]):
-                self.mismatch(*where, "tokens", None, start + int(p), [int(source["tokens"][start + p])], [int(arrays["tokens_fed"][p])])
+                self.mismatch(
+                    *where,
+                    "tokens",
+                    None,
+                    start + int(p),
+                    [int(source["tokens"][start + p])],
+                    [int(arrays["tokens_fed"][p])],
+                )
         for p, c in zip(*np.nonzero(_sets_differ(reference, arrays["rollout"]))):
-            self.mismatch(*where, "received", layers[columns[c]], start + int(p), sorted(reference[p, c].tolist()),
-                          sorted(arrays["rollout"][p, c].tolist()))
+            self.mismatch(
+                *where,
+                "received",
+                layers[columns[c]],
+                start + int(p),
+                sorted(reference[p, c].tolist()),
+                sorted(arrays["rollout"][p, c].tolist()),
+            )
         native_same = ~_sets_differ(reference, arrays["native"])
         self.agree[0] += int(native_same.sum())
         self.agree[1] += native_same.size
@@ -239,7 +278,14 @@ class _Checker:
             report.checked += differ.size
             report.informative += int(_sets_differ(expected, own).sum())
             for p, c in zip(*np.nonzero(differ)):
-                self.mismatch(*where, name, layers[columns[c]], start + int(p), sorted(expected[p, c].tolist()), sorted(arrays[name][p, c].tolist()))
+                self.mismatch(
+                    *where,
+                    name,
+                    layers[columns[c]],
+                    start + int(p),
+                    sorted(expected[p, c].tolist()),
+                    sorted(arrays[name][p, c].tolist()),
+                )
 
 
 def check_replay(run_dir: str | Path, keep: int = 1000) -> CheckReport:
@@ -248,8 +294,10 @@ def check_replay(run_dir: str | Path, keep: int = 1000) -> CheckReport:
     root = root / TRACE_DIR if (root / TRACE_DIR).is_dir() else root
     steps = sorted(p for p in root.glob("step*") if p.is_dir())
     if not steps:
-        raise TraceError(f"no replay trace under {run_dir}: run with trainer.replay.trace_samples > 0 (the job writes it to "
-                         f"RUN_DIR/{TRACE_DIR})")
+        raise TraceError(
+            f"no replay trace under {run_dir}: run with trainer.replay.trace_samples > 0 (the job writes it to "
+            f"RUN_DIR/{TRACE_DIR})"
+        )
     report = CheckReport(steps=len(steps))
     checker = _Checker(report, keep)
     for step in steps:
@@ -261,10 +309,14 @@ def check_replay(run_dir: str | Path, keep: int = 1000) -> CheckReport:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="moerl check-replay", description=(
-        "Verify a run's replay trace (trainer.replay.trace_samples > 0): under R3 every router of every traced sample used "
-        "the rollout's experts at every layer and position, in the old-policy pass, the training forward and any "
-        "recompute; under R2 the training pass used the old-policy pass's. Exit 1 and list where not."))
+    p = argparse.ArgumentParser(
+        prog="moerl check-replay",
+        description=(
+            "Verify a run's replay trace (trainer.replay.trace_samples > 0): under R3 every router of every traced sample used "
+            "the rollout's experts at every layer and position, in the old-policy pass, the training forward and any "
+            "recompute; under R2 the training pass used the old-policy pass's. Exit 1 and list where not."
+        ),
+    )
     p.add_argument("run_dir", help="the run directory (or its replay_trace/)")
     p.add_argument("--show", type=int, default=20, help="mismatches to list")
     args = p.parse_args(argv)

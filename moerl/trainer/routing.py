@@ -7,9 +7,8 @@ pipeline stage, in build order, which is the order ``RouterReplay.set_replay_dat
 
 from __future__ import annotations
 
-from typing import Literal
-
 import logging
+from typing import Literal
 
 import numpy as np
 import torch
@@ -46,8 +45,10 @@ class LocalRouters:
                 self.columns.append(moe_layers.index(layer.layer_number - 1))
         replay = RouterReplay.global_router_replay_instances
         if len(replay) != len(self.routers):
-            raise RuntimeError(f"{len(replay)} RouterReplay instances for {len(self.routers)} routers: build the model with "
-                               "moe_enable_routing_replay and one model per process (moerl.megatron.model.build_model)")
+            raise RuntimeError(
+                f"{len(replay)} RouterReplay instances for {len(self.routers)} routers: build the model with "
+                "moe_enable_routing_replay and one model per process (moerl.megatron.model.build_model)"
+            )
         self.num_experts = _unwrap(model).config.num_moe_experts
         sp = parallel_state.get_tensor_model_parallel_world_size()
         self.sp_size, self.sp_rank = (sp, parallel_state.get_tensor_model_parallel_rank()) if sp > 1 else (1, 0)
@@ -92,7 +93,10 @@ def replay_through_recompute() -> None:
         plain = instance.get_replay_topk
 
         def get_replay_topk(*args, _instance=instance, _plain=plain, **kwargs):
-            if _instance.router_replay_action == RouterReplayAction.REPLAY_FORWARD and torch._C._current_graph_task_id() != -1:
+            if (
+                _instance.router_replay_action == RouterReplayAction.REPLAY_FORWARD
+                and torch._C._current_graph_task_id() != -1
+            ):
                 _instance.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
                 try:
                     return _plain(*args, **kwargs)
@@ -125,7 +129,7 @@ class RoutingProbe:
         self.recomputed: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self._handles = []
 
-    def __enter__(self) -> "RoutingProbe":
+    def __enter__(self) -> RoutingProbe:
         for i, router in enumerate(self.routers.routers):
             self._handles.append(router.register_forward_hook(self._hook(i)))
         return self
@@ -183,8 +187,13 @@ class RoutingProbe:
             counts, loads = both.cpu().split([counts.numel(), loads.numel()])
             counts, loads = counts.view(3, layers), loads.view(2, layers, experts)
         tokens = counts[0].clamp(min=1)
-        return {"tokens": counts[0].numpy(), "native": (counts[1] / tokens).numpy(), "used": (counts[2] / tokens).numpy(),
-                "rollout_load": loads[0].numpy(), "native_load": loads[1].numpy()}
+        return {
+            "tokens": counts[0].numpy(),
+            "native": (counts[1] / tokens).numpy(),
+            "used": (counts[2] / tokens).numpy(),
+            "rollout_load": loads[0].numpy(),
+            "native_load": loads[1].numpy(),
+        }
 
     def differing_positions(self, batches: list) -> list[torch.Tensor]:
         """Per micro-batch, bool ``[b, s]``: the positions whose trainer-native experts differ from the rollout's in at
@@ -220,7 +229,9 @@ class ReplayTracer:
         self.samples: list[TracedSample] = []
         dp, first_stage = parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage()
         located = {i: (m, j) for m, mb in enumerate(batches) if not mb.dummy for j, i in enumerate(mb.sample_indices)}
-        for i in range(min(count, len(piece.samples))):  # the shard's first samples, wherever the micro-batches put them
+        for i in range(
+            min(count, len(piece.samples))
+        ):  # the shard's first samples, wherever the micro-batches put them
             m, j = located[i]
             mb, sample = batches[m], piece.samples[i]
             row, col = (0, int(mb.cu_seqlens[j])) if mb.cu_seqlens is not None else (j, 0)
@@ -237,21 +248,39 @@ class ReplayTracer:
         """``sets``: per local router, per micro-batch in the order they ran, ``[s_local * b, k]`` (a probe's). A pass whose
         forwards do not match the micro-batches one to one is left out, which the check reports."""
         if any(len(per_router) != len(self.batches) for per_router in sets):
-            log.warning("replay trace: %s recorded %s forwards for %d micro-batches; left out of the trace", name,
-                        sorted({len(r) for r in sets}), len(self.batches))
+            log.warning(
+                "replay trace: %s recorded %s forwards for %d micro-batches; left out of the trace",
+                name,
+                sorted({len(r) for r in sets}),
+                len(self.batches),
+            )
             return
         dtype = np.uint8 if self.routers.num_experts <= 256 else np.int16
         for sample, (m, row, col) in zip(self.samples, self.where):
             b, s = self.batches[m].input_ids.shape
-            first = col + sample.start - self.routers.chunk(s).start  # the sample's first recorded position, in this chunk
-            per_router = [self.routers.batch_order(per_mb[m], b)[row, first : first + sample.stop - sample.start] for per_mb in sets]
+            first = (
+                col + sample.start - self.routers.chunk(s).start
+            )  # the sample's first recorded position, in this chunk
+            per_router = [
+                self.routers.batch_order(per_mb[m], b)[row, first : first + sample.stop - sample.start]
+                for per_mb in sets
+            ]
             k = sample.arrays["rollout"].shape[-1]
             stacked = torch.stack(per_router, 1).numpy() if per_router else np.zeros((sample.stop - sample.start, 0, k))
             sample.arrays[name] = stacked.astype(dtype)
 
     def write(self, directory, version: int, mode: str, passes: list[str]) -> None:
         """``passes``: those this step ran; one the tracer had to leave out is missing from the file, and the check says so."""
-        write_rank(directory, version, dist.get_rank(), mode, self.routers.moe_layers, self.routers.columns, passes, self.samples)
+        write_rank(
+            directory,
+            version,
+            dist.get_rank(),
+            mode,
+            self.routers.moe_layers,
+            self.routers.columns,
+            passes,
+            self.samples,
+        )
 
 
 def load_balance(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -261,5 +290,7 @@ def load_balance(load: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     total = load.sum(-1)
     share = load / np.where(total > 0, total, np.nan)[:, None]
     balance = load.max(-1) / np.where(total > 0, load.mean(-1), np.nan)
-    entropy = -np.where(share > 0, share * np.log(np.where(share > 0, share, 1.0)), 0.0).sum(-1) / np.log(load.shape[-1])
+    entropy = -np.where(share > 0, share * np.log(np.where(share > 0, share, 1.0)), 0.0).sum(-1) / np.log(
+        load.shape[-1]
+    )
     return balance, np.where(total > 0, entropy, np.nan)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -33,7 +33,15 @@ STATE = "simulated_trainer.json"
 
 
 class SimulatedTrainer:
-    def __init__(self, hf_dir: str | Path, cfg: TrainerConfig, profile: TrainerProfile, gpus: int, time_scale: float, dtype: torch.dtype):
+    def __init__(
+        self,
+        hf_dir: str | Path,
+        cfg: TrainerConfig,
+        profile: TrainerProfile,
+        gpus: int,
+        time_scale: float,
+        dtype: torch.dtype,
+    ):
         """The model of the HF directory ``hf_dir`` (its config alone), trained at ``profile``'s rate on ``gpus`` GPUs, time
         running ``time_scale`` times faster than real; ``dtype``: of the weights a sync sends."""
         init_distributed(Layout())  # one process stands for the whole trainer
@@ -50,8 +58,9 @@ class SimulatedTrainer:
     def _spend(self, simulated_s: float) -> None:
         time.sleep(simulated_s / self.time_scale)
 
-    def step(self, samples: list[Sample] | Iterable[list[Sample] | Interlude],
-             interlude: Callable[[int], None] | None = None) -> dict[str, float]:
+    def step(
+        self, samples: list[Sample] | Iterable[list[Sample] | Interlude], interlude: Callable[[int], None] | None = None
+    ) -> dict[str, float]:
         """:meth:`Trainer.step <moerl.trainer.trainer.Trainer.step>`'s contract, each piece's tokens taking the profile's time."""
         pieces = [samples] if isinstance(samples, list) else samples
         lag_tokens, max_lag, tokens = np.zeros(LAG_BINS), float("-inf"), 0

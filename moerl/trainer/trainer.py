@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -25,21 +25,36 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+from moerl.checkpoint.mcore import (
+    HF_SUBDIR,
+    SHARDED_METADATA,
+    TRAINER_STATE,
+    load_megatron_model,
+    load_sharded,
+    read_moerl_meta,
+    save_sharded,
+    write_moerl_meta,
+)
 from moerl.dtypes import torch_dtype
-from moerl.checkpoint.mcore import HF_SUBDIR, SHARDED_METADATA, TRAINER_STATE, load_megatron_model, load_sharded, read_moerl_meta, save_sharded, write_moerl_meta
 from moerl.layout import Layout
 from moerl.megatron.forward import host_to_device, run_schedule
 from moerl.megatron.lora import LoRAConfig, add_lora
 from moerl.megatron.parallel import collective_device, on_lead
 from moerl.models import family_for
 from moerl.sample import Sample
-from moerl.trainer import objectives
+from moerl.trainer import objectives, replay_trace
 from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, split_by_budget, split_into
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.distribute import BatchDistributor, Interlude, LocalPiece
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
-from moerl.trainer import replay_trace
-from moerl.trainer.routing import LocalRouters, ReplayTracer, RoutingProbe, load_balance, replay_through_recompute, set_action
+from moerl.trainer.routing import (
+    LocalRouters,
+    ReplayTracer,
+    RoutingProbe,
+    load_balance,
+    replay_through_recompute,
+    set_action,
+)
 
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
 
@@ -49,7 +64,9 @@ class Trainer:
         """The model of the Megatron checkpoint ``ckpt_dir``; with ``lora.enabled`` its weights are frozen
         and only per-module (per-expert) adapters train."""
         if cfg.replay.trace_samples and not cfg.replay.trace_dir:
-            raise ValueError(f"replay.trace_samples={cfg.replay.trace_samples} needs replay.trace_dir: where the replay trace goes")
+            raise ValueError(
+                f"replay.trace_samples={cfg.replay.trace_samples} needs replay.trace_dir: where the replay trace goes"
+            )
         self.cfg, self.ckpt_dir = cfg, str(ckpt_dir)
         self.lora = lora if lora is not None and lora.enabled else None
         cuda = torch.cuda.is_available()
@@ -60,8 +77,14 @@ class Trainer:
         if cfg.recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         # LoRA adapts megatron-core's local linear layers; Transformer Engine's fused ones are not supported yet.
-        self.hf_config, model = load_megatron_model(ckpt_dir, self.layout, dtype, transformer_engine=None if self.lora is None else False,
-                                                    ddp_main_grads=True, **overrides)
+        self.hf_config, model = load_megatron_model(
+            ckpt_dir,
+            self.layout,
+            dtype,
+            transformer_engine=None if self.lora is None else False,
+            ddp_main_grads=True,
+            **overrides,
+        )
         _experts_own_optimizer(model)
         if self.lora is not None:
             add_lora(model, self.lora)  # before DDP: frozen weights get no gradient buffer and no optimizer state
@@ -72,19 +95,41 @@ class Trainer:
         config.variable_seq_lengths = self.layout.pp > 1
         distributed = cfg.optim.distributed_optimizer and cuda
         self.model = DistributedDataParallel(
-            config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed), model,
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+            ),
+            model,
         )
         o = cfg.optim
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=dtype == torch.bfloat16,
-                            params_dtype=dtype, use_distributed_optimizer=distributed),
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                bf16=dtype == torch.bfloat16,
+                params_dtype=dtype,
+                use_distributed_optimizer=distributed,
+            ),
             [self.model],
         )
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps,
-            lr_decay_steps=o.lr_decay_steps or 1 << 30, lr_decay_style=o.lr_decay_style,
-            start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+            self.optimizer,
+            init_lr=0.0 if o.lr_warmup_steps else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=o.lr_decay_steps or 1 << 30,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
         )
         family = family_for(self.hf_config)
         self.moe_layers = [i for i, moe in enumerate(family.moe_layer_pattern(self.hf_config)) if moe]
@@ -111,17 +156,25 @@ class Trainer:
         # Every rank knows every shard's lengths, so all agree on the micro-batch count without communicating.
         packed = self.cfg.micro_batch_format == "packed"
         group_by = pack_by_budget if packed else split_by_budget
-        split = [group_by(lengths, self.cfg.micro_batch_tokens, multiple=self.layout.tp) for lengths in piece.shard_lengths]
+        split = [
+            group_by(lengths, self.cfg.micro_batch_tokens, multiple=self.layout.tp) for lengths in piece.shard_lengths
+        ]
         count = max(len(g) for g in split)
         groups = split_into(split[parallel_state.get_data_parallel_rank()], count)
         samples = piece.samples
-        use_masks = self.cfg.replay.sampling_mask and parallel_state.is_pipeline_last_stage()  # only the loss reads kept sets
+        # only the loss reads kept sets
+        use_masks = self.cfg.replay.sampling_mask and parallel_state.is_pipeline_last_stage()
 
         def build(g: list[int], zero: bool = False) -> MicroBatch:
-            return build_micro_batch([samples[i] for i in g], [0.0 if zero else float(piece.advantages[i]) for i in g],
-                                     [0.0 if zero else float(piece.weights[i]) for i in g], multiple=self.layout.tp,
-                                     use_masks=use_masks, routed_experts=self.routers.num_experts if piece.routing else None,
-                                     packed=packed)
+            return build_micro_batch(
+                [samples[i] for i in g],
+                [0.0 if zero else float(piece.advantages[i]) for i in g],
+                [0.0 if zero else float(piece.weights[i]) for i in g],
+                multiple=self.layout.tp,
+                use_masks=use_masks,
+                routed_experts=self.routers.num_experts if piece.routing else None,
+                packed=packed,
+            )
 
         batches = [build(g) for g in groups]
         for mb, g in zip(batches, groups):
@@ -167,7 +220,9 @@ class Trainer:
 
         return around
 
-    def score(self, batches: list[MicroBatch], into: str = "old", tracer: ReplayTracer | None = None) -> dict[str, np.ndarray] | None:
+    def score(
+        self, batches: list[MicroBatch], into: str = "old", tracer: ReplayTracer | None = None
+    ) -> dict[str, np.ndarray] | None:
         """Forward-only pass with the current weights: fills each micro-batch's ``old`` (or ``ref``)
         log-probs; the ``old`` pass returns per-MoE-layer routing agreement when the batches carry rollout routing
         (else None). Under R2 the ``old`` pass records the routing the training pass then replays. ``tracer``: takes
@@ -186,8 +241,15 @@ class Trainer:
         probe = RoutingProbe(self.routers) if into == "old" and batches[0].routing is not None else None
         try:
             with torch.no_grad(), probe or contextlib.nullcontext():
-                run_schedule(self.model, batches, keep, forward_only=True, input_ids_of=lambda mb: mb.input_ids,
-                             around_forward=self._routing_context(mode, training=False), extra_inputs=self._extra_inputs)
+                run_schedule(
+                    self.model,
+                    batches,
+                    keep,
+                    forward_only=True,
+                    input_ids_of=lambda mb: mb.input_ids,
+                    around_forward=self._routing_context(mode, training=False),
+                    extra_inputs=self._extra_inputs,
+                )
         finally:
             set_action(None)
         if probe is None:
@@ -210,8 +272,11 @@ class Trainer:
         finally:
             _swap(params, self.reference)
 
-    def step(self, samples: list[Sample] | Iterable[list[Sample] | Interlude] | None,
-             interlude: Callable[[int], None] | None = None) -> dict[str, float]:
+    def step(
+        self,
+        samples: list[Sample] | Iterable[list[Sample] | Interlude] | None,
+        interlude: Callable[[int], None] | None = None,
+    ) -> dict[str, float]:
         """One optimizer step on a global batch: ``samples``, or an iterable of pieces of it (each whole
         GRPO groups), read on global rank 0 only (pass None elsewhere), which sends each rank its part.
         Each piece is scored and its gradient accumulated as soon as it arrives, so training overlaps
@@ -242,7 +307,9 @@ class Trainer:
             ent = entropy(rows) if loss_cfg.entropy_coef else None
             if ent is not None:
                 per_token = per_token - loss_cfg.entropy_coef * ent
-            kl = objectives.kl_terms(new, mb.ref, loss_cfg.kl_estimator) if mb.ref is not None else torch.zeros_like(new)
+            kl = (
+                objectives.kl_terms(new, mb.ref, loss_cfg.kl_estimator) if mb.ref is not None else torch.zeros_like(new)
+            )
             if loss_cfg.kl_coef:
                 per_token = per_token + loss_cfg.kl_coef * kl
             loss = (w * per_token).sum()
@@ -253,29 +320,45 @@ class Trainer:
                     ratio = objectives.safe_exp((new - old).double())
                     is_weight = objectives.safe_exp(delta)
                     lag = self.version - mb.versions
-                    differs = mb.routing_differs if mb.routing_differs is not None else torch.zeros_like(lag, dtype=torch.bool)
+                    differs = (
+                        mb.routing_differs
+                        if mb.routing_differs is not None
+                        else torch.zeros_like(lag, dtype=torch.bool)
+                    )
                     ones = torch.ones_like(delta)
                     split.index_add_(0, (lag > 0).long() * 2 + differs.long(), torch.stack([ones, delta.abs(), k3], -1))
                     values = {
-                        "loss": loss.double(), "tokens": torch.full((), float(mb.num_tokens), **tally), "clipped": clipped.double().sum(),
-                        "is_weight": is_weight.sum(), "is_kept": (corr > 0).double().sum(), "ratio": ratio.sum(),
+                        "loss": loss.double(),
+                        "tokens": torch.full((), float(mb.num_tokens), **tally),
+                        "clipped": clipped.double().sum(),
+                        "is_weight": is_weight.sum(),
+                        "is_kept": (corr > 0).double().sum(),
+                        "ratio": ratio.sum(),
                         "entropy": ent.double().sum() if ent is not None else torch.zeros((), **tally),
                         "ref_kl": kl.double().sum(),
                     }
                     sums.add_(torch.stack([values[name] for name in _SUMS]))
                     torch.maximum(maxes, torch.stack([is_weight.max(), ratio.max(), lag.max().double()]), out=maxes)
-                    lag_hist.index_add_(0, lag.clamp(0, LAG_BINS - 1), ones)  # not bincount: on CUDA it reads its input's max
+                    lag_hist.index_add_(
+                        0, lag.clamp(0, LAG_BINS - 1), ones
+                    )  # not bincount: on CUDA it reads its input's max
             return loss
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         replay = self.cfg.replay
         if replay.trace_samples:
-            on_lead(lambda: replay_trace.clear_step(replay.trace_dir, self.version), "clearing the step's replay traces")
+            on_lead(
+                lambda: replay_trace.clear_step(replay.trace_dir, self.version), "clearing the step's replay traces"
+            )
         for number, piece in enumerate(self.batches.pieces(pieces, interlude)):
             lengths += piece.response_lengths.tolist()
             batches = self.micro_batches(piece)
-            tracer = ReplayTracer(self.routers, piece, batches, replay.trace_samples) if number == 0 and replay.trace_samples and piece.routing else None
+            tracer = (
+                ReplayTracer(self.routers, piece, batches, replay.trace_samples)
+                if number == 0 and replay.trace_samples and piece.routing
+                else None
+            )
             if tracer is not None and piece.originals is not None:
                 replay_trace.write_source(replay.trace_dir, self.version, piece.originals, replay.trace_samples)
             if self.reference is not None:
@@ -286,9 +369,17 @@ class Trainer:
             set_action(None if mode == "off" else RouterReplayAction.REPLAY_FORWARD)
             try:
                 with RoutingProbe(self.routers) if tracer else contextlib.nullcontext() as probe:
-                    run_schedule(self.model, batches, loss_fn, forward_only=False, input_ids_of=lambda mb: mb.input_ids,
-                                 around_forward=self._routing_context({"off": None, "R2": "R2-replay", "R3": "R3"}[mode], training=True),
-                                 extra_inputs=self._extra_inputs)
+                    run_schedule(
+                        self.model,
+                        batches,
+                        loss_fn,
+                        forward_only=False,
+                        input_ids_of=lambda mb: mb.input_ids,
+                        around_forward=self._routing_context(
+                            {"off": None, "R2": "R2-replay", "R3": "R3"}[mode], training=True
+                        ),
+                        extra_inputs=self._extra_inputs,
+                    )
             finally:
                 set_action(None)
             if tracer is not None:
@@ -296,11 +387,18 @@ class Trainer:
                 tracer.record("train_native", probe.native)
                 if self.cfg.recompute:
                     tracer.record("recompute", probe.recomputed)
-                tracer.write(replay.trace_dir, self.version, mode, ["score", "train"] + (["recompute"] if self.cfg.recompute else []))
+                tracer.write(
+                    replay.trace_dir,
+                    self.version,
+                    mode,
+                    ["score", "train"] + (["recompute"] if self.cfg.recompute else []),
+                )
         if not lengths:
             raise ValueError("Trainer.step got an empty batch")
         finalize_model_grads([self.model])
-        normalizer = objectives.aggregation_normalizer(np.array(lengths), loss_cfg.aggregation, loss_cfg.max_response_len)
+        normalizer = objectives.aggregation_normalizer(
+            np.array(lengths), loss_cfg.aggregation, loss_cfg.max_response_len
+        )
         self.model.scale_gradients(1.0 / normalizer)
         sums[_SUMS.index("loss")] /= normalizer
         ok, grad_norm, _ = self.optimizer.step()
@@ -318,15 +416,22 @@ class Trainer:
         s = dict(zip(_SUMS, packed[: len(_SUMS)].tolist()))
         tokens = max(s["tokens"], 1.0)
         out = {
-            "train/loss": s["loss"], "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "train/update_skipped": float(not ok), "train/lr": self.optimizer.param_groups[0]["lr"],
-            "train/clip_fraction": s["clipped"] / tokens, "train/ratio_mean": s["ratio"] / tokens,
-            "train/ratio_max": maxes[1].item(), "train/tokens": s["tokens"],
+            "train/loss": s["loss"],
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "train/update_skipped": float(not ok),
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "train/clip_fraction": s["clipped"] / tokens,
+            "train/ratio_mean": s["ratio"] / tokens,
+            "train/ratio_max": maxes[1].item(),
+            "train/tokens": s["tokens"],
             # the mismatch over all tokens: the split's cells added up
             "mismatch/abs_logprob_delta": split[:, MISMATCH_STATS.index("abs_delta")].sum().item() / tokens,
             "mismatch/k3_kl": split[:, MISMATCH_STATS.index("k3")].sum().item() / tokens,
-            "is/weight_mean": s["is_weight"] / tokens, "is/weight_max": maxes[0].item(), "is/kept_fraction": s["is_kept"] / tokens,
-            "train/ref_kl": s["ref_kl"] / tokens, **staleness_metrics(packed[len(_SUMS) :].tolist(), maxes[2].item(), tokens),
+            "is/weight_mean": s["is_weight"] / tokens,
+            "is/weight_max": maxes[0].item(),
+            "is/kept_fraction": s["is_kept"] / tokens,
+            "train/ref_kl": s["ref_kl"] / tokens,
+            **staleness_metrics(packed[len(_SUMS) :].tolist(), maxes[2].item(), tokens),
         }
         if self.cfg.loss.entropy_coef:
             out["train/entropy"] = s["entropy"] / tokens
@@ -342,15 +447,24 @@ class Trainer:
             # imbalance R3 would carry into training, show here.
             for source in ("rollout", "native"):
                 balance, entropy = load_balance(agreement[f"{source}_load"])
-                out[f"load/{source}_max_over_mean"], out[f"load/{source}_entropy"] = float(np.nanmean(balance)), float(np.nanmean(entropy))
+                out[f"load/{source}_max_over_mean"], out[f"load/{source}_entropy"] = (
+                    float(np.nanmean(balance)),
+                    float(np.nanmean(entropy)),
+                )
                 for layer, b, h in zip(self.moe_layers, balance, entropy):
-                    out[f"load/{source}_max_over_mean_layer{layer}"], out[f"load/{source}_entropy_layer{layer}"] = float(b), float(h)
+                    out[f"load/{source}_max_over_mean_layer{layer}"], out[f"load/{source}_entropy_layer{layer}"] = (
+                        float(b),
+                        float(h),
+                    )
         return out
 
     # ---- checkpoints --------------------------------------------------------------------------
     def _sharded_state(self, loading: bool) -> dict:
         model = self.model.module.sharded_state_dict(metadata=SHARDED_METADATA)
-        return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIMIZER_METADATA)}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=OPTIMIZER_METADATA),
+        }
 
     def save(self, ckpt_dir: str | Path) -> None:
         """Model, optimizer, LR schedule and policy version in ``dist_checkpointing`` format, loadable at
@@ -363,8 +477,12 @@ class Trainer:
             shutil.copytree(Path(self.ckpt_dir) / HF_SUBDIR, ckpt_dir / HF_SUBDIR)
             base = read_moerl_meta(self.ckpt_dir)  # written now in the current format, whatever the base's
             write_moerl_meta(ckpt_dir, base["architecture"], base["dtype"], base.get("hf_source"))
-            state = {"version": self.version, "scheduler": self.scheduler.state_dict(), "config": asdict(self.cfg),
-                     "lora": asdict(self.lora) if self.lora is not None else None}
+            state = {
+                "version": self.version,
+                "scheduler": self.scheduler.state_dict(),
+                "config": asdict(self.cfg),
+                "lora": asdict(self.lora) if self.lora is not None else None,
+            }
             (ckpt_dir / TRAINER_STATE).write_text(json.dumps(state, indent=1))
 
         on_lead(describe, f"writing the trainer state of checkpoint {ckpt_dir}")
@@ -374,7 +492,9 @@ class Trainer:
         ckpt_dir = Path(ckpt_dir)
         meta = ckpt_dir / TRAINER_STATE
         if not meta.is_file():
-            raise FileNotFoundError(f"{ckpt_dir}: no {TRAINER_STATE}; not a trainer checkpoint (Trainer.save writes one)")
+            raise FileNotFoundError(
+                f"{ckpt_dir}: no {TRAINER_STATE}; not a trainer checkpoint (Trainer.save writes one)"
+            )
         _adam_state_before_loading(self.optimizer)
         _keep_loaded_adam_steps(self.optimizer)
         state = load_sharded(self._sharded_state(loading=True), ckpt_dir)
@@ -390,8 +510,11 @@ class Trainer:
 # own ShardedTensor check (flattened_range; seen on an H100). fully_reshardable keeps the checkpoint loadable at
 # another layout, as the model's is; mem_efficient gathers each DP group's shards into host memory on its first
 # rank over gloo instead of all-gathering the whole optimizer state on every rank's GPU.
-OPTIMIZER_METADATA = {**SHARDED_METADATA, "distrib_optim_sharding_type": "fully_reshardable",
-                      "distrib_optim_fully_reshardable_mem_efficient": True}
+OPTIMIZER_METADATA = {
+    **SHARDED_METADATA,
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
+}
 
 
 def _inner_optimizers(optimizer) -> list:
@@ -493,8 +616,12 @@ def _pool_agreement(total: dict | None, piece: dict | None) -> dict | None:
         return total or piece
     tokens = total["tokens"] + piece["tokens"]
     share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)  # noqa: E731
-    return {"tokens": tokens, "native": share("native"), "used": share("used"),
-            **{key: total[key] + piece[key] for key in ("rollout_load", "native_load")}}
+    return {
+        "tokens": tokens,
+        "native": share("native"),
+        "used": share("used"),
+        **{key: total[key] + piece[key] for key in ("rollout_load", "native_load")},
+    }
 
 
 def _experts_own_optimizer(model) -> None:
@@ -537,4 +664,3 @@ def _fp32_output_layer(model) -> None:
 
 def _trainable(model) -> list[torch.nn.Parameter]:
     return [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
-

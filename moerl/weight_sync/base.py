@@ -15,9 +15,9 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from moerl.megatron.weights import Gather
 from moerl.weight_sync.export import hf_named_tensors
 
 log = logging.getLogger("moerl.sync")
+
 
 @dataclass
 class SyncStats:
@@ -72,8 +73,8 @@ class EngineCall(Enum):
     REPEATED = (True, True)
     # Stands where it succeeded, and fails if it failed on an engine still there (one a second time would refuse).
     ONCE = (False, True)
-    # The same two, but with every chosen engine gone they fail at once, as EnginesDown: the calls that end a push, which
-    # must not reach an engine started meanwhile at a chosen one's address (it would not hold the push).
+    # The same two, but with every chosen engine gone they fail at once, as EnginesDown: the calls that end a push,
+    # which must not reach an engine started meanwhile at a chosen one's address (it would not hold the push).
     REPEATED_ON_CHOSEN = (True, False)
     ONCE_ON_CHOSEN = (False, False)
 
@@ -91,16 +92,18 @@ class WeightSync(ABC):
         self.link = EngineLink(urls, name) if urls is not None else None
         self.adapter: str | None = None  # what requests name after the last update (LoRA); None: the base weights
         self.reached = False  # every rank: whether the last update found an engine to go to (see reach_engines)
-        self.paused = False  # between an update's pause and its resume: engines are asked whether they answer, not /health
-        # Global rank 0: engines that may be another process at the same address since a transport last read this (a call
-        # passed them over, see on_engines, or the job started them again).
+        self.paused = (
+            False  # between an update's pause and its resume: engines are asked whether they answer, not /health
+        )
+        # Global rank 0: engines that may be another process at the same address since a transport last read this (a
+        # call passed them over, see on_engines, or the job started them again).
         self.may_be_new: set[str] = set()
         # Global rank 0: called each second an update waits for an engine to answer; the job starts the replicas that
         # died again there, since nothing else does while the update waits.
         self.while_down: Callable[[], None] | None = None
         # Global rank 0: engines left out of the rest of this push, which may wait for good in a broadcast that failed
-        # (see set_wedged); those left out for the rest of the run (a broadcast sync's, holding all the weight groups they
-        # may); and what the job does with such engines: it restarts those it started, and returns them.
+        # (see set_wedged); those left out for the rest of the run (a broadcast sync's, holding all the weight groups
+        # they may); and what the job does with such engines: it restarts those it started, and returns them.
         self.wedged: set[str] = set()
         self.retired: set[str] = set()
         self.restart_engines: Callable[[list[str]], list[str]] | None = None
@@ -139,7 +142,9 @@ class WeightSync(ABC):
         (rank 0 its own); with ``only``, nothing is waited for and False means none of them answers now."""
         chosen: list[str] = []
         self.agreed(lambda: chosen.extend(self.choose_engines(only)))
-        outcome = torch.tensor([int(bool(chosen))], dtype=torch.int32, device=collective_device())  # rank 0's goes to all
+        outcome = torch.tensor(
+            [int(bool(chosen))], dtype=torch.int32, device=collective_device()
+        )  # rank 0's goes to all
         if dist.get_world_size() > 1:
             dist.broadcast(outcome, 0)
         self.reached = bool(outcome.item())
@@ -165,27 +170,43 @@ class WeightSync(ABC):
         if self.wedged | self.retired >= set(client.urls):
             why = []
             if self.wedged:
-                why.append(f"{', '.join(sorted(self.wedged))} took part in a weight broadcast that failed and may wait in it for good")
+                why.append(
+                    f"{', '.join(sorted(self.wedged))} took part in a weight broadcast that failed and may wait in it for good"
+                )
             if self.retired:
                 why.append(f"{', '.join(sorted(self.retired))} hold all the weight groups they may")
-            raise EnginesDown(f"no engine is left to push to: {'; '.join(why)}: restart them (moerl engines), then resume "
-                              "the run (run.resume=true)")
+            raise EnginesDown(
+                f"no engine is left to push to: {'; '.join(why)}: restart them (moerl engines), then resume "
+                "the run (run.resume=true)"
+            )
         deadline = time.monotonic() + self.down_timeout_s
-        while not (up := [url for url, ok in zip(client.urls, self.link.run(client.healthy(self.paused)))
-                          if ok and url not in self.wedged | self.retired and (only is None or url in only)]):
+        while not (
+            up := [
+                url
+                for url, ok in zip(client.urls, self.link.run(client.healthy(self.paused)))
+                if ok and url not in self.wedged | self.retired and (only is None or url in only)
+            ]
+        ):
             if only is not None:
                 return up
             if time.monotonic() > deadline:
-                raise EnginesDown(f"no engine answered {client.liveness_route(self.paused).path} for {self.down_timeout_s:g} s "
-                                  "(engines.down_timeout_s): "
-                                  f"{', '.join(client.urls)}")
+                raise EnginesDown(
+                    f"no engine answered {client.liveness_route(self.paused).path} for {self.down_timeout_s:g} s "
+                    "(engines.down_timeout_s): "
+                    f"{', '.join(client.urls)}"
+                )
             if self.while_down is not None:
                 self.while_down()
             time.sleep(1.0)
         if up != client.targets:
             left, back = sorted(set(client.targets) - set(up)), sorted(set(up) - set(client.targets))
-            log.warning("weight sync: %d of %d engines answer%s%s", len(up), len(client.urls),
-                        f"; passed over: {', '.join(left)}" if left else "", f"; back: {', '.join(back)}" if back else "")
+            log.warning(
+                "weight sync: %d of %d engines answer%s%s",
+                len(up),
+                len(client.urls),
+                f"; passed over: {', '.join(left)}" if left else "",
+                f"; back: {', '.join(back)}" if back else "",
+            )
         client.targets = up
         return up
 
@@ -202,9 +223,17 @@ class WeightSync(ABC):
         left = [url for url in urls if url not in restarted]
         self.wedged |= set(left)
         client.targets = [url for url in client.targets if url not in urls]
-        log.warning("weight sync: a broadcast failed after its bucket was announced: %s", "; ".join(
-            part for part in (f"restarting {', '.join(sorted(restarted))}" if restarted else "",
-                              f"leaving out {', '.join(left)} until a forward answers there" if left else "") if part))
+        log.warning(
+            "weight sync: a broadcast failed after its bucket was announced: %s",
+            "; ".join(
+                part
+                for part in (
+                    f"restarting {', '.join(sorted(restarted))}" if restarted else "",
+                    f"leaving out {', '.join(left)} until a forward answers there" if left else "",
+                )
+                if part
+            ),
+        )
         if left:
             self.link.run(client.release(left))
 
@@ -219,9 +248,12 @@ class WeightSync(ABC):
                 return self.link.run(call(client))
             except EngineError as e:
                 before = list(client.targets)
-                left = [url for url in self.choose_engines(None if wait else before) if url in before]  # not one that came back: it missed the push
+                # not one that came back: it missed the push
+                left = [url for url in self.choose_engines(None if wait else before) if url in before]
                 if not (left or wait):
-                    raise EnginesDown(f"none of the engines this update chose answers any more ({', '.join(before)}): {e}") from e
+                    raise EnginesDown(
+                        f"none of the engines this update chose answers any more ({', '.join(before)}): {e}"
+                    ) from e
                 if set(left) >= set(before):
                     raise
                 client.targets = left
@@ -243,8 +275,9 @@ class WeightSync(ABC):
         self.agreed(lambda: worst.update(self.check_engines(ids, ours, version, tolerance, adapter)))
         return worst
 
-    def check_engines(self, ids: list[int], ours: np.ndarray, version: str | None, tolerance: float,
-                      adapter: str | None = None) -> dict[str, float]:
+    def check_engines(
+        self, ids: list[int], ours: np.ndarray, version: str | None, tolerance: float, adapter: str | None = None
+    ) -> dict[str, float]:
         """Global rank 0: :func:`engines_serve` on the chosen engines, those gone since passed over."""
         return self.on_engines(lambda client: engines_serve(client, ids, ours, version, tolerance, adapter))
 
@@ -328,14 +361,26 @@ def probe_ids(vocab_size: int) -> list[int]:
 def probe_logprobs(model, ids: list[int]) -> np.ndarray:
     """Collective over the trainer's ranks: the model's log-probs of ``ids[1:]`` given the tokens before them, on every rank."""
     logits = forward_logits(model, torch.tensor([ids]))
-    ours = None if logits is None else torch.log_softmax(logits[0, :-1].float(), -1).gather(1, torch.tensor(ids[1:])[:, None].to(logits.device))[:, 0].cpu()
+    ours = (
+        None
+        if logits is None
+        else torch.log_softmax(logits[0, :-1].float(), -1)
+        .gather(1, torch.tensor(ids[1:])[:, None].to(logits.device))[:, 0]
+        .cpu()
+    )
     held = [None] * dist.get_world_size()
     dist.all_gather_object(held, ours)  # PROBE_TOKENS floats from each rank: the last stage's are the answer
     return next(t for t in held if t is not None).numpy()
 
 
-async def engines_serve(client: EngineClient, ids: list[int], ours: np.ndarray, version: str | None, tolerance: float,
-                        lora_path: str | None = None) -> dict[str, float]:
+async def engines_serve(
+    client: EngineClient,
+    ids: list[int],
+    ours: np.ndarray,
+    version: str | None,
+    tolerance: float,
+    lora_path: str | None = None,
+) -> dict[str, float]:
     """Check that every engine ``client`` targets serves the policy whose log-probs of the probe ``ids`` are ``ours``.
 
     Each engine must report ``version`` (unless None); engines that checksum their weights (SGLang's /weights_checker)
@@ -348,17 +393,29 @@ async def engines_serve(client: EngineClient, ids: list[int], ours: np.ndarray, 
             raise WeightSyncError(f"{url} serves weight version {served!r}, not {version!r}")
     checksums = {c for c in await client.weight_checksums() if c is not None}
     if len(checksums) > 1:
-        raise WeightSyncError(f"the engines hold different weights after the update to version {version}: {sorted(checksums)}")
+        raise WeightSyncError(
+            f"the engines hold different weights after the update to version {version}: {sorted(checksums)}"
+        )
     worst = {"sync/verify_mean_abs_delta": 0.0, "sync/verify_max_abs_delta": 0.0}
     for url, theirs in zip(client.targets, await client.prompt_logprobs(ids, lora_path)):
         delta = np.abs(theirs - ours)
         if delta.mean() > tolerance:
             # An adapter is only as right as the base weights under it, which no sync of adapters moves.
-            hint = ("; the adapter applies to the engine's base weights, which must be model.path's: an engine given by URL "
-                    "keeps those an earlier run loaded into it, so start it again from model.path") if lora_path else ""
-            raise WeightSyncError(f"{url} does not serve the trainer's weights "
-                                  f"({f'adapter {lora_path}' if lora_path else f'version {version}'}): its log-probs of the probe "
-                                  f"differ by {delta.mean():.3g} on average (max {delta.max():.3g}), tolerance {tolerance:g}{hint}")
-        worst = {"sync/verify_mean_abs_delta": max(worst["sync/verify_mean_abs_delta"], float(delta.mean())),
-                 "sync/verify_max_abs_delta": max(worst["sync/verify_max_abs_delta"], float(delta.max()))}
+            hint = (
+                (
+                    "; the adapter applies to the engine's base weights, which must be model.path's: an engine given by URL "
+                    "keeps those an earlier run loaded into it, so start it again from model.path"
+                )
+                if lora_path
+                else ""
+            )
+            raise WeightSyncError(
+                f"{url} does not serve the trainer's weights "
+                f"({f'adapter {lora_path}' if lora_path else f'version {version}'}): its log-probs of the probe "
+                f"differ by {delta.mean():.3g} on average (max {delta.max():.3g}), tolerance {tolerance:g}{hint}"
+            )
+        worst = {
+            "sync/verify_mean_abs_delta": max(worst["sync/verify_mean_abs_delta"], float(delta.mean())),
+            "sync/verify_max_abs_delta": max(worst["sync/verify_max_abs_delta"], float(delta.max())),
+        }
     return worst

@@ -28,13 +28,19 @@ import secrets
 import threading
 import time
 from collections import deque
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from moerl.engines.protocol import SGLANG_TORCH
-from moerl.engines.weight_group import abandon_weight_group, flatten_bucket, in_daemon_thread, join_weight_group, weight_store
+from moerl.engines.weight_group import (
+    abandon_weight_group,
+    flatten_bucket,
+    in_daemon_thread,
+    join_weight_group,
+    weight_store,
+)
 from moerl.errors import ConfigError, EnginesDown, relayed
 from moerl.megatron.parallel import collective_device, lead_agrees
 from moerl.megatron.weights import Gather, sends_weights
@@ -44,7 +50,8 @@ from moerl.weight_sync.export import hf_layers
 log = logging.getLogger("moerl.sync")
 # Groups of one run an engine may hold per sender: the first and three formed again (after failed pushes, engines gone
 # and back). Each holds an NCCL communicator on the engine's GPUs, outside mem_fraction_static, until the engine exits:
-# SGLang 0.5.23's /destroy_weights_update_group destroys, which NCCL makes a collective with peers that aborted their side.
+# SGLang 0.5.23's /destroy_weights_update_group destroys, which NCCL makes a collective with peers that aborted their
+# side.
 MAX_GROUPS_PER_ENGINE = 4
 
 
@@ -76,15 +83,25 @@ class BroadcastSync(FullWeightSync):
     """The trainer side of broadcast weight sync; every trainer rank makes one (``urls``: the engines, on global
     rank 0; None elsewhere) and calls each method, all collective."""
 
-    def __init__(self, urls: list[str] | None, master_address: str, backend: str, master_port: int = 0,
-                 group_name: str = "moerl-weight-sync", bucket_bytes: int = 512 << 20, pause: str = "abort", flush_cache: bool = True):
+    def __init__(
+        self,
+        urls: list[str] | None,
+        master_address: str,
+        backend: str,
+        master_port: int = 0,
+        group_name: str = "moerl-weight-sync",
+        bucket_bytes: int = 512 << 20,
+        pause: str = "abort",
+        flush_cache: bool = True,
+    ):
         """``master_address``: where the engines reach this rank (it hosts its stage's group if it sends one);
         ``master_port``: 0 binds a free one, else global rank ``r`` binds ``master_port + r``; ``pause``,
         ``flush_cache``: see :class:`~moerl.weight_sync.base.FullWeightSync`."""
         super().__init__(urls, "moerl-weight-sync", pause, flush_cache)
         self.master_address, self.master_port, self.backend = master_address, master_port, backend
-        # A name of this run's own: an engine keeps its groups for good and refuses a name it has (SGLang: "The specified
-        # group name has already been created"), so a run resumed against long-lived engines could not join under the last one's.
+        # A name of this run's own: an engine keeps its groups for good and refuses a name it has (SGLang: "The
+        # specified group name has already been created"), so a run resumed against long-lived engines could not join
+        # under the last one's.
         self.base_name, self.bucket_bytes = f"{group_name}-{secrets.token_hex(3)}", bucket_bytes
         self.sender: EngineLink | None = None  # this rank's link to the engines if it sends (rank 0's: ``link``)
         self.group: dist.ProcessGroup | None = None  # its group with the engines
@@ -107,13 +124,24 @@ class BroadcastSync(FullWeightSync):
         engines = [None, None, None]
         if self.link is not None:
             urls, infos = self.link.client.urls, self.link.run(self.link.client.server_info())
-            engines = [urls, [info["tp_size"] for info in infos], torch_mismatch(urls, infos) if self.backend == "nccl" else None]
+            engines = [
+                urls,
+                [info["tp_size"] for info in infos],
+                torch_mismatch(urls, infos) if self.backend == "nccl" else None,
+            ]
         if in_trainer and dist.get_world_size() > 1:
             dist.broadcast_object_list(engines, src=0)  # once per run: a few URLs and sizes
         urls, tp_sizes, mismatch = engines
         if mismatch is not None:
-            raise ConfigError(mismatch) if self.link is not None else relayed(ConfigError(
-                "the engines run another torch, and NCCL, than the trainer (global rank 0's error says what to align)"))
+            raise (
+                ConfigError(mismatch)
+                if self.link is not None
+                else relayed(
+                    ConfigError(
+                        "the engines run another torch, and NCCL, than the trainer (global rank 0's error says what to align)"
+                    )
+                )
+            )
         if not sends:
             return
         self.tp_sizes = dict(zip(urls, tp_sizes))
@@ -136,8 +164,12 @@ class BroadcastSync(FullWeightSync):
 
         async def both():
             joined = in_daemon_thread(join_weight_group, self.backend, store, world, 0, name)
-            group, _ = await asyncio.gather(joined, client.init_weights_update_group(
-                self.master_address, store.port, world, name, self.backend, rank_offsets=offsets))
+            group, _ = await asyncio.gather(
+                joined,
+                client.init_weights_update_group(
+                    self.master_address, store.port, world, name, self.backend, rank_offsets=offsets
+                ),
+            )
             return group
 
         self.group = self.sender.run(both())
@@ -169,7 +201,9 @@ class BroadcastSync(FullWeightSync):
                     if self.bucket_lost:
                         self.set_wedged(self.link.client.targets)
                     self.link.run(self.link.client.abandon_weight_update())
-                    log.warning("weight sync failed (%s); pushing once more, in new groups, to the engines that answer", e)
+                    log.warning(
+                        "weight sync failed (%s); pushing once more, in new groups, to the engines that answer", e
+                    )
                     try:
                         self.choose_engines()
                     except Exception as err:  # noqa: BLE001 - told to every rank by the next _regroup
@@ -203,7 +237,9 @@ class BroadcastSync(FullWeightSync):
                 self._form_group(members)
             except Exception as e:  # noqa: BLE001
                 formed = e
-        _agree(formed is None, "a sender could not form its group with the engines (that rank's error says why)", formed)
+        _agree(
+            formed is None, "a sender could not form its group with the engines (that rank's error says why)", formed
+        )
 
     def _members(self, new: set[str]) -> tuple[list[str], bool]:
         """Global rank 0: the engines this push goes to, and whether one of them may be a new process (``new``), outside
@@ -222,14 +258,28 @@ class BroadcastSync(FullWeightSync):
             self.may_be_new |= restarted
             self.retired |= set(full) - restarted
             client.targets = [url for url in client.targets if url not in full]
-            log.warning("weight sync: %s hold %d weight groups of this run each (NCCL communicators outside "
-                        "mem_fraction_static): %s", ", ".join(full), MAX_GROUPS_PER_ENGINE, "; ".join(part for part in (
-                            f"restarting {', '.join(sorted(restarted))}" if restarted else "",
-                            f"leaving out {', '.join(sorted(set(full) - restarted))} for the rest of the run (restart "
-                            "engines given by URL between runs)" if set(full) - restarted else "") if part))
+            log.warning(
+                "weight sync: %s hold %d weight groups of this run each (NCCL communicators outside "
+                "mem_fraction_static): %s",
+                ", ".join(full),
+                MAX_GROUPS_PER_ENGINE,
+                "; ".join(
+                    part
+                    for part in (
+                        f"restarting {', '.join(sorted(restarted))}" if restarted else "",
+                        f"leaving out {', '.join(sorted(set(full) - restarted))} for the rest of the run (restart "
+                        "engines given by URL between runs)"
+                        if set(full) - restarted
+                        else "",
+                    )
+                    if part
+                ),
+            )
             if not client.targets:
-                raise EnginesDown(f"every engine this push chose holds {MAX_GROUPS_PER_ENGINE} weight groups of this run: "
-                                  "restart them, then resume the run (run.resume=true)")
+                raise EnginesDown(
+                    f"every engine this push chose holds {MAX_GROUPS_PER_ENGINE} weight groups of this run: "
+                    "restart them, then resume the run (run.resume=true)"
+                )
         for url in client.targets:
             self.groups_held[url] = self.groups_held.get(url, 0) + 1
         return client.targets, bool(back)
@@ -242,7 +292,11 @@ class BroadcastSync(FullWeightSync):
                 self.link.run(self.link.client.begin_weight_update())
             except Exception as e:  # noqa: BLE001 - every rank hears of it below, then it goes up here
                 opened = e
-        _agree(opened is None, "the weight-update session did not open on the engines (global rank 0's error says why)", opened)
+        _agree(
+            opened is None,
+            "the weight-update session did not open on the engines (global rank 0's error says why)",
+            opened,
+        )
         self.sent, failed, stopped = SyncStats(), None, False  # stopped: a sender failed, so no sender sends more
         self.bucket_lost = self._announced_lost = False
         pending: deque[tuple[str, torch.Tensor]] = deque()  # this sender's tensors not yet sent
@@ -265,7 +319,10 @@ class BroadcastSync(FullWeightSync):
             for turn in [holders] if self.engine_count == 1 else [[rank] for rank in holders]:
                 if dist.get_rank() in turn:
                     try:  # whole buckets; the last, unfilled, waits for the next turn unless this is the end
-                        self._send_buckets(_drained(pending, len(pending) if last else _whole_buckets(pending, self.bucket_bytes)), self.sent)
+                        self._send_buckets(
+                            _drained(pending, len(pending) if last else _whole_buckets(pending, self.bucket_bytes)),
+                            self.sent,
+                        )
                     except Exception as e:  # noqa: BLE001 - every rank hears of it after this turn
                         failed = e
                 # After one sender's failure no sender may send: an engine that took its announcement waits in its
@@ -278,7 +335,9 @@ class BroadcastSync(FullWeightSync):
                     stopped, self.bucket_lost = True, flag.item() == 2
                     pending.clear()
                     break
-        totals = torch.tensor([self.sent.tensors, self.sent.bytes, self.sent.buckets], dtype=torch.int64, device=collective_device())
+        totals = torch.tensor(
+            [self.sent.tensors, self.sent.bytes, self.sent.buckets], dtype=torch.int64, device=collective_device()
+        )
         dist.reduce(totals, 0)
         _agree(failed is None, "a sender's weights did not reach the engines (that rank's error says why)", failed)
         closed = None
@@ -287,7 +346,8 @@ class BroadcastSync(FullWeightSync):
                 self._close_session(version)
             except Exception as e:  # noqa: BLE001
                 closed = e
-        lead_agrees(closed, "closing the weight-update session on the engines")  # every engine gone: EnginesDown on every rank
+        # every engine gone: EnginesDown on every rank
+        lead_agrees(closed, "closing the weight-update session on the engines")
         if self.link is None:
             return None
         tensors, nbytes, count = totals.tolist()
@@ -328,8 +388,14 @@ class BroadcastSync(FullWeightSync):
                 flat, names, dtypes, shapes = flatten_bucket(bucket, into=spares[turn % 2])
                 del bucket
                 if self.backend == "nccl":
-                    flat = flat.to(collective_device())  # here, on this rank's device: the loop's thread defaults to GPU 0
-                stats.buckets, stats.tensors, stats.bytes = stats.buckets + 1, stats.tensors + len(names), stats.bytes + flat.numel()
+                    flat = flat.to(
+                        collective_device()
+                    )  # here, on this rank's device: the loop's thread defaults to GPU 0
+                stats.buckets, stats.tensors, stats.bytes = (
+                    stats.buckets + 1,
+                    stats.tensors + len(names),
+                    stats.bytes + flat.numel(),
+                )
                 if on_wire is not None:
                     on_wire.result()
                 on_wire = self.sender.submit(self._send(flat, names, dtypes, shapes))
@@ -348,9 +414,14 @@ class BroadcastSync(FullWeightSync):
         instead (ending a broadcast already on the device) and dropped; the push made again forms new ones."""
         broadcast = _Broadcast(self.group)
         try:
-            # The first broadcast on a group sets up NCCL's communicator, which blocks until the engines join: in a thread.
-            work, _ = await asyncio.gather(in_daemon_thread(broadcast.enqueue, flat), self.sender.client.update_weights_from_distributed(
-                names, dtypes, shapes, self.group_name, load_format="flattened_bucket", flush_cache=False))
+            # The first broadcast on a group sets up NCCL's communicator, which blocks until the engines join: in a
+            # thread.
+            work, _ = await asyncio.gather(
+                in_daemon_thread(broadcast.enqueue, flat),
+                self.sender.client.update_weights_from_distributed(
+                    names, dtypes, shapes, self.group_name, load_format="flattened_bucket", flush_cache=False
+                ),
+            )
         except BaseException:
             broadcast.refused()
             self.group, self.members, self._announced_lost = None, [], True
@@ -407,8 +478,10 @@ def torch_mismatch(urls: list[str], infos: list[dict], ours: str | None = None) 
     if not differ:
         return None
     engines = "; ".join(f"{url} runs torch {theirs}{why}" for url, theirs, why in differ)
-    return (f"a NCCL weight group needs one NCCL release on both sides, and torch bundles its own: {engines}, this "
-            f"trainer torch {ours}: install torch=={differ[0][1]} for the trainer, or set sync.method=disk")
+    return (
+        f"a NCCL weight group needs one NCCL release on both sides, and torch bundles its own: {engines}, this "
+        f"trainer torch {ours}: install torch=={differ[0][1]} for the trainer, or set sync.method=disk"
+    )
 
 
 def _release(version: str) -> str:

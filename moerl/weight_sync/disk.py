@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -22,8 +22,15 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".
 
 
 class DiskSync(FullWeightSync):
-    def __init__(self, urls: list[str] | None, directory: str | Path, hf_dir: str | Path, shard_bytes: int = 2 << 30,
-                 pause: str = "abort", flush_cache: bool = True):
+    def __init__(
+        self,
+        urls: list[str] | None,
+        directory: str | Path,
+        hf_dir: str | Path,
+        shard_bytes: int = 2 << 30,
+        pause: str = "abort",
+        flush_cache: bool = True,
+    ):
         """``urls``: the engines, on global rank 0 (None elsewhere); ``pause``, ``flush_cache``: see
         :class:`~moerl.weight_sync.base.FullWeightSync`."""
         super().__init__(urls, "moerl-disk-sync", pause, flush_cache)
@@ -39,7 +46,11 @@ class DiskSync(FullWeightSync):
         out = self.directory / f"v{version}"
         with staged_dir(out) as staging:  # engines only ever see complete directories
             self._write(staging, named, stats)
-        self.on_engines(lambda client: client.update_weights_from_disk(str(out.resolve()), weight_version=version, flush_cache=self.flush_cache))
+        self.on_engines(
+            lambda client: client.update_weights_from_disk(
+                str(out.resolve()), weight_version=version, flush_cache=self.flush_cache
+            )
+        )
         if self._previous not in (None, out):  # the same version again: a catch-up of a replica that came back
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = out
@@ -58,10 +69,13 @@ class DiskSync(FullWeightSync):
             stats.buckets += 1
             stats.tensors += len(shard)
             stats.bytes += sum(t.numel() * t.element_size() for _, t in shard)
-        (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": index}))
+        (staging / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": index})
+        )
 
     def on_host(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        return ((name, tensor.cpu()) for name, tensor in named)  # a shard is written from host memory, not held on the GPU
+        # a shard is written from host memory, not held on the GPU
+        return ((name, tensor.cpu()) for name, tensor in named)
 
     def save_shard(self, shard: list[tuple[str, torch.Tensor]], path: Path) -> None:
         save_file({k: t.contiguous() for k, t in shard}, str(path), metadata={"format": "pt"})

@@ -8,7 +8,7 @@ every rank iterates.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -31,7 +31,8 @@ def hf_layers(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
     layers = family.weight_layers(cfg)
-    # The non-layer tensors last: their TP gathers (the embedding pair's, the largest) would hold back the first broadcast.
+    # The non-layer tensors last: their TP gathers (the embedding pair's, the largest) would hold back the first
+    # broadcast.
     for prefix, rules in layers[1:] + layers[:1]:
         full = gather.gather(lambda name: in_layer(name, prefix))
         named: list[tuple[str, torch.Tensor]] = []

@@ -23,7 +23,6 @@ from moerl.megatron.weights import Gather
 from moerl.models import family_for
 from moerl.weight_sync.base import EngineCall, SyncStats, WeightSync
 
-
 log = logging.getLogger("moerl.sync")
 
 
@@ -32,15 +31,22 @@ class AdapterSync(WeightSync):
     (their tokens carry its version), new ones name the new adapter (:attr:`adapter`). Unloading adapters nothing
     uses any more is the rollout manager's part, as only it knows which requests use which."""
 
-    def __init__(self, urls: list[str] | None, lora: LoRAConfig, hf_config: dict, base_model: str, directory: str | Path | None = None):
+    def __init__(
+        self,
+        urls: list[str] | None,
+        lora: LoRAConfig,
+        hf_config: dict,
+        base_model: str,
+        directory: str | Path | None = None,
+    ):
         """``urls``: the engines, on global rank 0 (None elsewhere); ``directory``: load adapters from directories
         written there (SGLang on other machines) instead of as tensors over HTTP."""
         super().__init__(urls, "moerl-adapter-sync")
         self.lora, self.hf_config, self.base_model = lora, hf_config, base_model
         self.directory = Path(directory) if directory is not None else None
         self.gather: Gather | None = None
-        # Names unique to this start of the job: engines given by URL may still hold a crashed or earlier run's adapter of
-        # the same version, which an engine refuses to load again.
+        # Names unique to this start of the job: engines given by URL may still hold a crashed or earlier run's adapter
+        # of the same version, which an engine refuses to load again.
         self.run_tag = secrets.token_hex(3)
         self.pushes: dict[int, int] = {}  # policy version -> adapters loaded for it
 
@@ -53,7 +59,8 @@ class AdapterSync(WeightSync):
 
     def start(self, trainer, engines_hold_it: bool) -> None:
         # A new run's policy is the base model itself (every B starts at zero): engines started here from it need
-        # no adapter. Engines given by URL are sent it as on a resume; their base model must be this run's (sync.verify).
+        # no adapter. Engines given by URL are sent it as on a resume; their base model must be this run's
+        # (sync.verify).
         if not engines_hold_it:
             self.update(trainer)
 
@@ -63,7 +70,8 @@ class AdapterSync(WeightSync):
         if self.gather is None:
             self.gather = Gather(trainer.model.module, select=is_lora_param)  # every adapter factor, whole, on rank 0
         lora = self.gather.gather()  # every rank: the gather is collective
-        # A catch-up loads the same policy again under a name of its own: a replica that only hung still holds the first.
+        # A catch-up loads the same policy again under a name of its own: a replica that only hung still holds the
+        # first.
         again = self.pushes.get(trainer.version, 0)
         self.pushes[trainer.version] = again + 1
         self.adapter = self.adapter_name(trainer.version) + (f".{again}" if again else "")
@@ -97,14 +105,20 @@ class AdapterSync(WeightSync):
         files = export_adapter(family, family.normalize(self.hf_config), lora, self.lora, "sglang", self.base_model)
         self.load(name, files)
         tensors = files.tensors
-        return SyncStats(tensors=len(tensors), bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
-                         buckets=1, seconds=time.perf_counter() - start)
+        return SyncStats(
+            tensors=len(tensors),
+            bytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+            buckets=1,
+            seconds=time.perf_counter() - start,
+        )
 
     def load(self, name: str, files: AdapterFiles) -> None:
         """Rank 0: the adapter ``files`` into every chosen engine under ``name``. An engine that goes meanwhile is passed
         over (it takes the adapter when it is back); those that loaded it are not asked again, which they would refuse."""
         if self.directory is None:
-            self.on_engines(lambda client: client.load_lora_from_tensors(name, files.config, files.tensors), EngineCall.ONCE)
+            self.on_engines(
+                lambda client: client.load_lora_from_tensors(name, files.config, files.tensors), EngineCall.ONCE
+            )
         else:
             path = save_adapter(self.directory / name, files)
             self.on_engines(lambda client: client.load_lora(name, str(path.resolve())), EngineCall.ONCE)

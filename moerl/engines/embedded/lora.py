@@ -61,7 +61,9 @@ class AdapterSet:
         for path, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):
                 module.register_forward_hook(self._linear_hook(path))
-            elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and isinstance(getattr(module, "down_proj", None), torch.nn.Parameter):
+            elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and isinstance(
+                getattr(module, "down_proj", None), torch.nn.Parameter
+            ):
                 module.forward = self._experts_forward(path, module, module.forward)
 
     # ---- the forward pass ---------------------------------------------------------------------
@@ -75,7 +77,9 @@ class AdapterSet:
     def _experts_forward(self, path: str, experts: torch.nn.Module, plain):
         """transformers' eager expert loop with each expert's update added, where the active adapter has one."""
 
-        def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        def forward(
+            hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        ) -> torch.Tensor:
             adapted = self.active.experts.get(path) if self.active is not None else None
             if not adapted:
                 return plain(hidden_states, top_k_index, top_k_weights)
@@ -121,17 +125,23 @@ class AdapterSet:
         try:
             tensors = load(base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError) as e:
-            raise LoRAError(f"adapter {name!r}: serialized_named_tensors[0] is not base64 of a safetensors file ({e})") from None
+            raise LoRAError(
+                f"adapter {name!r}: serialized_named_tensors[0] is not base64 of a safetensors file ({e})"
+            ) from None
         except Exception as e:
-            raise LoRAError(f"adapter {name!r}: serialized_named_tensors[0] is not a readable safetensors payload ({e})") from None
+            raise LoRAError(
+                f"adapter {name!r}: serialized_named_tensors[0] is not a readable safetensors payload ({e})"
+            ) from None
         return self.from_tensors(name, AdapterConfig.of(f"adapter {name!r}: config_dict", config), tensors)
 
     def from_tensors(self, name: str, config: AdapterConfig, tensors: dict[str, torch.Tensor]) -> Adapter:
         """An adapter of PEFT tensors, checked against its config and the served model before anything is kept."""
         rank, scale = config.r, config.scale
         if config.target_parameters:
-            raise LoRAError(f"adapter {name!r} is in transformers 5's layout (target_parameters: fused experts), which PEFT "
-                            "loads; moerl serve and SGLang take one module per expert: export it with --adapter-format sglang")
+            raise LoRAError(
+                f"adapter {name!r} is in transformers 5's layout (target_parameters: fused experts), which PEFT "
+                "loads; moerl serve and SGLang take one module per expert: export it with --adapter-format sglang"
+            )
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in tensors.items():
             match = _KEY.match(key)
@@ -159,8 +169,10 @@ class AdapterSet:
                 continue
             out_features, in_features = weight.shape
             if a.shape != (rank, in_features) or b.shape != (out_features, rank):
-                problems.append(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} should be "
-                                f"({rank}, {in_features}) and ({out_features}, {rank}) for r={rank}")
+                problems.append(
+                    f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} should be "
+                    f"({rank}, {in_features}) and ({out_features}, {rank}) for r={rank}"
+                )
                 continue
             if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                 problems.append(f"{module}: factors hold NaN or infinite values")
@@ -168,11 +180,15 @@ class AdapterSet:
             factors = (a.to(self.device, torch.float32), b.to(self.device, torch.float32))
             expert = EXPERT_MODULE.match(module)
             if expert:
-                adapter.experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[expert.group(3)] = factors
+                adapter.experts.setdefault(expert.group(1), {}).setdefault(int(expert.group(2)), {})[
+                    expert.group(3)
+                ] = factors
             else:
                 adapter.linear[module] = factors
         if problems:
-            raise LoRAError(f"adapter {name!r} does not fit the served model or its own config: " + "; ".join(problems[:5]))
+            raise LoRAError(
+                f"adapter {name!r} does not fit the served model or its own config: " + "; ".join(problems[:5])
+            )
         return adapter
 
     def add(self, adapter: Adapter) -> None:
@@ -210,7 +226,7 @@ class AdapterConfig(BaseModel):
     modules_to_save: list[str] | None = None
 
     @classmethod
-    def of(cls, source: str, config: Any) -> "AdapterConfig":
+    def of(cls, source: str, config: Any) -> AdapterConfig:
         """``config`` checked: any malformed one is a :class:`LoRAError` naming ``source`` (its file, or the request's field)."""
         if not isinstance(config, dict):
             raise LoRAError(f"{source}: must be a JSON object, got {type(config).__name__}")
@@ -218,8 +234,11 @@ class AdapterConfig(BaseModel):
             checked = cls.model_validate(config)
         except ValidationError as e:
             raise LoRAError(f"{source}: {describe(e)}") from None
-        unsupported = {key: value for key, plain in (("fan_in_fan_out", False), ("bias", "none"), ("use_dora", False))
-                       if (value := getattr(checked, key)) != plain}
+        unsupported = {
+            key: value
+            for key, plain in (("fan_in_fan_out", False), ("bias", "none"), ("use_dora", False))
+            if (value := getattr(checked, key)) != plain
+        }
         if checked.modules_to_save:
             unsupported["modules_to_save"] = checked.modules_to_save
         if unsupported:

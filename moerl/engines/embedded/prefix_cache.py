@@ -64,7 +64,9 @@ class PrefixCache:
         """Whether a sequence of ``length`` tokens would be kept (worth computing its entry for)."""
         return 0 < length <= self.capacity
 
-    def insert(self, namespace: Namespace, token_ids: list[int], kv: KV | None = None, routing: torch.Tensor | None = None) -> None:
+    def insert(
+        self, namespace: Namespace, token_ids: list[int], kv: KV | None = None, routing: torch.Tensor | None = None
+    ) -> None:
         """Keep ``token_ids`` (with their KV and routing) in ``namespace``. An entry the new one extends is replaced by it;
         one that already holds the whole sequence is only marked used."""
         tokens = np.asarray(token_ids, dtype=np.int64)

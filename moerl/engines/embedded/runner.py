@@ -62,20 +62,32 @@ class ModelRunner:
         return routing
 
     @torch.no_grad()
-    def prefill(self, token_ids: list[int], logprob_start: int | None = None, cached: int = 0,
-                prefix: CachedPrefix | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        token_ids: list[int],
+        logprob_start: int | None = None,
+        cached: int = 0,
+        prefix: CachedPrefix | None = None,
+    ) -> PrefillResult:
         """Prefill ``token_ids``, of which the first ``cached`` come from ``prefix`` (their KV and routing as it holds
         them); prompt log-probs from ``logprob_start`` need the logits before it, so ``cached < logprob_start``."""
         ids = torch.tensor([token_ids], device=self.device)
         cache = DynamicCache(ddp_cache_data=prefix.kv_upto(cached)) if cached else DynamicCache()
         positions = torch.arange(cached, len(token_ids), device=self.device)[None]
-        out = self.model(input_ids=ids[:, cached:], position_ids=positions, past_key_values=cache, use_cache=True,
-                         logits_to_keep=0 if logprob_start is not None else 1)
+        out = self.model(
+            input_ids=ids[:, cached:],
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if logprob_start is not None else 1,
+        )
         logits = out.logits[0]
         prompt_logprobs = None
         if logprob_start is not None:
             logprobs = torch.full((len(token_ids),), float("nan"), device=self.device)  # the first token has none
-            logprobs[cached + 1 :] = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, cached + 1 :, None]).squeeze(1)
+            logprobs[cached + 1 :] = (
+                torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, cached + 1 :, None]).squeeze(1)
+            )
             prompt_logprobs = logprobs[logprob_start:].cpu()
         kv = [(layer.keys, layer.values) for layer in cache.layers]
         routing = self._routing(len(token_ids) - cached)
@@ -97,7 +109,10 @@ class ModelRunner:
         total = max(length, self.mask.shape[1])
         pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  left-pad seq dim
         self.kv = [
-            (torch.cat([pad(k, total - k.shape[-2]), pad(nk, total - length)]), torch.cat([pad(v, total - v.shape[-2]), pad(nv, total - length)]))
+            (
+                torch.cat([pad(k, total - k.shape[-2]), pad(nk, total - length)]),
+                torch.cat([pad(v, total - v.shape[-2]), pad(nv, total - length)]),
+            )
             for (k, v), (nk, nv) in zip(self.kv, kv)
         ]
         old = torch.nn.functional.pad(self.mask, (total - self.mask.shape[1], 0))
@@ -124,7 +139,9 @@ class ModelRunner:
         pos = torch.tensor(positions, device=self.device)[:, None]
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
         cache = DynamicCache(ddp_cache_data=self.kv)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=self.mask, past_key_values=cache, use_cache=True)
+        out = self.model(
+            input_ids=ids, position_ids=pos, attention_mask=self.mask, past_key_values=cache, use_cache=True
+        )
         self.kv = [(layer.keys, layer.values) for layer in cache.layers]
         return out.logits[:, -1], self._routing(len(tokens))
 
@@ -155,7 +172,9 @@ def hub_tensor_view(family: ModelFamily, params: dict[str, torch.Tensor], name: 
     return dst[index[0]] if index else dst
 
 
-def hub_tensor_targets(family: ModelFamily, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def hub_tensor_targets(
+    family: ModelFamily, model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination view, source) for each Hub-named tensor, all checked before anything is written."""
     params = dict(model.named_parameters())
     pairs, problems = [], []

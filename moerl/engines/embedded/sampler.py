@@ -22,7 +22,9 @@ class Draw:
     kept_logprobs: torch.Tensor | None = None  # float32 [k], renormalised over the kept set, aligned with kept_ids
 
 
-def sample_batch(logits: torch.Tensor, params: list, generators: list[torch.Generator], want_kept: list[bool]) -> list[Draw]:
+def sample_batch(
+    logits: torch.Tensor, params: list, generators: list[torch.Generator], want_kept: list[bool]
+) -> list[Draw]:
     """Draw one token per row of ``logits`` [B, V] under each row's own sampling ``params`` (resolved
     :class:`~moerl.engines.protocol.SamplingParams`: greedy is top_k 1) and generator.
 
@@ -44,7 +46,9 @@ def sample_batch(logits: torch.Tensor, params: list, generators: list[torch.Gene
     truncated = sorted_probs * keep
     mass_before = truncated.cumsum(-1) - truncated
     # top_p = 1 keeps everything: no float-rounding loss of the tail.
-    keep &= mass_before < column([p.top_p if p.top_p < 1.0 else float("inf") for p in params]) * truncated.sum(-1, keepdim=True)
+    keep &= mass_before < column([p.top_p if p.top_p < 1.0 else float("inf") for p in params]) * truncated.sum(
+        -1, keepdim=True
+    )
     keep &= sorted_probs >= column([p.min_p for p in params]) * sorted_probs[:, :1]
     keep[:, 0] = True
     counts = keep.sum(-1)
@@ -53,7 +57,9 @@ def sample_batch(logits: torch.Tensor, params: list, generators: list[torch.Gene
     uniform = torch.stack([torch.rand((), generator=g, device=device) for g in generators])[:, None]
     position = torch.searchsorted(kept_mass, uniform * kept_mass[:, -1:], right=True)
     position = torch.minimum(position, counts[:, None] - 1)
-    kept_logprobs = sorted_logprobs - torch.logsumexp(sorted_logprobs.masked_fill(~keep, float("-inf")), dim=-1, keepdim=True)
+    kept_logprobs = sorted_logprobs - torch.logsumexp(
+        sorted_logprobs.masked_fill(~keep, float("-inf")), dim=-1, keepdim=True
+    )
     tokens = order.gather(1, position).squeeze(1).tolist()
     full = sorted_logprobs.gather(1, position).squeeze(1).tolist()
     selected = kept_logprobs.gather(1, position).squeeze(1).tolist()

@@ -12,8 +12,9 @@ import concurrent.futures
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ class Request:
     stream: bool = False  # its client reads each token as it comes
     cache_namespace: Namespace = (None, None, None)  # which cached prefixes it may reuse (prefix_cache.Namespace)
     # Called on the engine thread with (request, finished: bool) after every new token and at the end.
-    on_update: Callable[["Request", bool], None] = lambda request, finished: None
+    on_update: Callable[[Request, bool], None] = lambda request, finished: None
 
     output_ids: list[int] = field(default_factory=list)
     draws: list[Draw] = field(default_factory=list)
@@ -60,8 +61,16 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner | None, adapters: AdapterSet, eos_token_ids: set[int], max_length: int,
-                 max_running: int = 64, weight_version: str = "default", prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+    def __init__(
+        self,
+        runner: ModelRunner | None,
+        adapters: AdapterSet,
+        eos_token_ids: set[int],
+        max_length: int,
+        max_running: int = 64,
+        weight_version: str = "default",
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+    ):
         """``runner``: the model's (None where a subclass computes no tokens); ``max_length``: the context length;
         ``prefix_cache_tokens``: what the prefix cache holds at most (0: none)."""
         self.runner = runner
@@ -184,7 +193,9 @@ class Scheduler:
             request.generator = torch.Generator(device=self.runner.device)
             seed = request.params.sampling_seed
             request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        (draw,) = sample_batch(prefill.last_logits[None], [request.params], [request.generator], [request.return_sampling_mask])
+        (draw,) = sample_batch(
+            prefill.last_logits[None], [request.params], [request.generator], [request.return_sampling_mask]
+        )
         self._accept(request, draw)
         return prefill.kv if request.finish_reason is None else None
 
@@ -208,7 +219,9 @@ class Scheduler:
         logits, routing = self.runner.decode(
             [r.output_ids[-1] for r in batch], [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
         )
-        draws = sample_batch(logits, [r.params for r in batch], [r.generator for r in batch], [r.return_sampling_mask for r in batch])
+        draws = sample_batch(
+            logits, [r.params for r in batch], [r.generator for r in batch], [r.return_sampling_mask for r in batch]
+        )
         for i, (request, draw) in enumerate(zip(batch, draws)):
             request.routing.append(routing[i : i + 1])
             self._accept(request, draw)
@@ -235,7 +248,9 @@ class Scheduler:
         """As SGLang does, a finished request leaves what it fed (its prompt and output but the last token) in the cache."""
         fed = request.fed_tokens
         if self.prefix_cache.takes(len(fed)):
-            self.prefix_cache.insert(request.cache_namespace, fed, self.runner.row_kv(row, len(fed)), torch.cat(request.routing))
+            self.prefix_cache.insert(
+                request.cache_namespace, fed, self.runner.row_kv(row, len(fed)), torch.cat(request.routing)
+            )
 
     def _keep_cache_rows(self, rows: list[int]) -> None:
         self.runner.keep_rows(rows)
@@ -248,7 +263,9 @@ class Scheduler:
     def abort(self, rid: str | None = None, message: str = "aborted") -> int:
         """Finish matching requests (all when ``rid`` is None; else that request and its n > 1
         completions) with their partial output."""
-        return self.abort_these([r for r in list(self.waiting) + self.running if rid is None or rid in (r.rid, r.parent)], message)
+        return self.abort_these(
+            [r for r in list(self.waiting) + self.running if rid is None or rid in (r.rid, r.parent)], message
+        )
 
     def abort_these(self, requests: list[Request], message: str) -> int:
         """Finish those of ``requests`` still queued or running with their partial output."""

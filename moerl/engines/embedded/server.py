@@ -81,13 +81,24 @@ class EmbeddedEngine:
     engine_name = "moerl-embedded"  # /server_info's engine
     request_type = Request  # what make_requests queues
 
-    def __init__(self, model_dir: str, dtype: torch.dtype = torch.float32, device: str | None = None,
-                 max_running: int = 64, sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-                 prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS):
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+        max_running: int = 64,
+        sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+    ):
         self.runner = ModelRunner(model_dir, dtype, device)
-        self._serve(model_dir, self.runner.model, lambda adapters, eos_ids, max_length: Scheduler(
-            self.runner, adapters, eos_ids, max_length, max_running, prefix_cache_tokens=prefix_cache_tokens),
-            sampling_mask_max_tokens)
+        self._serve(
+            model_dir,
+            self.runner.model,
+            lambda adapters, eos_ids, max_length: Scheduler(
+                self.runner, adapters, eos_ids, max_length, max_running, prefix_cache_tokens=prefix_cache_tokens
+            ),
+            sampling_mask_max_tokens,
+        )
 
     def _serve(self, model_dir: str, model: torch.nn.Module, scheduler, sampling_mask_max_tokens: int) -> None:
         """What serving needs besides the computation: ``model`` (the served transformers model: names, shapes,
@@ -109,8 +120,10 @@ class EmbeddedEngine:
         # Slow loads, each kind in its own thread, so a large disk load does not hold up an adapter. Group
         # joins and broadcasts run in daemon threads of their own (weight_group.in_daemon_thread): a peer
         # that never comes keeps one waiting until the group's timeout, holding up nothing else, not even exit.
-        self.pools = {kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"moerl-{kind}")
-                      for kind in ("disk", "lora")}
+        self.pools = {
+            kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"moerl-{kind}")
+            for kind in ("disk", "lora")
+        }
 
     @property
     def adapters(self) -> AdapterSet:
@@ -169,15 +182,24 @@ class EmbeddedEngine:
         requests = []
         for i in range(params.n):
             seed = None if params.sampling_seed is None else params.sampling_seed + i
-            requests.append(self.request_type(
-                rid=rid if params.n == 1 else f"{rid}-{i}", parent=None if params.n == 1 else rid, input_ids=prompt,
-                params=params.model_copy(update={"sampling_seed": seed}),
-                # SGLang's -1: the output tokens' log-probs alone
-                logprob_start_len=req.logprob_start_len if req.return_logprob and req.logprob_start_len >= 0 else None,
-                return_routed_experts=req.return_routed_experts, return_sampling_mask=req.return_sampling_mask,
-                lora=req.lora_path, stream=req.stream, on_update=on_update,
-                cache_namespace=(req.extra_key or None, req.cache_salt or None, req.lora_path),
-            ))
+            requests.append(
+                self.request_type(
+                    rid=rid if params.n == 1 else f"{rid}-{i}",
+                    parent=None if params.n == 1 else rid,
+                    input_ids=prompt,
+                    params=params.model_copy(update={"sampling_seed": seed}),
+                    # SGLang's -1: the output tokens' log-probs alone
+                    logprob_start_len=req.logprob_start_len
+                    if req.return_logprob and req.logprob_start_len >= 0
+                    else None,
+                    return_routed_experts=req.return_routed_experts,
+                    return_sampling_mask=req.return_sampling_mask,
+                    lora=req.lora_path,
+                    stream=req.stream,
+                    on_update=on_update,
+                    cache_namespace=(req.extra_key or None, req.cache_salt or None, req.lora_path),
+                )
+            )
         return requests
 
     def meta_info(self, request: Request, versions: list[str]) -> protocol.GenerateMetaInfo:
@@ -220,20 +242,29 @@ class EmbeddedEngine:
         """What ``req`` asked to know of ``request``'s tokens: from its draws, its prefill and the model's routing."""
         details = TokenDetails(request.versions)
         if req.return_logprob:
-            prompt = [] if request.prompt_logprobs is None else [
-                None if lp != lp else float(lp)  # the first prompt token has no log-prob
-                for lp in request.prompt_logprobs.tolist()
-            ]
+            prompt = (
+                []
+                if request.prompt_logprobs is None
+                else [
+                    None if lp != lp else float(lp)  # the first prompt token has no log-prob
+                    for lp in request.prompt_logprobs.tolist()
+                ]
+            )
             details.logprobs = [d.logprob for d in request.draws], prompt
         if req.return_routed_experts:
-            rows = torch.cat(request.routing) if request.routing else torch.zeros(
-                0, self.runner.num_layers, self.runner.topk, dtype=torch.int32)
+            rows = (
+                torch.cat(request.routing)
+                if request.routing
+                else torch.zeros(0, self.runner.num_layers, self.runner.topk, dtype=torch.int32)
+            )
             end = len(request.input_ids) + len(request.output_ids) - 1
             details.routing = rows[req.routed_experts_start_len : max(end, 0)].numpy()
         if req.return_sampling_mask:
             selected = req.sampling_logprobs_mode == "selected"
-            details.sampling_mask = [d.kept_ids.tolist() for d in request.draws], [
-                d.selected_logprob if selected else d.kept_logprobs.tolist() for d in request.draws]
+            details.sampling_mask = (
+                [d.kept_ids.tolist() for d in request.draws],
+                [d.selected_logprob if selected else d.kept_logprobs.tolist() for d in request.draws],
+            )
         return details
 
     # ---- weights -----------------------------------------------------------------------------
@@ -254,11 +285,14 @@ class EmbeddedEngine:
     def check_flush(self, flush: bool, abort_all: bool, refused: str) -> None:
         """SGLang's rule: an update cannot flush the cache while requests run, unless it aborts them."""
         if flush and not abort_all and not self.scheduler.idle():
-            raise ProtocolError(f"{refused}: the cache cannot be flushed while requests are running "
-                                "(send flush_cache=false during an in_place pause, or pause with abort or retract)")
+            raise ProtocolError(
+                f"{refused}: the cache cannot be flushed while requests are running "
+                "(send flush_cache=false during an in_place pause, or pause with abort or retract)"
+            )
 
-    def apply_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool,
-                      flush: bool) -> None:
+    def apply_weights(
+        self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool, flush: bool
+    ) -> None:
         """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
         sched = self.scheduler
         pairs = hub_tensor_targets(self.family, self.model, named)
@@ -295,14 +329,17 @@ class EmbeddedEngine:
         try:  # fail fast where nothing listens, instead of waiting out the store's timeout
             socket.create_connection((req.master_address, req.master_port), timeout=STORE_PROBE_S).close()
         except OSError as e:
-            raise ProtocolError(f"weight group {req.group_name!r}: cannot reach the trainer's store at "
-                                f"{req.master_address}:{req.master_port} ({e})") from None
+            raise ProtocolError(
+                f"weight group {req.group_name!r}: cannot reach the trainer's store at "
+                f"{req.master_address}:{req.master_port} ({e})"
+            ) from None
         try:
             store = weight_store(req.master_address, req.master_port, req.world_size, req.rank_offset)
             return join_weight_group(req.backend, store, req.world_size, req.rank_offset, req.group_name)
         except RuntimeError as e:  # the rendezvous failed or timed out (torch's DistError and its kin)
-            raise ProtocolError(f"weight group {req.group_name!r}: could not join as rank {req.rank_offset}: "
-                                f"{e}") from None
+            raise ProtocolError(
+                f"weight group {req.group_name!r}: could not join as rank {req.rank_offset}: {e}"
+            ) from None
 
     def receive(self, req: protocol.UpdateWeightsFromDistributedReqInput, group) -> list[tuple[str, torch.Tensor]]:
         import torch.distributed as dist
@@ -313,8 +350,10 @@ class EmbeddedEngine:
             flat = torch.empty(spans[-1][1], dtype=torch.uint8, device=device)
             dist.broadcast(flat, 0, group)
             return unflatten_bucket(flat, req.names, req.dtypes, req.shapes)
-        named = [(n, torch.empty(s, dtype=getattr(torch, d), device=device))
-                 for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)]
+        named = [
+            (n, torch.empty(s, dtype=getattr(torch, d), device=device))
+            for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)
+        ]
         for _, tensor in named:
             dist.broadcast(tensor, 0, group)
         return named
@@ -389,30 +428,32 @@ class EngineServer:
     def app(self) -> web.Application:
         P = protocol
         app = web.Application(middlewares=[_errors], client_max_size=1 << 30)
-        app.add_routes([
-            web.post(P.GENERATE.path, self.generate),
-            web.get(P.HEALTH.path, self.health),
-            web.get("/health_generate", self.health),
-            web.get(P.SERVER_INFO.path, self.server_info),
-            web.get(P.MODEL_INFO.path, self.model_info),
-            web.get("/get_model_info", self.model_info),
-            web.post(P.PAUSE.path, self.pause_generation),
-            web.post(P.CONTINUE.path, self.continue_generation),
-            web.post(P.ABORT.path, self.abort_request),
-            web.get(P.FLUSH_CACHE.path, self.flush_cache),
-            web.post(P.FLUSH_CACHE.path, self.flush_cache),
-            web.post(P.GET_WEIGHTS.path, self.get_weights_by_name),
-            web.post(P.WEIGHTS_CHECKER.path, self.weights_checker),
-            web.post(P.UPDATE_WEIGHT_VERSION.path, self.update_weight_version),
-            web.post(P.UPDATE_FROM_DISK.path, self.update_weights_from_disk),
-            web.post(P.INIT_GROUP.path, self.init_weights_update_group),
-            web.post(P.BEGIN_UPDATE.path, self.begin_weight_update),
-            web.post(P.END_UPDATE.path, self.end_weight_update),
-            web.post(P.UPDATE_FROM_DISTRIBUTED.path, self.update_weights_from_distributed),
-            web.post(P.LOAD_LORA.path, self.load_lora_adapter),
-            web.post(P.LOAD_LORA_TENSORS.path, self.load_lora_adapter_from_tensors),
-            web.post(P.UNLOAD_LORA.path, self.unload_lora_adapter),
-        ])
+        app.add_routes(
+            [
+                web.post(P.GENERATE.path, self.generate),
+                web.get(P.HEALTH.path, self.health),
+                web.get("/health_generate", self.health),
+                web.get(P.SERVER_INFO.path, self.server_info),
+                web.get(P.MODEL_INFO.path, self.model_info),
+                web.get("/get_model_info", self.model_info),
+                web.post(P.PAUSE.path, self.pause_generation),
+                web.post(P.CONTINUE.path, self.continue_generation),
+                web.post(P.ABORT.path, self.abort_request),
+                web.get(P.FLUSH_CACHE.path, self.flush_cache),
+                web.post(P.FLUSH_CACHE.path, self.flush_cache),
+                web.post(P.GET_WEIGHTS.path, self.get_weights_by_name),
+                web.post(P.WEIGHTS_CHECKER.path, self.weights_checker),
+                web.post(P.UPDATE_WEIGHT_VERSION.path, self.update_weight_version),
+                web.post(P.UPDATE_FROM_DISK.path, self.update_weights_from_disk),
+                web.post(P.INIT_GROUP.path, self.init_weights_update_group),
+                web.post(P.BEGIN_UPDATE.path, self.begin_weight_update),
+                web.post(P.END_UPDATE.path, self.end_weight_update),
+                web.post(P.UPDATE_FROM_DISTRIBUTED.path, self.update_weights_from_distributed),
+                web.post(P.LOAD_LORA.path, self.load_lora_adapter),
+                web.post(P.LOAD_LORA_TENSORS.path, self.load_lora_adapter_from_tensors),
+                web.post(P.UNLOAD_LORA.path, self.unload_lora_adapter),
+            ]
+        )
         app.on_startup.append(self.start_engine)
         app.on_cleanup.append(self.stop_engine)
         return app
@@ -470,9 +511,13 @@ class EngineServer:
     async def server_info(self, request: web.Request) -> web.Response:
         from moerl import __version__
 
-        info: protocol.ServerInfo = {"tp_size": 1, "version": __version__, "engine": self.engine.engine_name,
-                                     "dtype": str(self.engine.model.dtype).removeprefix("torch."),
-                                     "torch_version": torch.__version__}
+        info: protocol.ServerInfo = {
+            "tp_size": 1,
+            "version": __version__,
+            "engine": self.engine.engine_name,
+            "dtype": str(self.engine.model.dtype).removeprefix("torch."),
+            "torch_version": torch.__version__,
+        }
         return web.json_response(info, dumps=_dumps)
 
     async def model_info(self, request: web.Request) -> web.Response:
@@ -506,8 +551,9 @@ class EngineServer:
         engine = self.engine
         with refused_path("model_path", req.model_path):
             named = await self.in_pool("disk", engine.read_model_dir, req.model_path)
-        await self.on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests,
-                                                          req.flush_cache))
+        await self.on_engine(
+            lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache)
+        )
         return _ok(f"loaded {req.model_path}", num_paused_requests=0)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -544,8 +590,10 @@ class EngineServer:
         req = await _parse(request, protocol.UpdateWeightsFromDistributedReqInput)
         engine = self.engine
         # Names, shapes and layout are checked before a byte is received: never allocate what a request claims.
-        shapes = [(n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
-                  for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)]
+        shapes = [
+            (n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
+            for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)
+        ]
         hub_tensor_targets(engine.family, engine.model, shapes)
         if req.load_format == "flattened_bucket":
             bucket_layout(req.dtypes, req.shapes)
@@ -553,14 +601,16 @@ class EngineServer:
         if group is None:
             raise ProtocolError(f"group {req.group_name!r} is not initialised: call /init_weights_update_group first")
         if not engine.update_session:
-            raise ProtocolError("update_weights_from_distributed must run between /begin_weight_update and "
-                                "/end_weight_update")
+            raise ProtocolError(
+                "update_weights_from_distributed must run between /begin_weight_update and /end_weight_update"
+            )
         engine.check_flush(req.flush_cache, req.abort_all_requests, "weights not received")  # before a byte comes
         # Logged: the order updates came in.
         log.info("receiving %d tensors from weight group %s", len(req.names), req.group_name)
         named = await in_daemon_thread(engine.receive, req, group)
-        await self.on_engine(lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests,
-                                                          req.flush_cache))
+        await self.on_engine(
+            lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache)
+        )
         return _ok(f"updated {len(named)} tensors")
 
     # ---- LoRA adapters ------------------------------------------------------------------------
@@ -576,13 +626,16 @@ class EngineServer:
         req = await _parse(request, protocol.LoadLoRAAdapterFromTensorsReqInput)
         adapters = self.engine.adapters
         if req.load_format != "safetensors":
-            raise ProtocolError("the embedded engine takes serialized_named_tensors with load_format='safetensors' "
-                                "(base64 safetensors bytes; SGLang's default is a CUDA-IPC pickle that cannot cross "
-                                "machines)")
+            raise ProtocolError(
+                "the embedded engine takes serialized_named_tensors with load_format='safetensors' "
+                "(base64 safetensors bytes; SGLang's default is a CUDA-IPC pickle that cannot cross "
+                "machines)"
+            )
         if len(req.serialized_named_tensors) != 1:
             raise ProtocolError("serialized_named_tensors must hold one entry (the embedded engine has one rank)")
-        adapter = await self.in_pool("lora", adapters.from_base64, req.lora_name, req.config_dict,
-                                     req.serialized_named_tensors[0])
+        adapter = await self.in_pool(
+            "lora", adapters.from_base64, req.lora_name, req.config_dict, req.serialized_named_tensors[0]
+        )
         await self.on_engine(lambda: adapters.add(adapter))
         return _ok(f"loaded {req.lora_name}", loaded_adapters=sorted(adapters.adapters))
 
@@ -708,7 +761,7 @@ class _Generation:
             await resp.prepare(self.request)
             while pieces:
                 piece = pieces.pop(0)  # each one freed once the socket has taken it
-                for chunk in (piece.chunks() if isinstance(piece, _Spilled) else (piece,)):
+                for chunk in piece.chunks() if isinstance(piece, _Spilled) else (piece,):
                     await resp.write(chunk)
             await resp.write_eof()
         except ConnectionError:  # the client left while its answer was sent: nothing is running for it any more
