@@ -24,7 +24,8 @@ setup(
         "transformers>=5",
         "tqdm",
         "aiohttp>=3.9",
-        "pydantic>=2.5",  # the engine wire contract: typed, strict request bodies (SGLang validates its own with pydantic too)
+        # the engine wire contract: typed, strict request bodies (SGLang validates its own with pydantic too)
+        "pydantic>=2.5",
         "numpy",
         "math-verify",  # answer checking of the math tasks
         "pyarrow",  # parquet prompt datasets
@@ -40,8 +41,15 @@ setup(
         # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed; ruff, mypy and
         # mkdocs: the gates of tools/check.sh (mkdocs also builds the site in tests/test_docs.py), pinned so that they
         # judge alike everywhere.
-        "dev": ["pytest>=8", "pytest-timeout", "peft==0.21.2", "hypothesis>=6", "ruff==0.17.6", "mypy==2.4.1",
-                "mkdocs==1.6.1"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout",
+            "peft==0.21.2",
+            "hypothesis>=6",
+            "ruff==0.17.6",
+            "mypy==2.4.1",
+            "mkdocs==1.6.1",
+        ],
     },
     entry_points={"console_scripts": ["moerl=moerl.cli:main"]},
 )

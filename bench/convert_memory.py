@@ -58,7 +58,7 @@ def generate(out: Path, layers: int, experts: int, shard_gb: float) -> dict:
     writer = HFWriter(out, int(shard_gb * 1024**3))
     generator = torch.Generator().manual_seed(0)
     for rule in tqdm(family.all_rules(cfg), desc="generate", unit="tensor"):
-        for name, shape in zip(rule.hf, rule.hf_shapes):
+        for name, shape in zip(rule.hf, rule.hf_shapes, strict=True):
             writer.add(name, (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16))
     writer.close()
     return {"bytes": writer.total_bytes, "shards": len(list(out.glob("*.safetensors")))}

@@ -151,19 +151,21 @@ def weight_sync(work: Path, repeats: int) -> tuple[list[str], int]:
             results[name] = run_ranks(sync_worker, world, str(mcore), layout, url, repeats)
     base = results["world 1"][0]["seconds"]
     lines = [
-        f"## Weight sync per rank (x86_64, 2 cores; generated Qwen3-MoE, 32 experts, 2 layers, {model_bytes / 2**20:.0f} MiB "
-        f"in fp32; one embedded engine over gloo; {BUCKET >> 20} MiB buckets; median of {repeats})",
+        "## Weight sync per rank (x86_64, 2 cores; generated Qwen3-MoE, 32 experts, 2 layers, "
+        f"{model_bytes / 2**20:.0f} MiB in fp32; one embedded engine over gloo; {BUCKET >> 20} MiB buckets; median of "
+        f"{repeats})",
         "",
-        "| layout | ranks | senders | sync s | vs world 1 | vs raw push | taken in, rank 0 (x model) | most taken in by another rank "
-        "(x model) | peak RSS growth per rank (MiB) |",
+        "| layout | ranks | senders | sync s | vs world 1 | vs raw push | taken in, rank 0 (x model) | most taken in "
+        "by another rank (x model) | peak RSS growth per rank (MiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, ranks in results.items():
         others = max((r["received"] for r in ranks[1:]), default=0)
         growth = " / ".join(f"{r['rss_growth'] / 2**20:.0f}" for r in ranks)
         lines.append(
-            f"| {name} | {len(ranks)} | {sum(r['sends'] for r in ranks)} | {ranks[0]['seconds']:.2f} | {ranks[0]['seconds'] / base:.2f}x | "
-            f"{ranks[0]['seconds'] / raw_s:.2f}x | {ranks[0]['received'] / model_bytes:.2f} | {others / model_bytes:.2f} | {growth} |"
+            f"| {name} | {len(ranks)} | {sum(r['sends'] for r in ranks)} | {ranks[0]['seconds']:.2f} | "
+            f"{ranks[0]['seconds'] / base:.2f}x | {ranks[0]['seconds'] / raw_s:.2f}x | "
+            f"{ranks[0]['received'] / model_bytes:.2f} | {others / model_bytes:.2f} | {growth} |"
         )
     lines += [
         "",
@@ -220,10 +222,12 @@ def distribution(samples_n: int) -> list[str]:
     pickled = len(pickle.dumps(samples, protocol=pickle.HIGHEST_PROTOCOL))
     tokens = sum(s.prompt_len + s.response_len for s in samples)
     lines = [
-        f"## Batch distribution per rank ({samples_n} long-tailed samples, {tokens} tokens, routing of {moe_layers} MoE layers x "
-        f"top-{topk}, kept sets; the batch pickled: {pickled / 2**20:.1f} MiB, what the whole-batch broadcast sent every rank)",
+        f"## Batch distribution per rank ({samples_n} long-tailed samples, {tokens} tokens, routing of {moe_layers} "
+        f"MoE layers x top-{topk}, kept sets; the batch pickled: {pickled / 2**20:.1f} MiB, what the whole-batch "
+        "broadcast sent every rank)",
         "",
-        "| layout | ranks | received per rank (MiB) | received / own shard | received / whole-batch broadcast | peak RSS growth (MiB) |",
+        "| layout | ranks | received per rank (MiB) | received / own shard | received / whole-batch broadcast | peak "
+        "RSS growth (MiB) |",
         "|---|---|---|---|---|---|",
     ]
     for name, (world, layout) in {**LAYOUTS, "PP2xDP2": (4, Layout(pp=2, ep=2))}.items():
@@ -245,7 +249,8 @@ def distribution(samples_n: int) -> list[str]:
 
 
 def on_paper() -> list[str]:
-    """Qwen3-30B-A3B, bf16, 16 trainer ranks at TP2xEP8 (2 nodes x 8 H100): bytes each rank takes in per sync and per step."""
+    """Qwen3-30B-A3B, bf16, 16 trainer ranks at TP2xEP8 (2 nodes x 8 H100): bytes each rank takes in per sync and per
+    step."""
     from moerl.models import family_for
 
     raw = json.loads((REPO / "tests" / "data" / "qwen3_30b_a3b" / "config.json").read_text())
@@ -273,7 +278,8 @@ def on_paper() -> list[str]:
     nvlink, ib = 450e9, 50e9  # bytes/s: H100 NVLink per direction; 400 Gb/s InfiniBand
     g = 1e9
     return [
-        "## On paper: Qwen3-30B-A3B (bf16) on 2 nodes x 8 H100, TP2xEP8 (the recipe's 16 ranks), 512 x 32K-token samples per step",
+        "## On paper: Qwen3-30B-A3B (bf16) on 2 nodes x 8 H100, TP2xEP8 (the recipe's 16 ranks), 512 x 32K-token "
+        "samples per step",
         "",
         "| what | before (world-wide object gathers / broadcasts) | now | seconds now |",
         "|---|---|---|---|",
@@ -281,19 +287,22 @@ def on_paper() -> list[str]:
         f"| sync: taken in by rank 0 | {old / g:.0f} GB, pickled | {rank0 / g:.1f} GB (its TP peer's halves, NVLink) | "
         f"{rank0 / nvlink:.3f} s at NVLink |",
         f"| sync: taken in by any other rank | {old / g:.0f} GB, pickled | 0 | 0 |",
-        f"| sync: sent to the engines by rank 0 | {total / g:.1f} GB | {(dense + expert / ep) / g:.1f} GB (dense + its experts) | "
-        f"{(dense + expert / ep) / ib:.2f} s at 400 Gb/s IB (its NIC) |",
-        f"| sync: sent by each other EP rank's sender (7) | 0 | {expert / ep / g:.1f} GB (its experts) | {expert / ep / ib:.2f} s (its NIC) |",
-        f"| sync: taken in by each engine GPU | {total / g:.1f} GB | {total / g:.1f} GB | {total / ib:.2f} s at 400 Gb/s IB |",
-        f"| step: routing taken in per rank | {routing / g:.1f} GB, pickled | {shard / g:.2f} GB (its replica's shard) | "
-        f"{shard / ib:.3f} s at 400 Gb/s IB |",
-        f"| step: routing sent by rank 0 | {routing * (world - 1) / g:.0f} GB | {shard * (world // tp - 1) / g:.1f} GB (each other replica's "
-        f"shard once, to its TP group's first rank) | {shard * (world // tp - 1) / ib:.2f} s at 400 Gb/s IB |",
+        f"| sync: sent to the engines by rank 0 | {total / g:.1f} GB | {(dense + expert / ep) / g:.1f} GB (dense + its "
+        f"experts) | {(dense + expert / ep) / ib:.2f} s at 400 Gb/s IB (its NIC) |",
+        f"| sync: sent by each other EP rank's sender (7) | 0 | {expert / ep / g:.1f} GB (its experts) | "
+        f"{expert / ep / ib:.2f} s (its NIC) |",
+        f"| sync: taken in by each engine GPU | {total / g:.1f} GB | {total / g:.1f} GB | {total / ib:.2f} s at 400 "
+        "Gb/s IB |",
+        f"| step: routing taken in per rank | {routing / g:.1f} GB, pickled | {shard / g:.2f} GB (its replica's shard) "
+        f"| {shard / ib:.3f} s at 400 Gb/s IB |",
+        f"| step: routing sent by rank 0 | {routing * (world - 1) / g:.0f} GB | {shard * (world // tp - 1) / g:.1f} GB "
+        f"(each other replica's shard once, to its TP group's first rank) | {shard * (world // tp - 1) / ib:.2f} s at "
+        "400 Gb/s IB |",
         "",
-        "Peers, as published: verl checkpoint-engine 4.4 s, miles 2.7 s (NCCL) / 2.2 s (RDMA) on 2 H100 nodes, NeMo-RL reshard "
-        "0.74-1.0 s on H100. With a sender per EP rank no trainer link carries more than the dense weights and an eighth of the "
-        "experts; the bound moves to the engines, whose every GPU takes in the whole model (SGLang broadcasts each bucket to all "
-        "of a replica's ranks, and its scheduler takes one group's update at a time).",
+        "Peers, as published: verl checkpoint-engine 4.4 s, miles 2.7 s (NCCL) / 2.2 s (RDMA) on 2 H100 nodes, NeMo-RL "
+        "reshard 0.74-1.0 s on H100. With a sender per EP rank no trainer link carries more than the dense weights and "
+        "an eighth of the experts; the bound moves to the engines, whose every GPU takes in the whole model (SGLang "
+        "broadcasts each bucket to all of a replica's ranks, and its scheduler takes one group's update at a time).",
         "",
     ]
 

@@ -88,8 +88,9 @@ def main() -> int:
     config = json.loads(Path(args.config).read_text())
     shape = model_shape(config)
     lines = [
-        f"## Engine client CPU per response: {profile.name} ({shape.num_layers} layers, top-{shape.topk}), {args.tokens}-token responses "
-        f"with routing and top-16 kept sets, {args.requests} per round, {args.concurrency} in flight (median of {args.repeats} rounds)",
+        f"## Engine client CPU per response: {profile.name} ({shape.num_layers} layers, top-{shape.topk}), "
+        f"{args.tokens}-token responses with routing and top-16 kept sets, {args.requests} per round, "
+        f"{args.concurrency} in flight (median of {args.repeats} rounds)",
         "",
         "| generation workers | client process CPU ms/response | workers' CPU ms/response | wall ms/response |",
         "|---|---|---|---|",

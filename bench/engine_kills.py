@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Engines killed under a running job: the main job in async mode while a killer SIGKILLs a random engine process
+r"""Engines killed under a running job: the main job in async mode while a killer SIGKILLs a random engine process
 at a random moment, again and again, each time once the job has restarted the last one. Then (unless
 ``--baseline-steps 0``) the same job without kills, for the throughput ratio.
 
@@ -18,7 +18,8 @@ run without kills. The killed run is stopped (SIGTERM, a clean teardown) once th
 a few more steps.
 
     python bench/engine_kills.py --kills 100 [--out docs/benchmarks/fault-tolerance.md]
-    python bench/engine_kills.py --kills 100 --profile bench/profiles/qwen3_30b_a3b_h100.yaml --pool 8:24 --baseline-steps 0
+    python bench/engine_kills.py --kills 100 --profile bench/profiles/qwen3_30b_a3b_h100.yaml --pool 8:24 \
+        --baseline-steps 0
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def simulated_shape(args, root: Path) -> Shape:
 
     replicas = pool[1] // profile.engine.gpus
     return Shape(
-        f"simulated, {profile.name}, {pool[0]}:{pool[1]} GPUs ({replicas} replicas, one process each), async, max staleness "
-        f"{args.max_staleness}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
-        f"time x{args.time_scale:g}; x86_64, 2 cores",
+        f"simulated, {profile.name}, {pool[0]}:{pool[1]} GPUs ({replicas} replicas, one process each), async, max "
+        f"staleness {args.max_staleness}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} "
+        f"new tokens, time x{args.time_scale:g}; x86_64, 2 cores",
         overrides,
         replicas,
         args.time_scale,
@@ -269,26 +270,29 @@ def main() -> None:
     wait = (
         "it is back in rotation"
         if shape.in_rotation
-        else f"the job has started every killed replica again and fewer than {args.max_down} hold no policy (restarted, not yet synced)"
+        else f"the job has started every killed replica again and fewer than {args.max_down} hold no policy "
+        "(restarted, not yet synced)"
     )
     lines = [
-        f"## Engines killed under the main job ({shape.title}; a replica SIGKILLed {killed['kills']} times, each 0-2 s after {wait})",
+        f"## Engines killed under the main job ({shape.title}; a replica SIGKILLed {killed['kills']} times, each 0-2 s "
+        f"after {wait})",
         "",
-        "| run | kills | engine restarts | steps | prompts lost | dropped engine_failure | re-issues | accounting balanced | "
-        "max staleness | samples/s (training time) | vs no kills |",
+        "| run | kills | engine restarts | steps | prompts lost | dropped engine_failure | re-issues | accounting "
+        "balanced | max staleness | samples/s (training time) | vs no kills |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in (("no kills", base), ("kills", killed)):
         if r is not None:
             versus = f"{r['samples_per_s'] / base['samples_per_s']:.2f}x" if base else "n/a"
             lines.append(
-                f"| {name} | {r['kills']} | {r['restarts']:.0f} | {r['steps']} | {r['lost']} | {r['engine_failure']} | {r['reissues']:.0f} | "
-                f"{r['balanced']} | {r['staleness_max']:.0f} | {r['samples_per_s']:.3g} | {versus} |"
+                f"| {name} | {r['kills']} | {r['restarts']:.0f} | {r['steps']} | {r['lost']} | {r['engine_failure']} | "
+                f"{r['reissues']:.0f} | {r['balanced']} | {r['staleness_max']:.0f} | {r['samples_per_s']:.3g} | "
+                f"{versus} |"
             )
     lines += [
         "",
-        f"Dropped, by reason (killed run): {killed['dropped']}. Wall time of the killed run: {killed['seconds']:.0f} s; "
-        f"the job's processes held at most {killed['peak_gb']:.1f} GB.",
+        f"Dropped, by reason (killed run): {killed['dropped']}. Wall time of the killed run: {killed['seconds']:.0f} "
+        f"s; the job's processes held at most {killed['peak_gb']:.1f} GB.",
         "",
     ]
     publish(lines, args.out)

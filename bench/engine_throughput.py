@@ -29,7 +29,9 @@ def make_requests(n: int, vocab: int, median_len: int, max_len: int, seed: int) 
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(4, 33, size=n)
     lengths = np.clip(rng.lognormal(np.log(median_len), 0.9, size=n).astype(int), 1, max_len)
-    return [(rng.integers(4, vocab, size=p).tolist(), int(length)) for p, length in zip(prompt_lens, lengths)]
+    return [
+        (rng.integers(4, vocab, size=p).tolist(), int(length)) for p, length in zip(prompt_lens, lengths, strict=True)
+    ]
 
 
 def run_generate_loop(model, requests, batch_size: int, pad_id: int) -> float:
@@ -143,13 +145,14 @@ def main() -> None:
     lengths = np.array([length for _, length in requests])
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"model: Qwen3-MoE {params / 1e6:.2f}M params, hidden {model.config.hidden_size}, {model.config.num_hidden_layers} layers, "
-        f"{model.config.num_experts} experts top-{model.config.num_experts_per_tok}"
+        f"model: Qwen3-MoE {params / 1e6:.2f}M params, hidden {model.config.hidden_size}, "
+        f"{model.config.num_hidden_layers} layers, {model.config.num_experts} experts "
+        f"top-{model.config.num_experts_per_tok}"
     )
     print(
-        f"requests: {len(requests)}, response length median {int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, "
-        f"max {lengths.max()}, {tokens} tokens; batch {args.batch_size}; {args.threads} threads; "
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+        f"requests: {len(requests)}, response length median {int(np.median(lengths))}, p90 "
+        f"{int(np.percentile(lengths, 90))}, max {lengths.max()}, {tokens} tokens; batch {args.batch_size}; "
+        f"{args.threads} threads; {platform.processor() or platform.machine()}, torch {torch.__version__}"
     )
     print("| loop | seconds | tokens/s | ratio to model.generate |")
     print("| --- | --- | --- | --- |")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from moerl.checkpoint.peft import export_adapter
-from moerl.megatron.lora import LoRAConfig
+from moerl.megatron.lora_config import LoRAConfig
 from moerl.models import family_for
 
 LORA = LoRAConfig(enabled=True, rank=8)
@@ -154,11 +154,12 @@ def main() -> None:
     lines = [
         f"\n## Adapter-only vs full-weight sync (LoRA rank {LORA.rank} on every linear layer and every expert; fp32; "
         f"one embedded engine; median of {args.repeats})\n",
-        "| model | full MiB | adapter MiB | bytes ratio | full sync s | adapter s (tensors) | adapter s (directory) | time ratio |",
+        "| model | full MiB | adapter MiB | bytes ratio | full sync s | adapter s (tensors) | adapter s (directory) | "
+        "time ratio |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
-        f"\nQwen3-30B-A3B's shape in bf16 (bytes only): full {full / 2**30:.1f} GiB, adapters {adapter / 2**20:.0f} MiB, "
-        f"{full / adapter:.0f}x fewer bytes.",
+        f"\nQwen3-30B-A3B's shape in bf16 (bytes only): full {full / 2**30:.1f} GiB, adapters {adapter / 2**20:.0f} "
+        f"MiB, {full / adapter:.0f}x fewer bytes.",
     ]
     publish(lines, args.out)
 

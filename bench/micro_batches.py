@@ -113,16 +113,16 @@ def main() -> None:
     lengths = [s.response_len for s in samples]
     base = results["padded"]
     lines = [
-        f"\n## Padded vs packed micro-batches ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, one fp32 trainer rank, "
-        f"tiny Qwen3-MoE, {args.samples} samples, responses mean {np.mean(lengths):.0f} / max {max(lengths)} tokens, "
-        f"budget {args.budget} tokens, median of {args.repeats} steps)\n",
+        f"\n## Padded vs packed micro-batches ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"one fp32 trainer rank, tiny Qwen3-MoE, {args.samples} samples, responses mean {np.mean(lengths):.0f} / max "
+        f"{max(lengths)} tokens, budget {args.budget} tokens, median of {args.repeats} steps)\n",
         "| form | micro-batches | padding share of fed positions | seconds per step | trained tokens/s | vs padded |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for form, r in results.items():
         lines.append(
-            f"| {form} | {r['micro_batches']} | {r['padding']:.2f} | {r['seconds']:.2f} | {r['tokens'] / r['seconds']:.0f} | "
-            f"{base['seconds'] / r['seconds']:.2f}x |"
+            f"| {form} | {r['micro_batches']} | {r['padding']:.2f} | {r['seconds']:.2f} | "
+            f"{r['tokens'] / r['seconds']:.0f} | {base['seconds'] / r['seconds']:.2f}x |"
         )
     publish(lines, args.out)
 

@@ -116,19 +116,21 @@ def main() -> None:
         sync = sync_times(work, big)
     base = modes["sync"]
     lines = [
-        f"\n## Orchestration modes ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.steps} steps each, "
-        f"8 groups x 8 samples per step, random tiny Qwen3-MoE, responses mean {base['len_mean']:.0f} / max {base['len_max']:.0f} tokens)\n",
+        f"\n## Orchestration modes ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.steps} "
+        f"steps each, 8 groups x 8 samples per step, random tiny Qwen3-MoE, responses mean {base['len_mean']:.0f} / "
+        f"max {base['len_max']:.0f} tokens)\n",
         "| mode | samples/s | vs sync | trainer idle fraction | vs sync | max staleness | prompts dropped |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode, r in modes.items():
         lines.append(
-            f"| {mode} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | {r['idle']:.2f} | "
-            f"{r['idle'] / base['idle'] if base['idle'] else float('nan'):.2f}x | {r['staleness_max']:.0f} | {r['dropped']} |"
+            f"| {mode} | {r['samples_per_s']:.1f} | {r['samples_per_s'] / base['samples_per_s']:.2f}x | "
+            f"{r['idle']:.2f} | {r['idle'] / base['idle'] if base['idle'] else float('nan'):.2f}x | "
+            f"{r['staleness_max']:.0f} | {r['dropped']} |"
         )
     lines += [
-        f"\n## Weight sync, bucketed vs tensor by tensor (gloo broadcast to one embedded engine, {sync['tensors']} tensors, "
-        f"{sync['mib']:.0f} MiB, median of 3)\n",
+        f"\n## Weight sync, bucketed vs tensor by tensor (gloo broadcast to one embedded engine, {sync['tensors']} "
+        f"tensors, {sync['mib']:.0f} MiB, median of 3)\n",
         "| transport | seconds per update |",
         "| --- | --- |",
         f"| 512 MiB flattened buckets | {sync['bucketed_s']:.3f} |",

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Routing replay ablation: the train-inference mismatch of a bf16 engine against an fp32 trainer, decomposed by
+r"""Routing replay ablation: the train-inference mismatch of a bf16 engine against an fp32 trainer, decomposed by
 routing, under replay off / R2 / R3, with and without the sampling-mask replay.
 
 Two models: one generated so that routing is fragile (``--experts`` experts, top ``--topk``, ``--layers`` MoE layers,
@@ -9,7 +9,8 @@ configuration: one trainer step (fp32, one rank) on the same samples, whose old-
 (``mismatch/*``: the trainer's log-probs against the engine's) on the tokens whose positions the trainer routes
 natively as the engine did in every MoE layer (agree) and on the rest (differ).
 
-    python bench/replay_ablation.py [--prompts 16 --samples 4 --max-new-tokens 48] [--out docs/benchmarks/routing-replay.md]
+    python bench/replay_ablation.py [--prompts 16 --samples 4 --max-new-tokens 48] \
+        [--out docs/benchmarks/routing-replay.md]
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ def table(name: str, hf_dir: Path, root: Path, args) -> list[str]:
     lines = [
         f"## {name}: bf16 engine, fp32 trainer, {len(samples)} samples, {tokens} response tokens",
         "",
-        "| routing replay | sampling mask replay | routing agreement | tokens differing in a layer | k3 all | k3 agree | "
-        "k3 differ | differ / agree | mean abs delta all |",
+        "| routing replay | sampling mask replay | routing agreement | tokens differing in a layer | k3 all | k3 agree "
+        "| k3 differ | differ / agree | mean abs delta all |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for routing, mask in GRID:
@@ -132,8 +133,9 @@ def table(name: str, hf_dir: Path, root: Path, args) -> list[str]:
         m = run_ranks(step_metrics, 1, str(mcore), cfg, samples)[0]
         agree, differ = m["mismatch/k3_kl_routing_agree"], m["mismatch/k3_kl_routing_differ"]
         lines.append(
-            f"| {routing} | {'on' if mask else 'off'} | {m['routing/agreement']:.4f} | {m['routing/differs_any_layer']:.3f} | "
-            f"{m['mismatch/k3_kl']:.3e} | {agree:.3e} | {differ:.3e} | {differ / agree:.2f} | {m['mismatch/abs_logprob_delta']:.3e} |"
+            f"| {routing} | {'on' if mask else 'off'} | {m['routing/agreement']:.4f} | "
+            f"{m['routing/differs_any_layer']:.3f} | {m['mismatch/k3_kl']:.3e} | {agree:.3e} | {differ:.3e} | "
+            f"{differ / agree:.2f} | {m['mismatch/abs_logprob_delta']:.3e} |"
         )
         print(lines[-1], file=sys.stderr, flush=True)
     return lines
@@ -165,7 +167,8 @@ def main() -> int:
         root = Path(tmp)
         fragile = fragile_model(root / "fragile", args.experts, args.topk, args.layers, args.router_scale)
         lines += table(
-            f"Generated, fragile routing ({args.experts} experts, top-{args.topk}, {args.layers} MoE layers, router x{args.router_scale:g})",
+            f"Generated, fragile routing ({args.experts} experts, top-{args.topk}, {args.layers} MoE layers, router "
+            f"x{args.router_scale:g})",
             fragile,
             root,
             args,

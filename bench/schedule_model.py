@@ -29,8 +29,9 @@ For each: samples/s (simulated), async's tail-counted bound over the same steps 
 steps' mean response and longest trained response), the ratio, groups dropped as stale, the longest trained response,
 and where in its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median
 over the trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
-``--abort-doomed`` a group is counted dropped at the sync that dooms it, not when it would have finished. The model's ``groups`` row is the job's policy: compare it with the job's
-rows in docs/benchmarks/simulation.md and simulation-96.md to see how far the model can be trusted at a shape.
+``--abort-doomed`` a group is counted dropped at the sync that dooms it, not when it would have finished. The model's
+``groups`` row is the job's policy: compare it with the job's rows in docs/benchmarks/simulation.md and
+simulation-96.md to see how far the model can be trusted at a shape.
 """
 
 from __future__ import annotations
@@ -141,8 +142,9 @@ class AsyncLoop:
         self.tokens_of[g], self.longest_of[g] = float(lengths.sum()), float(lengths.max())
 
     def issue_points(self, fate: str) -> list[float]:
-        """Where in its version's step each group of ``fate`` was issued: those of the fill (all issued at once, before any
-        step) and those whose version is still served left out. A group restarted at a sync counts as issued there."""
+        """Where in its version's step each group of ``fate`` was issued: those of the fill (all issued at once, before
+        any step) and those whose version is still served left out. A group restarted at a sync counts as issued
+        there."""
         points = []
         for g in self.fates[fate]:
             v = self.version_of[g]
@@ -206,35 +208,7 @@ class AsyncLoop:
         records = []
         while len(records) < steps or "ended" not in records[-1]:
             self.route()
-            live = np.nonzero(self.alive & (self.replica >= 0))[0]
-            if len(live) and not self.paused:
-                running = np.bincount(self.replica[live], minlength=self.replicas)
-                if running.max() > self.e.max_running_requests:
-                    raise SystemExit(
-                        f"a replica would run {running.max()} requests, more than max_running_requests "
-                        f"{self.e.max_running_requests}: this model does not queue them"
-                    )
-                rate = self.per_request[running[self.replica[live]]] * (self.hold[self.replica[live]] <= self.now)
-                moving = rate > 0
-                until_done = (self.left[live][moving] / rate[moving]).min() if moving.any() else math.inf
-            else:
-                rate, until_done = None, math.inf
-            routes_by_age = self.policy.name != "groups"
-            wake = [until_done, phase_end - self.now, AGE_CHECK_S if routes_by_age else math.inf]
-            wake += [h - self.now for h in self.hold if h > self.now]
-            dt = max(0.0, min(wake))
-            if dt == math.inf:
-                raise RuntimeError("the model stalled: nothing decodes and the trainer waits")  # a bug of the model
-            if rate is not None:
-                self.left[live] -= rate * dt
-            self.now += dt
-            if rate is not None:
-                for i in live[self.left[live] <= 1e-6]:
-                    self.alive[i] = False
-                    g = self.group[i]
-                    self.running_of[g] -= 1
-                    if self.running_of[g] == 0:
-                        ready.append(g)
+            self._decode(phase_end, ready)
             if phase == "collect":
                 while ready and len(taken) < B:
                     g = ready.pop(0)
@@ -268,6 +242,39 @@ class AsyncLoop:
                 records[-1]["ended"] = self.now
                 self._at_sync(paused_at)
         return records
+
+    def _decode(self, phase_end: float, ready: list[int]) -> None:
+        """Decode up to the next event (a request done, ``phase_end``, an age check, a replica done prefilling); the
+        groups whose last request finished join ``ready``."""
+        live = np.nonzero(self.alive & (self.replica >= 0))[0]
+        if len(live) and not self.paused:
+            running = np.bincount(self.replica[live], minlength=self.replicas)
+            if running.max() > self.e.max_running_requests:
+                raise SystemExit(
+                    f"a replica would run {running.max()} requests, more than max_running_requests "
+                    f"{self.e.max_running_requests}: this model does not queue them"
+                )
+            rate = self.per_request[running[self.replica[live]]] * (self.hold[self.replica[live]] <= self.now)
+            moving = rate > 0
+            until_done = (self.left[live][moving] / rate[moving]).min() if moving.any() else math.inf
+        else:
+            rate, until_done = None, math.inf
+        routes_by_age = self.policy.name != "groups"
+        wake = [until_done, phase_end - self.now, AGE_CHECK_S if routes_by_age else math.inf]
+        wake += [h - self.now for h in self.hold if h > self.now]
+        dt = max(0.0, min(wake))
+        if dt == math.inf:
+            raise RuntimeError("the model stalled: nothing decodes and the trainer waits")  # a bug of the model
+        if rate is not None:
+            self.left[live] -= rate * dt
+        self.now += dt
+        if rate is not None:
+            for i in live[self.left[live] <= 1e-6]:
+                self.alive[i] = False
+                g = self.group[i]
+                self.running_of[g] -= 1
+                if self.running_of[g] == 0:
+                    ready.append(g)
 
     def _at_sync(self, paused_at: float) -> None:
         p, s = self.policy, self.shape
@@ -357,8 +364,8 @@ def main() -> int:
         f"## Async loop, modelled: {profile.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
         f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds",
         "",
-        "| policy | depth | restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | dropped as stale | "
-        "longest trained | issue point, trained / dropped (median) |",
+        "| policy | depth | restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | "
+        "dropped as stale | longest trained | issue point, trained / dropped (median) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.policies.split(","):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The main job at production shape without GPUs: the real orchestrator against simulated engines and a simulated
+r"""The main job at production shape without GPUs: the real orchestrator against simulated engines and a simulated
 trainer (``simulation.profile``), in sync, periodic and async mode, at the pool sizes given.
 
 For each pool (trainer GPUs : engine GPUs) and mode: simulated samples/s over the steps after the first, the mode's
@@ -7,11 +7,11 @@ ideal bound and the ratio to it, the trainer's idle fraction, the staleness hist
 orchestrator's own CPU per step (the rollout manager's and rank 0's buffer's, real seconds, never scaled).
 
 The bounds, per step of B samples whose responses hold D tokens, on E replicas of the profile's engine:
-  T_gen   = D / (E * R(c)), R(c) the profile's decode tokens/s of one replica running c = min(max_running, F / E) requests,
-            F the requests the mode lets be in flight (B; async: rollout.max_outstanding_groups x samples, by default
-            B * max(1, max_staleness)):
+  T_gen   = D / (E * R(c)), R(c) the profile's decode tokens/s of one replica running c = min(max_running, F / E)
+            requests, F the requests the mode lets be in flight (B; async: rollout.max_outstanding_groups x samples, by
+            default B * max(1, max_staleness)):
             generation with every replica full all the time (no replica idle behind the batch's slowest response)
-  T_train = D / (trainer.tokens_per_s_per_gpu * trainer GPUs) + optimizer_step_s   (prompt tokens left out of D and T_gen)
+  T_train = D / (trainer.tokens_per_s_per_gpu * trainer GPUs) + optimizer_step_s (prompt tokens left out of D and T_gen)
   T_sync  = model bytes / weight_update_gb_per_s: every replica loads at once, the engines and the trainer both wait
   sync      B / (T_gen + T_train + T_sync)                 nothing overlaps; the bound counts no tail
   periodic  B / (T_sync + max(T_gen + T_train / G, T_train)) training overlaps generation, the last of G groups after it
@@ -39,7 +39,8 @@ concurrency c throughout, which slows the longest response to R(c) / c,
 The first measured steps' responses may have begun in the fill step, which is not measured, so over N measured steps
 async's tail-counted ratio may read high by up to about s / N.
 
-    python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] [--out docs/benchmarks/simulation.md]
+    python bench/simulation.py --pools 8:24 [--groups 48 --samples 8 --steps 4 --time-scale 4] \
+        [--out docs/benchmarks/simulation.md]
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def bounds(steps: list[dict], samples: int, groups: int) -> dict:
         "async": total["T_sync"] + max(total["T_gen"], total["T_train"]),
         "sync_tail": sum(on_policy) + total["T_train"] + total["T_sync"],
         "periodic_tail": sum(
-            s["T_sync"] + max(gen + s["T_train"] / groups, s["T_train"]) for s, gen in zip(steps, on_policy)
+            s["T_sync"] + max(gen + s["T_train"] / groups, s["T_train"])
+            for s, gen in zip(steps, on_policy, strict=True)
         ),
         "async_tail": total["T_sync"] + max(total["T_gen"], total["T_train"], total["T_tail"]),
     }
@@ -202,7 +204,8 @@ def one_concurrency_guide(
     staleness: int,
 ) -> tuple[float, int]:
     """Async's guide (the module's docstring) over ``steps`` (their :func:`step_times`), which trained ``samples``
-    responses of ``tokens`` in all, ``longest`` the sum of each step's longest: (samples/s, the concurrency giving it)."""
+    responses of ``tokens`` in all, ``longest`` the sum of each step's longest: (samples/s, the concurrency giving
+    it)."""
     e = profile.engine
     replicas = pool[1] // e.gpus
     sync, train = sum(s["T_sync"] for s in steps), sum(s["T_train"] for s in steps)
@@ -231,11 +234,12 @@ def main() -> int:
     args = p.parse_args()
     profile = Profile.load(args.profile)
     lines = [
-        f"## Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} new tokens, "
-        f"max staleness {args.max_staleness}, time x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}",
+        f"## Simulated job: {profile.name}, {args.groups} x {args.samples} samples per step, max {args.max_new_tokens} "
+        f"new tokens, max staleness {args.max_staleness}, time "
+        f"x{args.time_scale:g}{', ' + ' '.join(args.extra) if args.extra else ''}",
         "",
-        "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | bound, tail counted | ratio | "
-        "x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (of the simulated step) | "
+        "| pool (trainer:engine GPUs) | mode | samples/s (sim.) | bound, full engines | ratio | bound, tail counted | "
+        "ratio | x sync | trainer idle | staleness lag 0/1/2+ | dropped | manager CPU s/step (of the simulated step) | "
         "its generation workers' CPU s/step | buffer CPU s/step |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -279,9 +283,10 @@ def main() -> int:
                 buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
                 versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
                 lines.append(
-                    f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | {tail:.3f} | {rate / tail:.2f} | {versus_sync} | "
-                    f"{idle:.2f} | {lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | "
-                    f"{manager:.2f} ({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |"
+                    f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | "
+                    f"{tail:.3f} | {rate / tail:.2f} | {versus_sync} | {idle:.2f} | "
+                    f"{lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | {manager:.2f} "
+                    f"({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |"
                 )
                 guide = ""
                 if mode == "async":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The simulator against the real job, at the CPU demo's shape: do simulated and real sync/periodic/async agree?
+r"""The simulator against the real job, at the CPU demo's shape: do simulated and real sync/periodic/async agree?
 
 1. The real job (recipes/qwen_moe_grpo.sh: 2 trainer ranks at EP2, one embedded engine, a random tiny Qwen3-MoE whose
    responses end at four stop characters, capped at 64 tokens) runs in each mode.
@@ -17,7 +17,8 @@ the real engine and trainer would share the cores, so both runs pin them apart: 
 everything else (trainer ranks, rollout manager, this script) to the second. The real job's figures are then those of
 a one-CPU engine pool beside a one-CPU trainer pool, the shape the simulator models.
 
-    python bench/simulator_vs_job.py [--steps 8] [--profile-out bench/profiles/cpu_demo.yaml] [--out docs/benchmarks/simulator-vs-job.md]
+    python bench/simulator_vs_job.py [--steps 8] [--profile-out bench/profiles/cpu_demo.yaml] \
+        [--out docs/benchmarks/simulator-vs-job.md]
 """
 
 from __future__ import annotations
@@ -217,11 +218,12 @@ def write_profile(path: Path, engine: dict, lengths: dict, trainer: dict, update
         "name": "cpu-demo",
         "dtype": "float32",
         "sources": [
-            f"engine: measured by bench/simulator_vs_job.py ({where}): one embedded engine on one CPU serving the random tiny "
-            f"Qwen3-MoE, requests of 1 and {MAX_NEW_TOKENS} tokens with the job's sampling and routing flags, best of 3",
-            f"trainer: 2 ranks at EP2 on one CPU, fitted to the {rows} measured steps of the real sync run (busy seconds against "
-            "fed tokens); weight update: that run's full-weight bytes over its sync seconds; response lengths: that run's mean "
-            f"and its fraction reaching the cap of {MAX_NEW_TOKENS} tokens",
+            f"engine: measured by bench/simulator_vs_job.py ({where}): one embedded engine on one CPU serving the "
+            f"random tiny Qwen3-MoE, requests of 1 and {MAX_NEW_TOKENS} tokens with the job's sampling and routing "
+            "flags, best of 3",
+            f"trainer: 2 ranks at EP2 on one CPU, fitted to the {rows} measured steps of the real sync run (busy "
+            "seconds against fed tokens); weight update: that run's full-weight bytes over its sync seconds; response "
+            f"lengths: that run's mean and its fraction reaching the cap of {MAX_NEW_TOKENS} tokens",
         ],
         "engine": {
             "gpus": 1,
@@ -291,10 +293,12 @@ def main() -> int:
     real_s = {m: mode_summary(rows) for m, rows in real.items()}
     sim_s = {m: mode_summary(rows) for m, rows in simulated.items()}
     lines = [
-        f"## Simulated against real, the CPU demo's shape ({platform.machine()}, {os.cpu_count()} cores, engine and job "
-        f"pinned to a CPU each, {args.steps - 1} measured steps, {GROUPS} x {SAMPLES} samples, {date.today().isoformat()})",
+        f"## Simulated against real, the CPU demo's shape ({platform.machine()}, {os.cpu_count()} cores, engine and "
+        f"job pinned to a CPU each, {args.steps - 1} measured steps, {GROUPS} x {SAMPLES} samples, "
+        f"{date.today().isoformat()})",
         "",
-        "| mode | real samples/s | x sync | trainer idle | simulated samples/s | x sync | trainer idle | simulated x sync against real |",
+        "| mode | real samples/s | x sync | trainer idle | simulated samples/s | x sync | trainer idle | simulated x "
+        "sync against real |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for mode in modes:
@@ -304,8 +308,8 @@ def main() -> int:
             s["samples_per_s"] / sim_s["sync"]["samples_per_s"],
         )
         lines.append(
-            f"| {mode} | {r['samples_per_s']:.1f} | {real_x:.2f} | {r['idle']:.2f} | {s['samples_per_s']:.1f} | {sim_x:.2f} | "
-            f"{s['idle']:.2f} | {sim_x / real_x - 1:+.1%} |"
+            f"| {mode} | {r['samples_per_s']:.1f} | {real_x:.2f} | {r['idle']:.2f} | {s['samples_per_s']:.1f} | "
+            f"{sim_x:.2f} | {s['idle']:.2f} | {sim_x / real_x - 1:+.1%} |"
         )
     lines += [
         "",

@@ -35,8 +35,8 @@ def choice_fields(section_type: type, prefix: str = "") -> list[tuple[str, tuple
 
 
 def choice_problems(section_type: type, values: Any, prefix: str, nested: bool = False) -> list[str]:
-    """``key='value': expected one of ...`` for each Literal field of ``values`` (a ``section_type`` instance) whose value
-    is not allowed; with ``nested``, sections inside too."""
+    """``key='value': expected one of ...`` for each Literal field of ``values`` (a ``section_type`` instance) whose
+    value is not allowed; with ``nested``, sections inside too."""
     problems = []
     hints = typing.get_type_hints(section_type)
     for f in dataclasses.fields(section_type):

@@ -47,7 +47,9 @@ def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
     """``n`` distinct TCP ports free at the time of asking, none of ``avoid`` (ports handed out but not yet bound).
     Held open together while picked: a port asked for alone, closed and asked for again, can come back the same
     (48 replicas once drew one port twice)."""
-    avoid, held, ports = set(avoid), [], []
+    avoid = set(avoid)
+    held: list[socket.socket] = []
+    ports: list[int] = []
     try:
         while len(ports) < n:  # each bound socket stays bound: at most n + len(avoid) of them
             s = socket.socket()
@@ -83,8 +85,8 @@ def die_with_parent() -> None:
 
 
 def _stat(pid: int | str) -> list[str] | None:
-    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp ...); None where unreadable (gone since,
-    or no /proc: not Linux)."""
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, pgrp ...); None where unreadable (gone
+    since, or no /proc: not Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()

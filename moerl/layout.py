@@ -14,23 +14,27 @@ class LayoutError(MoerlError):
     """A parallel layout that does not fit the model or the world size."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Layout:
     """Tensor, pipeline, expert and expert-tensor parallel sizes; data parallel is what is left.
 
     ``etp`` defaults to 1 under expert parallelism: experts are small matrices, and megatron's
     "parallel folding" lets EP span the TP ranks, so TP2+EP2 runs on two ranks. Without expert
-    parallelism it defaults to ``tp`` and must equal it (see ``__post_init__``).
+    parallelism it defaults to ``tp`` and must equal it (see ``__init__``).
     """
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
+    tp: int
+    pp: int
+    ep: int
+    etp: int
 
-    def __post_init__(self):
-        if self.etp is None:
-            object.__setattr__(self, "etp", self.tp if self.ep == 1 else 1)
+    # Written out rather than generated: etp's default depends on tp and ep, so the field is resolved here and is an int
+    # once the layout exists.
+    def __init__(self, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+        object.__setattr__(self, "tp", tp)
+        object.__setattr__(self, "pp", pp)
+        object.__setattr__(self, "ep", ep)
+        object.__setattr__(self, "etp", (tp if ep == 1 else 1) if etp is None else etp)
         for name in ("tp", "pp", "ep", "etp"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name}={getattr(self, name)}: parallel sizes must be >= 1")
@@ -58,3 +62,8 @@ class Layout:
 
     def __str__(self) -> str:
         return f"TP{self.tp} PP{self.pp} EP{self.ep} ETP{self.etp}"
+
+
+# Every size 1: one rank holds the whole model (any others are data parallel). A layout is immutable: one serves as
+# every default.
+UNSHARDED = Layout()

@@ -65,7 +65,7 @@ class Sample:
             raise SampleError(f"routing has shape {self.routing.shape}, expected ({p + r - 1}, moe_layers, topk)")
         if (self.mask_offsets is None) != (self.mask_ids is None):
             raise SampleError("mask_offsets and mask_ids come together")
-        if self.mask_offsets is not None:
+        if self.mask_offsets is not None and self.mask_ids is not None:  # both or neither: checked above
             offsets = self.mask_offsets
             if (
                 offsets.shape != (r + 1,)
@@ -74,7 +74,8 @@ class Sample:
                 or np.any(np.diff(offsets) < 1)
             ):
                 raise SampleError(
-                    f"mask_offsets must be [R+1] = [{r + 1}] non-decreasing from 0 to len(mask_ids) with >= 1 id per token"
+                    f"mask_offsets must be [R+1] = [{r + 1}] non-decreasing from 0 to len(mask_ids) with >= 1 id per "
+                    "token"
                 )
             rows = np.repeat(np.arange(r), np.diff(offsets))
             # Per token, over its own non-empty run of ids (offsets rise at each): ufunc.at took a tenth of the rollout

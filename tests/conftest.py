@@ -52,7 +52,7 @@ def hub_grads(hf_model) -> dict[str, torch.Tensor]:
         g = p.grad if p.grad is not None else torch.zeros_like(p)
         if name.endswith("experts.gate_up_proj"):
             prefix = name[: -len("gate_up_proj")]
-            for e, (gate, up) in enumerate(zip(*g.chunk(2, dim=1))):
+            for e, (gate, up) in enumerate(zip(*g.chunk(2, dim=1), strict=True)):
                 grads[f"{prefix}{e}.gate_proj.weight"] = gate
                 grads[f"{prefix}{e}.up_proj.weight"] = up
         elif name.endswith("experts.down_proj"):

@@ -18,7 +18,8 @@ def running_server(model_dir: Path, log_dir: Path, *extra: str):
 
 @contextmanager
 def running_servers(model_dir: Path, log_dir: Path, replicas: int, *extra: str):
-    """As :func:`running_server`, ``replicas`` of them, each logging to a file of its own in ``log_dir``; yields their URLs."""
+    """As :func:`running_server`, ``replicas`` of them, each logging to a file of its own in ``log_dir``; yields their
+    URLs."""
     pool = EnginePool(
         EnginePoolConfig(
             model_path=str(model_dir),
@@ -47,7 +48,8 @@ async def weights_by_name(url: str, name: str) -> list:
 
 @asynccontextmanager
 async def serving(routes: dict[tuple[str, str], object]):
-    """An aiohttp app on a free loopback port, in this event loop: ``{(method, path): handler}``; yields its base URL."""
+    """An aiohttp app on a free loopback port, in this event loop: ``{(method, path): handler}``; yields its base
+    URL."""
     from aiohttp import web
 
     app = web.Application()

@@ -22,7 +22,8 @@ Q_NORM = "decoder.layers.0.self_attention.q_layernorm"
 
 def _load(mcore_dir: str) -> dict:
     """A checkpoint loaded as the weights of a model (``load_model_weights``) and as a resumed trainer loads it (nested
-    under "model"): the first's tensors, what each norm's ``set_extra_state`` was given, and whether the second agrees."""
+    under "model"): the first's tensors, what each norm's ``set_extra_state`` was given, and whether the second
+    agrees."""
     from moerl.checkpoint.mcore import SHARDED_METADATA, load_megatron_model, load_sharded
     from moerl.layout import Layout
 
@@ -73,7 +74,8 @@ def load_with_a_norm_bias(mcore_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_ckpts, tmp_path_factory) -> dict:
-    """The tiny model's HF directory, its checkpoint in the current format, and one in format 2 (no norm extra state)."""
+    """The tiny model's HF directory, its checkpoint in the current format, and one in format 2 (no norm extra
+    state)."""
     hf_dir, current = tiny_ckpts[ARCH]
     with pytest.MonkeyPatch.context() as m:
         m.setattr(RMSNorm, "get_extra_state", torch.nn.Module.get_extra_state)  # the module default: none saved

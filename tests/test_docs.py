@@ -56,7 +56,8 @@ def test_every_page_is_in_the_nav_and_the_nav_names_only_pages():
 
 
 def test_the_key_and_recipe_checks_read_every_page():
-    """tests/test_config.py's checks (every key named exists, every recipe line loads) cover the README and every page."""
+    """tests/test_config.py's checks (every key named exists, every recipe line loads) cover the README and every
+    page."""
     assert set(doc_pages()) == {README, *DOCS.rglob("*.md")}
     where = {w for places in named_keys().values() for w in places}
     assert "docs/main-job.md" in where and any(w.startswith("docs/benchmarks/") for w in where)

@@ -4,6 +4,7 @@ client (and raw HTTP for what a client would never send)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import aiohttp
@@ -68,7 +69,7 @@ def _recompute(model, prompt, output):
 def test_routing_equals_the_routing_of_a_full_rerun(server, shape, reference):
     params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7}
     results = run(_generate_all(server, shape, params, return_routed_experts=True))
-    for prompt, (c,) in zip(PROMPTS, results):
+    for prompt, (c,) in zip(PROMPTS, results, strict=True):
         _, routing = _recompute(reference, prompt, c.output_ids)
         assert c.routing.dtype == np.uint8
         assert c.routing.shape == (len(prompt) + len(c.output_ids) - 1, len(shape.moe_layers), shape.topk)
@@ -107,7 +108,7 @@ def test_sampled_tokens_lie_in_their_kept_set_and_logprobs_match(server, shape, 
     params = {**params, "max_new_tokens": 10, "sampling_seed": 3, "ignore_eos": True}
     results = run(_generate_all(server, shape, params, return_sampling_mask=True))
     temperature = params.get("temperature", 1.0)
-    for prompt, (c,) in zip(PROMPTS, results):
+    for prompt, (c,) in zip(PROMPTS, results, strict=True):
         logits, _ = _recompute(reference, prompt, c.output_ids)
         logprobs = torch.log_softmax(logits[len(prompt) - 1 :].float() / temperature, -1)
         for t, token in enumerate(c.output_ids):
@@ -211,7 +212,7 @@ def test_stream_of_n_completions_tags_each_chunk_with_its_index(server):
     for chunks in by_index.values():
         assert len({c["meta_info"]["id"] for c in chunks}) == 1
         assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5]
-        assert all(a["output_ids"] == b["output_ids"][: len(a["output_ids"])] for a, b in zip(chunks, chunks[1:]))
+        assert all(a["output_ids"] == b["output_ids"][: len(a["output_ids"])] for a, b in itertools.pairwise(chunks))
         assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
 

@@ -310,9 +310,9 @@ def test_lora_adapter_changes_outputs_and_unloading_restores_them(server, models
 
     base, mixed, after, status, answer = asyncio.run(go())
     plain, adapted = mixed[0::2], mixed[1::2]
-    assert all(np.array_equal(a, b) for a, b in zip(base, plain))
-    assert any(not np.array_equal(a, b) for a, b in zip(base, adapted))
-    assert all(np.array_equal(a, b) for a, b in zip(base, after))
+    assert all(np.array_equal(a, b) for a, b in zip(base, plain, strict=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(base, adapted, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(base, after, strict=True))
     assert status == 400 and "not loaded" in answer["error"]["message"]
 
 
@@ -425,7 +425,7 @@ def test_a_verify_and_an_adapter_load_stand_on_the_engines_left_when_one_has_jus
     from safetensors.torch import load_file
 
     from moerl.checkpoint.peft import AdapterFiles
-    from moerl.megatron.lora import LoRAConfig
+    from moerl.megatron.lora_config import LoRAConfig
     from moerl.weight_sync.base import WeightSyncError, probe_ids
     from moerl.weight_sync.lora import AdapterSync
 

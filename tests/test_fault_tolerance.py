@@ -183,8 +183,8 @@ def test_a_dead_replica_is_started_again_only_once_every_process_of_its_server_h
         assert pool.revive(max_restarts=2) == [] and pool.revive(max_restarts=2) == []
     assert started == [] and pool.restarts == {}
     assert [r.getMessage() for r in caplog.records if "still running" in r.getMessage()] == [
-        f"engine 0 (port 1) exited with 0; processes of its server still running (pids [{worker}]) after SIGKILL, for 0 s: "
-        "it is started again once they have ended"
+        f"engine 0 (port 1) exited with 0; processes of its server still running (pids [{worker}]) after SIGKILL, "
+        "for 0 s: it is started again once they have ended"
     ]  # once, not at each call
     deadline = time.monotonic() + 30
     while group_left(server.pid):  # the worker, SIGKILLed by revive(), ends

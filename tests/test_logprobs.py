@@ -44,7 +44,8 @@ def _dense_reference(logits, targets, offsets, ids):
 @pytest.mark.parametrize("tp, outliers", [(1, False), (2, False), (2, True)])
 def test_logprobs_and_entropy_match_dense_reference_across_tp_shards(tp, outliers):
     """``outliers``: the logits at each shard's edge far above the rest. A kept id outside a rank's shard is read at the
-    edge and masked (no host sync for the compaction); its exp would overflow there, which must not reach the gradient."""
+    edge and masked (no host sync for the compaction); its exp would overflow there, which must not reach the
+    gradient."""
     logits, targets, offsets, ids = _problem()
     if outliers:
         logits[:, VOCAB // 2 - 1 : VOCAB // 2 + 1] = 200.0

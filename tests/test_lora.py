@@ -20,8 +20,9 @@ from moerl.checkpoint.peft import export_adapter, peft_would_drop, save_adapter
 from moerl.engines.embedded.lora import AdapterConfig, AdapterSet
 from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.engines.sglang import lora_target_modules
+from moerl.errors import LoRAError
 from moerl.megatron.launch import run_ranks
-from moerl.megatron.lora import LoRAConfig, LoRAError
+from moerl.megatron.lora_config import LoRAConfig
 from moerl.models import family_for
 from moerl.models.tiny import save_tiny_hf
 from moerl.trainer.config import OptimConfig, TrainerConfig
@@ -90,8 +91,8 @@ def _adapter_files(hf, lora: dict, fmt: str):
 
 
 def test_an_sglang_server_serves_the_modules_the_adapters_take(trained, models):
-    """A LoRA SGLang server is started for lora.targets with the modules each export adapts: every one (SGLang refuses an
-    adapter with a module its server was not started for), not ``all`` (which gives lm_head and embed_tokens LoRA
+    """A LoRA SGLang server is started for lora.targets with the modules each export adapts: every one (SGLang refuses
+    an adapter with a module its server was not started for), not ``all`` (which gives lm_head and embed_tokens LoRA
     buffers too), and the experts' whatever the targets (SGLang's LoRA MoE runner refuses to start without them)."""
     for name, runs in trained.items():
         hf, _ = models[name]
@@ -131,7 +132,8 @@ def test_only_adapters_train(trained):
 
 
 def test_layouts_train_the_same_adapters(trained):
-    """From the same init and data, EP2, TP2+SP (experts split too), TP2+SP+EP2 and PP2 export the EP1 run's adapters."""
+    """From the same init and data, EP2, TP2+SP (experts split too), TP2+SP+EP2 and PP2 export the EP1 run's
+    adapters."""
     for name, (reference, *others) in trained.items():
         ref = reference["lora"]
         assert all(v.abs().max() > 0 for k, v in ref.items() if k.endswith("lora_B"))  # every B moved off zero
@@ -193,7 +195,11 @@ def test_each_export_means_the_trained_model_in_its_consumer(trained, models, tm
         # The embedded engine serving the sglang-format adapter samples what the merged model does.
         with_adapter, from_merged = serve(hf, where / "sglang"), serve(merged)
         assert [ids for ids, _ in with_adapter] == [ids for ids, _ in from_merged]
-        assert all(abs(x - y) < 1e-4 for (_, a), (_, b) in zip(with_adapter, from_merged) for x, y in zip(a, b))
+        assert all(
+            abs(x - y) < 1e-4
+            for (_, a), (_, b) in zip(with_adapter, from_merged, strict=True)
+            for x, y in zip(a, b, strict=True)
+        )
 
     # A LoRA checkpoint converted as if it held full weights would silently drop the training; an adapter needs its
     # consumer.
@@ -387,7 +393,7 @@ def test_sglangs_loader_reads_every_module_of_the_sglang_format(trained, models,
             assert not re.search(r"experts\.\d+\.", module) or a.dim() == 2  # per expert, not shared-outer
             parts = [module.replace(target, leaf) for leaf in stacks.get(target, (target,))]
             rows = [expected[p][1].shape[0] for p in parts]
-            for part, a_part, b_part in zip(parts, a.chunk(len(parts)), b.split(rows)):
+            for part, a_part, b_part in zip(parts, a.chunk(len(parts)), b.split(rows), strict=True):
                 assert torch.equal(a_part, expected[part][0]) and torch.equal(b_part, expected[part][1]), part
             seen += parts
     assert sorted(seen) == sorted(expected)

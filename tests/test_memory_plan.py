@@ -168,7 +168,7 @@ LOGITS_CASES = [(True, False), (False, False), (True, True), (False, True)]
 
 @pytest.fixture(scope="module")
 def measured_logits() -> dict:
-    return dict(zip(LOGITS_CASES, run_ranks(logits_peaks, 1, LOGITS_CASES)[0]))
+    return dict(zip(LOGITS_CASES, run_ranks(logits_peaks, 1, LOGITS_CASES)[0], strict=True))
 
 
 @pytest.mark.parametrize("sampling_mask, with_entropy", LOGITS_CASES)
@@ -196,7 +196,7 @@ ATTENTION_CASES = [
 
 @pytest.fixture(scope="module")
 def measured_attention() -> dict:
-    return dict(zip(ATTENTION_CASES, run_ranks(attention_peaks, 1, ATTENTION_CASES)[0]))
+    return dict(zip(ATTENTION_CASES, run_ranks(attention_peaks, 1, ATTENTION_CASES)[0], strict=True))
 
 
 @pytest.mark.parametrize("dtype, packed, layers", ATTENTION_CASES)

@@ -35,9 +35,10 @@ def state(pid):
     return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 # The server exits and leaves two members: a worker, and one whose main thread has exited while another runs on
 # (listed as a zombie, yet holding what it holds).
-threads = "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(300,)).start(); ctypes.CDLL(None).pthread_exit(None)"
-server = subprocess.Popen(["sh", "-c", f"sleep 300 & echo $!; {sys.executable} -c '{threads}' & echo $!"], stdout=subprocess.PIPE,
-                          text=True, start_new_session=True)
+threads = ("import ctypes, threading, time; threading.Thread(target=time.sleep, args=(300,)).start(); "
+           "ctypes.CDLL(None).pthread_exit(None)")
+server = subprocess.Popen(["sh", "-c", f"sleep 300 & echo $!; {sys.executable} -c '{threads}' & echo $!"],
+                          stdout=subprocess.PIPE, text=True, start_new_session=True)
 worker, leader = int(server.stdout.readline()), int(server.stdout.readline())
 server.wait()
 while state(leader) != "Z":
@@ -75,8 +76,8 @@ while True:
 
 LAUNCHER = """
 # Like torchrun: the rank in a session of its own, its output read through pipes that end with this process.
-rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        start_new_session=True)
+rank = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE, start_new_session=True)
 rank.stdout.readline()
 print(rank.pid, flush=True)
 time.sleep(300)

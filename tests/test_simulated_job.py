@@ -94,7 +94,8 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
 
 def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_loses_no_prompt(model, tmp_path):
     """48 layers x top-8 (Qwen3-30B-A3B's routing width) make every answer large enough for the manager's generation
-    workers; each is killed mid-run, twice: the prompts they carried are re-issued, none is dropped or blamed on an engine."""
+    workers; each is killed mid-run, twice: the prompts they carried are re-issued, none is dropped or blamed on an
+    engine."""
     import threading
     import time
 

@@ -101,7 +101,7 @@ def test_lengths_and_payloads_follow_the_profile(server):
         )
         kept = meta["output_token_sampling_mask"]
         assert [len(k) for k in kept] == [5] * n
-        assert all(tok in k and k == sorted(set(k)) for tok, k in zip(c["output_ids"], kept))
+        assert all(tok in k and k == sorted(set(k)) for tok, k in zip(c["output_ids"], kept, strict=True))
         assert all(max(k) < VOCAB for k in kept)
 
 
@@ -123,7 +123,7 @@ def test_kept_sets_under_top_p_vary_in_size_and_their_log_probs_normalise(server
     for c in generate(server, body):
         meta = c["meta_info"]
         for token, ids, logprobs in zip(
-            c["output_ids"], meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]
+            c["output_ids"], meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"], strict=True
         ):
             assert token in ids and ids == sorted(set(ids)) and len(logprobs) == len(ids)
             assert abs(np.logaddexp.reduce(logprobs)) < 1e-9
@@ -371,7 +371,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
 
     mine, theirs, again, state = asyncio.run(go())
     assert len(mine) == len(theirs) == 3
-    for a, b, c in zip(mine, theirs, again):
+    for a, b, c in zip(mine, theirs, again, strict=True):
         assert a.routing is not None and a.mask_ids is not None and a.routing_start == 2
         for name in ("rid", "prompt_len", "finish_reason", "weight_versions", "routing_start"):
             assert getattr(a, name) == getattr(b, name), name

@@ -204,7 +204,7 @@ def test_a_groups_arrays_cross_out_of_band_and_arrive_whole_and_writable(wired):
     send_event(events, event)
     (piece,) = buffer.pieces(version=0, groups=1, whole=True)
     (group,) = piece
-    for sent, got in zip(event.samples, group.samples):
+    for sent, got in zip(event.samples, group.samples, strict=True):
         for name in ("prompt_ids", "response_ids", "behaviour_logprobs", "versions", "routing"):
             a, b = getattr(sent, name), getattr(got, name)
             assert (a is None and b is None) or (np.array_equal(a, b) and a.dtype == b.dtype and b.flags.writeable)

@@ -160,7 +160,7 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
         assert needs.ids == (stage in (0, layout["pp"] - 1))
         assert len(out["samples"]) == len(mine)
         shard_bytes = 0
-        for got, sent in zip(out["samples"], mine):
+        for got, sent in zip(out["samples"], mine, strict=True):
             assert np.array_equal(got.routing, sent.routing[:, list(needs.columns)])
             assert (
                 got.prompt_len == sent.prompt_len
@@ -223,7 +223,8 @@ def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, 
 
 @pytest.mark.parametrize("layout", ["TP1", "packed TP2+SP+EP2", "PP2"])
 def test_the_mismatch_splits_by_routing_and_lag_where_flips_and_drift_are_planted(tiny_ckpts, fp32_samples, layout):
-    """The fp32 engine's rollouts, altered: every third response token's position routed to other experts in one MoE layer
+    """The fp32 engine's rollouts, altered: every third response token's position routed to other experts in one MoE
+    layer
     (the first layer's or the last's, which PP2 holds on different stages) and its behaviour log-prob lowered by 0.5;
     groups 0 and 1 sampled a version before the trainer's. Replay off leaves the trainer's log-probs as they were, so
     exactly the planted tokens differ and carry the whole mismatch, at its known size, in both lag parts."""

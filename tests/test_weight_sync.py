@@ -310,10 +310,12 @@ def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_er
 
 def test_an_engine_holding_all_the_weight_groups_it_may_is_restarted_or_left_out():
     """An engine keeps every weight group it joins, a communicator per sender outside mem_fraction_static: where the
-    senders would form their groups again, one holding MAX_GROUPS_PER_ENGINE of the run's is restarted if the job started
+    senders would form their groups again, one holding MAX_GROUPS_PER_ENGINE of the run's is restarted if the job
+    started
     it (a new process holds none) and otherwise left out for the rest of the run; with none left the push stops."""
+    from moerl.engines.weight_group import MAX_GROUPS_PER_ENGINE
     from moerl.errors import EnginesDown
-    from moerl.weight_sync.broadcast import MAX_GROUPS_PER_ENGINE, BroadcastSync
+    from moerl.weight_sync.broadcast import BroadcastSync
 
     started, given, other = "http://started", "http://given", "http://other"
     sync = BroadcastSync([started, given, other], "127.0.0.1", "gloo")

@@ -21,7 +21,8 @@ CUDA_VISIBLE_AT_START = os.environ.get("CUDA_VISIBLE_DEVICES")
 
 def adam_steps_after_a_shared_step_is_loaded(mcore_dir: str, trainer_cfg, samples: list) -> list[float]:
     """One step; then every parameter's Adam step set to one shared tensor, as megatron-core's DistributedOptimizer
-    (without Apex or TE) loads it, and what the trainer does after a load; one more step. Each parameter's step after."""
+    (without Apex or TE) loads it, and what the trainer does after a load; one more step. Each parameter's step
+    after."""
     from moerl.trainer.trainer import Trainer, _inner_optimizers, _own_adam_steps
 
     trainer = Trainer(mcore_dir, trainer_cfg)
@@ -298,7 +299,8 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
 
 
 def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]) -> dict:
-    """A broadcast sync whose rank 1 fails its first turn: the attempt (1 or 2, the push made once more) of each turn this
+    """A broadcast sync whose rank 1 fails its first turn: the attempt (1 or 2, the push made once more) of each turn
+    this
     rank had, and what the engines report after. Then an update once a call has passed over the first engine since
     (as if it went and came back at its address): the groups this rank had formed after each update."""
     from moerl.trainer.trainer import Trainer
@@ -335,7 +337,8 @@ def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]
 def syncs_where_one_engine_refuses_a_bucket_the_other_took(
     mcore_dir: str, trainer_cfg, hf_dir: str, refusing_url: str, log_dir: str
 ) -> dict:
-    """Broadcast updates to two engines: one this rank starts (a pool of one replica, as the job's), one given by URL whose
+    """Broadcast updates to two engines: one this rank starts (a pool of one replica, as the job's), one given by URL
+    whose
     model's vocabulary differs, so that it refuses the embedding's bucket after the first engine took it. The first
     update (the job restarts what it started) is made again to the restarted engine alone; the second (nothing
     restarted) has no engine left and stops at once. What each update did and what the engines then serve."""
@@ -422,7 +425,7 @@ def lora_train_export(
     save_dir: str | None = None,
 ) -> dict:
     """``steps`` LoRA steps on ``samples``; what trains, what changed, the exported adapter and logits."""
-    from moerl.megatron.lora import is_lora_param
+    from moerl.megatron.lora_config import is_lora_param
     from moerl.trainer.trainer import Trainer
 
     trainer = Trainer(mcore_dir, trainer_cfg, lora=lora_cfg)
@@ -545,7 +548,8 @@ def step_at_version(mcore_dir: str, trainer_cfg, samples: list, version: int) ->
 
 
 def train_with_routing_one_position_late(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
-    """:func:`train_steps` with a planted fault: every micro-batch's routing rows moved one position later than its tokens."""
+    """:func:`train_steps` with a planted fault: every micro-batch's routing rows moved one position later than its
+    tokens."""
     import numpy as np
 
     from moerl.trainer import trainer as trainer_module
@@ -580,7 +584,8 @@ def train_with_routing_columns_swapped(mcore_dir: str, trainer_cfg, samples: lis
 
 
 def train_without_replay(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
-    """:func:`train_steps` with a planted fault: the old-policy pass replays, the training pass (and its recompute) never."""
+    """:func:`train_steps` with a planted fault: the old-policy pass replays, the training pass (and its recompute)
+    never."""
     from moerl.trainer import trainer as trainer_module
 
     set_action, score = trainer_module.set_action, trainer_module.Trainer.score

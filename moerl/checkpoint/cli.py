@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.adapter_format} adapter {out}")
             if dropped:
                 print(
-                    f"warning: PEFT over transformers 5 would load {len(dropped)} module(s) of this adapter into nothing "
-                    f"(e.g. {dropped[0]}) and serve another model; for PEFT, export it with --adapter-format peft",
+                    f"warning: PEFT over transformers 5 would load {len(dropped)} module(s) of this adapter into "
+                    f"nothing (e.g. {dropped[0]}) and serve another model; for PEFT, export it with "
+                    "--adapter-format peft",
                     file=sys.stderr,
                 )
         elif args.command == "mcore-to-hf":
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
             diff = verify(args.hf, args.mcore, layout)
             ok = diff <= args.tolerance
             print(
-                f"verify {layout}: max |logit diff| = {diff:.3e} ({'OK' if ok else 'FAIL'}, tolerance {args.tolerance:.1e})"
+                f"verify {layout}: max |logit diff| = {diff:.3e} ({'OK' if ok else 'FAIL'}, "
+                f"tolerance {args.tolerance:.1e})"
             )
             return 0 if ok else 1
     except MoerlError as e:

@@ -39,7 +39,8 @@ from moerl.checkpoint.peft import (
 from moerl.dtypes import MODEL_DTYPES, dtype_name
 from moerl.files import staged_dir
 from moerl.layout import Layout
-from moerl.megatron.lora import LoRAConfig, add_lora, is_lora_param
+from moerl.megatron.lora import add_lora
+from moerl.megatron.lora_config import LoRAConfig, is_lora_param
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import ensure_single_process_env, init_distributed
 from moerl.models import ModelFamily, family_for
@@ -141,11 +142,13 @@ def _read_checkpoint(mcore_dir: Path) -> tuple[dict, ModelFamily, dict, LoRAConf
 
 
 def _adapter_files(mcore_dir: Path, fmt: str, base_model: str | None) -> tuple[AdapterFiles, ModelFamily]:
-    """The adapters of a LoRA-trained checkpoint as the files of ``fmt`` (read without the base weights), and its family."""
+    """The adapters of a LoRA-trained checkpoint as the files of ``fmt`` (read without the base weights), and its
+    family."""
     meta, family, cfg, lora_cfg = _read_checkpoint(mcore_dir)
     if lora_cfg is None:
         raise CheckpointError(
-            f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --adapter-only"
+            f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without "
+            "--adapter-only"
         )
     base_model = base_model or meta.get("hf_source")
     if not base_model:
@@ -206,7 +209,8 @@ def mcore_to_hf(
     dtype = MODEL_DTYPES[meta["dtype"]]
     if lora_cfg is None and merge_lora:
         raise CheckpointError(
-            f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without --merge-lora"
+            f"{mcore_dir} holds no LoRA adapters (no lora section in its {TRAINER_STATE}); convert it without "
+            "--merge-lora"
         )
     if lora_cfg is not None and not merge_lora:
         raise CheckpointError(
@@ -227,8 +231,9 @@ def mcore_to_hf(
             for rule in rules:
                 weight, module = state[rule.mcore], rule.mcore.removesuffix(".weight")
                 if f"{module}.lora_A" in state:
+                    assert lora_cfg is not None, "a model is built with adapters only from a LoRA config"
                     weight = merge_into(weight, state[f"{module}.lora_A"], state[f"{module}.lora_B"], lora_cfg.scale)
-                for name, tensor in zip(rule.hf, family.to_hf(rule, weight, cfg)):
+                for name, tensor in zip(rule.hf, family.to_hf(rule, weight, cfg), strict=True):
                     writer.add(name, tensor)
             for name in names:
                 _set_param(model, name, torch.empty_like(params[name], device="meta"))

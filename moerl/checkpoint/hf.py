@@ -106,7 +106,7 @@ class HFReader:
     def get(self, name: str) -> torch.Tensor:
         try:
             return self._handle(name).get_tensor(name)
-        except Exception as e:  # safetensors' own error types: a file damaged past its header
+        except Exception as e:  # noqa: BLE001 - a file damaged past its header fails in safetensors' own ways
             raise CheckpointError(
                 f"{self.directory / self.file_of[name]}: tensor {name} cannot be read ({e})"
             ) from None
@@ -130,7 +130,7 @@ def _weight_map(index: Path) -> dict[str, str]:
 def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")
-    except Exception as e:  # safetensors raises its own error types for a damaged or foreign file
+    except Exception as e:  # noqa: BLE001 - safetensors fails in its own ways on a damaged or foreign file
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
@@ -162,7 +162,8 @@ def check_hf_tensors(reader: HFReader, family: ModelFamily, cfg: dict) -> torch.
     dtypes = {reader.dtype(n) for n in expected}
     if len(dtypes) != 1:
         raise CheckpointError(
-            f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one parameter dtype"
+            f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one "
+            "parameter dtype"
         )
     return dtypes.pop()
 

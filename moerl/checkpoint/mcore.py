@@ -19,6 +19,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values, merge
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+from megatron.core.models.gpt import GPTModel
 
 from moerl.checkpoint.hf import CheckpointError, read_config
 from moerl.env import die_with_parent, exit_with
@@ -42,7 +43,8 @@ def read_moerl_meta(ckpt_dir: str | Path) -> dict:
     path = Path(ckpt_dir) / MOERL_META
     if not path.is_file():
         raise CheckpointError(
-            f"{ckpt_dir}: no {MOERL_META}; not a moerl Megatron checkpoint (convert one with tools/convert_ckpt.py hf-to-mcore)"
+            f"{ckpt_dir}: no {MOERL_META}; not a moerl Megatron checkpoint (convert one with tools/convert_ckpt.py "
+            "hf-to-mcore)"
         )
     return json.loads(path.read_text())
 
@@ -113,13 +115,14 @@ def save_sharded(sharded: dict, ckpt_dir: str | Path, **options) -> None:
         _saving = False
 
 
-def write_moerl_meta(ckpt_dir: str | Path, architecture: str, dtype: str, hf_source: str) -> None:
-    """``hf_source``: the base model that adapters trained from this checkpoint apply to (their PEFT config names it)."""
+def write_moerl_meta(ckpt_dir: str | Path, architecture: str, dtype: str, hf_source: str | None) -> None:
+    """``hf_source``: the base model that adapters trained from this checkpoint apply to (their PEFT config names
+    it); None where the checkpoint it was trained from predates the key."""
     meta = {"format_version": FORMAT_VERSION, "architecture": architecture, "dtype": dtype, "hf_source": hf_source}
     (Path(ckpt_dir) / MOERL_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def load_model_weights(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+def load_model_weights(model: GPTModel, ckpt_dir: str | Path) -> None:
     """Load this rank's shards of a moerl Megatron checkpoint into ``model`` (any layout)."""
     state = load_sharded(model.sharded_state_dict(metadata=SHARDED_METADATA), ckpt_dir)
     model.load_state_dict(state, strict=True)
@@ -160,7 +163,7 @@ def merge_layer_checkpoints(root: Path, layer_dirs: list[Path]) -> None:
             target = f"__layer{k}{data_file.name}"
             shutil.move(str(data_file), root / target)
             renamed[data_file.name] = target
-        for index, info in meta.storage_data.items():
+        for info in meta.storage_data.values():
             info.relative_path = renamed[info.relative_path]
         if merged is None:
             merged = meta
@@ -174,6 +177,8 @@ def merge_layer_checkpoints(root: Path, layer_dirs: list[Path]) -> None:
                     merged.state_dict_metadata[key] = tensor_meta
             merged.storage_data.update(meta.storage_data)
         shutil.rmtree(layer_dir)
+    if merged is None:
+        raise CheckpointError(f"{root}: no layer checkpoints to merge")
     merged.all_local_plans = None
     with open(root / ".metadata", "wb") as f:
         pickle.dump(merged, f)

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moerl.files import staged_dir
-from moerl.megatron.lora import LoRAConfig
+from moerl.megatron.lora_config import LoRAConfig
 from moerl.models import ModelFamily
 
 FORMATS = ("peft", "sglang")
@@ -57,7 +57,7 @@ def hub_factors(
     for module in sorted({name.rsplit(".", 1)[0] for name in lora}):
         rule = rules[f"{module}.weight"]
         a = lora[f"{module}.lora_A"]
-        for hub_weight, b in zip(rule.hf, family.to_hf(rule, lora[f"{module}.lora_B"], cfg)):
+        for hub_weight, b in zip(rule.hf, family.to_hf(rule, lora[f"{module}.lora_B"], cfg), strict=True):
             out[hub_weight.removesuffix(".weight")] = (a, b.contiguous())
     return out
 
@@ -165,7 +165,8 @@ def _expert_pair(own: dict, parts: tuple[str, ...]):
     missing = [p for p in parts if p not in own]
     if missing:
         raise ValueError(
-            f"expert adapters for {missing} are missing beside {[p for p in parts if p in own]}: they are one fused weight"
+            f"expert adapters for {missing} are missing beside {[p for p in parts if p in own]}: they are one fused "
+            "weight"
         )
     a = own[parts[0]][0]
     return a, torch.cat([own[p][1] for p in parts])

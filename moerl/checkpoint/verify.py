@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moerl.checkpoint.mcore import hf_config_of, load_megatron_model
-from moerl.layout import Layout
+from moerl.layout import UNSHARDED, Layout
 from moerl.megatron.forward import forward_logits
 from moerl.megatron.launch import run_ranks
 from moerl.models import family_for
@@ -46,7 +46,8 @@ def _verify_rank(hf_dir: str, mcore_dir: str, layout: Layout) -> float | None:
     worst = 0.0
     for ids in prompt_ids(hf_dir, cfg["vocab_size"]):
         logits = forward_logits(model, ids)
-        if holder:
+        if reference is not None:
+            assert logits is not None, "the reference's holder is on the last pipeline stage, which has the logits"
             with torch.no_grad():
                 worst = max(worst, (logits.cpu() - reference(ids).logits).abs().max().item())
     return worst if holder else None
@@ -56,7 +57,7 @@ def world_size_for(layout: Layout) -> int:
     return math.lcm(layout.tp * layout.pp, layout.etp * layout.ep * layout.pp)
 
 
-def verify(hf_dir: str | Path, mcore_dir: str | Path, layout: Layout = Layout()) -> float:
+def verify(hf_dir: str | Path, mcore_dir: str | Path, layout: Layout = UNSHARDED) -> float:
     """Max |logit difference| (fp32) between the HF model and the Megatron checkpoint at ``layout``.
 
     Under torchrun it runs as the launched ranks; otherwise it spawns the ranks the layout needs.
@@ -70,7 +71,7 @@ def verify(hf_dir: str | Path, mcore_dir: str | Path, layout: Layout = Layout())
         results = [_verify_rank(*args)]
         import torch.distributed as dist
 
-        gathered = [None] * dist.get_world_size()
+        gathered: list[float | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, results[0])
         results = gathered
     else:

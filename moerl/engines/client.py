@@ -42,9 +42,8 @@ class EngineError(RuntimeError):
     def __init__(self, url: str, message: str, status: int | None = None):
         super().__init__(f"{url}: {message}")
         self.url, self.message, self.status = url, message, status
-        self.failures = [
-            self
-        ]  # a call that ended on every engine (EngineClient._on_each): each engine's error, this one first
+        # A call that ended on every engine (EngineClient._on_each): each engine's error, this one first.
+        self.failures: list[EngineError] = [self]
 
     def __reduce__(self):  # raised in a generation worker, re-raised in its owner
         return type(self), (self.url, self.message, self.status)
@@ -146,23 +145,26 @@ class EngineClient:
                 last = EngineError(url, f"{route.path}: {type(e).__name__}: {e}")
             if attempt + 1 < attempts:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
+        assert last is not None, "every attempt that did not return set it"
         raise last
 
     async def _everywhere(self, route: Route, request: WireModel | None = None) -> list[Any]:
         return list(await asyncio.gather(*(self._call(u, route, request) for u in self.targets)))
 
     async def _on_each(self, route: Route, request: WireModel | None = None) -> list[Any]:
-        """As :meth:`_everywhere`, for a call that must not be repeated where it succeeded: it ends on every engine before
-        it raises (a failure of one stops none of the others unseen), the error carrying each engine's
+        """As :meth:`_everywhere`, for a call that must not be repeated where it succeeded: it ends on every engine
+        before it raises (a failure of one stops none of the others unseen), the error carrying each engine's
         (:attr:`EngineError.failures`). Not for the weight-group routes: there one engine's refusal must fail the
         collective its peers wait in at once."""
         outcomes = await asyncio.gather(*(self._call(u, route, request) for u in self.targets), return_exceptions=True)
-        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        errors: list[EngineError] = []
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, EngineError):  # not an engine's failure: ours
+                    raise outcome
+                errors.append(outcome)
         if not errors:
             return outcomes
-        for error in errors:
-            if not isinstance(error, EngineError):  # not an engine's failure: ours
-                raise error
         errors[0].failures = errors
         raise errors[0]
 
@@ -246,14 +248,16 @@ class EngineClient:
 
     # ---- control ------------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:
-        await self._everywhere(P.PAUSE, P.PauseGenerationReqInput(mode=mode))
+        # model_validate, as the constructor would check it: ``mode`` is any string (a config value), not yet one of the
+        # wire type's Literal modes.
+        await self._everywhere(P.PAUSE, P.PauseGenerationReqInput.model_validate({"mode": mode}))
 
     async def resume(self) -> None:
         await self._everywhere(P.CONTINUE, P.ContinueGenerationReqInput())
 
     async def release(self, urls: list[str], timeout_s: float = 5.0) -> None:
-        """End the weight-update session and continue generation on ``urls``, engines a failed update leaves out that may
-        be stuck: each call given ``timeout_s``, whatever they answer."""
+        """End the weight-update session and continue generation on ``urls``, engines a failed update leaves out that
+        may be stuck: each call given ``timeout_s``, whatever they answer."""
 
         async def one(url: str) -> None:
             for route, request in (
@@ -315,18 +319,21 @@ class EngineClient:
     ) -> None:
         """Each replica joins the trainer's broadcast group at its own rank offset (default 1, 2, ...)."""
         offsets = rank_offsets or list(range(1, len(self.targets) + 1))
+        # model_validate, as the constructor would check it: ``backend`` is any string, not yet one of the Literal's.
         await asyncio.gather(
             *(
                 self._call(
                     u,
                     P.INIT_GROUP,
-                    P.InitWeightsUpdateGroupReqInput(
-                        master_address=master_address,
-                        master_port=master_port,
-                        rank_offset=offset,
-                        world_size=world_size,
-                        group_name=group_name,
-                        backend=backend,
+                    P.InitWeightsUpdateGroupReqInput.model_validate(
+                        {
+                            "master_address": master_address,
+                            "master_port": master_port,
+                            "rank_offset": offset,
+                            "world_size": world_size,
+                            "group_name": group_name,
+                            "backend": backend,
+                        }
                     ),
                 )
                 for u, offset in zip(self.targets, offsets, strict=True)
@@ -337,11 +344,13 @@ class EngineClient:
         await self._everywhere(P.BEGIN_UPDATE, P.BeginWeightUpdateReqInput())
 
     async def end_weight_update(self) -> None:
-        """Ends on every engine before a failure is raised (asked once: an engine whose session it ended refuses another)."""
+        """Ends on every engine before a failure is raised (asked once: an engine whose session it ended refuses
+        another)."""
         await self._on_each(P.END_UPDATE, P.EndWeightUpdateReqInput())
 
     async def abandon_weight_update(self) -> None:
-        """After a failed update: end the session wherever one is open (engines without one, or gone, are passed over)."""
+        """After a failed update: end the session wherever one is open (engines without one, or gone, are passed
+        over)."""
         await asyncio.gather(
             *(self._call(u, P.END_UPDATE, P.EndWeightUpdateReqInput(), retries=0) for u in self.targets),
             return_exceptions=True,
@@ -357,16 +366,20 @@ class EngineClient:
         load_format: str | None = None,
         flush_cache: bool = True,
     ) -> None:
+        # model_validate, as the constructor would check it: ``dtypes`` and ``load_format`` are any strings, not yet
+        # the Literals the wire type takes.
         await self._everywhere(
             P.UPDATE_FROM_DISTRIBUTED,
-            P.UpdateWeightsFromDistributedReqInput(
-                names=names,
-                dtypes=dtypes,
-                shapes=shapes,
-                group_name=group_name,
-                weight_version=weight_version,
-                load_format=load_format,
-                flush_cache=flush_cache,
+            P.UpdateWeightsFromDistributedReqInput.model_validate(
+                {
+                    "names": names,
+                    "dtypes": dtypes,
+                    "shapes": shapes,
+                    "group_name": group_name,
+                    "weight_version": weight_version,
+                    "load_format": load_format,
+                    "flush_cache": flush_cache,
+                }
             ),
         )
 
@@ -445,7 +458,8 @@ class EngineClient:
             return False
 
     async def healthy(self, paused: bool = False) -> list[bool]:
-        """Whether each engine answers (``paused``: while this client has generation paused, whether its server does)."""
+        """Whether each engine answers (``paused``: while this client has generation paused, whether its server
+        does)."""
         return list(await asyncio.gather(*(self._healthy(u, paused) for u in self.urls)))
 
 

@@ -33,6 +33,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from moerl.engines import protocol as P
@@ -106,7 +107,7 @@ class GenerationWorkers:
         for i, w in enumerate(self.workers):
             if w is None:
                 self.workers[i] = self._start()
-        return min(self.workers, key=lambda w: len(w.jobs))
+        return min((w for w in self.workers if w is not None), key=lambda w: len(w.jobs))  # none is None now
 
     def _start(self) -> _Worker:
         ours, theirs = self._context.Pipe(duplex=True)
@@ -132,7 +133,8 @@ class GenerationWorkers:
                 except (EOFError, OSError) as e:
                     why = "it exited" if isinstance(e, EOFError) else str(e)
                     break
-                except BaseException as e:  # an answer that does not unpickle: this worker cannot be trusted with more
+                except BaseException as e:  # noqa: BLE001 - whatever unpickling raises
+                    # An answer that does not unpickle: this worker cannot be trusted with more.
                     why = f"its answer did not unpickle: {type(e).__name__}: {e}"
                     worker.process.kill()
                     break
@@ -224,7 +226,7 @@ def _receive(conn, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue) -> 
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
-        except BaseException:  # the owner closed its end, or sent what this cannot read: either way, stop
+        except BaseException:  # noqa: BLE001 - the owner closed its end, or sent what this cannot read: stop either way
             message = ("stop",)
         loop.call_soon_threadsafe(messages.put_nowait, message)
         if message[0] == "stop":
@@ -234,7 +236,7 @@ def _receive(conn, loop: asyncio.AbstractEventLoop, messages: asyncio.Queue) -> 
 class _Carrier:
     """The worker's generations: each carried by ``client`` in a task of its own and answered through ``conn``."""
 
-    def __init__(self, conn, client):
+    def __init__(self, conn: Connection, client: Any) -> None:
         self.conn, self.client = conn, client
         self.running: dict[int, asyncio.Task] = {}  # a job leaves it when it ends or when the owner gives up on it
 
@@ -269,7 +271,7 @@ class _Carrier:
             if job not in self.running:
                 return  # the owner gave up on it: nothing to answer
             answer = (job, None, WorkerLost("cancelled in the generation worker"), None)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the owner, which raises it there
             answer = (job, None, e, traceback.format_exc())
         self.running.pop(job, None)
         message = _pickled(answer)
@@ -286,7 +288,7 @@ def _pickled(answer: tuple) -> bytes:
         message = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)
         if error is not None:
             pickle.loads(message)  # an exception that pickles may still not unpickle (a constructor of other arguments)
-    except Exception:  # its text still reaches the owner
+    except Exception:  # noqa: BLE001 - whatever (un)pickling the error raises, its text still reaches the owner
         message = pickle.dumps(
             (job, None, RuntimeError(f"in a generation worker: {error!r}"), trace or traceback.format_exc())
         )

@@ -11,13 +11,14 @@ deadlines and taken out of rotation like a crashed one. Every change is logged w
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 log = logging.getLogger("moerl.engines")
 
 
-class State(str, Enum):
+class State(StrEnum):
     HEALTHY = "healthy"
     SUSPECT = "suspect"
     DEAD = "dead"
@@ -57,7 +58,7 @@ class ReplicaHealth:
     # the trainer reads losses from these counts, which no sequence of states between two reports can hide.
     losses: dict[str, int] = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.replicas = {url: Replica(url) for url in self.urls}
         self.epochs = dict.fromkeys(self.urls, 0)
         self.losses = dict.fromkeys(self.urls, 0)
@@ -97,7 +98,7 @@ class ReplicaHealth:
             self.set(url, State.STALE, reason)
             self._forget(url)
 
-    def foreign_version(self, versions) -> str | None:
+    def foreign_version(self, versions: Iterable[str]) -> str | None:
         """The first of these weight ``versions`` (of a replica's answer) that no weight sync of this job names
         (:func:`names_a_policy`), None if there is none. Not known (LoRA runs, a client outside a job): None."""
         if self.served is None:
@@ -112,9 +113,9 @@ class ReplicaHealth:
             self.synced.discard(url)
 
     def sync_reached(self, version: str | None, engines: list[str], also: bool = False) -> None:
-        """A weight sync left ``version`` on ``engines``; a healthy replica it missed (it answered too late for the sync)
-        holds the previous policy. ``also``: it brought them the policy the last sync left (a catch-up), which those
-        that sync reached still hold."""
+        """A weight sync left ``version`` on ``engines``; a healthy replica it missed (it answered too late for the
+        sync) holds the previous policy. ``also``: it brought them the policy the last sync left (a catch-up), which
+        those that sync reached still hold."""
         for url in engines:
             self.epochs[url] += 1
         if also and self.synced is not None:

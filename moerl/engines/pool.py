@@ -1,6 +1,7 @@
-"""Engine replicas the job (or ``moerl engines``) starts on this node: SGLang servers on their own GPUs with the flags RL
-needs, or moerl's embedded or simulated engines, which speak the same HTTP API. Each replica is started, health-checked,
-restarted when it dies (within a bound), optionally fronted by sglang-router, and stopped with its whole process group.
+"""Engine replicas the job (or ``moerl engines``) starts on this node: SGLang servers on their own GPUs with the flags
+RL needs, or moerl's embedded or simulated engines, which speak the same HTTP API. Each replica is started,
+health-checked, restarted when it dies (within a bound), optionally fronted by sglang-router, and stopped with its whole
+process group.
 
 The client talks to the replicas directly (least-loaded dispatch in :class:`~moerl.engines.client.EngineClient`) or to
 the router's single URL.
@@ -103,7 +104,8 @@ def server_args(cfg: EnginePoolConfig, port: int) -> list[str]:
 
 
 def launch_args(cfg: EnginePoolConfig, ports: list[int]) -> list[str]:
-    """``python`` arguments that start a replica of ``cfg.server`` on each of ``ports`` (several: simulated replicas only)."""
+    """``python`` arguments that start a replica of ``cfg.server`` on each of ``ports`` (several: simulated replicas
+    only)."""
     if cfg.server == "simulated":
         return [
             "-m",
@@ -169,10 +171,8 @@ class EnginePool:
         self.given_up: set[int] = set()  # replicas restarted too often within the window: left dead
         self._next_restart: dict[int, float] = {}  # replica -> earliest monotonic time of its next restart (backoff)
         self._failed_starts: dict[int, int] = {}  # replica -> restarts in a row not yet seen answering /health
-        self._left_since: dict[
-            int, list[float]
-        ] = {}  # replica -> [when revive() first found its dead server's processes
-        # running, when it last said so]
+        # replica -> [when revive() first found its dead server's processes running, when it last said so]
+        self._left_since: dict[int, list[float]] = {}
 
     @property
     def replica_urls(self) -> list[str]:
@@ -278,15 +278,16 @@ class EnginePool:
                     restarts += 1
                     served = [j for j in range(i, len(self.ports)) if self.procs[j] is proc]
                     others = [port for j, port in enumerate(self.ports) if j not in served]
-                    for j, port in zip(served, free_ports(len(served), avoid=others)):
+                    for j, port in zip(served, free_ports(len(served), avoid=others), strict=True):
                         self.ports[j] = port
                     restarted = self._spawn_replicas(i, [self.ports[j] for j in served], restart=True)
                     for j in served:
                         self.procs[j] = restarted
                     continue
                 tail = f"; the end of {log}:\n{text[-3000:]}" if log else " (set log_dir to keep its log)"
-                raise RuntimeError(f"an engine process exited during start-up: {proc.args}{tail}")
-            healthy.update(url for url, up in zip(pending, health(pending)) if up)
+                # !s: its args are the list of str it was started with, never the bytes typeshed allows
+                raise RuntimeError(f"an engine process exited during start-up: {proc.args!s}{tail}")
+            healthy.update(url for url, up in zip(pending, health(pending), strict=True) if up)
             waiting = [url for url in urls() if url not in healthy]
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {waiting}")
@@ -308,11 +309,13 @@ class EnginePool:
         server has ended (what is left of it is killed here). A replica that would be restarted more than
         ``max_restarts`` times within ``window_s`` seconds (a crash loop) is given up on, for good; one that fails now
         and then is always restarted. Restarts that follow each other without the replica ever answering /health in
-        between back off: 1, 2, 4 ... s; one that came up resets that. Returns the URLs restarted; each is reachable once
-        it answers /health, and serves the model it started from until a weight sync reaches it."""
+        between back off: 1, 2, 4 ... s; one that came up resets that. Returns the URLs restarted; each is reachable
+        once it answers /health, and serves the model it started from until a weight sync reaches it."""
         now, restarted = time.monotonic(), []
         unconfirmed = [i for i in range(len(self.ports)) if self._failed_starts.get(i) and self.procs[i].poll() is None]
-        for i, up in zip(unconfirmed, health([self.replica_urls[i] for i in unconfirmed]) if unconfirmed else []):
+        for i, up in zip(
+            unconfirmed, health([self.replica_urls[i] for i in unconfirmed]) if unconfirmed else [], strict=True
+        ):
             if up:
                 self._failed_starts[i], self._next_restart[i] = 0, 0.0
         for i, port in enumerate(self.ports):
@@ -414,14 +417,14 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import socket
 
-    from moerl.megatron.lora import LoRAConfig
+    from moerl.megatron.lora_config import LoRAConfig
 
     p = argparse.ArgumentParser(
         prog="moerl engines",
         description=(
             "Start SGLang replicas on this node's GPUs with the flags moerl's RL loop needs (routed experts, sampling "
-            "masks, memory saver, LoRA), wait until each is healthy, print their URLs and keep them up until interrupted. "
-            "Give the URLs to the job: engines.urls=[...]."
+            "masks, memory saver, LoRA), wait until each is healthy, print their URLs and keep them up until "
+            "interrupted. Give the URLs to the job: engines.urls=[...]."
         ),
     )
     p.add_argument("--model", required=True, help="HF model directory (the one the job trains)")

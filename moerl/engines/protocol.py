@@ -14,7 +14,7 @@ import base64
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, TypedDict, get_args
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,7 +31,8 @@ class ProtocolError(MoerlError):
 
 
 class BrokenAnswer(ValueError):
-    """An engine's answer that is not JSON: a transport failure (the replica is at fault, not the request)."""
+    """An engine's answer that is not JSON, or not a finished completion: a transport failure (the replica is at fault,
+    not the request)."""
 
 
 SGLANG_VERSION = "0.5.23"  # the release this contract is written and tested against (the sglang extra pins it)
@@ -41,6 +42,9 @@ DEFAULT_SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens d
 GREEDY_BELOW = 1e-6  # SGLang samples greedily (temperature 1, top_k 1) below this temperature
 MAX_N = 1024  # completions of one prompt per request (SGLang sets no bound; one request must not flood the engine)
 INT64 = (-(2**63), 2**63 - 1)
+# moerl.dtypes.WIRE_DTYPES as a type: a type checker reads a Literal's values only where they are written out.
+WireDtype = Literal["float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8"]
+assert get_args(WireDtype) == WIRE_DTYPES, "WireDtype must list moerl.dtypes.WIRE_DTYPES, in its order"
 
 
 def _no_nul(path: str) -> str:
@@ -58,7 +62,7 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @classmethod
-    def parse(cls, body: bytes | str | dict):
+    def parse(cls, body: bytes | str | dict) -> Self:
         """The validated request of a raw JSON body (or an already decoded one); :class:`ProtocolError` if bad."""
         try:
             return cls.model_validate_json(body) if isinstance(body, (bytes, str)) else cls.model_validate(body)
@@ -83,7 +87,10 @@ def _not_unicode(body: bytes | str | dict, error: ValidationError) -> str | None
     where = _first_not_unicode(decoded, ())
     if where is None:
         return None
-    return f"{'.'.join(map(str, where)) or 'the body'}: not valid Unicode (bytes that are not UTF-8, or an unpaired surrogate escape)"
+    return (
+        f"{'.'.join(map(str, where)) or 'the body'}: "
+        "not valid Unicode (bytes that are not UTF-8, or an unpaired surrogate escape)"
+    )
 
 
 def _first_not_unicode(value: Any, path: tuple) -> tuple | None:
@@ -140,17 +147,17 @@ class _NullMeansDefault(WireModel):
 class SamplingParams(_NullMeansDefault):
     """``sampling_params`` of /generate."""
 
-    temperature: float = Field(1.0, ge=0)  # below GREEDY_BELOW: greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, le=INT64[1])  # -1: the whole vocabulary; 0 is refused
-    min_p: float = Field(0.0, ge=0, le=1)
-    max_new_tokens: int = Field(128, ge=0, le=INT64[1])
+    temperature: float = Field(default=1.0, ge=0)  # below GREEDY_BELOW: greedy
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=-1, ge=-1, le=INT64[1])  # -1: the whole vocabulary; 0 is refused
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    max_new_tokens: int = Field(default=128, ge=0, le=INT64[1])
     stop_token_ids: list[int] | None = None  # stop on any of these, besides the model's end token
     ignore_eos: bool = False
     # completions of the prompt; the embedded engine seeds completion i sampling_seed + i
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     # SGLang 0.5.23 reads it only under --enable-deterministic-inference, and then gives all n completions this one seed
-    sampling_seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
+    sampling_seed: int | None = Field(default=None, ge=INT64[0], le=INT64[1])
 
     @field_validator("top_k")
     @classmethod
@@ -170,13 +177,12 @@ class GenerateReqInput(_NullMeansDefault):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = SamplingParams()
-    rid: str | None = (
-        None  # n > 1: the embedded engine names completion i "<rid>-<i>" and aborts them all by rid (SGLang: neither)
-    )
+    # n > 1: the embedded engine names completion i "<rid>-<i>" and aborts them all by rid (SGLang: neither)
+    rid: str | None = None
     return_logprob: bool = False
-    logprob_start_len: int = Field(-1, ge=-1)  # prompt log-probs from this position (-1: none)
+    logprob_start_len: int = Field(default=-1, ge=-1)  # prompt log-probs from this position (-1: none)
     return_routed_experts: bool = False
-    routed_experts_start_len: int = Field(0, ge=0)  # routing rows from this position
+    routed_experts_start_len: int = Field(default=0, ge=0)  # routing rows from this position
     return_sampling_mask: bool = False  # each output token's kept set (needs a finite top_k)
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     lora_path: str | None = None  # name of a loaded LoRA adapter
@@ -240,7 +246,7 @@ def check_generate(req: GenerateReqInput, prompt: list[int], limits: EngineLimit
 
 class GenerateMetaInfo(TypedDict, total=False):
     id: str
-    finish_reason: dict  # {"type": "stop" | "length" | "abort", ...}
+    finish_reason: dict | None  # {"type": "stop" | "length" | "abort", ...}; None: a streamed chunk, still running
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # of the prompt, reused from the prefix cache (KV and routing computed by an earlier request)
@@ -301,7 +307,7 @@ class InitWeightsUpdateGroupReqInput(WireModel):
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)  # this replica's first rank (the trainer is rank 0)
     world_size: int = Field(ge=2, le=1 << 16)
-    group_name: str = Field("weight_update_group", min_length=1)
+    group_name: str = Field(default="weight_update_group", min_length=1)
     backend: Literal["nccl", "gloo"] = "nccl"
 
     @model_validator(mode="after")
@@ -323,9 +329,9 @@ class EndWeightUpdateReqInput(WireModel):
 
 class UpdateWeightsFromDistributedReqInput(WireModel):
     names: list[str] = Field(min_length=1)  # Hub tensor names
-    dtypes: list[Literal[WIRE_DTYPES]]
+    dtypes: list[WireDtype]
     shapes: list[list[int]]
-    group_name: str = Field("weight_update_group", min_length=1)
+    group_name: str = Field(default="weight_update_group", min_length=1)
     flush_cache: bool = True  # refused while requests run (an in_place pause): send false then
     abort_all_requests: bool = False
     weight_version: str | None = None
@@ -345,7 +351,7 @@ class UpdateWeightsFromDistributedReqInput(WireModel):
 
 class GetWeightsByNameReqInput(WireModel):
     name: str = Field(min_length=1)
-    truncate_size: int = Field(100, ge=1)
+    truncate_size: int = Field(default=100, ge=1)
 
 
 class CheckWeightsReqInput(WireModel):
@@ -387,7 +393,8 @@ class ServerInfo(TypedDict, total=False):
     tp_size: int  # ranks the engine takes in a weight-update group
     version: str  # SGLang's version (the embedded engine: moerl's, with engine "moerl-embedded")
     engine: str
-    dtype: str  # what it computes in: SGLang's --dtype ("auto": fp16/bf16 from the checkpoint), the embedded engine's torch dtype
+    # What it computes in: SGLang's --dtype ("auto": fp16/bf16 from the checkpoint), the embedded engine's torch dtype.
+    dtype: str
     torch_version: str  # moerl's engines: the torch they run (SGLang's is what its release pins: SGLANG_TORCH)
 
 
@@ -526,11 +533,14 @@ class Completion:
 
 def decode_generate(response: GenerateResponse, shape: ModelShape | None, routing_start: int = 0) -> Completion:
     meta = response["meta_info"]
+    finish_reason = meta["finish_reason"]
+    if finish_reason is None:  # only a streamed chunk of a completion still running has none
+        raise BrokenAnswer(f"/generate answered completion {meta['id']!r} unfinished (finish_reason null)")
     completion = Completion(
         rid=meta["id"],
         prompt_len=meta["prompt_tokens"],
         output_ids=np.asarray(response["output_ids"], dtype=np.int32),
-        finish_reason=meta["finish_reason"],
+        finish_reason=finish_reason,
         weight_versions=meta.get("weight_versions") or [],
         routing_start=routing_start,
         cached_tokens=meta.get("cached_tokens", 0),

@@ -107,9 +107,10 @@ def _engines(args: argparse.Namespace) -> list[EmbeddedEngine]:
 
 
 def _return_freed_answers() -> None:
-    """glibc raises its mmap threshold to the largest block freed (up to 32 MB). After the first long answer, a simulated
-    replica's answers of tens of MB come from the heap and stay in the process once freed: a process of 4 replicas of
-    Qwen3-30B-A3B held 1.2 GB instead of 0.9. A fixed threshold keeps each in a mapping of its own, returned when freed."""
+    """glibc raises its mmap threshold to the largest block freed (up to 32 MB). After the first long answer, a
+    simulated replica's answers of tens of MB come from the heap and stay in the process once freed: a process of 4
+    replicas of Qwen3-30B-A3B held 1.2 GB instead of 0.9. A fixed threshold keeps each in a mapping of its own, returned
+    when freed."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc's; other C libraries keep their own ways
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, 256 << 10)
@@ -144,9 +145,9 @@ async def _serve_all(engines: list[EmbeddedEngine], host: str, ports: list[int])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runners = []
+    runners: list[web.AppRunner] = []
     try:
-        for engine, port in zip(engines, ports):
+        for engine, port in zip(engines, ports, strict=True):  # one engine per port (_engines)
             runner = web.AppRunner(build_app(engine), shutdown_timeout=5)
             runners.append(runner)
             await runner.setup()
@@ -159,5 +160,6 @@ async def _serve_all(engines: list[EmbeddedEngine], host: str, ports: list[int])
             ",".join(map(str, ports)),
         )
         await stop.wait()
-    finally:  # all at once: each may wait its shutdown_timeout for open requests, within the pool's grace for the process
+    finally:
+        # All at once: each may wait its shutdown_timeout for open requests, within the pool's grace for the process.
         await asyncio.gather(*(runner.cleanup() for runner in runners), return_exceptions=True)

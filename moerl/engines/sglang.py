@@ -34,7 +34,7 @@ def lora_target_modules(model_path: str | Path, targets: list[str]) -> list[str]
     take in the model at ``model_path``, and the experts' always."""
     from moerl.checkpoint.hf import read_config
     from moerl.checkpoint.peft import hub_target_modules
-    from moerl.megatron.lora import LoRAConfig
+    from moerl.megatron.lora_config import LoRAConfig
     from moerl.models import family_for
 
     raw = read_config(model_path)

@@ -21,10 +21,13 @@ The profile's format is :mod:`moerl.simulation`'s.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,7 +56,7 @@ class SimulatedRequest(Request):
     rng: np.random.Generator | None = None
 
 
-class SimulatedScheduler(Scheduler):
+class SimulatedScheduler(Scheduler[SimulatedRequest]):
     """The embedded scheduler's queues and control, with time in place of a model (``runner`` is None)."""
 
     def __init__(
@@ -84,7 +87,7 @@ class SimulatedScheduler(Scheduler):
         if not (self._stop or self._commands or admissible):
             self._wake.wait(self._until_next_finish())
 
-    def _run(self, commands: list) -> None:
+    def _run(self, commands: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
         self._advance()  # an abort or a version change sees every token decoded until now
         super()._run(commands)
 
@@ -131,6 +134,7 @@ class SimulatedScheduler(Scheduler):
         upto = min(int(request.progress), request.target) if upto is None else upto
         new = upto - len(request.output_ids)
         if new > 0:
+            assert request.rng is not None, "drawn when it was planned, before any of its tokens"
             request.output_ids += request.rng.integers(0, self.vocab_size, new).tolist()
         return new > 0
 
@@ -197,7 +201,7 @@ class SimulatedScheduler(Scheduler):
         super()._finish(request, reason)
 
 
-class SimulatedEngine(EmbeddedEngine):
+class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
     engine_name = "moerl-simulated"
     request_type = SimulatedRequest
 
@@ -237,8 +241,9 @@ class SimulatedEngine(EmbeddedEngine):
         return self._moe_layers
 
     # ---- responses ---------------------------------------------------------------------------
-    def token_details(self, request: SimulatedRequest, req: protocol.GenerateReqInput) -> TokenDetails:
+    def token_details(self, request: Request, req: protocol.GenerateReqInput) -> TokenDetails:
         """Random values at their true sizes; a token's log-prob is at most its log-prob over its kept set."""
+        assert isinstance(request, SimulatedRequest), "this engine makes SimulatedRequests (request_type)"
         n = len(request.output_ids)
         rng = np.random.default_rng()
         details = TokenDetails(_token_versions(request.marks, n))

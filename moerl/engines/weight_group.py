@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import threading
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -23,9 +24,17 @@ from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_proces
 from moerl.dtypes import dtype_name
 from moerl.engines.protocol import ProtocolError
 
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
+
 # How long a weight group's rendezvous and each of its collectives may take. gloo cannot abort a collective: after a
 # failed bucket its broadcast waits this long in its thread, and the process waits for that thread at its exit.
 TIMEOUT_S = 600.0
+# Groups of one run an engine may hold per sender: the first and three formed again (after failed pushes, engines gone
+# and back). Each holds an NCCL communicator on the engine's GPUs, outside mem_fraction_static, until the engine exits:
+# SGLang 0.5.23's /destroy_weights_update_group destroys, which NCCL makes a collective with peers that aborted their
+# side.
+MAX_GROUPS_PER_ENGINE = 4
 
 
 def weight_store(master_address: str, master_port: int, world_size: int, rank: int) -> dist.TCPStore:
@@ -55,7 +64,7 @@ def join_weight_group(
         [],
         Backend(backend),
         PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=cast("GroupName", group_name),  # torch's NewType of str, which only recent releases define
         timeout=datetime.timedelta(seconds=TIMEOUT_S),
     )
     # Collectives on a group take global ranks; here the group is its own world.
@@ -63,11 +72,18 @@ def join_weight_group(
     return group
 
 
+# Groups abandoned, held for the process's life: gloo cannot abort a collective, and freeing a group waits for the
+# collectives its threads still hold (a refused bucket's broadcast, until TIMEOUT_S), which mid-run would stall the push
+# made again for that long.
+_ABANDONED: list[dist.ProcessGroup] = []
+
+
 def abandon_weight_group(group: dist.ProcessGroup) -> None:
-    """Abort ``group`` on this side and forget it. An abort is local and frees its communicator's buffers; NCCL's destroy
-    is collective with the engines, which are not calling it, so a group still registered when the job destroys its
-    process groups at exit would hang there."""
+    """Abort ``group`` on this side and forget it. An abort is local and frees its communicator's buffers; NCCL's
+    destroy is collective with the engines, which are not calling it, so a group still registered when the job destroys
+    its process groups at exit would hang there."""
     dist.distributed_c10d._abort_process_group(group)
+    _ABANDONED.append(group)
 
 
 def in_daemon_thread(fn, *args) -> asyncio.Future:
@@ -86,7 +102,7 @@ def in_daemon_thread(fn, *args) -> asyncio.Future:
     def work():
         try:
             result = fn(*args)
-        except BaseException as e:  # handed to the awaiting coroutine
+        except BaseException as e:  # noqa: BLE001 - whatever it raises is handed to the awaiting coroutine
             loop.call_soon_threadsafe(settle, e, True)
         else:
             loop.call_soon_threadsafe(settle, result, False)
@@ -95,7 +111,7 @@ def in_daemon_thread(fn, *args) -> asyncio.Future:
     return future
 
 
-def bucket_layout(dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int, int]]:
+def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     """Byte ``(start, end)`` of each tensor in a ``flattened_bucket`` broadcast: the tensors' raw
     bytes back to back in request order, each starting at a multiple of its element size (SGLang
     refuses unaligned buckets; order tensors by element size, largest first, to keep them aligned)."""
@@ -126,8 +142,11 @@ def flatten_bucket(named: list[tuple[str, Any]], into: torch.Tensor | None = Non
     return flat, [n for n, _ in named], [dtype_name(t.dtype) for _, t in named], [list(t.shape) for _, t in named]
 
 
-def unflatten_bucket(flat, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[str, Any]]:
+def unflatten_bucket(
+    flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[tuple[str, torch.Tensor]]:
+    # Strict: a request's names, dtypes and shapes are one list each of the same tensors (checked when it is parsed).
     return [
         (name, flat[start:end].view(getattr(torch, dtype)).reshape(shape))
-        for name, dtype, shape, (start, end) in zip(names, dtypes, shapes, bucket_layout(dtypes, shapes))
+        for name, dtype, shape, (start, end) in zip(names, dtypes, shapes, bucket_layout(dtypes, shapes), strict=True)
     ]

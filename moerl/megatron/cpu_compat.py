@@ -189,7 +189,7 @@ def _patch_alltoall_split_sizes() -> None:
     original_forward: Callable = mappings._AllToAll.forward
 
     def forward(ctx, group, input, output_split_sizes, input_split_sizes):
-        as_list = lambda s: s.tolist() if isinstance(s, torch.Tensor) else s  # noqa: E731
+        as_list = lambda s: s.tolist() if isinstance(s, torch.Tensor) else s
         return original_forward(ctx, group, input, as_list(output_split_sizes), as_list(input_split_sizes))
 
     mappings._AllToAll.forward = staticmethod(forward)

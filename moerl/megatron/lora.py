@@ -18,10 +18,8 @@ the layout: the same run at EP1, EP2 or TP2+EP2 starts from the same adapters.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,45 +35,8 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from moerl.errors import LoRAError
+from moerl.megatron.lora_config import LoRAConfig
 from moerl.megatron.weights import global_name
-
-LORA_PARAMS = ("lora_A", "lora_B")
-
-
-@dataclass
-class LoRAConfig:
-    enabled: bool = False
-    rank: int = 8
-    alpha: float = 16.0  # the update is scaled by alpha / rank (PEFT's convention)
-    dropout: float = 0.0  # on the adapter's input, training passes only
-    # Module paths (megatron names) to adapt, as glob patterns matched against the end of each path:
-    # "linear_fc1" takes every expert's, shared expert's and dense MLP's; "*.local_experts.*.linear_fc1"
-    # only the routed experts'; "shared_experts.*" only the shared experts'.
-    targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    seed: int = 0  # adapter initialisation (A uniform like PEFT's kaiming init, B zero)
-
-    def __post_init__(self):
-        if self.rank < 1:
-            raise LoRAError(f"lora.rank={self.rank}: must be >= 1")
-        if not 0.0 <= self.dropout < 1.0:
-            raise LoRAError(f"lora.dropout={self.dropout}: must be in [0, 1)")
-        if not self.targets:
-            raise LoRAError("lora.targets is empty: name at least one module (e.g. linear_qkv)")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def targets_module(self, path: str) -> bool:
-        return any(fnmatch.fnmatchcase(path, t) or fnmatch.fnmatchcase(path, "*." + t) for t in self.targets)
-
-    def adapts(self, tensor: str) -> bool:
-        """Whether the megatron tensor ``tensor`` (``...linear_fc1.weight``) is a weight whose layer gets an adapter."""
-        return tensor.endswith(".weight") and self.targets_module(tensor.removesuffix(".weight"))
-
-
-def is_lora_param(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in LORA_PARAMS
 
 
 def add_lora(model: torch.nn.Module, cfg: LoRAConfig) -> list[str]:
@@ -129,7 +90,7 @@ def _attach(model, path: str, module, cfg: LoRAConfig) -> None:
         if split or (module.is_expert and size == 1):
             tp_layers.set_tensor_model_parallel_attributes(param, True, 0 if column else 1, 1)
         # Expert weights are reduced over the expert-data-parallel group, not the dense one.
-        param.allreduce = getattr(weight, "allreduce", True)
+        param.allreduce = getattr(weight, "allreduce", True)  # type: ignore[attr-defined]  # megatron's own mark, not in torch's stubs
         module.register_parameter(param_name, param)
     module.lora_scale, module.lora_dropout, module.lora_column = cfg.scale, cfg.dropout, column
     module.register_forward_hook(_add_adapter_output)

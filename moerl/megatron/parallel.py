@@ -48,8 +48,8 @@ def lead_agrees(error: Exception | None, what: str) -> None:
     """Collective: how a part of the job that global rank 0 took alone ended (``error``: what it raised there; None on
     the other ranks, and on success). If it failed, every rank raises now, so that none waits in a collective rank 0
     never joins: under NCCL until its timeout, and launched without torchrun nothing else ends them.
-    :class:`EnginesDown` and :class:`RolloutManagerLost` are raised as themselves on every rank; any other failure rank 0
-    raises as itself and the other ranks as a relayed :class:`MoerlError` saying that rank 0 failed in ``what``."""
+    :class:`EnginesDown` and :class:`RolloutManagerLost` are raised as themselves on every rank; any other failure rank
+    0 raises as itself and the other ranks as a relayed :class:`MoerlError` saying that rank 0 failed in ``what``."""
     kinds = list(_RAISED_AS_THEMSELVES)
     code = (
         0 if error is None else next((i + 1 for i, kind in enumerate(kinds) if isinstance(error, kind)), len(kinds) + 1)

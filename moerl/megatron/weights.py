@@ -24,6 +24,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,8 @@ _TE_FUSED_NORMS = (
 # layer with parallel_mode=None, which marks every weight partition_dim=0, linear_fc2's [hidden, ffn/etp] included.
 _EXPERT_LINEAR = re.compile(r"\.local_experts\.\d+\.(linear_fc[12])\.")
 _EXPERT_SPLIT_DIM = {"linear_fc1": 0, "linear_fc2": 1}
+# What a pipeline stage's first rank yields, in its order: (global name, whole shape, dtype) of each tensor.
+_Manifest: TypeAlias = list[tuple[str, tuple[int, ...], torch.dtype]]
 
 
 def global_name(model, name: str) -> str:
@@ -74,9 +77,9 @@ class _Entry:
     param: torch.nn.Parameter
     names: list[str]  # the global names it yields at its stage's first rank: one, or one per expert-parallel rank
     shape: tuple[int, ...]  # whole (TP-gathered) shape
-    group: object | None  # the TP or expert-TP group that shards it (None: not sharded, or a group of one)
+    group: dist.ProcessGroup | None  # the TP or expert-TP group that shards it (None: not sharded, or a group of one)
     dim: int | None  # the dim its shards split (None: not sharded)
-    ep_group: object | None  # routed experts under expert parallelism: the group gathered over next
+    ep_group: dist.ProcessGroup | None  # routed experts under expert parallelism: the group gathered over next
     glu: bool  # a GLU linear_fc1 (or its LoRA B): each TP shard is [gate_r; up_r]
     dst: int = 0  # the rank in ``group`` it is gathered into
 
@@ -145,12 +148,14 @@ class Gather:
                 continue  # a replicated copy: the group's first rank has it
             shape = list(param.shape)
             dim = _split_dim(full, param) if sharded else None
-            if sharded:
+            if dim is not None:
                 shape[dim] *= size
             names = [full]
             gathers_experts = expert and ep > 1 and not per_sender
             if gathers_experts:
-                local = int(_EXPERT.search(full).group(1)) % num_local
+                expert_number = _EXPERT.search(full)
+                assert expert_number is not None, f"{full}: an expert's global name has its expert number"
+                local = int(expert_number.group(1)) % num_local
                 names = [_EXPERT.sub(f".local_experts.{j * num_local + local}.", full, count=1) for j in range(ep)]
             self._entries.append(
                 _Entry(
@@ -169,15 +174,18 @@ class Gather:
             self._spread_over_senders()
             return  # each sender keeps its own share: rank 0 receives nothing, needs no manifest
         # What each stage's first rank yields, in its order: rank 0 receives the later stages' by it.
-        manifest = (
+        manifest: _Manifest | None = (
             [(n, e.shape, self._tensor(e.param).dtype) for e in self._entries for n in e.names] if self.lead else None
         )
-        everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        # Each rank's (pipeline stage, manifest), on rank 0; gather_object replaces every placeholder.
+        everyone: list[tuple[int, _Manifest | None]] | None = (
+            [(-1, None)] * dist.get_world_size() if dist.get_rank() == 0 else None
+        )
         # once per model: names and shapes, no tensor
         dist.gather_object((ps.get_pipeline_model_parallel_rank(), manifest), everyone, dst=0)
-        self._senders: list[tuple[int, list]] = []  # (rank, manifest) of each stage's first rank
+        self._senders: list[tuple[int, _Manifest]] = []  # (rank, manifest) of each stage's first rank
         problem = None
-        if dist.get_rank() == 0:
+        if everyone is not None:  # global rank 0
             for stage in range(ps.get_pipeline_model_parallel_world_size()):
                 leads = [(rank, m) for rank, (s, m) in enumerate(everyone) if s == stage and m is not None]
                 if len(leads) != 1 or (stage == 0 and leads[0][0] != 0):
@@ -212,7 +220,8 @@ class Gather:
             for e in self._entries
             if not spread(e) and (e.group is None or dist.get_rank(e.group) == 0)
         )
-        members = [None] * ps.get_tensor_model_parallel_world_size()
+        # Each member's (whether it sends, bytes it sends); all_gather_object replaces every placeholder.
+        members: list[tuple[bool, int]] = [(False, 0)] * ps.get_tensor_model_parallel_world_size()
         dist.all_gather_object(members, (self.sends, fixed), group=ps.get_tensor_model_parallel_group())
         load = {i: nbytes for i, (sends, nbytes) in enumerate(members) if sends}
         for entry in dense:  # the same entries, in the same order, on every member
@@ -235,9 +244,8 @@ class Gather:
             return select is None or select(name)
 
         mine: list[tuple[str, torch.Tensor]] = []
-        for (
-            entry
-        ) in self._entries:  # each group's members gather alike; every side then keeps the names ``select`` takes
+        # each group's members gather alike; every side then keeps the names ``select`` takes
+        for entry in self._entries:
             if any(wanted(name) for name in entry.names):
                 mine += [(name, tensor) for name, tensor in self._gather_entry(entry) if wanted(name)]
         if self.per_sender:
@@ -263,6 +271,7 @@ class Gather:
         tensor = self._tensor(entry.param).detach()
         if entry.group is not None:
             dim = entry.dim
+            assert dim is not None, "a sharded entry has its split dim"
             whole = None
             # the shards are consecutive rows of the whole: received in place, not joined
             if dim == 0 and not entry.glu:
@@ -280,7 +289,7 @@ class Gather:
         if entry.ep_group is None:
             return [(entry.names[0], tensor)]
         parts = self._gather_into(tensor, entry.ep_group)
-        return [] if parts is None else list(zip(entry.names, parts))
+        return [] if parts is None else list(zip(entry.names, parts, strict=True))  # a name per expert-parallel rank
 
     def _gather_into(
         self, tensor: torch.Tensor, group, dst: int = 0, whole: torch.Tensor | None = None
@@ -302,7 +311,7 @@ class Gather:
 def _split_dim(full: str, param: torch.nn.Parameter) -> int:
     """The dim the TP (or expert-TP) shards of ``param``, named ``full`` globally, split."""
     expert = _EXPERT_LINEAR.search(full)
-    return _EXPERT_SPLIT_DIM[expert.group(1)] if expert else param.partition_dim
+    return _EXPERT_SPLIT_DIM[expert.group(1)] if expert else param.partition_dim  # type: ignore[attr-defined]  # megatron's own mark, not in torch's stubs
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

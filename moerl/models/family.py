@@ -80,8 +80,15 @@ class ModelFamily(Protocol):
     def gpt_model_kwargs(self, cfg: dict) -> dict: ...
 
     # ---- HF mapping ------------------------------------------------------------------------
+    def global_rules(self, cfg: dict) -> list[TensorRule]:
+        """The tensors outside the decoder layers: the embedding, the final norm and the output layer (unless tied)."""
+
+    def layer_rules(self, cfg: dict, i: int) -> list[TensorRule]:
+        """The tensors of decoder layer ``i``."""
+
     def weight_layers(self, cfg: dict) -> list[tuple[str, list[TensorRule]]]:
-        """``(state-dict prefix, rules)`` per weight layer: the non-layer tensors (prefix ``""``), then each decoder layer."""
+        """``(state-dict prefix, rules)`` per weight layer: the non-layer tensors (prefix ``""``), then each decoder
+        layer."""
 
     def all_rules(self, cfg: dict) -> list[TensorRule]: ...
 
@@ -102,5 +109,6 @@ class ModelFamily(Protocol):
 
 
 def in_layer(mcore_name: str, prefix: str) -> bool:
-    """Whether a megatron state-dict name belongs to the weight layer of :meth:`ModelFamily.weight_layers` with ``prefix``."""
+    """Whether a megatron state-dict name belongs to the weight layer of :meth:`ModelFamily.weight_layers` with
+    ``prefix``."""
     return mcore_name.startswith(prefix) if prefix else not mcore_name.startswith("decoder.layers.")

@@ -24,8 +24,9 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # finalize_model_grads all-reduces, across TP ranks, the grads of params marked so:
-        # with sequence parallelism each rank saw only its slice of the sequence.
-        self.weight.sequence_parallel = config.sequence_parallel
+        # with sequence parallelism each rank saw only its slice of the sequence. (torch's Parameter type declares none
+        # of the attributes megatron-core tags parameters with.)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # torch types no tags
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

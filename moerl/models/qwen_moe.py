@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moerl.errors import ConfigError
-from moerl.layout import Layout, LayoutError
+from moerl.layout import UNSHARDED, Layout, LayoutError
 from moerl.models.family import ModelShape, TensorRule
-from moerl.models.norm import RMSNorm
+
+# megatron-core is imported where a model is built: the engines' and the rollout manager's processes, which read only
+# the tensor map, start without it (about 2 s each on 2 cores).
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 # Keys of every transformers config that never change the forward math.
 _GENERIC_KEYS = frozenset(
@@ -48,6 +49,10 @@ def te_usable() -> bool:
 
 def _replace_norms(spec: Any, norm_types: tuple[type, ...]) -> Any:
     """Swap megatron's fallback norms for moerl's RMSNorm throughout a (nested) spec."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from moerl.models.norm import RMSNorm
+
     if isinstance(spec, type) and issubclass(spec, norm_types):
         return RMSNorm
     if isinstance(spec, ModuleSpec):
@@ -71,6 +76,7 @@ def _checkpoint_keys_as_te(block: Any) -> Any:
     TE's fused layer-norm linears; but TE fuses the pre-MLP norm only into a dense MLP's ``linear_fc1``,
     and a MoE layer keeps it as ``pre_mlp_layernorm``, so the MoE layers' rename is dropped."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     for layer in block.layer_specs:
         mlp = layer.submodules.mlp
@@ -227,7 +233,7 @@ class QwenMoeFamily:
 
     # ---- megatron-core ----------------------------------------------------------------------
     def transformer_config(
-        self, cfg: dict, layout: Layout = Layout(), dtype: torch.dtype = torch.float32, **overrides
+        self, cfg: dict, layout: Layout = UNSHARDED, dtype: torch.dtype = torch.float32, **overrides
     ) -> TransformerConfig:
         self.check(cfg)
         self.check_layout(cfg, layout)
@@ -275,6 +281,8 @@ class QwenMoeFamily:
         )
         kwargs.update(self.family_config(cfg))
         kwargs.update(overrides)
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
         config = TransformerConfig(**kwargs)
         self.refuse_silent_replay_skips(config)
         return config
@@ -301,6 +309,8 @@ class QwenMoeFamily:
     ):
         """The decoder's spec: Transformer Engine's layers where it is usable (and not refused), else
         megatron-core's local layers."""
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
         te = te_usable() if transformer_engine is None else transformer_engine and te_usable()
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage, pp_rank=pp_rank
@@ -363,7 +373,9 @@ class QwenMoeFamily:
         return sum(math.prod(shape) for shape in self.hub_shapes(cfg).values())
 
     def hub_shapes(self, cfg: dict) -> dict[str, tuple[int, ...]]:
-        return {name: shape for rule in self.all_rules(cfg) for name, shape in zip(rule.hf, rule.hf_shapes)}
+        return {
+            name: shape for rule in self.all_rules(cfg) for name, shape in zip(rule.hf, rule.hf_shapes, strict=True)
+        }
 
     def all_rules(self, cfg: dict) -> list[TensorRule]:
         return [rule for _, rules in self.weight_layers(cfg) for rule in rules]

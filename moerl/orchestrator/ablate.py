@@ -1,7 +1,8 @@
-"""``moerl ablate``: one job config run under a grid of overrides, one run after another with the same seeds and data,
+r"""``moerl ablate``: one job config run under a grid of overrides, one run after another with the same seeds and data,
 then a comparison table (markdown) and the runs' curves on the same axes (:func:`moerl.orchestrator.metrics.plot`).
 
-    moerl ablate --out runs/replay --grid trainer.replay.routing=off,R2,R3 --grid trainer.replay.sampling_mask=true,false -- run.steps=10
+    moerl ablate --out runs/replay --grid trainer.replay.routing=off,R2,R3 \
+        --grid trainer.replay.sampling_mask=true,false -- run.steps=10
 
 Every combination of the grid's values is a run of the main job (``recipes/qwen_moe_grpo.sh``) in ``OUT/<name>``, the
 name made of the varied keys' last parts and values (``routing-R3+sampling_mask-false``); the overrides after ``--``
@@ -81,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moerl ablate",
         description=(
-            "Run the main job under a grid of overrides, one run after another with the same seeds and data; write a comparison "
-            "table (OUT/ablation.md) and the runs' curves on the same axes (OUT/ablation.png)."
+            "Run the main job under a grid of overrides, one run after another with the same seeds and data; write a "
+            "comparison table (OUT/ablation.md) and the runs' curves on the same axes (OUT/ablation.png)."
         ),
         epilog="Overrides after -- go to every run (e.g. -- run.steps=10 run.mode=sync).",
     )

@@ -95,6 +95,7 @@ def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None):
     """The trainer of the Megatron checkpoint ``mcore``, or in a simulation the simulated one of the model at ``hf``."""
     profile = simulation_profile(cfg)
     if profile is None:
+        assert mcore is not None, "prepare_model makes a Megatron checkpoint for every run but a simulation"
         return Trainer(mcore, cfg.trainer, lora=cfg.lora)
     from moerl.trainer.simulated import SimulatedTrainer
 

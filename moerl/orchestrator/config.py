@@ -15,6 +15,7 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -26,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 from moerl.config import check_choices, choices, literal_text
 from moerl.engines.protocol import MAX_N
 from moerl.errors import ConfigError, MoerlError
-from moerl.megatron.lora import LoRAConfig
+from moerl.megatron.lora_config import LoRAConfig
 from moerl.tasks import TaskConfig
 from moerl.trainer.config import TrainerConfig
 
@@ -232,7 +233,7 @@ def parse_overrides(overrides: list[str]) -> DictConfig:
     return conf
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """The YAML file (if any) and ``section.key=value`` overrides on the typed schema."""
     try:
         merged = OmegaConf.structured(RunConfig)
@@ -243,7 +244,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                 merged, OmegaConf.create(literal_text(RunConfig, read_yaml(Path(path).read_text()) or {}))
             )
         merged = OmegaConf.merge(merged, parse_overrides(list(overrides)))
-        cfg: RunConfig = OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
+        assert isinstance(cfg, RunConfig), "a structured config's object is its dataclass"
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         options = choices(schema_type(key)) if key else None
@@ -292,8 +294,8 @@ def sglang_lora_problem(cfg: RunConfig) -> str | None:
     """Why this run's adapters cannot reach SGLang engines, if they cannot."""
     if cfg.lora.enabled and cfg.sync.method == "broadcast":
         return (
-            "lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from processes on "
-            "its own machine (pickled per TP rank), so adapters reach it as adapter directories"
+            "lora.enabled with SGLang engines needs sync.method=disk: SGLang takes adapter tensors only from processes "
+            "on its own machine (pickled per TP rank), so adapters reach it as adapter directories"
         )
     return None
 
@@ -303,13 +305,15 @@ def check(cfg: RunConfig) -> None:
     problems = []
     if r.groups_per_step < 1 or not 2 <= r.samples_per_prompt <= MAX_N:
         problems.append(
-            f"rollout.groups_per_step must be >= 1 and samples_per_prompt in [2, {MAX_N}] (GRPO compares within a group)"
+            f"rollout.groups_per_step must be >= 1 and samples_per_prompt in [2, {MAX_N}] (GRPO compares within a "
+            "group)"
         )
     if r.max_staleness < 0:
         problems.append("rollout.max_staleness must be >= 0")
     if r.outstanding < r.groups_per_step:
         problems.append(
-            f"rollout.max_outstanding_groups={r.max_outstanding_groups} is below groups_per_step={r.groups_per_step}: a step could never fill"
+            f"rollout.max_outstanding_groups={r.max_outstanding_groups} is below groups_per_step={r.groups_per_step}: "
+            "a step could never fill"
         )
     if cfg.trainer.replay.sampling_mask and not 1 < r.top_k:
         problems.append(f"trainer.replay.sampling_mask needs a finite rollout.top_k > 1 (got {r.top_k})")
@@ -348,8 +352,8 @@ def check(cfg: RunConfig) -> None:
         or e.max_restarts < 0
     ):
         problems.append(
-            "engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be > 0, "
-            "health_failures >= 1 and max_restarts >= 0"
+            "engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be "
+            "> 0, health_failures >= 1 and max_restarts >= 0"
         )
     problems += simulation_problems(cfg)
     if problems:
@@ -389,9 +393,10 @@ SLOWEST_DECODE_TOKENS_PER_S = 20.0
 
 def request_timeout_real_s(cfg: RunConfig) -> float:
     """A generate request's deadline in real seconds: ``engines.request_timeout_s``, or by default 600 s plus
-    ``rollout.max_new_tokens`` at :data:`SLOWEST_DECODE_TOKENS_PER_S`. A simulation's engines take a response's simulated
-    time divided by ``simulation.time_scale``: its deadline is scaled alike, or at time x0.5 a 600 s deadline would cut
-    every response past 300 simulated seconds (long ones were re-issued from scratch at 32 trainer + 96 engine GPUs)."""
+    ``rollout.max_new_tokens`` at :data:`SLOWEST_DECODE_TOKENS_PER_S`. A simulation's engines take a response's
+    simulated time divided by ``simulation.time_scale``: its deadline is scaled alike, or at time x0.5 a 600 s deadline
+    would cut every response past 300 simulated seconds (long ones were re-issued from scratch at 32 trainer + 96 engine
+    GPUs)."""
     e = cfg.engines
     deadline = (
         e.request_timeout_s

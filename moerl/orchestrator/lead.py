@@ -117,7 +117,8 @@ class Lead:
         return []
 
     def caught_up_with(self, stats: SyncStats | None, version: int) -> None:
-        """A catch-up sync reached :attr:`sync`'s engines; those it missed, or that went since, are caught up once back."""
+        """A catch-up sync reached :attr:`sync`'s engines; those it missed, or that went since, are caught up once
+        back."""
         log.info(
             "catch-up sync of version %d to %s in %.2f s",
             version,
@@ -134,9 +135,10 @@ class Lead:
         self.rollouts.updating()
 
     def serve(self, version: int, catch_up: bool = False) -> None:
-        """New requests name the adapter the last sync loaded (LoRA runs; full-weight syncs change the weights themselves),
-        and a replica out of rotation comes back once it reports the weight version the others now serve. A catch-up of
-        full weights leaves the policy the others hold: they stay in rotation (a LoRA catch-up's adapter is new)."""
+        """New requests name the adapter the last sync loaded (LoRA runs; full-weight syncs change the weights
+        themselves), and a replica out of rotation comes back once it reports the weight version the others now serve.
+        A catch-up of full weights leaves the policy the others hold: they stay in rotation (a LoRA catch-up's adapter
+        is new)."""
         weight_version, adapter = self.sync.served(version)
         self.rollouts.served(weight_version, self.sync.engines, adapter, version, also=catch_up and adapter is None)
 
@@ -173,7 +175,6 @@ class Lead:
                 "throughput/samples_per_second": metrics["rollout/samples"] / wall,
                 "rollout/retries_engine_failure": float(reissues["engine_failure"]),
                 "rollout/retries_worker_lost": float(reissues["worker_lost"]),
-                "rollout/retries_stale_prefix": float(reissues["stale_prefix"]),
                 "sync/catch_ups": float(self.catch_ups),
                 "prompts/dropped_engine_failure": float(rollouts.acct.dropped["engine_failure"]),
             }

@@ -43,15 +43,17 @@ log = logging.getLogger("moerl.train")
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(
         prog="moerl train",
-        description="GRPO on a Qwen MoE model: Megatron trainer + SGLang (or embedded) engines, with routing and sampling-mask "
-        "replay, in sync, periodic or async mode. Run through recipes/qwen_moe_grpo.sh (torchrun).",
-        epilog="Overrides are omegaconf dotlist entries, e.g. run.mode=sync run.steps=20 trainer.ep=2 model.path=/models/Qwen3-30B-A3B",
+        description="GRPO on a Qwen MoE model: Megatron trainer + SGLang (or embedded) engines, with routing and "
+        "sampling-mask replay, in sync, periodic or async mode. Run through recipes/qwen_moe_grpo.sh (torchrun).",
+        epilog="Overrides are omegaconf dotlist entries, e.g. run.mode=sync run.steps=20 trainer.ep=2 "
+        "model.path=/models/Qwen3-30B-A3B",
     )
     p.add_argument("--config", help="YAML config (default: none; the schema's defaults)")
     p.add_argument(
         "--check",
         action="store_true",
-        help="check the config, model, task and engine URLs as the job would, print the number of trainer ranks it needs, and exit",
+        help="check the config, model, task and engine URLs as the job would, print the number of trainer ranks it "
+        "needs, and exit",
     )
     p.add_argument(
         "--show-config",
@@ -75,8 +77,9 @@ class Pause(enum.IntEnum):
 
 
 class Job:
-    """The main job on one trainer rank, as its phases: set up, start the rollouts, then steps until the last. Every rank
-    trains and takes part in each weight sync; global rank 0 also prepares the model and runs what :class:`Lead` holds."""
+    """The main job on one trainer rank, as its phases: set up, start the rollouts, then steps until the last. Every
+    rank trains and takes part in each weight sync; global rank 0 also prepares the model and runs what :class:`Lead`
+    holds."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -159,7 +162,8 @@ class Job:
         return resume_from is not None
 
     def start_rollouts(self) -> None:
-        """The engines and the weight sync to them; on rank 0 the rollouts, the manager and the metrics (:class:`Lead`)."""
+        """The engines and the weight sync to them; on rank 0 the rollouts, the manager and the metrics
+        (:class:`Lead`)."""
         cfg = self.cfg
 
         def engines() -> list[str]:
@@ -200,10 +204,12 @@ class Job:
                 self.lead.rollouts.trained(taken)  # in the step just made: not to be re-issued on resume
             self.stop_with_checkpoint(e)
         times = StepTimes(start, trained_at, end, waited)
-        on_lead(
-            lambda: self.rank0.record(metrics, taken, stats, times, trainer.version, self.full_bytes),
-            "recording the step's metrics",
-        )
+
+        def record() -> None:
+            assert stats is not None, "on rank 0 an update to every engine returns its stats (or raises)"
+            self.rank0.record(metrics, taken, stats, times, trainer.version, self.full_bytes)
+
+        on_lead(record, "recording the step's metrics")
         if trainer.version == cfg.run.steps or (cfg.run.save_every and trainer.version % cfg.run.save_every == 0):
             save_checkpoint(trainer, self.lead.rollouts if self.lead is not None else None, self.run_dir)
 
@@ -256,7 +262,8 @@ class Job:
             # the other prompts waiting for an engine fail too, while the checkpoint is written
             self.lead.rollouts.halt()
         save_checkpoint(self.trainer, self.lead.rollouts if self.lead is not None else None, self.run_dir)
-        where = f"checkpoint {self.run_dir / 'checkpoints' / f'step_{self.trainer.version}'} written; run.resume=true continues from it"
+        checkpoint = self.run_dir / "checkpoints" / f"step_{self.trainer.version}"
+        where = f"checkpoint {checkpoint} written; run.resume=true continues from it"
         if error is None:
             raise relayed(MoerlError(f"global rank 0 stopped the run (its error says why); {where}"))
         stopped = type(error)(f"{error}; {where}")
@@ -312,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             if torch.cuda.is_available() and world > torch.cuda.device_count():
                 raise ConfigError(
                     f"the trainer needs {world} GPUs and this node has {torch.cuda.device_count()}: launch it across "
-                    "nodes with torchrun --nnodes N ... --no-python recipes/qwen_moe_grpo.sh (see recipes/qwen3_30b_a3b.yaml)"
+                    "nodes with torchrun --nnodes N ... --no-python recipes/qwen_moe_grpo.sh (see "
+                    "recipes/qwen3_30b_a3b.yaml)"
                 )
             preflight(cfg, world)
             print(world)

@@ -23,7 +23,9 @@ import time
 import traceback
 import uuid
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import zmq
@@ -32,7 +34,7 @@ import zmq.asyncio
 from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, ReplicaDown
 from moerl.engines.generation_workers import WorkerLost
 from moerl.engines.health import State
-from moerl.engines.protocol import SamplingParams
+from moerl.engines.protocol import Completion, SamplingParams
 from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
@@ -59,31 +61,21 @@ from moerl.tasks.rewards import Rewarder
 log = logging.getLogger("moerl.rollout")
 # a prompt whose generation worker dies more often than this stops the run: they keep dying
 WORKER_LOSSES_PER_PROMPT = 3
-# a prompt answered from a stale prefix more often than this stops the run (see _stale_prefix)
-STALE_PREFIXES_PER_PROMPT = 3
-
-
-def _stale_prefix(completions, served: str | None) -> str | None:
-    """Why a group's answers reused KV computed under other weights than those they sampled with (None: they did not):
-    a request issued under weight version ``served``, queued on an engine past an update to the next, found a prefix the
-    requests of its version left. Their first token shows the weights they were admitted under (it is sampled at the
-    prefill); continuing under later ones is what an in-place update allows. Before any sync has named a version
-    (``served`` None) there is nothing to compare with."""
-    if served is None:
-        return None
-    for c in completions:
-        if c.cached_tokens and c.weight_versions and c.weight_versions[0]["version"] != served:
-            return (
-                f"{c.cached_tokens} prompt tokens came from a prefix cached under weight version {served}, its first token "
-                f"was sampled under {c.weight_versions[0]['version']}"
-            )
-    return None
 
 
 def sampling_seed(run_seed: int, index: int, attempt: int) -> int:
     """A per-prompt seed: under the same weights the same prompt index draws the same completions from the embedded and
     simulated engines; SGLang samples without it (see protocol.SamplingParams.sampling_seed)."""
     return int(np.random.SeedSequence([run_seed, index, attempt]).generate_state(1)[0] >> 1)
+
+
+@dataclass
+class Tries:
+    """How often a prompt's group was asked for again so far, by why: what its GroupDone or Dropped event reports."""
+
+    attempt: int = 0  # regenerations after weight updates aborted it (rollout.partial=retry)
+    engine_retries: int = 0  # re-issues after its replica failed
+    workers_lost: int = 0  # re-issues after the generation worker carrying it died
 
 
 class RolloutManager:
@@ -202,92 +194,18 @@ class RolloutManager:
             log.info("unloaded adapter %s: no request uses it", unused[0])
 
     async def _group(self, index: int, new: bool) -> None:
+        """Prompt ``index``'s group, generated and scored, sent as :class:`GroupDone` (or :class:`Dropped`, or
+        :class:`RolloutFailed`)."""
         try:
             await send_event(self.events, Issued(index, new))
             record, ids = self.stream.get(index)
-            r = self.r
-            attempt, engine_retries, workers_lost, stale_prefixes, start = 0, 0, 0, 0, time.perf_counter()
-            while True:
-                await self.serving.wait()  # no request while a weight update is under way: see Updating
-                # Before the adapter is read: a replica that comes back after this wait holds only the current one.
-                await self._until_healthy()
-                adapter, adapter_version = self.adapter
-                served = self.client.health.served
-                params = SamplingParams(
-                    n=r.samples_per_prompt,
-                    temperature=r.temperature,
-                    top_k=r.top_k,
-                    top_p=r.top_p,
-                    max_new_tokens=r.max_new_tokens,
-                    stop_token_ids=self.stop_ids,
-                    sampling_seed=sampling_seed(r.seed, index, attempt + stale_prefixes),
-                )
-                if adapter is not None:
-                    self.users[adapter] = self.users.get(adapter, 0) + 1
-                try:
-                    completions = await self.client.generate(
-                        # Routing comes back under every replay mode: the agreement metrics compare against it.
-                        ids,
-                        params,
-                        return_routed_experts=True,
-                        lora_path=adapter,
-                        return_sampling_mask=self.cfg.trainer.replay.sampling_mask,
-                        rid=f"p{index}-a{attempt}-s{stale_prefixes}-e{engine_retries}-w{workers_lost}",
-                        # The prompt reuses only KV computed under the policy it starts under (engines do not flush
-                        # their prefix cache on an update while requests run).
-                        extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}",
-                    )
-                except NoHealthyEngine:
-                    continue  # the last healthy replica left between the wait and the request: wait again
-                except (
-                    WorkerLost
-                ) as e:  # not the engine's failure: re-issued without counting against the prompt's engine retries
-                    workers_lost += 1
-                    if workers_lost > WORKER_LOSSES_PER_PROMPT:
-                        raise RuntimeError(
-                            f"the generation worker carrying prompt {index} died {workers_lost} times (last: {e}); they are "
-                            "being killed (for memory?): give the manager's host more memory, or set "
-                            "rollout.generation_workers=0 to carry generations in the manager itself"
-                        ) from None
-                    log.warning("prompt %d re-issued: %s", index, e)
-                    if adapter in self.retired:
-                        await self._unload_unused()
-                    continue
-                except ReplicaDown as e:
-                    await self._report()
-                    engine_retries += 1
-                    if engine_retries > r.engine_retries:
-                        log.warning(
-                            "prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e
-                        )
-                        await send_event(
-                            self.events, Dropped(index, "engine_failure", engine_retries - 1, workers_lost)
-                        )
-                        return
-                    log.warning("prompt %d re-issued (%d of %d): %s", index, engine_retries, r.engine_retries, e)
-                    if adapter in self.retired:
-                        await self._unload_unused()
-                    continue  # the same seed, on another replica
-                finally:
-                    if adapter is not None:
-                        self.users[adapter] -= 1
-                if adapter in self.retired:
-                    await self._unload_unused()
-                if adapter is None and (stale := _stale_prefix(completions, served)):
-                    stale_prefixes += 1
-                    if stale_prefixes > STALE_PREFIXES_PER_PROMPT:
-                        raise RuntimeError(
-                            f"prompt {index}: the engines answered it {stale_prefixes} times from a prefix cached "
-                            f"under another weight version ({stale}): they ignore extra_key; serve them with "
-                            "SGLang >= 0.5.23 or moerl's engines"
-                        )
-                    log.warning("prompt %d re-issued: %s", index, stale)
-                    continue
-                aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
-                if not (aborted and r.partial == "retry"):
-                    break
-                attempt += 1  # a weight update aborted it: regenerate the whole group under the new weights
-            texts = [self.tokenizer.decode(c.output_ids, skip_special_tokens=True) for c in completions]
+            tries, start = Tries(), time.perf_counter()
+            generated = await self._generate(index, ids, tries)
+            if generated is None:
+                return  # dropped: its Dropped event is sent
+            completions, adapter_version = generated
+            # one sequence decodes to one text (transformers types decode's result for a batch of them too)
+            texts = [cast(str, self.tokenizer.decode(c.output_ids, skip_special_tokens=True)) for c in completions]
             rewards = await self.rewarder.score(texts, record["answer"], record["prompt"])
             # Under LoRA the engines' weights never change: the adapter a request used is its tokens' policy.
             versions = (
@@ -296,21 +214,105 @@ class RolloutManager:
                 else None
             )
             samples = [
-                Sample.from_completion(c, ids, temperature=r.temperature, reward=x, group_id=index, versions=versions)
-                for c, x in zip(completions, rewards)
+                Sample.from_completion(
+                    c, ids, temperature=self.r.temperature, reward=x, group_id=index, versions=versions
+                )
+                for c, x in zip(completions, rewards, strict=True)  # Rewarder.score: one reward per response
             ]
             await send_event(
                 self.events,
                 GroupDone(
-                    index, samples, attempt, time.perf_counter() - start, engine_retries, workers_lost, stale_prefixes
+                    index,
+                    samples,
+                    tries.attempt,
+                    time.perf_counter() - start,
+                    tries.engine_retries,
+                    tries.workers_lost,
                 ),
             )
         except asyncio.CancelledError:
             raise
         except EnginesDown as e:
             await send_event(self.events, RolloutFailed(index, str(e), engines_down=True))
-        except Exception as e:  # the trainer stops the run with this message
+        except Exception as e:  # noqa: BLE001 - whatever fails a prompt, the trainer stops the run with its message
             await send_event(self.events, RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+    async def _generate(self, index: int, ids: list[int], tries: Tries) -> tuple[list[Completion], int] | None:
+        """Prompt ``index``'s completions and the policy version of the adapter they used (0: the base model), asked for
+        again as often as ``tries`` counts; None where it was dropped (its :class:`Dropped` event is sent)."""
+        r = self.r
+        while True:
+            await self.serving.wait()  # no request while a weight update is under way: see Updating
+            # Before the adapter is read: a replica that comes back after this wait holds only the current one.
+            await self._until_healthy()
+            adapter, adapter_version = self.adapter
+            served = self.client.health.served
+            params = SamplingParams(
+                n=r.samples_per_prompt,
+                temperature=r.temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+                max_new_tokens=r.max_new_tokens,
+                stop_token_ids=self.stop_ids,
+                sampling_seed=sampling_seed(r.seed, index, tries.attempt),
+            )
+            if adapter is not None:
+                self.users[adapter] = self.users.get(adapter, 0) + 1
+            try:
+                completions = await self.client.generate(
+                    # Routing comes back under every replay mode: the agreement metrics compare against it.
+                    ids,
+                    params,
+                    return_routed_experts=True,
+                    lora_path=adapter,
+                    return_sampling_mask=self.cfg.trainer.replay.sampling_mask,
+                    rid=f"p{index}-a{tries.attempt}-e{tries.engine_retries}-w{tries.workers_lost}",
+                    # The prompt reuses only KV computed under the policy it is issued under: no request is issued
+                    # during an update (Updating), and engines do not flush their prefix cache on an update while
+                    # requests run. Those in flight keep theirs, as an in-place update defines.
+                    extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}",
+                )
+            except NoHealthyEngine:
+                continue  # the last healthy replica left between the wait and the request: wait again
+            except WorkerLost as e:  # not the engine's failure: re-issued without counting against its engine retries
+                self._count_worker_lost(index, e, tries)
+                if adapter in self.retired:
+                    await self._unload_unused()
+                continue
+            except ReplicaDown as e:
+                await self._report()
+                tries.engine_retries += 1
+                if tries.engine_retries > r.engine_retries:
+                    log.warning("prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e)
+                    await send_event(
+                        self.events, Dropped(index, "engine_failure", tries.engine_retries - 1, tries.workers_lost)
+                    )
+                    return None
+                log.warning("prompt %d re-issued (%d of %d): %s", index, tries.engine_retries, r.engine_retries, e)
+                if adapter in self.retired:
+                    await self._unload_unused()
+                continue  # the same seed, on another replica
+            finally:
+                if adapter is not None:
+                    self.users[adapter] -= 1
+            if adapter in self.retired:
+                await self._unload_unused()
+            aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
+            if not (aborted and r.partial == "retry"):
+                return completions, adapter_version
+            tries.attempt += 1  # a weight update aborted it: regenerate the whole group under the new weights
+
+    @staticmethod
+    def _count_worker_lost(index: int, error: WorkerLost, tries: Tries) -> None:
+        """Count a re-issue of prompt ``index`` after its generation worker died; raise once they keep dying."""
+        tries.workers_lost += 1
+        if tries.workers_lost > WORKER_LOSSES_PER_PROMPT:
+            raise RuntimeError(
+                f"the generation worker carrying prompt {index} died {tries.workers_lost} times (last: {error}); they "
+                "are being killed (for memory?): give the manager's host more memory, or set "
+                "rollout.generation_workers=0 to carry generations in the manager itself"
+            ) from None
+        log.warning("prompt %d re-issued: %s", index, error)
 
     async def _until_healthy(self) -> None:
         """Wait for a healthy replica, at most ``engines.down_timeout_s``."""

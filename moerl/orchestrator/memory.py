@@ -16,10 +16,12 @@ else 80 GB), with ``auto`` dtypes meaning bf16 as they do on a GPU, so it can be
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from moerl.engines.weight_group import MAX_GROUPS_PER_ENGINE
 from moerl.errors import ConfigError
-from moerl.weight_sync.broadcast import MAX_GROUPS_PER_ENGINE
+from moerl.models.family import ModelFamily, TensorRule
 
 GIB = 1 << 30
 USABLE = 0.9  # of a trainer GPU: the CUDA context, NCCL buffers and fragmentation take the rest
@@ -118,11 +120,20 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB / 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
-def _rule_params(rule) -> int:
+def _rule_params(rule: TensorRule) -> int:
     return sum(math.prod(shape) for shape in rule.hf_shapes)
 
 
-def _stage_params(family, cfg: dict, tp: int, ep: int, etp: int, pp: int, stage: int, trainable) -> tuple[int, int]:
+def _stage_params(
+    family: ModelFamily,
+    cfg: dict,
+    tp: int,
+    ep: int,
+    etp: int,
+    pp: int,
+    stage: int,
+    trainable: Callable[[TensorRule, float], float],
+) -> tuple[int, int]:
     """(parameters, trained parameters) of one pipeline stage's rank."""
     layers = cfg["num_hidden_layers"] // pp
     rules = [r for i in range(stage * layers, (stage + 1) * layers) for r in family.layer_rules(cfg, i)]
@@ -131,9 +142,11 @@ def _stage_params(family, cfg: dict, tp: int, ep: int, etp: int, pp: int, stage:
         first = rule.mcore.startswith("embedding.")
         if (first and (stage == 0 or (tied and stage == pp - 1))) or (not first and stage == pp - 1):
             rules.append(rule)
-    params = trained = 0
+    # a rank's share of a sharded tensor is a fraction: the sums are rounded once, at the end
+    params: float = 0
+    trained: float = 0
     for rule in rules:
-        n = _rule_params(rule)
+        n: float = _rule_params(rule)
         if ".mlp.experts." in rule.mcore:
             n = n / ep / etp  # routed experts: each EP rank holds its share, split again over expert-TP
         elif any(part in rule.mcore for part in TP_SPLIT):
@@ -156,7 +169,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     expert_dp = world // (layout.ep * layout.etp * layout.pp)
     lora = cfg.lora
 
-    def trainable(rule, n) -> float:
+    def trainable(rule: TensorRule, n: float) -> float:
         if not lora.enabled:
             return n
         if not lora.adapts(rule.mcore):
@@ -178,10 +191,10 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     expert_share = experts / layout.ep / layout.etp / layout.pp / max(params, 1)  # of this rank's parameters
     dtype_bytes = 4 if t.dtype == "float32" else 2
     distributed = t.optim.distributed_optimizer
-    adam_bytes = (12 if dtype_bytes == 2 else 8) * trained
+    adam_bytes: float = (12 if dtype_bytes == 2 else 8) * trained
     if distributed:
         adam_bytes = adam_bytes * (expert_share / expert_dp + (1 - expert_share) / dense_dp)
-    terms = {
+    terms: dict[str, float] = {
         "weights": params * dtype_bytes,
         "gradients (fp32)": 4 * trained,
         "optimizer state": adam_bytes,
@@ -201,12 +214,13 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     )
     device = device_memory_gb * GIB
     rank = RankMemory(params, trained, terms)
-    problems = []
+    problems: list[str] = []
     if rank.total > USABLE * device:
-        largest = max(terms, key=terms.get)
+        largest = max(terms, key=lambda name: terms[name])
         problems.append(
-            f"a trainer rank needs {rank.total / GIB:.1f} GiB of {USABLE * device / GIB:.1f} GiB usable ({device_memory_gb:g} GiB device, "
-            f"layout tp={t.tp} pp={t.pp} ep={t.ep} on {world} ranks); the largest term is {largest} at {terms[largest] / GIB:.1f} GiB: "
+            f"a trainer rank needs {rank.total / GIB:.1f} GiB of {USABLE * device / GIB:.1f} GiB usable "
+            f"({device_memory_gb:g} GiB device, layout tp={t.tp} pp={t.pp} ep={t.ep} on {world} ranks); the largest "
+            f"term is {largest} at {terms[largest] / GIB:.1f} GiB: "
             + _remedy(largest)
             + " (every term: "
             + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]))
@@ -331,9 +345,10 @@ def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape
 def _remedy(term: str) -> str:
     longest = "rollout.max_new_tokens (a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)"
     return {
-        "weights": "shard the model over more GPUs (raise trainer.ep for the experts, trainer.tp or trainer.pp), or train "
-        "LoRA adapters (lora.enabled=true)",
-        "gradients (fp32)": "shard the model over more GPUs (trainer.ep, trainer.tp, trainer.pp), or train LoRA adapters (lora.enabled=true)",
+        "weights": "shard the model over more GPUs (raise trainer.ep for the experts, trainer.tp or trainer.pp), or "
+        "train LoRA adapters (lora.enabled=true)",
+        "gradients (fp32)": "shard the model over more GPUs (trainer.ep, trainer.tp, trainer.pp), or train LoRA "
+        "adapters (lora.enabled=true)",
         "optimizer state": "keep trainer.optim.distributed_optimizer=true and add data parallelism (more trainer GPUs: "
         "run.trainer_ranks, more nodes), or shard further (trainer.ep, trainer.tp, trainer.pp)",
         "KL reference": "set trainer.loss.kl_coef=0 (no reference model) or shard the model further",

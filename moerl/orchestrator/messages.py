@@ -73,7 +73,6 @@ class GroupDone:
     seconds: float  # from issue to scored
     engine_retries: int = 0  # re-issues after its replica failed (transport error, deadline)
     workers_lost: int = 0  # re-issues after the generation worker carrying it died (not the replica's failure)
-    stale_prefixes: int = 0  # re-issues after an engine answered it from a prefix cached under older weights
 
 
 @dataclass(frozen=True)
@@ -103,6 +102,7 @@ class Stopped:
 
 
 EVENTS = (Issued, GroupDone, Dropped, EnginesChanged, RolloutFailed, Stopped)
+Event = Issued | GroupDone | Dropped | EnginesChanged | RolloutFailed | Stopped  # one of EVENTS
 
 
 def checked(message, kinds: tuple[type, ...]):
@@ -129,7 +129,7 @@ def send_event(socket, event):
     return socket.send_multipart(event_frames(event), copy=False)
 
 
-def receive_event(socket) -> object:
+def receive_event(socket) -> Event:
     """The next event on ``socket`` (plain ZMQ), if it is one of :data:`EVENTS`. Its arrays get memory of their own,
     writable (one copy, as an in-band pickle would make), not the frames' read-only bytes."""
     head, *arrays = (memoryview(frame) for frame in socket.recv_multipart(copy=False))

@@ -81,14 +81,15 @@ def plot(run_dirs: str | Path | list, out: str | Path | None = None, keys: tuple
     for d in dirs:
         if not runs[d.name]:
             raise ValueError(f"{d}/metrics.jsonl has no steps to plot")
-    keys = [k for k in keys if any(k in r for rows in runs.values() for r in rows)]
-    if not keys:
+    plotted = [k for k in keys if any(k in r for rows in runs.values() for r in rows)]
+    if not plotted:
         raise ValueError(f"none of {len(dirs)} run(s) has any of the metrics asked for")
     cols = 3
     fig, axes = plt.subplots(
-        math.ceil(len(keys) / cols), cols, figsize=(4.2 * cols, 2.8 * math.ceil(len(keys) / cols)), squeeze=False
+        math.ceil(len(plotted) / cols), cols, figsize=(4.2 * cols, 2.8 * math.ceil(len(plotted) / cols)), squeeze=False
     )
-    for ax, key in zip(axes.flat, keys):
+    # the grid's last row may have axes to spare: they are turned off below
+    for ax, key in zip(axes.flat, plotted, strict=False):
         for name, rows in runs.items():
             points = [(r["step"], r[key]) for r in rows if key in r]
             ax.plot(
@@ -97,7 +98,7 @@ def plot(run_dirs: str | Path | list, out: str | Path | None = None, keys: tuple
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys) :]:
+    for ax in list(axes.flat)[len(plotted) :]:
         ax.axis("off")
     if len(runs) == 1:
         ((name, rows),) = runs.items()
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moerl plot",
         description=(
-            "Plot a run's metrics.jsonl as PNG curves; given several runs, draw them on the same axes (legend: each run "
-            "directory's name), e.g. the runs of an ablation."
+            "Plot a run's metrics.jsonl as PNG curves; given several runs, draw them on the same axes (legend: each "
+            "run directory's name), e.g. the runs of an ablation."
         ),
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.dir of the job)")
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
 class CpuMeter:
     """The orchestrator's own CPU cost per step, never scaled in a simulation: the rollout manager process's (the engine
     client, rewards, and the completions its generation workers hand it), its helper processes' (the generation
-    workers: engine requests and decoding), and rank 0's rollout buffer's (taking in the finished groups). The manager's own is the figure that must
-    stay well below the step: it is one process."""
+    workers: engine requests and decoding), and rank 0's rollout buffer's (taking in the finished groups). The manager's
+    own is the figure that must stay well below the step: it is one process."""
 
     def __init__(self, manager_pid: int, rollouts: RolloutEndpoint):
         import psutil

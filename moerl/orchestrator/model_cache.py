@@ -34,10 +34,12 @@ def _build_once(target: Path, build) -> Path:
 
 
 def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
-    """(HF directory, Megatron checkpoint) of the model to train, made once and cached; a simulation has no checkpoint."""
+    """(HF directory, Megatron checkpoint) of the model to train, made once and cached; a simulation has no
+    checkpoint."""
     cache = Path(cfg.run.cache_dir).expanduser()
     profile = simulation_profile(cfg)
-    if model_dir(cfg, profile) is None:
+    given = model_dir(cfg, profile)
+    if given is None:
         from moerl.tasks.tiny import save_warm_tiny_model
 
         def build(staging: Path) -> None:
@@ -46,7 +48,7 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
 
         hf = _build_once(cache / TINY_MODEL / "hf", build) / "model"
     else:
-        hf = Path(model_dir(cfg, profile))
+        hf = Path(given)
     if profile is not None:
         return hf, None
     if cfg.model.mcore:

@@ -26,7 +26,8 @@ def check_layout(cfg: RunConfig, world: int) -> None:
     if cfg.simulation.profile is not None:
         if world != 1:
             raise ConfigError(
-                f"simulation.profile: a simulated trainer runs as one process, not {world} (launch the recipe, which starts one)"
+                f"simulation.profile: a simulated trainer runs as one process, not {world} (launch the recipe, which "
+                "starts one)"
             )
         return
     try:
@@ -145,17 +146,17 @@ def check_engine_urls(urls: list[str], simulated: bool = False, sglang_refused: 
             return up, (await client.server_info() if all(up) else [])
 
     up, infos = asyncio.run(health())
-    down = [u for u, ok in zip(urls, up) if not ok]
+    down = [u for u, ok in zip(urls, up, strict=True) if not ok]  # one answer per URL
     if down:
         raise ConfigError(
             f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs"
         )
-    for url, info in zip(urls, infos):
+    for url, info in zip(urls, infos, strict=True):  # all answered: every URL's info
         engine = str(info.get("engine"))
         if (engine == "moerl-simulated") != simulated:
             raise ConfigError(
-                f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this run "
-                f"{'is' if simulated else 'is not'} a simulation (simulation.profile)"
+                f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this "
+                f"run {'is' if simulated else 'is not'} a simulation (simulation.profile)"
             )
         if engine.startswith("moerl-"):
             continue

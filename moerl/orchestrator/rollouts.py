@@ -26,6 +26,7 @@ from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (
     Dropped,
     EnginesChanged,
+    Event,
     Generate,
     GroupDone,
     Issued,
@@ -33,7 +34,6 @@ from moerl.orchestrator.messages import (
     RolloutFailed,
     Served,
     Stop,
-    Stopped,
     Updating,
     receive_event,
 )
@@ -183,7 +183,7 @@ class RolloutEndpoint:
         counts, self.reissues = self.reissues, Counter()
         return counts
 
-    def _handle(self, event: Issued | GroupDone | Dropped | EnginesChanged | RolloutFailed | Stopped) -> None:
+    def _handle(self, event: Event) -> None:
         if isinstance(event, Issued):
             if event.new:  # a resumed run's re-issued prompts were counted when first issued
                 self.acct.issued += 1
@@ -192,9 +192,7 @@ class RolloutEndpoint:
         elif isinstance(event, GroupDone):
             self.ready.append(Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries))
             self.acct.set(event.index, "ready")
-            self.reissues.update(
-                engine_failure=event.engine_retries, worker_lost=event.workers_lost, stale_prefix=event.stale_prefixes
-            )
+            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)

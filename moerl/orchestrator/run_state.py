@@ -1,5 +1,5 @@
-"""A run's checkpoints: the trainer's (collective) and, beside it, the run state global rank 0 writes (the data position and
-every prompt not yet trained, to be issued again), which marks the checkpoint complete."""
+"""A run's checkpoints: the trainer's (collective) and, beside it, the run state global rank 0 writes (the data position
+and every prompt not yet trained, to be issued again), which marks the checkpoint complete."""
 
 from __future__ import annotations
 

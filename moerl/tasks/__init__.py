@@ -68,7 +68,8 @@ def read_records(path: str | Path, prompt_key: str = "prompt", answer_key: str =
         missing = [k for k in (prompt_key, answer_key) if k not in row]
         if missing:
             raise ConfigError(
-                f"task.path={path}: record {n} has no {', '.join(missing)} (keys: {', '.join(row)}); set task.prompt_key/answer_key"
+                f"task.path={path}: record {n} has no {', '.join(missing)} (keys: {', '.join(row)}); set "
+                "task.prompt_key/answer_key"
             )
     if not rows:
         raise ConfigError(f"task.path={path}: no records")

@@ -11,10 +11,13 @@ import asyncio
 import importlib
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moerl.errors import ConfigError
 from moerl.tasks import TASKS, TaskConfig
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 def exact(response: str, answer: Any, prompt: str = "") -> float:
@@ -66,41 +69,42 @@ class Rewarder:
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         self.url = cfg.reward_url
-        self.fn = None if self.url else resolve(cfg.reward or TASKS[cfg.name])
-        self._session = None
+        self.fn: Callable | None = None if self.url else resolve(cfg.reward or TASKS[cfg.name])  # None: remote
+        self._session: aiohttp.ClientSession | None = None  # made at the first remote call, in its event loop
 
     async def _call(self, fn: Callable, *args) -> Any:
         if inspect.iscoroutinefunction(fn):
             return await fn(*args)
         return await asyncio.to_thread(fn, *args)
 
-    async def _remote(self, response: str, answer: Any, prompt: str) -> float:
+    async def _remote(self, url: str, response: str, answer: Any, prompt: str) -> float:
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
-        async with self._session.post(
-            self.url, json={"prompt": prompt, "response": response, "answer": answer}
-        ) as resp:
+        async with self._session.post(url, json={"prompt": prompt, "response": response, "answer": answer}) as resp:
             if resp.status >= 400:
-                raise RuntimeError(f"reward verifier {self.url} answered {resp.status}: {(await resp.text())[:500]}")
+                raise RuntimeError(f"reward verifier {url} answered {resp.status}: {(await resp.text())[:500]}")
             body = await resp.json()
         if not isinstance(body, dict) or "reward" not in body:
-            raise RuntimeError(f'reward verifier {self.url} answered {body!r}; expected {{"reward": float}}')
+            raise RuntimeError(f'reward verifier {url} answered {body!r}; expected {{"reward": float}}')
         return float(body["reward"])
 
     async def score(self, responses: list[str], answer: Any, prompt: str) -> list[float]:
         """One reward per response of a group."""
         if self.url:
-            return list(await asyncio.gather(*(self._remote(r, answer, prompt) for r in responses)))
+            url = self.url
+            return list(await asyncio.gather(*(self._remote(url, r, answer, prompt) for r in responses)))
+        fn = self.fn
+        assert fn is not None, "a reward function is resolved wherever no verifier URL is given"
         if self.cfg.group_reward:
-            rewards = [float(x) for x in await self._call(self.fn, responses, answer, prompt)]
+            rewards = [float(x) for x in await self._call(fn, responses, answer, prompt)]
             if len(rewards) != len(responses):
                 raise RuntimeError(
                     f"group reward {self.cfg.reward} returned {len(rewards)} rewards for {len(responses)} responses"
                 )
             return rewards
-        return [float(x) for x in await asyncio.gather(*(self._call(self.fn, r, answer, prompt) for r in responses))]
+        return [float(x) for x in await asyncio.gather(*(self._call(fn, r, answer, prompt) for r in responses))]
 
     async def close(self) -> None:
         if self._session is not None:

@@ -117,9 +117,8 @@ class MicroBatch:
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
     sample_indices: list[int] | None = None  # each sample's index in the rank's piece
-    routing_differs: torch.Tensor | None = (
-        None  # bool [T]: the old-policy pass's native experts differ from the rollout's somewhere
-    )
+    # bool [T]: the old-policy pass's native experts differ from the rollout's somewhere
+    routing_differs: torch.Tensor | None = None
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
     cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each sample starts and ends in the row
 
@@ -151,6 +150,7 @@ class MicroBatch:
         local attention applies as given. The padding tail is a segment of its own."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
+        assert self.cu_seqlens is not None, "packed inputs of a padded micro-batch"
         width = self.input_ids.shape[1]
         bounds = self.cu_seqlens.tolist()
         if bounds[-1] < width:
@@ -208,7 +208,7 @@ def build_micro_batch(
         starts = [(b, 0) for b in range(len(samples))]
     input_ids = torch.zeros(1 if packed else len(samples), width, dtype=torch.long)
     rows, cols, seq, temps, w, adv = [], [], [], [], [], []
-    for b, (s, (row, col)) in enumerate(zip(samples, starts)):
+    for b, (s, (row, col)) in enumerate(zip(samples, starts, strict=True)):
         input_ids[row, col : col + s.fed_len] = torch.from_numpy(s.fed_ids().astype(np.int64))
         r = s.response_len
         rows.append(np.full(r, row))
@@ -217,7 +217,7 @@ def build_micro_batch(
         temps.append(np.full(r, s.temperature, dtype=np.float32))
         w.append(np.full(r, weights[b], dtype=np.float32))
         adv.append(np.full(r, advantages[b], dtype=np.float32))
-    cat = lambda parts, dtype=torch.long: torch.from_numpy(np.concatenate(parts)).to(dtype)  # noqa: E731
+    cat = lambda parts, dtype=torch.long: torch.from_numpy(np.concatenate(parts)).to(dtype)
     if use_masks:
         behaviour = cat([s.selected_logprobs for s in samples], torch.float32)
     else:
@@ -239,14 +239,17 @@ def build_micro_batch(
     if use_masks:
         offsets, start = [np.zeros(1, dtype=np.int64)], 0
         for s in samples:
+            assert s.mask_offsets is not None, "use_masks: every sample carries kept sets"
             offsets.append(s.mask_offsets[1:].astype(np.int64) + start)
             start += int(s.mask_offsets[-1])
         batch.mask_offsets = cat(offsets)
         batch.mask_ids = cat([s.mask_ids for s in samples], torch.int32)  # kept sets are the bulk of the loss's inputs
     if routed_experts is not None:
-        _, layers, topk = samples[0].routing.shape
-        routing = np.empty((*input_ids.shape, layers, topk), dtype=samples[0].routing.dtype)
-        for s, (row, col) in zip(samples, starts):
+        first = samples[0].routing
+        assert first is not None, "routed_experts: every sample carries routing"
+        _, layers, topk = first.shape
+        routing = np.empty((*input_ids.shape, layers, topk), dtype=first.dtype)
+        for s, (row, col) in zip(samples, starts, strict=True):
             routing[row, col : col + s.fed_len] = s.routing
         padding = ~batch.real_positions()
         routing[padding] = padding_routing(int(padding.sum()), topk, routed_experts, routing.dtype)[:, None]

@@ -7,8 +7,8 @@ from typing import Literal
 
 from moerl.config import check_choices
 from moerl.trainer.objectives import LossConfig
-from moerl.trainer.routing import RoutingMode
 
+RoutingMode = Literal["off", "R2", "R3"]  # R2: replay the old-policy forward's routing; R3: the rollout's
 MicroBatchFormat = Literal["padded", "packed"]
 TrainerDtype = Literal["auto", "bfloat16", "float32"]  # auto: bfloat16 on CUDA, float32 on CPU
 LRDecayStyle = Literal[

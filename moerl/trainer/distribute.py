@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -42,6 +43,8 @@ _ALIGN = 8
 # one payload larger than it alone: a step's whole batch staged at once (GBs at 32K-token responses) would not fit
 # beside the model, and this much sits within the tenth of the GPU the memory plan leaves free.
 SCATTER_WINDOW_BYTES = 256 << 20
+# ``(name, dtype, shape)`` of one array of a rank's payload (:func:`_fields`).
+_Field: TypeAlias = tuple[str, np.dtype, tuple[int, ...]]
 
 
 class BatchFailed(RuntimeError):
@@ -79,7 +82,7 @@ class LocalPiece:
     originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
 
 
-def _finish(tensor: torch.Tensor, request) -> int:
+def _finish(tensor: torch.Tensor, request: dist.Work) -> int:
     """Wait for ``tensor``'s send; its bytes, free for the next staging once this returns."""
     request.wait()
     if tensor.is_cuda:  # an NCCL wait only orders the streams: the send is done, and its memory free, after this
@@ -89,9 +92,9 @@ def _finish(tensor: torch.Tensor, request) -> int:
 
 def _fields(
     needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.ndarray, routing: tuple | None, masks: bool
-) -> list[tuple[str, np.dtype, tuple]]:
+) -> list[_Field]:
     """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths."""
-    fields = []
+    fields: list[_Field] = []
     if needs.ids:
         fields.append(("ids", np.dtype(np.int32), (int((prompt + response).sum()),)))
     if needs.last:
@@ -108,7 +111,7 @@ def _fields(
     return fields
 
 
-def _spans(fields) -> tuple[list[tuple[int, int]], int]:
+def _spans(fields: list[_Field]) -> tuple[list[tuple[int, int]], int]:
     spans, offset = [], 0
     for _, dtype, shape in fields:
         size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
@@ -117,40 +120,48 @@ def _spans(fields) -> tuple[list[tuple[int, int]], int]:
     return spans, offset
 
 
-def _pack(samples: list[Sample], needs: Needs, fields, masks: bool) -> np.ndarray:
+def _carried(array: np.ndarray | None) -> np.ndarray:
+    """One of a sample's optional arrays (kept sets, selected log-probs, routing) that the plan checked every sample of
+    the piece carries (:meth:`BatchDistributor._plan`)."""
+    assert array is not None, "a sample lacks an array that the plan found on every sample"
+    return array
+
+
+def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool) -> np.ndarray:
     spans, total = _spans(fields)
     buffer = np.zeros(total, dtype=np.uint8)
-    for (name, dtype, shape), (start, end) in zip(fields, spans):
+    for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True):  # a span per field
         if name == "ids":
             parts = [np.concatenate([s.prompt_ids, s.response_ids]) for s in samples]
         elif name == "behaviour":
-            parts = [s.selected_logprobs if masks else s.behaviour_logprobs for s in samples]
+            parts = [_carried(s.selected_logprobs) if masks else s.behaviour_logprobs for s in samples]
         elif name == "versions":
             parts = [s.versions for s in samples]
         elif name == "kept_counts":
-            parts = [np.diff(s.mask_offsets) for s in samples]
+            parts = [np.diff(_carried(s.mask_offsets)) for s in samples]
         elif name == "kept_ids":
-            parts = [s.mask_ids for s in samples]
+            parts = [_carried(s.mask_ids) for s in samples]
         else:
-            parts = [s.routing[:, list(needs.columns)] for s in samples]
+            parts = [_carried(s.routing)[:, list(needs.columns)] for s in samples]
         array = np.concatenate([np.asarray(p, dtype=dtype) for p in parts]).reshape(shape)
         buffer[start:end] = array.reshape(-1).view(np.uint8)
     return buffer
 
 
 def _unpack(
-    buffer: np.ndarray, fields, prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray
+    buffer: np.ndarray, fields: list[_Field], prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray
 ) -> list[Sample]:
     spans, _ = _spans(fields)
     arrays = {
-        name: buffer[start:end].view(dtype).reshape(shape) for (name, dtype, shape), (start, end) in zip(fields, spans)
+        name: buffer[start:end].view(dtype).reshape(shape)
+        for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True)  # a span per field
     }
     ids_at = np.concatenate([[0], np.cumsum(prompt + response)])
     tokens_at = np.concatenate([[0], np.cumsum(response)])
     fed_at = np.concatenate([[0], np.cumsum(prompt + response - 1)])
     kept_at = np.concatenate([[0], np.cumsum(arrays["kept_counts"])]) if "kept_counts" in arrays else None
     samples = []
-    for i, (p, r) in enumerate(zip(prompt.tolist(), response.tolist())):
+    for i, (p, r) in enumerate(zip(prompt.tolist(), response.tolist(), strict=True)):  # both per sample
         tokens = slice(tokens_at[i], tokens_at[i + 1])
         if "ids" in arrays:
             ids = arrays["ids"][ids_at[i] : ids_at[i + 1]]
@@ -194,7 +205,8 @@ class BatchDistributor:
         # Rank 0 sends each replica's stage once, to the first rank of its TP group, which passes it on to its TP peers.
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_first = dist.get_global_rank(self.tp_group, 0)
-        everyone = [None] * self.world if self.rank == 0 else None
+        # Each rank's (needs, whether it is its TP group's first), on rank 0; gather_object replaces every placeholder.
+        everyone: list[tuple[Needs, bool]] | None = [(self.needs, False)] * self.world if self.rank == 0 else None
         dist.gather_object((self.needs, self.rank == self.tp_first), everyone, dst=0)  # once: a few numbers per rank
         self.everyone: list[Needs] = [needs for needs, _ in everyone or []]
         self.receivers = [rank for rank, (_, first) in enumerate(everyone or []) if first and rank != 0]
@@ -206,11 +218,15 @@ class BatchDistributor:
     ) -> Iterator[LocalPiece]:
         """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends.
         An :class:`Interlude` it yields instead runs ``interlude(kind)`` on every rank, all together."""
-        source, piece = iter(source) if self.rank == 0 else None, None
+        feed: Iterator[list[Sample] | Interlude] | None = None  # rank 0's pieces
+        if self.rank == 0:
+            assert source is not None, "global rank 0 reads the pieces"
+            feed = iter(source)
+        piece: list[Sample] | Interlude | None = None
         while True:
-            if self.rank == 0:
+            if feed is not None:
                 try:
-                    piece = next(source, None)
+                    piece = next(feed, None)
                     if isinstance(piece, Interlude) and interlude is None:
                         raise ValueError(f"an interlude ({piece.kind}) in a step given no interlude to run")
                 except BaseException:
@@ -220,13 +236,14 @@ class BatchDistributor:
             if local is None:
                 return
             if isinstance(local, Interlude):
+                assert interlude is not None, "rank 0 sends an interlude only to a step given one to run"
                 interlude(local.kind)
                 continue
             yield local
 
     def scatter(self, piece: list[Sample] | Interlude | None) -> LocalPiece | Interlude | None:
-        """Collective: rank 0 plans ``piece`` (None: the end) and sends each rank its part; this rank's part, None at the
-        end (an interlude: itself, on every rank)."""
+        """Collective: rank 0 plans ``piece`` (None: the end) and sends each rank its part; this rank's part, None at
+        the end (an interlude: itself, on every rank)."""
         if self.rank != 0:
             return self._receive()
         if piece is None:
@@ -239,11 +256,12 @@ class BatchDistributor:
             plan, routing, masks = self._plan(piece)
             lengths, shards = self._lengths(plan)
             # (fields, payload); tensor-parallel peers read the same: packed once
-            packed: dict[Needs, tuple[list, np.ndarray]] = {}
+            packed: dict[Needs, tuple[list[_Field], np.ndarray]] = {}
             for needs in self.everyone:
                 if needs not in packed:
                     shard = shards[needs.dp_rank]
-                    fields = _fields(needs, *lengths[:, shard], routing, masks)
+                    prompt, response, kept = lengths[:, shard]
+                    fields = _fields(needs, prompt, response, kept, routing, masks)
                     packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks)
             payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
@@ -260,16 +278,19 @@ class BatchDistributor:
         local.originals = [[piece[i] for i in shard] for shard in shards]
         return local
 
-    def _send_within_window(self, payloads: list[tuple[int, np.ndarray]]) -> deque:
+    def _send_within_window(self, payloads: list[tuple[int, np.ndarray]]) -> deque[tuple[torch.Tensor, dist.Work]]:
         """Send each ``(rank, payload)``, staged on the collective device with at most :data:`SCATTER_WINDOW_BYTES`
         there at once; the sends still in flight, each with its tensor. Every receiver waits in its receive already,
         so waiting for one send before staging the next cannot stall."""
-        in_flight, staged = deque(), 0
+        in_flight: deque[tuple[torch.Tensor, dist.Work]] = deque()
+        staged = 0
         for rank, payload in payloads:
             while in_flight and staged + payload.nbytes > SCATTER_WINDOW_BYTES:
                 staged -= _finish(*in_flight.popleft())
             tensor = torch.from_numpy(payload).to(collective_device())
-            in_flight.append((tensor, dist.isend(tensor, rank)))
+            request = dist.isend(tensor, rank)
+            assert request is not None, "isend gives None only to a rank outside the group, not in the default one"
+            in_flight.append((tensor, request))
             staged += payload.nbytes
             self.staged_peak = max(self.staged_peak, staged)
         return in_flight
@@ -280,7 +301,8 @@ class BatchDistributor:
             raise ValueError("an empty piece of a batch")
         if len(piece) < self.dp_size:
             raise ValueError(
-                f"{len(piece)} samples cannot feed {self.dp_size} data-parallel ranks: give each piece at least {self.dp_size}"
+                f"{len(piece)} samples cannot feed {self.dp_size} data-parallel ranks: "
+                f"give each piece at least {self.dp_size}"
             )
         replay, loss = self.cfg.replay, self.cfg.loss
         masks = replay.sampling_mask
@@ -294,12 +316,14 @@ class BatchDistributor:
         with_routing = [s.routing is not None for s in piece]
         routing = None
         if all(with_routing):  # R3 replays it; otherwise it measures agreement
-            dtypes = {s.routing.dtype for s in piece}
+            rollout = [_carried(s.routing) for s in piece]
+            dtypes = {r.dtype for r in rollout}
             if len(dtypes) != 1 or next(iter(dtypes)) not in ROUTING_DTYPES:
                 raise ValueError(
-                    f"routing dtypes {sorted(map(str, dtypes))}: expected one of {[np.dtype(d).name for d in ROUTING_DTYPES]}"
+                    f"routing dtypes {sorted(map(str, dtypes))}: "
+                    f"expected one of {[np.dtype(d).name for d in ROUTING_DTYPES]}"
                 )
-            routing = (next(iter(dtypes)), piece[0].routing.shape[2])
+            routing = (next(iter(dtypes)), rollout[0].shape[2])
         elif replay.routing == "R3":
             raise ValueError(
                 f"routing replay R3 is on but {len(piece) - sum(with_routing)} sample(s) carry no routing "
@@ -314,7 +338,7 @@ class BatchDistributor:
                 objectives.grpo_advantages(rewards, groups, loss.std_normalize).astype(np.float64),
                 objectives.sample_weights(response, loss.aggregation).astype(np.float64),
                 np.array([s.temperature for s in piece], dtype=np.float64),
-                np.array([len(s.mask_ids) if masks else 0 for s in piece], dtype=np.float64),
+                np.array([len(_carried(s.mask_ids)) if masks else 0 for s in piece], dtype=np.float64),
             ]
         )
         return plan, routing, masks
@@ -341,7 +365,8 @@ class BatchDistributor:
         dist.broadcast(plan_tensor, 0)
         plan = plan_tensor.cpu().numpy()
         lengths, shards = self._lengths(plan)
-        fields = _fields(self.needs, *lengths[:, shards[self.needs.dp_rank]], routing, bool(masks))
+        prompt, response, kept = lengths[:, shards[self.needs.dp_rank]]
+        fields = _fields(self.needs, prompt, response, kept, routing, bool(masks))
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
         if self.rank == self.tp_first:
             dist.recv(payload, 0)
@@ -355,7 +380,8 @@ class BatchDistributor:
             dist.broadcast(payload, self.tp_first, group=self.tp_group)
 
     def _lengths(self, plan: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
-        """(int64 [prompt, response, kept] x samples, each replica's sample indices) of a plan: the same on every rank."""
+        """(int64 [prompt, response, kept] x samples, each replica's sample indices) of a plan: the same on every
+        rank."""
         lengths = plan[[0, 1, 5]].astype(np.int64)
         return lengths, shard_by_tokens((lengths[0] + lengths[1] - 1).tolist(), self.dp_size)
 
@@ -364,7 +390,7 @@ class BatchDistributor:
         plan: np.ndarray,
         lengths: np.ndarray,
         shards: list[list[int]],
-        fields,
+        fields: list[_Field],
         payload: np.ndarray,
         routing,
         received: int,

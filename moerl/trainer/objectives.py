@@ -41,9 +41,8 @@ class LossConfig:
     clip_high: float = 0.28
     dual_clip: float | None = 3.0  # for negative advantages, the loss is capped at -A * dual_clip (PPO only)
     aggregation: Aggregation = "token_mean"  # seq_mean_token_sum_norm: Dr. GRPO
-    max_response_len: int | None = (
-        None  # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
-    )
+    # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
+    max_response_len: int | None = None
     std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
     correction: Correction = "tis"  # behaviour -> proximal
     is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights

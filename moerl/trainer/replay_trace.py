@@ -9,7 +9,8 @@ by its data-parallel replica and its index in that replica's shard, which every 
 
 - ``rollout``: the engine's experts as the rank received them; ``tokens_fed``: the tokens its first pipeline stage
   fed the model (from the micro-batch the model ran);
-- ``native``: what the trainer's routers choose themselves in the old-policy pass, ``train_native`` in the training pass;
+- ``native``: what the trainer's routers choose themselves in the old-policy pass, ``train_native`` in the training
+  pass;
 - ``score``: the experts the old-policy pass used; ``train``: those the training forward used; ``recompute``: those the
   recomputed forward used in the backward pass (activation recompute only).
 
@@ -84,8 +85,8 @@ def write_rank(
     passes: list[str],
     samples: list[TracedSample],
 ) -> Path:
-    """One rank's trace of one step. ``columns``: the index in ``moe_layers`` of each of this rank's routers; ``passes``:
-    those it recorded for every sample (a missing one is a failure of the check)."""
+    """One rank's trace of one step. ``columns``: the index in ``moe_layers`` of each of this rank's routers;
+    ``passes``: those it recorded for every sample (a missing one is a failure of the check)."""
     meta = {
         "mode": mode,
         "moe_layers": moe_layers,
@@ -95,7 +96,8 @@ def write_rank(
     }
     arrays = {f"{j}/{name}": array for j, s in enumerate(samples) for name, array in s.arrays.items()}
     path = step_dir(directory, version) / f"rank{rank:05d}.npz"
-    np.savez_compressed(path, meta=np.array(json.dumps(meta)), **arrays)
+    # The keys are "{j}/{name}", never savez_compressed's allow_pickle, which mypy cannot know of a dict.
+    np.savez_compressed(path, meta=np.array(json.dumps(meta)), **arrays)  # type: ignore[arg-type]  # numpy's stub
     return path
 
 
@@ -139,10 +141,11 @@ class CheckReport:
 
     def summary(self, shown: int = 20) -> str:
         lines = [
-            f"replay trace: {self.steps} steps, {self.samples} samples, mode {self.mode}, passes {', '.join(sorted(self.passes))}: "
-            f"{self.checked} (sample, layer, position, pass) sets compared, {self.informative} of them where the trainer's own "
-            f"routing differs from what replay gives it; native routing agreed with the rollout's at {self.native_agree:.4f} "
-            "of the recorded sets"
+            f"replay trace: {self.steps} steps, {self.samples} samples, mode {self.mode}, "
+            f"passes {', '.join(sorted(self.passes))}: "
+            f"{self.checked} (sample, layer, position, pass) sets compared, {self.informative} of them where the "
+            "trainer's own routing differs from what replay gives it; native routing agreed with the rollout's at "
+            f"{self.native_agree:.4f} of the recorded sets"
         ]
         if self.mode in ("R2", "R3") and not self.informative:
             lines.append(
@@ -162,7 +165,8 @@ class CheckReport:
             return "\n".join(lines)
         if self.mismatch_count:
             lines.append(
-                f"REPLAY MISMATCH: {self.mismatch_count} sets or tokens differ; the first {min(shown, len(self.mismatches))}:"
+                f"REPLAY MISMATCH: {self.mismatch_count} sets or tokens differ; "
+                f"the first {min(shown, len(self.mismatches))}:"
             )
             lines += [f"  {m}" for m in self.mismatches[:shown]]
         if self.uncovered:
@@ -206,7 +210,7 @@ class _Checker:
             return
         source_meta, source = _load(step / "source.npz")
         samples = {s["key"]: (j, s) for j, s in enumerate(source_meta["samples"])}
-        covered = {}
+        covered: dict[str, np.ndarray] = {}  # per sample key: bool [layers, positions] some rank recorded
         for path in sorted(step.glob("rank*.npz")):
             meta, arrays = _load(path)
             if report.mode and meta["mode"] != report.mode:
@@ -222,11 +226,11 @@ class _Checker:
                 self.sample(step.name, path.name, meta, s, arrays.get(j, {}), ref, source[ref_j])
         report.samples += len(samples)
         for key, (_, ref) in samples.items():
-            cover = covered.get(key)
-            if cover is None:
+            recorded = covered.get(key)
+            if recorded is None:
                 report.uncovered.append(f"{step.name} sample {key} (group {ref['group']}): no rank recorded it")
                 continue
-            for c, row in enumerate(cover):
+            for c, row in enumerate(recorded):
                 missing = np.flatnonzero(~row)
                 if missing.size:
                     report.uncovered.append(
@@ -254,7 +258,7 @@ class _Checker:
                     [int(source["tokens"][start + p])],
                     [int(arrays["tokens_fed"][p])],
                 )
-        for p, c in zip(*np.nonzero(_sets_differ(reference, arrays["rollout"]))):
+        for p, c in zip(*np.nonzero(_sets_differ(reference, arrays["rollout"])), strict=True):
             self.mismatch(
                 *where,
                 "received",
@@ -277,7 +281,7 @@ class _Checker:
             differ = _sets_differ(expected, arrays[name])
             report.checked += differ.size
             report.informative += int(_sets_differ(expected, own).sum())
-            for p, c in zip(*np.nonzero(differ)):
+            for p, c in zip(*np.nonzero(differ), strict=True):
                 self.mismatch(
                     *where,
                     name,
@@ -312,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="moerl check-replay",
         description=(
-            "Verify a run's replay trace (trainer.replay.trace_samples > 0): under R3 every router of every traced sample used "
-            "the rollout's experts at every layer and position, in the old-policy pass, the training forward and any "
-            "recompute; under R2 the training pass used the old-policy pass's. Exit 1 and list where not."
+            "Verify a run's replay trace (trainer.replay.trace_samples > 0): under R3 every router of every traced "
+            "sample used the rollout's experts at every layer and position, in the old-policy pass, the training "
+            "forward and any recompute; under R2 the training pass used the old-policy pass's. Exit 1 and list where "
+            "not."
         ),
     )
     p.add_argument("run_dir", help="the run directory (or its replay_trace/)")

@@ -8,7 +8,6 @@ pipeline stage, in build order, which is the order ``RouterReplay.set_replay_dat
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import numpy as np
 import torch
@@ -21,8 +20,6 @@ from moerl.megatron.parallel import collective_device
 from moerl.trainer.replay_trace import TracedSample, write_rank
 
 log = logging.getLogger(__name__)
-
-RoutingMode = Literal["off", "R2", "R3"]
 
 
 def _unwrap(model):
@@ -51,7 +48,8 @@ class LocalRouters:
             )
         self.num_experts = _unwrap(model).config.num_moe_experts
         sp = parallel_state.get_tensor_model_parallel_world_size()
-        self.sp_size, self.sp_rank = (sp, parallel_state.get_tensor_model_parallel_rank()) if sp > 1 else (1, 0)
+        self.sp_size: int = sp if sp > 1 else 1
+        self.sp_rank: int = parallel_state.get_tensor_model_parallel_rank() if sp > 1 else 0
 
     def chunk(self, s: int) -> slice:
         """The positions of a length-``s`` row that this rank's routers see."""
@@ -127,7 +125,7 @@ class RoutingProbe:
         self.native: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.used: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.recomputed: list[list[torch.Tensor]] = [[] for _ in routers.routers]
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> RoutingProbe:
         for i, router in enumerate(self.routers.routers):
@@ -202,7 +200,7 @@ class RoutingProbe:
         joins them in one collective of one byte per position."""
         sizes = [batch.input_ids.numel() for batch in batches]
         differs = torch.zeros(sum(sizes), dtype=torch.uint8)
-        for m, (batch, flat) in enumerate(zip(batches, differs.split(sizes))):
+        for m, (batch, flat) in enumerate(zip(batches, differs.split(sizes), strict=True)):
             if batch.dummy or not self.routers.routers:
                 continue
             b, s = batch.input_ids.shape
@@ -215,7 +213,9 @@ class RoutingProbe:
             joined = differs.to(collective_device())
             dist.all_reduce(joined, op=dist.ReduceOp.MAX, group=group)
             differs = joined.cpu()
-        return [flat.view(batch.input_ids.shape).bool() for batch, flat in zip(batches, differs.split(sizes))]
+        return [
+            flat.view(batch.input_ids.shape).bool() for batch, flat in zip(batches, differs.split(sizes), strict=True)
+        ]
 
 
 class ReplayTracer:
@@ -229,9 +229,8 @@ class ReplayTracer:
         self.samples: list[TracedSample] = []
         dp, first_stage = parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage()
         located = {i: (m, j) for m, mb in enumerate(batches) if not mb.dummy for j, i in enumerate(mb.sample_indices)}
-        for i in range(
-            min(count, len(piece.samples))
-        ):  # the shard's first samples, wherever the micro-batches put them
+        # the shard's first samples, wherever the micro-batches put them
+        for i in range(min(count, len(piece.samples))):
             m, j = located[i]
             mb, sample = batches[m], piece.samples[i]
             row, col = (0, int(mb.cu_seqlens[j])) if mb.cu_seqlens is not None else (j, 0)
@@ -245,8 +244,8 @@ class ReplayTracer:
             self.samples.append(TracedSample(f"dp{dp}-i{i}", sample.fed_len, start, stop, arrays))
 
     def record(self, name: str, sets: list[list[torch.Tensor]]) -> None:
-        """``sets``: per local router, per micro-batch in the order they ran, ``[s_local * b, k]`` (a probe's). A pass whose
-        forwards do not match the micro-batches one to one is left out, which the check reports."""
+        """``sets``: per local router, per micro-batch in the order they ran, ``[s_local * b, k]`` (a probe's). A pass
+        whose forwards do not match the micro-batches one to one is left out, which the check reports."""
         if any(len(per_router) != len(self.batches) for per_router in sets):
             log.warning(
                 "replay trace: %s recorded %s forwards for %d micro-batches; left out of the trace",
@@ -256,11 +255,10 @@ class ReplayTracer:
             )
             return
         dtype = np.uint8 if self.routers.num_experts <= 256 else np.int16
-        for sample, (m, row, col) in zip(self.samples, self.where):
+        for sample, (m, row, col) in zip(self.samples, self.where, strict=True):  # appended together
             b, s = self.batches[m].input_ids.shape
-            first = (
-                col + sample.start - self.routers.chunk(s).start
-            )  # the sample's first recorded position, in this chunk
+            # the sample's first recorded position, in this chunk
+            first = col + sample.start - self.routers.chunk(s).start
             per_router = [
                 self.routers.batch_order(per_mb[m], b)[row, first : first + sample.stop - sample.start]
                 for per_mb in sets
@@ -270,7 +268,8 @@ class ReplayTracer:
             sample.arrays[name] = stacked.astype(dtype)
 
     def write(self, directory, version: int, mode: str, passes: list[str]) -> None:
-        """``passes``: those this step ran; one the tracer had to leave out is missing from the file, and the check says so."""
+        """``passes``: those this step ran; one the tracer had to leave out is missing from the file, and the check says
+        so."""
         write_rank(
             directory,
             version,

@@ -1,11 +1,11 @@
-"""A simulated trainer: the job's trainer with time in place of a model, to run the job at production shape on a CPU.
+"""A simulated trainer: the job's trainer with time in place of a model, to run the job at production shape on CPU.
 
-A step takes the job's pieces through the real batch distribution (GRPO advantages, aggregation weights, token-balanced
-shards: global rank 0's real cost), then holds for the profile's time of their tokens on the GPUs it stands for, scaled
-like the engines' time; the optimizer step adds the profile's fixed cost. It reports what the real trainer reports of the
-batch (tokens, staleness), nothing of a model (no loss, mismatch or routing agreement). Its weights are the real model's
-Hub names, shapes and dtype with no bytes (:meth:`SimulatedTrainer.hub_tensors`), so a sync moves the model's byte
-count. Its checkpoint holds its version: the run state beside it is the job's own.
+A step takes the job's pieces through the real batch distribution (GRPO advantages, aggregation weights,
+token-balanced shards: global rank 0's real cost), then holds for the profile's time of their tokens on the GPUs it
+stands for, scaled like the engines' time; the optimizer step adds the profile's fixed cost. It reports what the real
+trainer reports of the batch (tokens, staleness), nothing of a model (no loss, mismatch or routing agreement). Its
+weights are the real model's Hub names, shapes and dtype with no bytes (:meth:`SimulatedTrainer.hub_tensors`), so a
+sync moves the model's byte count. Its checkpoint holds its version: the run state beside it is the job's own.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class SimulatedTrainer:
         time_scale: float,
         dtype: torch.dtype,
     ):
-        """The model of the HF directory ``hf_dir`` (its config alone), trained at ``profile``'s rate on ``gpus`` GPUs, time
-        running ``time_scale`` times faster than real; ``dtype``: of the weights a sync sends."""
+        """The model of the HF directory ``hf_dir`` (its config alone), trained at ``profile``'s rate on ``gpus`` GPUs,
+        time running ``time_scale`` times faster than real; ``dtype``: of the weights a sync sends."""
         init_distributed(Layout())  # one process stands for the whole trainer
         if dist.get_world_size() != 1:
             raise ValueError(f"a simulated trainer runs as one process, not {dist.get_world_size()}")
@@ -61,7 +61,8 @@ class SimulatedTrainer:
     def step(
         self, samples: list[Sample] | Iterable[list[Sample] | Interlude], interlude: Callable[[int], None] | None = None
     ) -> dict[str, float]:
-        """:meth:`Trainer.step <moerl.trainer.trainer.Trainer.step>`'s contract, each piece's tokens taking the profile's time."""
+        """:meth:`Trainer.step <moerl.trainer.trainer.Trainer.step>`'s contract, each piece's tokens taking the
+        profile's time."""
         pieces = [samples] if isinstance(samples, list) else samples
         lag_tokens, max_lag, tokens = np.zeros(LAG_BINS), float("-inf"), 0
         for piece in self.batches.pieces(pieces, interlude):

@@ -15,6 +15,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ from moerl.checkpoint.mcore import (
 from moerl.dtypes import torch_dtype
 from moerl.layout import Layout
 from moerl.megatron.forward import host_to_device, run_schedule
-from moerl.megatron.lora import LoRAConfig, add_lora
+from moerl.megatron.lora import add_lora
+from moerl.megatron.lora_config import LoRAConfig
 from moerl.megatron.parallel import collective_device, on_lead
 from moerl.models import family_for
 from moerl.sample import Sample
@@ -59,6 +61,13 @@ from moerl.trainer.routing import (
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
 
 
+class _Placement(TypedDict):
+    """Where a step's tallies live: the keyword arguments of torch's tensor factories."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+
 class Trainer:
     def __init__(self, ckpt_dir: str, cfg: TrainerConfig, lora: LoRAConfig | None = None):
         """The model of the Megatron checkpoint ``ckpt_dir``; with ``lora.enabled`` its weights are frozen
@@ -73,7 +82,7 @@ class Trainer:
         dtype = torch_dtype(cfg.dtype)
         self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
         # Low-precision router logits flip near-tied experts; megatron-core can compute them in fp32.
-        overrides = {} if dtype == torch.float32 else {"moe_router_dtype": "fp32"}
+        overrides: dict[str, str | int] = {} if dtype == torch.float32 else {"moe_router_dtype": "fp32"}
         if cfg.recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         # LoRA adapts megatron-core's local linear layers; Transformer Engine's fused ones are not supported yet.
@@ -177,7 +186,7 @@ class Trainer:
             )
 
         batches = [build(g) for g in groups]
-        for mb, g in zip(batches, groups):
+        for mb, g in zip(batches, groups, strict=True):  # a micro-batch per group
             mb.sample_indices = g
         for _ in range(count - len(groups)):  # fewer samples here than micro-batches elsewhere
             dummy = build(groups[0][:1], zero=True)
@@ -192,21 +201,25 @@ class Trainer:
         """(log-probs [T] of the response tokens under this forward, their logits rows [T, V/tp])."""
         rows = logits[mb.rows, mb.cols].float() / mb.temperature[:, None]
         if self.cfg.replay.sampling_mask:
+            # the loss's stage, the only one that scores, receives the kept sets (micro_batches' use_masks)
+            assert mb.mask_offsets is not None and mb.mask_ids is not None, "sampling-mask replay without kept sets"
             return masked_logprobs(rows, mb.targets, mb.mask_offsets, mb.mask_ids), rows
         return full_logprobs(rows, mb.targets), rows
 
     def _extra_inputs(self, mb: MicroBatch, device: torch.device) -> dict:
         return {} if mb.cu_seqlens is None else mb.packed_inputs(device, thd=self.thd)
 
-    def _routing_context(self, mode: str, training: bool):
+    def _routing_context(self, mode: str | None, training: bool):
         """A context for one forward of a micro-batch: sets its replay targets, or records native routing."""
         recomputed = training and self.cfg.recompute
 
         @contextlib.contextmanager
         def around(mb: MicroBatch):
             if mode == "R3":
+                assert mb.routing is not None, "R3 replays the rollout's routing, which every sample carries"
                 RouterReplay.set_replay_data(self.routers.replay_targets(mb.routing, collective_device()))
             elif mode == "R2-replay":
+                assert mb.r2_targets is not None, "R2 replays what the old-policy pass recorded"
                 RouterReplay.set_replay_data([host_to_device(t, collective_device()) for t in mb.r2_targets])
             yield
             if mode == "R2-record":  # kept in host memory between the passes, as R3's rollout routing is
@@ -254,7 +267,7 @@ class Trainer:
             set_action(None)
         if probe is None:
             return None
-        for mb, differs in zip(batches, probe.differing_positions(batches)):
+        for mb, differs in zip(batches, probe.differing_positions(batches), strict=True):  # one per micro-batch
             mb.routing_differs = host_to_device(differs, mb.rows.device)[mb.rows, mb.cols]
         if tracer is not None:
             tracer.record("score", probe.used)
@@ -288,7 +301,7 @@ class Trainer:
         mode = self.cfg.replay.routing
         # The step's tallies stay on the device of the logits until _metrics reads them once: a read per micro-batch
         # would make the host wait for each forward before it could launch the backward.
-        tally = {"dtype": torch.float64, "device": collective_device()}
+        tally: _Placement = {"dtype": torch.float64, "device": collective_device()}
         sums = torch.zeros(len(_SUMS), **tally)
         maxes = torch.full((len(_MAXES),), float("-inf"), **tally)
         lag_hist = torch.zeros(LAG_BINS, **tally)
@@ -300,6 +313,7 @@ class Trainer:
         def loss_fn(logits, mb: MicroBatch):
             new, rows = self._scores(logits, mb)
             old, behaviour, seq, adv, w = mb.old, mb.behaviour, mb.seq, mb.advantages, mb.weights
+            assert old is not None, "the old-policy pass (score) fills every micro-batch's old log-probs"
             terms, clipped = objectives.policy_terms(new, old, adv, seq, mb.num_seqs, loss_cfg)
             corr = objectives.correction(old, behaviour, seq, mb.num_seqs, loss_cfg)
             per_token = corr * terms
@@ -347,20 +361,18 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         replay = self.cfg.replay
-        if replay.trace_samples:
-            on_lead(
-                lambda: replay_trace.clear_step(replay.trace_dir, self.version), "clearing the step's replay traces"
-            )
+        # Where this step's replay trace goes, None where it traces nothing (__init__ checked that a count has one).
+        trace_dir = replay.trace_dir if replay.trace_samples else None
+        if trace_dir is not None:
+            on_lead(lambda: replay_trace.clear_step(trace_dir, self.version), "clearing the step's replay traces")
         for number, piece in enumerate(self.batches.pieces(pieces, interlude)):
             lengths += piece.response_lengths.tolist()
             batches = self.micro_batches(piece)
-            tracer = (
-                ReplayTracer(self.routers, piece, batches, replay.trace_samples)
-                if number == 0 and replay.trace_samples and piece.routing
-                else None
-            )
-            if tracer is not None and piece.originals is not None:
-                replay_trace.write_source(replay.trace_dir, self.version, piece.originals, replay.trace_samples)
+            tracer = None
+            if number == 0 and trace_dir is not None and piece.routing:
+                tracer = ReplayTracer(self.routers, piece, batches, replay.trace_samples)
+                if piece.originals is not None:
+                    replay_trace.write_source(trace_dir, self.version, piece.originals, replay.trace_samples)
             if self.reference is not None:
                 with self._reference_weights():
                     self.score(batches, into="ref")
@@ -383,6 +395,7 @@ class Trainer:
             finally:
                 set_action(None)
             if tracer is not None:
+                assert probe is not None, "a traced piece's training pass runs under a probe"
                 tracer.record("train", probe.used)
                 tracer.record("train_native", probe.native)
                 if self.cfg.recompute:
@@ -413,7 +426,7 @@ class Trainer:
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
         packed, maxes = packed.cpu(), maxes.cpu()
         packed, split = packed[: -split.numel()], packed[-split.numel() :].view(split.shape)
-        s = dict(zip(_SUMS, packed[: len(_SUMS)].tolist()))
+        s = dict(zip(_SUMS, packed[: len(_SUMS)].tolist(), strict=True))
         tokens = max(s["tokens"], 1.0)
         out = {
             "train/loss": s["loss"],
@@ -441,7 +454,7 @@ class Trainer:
             out["routing/differs_any_layer"] = split[differ, 0].sum().item() / tokens
             out["routing/agreement"] = float(np.average(agreement["native"], weights=agreement["tokens"]))
             out["routing/replayed"] = float(np.average(agreement["used"], weights=agreement["tokens"]))
-            for layer, value in zip(self.moe_layers, agreement["native"]):
+            for layer, value in zip(self.moe_layers, agreement["native"], strict=True):  # per MoE layer
                 out[f"routing/agreement_layer{layer}"] = float(value)
             # Expert load of the engine's routing and of what the trainer's own routers choose: drift between them, and
             # imbalance R3 would carry into training, show here.
@@ -451,7 +464,7 @@ class Trainer:
                     float(np.nanmean(balance)),
                     float(np.nanmean(entropy)),
                 )
-                for layer, b, h in zip(self.moe_layers, balance, entropy):
+                for layer, b, h in zip(self.moe_layers, balance, entropy, strict=True):
                     out[f"load/{source}_max_over_mean_layer{layer}"], out[f"load/{source}_entropy_layer{layer}"] = (
                         float(b),
                         float(h),
@@ -568,8 +581,8 @@ def _keep_loaded_adam_steps(optimizer) -> None:
 
 
 def _own_adam_steps(optimizer) -> None:
-    """Each parameter's Adam ``step`` its own tensor. megatron-core's DistributedOptimizer (without Apex or TE) loads one
-    step tensor into every parameter's state, and torch's Adam adds 1 to it in place per parameter: after a resume
+    """Each parameter's Adam ``step`` its own tensor. megatron-core's DistributedOptimizer (without Apex or TE) loads
+    one step tensor into every parameter's state, and torch's Adam adds 1 to it in place per parameter: after a resume
     the count would grow by the number of parameters each update, and the bias correction with it."""
     for inner in _inner_optimizers(optimizer):
         for state in inner.state.values():
@@ -587,11 +600,11 @@ def staleness_metrics(lag_tokens: list[float], max_lag: float, tokens: float) ->
 
 
 def mismatch_split_metrics(split: np.ndarray, routing: bool) -> dict[str, float]:
-    """The train-inference mismatch (mean |delta log p| and k3 of the proximal over the behaviour log-probs) over parts of
-    the step's tokens. ``split`` [MISMATCH_CELLS, MISMATCH_STATS]: token count and the two sums, per cell of (version lag 0
-    or more) x (the token's position routed natively as the rollout did in every MoE layer, or not). Lag 0 is numerics
-    alone; lagged tokens add the policy's drift since they were sampled. ``routing``: the rollout carried routing, so the
-    routing split means something. NaN where a part has no tokens."""
+    """The train-inference mismatch (mean |delta log p| and k3 of the proximal over the behaviour log-probs) over parts
+    of the step's tokens. ``split`` [MISMATCH_CELLS, MISMATCH_STATS]: token count and the two sums, per cell of (version
+    lag 0 or more) x (the token's position routed natively as the rollout did in every MoE layer, or not). Lag 0 is
+    numerics alone; lagged tokens add the policy's drift since they were sampled. ``routing``: the rollout carried
+    routing, so the routing split means something. NaN where a part has no tokens."""
     parts = {"lag0": [0, 1], "lagged": [2, 3]}
     if routing:
         parts.update(routing_agree=[0, 2], routing_differ=[1, 3], lag0_routing_agree=[0], lag0_routing_differ=[1])
@@ -615,7 +628,7 @@ def _pool_agreement(total: dict | None, piece: dict | None) -> dict | None:
     if total is None or piece is None:
         return total or piece
     tokens = total["tokens"] + piece["tokens"]
-    share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)  # noqa: E731
+    share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)
     return {
         "tokens": tokens,
         "native": share("native"),
@@ -639,7 +652,7 @@ def _experts_own_optimizer(model) -> None:
 
 def _swap(params: list[torch.nn.Parameter], others: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for p, other in zip(params, others):
+        for p, other in zip(params, others, strict=True):  # others: a copy of each of params
             scratch = p.detach().clone()
             p.copy_(other)
             other.copy_(scratch)

@@ -109,16 +109,24 @@ class WeightSync(ABC):
         self.restart_engines: Callable[[list[str]], list[str]] | None = None
 
     @property
+    def lead_link(self) -> EngineLink:
+        """Global rank 0's :attr:`link`, for the methods that talk to the engines (rank 0 alone calls them)."""
+        assert self.link is not None, "only global rank 0, given the engines' URLs, talks to them"
+        return self.link
+
+    @property
     def engines(self) -> list[str]:
         """Global rank 0: the engines the last update chose and that are still there (those holding its policy)."""
-        return list(self.link.client.targets)
+        return list(self.lead_link.client.targets)
 
     def server_info(self) -> list[dict]:
         """Global rank 0: every engine's /server_info."""
-        return self.link.run(self.link.client.server_info())
+        return self.lead_link.run(self.lead_link.client.server_info())
 
     def connect(self) -> None:
-        """Prepare the transport (a process group with the engines, a directory)."""
+        """Prepare the transport (a process group with the engines, a directory). By default there is none to
+        prepare: a strategy that needs one overrides this."""
+        return None
 
     @abstractmethod
     def start(self, trainer, engines_hold_it: bool) -> None:
@@ -137,9 +145,10 @@ class WeightSync(ABC):
         """(weight version the engines report, adapter requests name) once policy ``version`` is served."""
 
     def reach_engines(self, only: list[str] | None = None) -> bool:
-        """Collective: global rank 0 chooses the engines an update goes to (:meth:`choose_engines`) and every rank learns
-        whether there are any. Where none answered for :attr:`down_timeout_s` every rank raises :class:`EnginesDown`
-        (rank 0 its own); with ``only``, nothing is waited for and False means none of them answers now."""
+        """Collective: global rank 0 chooses the engines an update goes to (:meth:`choose_engines`) and every rank
+        learns whether there are any. Where none answered for :attr:`down_timeout_s` every rank raises
+        :class:`EnginesDown` (rank 0 its own); with ``only``, nothing is waited for and False means none of them
+        answers now."""
         chosen: list[str] = []
         self.agreed(lambda: chosen.extend(self.choose_engines(only)))
         outcome = torch.tensor(
@@ -166,12 +175,14 @@ class WeightSync(ABC):
         """Global rank 0: the engines this update goes to, those answering /health, or /model_info while the update has
         them paused (at least one: it waits up to :attr:`down_timeout_s`, then raises :class:`EnginesDown`); every
         control call then goes to them only. ``only``: those of these engines that answer now, perhaps none."""
-        client = self.link.client
+        link = self.lead_link
+        client = link.client
         if self.wedged | self.retired >= set(client.urls):
             why = []
             if self.wedged:
                 why.append(
-                    f"{', '.join(sorted(self.wedged))} took part in a weight broadcast that failed and may wait in it for good"
+                    f"{', '.join(sorted(self.wedged))} took part in a weight broadcast that failed and may wait in "
+                    "it for good"
                 )
             if self.retired:
                 why.append(f"{', '.join(sorted(self.retired))} hold all the weight groups they may")
@@ -183,7 +194,7 @@ class WeightSync(ABC):
         while not (
             up := [
                 url
-                for url, ok in zip(client.urls, self.link.run(client.healthy(self.paused)))
+                for url, ok in zip(client.urls, link.run(client.healthy(self.paused)), strict=True)
                 if ok and url not in self.wedged | self.retired and (only is None or url in only)
             ]
         ):
@@ -211,15 +222,16 @@ class WeightSync(ABC):
         return up
 
     def set_wedged(self, urls: list[str]) -> None:
-        """Global rank 0: ``urls`` were told of a bucket whose broadcast failed, and those that took it wait in it for good
-        (NCCL's kernels do not time out and nothing in SGLang aborts the group; its stream, and so every later forward
-        and update, waits behind it), while their HTTP process still answers /model_info. The job restarts those it
-        started (:attr:`restart_engines`); the others are left out of the rest of this update, their session ended and their
-        generation continued, so that a real forward (SGLang's /health, which the rollout manager's probe asks) brings
-        them back once one answers."""
+        """Global rank 0: ``urls`` were told of a bucket whose broadcast failed, and those that took it wait in it for
+        good (NCCL's kernels do not time out and nothing in SGLang aborts the group; its stream, and so every later
+        forward and update, waits behind it), while their HTTP process still answers /model_info. The job restarts
+        those it started (:attr:`restart_engines`); the others are left out of the rest of this update, their session
+        ended and their generation continued, so that a real forward (SGLang's /health, which the rollout manager's
+        probe asks) brings them back once one answers."""
         restarted = set(self.restart_engines(list(urls))) if self.restart_engines is not None else set()
         self.may_be_new |= restarted
-        client = self.link.client
+        link = self.lead_link
+        client = link.client
         left = [url for url in urls if url not in restarted]
         self.wedged |= set(left)
         client.targets = [url for url in client.targets if url not in urls]
@@ -235,17 +247,18 @@ class WeightSync(ABC):
             ),
         )
         if left:
-            self.link.run(client.release(left))
+            link.run(client.release(left))
 
     def on_engines(self, call, policy: EngineCall = EngineCall.REPEATED):
         """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. While it fails on
         engines that have gone since, those left are the chosen ones, and ``policy`` says what the call then does
         (:class:`EngineCall`). A failure on an engine that is still there is raised."""
         again, wait = policy.value
-        client = self.link.client
+        link = self.lead_link
+        client = link.client
         while True:
             try:
-                return self.link.run(call(client))
+                return link.run(call(client))
             except EngineError as e:
                 before = list(client.targets)
                 # not one that came back: it missed the push
@@ -359,7 +372,8 @@ def probe_ids(vocab_size: int) -> list[int]:
 
 
 def probe_logprobs(model, ids: list[int]) -> np.ndarray:
-    """Collective over the trainer's ranks: the model's log-probs of ``ids[1:]`` given the tokens before them, on every rank."""
+    """Collective over the trainer's ranks: the model's log-probs of ``ids[1:]`` given the tokens before them, on every
+    rank."""
     logits = forward_logits(model, torch.tensor([ids]))
     ours = (
         None
@@ -368,7 +382,7 @@ def probe_logprobs(model, ids: list[int]) -> np.ndarray:
         .gather(1, torch.tensor(ids[1:])[:, None].to(logits.device))[:, 0]
         .cpu()
     )
-    held = [None] * dist.get_world_size()
+    held: list[torch.Tensor | None] = [None] * dist.get_world_size()
     dist.all_gather_object(held, ours)  # PROBE_TOKENS floats from each rank: the last stage's are the answer
     return next(t for t in held if t is not None).numpy()
 
@@ -387,24 +401,24 @@ async def engines_serve(
     must agree with each other; and each engine's log-probs of the probe (``lora_path``: through that adapter) must be
     within ``tolerance`` (mean |delta|) of ``ours``. The probe is a generation request: the engines must not be paused.
     Raises :class:`WeightSyncError` naming the engine that does not; returns the worst deltas."""
-    served_versions = await client.weight_versions() if version is not None else []
-    for url, served in zip(client.targets, served_versions):
-        if served != version:
-            raise WeightSyncError(f"{url} serves weight version {served!r}, not {version!r}")
+    if version is not None:
+        for url, served in zip(client.targets, await client.weight_versions(), strict=True):  # one per target
+            if served != version:
+                raise WeightSyncError(f"{url} serves weight version {served!r}, not {version!r}")
     checksums = {c for c in await client.weight_checksums() if c is not None}
     if len(checksums) > 1:
         raise WeightSyncError(
             f"the engines hold different weights after the update to version {version}: {sorted(checksums)}"
         )
     worst = {"sync/verify_mean_abs_delta": 0.0, "sync/verify_max_abs_delta": 0.0}
-    for url, theirs in zip(client.targets, await client.prompt_logprobs(ids, lora_path)):
+    for url, theirs in zip(client.targets, await client.prompt_logprobs(ids, lora_path), strict=True):
         delta = np.abs(theirs - ours)
         if delta.mean() > tolerance:
             # An adapter is only as right as the base weights under it, which no sync of adapters moves.
             hint = (
                 (
-                    "; the adapter applies to the engine's base weights, which must be model.path's: an engine given by URL "
-                    "keeps those an earlier run loaded into it, so start it again from model.path"
+                    "; the adapter applies to the engine's base weights, which must be model.path's: an engine given "
+                    "by URL keeps those an earlier run loaded into it, so start it again from model.path"
                 )
                 if lora_path
                 else ""

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from moerl.engines.protocol import SGLANG_TORCH
 from moerl.engines.weight_group import (
+    MAX_GROUPS_PER_ENGINE,
     abandon_weight_group,
     flatten_bucket,
     in_daemon_thread,
@@ -48,11 +49,6 @@ from moerl.weight_sync.base import EngineCall, EngineLink, FullWeightSync, SyncS
 from moerl.weight_sync.export import hf_layers
 
 log = logging.getLogger("moerl.sync")
-# Groups of one run an engine may hold per sender: the first and three formed again (after failed pushes, engines gone
-# and back). Each holds an NCCL communicator on the engine's GPUs, outside mem_fraction_static, until the engine exits:
-# SGLang 0.5.23's /destroy_weights_update_group destroys, which NCCL makes a collective with peers that aborted their
-# side.
-MAX_GROUPS_PER_ENGINE = 4
 
 
 def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
@@ -67,7 +63,8 @@ def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of tensors of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
@@ -121,30 +118,35 @@ class BroadcastSync(FullWeightSync):
         sender."""
         in_trainer = dist.is_initialized()
         sends, self._rank = (sends_weights(), dist.get_rank()) if in_trainer else (True, 0)
-        engines = [None, None, None]
+        # Rank 0's (engine URLs, their tensor-parallel sizes, what to align of torch for NCCL), sent to every rank.
+        engines: list[tuple[list[str], list[int], str | None] | None] = [None]
         if self.link is not None:
             urls, infos = self.link.client.urls, self.link.run(self.link.client.server_info())
             engines = [
-                urls,
-                [info["tp_size"] for info in infos],
-                torch_mismatch(urls, infos) if self.backend == "nccl" else None,
+                (
+                    urls,
+                    [info["tp_size"] for info in infos],
+                    torch_mismatch(urls, infos) if self.backend == "nccl" else None,
+                )
             ]
         if in_trainer and dist.get_world_size() > 1:
             dist.broadcast_object_list(engines, src=0)  # once per run: a few URLs and sizes
-        urls, tp_sizes, mismatch = engines
+        assert engines[0] is not None, "global rank 0 is given the engines' URLs"
+        urls, tp_sizes, mismatch = engines[0]
         if mismatch is not None:
             raise (
                 ConfigError(mismatch)
                 if self.link is not None
                 else relayed(
                     ConfigError(
-                        "the engines run another torch, and NCCL, than the trainer (global rank 0's error says what to align)"
+                        "the engines run another torch, and NCCL, than the trainer (global rank 0's error says what "
+                        "to align)"
                     )
                 )
             )
         if not sends:
             return
-        self.tp_sizes = dict(zip(urls, tp_sizes))
+        self.tp_sizes = dict(zip(urls, tp_sizes, strict=True))  # server_info answers for every engine
         self.sender = self.link or EngineLink(urls, f"moerl-weight-sync-{self._rank}")
         self._form_group(urls)
 
@@ -155,7 +157,9 @@ class BroadcastSync(FullWeightSync):
         if self.group is not None:
             abandon_weight_group(self.group)
             self.group = None
-        client = self.sender.client
+        sender = self.sender
+        assert sender is not None, "only a rank that sends forms a group"
+        client = sender.client
         client.targets = members
         name = f"{self.base_name}-{self._rank}" + (f"-g{self._groups}" if self._groups else "")
         offsets, world = group_ranks([self.tp_sizes[url] for url in members])
@@ -172,7 +176,7 @@ class BroadcastSync(FullWeightSync):
             )
             return group
 
-        self.group = self.sender.run(both())
+        self.group = sender.run(both())
         self.group_name, self.members, self._groups = name, members, self._groups + 1
 
     def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
@@ -189,7 +193,7 @@ class BroadcastSync(FullWeightSync):
             self.wedged = set()  # the next update asks /health of them (a real forward on SGLang) before it chooses
 
     def _push_and_once_more(self, hf_config: dict, version: str) -> SyncStats | None:
-        gave_up = None
+        gave_up: Exception | None = None
         for attempt in range(2):
             try:
                 self._regroup(gave_up)
@@ -212,10 +216,11 @@ class BroadcastSync(FullWeightSync):
         return None
 
     def _regroup(self, gave_up: BaseException | None) -> None:
-        """Collective: every rank learns the engines rank 0 chose (rank 0 may have none to offer: ``gave_up``), and each
-        sender whose group does not hold exactly those forms a new one; every sender does where one of those may be a new
-        process at its address (:attr:`may_be_new`), outside every group."""
-        chosen = [None]  # (the engines, whether one of them is back), or None where rank 0 has none to offer
+        """Collective: every rank learns the engines rank 0 chose (rank 0 may have none to offer: ``gave_up``), and
+        each sender whose group does not hold exactly those forms a new one; every sender does where one of those may be
+        a new process at its address (:attr:`may_be_new`), outside every group."""
+        # (the engines, whether one of them is back), or None where rank 0 has none to offer
+        chosen: list[tuple[list[str], bool] | None] = [None]
         if self.link is not None:
             new, self.may_be_new = self.may_be_new, set()
             if gave_up is None:
@@ -231,11 +236,11 @@ class BroadcastSync(FullWeightSync):
             raise relayed(EnginesDown("no engine to push to (global rank 0's error says why)"))
         members, back = chosen[0]
         self.engine_count = len(members)
-        formed = None
+        formed: Exception | None = None
         if self.sender is not None and (members != self.members or back):
             try:
                 self._form_group(members)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - every rank hears of it below (_agree), then it goes up here
                 formed = e
         _agree(
             formed is None, "a sender could not form its group with the engines (that rank's error says why)", formed
@@ -246,7 +251,7 @@ class BroadcastSync(FullWeightSync):
         every group. Where the senders form their groups again, an engine that holds :data:`MAX_GROUPS_PER_ENGINE` of
         them already is left out (its communicators are what the memory plan allows): restarted where the job started it
         (:attr:`~moerl.weight_sync.base.WeightSync.restart_engines`), else for the rest of the run."""
-        client = self.link.client
+        client = self.lead_link.client
         back = new & set(client.targets)
         for url in back:
             self.groups_held[url] = 0
@@ -286,7 +291,8 @@ class BroadcastSync(FullWeightSync):
 
     def _push_once(self, hf_config: dict, version: str) -> SyncStats | None:
         start = time.perf_counter()
-        opened = None
+        assert self.gather is not None, "push_model makes the gather"
+        opened: Exception | None = None
         if self.link is not None:
             try:
                 self.link.run(self.link.client.begin_weight_update())
@@ -297,13 +303,14 @@ class BroadcastSync(FullWeightSync):
             "the weight-update session did not open on the engines (global rank 0's error says why)",
             opened,
         )
-        self.sent, failed, stopped = SyncStats(), None, False  # stopped: a sender failed, so no sender sends more
+        self.sent, stopped = SyncStats(), False  # stopped: a sender failed, so no sender sends more
+        failed: Exception | None = None
         self.bucket_lost = self._announced_lost = False
         pending: deque[tuple[str, torch.Tensor]] = deque()  # this sender's tensors not yet sent
         layers = hf_layers(self.gather, hf_config)  # every rank iterates: the gathers are collective
         for layer in itertools.chain(layers, [None]):
             last = layer is None
-            if not (last or stopped) and self.sender is not None:
+            if layer is not None and not stopped and self.sender is not None:
                 pending += layer
             del layer
             if stopped:
@@ -340,11 +347,11 @@ class BroadcastSync(FullWeightSync):
         )
         dist.reduce(totals, 0)
         _agree(failed is None, "a sender's weights did not reach the engines (that rank's error says why)", failed)
-        closed = None
+        closed: Exception | None = None
         if self.link is not None:
             try:
                 self._close_session(version)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - told to every rank (lead_agrees), then raised
                 closed = e
         # every engine gone: EnginesDown on every rank
         lead_agrees(closed, "closing the weight-update session on the engines")
@@ -356,7 +363,7 @@ class BroadcastSync(FullWeightSync):
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
         """The one sender: the whole update, session included."""
         stats, start = SyncStats(), time.perf_counter()
-        self.link.run(self.link.client.begin_weight_update())
+        self.lead_link.run(self.lead_link.client.begin_weight_update())
         self._send_buckets(named, stats)
         self._close_session(version)
         stats.seconds = time.perf_counter() - start
@@ -375,12 +382,15 @@ class BroadcastSync(FullWeightSync):
             self.on_engines(lambda client: client.flush_cache(), EngineCall.REPEATED_ON_CHOSEN)
 
     def _send_buckets(self, named: Iterable[tuple[str, torch.Tensor]], stats: SyncStats) -> None:
-        """Double-buffered: while one bucket is on the wire, the next is flattened (on the device, in the model dtype)."""
-        if self.group is None:
+        """Double-buffered: while one bucket is on the wire, the next is flattened (on the device, in the model
+        dtype)."""
+        sender = self.sender
+        if self.group is None or sender is None:
             raise RuntimeError("BroadcastSync: a push before connect()")
         # Two buffers in turn, made when a bucket of several tensors first needs one: the one filled is never the one on
         # the wire (that bucket was waited for before this one's turn). A bucket of one tensor is sent as it is.
-        on_wire, spares = None, [None, None]
+        on_wire: concurrent.futures.Future | None = None
+        spares: list[torch.Tensor | None] = [None, None]
         try:
             for turn, bucket in enumerate(buckets(named, self.bucket_bytes)):
                 if len(bucket) > 1 and spares[turn % 2] is None:
@@ -398,7 +408,7 @@ class BroadcastSync(FullWeightSync):
                 )
                 if on_wire is not None:
                     on_wire.result()
-                on_wire = self.sender.submit(self._send(flat, names, dtypes, shapes))
+                on_wire = sender.submit(self._send(flat, names, dtypes, shapes))
             if on_wire is not None:
                 on_wire.result()
         except BaseException:
@@ -412,13 +422,16 @@ class BroadcastSync(FullWeightSync):
         engine joins (an engine that refused the announcement) would hold every later kernel and collective of this
         rank, the turns' all-reduce too, until the watchdog ends the process. So a refused bucket's group is aborted
         instead (ending a broadcast already on the device) and dropped; the push made again forms new ones."""
-        broadcast = _Broadcast(self.group)
+        # Both set: a bucket is sent only after the one before it arrived (_send_buckets), so no failure dropped them.
+        group, sender = self.group, self.sender
+        assert group is not None and sender is not None, "a bucket sent outside _send_buckets"
+        broadcast = _Broadcast(group)
         try:
             # The first broadcast on a group sets up NCCL's communicator, which blocks until the engines join: in a
             # thread.
             work, _ = await asyncio.gather(
                 in_daemon_thread(broadcast.enqueue, flat),
-                self.sender.client.update_weights_from_distributed(
+                sender.client.update_weights_from_distributed(
                     names, dtypes, shapes, self.group_name, load_format="flattened_bucket", flush_cache=False
                 ),
             )
@@ -466,8 +479,8 @@ class _Broadcast:
 
 def torch_mismatch(urls: list[str], infos: list[dict], ours: str | None = None) -> str | None:
     """What to align where an engine joins a NCCL weight group with another torch release than this process's (None:
-    none does): each torch bundles its own NCCL, and two NCCL releases in one communicator fail or hang. An SGLang engine
-    runs the torch its release pins (:data:`~moerl.engines.protocol.SGLANG_TORCH`); moerl's report theirs."""
+    none does): each torch bundles its own NCCL, and two NCCL releases in one communicator fail or hang. An SGLang
+    engine runs the torch its release pins (:data:`~moerl.engines.protocol.SGLANG_TORCH`); moerl's report theirs."""
     ours = _release(ours or torch.__version__)
     differ: list[tuple[str, str, str]] = []  # (engine, its torch, why it has that one)
     for url, info in zip(urls, infos, strict=True):
@@ -501,7 +514,8 @@ def _whole_buckets(pending: deque, bucket_bytes: int) -> int:
 
 
 def _drained(pending: deque, count: int) -> Iterator:
-    """``pending``'s first ``count`` items, each let go of as it is taken: a tensor sent is not held until the turn ends."""
+    """``pending``'s first ``count`` items, each let go of as it is taken: a tensor sent is not held until the turn
+    ends."""
     for _ in range(count):
         yield pending.popleft()
 

@@ -8,6 +8,7 @@ every rank iterates.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -26,15 +27,16 @@ def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, tor
 
 
 def hf_layers(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """:func:`hf_named_tensors` a weight layer at a time (the non-layer tensors, then each decoder layer): the same number
-    of layers on every rank, each empty where the rank holds none of it, so that ranks can act together between them."""
+    """:func:`hf_named_tensors` a weight layer at a time (the non-layer tensors, then each decoder layer): the same
+    number of layers on every rank, each empty where the rank holds none of it, so that ranks can act together between
+    them."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
     layers = family.weight_layers(cfg)
     # The non-layer tensors last: their TP gathers (the embedding pair's, the largest) would hold back the first
     # broadcast.
     for prefix, rules in layers[1:] + layers[:1]:
-        full = gather.gather(lambda name: in_layer(name, prefix))
+        full = gather.gather(functools.partial(in_layer, prefix=prefix))
         named: list[tuple[str, torch.Tensor]] = []
         if full is not None:
             for rule in rules:
@@ -42,7 +44,7 @@ def hf_layers(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch
                 # split between the first stage and the last.
                 if gather.per_sender and rule.mcore not in full:
                     continue
-                named += zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg))
+                named += zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg), strict=True)  # one per Hub name
         del full
         yield named
         del named  # before the next layer is gathered: one held at a time, not two

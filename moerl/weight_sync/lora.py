@@ -1,10 +1,10 @@
 """Adapter-only weight sync: after a LoRA step only the adapters move (megabytes, not the model).
 
 Every trainer rank joins the gather toward global rank 0 (:class:`~moerl.megatron.weights.Gather`: TP shards,
-each EP rank's experts, each PP stage's layers); rank 0 converts them to the ``sglang`` adapter layout and loads them into every engine under a versioned
-name (``/load_lora_adapter_from_tensors``, or an adapter directory and ``/load_lora_adapter`` when
-``directory`` is set: SGLang takes tensors only from processes on its own machine). The engines'
-base weights never change; requests name the adapter they sample with.
+each EP rank's experts, each PP stage's layers); rank 0 converts them to the ``sglang`` adapter layout and loads
+them into every engine under a versioned name (``/load_lora_adapter_from_tensors``, or an adapter directory and
+``/load_lora_adapter`` when ``directory`` is set: SGLang takes tensors only from processes on its own machine). The
+engines' base weights never change; requests name the adapter they sample with.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from moerl.checkpoint.peft import AdapterFiles, export_adapter, save_adapter
 from moerl.engines.client import EngineError
-from moerl.megatron.lora import LoRAConfig, is_lora_param
+from moerl.megatron.lora_config import LoRAConfig, is_lora_param
 from moerl.megatron.weights import Gather
 from moerl.models import family_for
 from moerl.weight_sync.base import EngineCall, SyncStats, WeightSync
@@ -78,6 +78,7 @@ class AdapterSync(WeightSync):
         stats, failed = None, None
         if self.link is not None:
             try:
+                assert lora is not None, "the gather ends on global rank 0, the one with the link"
                 stats = self.push(lora, self.adapter)
             except Exception as e:  # noqa: BLE001 - every engine went while it loaded, or a load failed: every rank stops
                 failed = e
@@ -113,8 +114,9 @@ class AdapterSync(WeightSync):
         )
 
     def load(self, name: str, files: AdapterFiles) -> None:
-        """Rank 0: the adapter ``files`` into every chosen engine under ``name``. An engine that goes meanwhile is passed
-        over (it takes the adapter when it is back); those that loaded it are not asked again, which they would refuse."""
+        """Rank 0: the adapter ``files`` into every chosen engine under ``name``. An engine that goes meanwhile is
+        passed over (it takes the adapter when it is back); those that loaded it are not asked again, which they would
+        refuse."""
         if self.directory is None:
             self.on_engines(
                 lambda client: client.load_lora_from_tensors(name, files.config, files.tensors), EngineCall.ONCE

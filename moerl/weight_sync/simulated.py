@@ -23,7 +23,8 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 
 class SimulatedSync(DiskSync):
     def push_policy(self, trainer) -> SyncStats | None:
-        """The simulated trainer's weights (Hub names, shapes, dtype: :meth:`SimulatedTrainer.hub_tensors`) under its version."""
+        """The simulated trainer's weights (Hub names, shapes, dtype: :meth:`SimulatedTrainer.hub_tensors`) under its
+        version."""
         return self.push(trainer.hub_tensors(), str(trainer.version)) if self.link is not None else None
 
     def on_host(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
@@ -34,7 +35,8 @@ class SimulatedSync(DiskSync):
 
 
 def write_hollow_safetensors(named: list[tuple[str, torch.Tensor]], path: Path) -> None:
-    """A safetensors file of these tensors' names, dtypes and shapes whose data is a hole (a sparse file: no disk used)."""
+    """A safetensors file of these tensors' names, dtypes and shapes whose data is a hole (a sparse file: no disk
+    used)."""
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, tensor in named:

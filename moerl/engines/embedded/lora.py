@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,16 @@ class Adapter:
     experts: dict[str, dict[int, dict[str, Factors]]]  # experts module path -> expert -> gate/up/down_proj -> factors
 
 
+class _FusedExperts(Protocol):
+    """What the adapted forward reads of a transformers fused-experts module (torch types a module's attributes only as
+    tensors or modules)."""
+
+    gate_up_proj: torch.nn.Parameter  # [experts, 2 * intermediate, hidden]
+    down_proj: torch.nn.Parameter  # [experts, hidden, intermediate]
+
+    def act_fn(self, x: torch.Tensor, /) -> torch.Tensor: ...
+
+
 def _delta(x: torch.Tensor, factors: Factors, scale: float) -> torch.Tensor:
     a, b = factors
     return (scale * F.linear(F.linear(x.float(), a), b)).to(x.dtype)
@@ -64,7 +74,8 @@ class AdapterSet:
             elif isinstance(getattr(module, "gate_up_proj", None), torch.nn.Parameter) and isinstance(
                 getattr(module, "down_proj", None), torch.nn.Parameter
             ):
-                module.forward = self._experts_forward(path, module, module.forward)
+                # Both checked just above: it is a fused-experts module.
+                module.forward = self._experts_forward(path, cast(_FusedExperts, module), module.forward)
 
     # ---- the forward pass ---------------------------------------------------------------------
     def _linear_hook(self, path: str):
@@ -74,16 +85,17 @@ class AdapterSet:
 
         return hook
 
-    def _experts_forward(self, path: str, experts: torch.nn.Module, plain):
+    def _experts_forward(self, path: str, experts: _FusedExperts, plain):
         """transformers' eager expert loop with each expert's update added, where the active adapter has one."""
 
         def forward(
             hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
         ) -> torch.Tensor:
-            adapted = self.active.experts.get(path) if self.active is not None else None
-            if not adapted:
+            active = self.active
+            adapted = active.experts.get(path) if active is not None else None
+            if active is None or not adapted:
                 return plain(hidden_states, top_k_index, top_k_weights)
-            scale = self.active.scale
+            scale = active.scale
             out = torch.zeros_like(hidden_states)
             for expert in top_k_index.unique().tolist():
                 tokens, slot = torch.where(top_k_index == expert)
@@ -117,7 +129,7 @@ class AdapterSet:
             tensors = load_file(str(weights))
         except OSError:
             raise  # the path's own failure, which the caller names
-        except Exception as e:  # safetensors raises its own error types for a damaged file
+        except Exception as e:  # noqa: BLE001 - a damaged file: safetensors raises its own types, and Python's for some
             raise LoRAError(f"{weights}: not a readable safetensors file ({e})") from None
         return self.from_tensors(name, AdapterConfig.of(str(config_file), config), tensors)
 
@@ -128,7 +140,7 @@ class AdapterSet:
             raise LoRAError(
                 f"adapter {name!r}: serialized_named_tensors[0] is not base64 of a safetensors file ({e})"
             ) from None
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a damaged payload: safetensors raises its own types, and KeyError
             raise LoRAError(
                 f"adapter {name!r}: serialized_named_tensors[0] is not a readable safetensors payload ({e})"
             ) from None
@@ -227,7 +239,8 @@ class AdapterConfig(BaseModel):
 
     @classmethod
     def of(cls, source: str, config: Any) -> AdapterConfig:
-        """``config`` checked: any malformed one is a :class:`LoRAError` naming ``source`` (its file, or the request's field)."""
+        """``config`` checked: any malformed one is a :class:`LoRAError` naming ``source`` (its file, or the request's
+        field)."""
         if not isinstance(config, dict):
             raise LoRAError(f"{source}: must be a JSON object, got {type(config).__name__}")
         try:

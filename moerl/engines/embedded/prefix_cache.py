@@ -30,6 +30,7 @@ class CachedPrefix:
     routing: torch.Tensor | None  # int32 [n, num_layers, topk]: what each position routed to when its KV was computed
 
     def kv_upto(self, length: int) -> KV:
+        assert self.kv is not None, "a simulated engine's entry holds no KV"
         return [(k[:, :, :length], v[:, :, :length]) for k, v in self.kv]
 
 
@@ -67,8 +68,8 @@ class PrefixCache:
     def insert(
         self, namespace: Namespace, token_ids: list[int], kv: KV | None = None, routing: torch.Tensor | None = None
     ) -> None:
-        """Keep ``token_ids`` (with their KV and routing) in ``namespace``. An entry the new one extends is replaced by it;
-        one that already holds the whole sequence is only marked used."""
+        """Keep ``token_ids`` (with their KV and routing) in ``namespace``. An entry the new one extends is replaced by
+        it; one that already holds the whole sequence is only marked used."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         if not self.takes(len(tokens)):
             return

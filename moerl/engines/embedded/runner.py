@@ -3,13 +3,15 @@ requests join and leave between decode steps, and capture of every MoE router's 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin
 
-from moerl.engines.embedded.prefix_cache import CachedPrefix
+from moerl.engines.embedded.prefix_cache import KV, CachedPrefix
 from moerl.engines.protocol import ProtocolError
 from moerl.models import ModelFamily
 
@@ -21,7 +23,7 @@ class PrefillResult:
     last_logits: torch.Tensor  # [V]
     routing: torch.Tensor  # int32 [p, num_layers, topk]
     prompt_logprobs: torch.Tensor | None  # [p - start] log p(token_i | prefix), first entry NaN when start == 0
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, kv_heads, p, head_dim]
+    kv: KV  # per layer [1, kv_heads, p, head_dim]
 
 
 class ModelRunner:
@@ -34,7 +36,9 @@ class ModelRunner:
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | None = None):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose type takes the bound self for an argument.
+        self.model: PreTrainedModel = model.to(self.device).eval()  # type: ignore[arg-type]
         self.model_dir = str(model_dir)
         config = self.model.config
         self.num_layers = config.num_hidden_layers
@@ -45,8 +49,10 @@ class ModelRunner:
         for i, gate in gates.items():
             gate.register_forward_hook(self._capture_hook(i))
         self.moe_layers = list(gates)
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.mask: torch.Tensor | None = None  # [B, L] 1 where the cache holds a real token
+        # The batch cache (both None while no request runs): per layer [B, kv_heads, L, head_dim], and its mask
+        # [B, L], 1 where the cache holds a real token.
+        self.kv: KV | None = None
+        self.mask: torch.Tensor | None = None
 
     def _capture_hook(self, layer: int):
         def hook(module, inputs, outputs):
@@ -72,7 +78,11 @@ class ModelRunner:
         """Prefill ``token_ids``, of which the first ``cached`` come from ``prefix`` (their KV and routing as it holds
         them); prompt log-probs from ``logprob_start`` need the logits before it, so ``cached < logprob_start``."""
         ids = torch.tensor([token_ids], device=self.device)
-        cache = DynamicCache(ddp_cache_data=prefix.kv_upto(cached)) if cached else DynamicCache()
+        if cached:
+            assert prefix is not None and prefix.routing is not None, "cached tokens come from a prefix the model made"
+            cache, cached_routing = DynamicCache(ddp_cache_data=prefix.kv_upto(cached)), prefix.routing[:cached]
+        else:
+            cache, cached_routing = DynamicCache(), None
         positions = torch.arange(cached, len(token_ids), device=self.device)[None]
         out = self.model(
             input_ids=ids[:, cached:],
@@ -89,33 +99,41 @@ class ModelRunner:
                 torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, cached + 1 :, None]).squeeze(1)
             )
             prompt_logprobs = logprobs[logprob_start:].cpu()
-        kv = [(layer.keys, layer.values) for layer in cache.layers]
+        kv = _cache_kv(cache)
         routing = self._routing(len(token_ids) - cached)
-        if cached:
-            routing = torch.cat([prefix.routing[:cached], routing])
+        if cached_routing is not None:
+            routing = torch.cat([cached_routing, routing])
         return PrefillResult(logits[-1], routing, prompt_logprobs, kv)
 
-    def row_kv(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The cache of batch row ``row``'s last ``length`` positions (its tokens: rows are right-aligned), copied out."""
-        return [(k[row : row + 1, :, -length:].clone(), v[row : row + 1, :, -length:].clone()) for k, v in self.kv]
+    def _batch(self) -> tuple[KV, torch.Tensor]:
+        """The batch cache and its mask, while requests run."""
+        assert self.kv is not None and self.mask is not None, "no request runs: there is no batch cache"
+        return self.kv, self.mask
 
-    def join(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def row_kv(self, row: int, length: int) -> KV:
+        """The cache of batch row ``row``'s last ``length`` positions (its tokens: rows are right-aligned), copied
+        out."""
+        batch_kv, _ = self._batch()
+        return [(k[row : row + 1, :, -length:].clone(), v[row : row + 1, :, -length:].clone()) for k, v in batch_kv]
+
+    def join(self, kv: KV) -> None:
         """Append a prefilled request as the last batch row."""
         length = kv[0][0].shape[-2]
         row_mask = torch.ones(1, length, dtype=torch.long, device=self.device)
         if self.kv is None:
             self.kv, self.mask = list(kv), row_mask
             return
-        total = max(length, self.mask.shape[1])
-        pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0)) if n else t  # noqa: E731  left-pad seq dim
+        batch_kv, mask = self._batch()
+        total = max(length, mask.shape[1])
+        pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0)) if n else t  # left-pads the sequence dim
         self.kv = [
             (
                 torch.cat([pad(k, total - k.shape[-2]), pad(nk, total - length)]),
                 torch.cat([pad(v, total - v.shape[-2]), pad(nv, total - length)]),
             )
-            for (k, v), (nk, nv) in zip(self.kv, kv)
+            for (k, v), (nk, nv) in zip(batch_kv, kv, strict=True)  # the same model's layers
         ]
-        old = torch.nn.functional.pad(self.mask, (total - self.mask.shape[1], 0))
+        old = torch.nn.functional.pad(mask, (total - mask.shape[1], 0))
         self.mask = torch.cat([old, torch.nn.functional.pad(row_mask, (total - length, 0))])
 
     def keep_rows(self, rows: list[int]) -> None:
@@ -123,11 +141,14 @@ class ModelRunner:
         if not rows:
             self.kv = self.mask = None
             return
+        batch_kv, batch_mask = self._batch()
         index = torch.tensor(rows, device=self.device)
-        mask = self.mask.index_select(0, index)
+        mask = batch_mask.index_select(0, index)
         start = int((mask.sum(0) > 0).long().argmax())
         self.mask = mask[:, start:]
-        self.kv = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in self.kv]
+        self.kv = [
+            (k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in batch_kv
+        ]
 
     @torch.no_grad()
     def decode(self, tokens: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,19 +158,32 @@ class ModelRunner:
         """
         ids = torch.tensor(tokens, device=self.device)[:, None]
         pos = torch.tensor(positions, device=self.device)[:, None]
-        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
-        cache = DynamicCache(ddp_cache_data=self.kv)
+        batch_kv, mask = self._batch()
+        self.mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        cache = DynamicCache(ddp_cache_data=batch_kv)
         out = self.model(
             input_ids=ids, position_ids=pos, attention_mask=self.mask, past_key_values=cache, use_cache=True
         )
-        self.kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self.kv = _cache_kv(cache)
         return out.logits[:, -1], self._routing(len(tokens))
 
 
-def moe_gates(model: torch.nn.Module, model_dir) -> dict[int, torch.nn.Module]:
+def _cache_kv(cache: DynamicCache) -> KV:
+    """Each layer's keys and values, as a forward left them in ``cache``: every layer of the MoE models served is an
+    attention layer, which holds both once it has run."""
+    kv = []
+    for layer in cache.layers:
+        assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None
+        kv.append((layer.keys, layer.values))
+    return kv
+
+
+def moe_gates(model: torch.nn.Module, model_dir: str | Path) -> dict[int, torch.nn.Module]:
     """The router of each MoE layer of a transformers MoE model, by layer index."""
     gates = {}
-    for i, layer in enumerate(model.model.layers):
+    decoder_layers = model.get_submodule("model.layers")
+    assert isinstance(decoder_layers, torch.nn.ModuleList)  # transformers' decoder models all hold them so
+    for i, layer in enumerate(decoder_layers):
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "top_k") and hasattr(gate, "num_experts"):
             gates[i] = gate
@@ -158,8 +192,9 @@ def moe_gates(model: torch.nn.Module, model_dir) -> dict[int, torch.nn.Module]:
     return gates
 
 
-def hub_tensor_view(family: ModelFamily, params: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
-    """The slice of a transformers model's parameters (of ``family``) that holds the Hub tensor ``name`` (None if none)."""
+def hub_tensor_view(family: ModelFamily, params: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The slice of a transformers model's parameters (of ``family``) that holds the Hub tensor ``name`` (None if
+    none)."""
     param_name, index = family.transformers_slot(name)
     if param_name not in params:
         return None

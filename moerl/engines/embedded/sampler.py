@@ -37,7 +37,7 @@ def sample_batch(
     """
     batch, vocab = logits.shape
     device = logits.device
-    column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)[:, None]  # noqa: E731
+    column = lambda values, dtype=torch.float32: torch.tensor(values, dtype=dtype, device=device)[:, None]
     logprobs = torch.log_softmax(logits.float() / column([p.temperature for p in params]), dim=-1)
     sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
     sorted_probs = sorted_logprobs.exp()
@@ -63,7 +63,7 @@ def sample_batch(
     tokens = order.gather(1, position).squeeze(1).tolist()
     full = sorted_logprobs.gather(1, position).squeeze(1).tolist()
     selected = kept_logprobs.gather(1, position).squeeze(1).tolist()
-    draws = [Draw(t, lp, sel) for t, lp, sel in zip(tokens, full, selected)]
+    draws = [Draw(t, lp, sel) for t, lp, sel in zip(tokens, full, selected, strict=True)]  # one of each per row
 
     rows = [b for b in range(batch) if want_kept[b]]
     if rows:
@@ -71,7 +71,7 @@ def sample_batch(
         width = int(counts[index].max())
         ids = order[index, :width].cpu()
         lps = kept_logprobs[index, :width].cpu()
-        for i, (b, n) in enumerate(zip(rows, counts[index].tolist())):
+        for i, (b, n) in enumerate(zip(rows, counts[index].tolist(), strict=True)):
             ascending = ids[i, :n].argsort()
             draws[b].kept_ids, draws[b].kept_logprobs = ids[i, :n][ascending], lps[i, :n][ascending]
     return draws

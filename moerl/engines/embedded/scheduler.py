@@ -14,12 +14,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from moerl.engines.embedded.lora import AdapterSet
-from moerl.engines.embedded.prefix_cache import CachedPrefix, Namespace, PrefixCache
+from moerl.engines.embedded.prefix_cache import KV, CachedPrefix, Namespace, PrefixCache
 from moerl.engines.embedded.runner import ModelRunner
 from moerl.engines.embedded.sampler import Draw, sample_batch
 from moerl.engines.protocol import SamplingParams
@@ -60,7 +60,10 @@ class Request:
         return self.input_ids + self.output_ids[:-1]
 
 
-class Scheduler:
+RequestT = TypeVar("RequestT", bound=Request)  # what a scheduler queues: Request, or a subclass's own
+
+
+class Scheduler(Generic[RequestT]):
     def __init__(
         self,
         runner: ModelRunner | None,
@@ -80,8 +83,8 @@ class Scheduler:
         self.max_running = max_running
         self.weight_version = weight_version
         self.max_length = max_length
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[RequestT] = deque()
+        self.running: list[RequestT] = []
         self.paused = False
         self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
@@ -102,7 +105,7 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: RequestT) -> None:
         self.call(lambda: self.waiting.append(request))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
@@ -131,13 +134,13 @@ class Scheduler:
         while not (self._stop or self._commands or (not self.paused and (self.waiting or self.running))):
             self._wake.wait()
 
-    def _run(self, commands: list) -> None:
+    def _run(self, commands: list[tuple[Callable[[], Any], concurrent.futures.Future]]) -> None:
         for fn, future in commands:
             if not future.set_running_or_notify_cancel():
                 continue  # the caller gave up before it ran (its client went away)
             try:
                 future.set_result(fn())
-            except BaseException as e:  # the caller gets it; the engine keeps serving
+            except BaseException as e:  # noqa: BLE001 - whatever it raises, the caller gets; the engine keeps serving
                 future.set_exception(e)
 
     def _work(self) -> None:
@@ -168,19 +171,25 @@ class Scheduler:
                 self._finish(request, {"type": "abort", "message": f"engine error: {e!r}"})
                 continue
             if kv is not None:
-                self.runner.join(kv)
+                self._model().join(kv)
                 self.running.append(request)
 
-    def _prefill(self, request: Request):
+    def _model(self) -> ModelRunner:
+        """The model's runner: only a scheduler that computes tokens reaches the phases that use it (one without, a
+        subclass's, replaces them)."""
+        assert self.runner is not None, "this scheduler computes no tokens"
+        return self.runner
+
+    def _prefill(self, request: RequestT) -> KV | None:
         """Prefill ``request`` (and sample its first token); its cache to join the batch, or None if it finished."""
         self.adapters.activate(request.lora)
         if request.output_ids:  # retracted earlier: its next token is already sampled
             # The routing of the positions fed before the retract stays what produced their tokens: a re-prefill under
             # weights updated meanwhile routes them otherwise, and the trainer replays what sampled (miles #3277).
             request.recomputed = True
-            return self.runner.prefill(request.fed_tokens).kv
+            return self._model().prefill(request.fed_tokens).kv
         cached, prefix = self.cached_prefix(request)
-        prefill = self.runner.prefill(request.input_ids, request.logprob_start_len, cached, prefix)
+        prefill = self._model().prefill(request.input_ids, request.logprob_start_len, cached, prefix)
         request.cached_tokens = cached
         request.routing = [prefill.routing]
         if self.prefix_cache.takes(len(request.input_ids)):
@@ -190,7 +199,7 @@ class Scheduler:
             self._finish(request, {"type": "length", "length": 0})
             return None
         if request.generator is None:
-            request.generator = torch.Generator(device=self.runner.device)
+            request.generator = torch.Generator(device=self._model().device)
             seed = request.params.sampling_seed
             request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         (draw,) = sample_batch(
@@ -199,7 +208,7 @@ class Scheduler:
         self._accept(request, draw)
         return prefill.kv if request.finish_reason is None else None
 
-    def _accept(self, request: Request, draw: Draw) -> None:
+    def _accept(self, request: RequestT, draw: Draw) -> None:
         p = request.params
         request.output_ids.append(draw.token)
         request.draws.append(draw)
@@ -216,13 +225,13 @@ class Scheduler:
     def _decode_step(self) -> None:
         batch = self.running
         self.adapters.activate(batch[0].lora)  # a weight update in between restores the base
-        logits, routing = self.runner.decode(
+        logits, routing = self._model().decode(
             [r.output_ids[-1] for r in batch], [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
         )
         draws = sample_batch(
-            logits, [r.params for r in batch], [r.generator for r in batch], [r.return_sampling_mask for r in batch]
+            logits, [r.params for r in batch], _generators(batch), [r.return_sampling_mask for r in batch]
         )
-        for i, (request, draw) in enumerate(zip(batch, draws)):
+        for i, (request, draw) in enumerate(zip(batch, draws, strict=True)):  # one draw per row
             request.routing.append(routing[i : i + 1])
             self._accept(request, draw)
         self._drop_finished()
@@ -244,18 +253,19 @@ class Scheduler:
             self._keep_cache_rows(keep)
             self.running = [self.running[i] for i in keep]
 
-    def _cache_finished(self, row: int, request: Request) -> None:
-        """As SGLang does, a finished request leaves what it fed (its prompt and output but the last token) in the cache."""
+    def _cache_finished(self, row: int, request: RequestT) -> None:
+        """As SGLang does, a finished request leaves what it fed (its prompt and output but the last token) in the
+        cache."""
         fed = request.fed_tokens
         if self.prefix_cache.takes(len(fed)):
             self.prefix_cache.insert(
-                request.cache_namespace, fed, self.runner.row_kv(row, len(fed)), torch.cat(request.routing)
+                request.cache_namespace, fed, self._model().row_kv(row, len(fed)), torch.cat(request.routing)
             )
 
     def _keep_cache_rows(self, rows: list[int]) -> None:
-        self.runner.keep_rows(rows)
+        self._model().keep_rows(rows)
 
-    def _finish(self, request: Request, reason: dict) -> None:
+    def _finish(self, request: RequestT, reason: dict) -> None:
         request.finish_reason = reason
         request.on_update(request, True)
 
@@ -267,7 +277,7 @@ class Scheduler:
             [r for r in list(self.waiting) + self.running if rid is None or rid in (r.rid, r.parent)], message
         )
 
-    def abort_these(self, requests: list[Request], message: str) -> int:
+    def abort_these(self, requests: list[RequestT], message: str) -> int:
         """Finish those of ``requests`` still queued or running with their partial output."""
         hits = [r for r in requests if r.finish_reason is None]
         for request in hits:
@@ -307,3 +317,12 @@ class Scheduler:
             return False
         self.prefix_cache.clear()
         return True
+
+
+def _generators(batch: list[RequestT]) -> list[torch.Generator]:
+    """The running requests' generators: each made at its prefill, before it joins the batch."""
+    generators = []
+    for r in batch:
+        assert r.generator is not None, f"{r.rid} runs without a generator"
+        generators.append(r.generator)
+    return generators

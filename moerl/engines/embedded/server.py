@@ -23,18 +23,21 @@ import socket
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, TypeVar, Unpack
 
 import numpy as np
 import torch
 from aiohttp import web
+from transformers import PreTrainedModel
 
 from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
 from moerl.engines import protocol
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
-from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
+from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, RequestT, Scheduler
 from moerl.engines.protocol import ProtocolError
 from moerl.engines.weight_group import (
     bucket_layout,
@@ -56,6 +59,8 @@ MAX_JOINING = 16  # weight-group joins waiting for their peers at once
 SPILL_BYTES = 4 << 20
 SEND_CHUNK_BYTES = 4 << 20  # a spilled completion goes back to the socket this much at a time
 _dumps = functools.partial(json.dumps, allow_nan=False)  # a NaN in a response is a bug, never invalid JSON on the wire
+T = TypeVar("T")
+WireModelT = TypeVar("WireModelT", bound=protocol.WireModel)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -75,14 +80,15 @@ class TokenDetails:
     sampling_mask: tuple[list[list[int]], list] | None = None
 
 
-class EmbeddedEngine:
-    """Owns the model runner, the scheduler and the tokenizer; builds SGLang-shaped responses."""
+class EmbeddedEngine(Generic[RequestT]):
+    """Owns the model runner, the scheduler and the tokenizer; builds SGLang-shaped responses. Generic over what its
+    scheduler queues: :class:`Request`, or a subclass's own."""
 
     engine_name = "moerl-embedded"  # /server_info's engine
-    request_type = Request  # what make_requests queues
+    request_type: type[RequestT]  # what make_requests queues
 
     def __init__(
-        self,
+        self: EmbeddedEngine[Request],
         model_dir: str,
         dtype: torch.dtype = torch.float32,
         device: str | None = None,
@@ -90,6 +96,7 @@ class EmbeddedEngine:
         sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
     ):
+        self.request_type = Request
         self.runner = ModelRunner(model_dir, dtype, device)
         self._serve(
             model_dir,
@@ -100,7 +107,13 @@ class EmbeddedEngine:
             sampling_mask_max_tokens,
         )
 
-    def _serve(self, model_dir: str, model: torch.nn.Module, scheduler, sampling_mask_max_tokens: int) -> None:
+    def _serve(
+        self,
+        model_dir: str,
+        model: PreTrainedModel,
+        scheduler: Callable[[AdapterSet, set[int], int], Scheduler[RequestT]],
+        sampling_mask_max_tokens: int,
+    ) -> None:
         """What serving needs besides the computation: ``model`` (the served transformers model: names, shapes,
         device, dtype) and ``scheduler(adapters, eos_ids, max_length)``, which makes the scheduler."""
         self.model_dir, self.model = model_dir, model
@@ -159,7 +172,9 @@ class EmbeddedEngine:
             finished.acquire()
         return [self.response(r, req) for r in requests]
 
-    def make_requests(self, req: protocol.GenerateReqInput, on_update) -> list[Request]:
+    def make_requests(
+        self, req: protocol.GenerateReqInput, on_update: Callable[[Request, bool], None]
+    ) -> list[RequestT]:
         """The scheduler's requests for one /generate: ``n`` completions, checked against the served model."""
         if req.input_ids is None:
             if self.tokenizer is None:
@@ -261,10 +276,12 @@ class EmbeddedEngine:
             details.routing = rows[req.routed_experts_start_len : max(end, 0)].numpy()
         if req.return_sampling_mask:
             selected = req.sampling_logprobs_mode == "selected"
-            details.sampling_mask = (
-                [d.kept_ids.tolist() for d in request.draws],
-                [d.selected_logprob if selected else d.kept_logprobs.tolist() for d in request.draws],
-            )
+            kept_ids, kept_logprobs = [], []
+            for d in request.draws:
+                assert d.kept_ids is not None and d.kept_logprobs is not None  # drawn for a request asking for masks
+                kept_ids.append(d.kept_ids.tolist())
+                kept_logprobs.append(d.selected_logprob if selected else d.kept_logprobs.tolist())
+            details.sampling_mask = kept_ids, kept_logprobs
         return details
 
     # ---- weights -----------------------------------------------------------------------------
@@ -319,7 +336,7 @@ class EmbeddedEngine:
         """SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes."""
         digest = hashlib.sha256()
         for name, param in sorted(self.model.named_parameters()):
-            data = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            data = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data  # its bytes, uncopied
             tensor = hashlib.sha256(data).hexdigest()[:16]
             digest.update(name.encode())
             digest.update(tensor.encode())
@@ -413,15 +430,15 @@ class _Spilled:
 
 
 # ---- the HTTP server ------------------------------------------------------------------------------
-def build_app(engine: EmbeddedEngine) -> web.Application:
+def build_app(engine: EmbeddedEngine[RequestT]) -> web.Application:
     """``engine`` served over HTTP: SGLang's routes; its scheduler runs while the app does."""
     return EngineServer(engine).app()
 
 
-class EngineServer:
+class EngineServer(Generic[RequestT]):
     """The routes over one engine: each a method named after its route (the route table is :meth:`app`'s)."""
 
-    def __init__(self, engine: EmbeddedEngine):
+    def __init__(self, engine: EmbeddedEngine[RequestT]):
         self.engine = engine
         self.sched = engine.scheduler
 
@@ -466,11 +483,11 @@ class EngineServer:
         for pool in self.engine.pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 
-    async def on_engine(self, fn):
+    async def on_engine(self, fn: Callable[[], T]) -> T:
         """What ``fn()`` returns, run on the engine thread between steps."""
         return await asyncio.wrap_future(self.sched.call(fn))
 
-    async def in_pool(self, kind: str, fn, *args):
+    async def in_pool(self, kind: str, fn: Callable[..., T], *args: Any) -> T:
         """What ``fn(*args)`` returns, run in the engine's pool for ``kind`` of slow load."""
         return await asyncio.get_running_loop().run_in_executor(self.engine.pools[kind], functools.partial(fn, *args))
 
@@ -645,11 +662,11 @@ class EngineServer:
         return _ok(f"unloaded {req.lora_name}", loaded_adapters=sorted(self.engine.adapters.adapters))
 
 
-class _Generation:
+class _Generation(Generic[RequestT]):
     """One /generate call: its completions' requests on the scheduler, the queue their updates come back through, and
     the answer made of them: streamed as they decode, or whole once all have finished."""
 
-    def __init__(self, server: EngineServer, request: web.Request, req: protocol.GenerateReqInput):
+    def __init__(self, server: EngineServer[RequestT], request: web.Request, req: protocol.GenerateReqInput):
         self.server, self.engine, self.request, self.req = server, server.engine, request, req
         self.loop = asyncio.get_running_loop()
         self.updates: asyncio.Queue = asyncio.Queue()  # (rid, finished, payload), put from the scheduler's thread
@@ -778,7 +795,7 @@ def _json_list(answers: list[bytes | _Spilled]) -> list[bytes | _Spilled]:
     return [b"[", *separated[1:], b"]"]
 
 
-async def _parse(request: web.Request, kind: type[protocol.WireModel]):
+async def _parse(request: web.Request, kind: type[WireModelT]) -> WireModelT:
     charset = request.charset
     if charset is not None and charset.lower().replace("-", "").replace("_", "") != "utf8":
         raise ProtocolError(f"charset {charset!r}: JSON bodies are UTF-8")
@@ -786,7 +803,7 @@ async def _parse(request: web.Request, kind: type[protocol.WireModel]):
     return kind.parse(raw if raw.strip() else b"{}")
 
 
-def _ok(message: str, **extra) -> web.Response:
+def _ok(message: str, /, **extra: Unpack[protocol.ControlResponse]) -> web.Response:
     body: protocol.ControlResponse = {"success": True, "message": message, **extra}
     return web.json_response(body, dumps=_dumps)
 
