@@ -1,6 +1,6 @@
 """The docs as a site and the README as its first page: `mkdocs build --strict` passes, every page is in the navigation,
 the README stays short, keeps the Quickstart's two commands and links only to what exists. (Config keys and recipe
-lines in every page: tests/test_config.py.)"""
+lines in every page: tests/orchestrator/test_config.py.)"""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_config import doc_pages, named_keys, readme_recipe_lines
+from tests import REPO
+from tests.orchestrator.test_config import doc_pages, named_keys, readme_recipe_lines
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 README = REPO / "README.md"
 QUICKSTART = [
@@ -56,8 +56,8 @@ def test_every_page_is_in_the_nav_and_the_nav_names_only_pages():
 
 
 def test_the_key_and_recipe_checks_read_every_page():
-    """tests/test_config.py's checks (every key named exists, every recipe line loads) cover the README and every
-    page."""
+    """tests/orchestrator/test_config.py's checks (every key named exists, every recipe line loads) cover the README
+    and every page."""
     assert set(doc_pages()) == {README, *DOCS.rglob("*.md")}
     where = {w for places in named_keys().values() for w in places}
     assert "docs/main-job.md" in where and any(w.startswith("docs/benchmarks/") for w in where)

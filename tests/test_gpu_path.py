@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +14,10 @@ import torch.distributed as dist
 from moerl.errors import ConfigError
 from moerl.megatron.launch import run_ranks
 from moerl.models.tiny import save_tiny_hf
+from tests import DATA, REPO
 from tests.workers import te_norm_names
 
-REPO = Path(__file__).resolve().parents[1]
-QWEN3_30B = REPO / "tests" / "data" / "qwen3_30b_a3b"
+QWEN3_30B = DATA / "qwen3_30b_a3b"
 
 
 def test_the_unmarked_suite_runs_on_the_cpu():
@@ -82,6 +81,7 @@ def test_conversion_on_a_cuda_host_runs_on_the_cpu(tmp_path, monkeypatch):
         convert.hf_to_mcore(hf, tmp_path / "mcore", progress=False)
 
 
+@pytest.mark.e2e
 def test_cpu_ranks_are_started_without_a_gpu_in_view(monkeypatch):
     """A spawned rank imports megatron-core while unpickling its function, before any of its code runs, and torch
     remembers what CUDA it saw then: on an H100, the conversion's meta model was .cuda()'d. The variable must be in
@@ -94,6 +94,7 @@ def test_cpu_ranks_are_started_without_a_gpu_in_view(monkeypatch):
 
 
 # ---- 4: Transformer Engine's names ------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"])
 def test_norms_are_checkpointed_and_exported_under_transformer_engines_names(arch):
     """megatron-core's own TE layer spec (with stand-in TE classes) says where TE keeps each norm; the local
@@ -304,6 +305,7 @@ def test_sglang_is_used_only_when_it_is_installed_and_recent(monkeypatch):
     assert sglang.sglang_problem("0.4.9") and sglang.sglang_problem("0.6.0") is None  # a running server's version
 
 
+@pytest.mark.e2e
 def test_an_explicit_sglang_without_sglang_is_one_error_line(tmp_path):
     import subprocess
     import sys
@@ -329,6 +331,7 @@ def test_an_explicit_sglang_without_sglang_is_one_error_line(tmp_path):
 
 
 # ---- 13: the trainer's memory ------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_the_output_layer_computes_logits_in_fp32_from_bf16_weights():
     result = run_ranks(bf16_output_layer, 1)[0]
     assert result["dtype"] == torch.float32
@@ -356,6 +359,7 @@ def bf16_output_layer() -> dict:
     return {"dtype": logits.dtype, "logits": logits[0], "expected": expected[:, 0]}
 
 
+@pytest.mark.e2e
 def test_the_fp32_output_layer_keeps_its_weight_gradient_unfused():
     """With gradient accumulation fused (TE and Apex), the output layer's GEMM would add its weight gradient into the
     main_grad of the weight it is given: the fp32 copy of the logits' computation has none, and the backward failed."""
@@ -413,6 +417,7 @@ def test_the_routers_gemm_works_without_transformer_engine_on_a_gpu_too(monkeypa
     torch.testing.assert_close(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.T)
 
 
+@pytest.mark.e2e
 def test_a_fresh_optimizer_is_readied_for_a_checkpoint_load(tiny_ckpts):
     """megatron-core's DistributedOptimizer without Apex or TE reads one common Adam step of every parameter before
     it loads (a resumed run with the distributed optimizer failed there on an H100); a fresh torch Adam has none. The
@@ -523,8 +528,8 @@ def test_the_30b_recipe_fits_and_its_terms_add_up():
 def test_the_plan_counts_the_loss_inputs_of_a_step_kept_sets_included():
     """The loss's inputs stay on a rank's device for a whole piece (a sync step is one): at most every response of the
     step at max_new_tokens, over dense data parallelism, 73 bytes a token and 4 for each id of its kept set. At
-    32K-token responses the recipe's logits need TP4 (tests/test_memory_plan.py), on 32 ranks to keep dense data
-    parallelism 8."""
+    32K-token responses the recipe's logits need TP4 (tests/orchestrator/test_memory_plan.py), on 32 ranks to keep
+    dense data parallelism 8."""
     term = "loss inputs (a step, at most)"
     tokens = 32 * 8 * 32768 / 8  # the recipe's 32 x 8 responses over 32 ranks at TP4: 8 data-parallel ranks
     layout = ("rollout.max_new_tokens=32768", "trainer.tp=4", "run.trainer_ranks=32")
@@ -542,6 +547,7 @@ def test_engines_that_cannot_hold_the_model_are_refused():
     assert any("raise engines.gpus_per_replica" in p for p in plan.problems)
 
 
+@pytest.mark.e2e
 def test_the_job_refuses_a_plan_that_does_not_fit_before_any_preparation(tmp_path):
     import subprocess
     import sys
@@ -569,6 +575,7 @@ def test_the_job_refuses_a_plan_that_does_not_fit_before_any_preparation(tmp_pat
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.e2e
 def test_the_plan_is_printed_with_show_plan():
     import subprocess
     import sys

@@ -36,10 +36,10 @@ KEPT_ID_BYTES = 4
 # and system prompt included, are a few hundred tokens at most.
 PROMPT_TOKENS = 2048
 # Per element of one layer's [b, heads/tp, s, s] scores in megatron-core's local attention (DotProductAttention and
-# FusedScaleMaskSoftmax's torch path), by training dtype, as measured on the CPU (tests/test_memory_plan.py): the
-# preallocated "mpu" buffer, which persists (baddbmm allocates its own output beside it); what each layer keeps for the
-# backward (the fp32 softmax output, and in bf16 its bf16 cast); and one layer's transients (bf16: the scores and their
-# fp32 copy; fp32: the backward's three gradients).
+# FusedScaleMaskSoftmax's torch path), by training dtype, as measured on the CPU
+# (tests/orchestrator/test_memory_plan.py): the preallocated "mpu" buffer, which persists (baddbmm allocates its own
+# output beside it); what each layer keeps for the backward (the fp32 softmax output, and in bf16 its bf16 cast); and
+# one layer's transients (bf16: the scores and their fp32 copy; fp32: the backward's three gradients).
 SCORE_BYTES = {2: {"buffer": 2, "kept": 6, "transient": 6}, 4: {"buffer": 4, "kept": 4, "transient": 12}}
 # The [s, s] causal mask megatron-core builds per layer on a GPU when none is given (padded micro-batches): fp32 ones
 # and their triu (8 bytes an element, transient), cast to a bool mask that the layer keeps for its backward.

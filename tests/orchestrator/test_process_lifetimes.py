@@ -8,13 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from moerl.env import ended
+from tests import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 HEADER = f"import ctypes, os, signal, subprocess, sys, threading, time; sys.path.insert(0, {str(REPO)!r})\n"
 
 
@@ -24,6 +23,7 @@ def run(code: str) -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.e2e
 def test_a_process_group_has_ended_once_each_member_has_reaped_or_not():
     """Judged by every member: the server alone having exited is not enough; a member ended but never reaped (a zombie:
     its memory is free) is; a zombie leader whose other thread still runs is not. A subreaper that never reaps keeps the
@@ -84,6 +84,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("teardown", ["ends it", "ignore"])
 def test_a_rank_whose_launcher_is_killed_is_signalled_then_ended(tmp_path, teardown):
     """SIGKILL of the launcher alone: its rank gets SIGTERM (its teardown runs) and, should that not end it, is ended
@@ -106,6 +107,7 @@ def test_a_rank_whose_launcher_is_killed_is_signalled_then_ended(tmp_path, teard
     assert mark.read_text() == "SIGTERM"
 
 
+@pytest.mark.e2e
 def test_the_rank_watches_its_launcher_from_before_torch_is_imported(monkeypatch):
     """A launcher gone before the watch starts is never seen: the rank's command starts it before the slow imports."""
     seen = run("""

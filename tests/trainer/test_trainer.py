@@ -103,6 +103,7 @@ def r3_runs(tiny_ckpts, fp32_samples):
     }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_r3_routes_every_token_as_recorded(r3_runs, layout):
     metrics = r3_runs[layout][0]["metrics"][0]
@@ -121,6 +122,7 @@ def test_r3_routes_every_token_as_recorded(r3_runs, layout):
     assert metrics["mismatch/k3_kl_routing_agree"] == pytest.approx(metrics["mismatch/k3_kl"], rel=1e-9, abs=1e-15)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "TP1"])
 def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
     """Packed rows (samples end to end, each attending only to itself) score like padded ones: RoPE
@@ -133,6 +135,7 @@ def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "layout,window",
     [({"pp": 2, "ep": 2}, None), ({"pp": 4}, 1), ({"tp": 2, "pp": 2}, None)],
@@ -190,6 +193,7 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
     assert ranks[0]["staged_peak"] == (max(sent) if window else sum(sent)) and (len(sent) == 1 or max(sent) < sum(sent))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
 def test_replay_targets_leave_the_device_once_no_backward_replays_them(tiny_ckpts, fp32_samples, recompute):
     """Megatron queues every micro-batch's replay targets for a backward replay that only activation recompute makes
@@ -204,6 +208,7 @@ def test_replay_targets_leave_the_device_once_no_backward_replays_them(tiny_ckpt
     assert seen["deepest"] == 1  # without pipelining, a micro-batch's backward comes before the next one's forward
 
 
+@pytest.mark.e2e
 def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, bf16_samples):
     mcore = str(tiny_ckpts[ARCH][1])
     (off,) = run_ranks(train_steps, 1, mcore, config("off"), bf16_samples, 1)
@@ -221,6 +226,7 @@ def test_bf16_engine_disagrees_natively_and_r3_restores_its_routing(tiny_ckpts, 
     assert r3["mismatch/k3_kl_routing_differ"] < 3 * r3["mismatch/k3_kl_routing_agree"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["TP1", "packed TP2+SP+EP2", "PP2"])
 def test_the_mismatch_splits_by_routing_and_lag_where_flips_and_drift_are_planted(tiny_ckpts, fp32_samples, layout):
     """The fp32 engine's rollouts, altered: every third response token's position routed to other experts in one MoE
@@ -287,6 +293,7 @@ def traced(tmp_path, routing: str = "R3", samples: int = 8, **layout) -> Trainer
     return cfg
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", list(TRACED))
 def test_check_replay_passes_on_real_runs(tiny_ckpts, bf16_samples, tmp_path, layout):
     """A bf16 engine's rollouts: the trainer's own routers would route some positions elsewhere, so the check can tell
@@ -303,6 +310,7 @@ def test_check_replay_passes_on_real_runs(tiny_ckpts, bf16_samples, tmp_path, la
     assert report.checked > report.informative > 0 and report.native_agree < 1.0
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "worker", ["train_with_routing_one_position_late", "train_with_routing_columns_swapped", "train_without_replay"]
 )
@@ -330,6 +338,7 @@ def test_check_replay_finds_a_planted_fault_and_says_where(tiny_ckpts, bf16_samp
         assert "train used experts" in out and "recompute used experts" in out and "score used experts" not in out
 
 
+@pytest.mark.e2e
 def test_check_replay_under_r2_checks_the_training_pass_against_the_old_policy_pass(tiny_ckpts, bf16_samples, tmp_path):
     from moerl.trainer.replay_trace import check_replay
 
@@ -345,6 +354,7 @@ def test_check_replay_under_r2_checks_the_training_pass_against_the_old_policy_p
     assert report.informative == 0 and "UNINFORMATIVE" in report.summary()
 
 
+@pytest.mark.e2e
 def test_the_expert_load_of_a_planted_routing_is_what_it_must_be(tiny_ckpts, fp32_samples):
     """Every rollout token sent to experts 0..k-1 in every layer: that load is experts/k times the mean on its busiest
     expert, its entropy log k / log experts; the trainer's own routers (replay off) spread the same tokens wider."""
@@ -368,6 +378,7 @@ def test_the_expert_load_of_a_planted_routing_is_what_it_must_be(tiny_ckpts, fp3
     )
 
 
+@pytest.mark.e2e
 def test_after_a_load_each_parameter_counts_its_own_adam_steps(tiny_ckpts, fp32_samples):
     """megatron-core's DistributedOptimizer without Apex or TE loads one step tensor into every parameter's state and
     torch's Adam adds 1 to it in place per parameter; the trainer gives each its own, so the count stays the step's."""
@@ -385,6 +396,7 @@ def free_run(tiny_ckpts, fp32_samples):
     return run_ranks(train_steps, 1, str(tiny_ckpts[ARCH][1]), config("R3", lr=3e-3), fp32_samples, 3)[0]
 
 
+@pytest.mark.e2e
 def test_optimizer_steps_raise_the_reward_weighted_log_likelihood(free_run):
     run = free_run
     objective = run["objective"]
@@ -416,6 +428,7 @@ def ep2_resume(tiny_ckpts, fp32_samples, tmp_path_factory):
     )[0]
 
 
+@pytest.mark.e2e
 def test_saved_trainer_resumes_exactly(ep2_resume):
     ckpt, out = ep2_resume
     assert out["version"] == 2
@@ -427,6 +440,7 @@ def test_saved_trainer_resumes_exactly(ep2_resume):
     assert (ckpt / "hf" / "config.json").is_file()  # also a model checkpoint
 
 
+@pytest.mark.e2e
 def test_reference_kl_starts_at_zero_and_holds_the_policy_back(tiny_ckpts, fp32_samples, free_run):
     held_cfg = config("R3", lr=3e-3)
     held_cfg.loss.kl_coef = 5.0
@@ -438,6 +452,7 @@ def test_reference_kl_starts_at_zero_and_holds_the_policy_back(tiny_ckpts, fp32_
     assert 0 < gain(held) < gain(free)
 
 
+@pytest.mark.e2e
 def test_activation_recompute_replays_each_micro_batchs_routing(tiny_ckpts, fp32_samples, r3_runs):
     # Under 1F1B a micro-batch is recomputed after later ones have set their targets (PP2 shows it;
     # without pipelining each backward follows its own forward at once).
@@ -451,6 +466,7 @@ def test_activation_recompute_replays_each_micro_batchs_routing(tiny_ckpts, fp32
         torch.testing.assert_close(out["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", ["TP2+EP2", "EP1"])
 def test_a_trainer_saved_at_ep2_resumes_at_another_layout(tiny_ckpts, fp32_samples, ep2_resume, layout):
     """Model and optimizer state (Adam moments of every expert) reshard; at EP1 each rank holds all experts."""
@@ -463,6 +479,7 @@ def test_a_trainer_saved_at_ep2_resumes_at_another_layout(tiny_ckpts, fp32_sampl
         torch.testing.assert_close(out["weights"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("aggregation, budget", [("token_mean", 48), ("seq_mean_token_sum_norm", 1)])
 def test_a_batch_fed_in_pieces_steps_like_the_whole_batch(tiny_ckpts, fp32_samples, aggregation, budget):
     """budget=1: one sample per micro-batch, so the two EP ranks' shards (balanced by tokens, not by

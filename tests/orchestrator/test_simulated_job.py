@@ -17,10 +17,10 @@ from moerl.env import child_env
 from moerl.orchestrator.metrics import read_metrics
 from moerl.simulation import Profile
 from moerl.weight_sync.simulated import write_hollow_safetensors
+from tests import DATA, REPO
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
-PROFILE = REPO / "tests" / "data" / "simulation" / "tiny.yaml"
+PROFILE = DATA / "simulation" / "tiny.yaml"
 GROUPS, N, TIME_SCALE = 4, 4, 4.0
 
 
@@ -54,6 +54,7 @@ def simulate(model: Path, run_dir: Path, *overrides: str) -> subprocess.Complete
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode, staleness", [("sync", 0), ("periodic", 0), ("async", 1)])
 def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_path, mode, staleness):
     steps = 3
@@ -92,6 +93,7 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
         assert acct["balanced"] and acct["trained"] == (steps + 1) * GROUPS
 
 
+@pytest.mark.e2e
 def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_loses_no_prompt(model, tmp_path):
     """48 layers x top-8 (Qwen3-30B-A3B's routing width) make every answer large enough for the manager's generation
     workers; each is killed mid-run, twice: the prompts they carried are re-issued, none is dropped or blamed on an
@@ -189,6 +191,7 @@ def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):
         assert f.get_tensor("b.bias").tolist() == [0.0, 0.0, 0.0]  # a hole reads as zeros
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -204,6 +207,7 @@ def test_what_a_simulation_cannot_do_is_one_error(model, tmp_path, override, mes
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.e2e
 def test_a_profile_without_a_trainer_is_refused_by_the_job(model, tmp_path):
     engine_only = tmp_path / "engine.yaml"
     engine_only.write_text("\n".join(line for line in PROFILE.read_text().split("trainer:")[0].splitlines()))
@@ -212,6 +216,7 @@ def test_a_profile_without_a_trainer_is_refused_by_the_job(model, tmp_path):
     assert os.listdir(tmp_path) == ["engine.yaml"]  # refused before anything was made
 
 
+@pytest.mark.e2e
 def test_a_real_run_refuses_simulated_engines_given_by_url(model, tmp_path):
     from tests.engine_server import running_server
 

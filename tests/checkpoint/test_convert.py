@@ -213,6 +213,7 @@ def test_cli_verify_fails_when_the_weights_differ(tiny_ckpts, tmp_path, capsys):
     assert "(FAIL, tolerance 1.0e-03)" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_what_a_save_forks_dies_with_the_saver_and_its_queue_server_watches_it(tmp_path, monkeypatch):
     """megatron-core forks checkpoint writers in each save and serves their results queue from a Manager it keeps: both
     must end with the rank that saves (a SIGKILLed rank left them behind). A child forked during save_sharded has

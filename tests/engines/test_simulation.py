@@ -8,21 +8,21 @@ import base64
 import os
 import signal
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from moerl.errors import ConfigError
 from moerl.simulation import Profile
+from tests import DATA, REPO
 from tests.engine_server import running_server, serving, serving_app
-from tests.test_engine_control import (  # noqa: F401  the control tests, with this module's server
+from tests.engines.test_engine_control import (  # noqa: F401  the control tests, with this module's server
     test_abort_returns_the_partial_output,
     test_pause_holds_requests_until_continue,
     test_pause_with_abort_finishes_running_requests,
     test_retract_then_continue_gives_the_uninterrupted_output,
 )
-from tests.test_engine_requests import (  # noqa: F401  the hostile-request tests, with this module's server
+from tests.engines.test_engine_requests import (  # noqa: F401  the hostile-request tests, with this module's server
     PROMPT,
     hostile_models,
     reference,
@@ -39,7 +39,7 @@ from tests.test_engine_requests import (  # noqa: F401  the hostile-request test
     test_wrong_types_and_ranges_get_a_400_naming_the_field,
 )
 
-PROFILE = Path(__file__).parent / "data" / "simulation" / "tiny.yaml"
+PROFILE = DATA / "simulation" / "tiny.yaml"
 LAYERS, TOPK, VOCAB = 4, 2, 256  # the tiny model's
 
 
@@ -62,6 +62,7 @@ def generate(url, body):
     return answer if isinstance(answer, list) else [answer]
 
 
+@pytest.mark.e2e
 def test_the_server_says_it_is_simulated_and_holds_no_weights(server):
     status, info, _ = request(server, "/server_info", method="GET")
     assert status == 200 and info["engine"] == "moerl-simulated" and info["dtype"] == "float32"
@@ -71,6 +72,7 @@ def test_the_server_says_it_is_simulated_and_holds_no_weights(server):
     assert status == 400 and "holds no weights" in answer["error"]["message"]
 
 
+@pytest.mark.e2e
 def test_lengths_and_payloads_follow_the_profile(server):
     profile = Profile.load(PROFILE).engine
     body = {
@@ -105,6 +107,7 @@ def test_lengths_and_payloads_follow_the_profile(server):
         assert all(max(k) < VOCAB for k in kept)
 
 
+@pytest.mark.e2e
 def test_kept_sets_under_top_p_vary_in_size_and_their_log_probs_normalise(server):
     body = {
         "input_ids": PROMPT,
@@ -131,6 +134,7 @@ def test_kept_sets_under_top_p_vary_in_size_and_their_log_probs_normalise(server
     assert min(sizes) >= 1 and max(sizes) <= 6 and len(set(sizes)) > 1
 
 
+@pytest.mark.e2e
 def test_a_response_takes_its_tokens_at_the_profiles_decode_rate(server):
     profile = Profile.load(PROFILE).engine
     body = {"input_ids": PROMPT, "sampling_params": {"n": 2, "max_new_tokens": 100, "ignore_eos": True}}
@@ -142,6 +146,7 @@ def test_a_response_takes_its_tokens_at_the_profiles_decode_rate(server):
     assert due * 0.95 <= seconds < 2 * due + 1.0, (seconds, due)
 
 
+@pytest.mark.e2e
 def test_an_in_place_update_splits_the_version_spans_where_it_happened(server, models):
     from moerl.engines.client import EngineClient
 
@@ -164,9 +169,10 @@ def test_an_in_place_update_splits_the_version_spans_where_it_happened(server, m
     assert 20 <= spans[0]["end"] <= 100
 
 
+@pytest.mark.e2e
 def test_the_prefix_cache_is_the_embedded_engines_by_key_group_and_finished_turn(server):
-    """As the embedded engine's (tests/test_engine.py): n completions share one prefill, another key reuses nothing, a
-    prompt extending a finished completion reuses what it fed, a flush drops it all."""
+    """As the embedded engine's (tests/engines/test_engine.py): n completions share one prefill, another key reuses
+    nothing, a prompt extending a finished completion reuses what it fed, a flush drops it all."""
     prompt, p = list(range(40, 70)), 30
     group = {"n": 3, "max_new_tokens": 5, "ignore_eos": True, "sampling_seed": 4}
 
@@ -261,6 +267,7 @@ def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkey
     assert checked == list(range(n)) and holders == []
 
 
+@pytest.mark.e2e
 def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_silently(server, models, monkeypatch):
     """Through the workers (HTTP and decoding in other processes) a generation gives what the client gives in its own
     process; a broken answer and an engine's refusal raise there as here; a killed worker's generations raise WorkerLost
@@ -276,7 +283,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
     from moerl.engines.generation_workers import WorkerLost
     from moerl.engines.health import State
     from moerl.models import model_shape
-    from tests.test_engine_requests import _request
+    from tests.engines.test_engine_requests import _request
 
     shape = model_shape(json.loads((models["base"] / "config.json").read_text()))
     params = P.SamplingParams(n=3, max_new_tokens=40, top_k=5, sampling_seed=1)
@@ -394,9 +401,7 @@ def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):
     assert "engine.prefill_tokens_per_s" in str(err.value) and "engine.response_tokens" in str(err.value)
 
 
-@pytest.mark.parametrize(
-    "path", sorted((Path(__file__).parents[1] / "bench" / "profiles").glob("*.yaml")), ids=lambda p: p.name
-)
+@pytest.mark.parametrize("path", sorted((REPO / "bench" / "profiles").glob("*.yaml")), ids=lambda p: p.name)
 def test_the_shipped_profiles_load_with_a_trainer_and_per_request_rates_that_fall_with_load(path):
     profile = Profile.load(path)
     engine = profile.engine
@@ -407,12 +412,10 @@ def test_the_shipped_profiles_load_with_a_trainer_and_per_request_rates_that_fal
 def test_the_async_guide_is_the_full_engines_without_a_tail_and_is_held_by_the_tail_with_one():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_simulation", Path(__file__).parents[1] / "bench" / "simulation.py"
-    )
+    spec = importlib.util.spec_from_file_location("bench_simulation", REPO / "bench" / "simulation.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    profile = Profile.load(Path(__file__).parents[1] / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml")
+    profile = Profile.load(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml")
     engine, pool, samples, tokens = profile.engine, (32, 96), 768, 768 * 7000
     steps = [bench.step_times(profile, pool, samples, 7000, 30000, 61e9, 1536, 2)]
     sync, train = steps[0]["T_sync"], steps[0]["T_train"]

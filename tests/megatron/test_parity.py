@@ -14,6 +14,8 @@ from moerl.models import family_for
 from tests.conftest import ARCHS, hub_grads
 from tests.workers import parity
 
+pytestmark = pytest.mark.e2e  # each test starts moerl processes (see pytest.ini)
+
 ALLGATHER = {"moe_token_dispatcher_type": "allgather"}
 LAYOUTS = {  # name: (layout, world size, TransformerConfig overrides)
     "TP1": (Layout(), 1, {}),

@@ -33,6 +33,7 @@ def test_a_moved_target_raises_compat_error_naming_it(monkeypatch):
         cpu_compat._patch(*cpu_compat._patches()[0])
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the layer is applied only without CUDA")
 def test_apply_makes_cuda_device_arguments_land_on_the_cpu():
     # In a fresh interpreter: the layer installs a process-wide torch function mode.

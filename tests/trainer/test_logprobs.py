@@ -41,6 +41,7 @@ def _dense_reference(logits, targets, offsets, ids):
     return logits, masked, full, ent
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tp, outliers", [(1, False), (2, False), (2, True)])
 def test_logprobs_and_entropy_match_dense_reference_across_tp_shards(tp, outliers):
     """``outliers``: the logits at each shard's edge far above the rest. A kept id outside a rank's shard is read at the

@@ -96,13 +96,13 @@ def rank_group(responses, answer, prompt=""):
 
 def test_named_sync_async_and_group_rewards():
     score = lambda cfg, responses: asyncio.run(Rewarder(cfg).score(responses, "ab", "p"))  # noqa: E731
-    assert score(TaskConfig(name="tiny", reward="tests.test_tasks:length_reward"), ["a", "abc"]) == [1.0, 3.0]
-    assert score(TaskConfig(name="tiny", reward="tests.test_tasks:async_reward"), ["ab", "x"]) == [1.0, 0.0]
+    assert score(TaskConfig(name="tiny", reward="tests.tasks.test_tasks:length_reward"), ["a", "abc"]) == [1.0, 3.0]
+    assert score(TaskConfig(name="tiny", reward="tests.tasks.test_tasks:async_reward"), ["ab", "x"]) == [1.0, 0.0]
     assert score(
-        TaskConfig(name="tiny", reward="tests.test_tasks:rank_group", group_reward=True), ["abc", "a", "ab"]
+        TaskConfig(name="tiny", reward="tests.tasks.test_tasks:rank_group", group_reward=True), ["abc", "a", "ab"]
     ) == [2.0, 0.0, 1.0]
     with pytest.raises(MoerlError, match="cannot be loaded"):
-        Rewarder(TaskConfig(name="tiny", reward="tests.test_tasks:missing"))
+        Rewarder(TaskConfig(name="tiny", reward="tests.tasks.test_tasks:missing"))
     with pytest.raises(MoerlError, match="expected one of exact, math, tiny"):
         Rewarder(TaskConfig(name="tiny", reward="nonsense"))
 

@@ -26,7 +26,7 @@ from moerl.megatron.lora_config import LoRAConfig
 from moerl.models import family_for
 from moerl.models.tiny import save_tiny_hf
 from moerl.trainer.config import OptimConfig, TrainerConfig
-from tests.test_trainer import rollout
+from tests.trainer.test_trainer import rollout
 from tests.workers import lora_train_export, save_and_resume
 
 LORA = LoRAConfig(enabled=True, rank=4, alpha=8.0)
@@ -90,6 +90,7 @@ def _adapter_files(hf, lora: dict, fmt: str):
     return export_adapter(family, family.normalize(raw), lora, LORA, fmt, str(hf))
 
 
+@pytest.mark.e2e
 def test_an_sglang_server_serves_the_modules_the_adapters_take(trained, models):
     """A LoRA SGLang server is started for lora.targets with the modules each export adapts: every one (SGLang refuses
     an adapter with a module its server was not started for), not ``all`` (which gives lm_head and embed_tokens LoRA
@@ -119,6 +120,7 @@ def test_an_sglang_server_serves_the_modules_the_adapters_take(trained, models):
         lora_target_modules(hf, ["linear_qkvz"])
 
 
+@pytest.mark.e2e
 def test_only_adapters_train(trained):
     for name, runs in trained.items():
         for run in runs:
@@ -131,6 +133,7 @@ def test_only_adapters_train(trained):
     assert any(".shared_experts.linear_fc2.lora_A" in n for n in trained["qwen2"][0]["lora"])
 
 
+@pytest.mark.e2e
 def test_layouts_train_the_same_adapters(trained):
     """From the same init and data, EP2, TP2+SP (experts split too), TP2+SP+EP2 and PP2 export the EP1 run's
     adapters."""
@@ -144,6 +147,7 @@ def test_layouts_train_the_same_adapters(trained):
             assert abs(run["metrics"][-1]["train/loss"] - reference["metrics"][-1]["train/loss"]) < 1e-5
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_each_export_means_the_trained_model_in_its_consumer(trained, models, tmp_path, capsys, name):
     """Every saved checkpoint (TP2+EP2; PP2 where there are dense layers): merged export == Megatron+LoRA; the
@@ -224,6 +228,7 @@ def test_each_export_means_the_trained_model_in_its_consumer(trained, models, tm
     assert "--adapter-format peft" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_what_peft_would_drop_is_named_and_is_what_peft_drops(trained, models, tmp_path, name):
     """PEFT over transformers 5 loads parts of the sglang layout into nothing: the modules the export warns about
@@ -255,6 +260,7 @@ def test_what_peft_would_drop_is_named_and_is_what_peft_drops(trained, models, t
             assert (got - trained[name][0]["logits"]).abs().max() > 1e-3
 
 
+@pytest.mark.e2e
 def test_a_planted_drop_is_detected(trained, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
@@ -296,6 +302,7 @@ def test_a_planted_drop_is_detected(trained, tmp_path, capsys):
     assert f"{len(planted)} tensor(s) missing" in err and "shared_expert.down_proj" in err
 
 
+@pytest.mark.e2e
 def test_the_engine_refuses_the_peft_layout_with_what_to_do(trained, models):
     hf, _ = models["qwen2"]
     files = _adapter_files(hf, trained["qwen2"][0]["lora"], "peft")
@@ -307,6 +314,7 @@ def test_the_engine_refuses_the_peft_layout_with_what_to_do(trained, models):
         adapters.from_tensors("p", AdapterConfig.of("adapter_config.json", files.config), files.tensors)
 
 
+@pytest.mark.e2e
 def test_lora_trainer_resumes_exactly(models, rollouts, tmp_path):
     """Adapters, their optimizer state, the schedule and the version come back from a checkpoint: one step
     after resuming equals the second step of a run never interrupted."""
@@ -354,6 +362,7 @@ def test_bad_lora_config():
     )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_sglangs_loader_reads_every_module_of_the_sglang_format(trained, models, tmp_path, name):
     """SGLang 0.5.23's own adapter parsing (config, names, q/k/v and gate/up stacking, expert ids, the shared-outer

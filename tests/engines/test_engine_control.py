@@ -15,6 +15,8 @@ from moerl.engines.client import EngineClient, EngineError
 from moerl.models.tiny import save_tiny_hf
 from tests.engine_server import running_server
 
+pytestmark = pytest.mark.e2e  # each test starts moerl processes (see pytest.ini)
+
 ARCH = "Qwen2MoeForCausalLM"
 PROMPT = [5, 80, 33, 140, 2, 19]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

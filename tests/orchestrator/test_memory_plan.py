@@ -171,6 +171,7 @@ def measured_logits() -> dict:
     return dict(zip(LOGITS_CASES, run_ranks(logits_peaks, 1, LOGITS_CASES)[0], strict=True))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sampling_mask, with_entropy", LOGITS_CASES)
 def test_the_logits_term_is_what_the_logits_path_allocates(measured_logits, sampling_mask, with_entropy):
     """3 fp32 copies of [tokens, V/tp] over the kept sets (the output layer's, GPTModel's transposed one, the response
@@ -199,6 +200,7 @@ def measured_attention() -> dict:
     return dict(zip(ATTENTION_CASES, run_ranks(attention_peaks, 1, ATTENTION_CASES)[0], strict=True))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dtype, packed, layers", ATTENTION_CASES)
 def test_the_attention_scores_term_is_what_local_attention_allocates(measured_attention, dtype, packed, layers):
     """megatron-core's local attention (LoRA's) at a [1, 4 heads, 512, 512] shape: the plan's s x s term for a stage of

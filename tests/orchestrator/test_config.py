@@ -18,8 +18,8 @@ from moerl.config import choice_fields
 from moerl.env import child_env
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import RunConfig, load_config, schema_type
+from tests import DATA, REPO
 
-REPO = Path(__file__).resolve().parents[1]
 SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 # Overrides some values need to form a valid config on their own.
 NEEDS = {("task.name", "file"): ["task.path=prompts.jsonl"]}
@@ -50,6 +50,7 @@ def test_every_enum_value_can_be_typed_unquoted(tmp_path, key, value):
     assert _get(load_config(tmp_path / "c.yaml", extra), key) == value
 
 
+@pytest.mark.e2e
 def test_the_routing_ablation_through_the_recipe_as_typed():
     out = subprocess.run(
         ["bash", str(REPO / "recipes" / "qwen_moe_grpo.sh"), "trainer.replay.routing=off", "--show-config"],
@@ -179,7 +180,7 @@ def test_a_request_deadline_outlasts_a_full_length_response_and_a_simulations_co
     responses at 32:96 and time x0.5 (hundreds in a run)."""
     from moerl.orchestrator.config import SLOWEST_DECODE_TOKENS_PER_S, request_timeout_real_s
 
-    profile = REPO / "tests" / "data" / "simulation" / "tiny.yaml"
+    profile = DATA / "simulation" / "tiny.yaml"
     assert request_timeout_real_s(load_config(None, ["engines.request_timeout_s=600"])) == 600
     long = request_timeout_real_s(load_config(None, ["rollout.max_new_tokens=32768"]))
     assert (

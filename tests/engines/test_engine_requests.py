@@ -113,6 +113,7 @@ def assert_unchanged(url, reference):
 DEEP = b"[" * 10_000 + b"]" * 10_000
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "path, raw, headers, names",
     [
@@ -162,6 +163,7 @@ def test_malformed_bodies_get_a_json_400(server, reference, path, raw, headers, 
     assert_unchanged(server, reference)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "path, body, names",
     [
@@ -239,6 +241,7 @@ def test_wrong_types_and_ranges_get_a_400_naming_the_field(server, reference, pa
     assert_unchanged(server, reference)
 
 
+@pytest.mark.e2e
 def test_wrong_methods_and_routes_answer_json(server):
     status, answer, _ = request(server, "/generate", method="GET")
     assert status == 405 and "GET /generate" in answer["error"]["message"]
@@ -246,6 +249,7 @@ def test_wrong_methods_and_routes_answer_json(server):
     assert status == 404 and answer["error"]["code"] == 404
 
 
+@pytest.mark.e2e
 def test_a_tiny_temperature_is_greedy_and_the_answer_is_valid_json(server, reference):
     body = {**GREEDY, "sampling_params": {**GREEDY["sampling_params"], "temperature": 1e-9}, "return_logprob": True}
     status, answer, _ = request(server, "/generate", body)  # json.loads refuses NaN in the answer
@@ -253,6 +257,7 @@ def test_a_tiny_temperature_is_greedy_and_the_answer_is_valid_json(server, refer
     assert all(np.isfinite(lp) for lp, _, _ in answer["meta_info"]["output_token_logprobs"])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "which, names",
     [
@@ -271,6 +276,7 @@ def test_a_disk_update_from_anything_but_this_model_changes_nothing(server, refe
     assert_unchanged(server, reference)  # the version too: nothing of a refused update lands
 
 
+@pytest.mark.e2e
 def test_a_flushing_update_during_an_in_place_pause_is_refused_untouched(server, reference, models):
     async def go():
         async with aiohttp.ClientSession() as session, EngineClient([server]) as client:
@@ -293,6 +299,7 @@ def test_a_flushing_update_during_an_in_place_pause_is_refused_untouched(server,
     assert_unchanged(server, reference)
 
 
+@pytest.mark.e2e
 def test_abort_by_rid_aborts_all_n_completions(server):
     n = 64  # x 500 tokens takes ~9 s here: still running at the abort (n=4 could finish first on a warm, idle machine)
 
@@ -315,6 +322,7 @@ def test_abort_by_rid_aborts_all_n_completions(server):
     assert all(c["meta_info"]["finish_reason"]["type"] == "abort" and len(c["output_ids"]) < 500 for c in completions)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_disconnects_has_its_requests_aborted(server, stream):
     async def go():
@@ -337,6 +345,7 @@ def test_a_client_that_disconnects_has_its_requests_aborted(server, stream):
     assert status == 200 and answer["aborted"] == 0  # nothing left running for nobody
 
 
+@pytest.mark.e2e
 def test_a_join_to_a_refused_port_fails_fast_and_slow_joins_starve_nothing(server, models):
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
@@ -426,6 +435,7 @@ def _adapter(
     return path
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "kind, names",
     [
@@ -478,6 +488,7 @@ def test_adapters_that_are_not_what_they_claim_are_refused(server, reference, mo
     assert_unchanged(server, reference)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "config, names",
     [
@@ -506,6 +517,7 @@ def test_a_malformed_tensor_adapters_config_is_refused_naming_config_dict(
     assert_unchanged(server, reference)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "path, body, field",
     [
@@ -521,6 +533,7 @@ def test_a_path_the_os_refuses_gets_a_400_naming_the_field(server, reference, pa
     assert_unchanged(server, reference)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "body, names",
     [
@@ -536,6 +549,7 @@ def test_an_unknown_field_is_refused_whatever_its_value(server, reference, body,
     assert_unchanged(server, reference)
 
 
+@pytest.mark.e2e
 def test_weights_read_back_are_the_base_weights_after_an_adapter_was_used(server, reference, models, tmp_path):
     from safetensors.torch import load_file
 
@@ -654,6 +668,7 @@ KINDS = {  # route -> its request type, to know which corrupted bodies are still
 HARMLESS_WHEN_VALID = {"/generate", "/get_weights_by_name", "/abort_request"}
 
 
+@pytest.mark.e2e
 @settings(
     max_examples=300,
     derandomize=True,

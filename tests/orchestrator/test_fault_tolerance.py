@@ -100,6 +100,7 @@ def wait_for(predicate, timeout_s: float = 30) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_prompts_on_a_killed_or_hung_replica_are_reissued_and_every_prompt_is_accounted(model, tmp_path):
     with rollouts(model, tmp_path / "run", 2, "engines.request_timeout_s=10") as (pool, buffer):
         url0, url1 = pool.urls
@@ -128,6 +129,7 @@ def test_prompts_on_a_killed_or_hung_replica_are_reissued_and_every_prompt_is_ac
             assert len(group.samples) == 2 and all(s.response_len > 0 for s in group.samples)
 
 
+@pytest.mark.e2e
 def test_with_every_engine_gone_prompts_past_their_budget_are_dropped_and_the_run_stops_with_one_error(model, tmp_path):
     with rollouts(model, tmp_path / "run", 1, "rollout.engine_retries=0", "engines.down_timeout_s=2") as (pool, buffer):
         signal_replica(pool, 0, signal.SIGKILL)
@@ -137,6 +139,7 @@ def test_with_every_engine_gone_prompts_past_their_budget_are_dropped_and_the_ru
         assert acct.dropped["engine_failure"] > 0 and acct.balanced()
 
 
+@pytest.mark.e2e
 def test_an_update_that_finds_every_engine_dead_has_them_started_again_while_it_waits(model, tmp_path):
     """Every replica killed between the step's restarts and its sync: the sync waits for one to answer, and the job
     starts them again meanwhile; nothing else would, and the run would stop after engines.down_timeout_s."""
@@ -161,6 +164,7 @@ def test_an_update_that_finds_every_engine_dead_has_them_started_again_while_it_
             sync.close()
 
 
+@pytest.mark.e2e
 def test_a_dead_replica_is_started_again_only_once_every_process_of_its_server_has_ended(tmp_path, monkeypatch, caplog):
     """A GPU's memory is free once every process that held it has ended: a server started earlier fails for want of
     it, which costs one of the replica's restarts. revive() kills what is left, says what it waits for, and starts the

@@ -104,6 +104,7 @@ def test_checkpoints_hold_the_norms_extra_state_from_format_3(checkpoints):
     assert _norm_keys(checkpoints["old"]) == set()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("ckpt", ["current", "old"])
 @pytest.mark.parametrize("norm", ["moerl", "te"])
 def test_a_checkpoint_of_either_format_loads_into_norms_of_either_spec(checkpoints, loaded, ckpt, norm):
@@ -122,6 +123,7 @@ def test_a_checkpoint_of_either_format_loads_into_norms_of_either_spec(checkpoin
     assert got["norms"] and all(bytes(state.numpy()) == expected for state in got["norms"].values()), got["norms"]
 
 
+@pytest.mark.e2e
 def test_a_key_the_checkpoint_lacks_other_than_an_extra_state_still_fails(checkpoints):
     with pytest.raises(
         RuntimeError, match=r"decoder\.layers\.0\.self_attention\.(q_layernorm\.|linear_qkv\.layer_norm_)bias"

@@ -33,6 +33,7 @@ def _flag_value(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
+@pytest.mark.e2e
 def test_server_args_carry_the_rl_flags():
     cfg = EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=4, base_port=31000)
     args = server_args(cfg, port=31001)
@@ -65,6 +66,7 @@ def test_server_args_carry_the_rl_flags():
     assert router[router.index("--worker-urls") + 1 : router.index("--host")] == pool.replica_urls
 
 
+@pytest.mark.e2e
 def test_replicas_get_disjoint_visible_gpus(monkeypatch):
     pool = EnginePool(EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=2))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
@@ -97,6 +99,7 @@ def _stand_in_python(tmp_path):
     return str(script)
 
 
+@pytest.mark.e2e
 def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
     """Replica 0 is first given a port another process holds: it fails to bind and starts again elsewhere."""
     import socket
@@ -147,6 +150,7 @@ def test_ports_picked_together_are_distinct_and_avoid_those_handed_out():
     assert len(set(handed_out)) == 8 and len(set(more)) == 200 and not set(more) & set(handed_out)
 
 
+@pytest.mark.e2e
 def test_pool_reports_a_server_that_dies_during_startup(tmp_path, monkeypatch):
     monkeypatch.setattr("moerl.engines.pool._gpu_count", lambda: 1)  # the stand-in server's GPU
     cfg = EnginePoolConfig(model_path=str(tmp_path / "no-such-model"), log_dir=str(tmp_path / "logs"))

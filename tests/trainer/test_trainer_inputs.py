@@ -170,6 +170,7 @@ def probed_steps(mcore_dir: str, trainer_cfg, samples: list) -> dict:
     return out
 
 
+@pytest.mark.e2e
 def test_the_probe_runs_only_in_the_old_pass_of_a_batch_with_routing(tiny_ckpts):
     """The probe (a gating GEMM and a copy to the host per router and micro-batch) feeds the routing/ and load/
     metrics and the mismatch split by routing. A step whose samples carry no routing runs none; one whose samples do

@@ -15,6 +15,7 @@ from tests.conftest import ARCHS
 from tests.workers import export_hf
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
     "world, layout",
@@ -70,6 +71,7 @@ def test_export_streams_the_hf_checkpoint_bitwise_to_rank_0_or_split_across_the_
     assert (ranks[0]["share_received"] > 0) == (layout.tp > 1)
 
 
+@pytest.mark.e2e
 def test_expert_tp_shards_are_joined_by_their_layer_not_by_the_partition_dim_te_marks(tiny_ckpts):
     hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
     reader = HFReader(hf_dir)
@@ -83,11 +85,12 @@ def test_expert_tp_shards_are_joined_by_their_layer_not_by_the_partition_dim_te_
     assert any(name.endswith("experts.0.down_proj.weight") for name, _ in stream)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layout", [{"ep": 2}, {"pp": 2}], ids=["EP2", "PP2"])
 def test_after_a_broadcast_sync_every_engine_holds_the_trainers_weights_bitwise(tiny_ckpts, tmp_path, layout):
     from moerl.trainer.config import OptimConfig, TrainerConfig
     from tests.engine_server import running_servers
-    from tests.test_trainer import rollout
+    from tests.trainer.test_trainer import rollout
     from tests.workers import train_then_sync
 
     hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
@@ -121,6 +124,7 @@ def test_after_a_broadcast_sync_every_engine_holds_the_trainers_weights_bitwise(
     assert changed > len(out["trained"]) // 2  # the step moved the weights the engine now serves
 
 
+@pytest.mark.e2e
 def test_a_second_run_joins_the_engines_the_first_left(tiny_ckpts, tmp_path):
     from moerl.weight_sync.broadcast import BroadcastSync
     from tests.engine_server import running_server
@@ -136,6 +140,7 @@ def test_a_second_run_joins_the_engines_the_first_left(tiny_ckpts, tmp_path):
     assert names[0] != names[1]
 
 
+@pytest.mark.e2e
 def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_ones_group_is_aborted(
     tiny_ckpts, tmp_path, monkeypatch
 ):
@@ -219,6 +224,7 @@ def test_a_broadcast_is_waited_for_only_once_the_engines_took_it_and_a_refused_o
     assert torch.equal(torch.tensor(served), torch.full((hidden,), 0.25))
 
 
+@pytest.mark.e2e
 def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_reaches_the_engines(tiny_ckpts, tmp_path):
     """An engine that took a failed sender's announcement waits in its broadcast for good, and each later sender's
     would wait behind it to its deadline: after one sender fails no sender sends, and the push is made once more. Every
@@ -237,6 +243,7 @@ def test_a_sender_that_fails_ends_every_senders_turns_and_the_push_made_again_re
     assert ranks[0]["groups"] == ranks[1]["groups"] == [2, 3]  # at connect and for the push made again; then once more
 
 
+@pytest.mark.e2e
 def test_engines_a_failed_bucket_may_have_wedged_are_restarted_or_left_out_never_pushed_to_again(tiny_ckpts, tmp_path):
     """SGLang answers a bucket before its GPU has the bytes, and an engine that took one whose broadcast then failed (a
     peer refused it, or died) waits in NCCL for good while its HTTP process answers on. After such a failure the push is
@@ -289,6 +296,7 @@ def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push():
     assert lead.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("failure", ["engines_down", "other"])
 def test_a_step_rank_0_takes_alone_that_fails_there_stops_every_rank_with_its_error(failure):
     """Global rank 0 talks to the engines alone; whatever fails there must reach the other ranks, which otherwise wait
@@ -353,6 +361,7 @@ def test_an_engine_holding_all_the_weight_groups_it_may_is_restarted_or_left_out
         sync.close()
 
 
+@pytest.mark.e2e
 def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_group_forms(
     tiny_ckpts, tmp_path, monkeypatch
 ):

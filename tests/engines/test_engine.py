@@ -66,6 +66,7 @@ def _recompute(model, prompt, output):
     return out.logits[0], routing
 
 
+@pytest.mark.e2e
 def test_routing_equals_the_routing_of_a_full_rerun(server, shape, reference):
     params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7}
     results = run(_generate_all(server, shape, params, return_routed_experts=True))
@@ -77,6 +78,7 @@ def test_routing_equals_the_routing_of_a_full_rerun(server, shape, reference):
         assert np.array_equal(np.sort(c.routing, -1), np.sort(routing.numpy(), -1))
 
 
+@pytest.mark.e2e
 def test_routed_experts_start_len_drops_prompt_rows(server, shape):
     async def go():
         async with EngineClient([server], shape) as client:
@@ -96,6 +98,7 @@ def test_routed_experts_start_len_drops_prompt_rows(server, shape):
     assert np.array_equal(part.routing, full.routing[5:])
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "params",
     [
@@ -122,6 +125,7 @@ def test_sampled_tokens_lie_in_their_kept_set_and_logprobs_match(server, shape, 
             assert c.logprobs[t] == pytest.approx(float(logprobs[t, token]), abs=1e-4)
 
 
+@pytest.mark.e2e
 def test_each_completion_returns_when_it_finishes(server, shape):
     async def go():
         order = []
@@ -138,6 +142,7 @@ def test_each_completion_returns_when_it_finishes(server, shape):
     assert run(go()) == [2, 120]
 
 
+@pytest.mark.e2e
 def test_same_seed_same_completion_alone_or_batched(server, shape):
     params = {"max_new_tokens": 16, "sampling_seed": 11, "top_k": 30}
 
@@ -190,6 +195,7 @@ def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(mod
     assert spilled == held and len(json.loads(spilled)) == 3
 
 
+@pytest.mark.e2e
 def test_stream_of_n_completions_tags_each_chunk_with_its_index(server):
     async def go():
         chunks = []
@@ -222,6 +228,7 @@ async def _post(url, route, body):
             return r.status, await r.json(content_type=None)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "body, message",
     [
@@ -250,6 +257,7 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, shape, body, 
     assert len(c.output_ids) == 2
 
 
+@pytest.mark.e2e
 def test_client_raises_the_engines_message_on_a_refusal(server, shape):
     async def go(ids, params):
         async with EngineClient([server], shape) as client:
@@ -274,6 +282,7 @@ def _prompt_routing(model, prompt) -> np.ndarray:
     return np.sort(routing.numpy(), -1)
 
 
+@pytest.mark.e2e
 def test_a_prompt_reuses_only_its_own_keys_kv_and_never_kv_from_before_an_update(models, shape, tmp_path):
     """SGLang's radix cache, partitioned by extra_key: a group's n completions share their prompt's prefill, a request
     of another key reuses nothing, and after an update that could not flush (an in_place pause) a request keyed to the
@@ -317,6 +326,7 @@ def test_a_prompt_reuses_only_its_own_keys_kv_and_never_kv_from_before_an_update
     assert np.array_equal(prompt_rows(old_key[0])[: p - 1], old_weights[: p - 1])  # served from before the update
 
 
+@pytest.mark.e2e
 def test_a_finished_completion_is_reused_by_the_prompt_that_extends_it(models, shape, tmp_path):
     """As SGLang's radix cache keeps a finished request's tokens, a next turn's prompt (the last prompt, its completion,
     more tokens) reuses their KV, routing included; an adapter's requests do not reuse the base model's."""

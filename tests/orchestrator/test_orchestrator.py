@@ -19,8 +19,8 @@ import pytest
 
 from moerl.env import child_env, ended
 from moerl.orchestrator.metrics import plot, read_metrics
+from tests import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 REQUIRED = (
     "step",
@@ -142,6 +142,7 @@ def accounting(run_dir: Path) -> dict:
     return json.loads((run_dir / "accounting.json").read_text())
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("mode, steps, groups", [("sync", 10, 8), ("periodic", 4, 4), ("async", 3, 4)])
 def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
     cache, tmp_path, engine_bound, mode, steps, groups
@@ -198,6 +199,7 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
         assert report.ok and report.steps == steps and report.samples == 2 * replicas * steps, report.summary()
 
 
+@pytest.mark.e2e
 def test_lora_job_moves_adapters_only(cache, tmp_path):
     """lora.enabled=true through the same recipe: adapters pushed after every step under a new name; on-policy
     (sync, fp32) the engine with the adapter reproduces the trainer's log-probs, so it serves what was trained."""
@@ -219,6 +221,7 @@ def test_lora_job_moves_adapters_only(cache, tmp_path):
     )
 
 
+@pytest.mark.e2e
 def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, engine_bound):
     out = job(cache, tmp_path, "run.mode=async", "run.steps=3", "rollout.partial=retry", *engine_bound)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -228,6 +231,7 @@ def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, en
     assert all(r["staleness/max"] <= 1 for r in rows) and accounting(tmp_path)["balanced"]
 
 
+@pytest.mark.e2e
 def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tailed):
     """Two replicas; one is SIGKILLed at a seeded random moment, and again once the job has restarted it and it is back
     in rotation: every step completes, no prompt is lost, and with sync.verify each update's engines (the restarted
@@ -281,6 +285,7 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     assert any(r["engines/healthy"] < 2 for r in done)  # the kills were seen
 
 
+@pytest.mark.e2e
 def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_current_adapter(
     cache, tmp_path, long_tailed
 ):
@@ -357,6 +362,7 @@ def the_error_after(proc: subprocess.Popen, run_dir: Path, steps: int, kill) -> 
     return errors[0]
 
 
+@pytest.mark.e2e
 def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_and_resumes(cache, tmp_path):
     """No restarts left: after engines.down_timeout_s the run writes a checkpoint (every prompt not trained pending) and
     stops with one error line; once engines are back, run.resume=true continues from that checkpoint."""
@@ -386,6 +392,7 @@ def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_a
     assert read_metrics(tmp_path)[-1]["step"] == stopped_at + 1 and accounting(tmp_path)["balanced"]
 
 
+@pytest.mark.e2e
 def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_error(cache, tmp_path):
     """The rollout manager dies (the kernel killed it for memory, say): rank 0 stops waiting for groups that will never
     come, writes a checkpoint (every prompt not trained pending) and stops with one error naming the manager. Whether
@@ -444,6 +451,7 @@ def start_until_checkpoint(cache: Path, run_dir: Path, overrides: list[str], ste
     return proc
 
 
+@pytest.mark.e2e
 def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_results(cache, tmp_path):
     """SIGKILL of torchrun alone (an OOM killer's, a scheduler's hard kill, a timeout's --kill-after): its ranks run in
     sessions of their own that no signal of torchrun's reaches, so each must notice and stop (engines and rollout
@@ -487,6 +495,7 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     assert accounting(killed)["balanced"] and accounting(killed)["trained"] == accounting(straight)["trained"]
 
 
+@pytest.mark.e2e
 def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
     """SIGKILL of trainer rank 1: torchrun stops rank 0, which tears down (engines and rollout manager stopped,
     accounting written; had it been killed too, they would die with it), no process of the job is left (the killed
@@ -575,6 +584,7 @@ def bad_models(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -598,6 +608,7 @@ def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, bad_models,
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.e2e
 def test_engines_given_by_url_get_the_runs_weights_before_the_first_rollout(cache, tmp_path, long_tailed):
     """An engine given by URL may hold anything (here another model of the same shape, as after an earlier run):
     the job pushes its own weights before the first request; sync.verify checks the engine at version 0."""
@@ -624,6 +635,7 @@ def test_verify_is_as_tight_as_the_engines_reported_precision_allows():
     assert verify_tolerance(load_config(None, ["sync.verify_tolerance=0.3"]), ["float32"]) == 0.3
 
 
+@pytest.mark.e2e
 def test_a_directory_holding_a_run_is_continued_only_on_request(cache, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     out = job(cache, tmp_path, timeout=180)
@@ -653,6 +665,7 @@ def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
     assert ManagerSpec.read(spec.write(tmp_path / "spec.json")) == spec
 
 
+@pytest.mark.e2e
 def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(monkeypatch):
     """The adapter a resumed run's sync loads at start is what the rollout manager's first requests name."""
     from types import SimpleNamespace
@@ -697,6 +710,7 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
     ]
 
 
+@pytest.mark.e2e
 def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_what_it_missed():
     """A catch-up sync to the replicas back while none serves: the manager hears it added them to those holding the
     policy (full weights: the others hold it too), and one it missed is not counted as caught up."""
@@ -769,6 +783,7 @@ def test_an_ablation_grid_is_every_combination_the_first_axis_slowest_and_each_r
             combinations(bad)
 
 
+@pytest.mark.e2e
 def test_an_ablation_runs_its_grid_with_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
     """End to end on two axes, the second with one value (the product itself is the test above): each run gets its
     combination's overrides, the same first batch, its row in the table and its curve in the overlay."""
@@ -822,6 +837,7 @@ def test_an_ablation_runs_its_grid_with_the_same_seeds_and_writes_the_table_and_
     assert (out / "ablation.png").stat().st_size > 10_000
 
 
+@pytest.mark.e2e
 def test_parts_rank_0_takes_alone_end_together_on_every_rank(tmp_path):
     """Rank 0 alone starts the engines and the rollout manager, takes in rollouts, records metrics and writes the run
     state of a checkpoint; whatever fails there must stop every rank, which otherwise waits in its next collective
