@@ -1,9 +1,15 @@
-"""The sample contract: what crosses from rollout to trainer, one record per completion.
+"""The sample contract: what crosses from rollout to trainer, one record per completion or agent episode.
 
 Arrays are compact and positional. With ``P`` prompt tokens and ``R`` response tokens the trainer feeds
 the ``L = P + R - 1`` tokens ``(prompt + response)[:-1]``; position ``i`` predicts token ``i + 1``, so
 response token ``j`` is scored at position ``P - 1 + j``. Routing has one row per fed position (what the
 engine's routers saw), kept sets one row per response token.
+
+An agent episode is one token stream: the prompt, then the model's turns interleaved with context (environment, tool
+and template tokens), all of it the response. ``loss_mask`` tells the model's tokens (actions), the only ones scored,
+from the context, which is fed like the prompt; per-token arrays keep a row for every response token, filled at
+context (log-probs 0.0, version -1, an empty kept set). An episode forked into several samples shares one ``episode``
+index (and one reward) within its group: GRPO counts the episode once.
 """
 
 from __future__ import annotations
@@ -25,17 +31,22 @@ class Sample:
     prompt_ids: np.ndarray  # int32 [P]
     response_ids: np.ndarray  # int32 [R]
     behaviour_logprobs: np.ndarray  # float32 [R], full vocabulary, temperature-scaled (what the engine reported)
-    versions: np.ndarray  # int64 [R], policy version that produced each response token
+    versions: np.ndarray  # int64 [R], policy version that produced each response token (-1 at context)
     temperature: float = 1.0
     selected_logprobs: np.ndarray | None = None  # float32 [R], renormalised over the kept set
     routing: np.ndarray | None = None  # uint8/int16 [P + R - 1, moe_layers, topk]
-    mask_offsets: np.ndarray | None = None  # int64 [R + 1], CSR over response tokens
+    mask_offsets: np.ndarray | None = None  # int64 [R + 1], CSR over response tokens (no ids at context)
     mask_ids: np.ndarray | None = None  # int32 [mask_offsets[-1]]
     reward: float = 0.0
     group_id: int = 0
     finish_reason: str = "stop"
     engine: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # uint8 [R]: 1 at the model's tokens (actions), 0 at context placed after the prompt; None: every token an action
+    loss_mask: np.ndarray | None = None
+    # The episode within its group, shared by the samples an episode forked into (they share its reward too). None: an
+    # episode of its own, as every single-turn completion is; so the rollout side numbers only the episodes it forks.
+    episode: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -53,37 +64,74 @@ class Sample:
     def fed_ids(self) -> np.ndarray:
         return np.concatenate([self.prompt_ids, self.response_ids])[:-1]
 
+    @property
+    def actions(self) -> np.ndarray:
+        """bool [R]: the response tokens the model sampled, the only ones scored."""
+        if self.loss_mask is None:
+            return np.ones(self.response_len, dtype=bool)
+        return self.loss_mask.astype(bool)
+
+    @property
+    def action_count(self) -> int:
+        return self.response_len if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
+
+    @property
+    def oldest_version(self) -> int:
+        """The policy version of the sample's oldest action (context carries none)."""
+        return int(self.at_actions(self.versions).min())
+
+    def at_actions(self, values: np.ndarray) -> np.ndarray:
+        """A per-response-token array at the actions only (``values`` itself when every token is one)."""
+        return values if self.loss_mask is None else values[self.loss_mask.astype(bool)]
+
     def validate(self) -> Sample:
         p, r = self.prompt_len, self.response_len
         if p < 1 or r < 1:
             raise SampleError(f"a sample needs >= 1 prompt and >= 1 response token, got P={p}, R={r}")
-        for name in ("behaviour_logprobs", "versions", "selected_logprobs"):
+        for name in ("behaviour_logprobs", "versions", "selected_logprobs", "loss_mask"):
             value = getattr(self, name)
             if value is not None and value.shape != (r,):
                 raise SampleError(f"{name} has shape {value.shape}, expected ({r},) (one per response token)")
+        if self.episode is not None and self.episode < 0:
+            raise SampleError(f"episode must be >= 0 (or None: an episode of its own), got {self.episode}")
+        actions = self._validated_actions()
         if self.routing is not None and (self.routing.ndim != 3 or self.routing.shape[0] != p + r - 1):
             raise SampleError(f"routing has shape {self.routing.shape}, expected ({p + r - 1}, moe_layers, topk)")
         if (self.mask_offsets is None) != (self.mask_ids is None):
             raise SampleError("mask_offsets and mask_ids come together")
         if self.mask_offsets is not None and self.mask_ids is not None:  # both or neither: checked above
-            offsets = self.mask_offsets
-            if (
-                offsets.shape != (r + 1,)
-                or offsets[0] != 0
-                or offsets[-1] != len(self.mask_ids)
-                or np.any(np.diff(offsets) < 1)
-            ):
-                raise SampleError(
-                    f"mask_offsets must be [R+1] = [{r + 1}] non-decreasing from 0 to len(mask_ids) with >= 1 id per "
-                    "token"
-                )
-            rows = np.repeat(np.arange(r), np.diff(offsets))
-            # Per token, over its own non-empty run of ids (offsets rise at each): ufunc.at took a tenth of the rollout
-            # manager's CPU at 32K-token lengths.
-            inside = np.logical_or.reduceat(self.mask_ids == self.response_ids[rows], offsets[:-1])
-            if not inside.all():
-                raise SampleError(f"response token {int(np.argmin(inside))} is not in its own kept set")
+            self._validate_kept_sets(self.mask_offsets, self.mask_ids, actions)
         return self
+
+    def _validated_actions(self) -> np.ndarray:
+        """:attr:`actions`, once the loss mask and the versions agree with it."""
+        actions = self.actions
+        if self.loss_mask is not None:
+            if np.any((self.loss_mask != 0) & (self.loss_mask != 1)):
+                raise SampleError("loss_mask holds values other than 0 (context) and 1 (action)")
+            if not actions.any():
+                raise SampleError("loss_mask marks no token an action: a sample needs >= 1 model token")
+        negative = actions & (self.versions < 0)
+        if negative.any():
+            raise SampleError(f"versions holds a negative version at action token {int(np.argmax(negative))}")
+        if np.any(self.versions[~actions] != -1):
+            raise SampleError("versions must hold -1 at every context token (loss_mask 0): no policy produced it")
+        return actions
+
+    def _validate_kept_sets(self, offsets: np.ndarray, ids: np.ndarray, actions: np.ndarray) -> None:
+        r = self.response_len
+        if offsets.shape != (r + 1,) or offsets[0] != 0 or offsets[-1] != len(ids):
+            raise SampleError(f"mask_offsets must be [R+1] = [{r + 1}] from 0 to len(mask_ids)")
+        counts = np.diff(offsets)
+        if np.any(counts[actions] < 1) or np.any(counts[~actions] != 0):
+            raise SampleError("mask_offsets must give >= 1 kept id to every action and none to context tokens")
+        rows = np.repeat(np.arange(r), counts)
+        # Per action, over its own non-empty run of ids (context's runs are empty, so the actions' starts rise
+        # strictly): ufunc.at took a tenth of the rollout manager's CPU at 32K-token lengths.
+        inside = np.logical_or.reduceat(ids == self.response_ids[rows], offsets[:-1][actions])
+        if not inside.all():
+            token = int(np.flatnonzero(actions)[np.argmin(inside)])
+            raise SampleError(f"mask_ids: response token {token} is not in its own kept set")
 
     @classmethod
     def from_completion(

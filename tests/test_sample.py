@@ -1,11 +1,14 @@
-"""The sample contract: stitching a rollout resumed across weight versions."""
+"""The sample contract: stitching a rollout resumed across weight versions, and agent episodes' loss masks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 import torch
 
-from moerl.sample import Sample
+from moerl.sample import Sample, SampleError
 
 
 def _sample(prompt, response, version, routing_rows_from=0):
@@ -68,3 +71,91 @@ def test_a_packed_micro_batch_lays_samples_end_to_end_and_walls_them_off():
     assert allowed.tolist() == expected
     thd = packed.packed_inputs(torch.device("cpu"), thd=True)["packed_seq_params"]
     assert thd.qkv_format == "thd" and thd.cu_seqlens_q.tolist() == [0, 4, 7, 8] and thd.max_seqlen_q == 4
+
+
+# ---- agent episodes: the loss mask -----------------------------------------------------------------------------------
+def _episode(**changes) -> Sample:
+    """A prompt, a model turn, a tool's answer (context), a model turn; kept sets at the actions only."""
+    fields = dict(
+        prompt_ids=np.array([1, 2, 3], np.int32),
+        response_ids=np.array([10, 11, 20, 21, 22, 12], np.int32),
+        behaviour_logprobs=np.array([-1, -2, 0, 0, 0, -3], np.float32),
+        versions=np.array([4, 4, -1, -1, -1, 5]),
+        selected_logprobs=np.array([-0.1, -0.2, 0, 0, 0, -0.3], np.float32),
+        routing=np.zeros((8, 2, 2), np.uint8),
+        mask_offsets=np.array([0, 2, 4, 4, 4, 4, 6]),
+        mask_ids=np.array([10, 11, 11, 12, 12, 13], np.int32),
+        loss_mask=np.array([1, 1, 0, 0, 0, 1], np.uint8),
+        episode=2,
+    )
+    return Sample(**{**fields, **changes})
+
+
+def test_an_episode_sample_validates_and_tells_its_actions():
+    s = _episode().validate()
+    assert s.actions.tolist() == [True, True, False, False, False, True]
+    assert s.action_count == 3 and s.oldest_version == 4  # the context's -1 is no version
+    assert s.at_actions(s.response_ids).tolist() == [10, 11, 12]
+    assert s.fed_len == 8 and s.routing.shape[0] == 8  # routing: one row per fed position, context included
+
+
+@pytest.mark.parametrize(
+    "changes, error",
+    [
+        ({"loss_mask": np.array([1, 1, 0, 0, 1], np.uint8)}, r"loss_mask has shape \(5,\), expected \(6,\)"),
+        ({"loss_mask": np.array([1, 1, 0, 0, 2, 1], np.uint8)}, "loss_mask holds values other than 0"),
+        (
+            {
+                "loss_mask": np.zeros(6, np.uint8),
+                "versions": np.full(6, -1),
+                "mask_offsets": np.zeros(7, np.int64),
+                "mask_ids": np.zeros(0, np.int32),
+            },
+            "loss_mask marks no token an action",
+        ),
+        ({"versions": np.array([4, -1, -1, -1, -1, 5])}, "versions holds a negative version at action token 1"),
+        ({"versions": np.array([4, 4, -1, 4, -1, 5])}, "versions must hold -1 at every context token"),
+        (  # an id for a context token
+            {"mask_offsets": np.array([0, 2, 4, 5, 5, 5, 7]), "mask_ids": np.array([10, 11, 11, 12, 20, 12, 13])},
+            "mask_offsets must give >= 1 kept id to every action and none to context tokens",
+        ),
+        (  # none for an action
+            {"mask_offsets": np.array([0, 2, 4, 4, 4, 4, 4]), "mask_ids": np.array([10, 11, 11, 12])},
+            "mask_offsets must give >= 1 kept id to every action",
+        ),
+        ({"mask_ids": np.array([10, 11, 11, 12, 13, 14], np.int32)}, "mask_ids: response token 5 is not in its own"),
+        ({"mask_offsets": np.array([0, 2, 4, 4, 4, 4])}, r"mask_offsets must be \[R\+1\] = \[7\]"),
+        ({"episode": -1}, "episode must be >= 0"),
+    ],
+    ids=[
+        "mask shape",
+        "mask values",
+        "no action",
+        "action version",
+        "context version",
+        "context kept set",
+        "empty action kept set",
+        "action outside its set",
+        "offsets shape",
+        "episode",
+    ],
+)
+def test_an_episode_sample_refuses_each_inconsistency_naming_the_field(changes, error):
+    with pytest.raises(SampleError, match=error):
+        _episode(**changes).validate()
+
+
+def test_single_turn_samples_are_unchanged():
+    """No loss mask: every response token is an action, and a mask of all ones builds the same micro-batch."""
+    from moerl.trainer.batch import build_micro_batch
+
+    plain = _sample([1, 2, 3], [4, 5], 2)
+    assert plain.loss_mask is None and plain.episode is None
+    assert plain.actions.all() and plain.action_count == 2 and plain.oldest_version == 2
+    assert plain.at_actions(plain.versions) is plain.versions  # no copy on the hot path
+    ones = dataclasses.replace(plain, loss_mask=np.ones(2, np.uint8)).validate()
+    a, b = (build_micro_batch([s], [1.0], [0.5], multiple=2, use_masks=True, routed_experts=8) for s in (plain, ones))
+    for name in ("input_ids", "rows", "cols", "targets", "behaviour", "versions", "mask_offsets", "mask_ids"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    with pytest.raises(SampleError, match="versions holds a negative version at action token 0"):
+        _sample([1, 2, 3], [4, 5], -1)

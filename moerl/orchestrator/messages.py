@@ -73,12 +73,17 @@ class GroupDone:
     seconds: float  # from issue to scored
     engine_retries: int = 0  # re-issues after its replica failed (transport error, deadline)
     workers_lost: int = 0  # re-issues after the generation worker carrying it died (not the replica's failure)
+    # An agentic group: its episodes' counts summed (EpisodeStats.metrics: turns, tool calls, forks, ...), its episodes
+    # and the failed ones by reason (episode/failed_<reason>). None: a single-turn group.
+    episodes: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
 class Dropped:
     index: int
-    reason: str  # engine_failure: its replicas failed more than rollout.engine_retries times
+    # engine_failure: its replicas failed more than rollout.engine_retries times; episode_failure: every episode of an
+    # agentic group failed (its agent raised or timed out)
+    reason: str
     engine_retries: int
     workers_lost: int = 0
 

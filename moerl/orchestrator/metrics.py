@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 KEY_CURVES = (
     "rollout/reward_mean",
     "rollout/response_len_mean",
+    "episode/turns_mean",
+    "episode/env_token_fraction",
     "train/loss",
     "routing/agreement",
     "mismatch/k3_kl",

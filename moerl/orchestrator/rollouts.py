@@ -3,7 +3,7 @@ streams back (a bounded buffer), the engines' health it reports, and every promp
 
 Each prompt index is in exactly one state: in flight (issued, not back), ready (back, not taken),
 taken (in the step being trained), trained, or dropped with a reason. Staleness is judged when a
-group is taken: a group whose oldest token is more than ``max_staleness`` versions behind the
+group is taken: a group whose oldest model token is more than ``max_staleness`` versions behind the
 trainer is dropped. In async mode the buffer keeps ``outstanding`` groups in flight or ready,
 ordering one more group for each one taken or dropped, so engines never wait on the trainer.
 """
@@ -53,9 +53,11 @@ class Group:
     retries: int = 0
     seconds: float = 0.0
     engine_retries: int = 0
+    episodes: dict[str, float] | None = None  # an agentic group's episode counts (GroupDone.episodes)
 
     def oldest_version(self) -> int:
-        return min(int(s.versions.min()) for s in self.samples)
+        """Of the group's oldest model token: an episode's context was produced by no policy."""
+        return min(s.oldest_version for s in self.samples)
 
 
 @dataclass
@@ -190,7 +192,9 @@ class RolloutEndpoint:
                 self.cursor = max(self.cursor, event.index + 1)
             self.acct.set(event.index, "in_flight")
         elif isinstance(event, GroupDone):
-            self.ready.append(Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries))
+            self.ready.append(
+                Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries, event.episodes)
+            )
             self.acct.set(event.index, "ready")
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
         elif isinstance(event, Dropped):
@@ -306,6 +310,7 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
     samples = [s for g in groups for s in g.samples]
     rewards = np.array([s.reward for s in samples])
     lengths = np.array([s.response_len for s in samples])
+    actions = np.array([s.action_count for s in samples])
     solved = [np.ptp([s.reward for s in g.samples]) == 0 for g in groups]
     return {
         "rollout/reward_mean": float(rewards.mean()),
@@ -316,6 +321,28 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
         "rollout/zero_variance_groups": float(np.mean(solved)),
         "rollout/samples": float(len(samples)),
         "rollout/group_seconds_mean": float(np.mean([g.seconds for g in groups])),
-        # Samples continued across a weight update (rollout.partial=in_place): tokens from two or more versions.
-        "rollout/mixed_version_fraction": float(np.mean([s.versions.min() != s.versions.max() for s in samples])),
-    }
+        # Samples continued across a weight update (rollout.partial=in_place): actions from two or more versions.
+        "rollout/mixed_version_fraction": float(np.mean([np.ptp(s.at_actions(s.versions)) > 0 for s in samples])),
+    } | episode_metrics(groups, float((lengths - actions).sum() / lengths.sum()))
+
+
+def episode_metrics(groups: list[Group], env_token_fraction: float) -> dict[str, float]:
+    """An agentic step's episodes: turns per episode; tool calls, forks, tool failures, failed episodes and recomputed
+    routing positions summed; and the share of the response that is environment, tool or template tokens (fed, not
+    scored). None of it for single-turn groups."""
+    counts: Counter = Counter()
+    for g in groups:
+        counts.update(g.episodes or {})
+    if not counts:
+        return {}
+    failed = {k: v for k, v in counts.items() if k.startswith("episode/failed_")}
+    episodes = counts["episode/episodes"]
+    return {
+        "episode/turns_mean": counts["episode/turns"] / max(episodes, 1),
+        "episode/tool_calls": float(counts["episode/tool_calls"]),
+        "episode/forks": float(counts["episode/forks"]),
+        "episode/tool_failures": float(counts["episode/tool_failures"]),
+        "episode/failures": float(sum(failed.values())),
+        "episode/env_token_fraction": env_token_fraction,
+        "routing/recomputed_positions": float(counts["routing/recomputed_positions"]),
+    } | {k: float(v) for k, v in failed.items()}

@@ -3,9 +3,10 @@
 The global batch is split across data-parallel ranks balanced by tokens, then into micro-batches
 under a token budget. A micro-batch is padded (``[b, s]``, right-padded rows, the budget counting
 the padding) or packed (``[1, s]``: the samples end to end, each attending only to itself); the
-response tokens are flattened to ``[T]`` for the loss either way. Samples arrive carrying only this
-rank's MoE layers' routing (:mod:`moerl.trainer.distribute`); :mod:`moerl.trainer.routing` cuts it
-further to the tokens this rank's routers see, which in packed form is the packed order.
+actions (response tokens less an agent episode's context) are flattened to ``[T]`` for the loss either way.
+Samples arrive carrying only this rank's MoE layers' routing (:mod:`moerl.trainer.distribute`);
+:mod:`moerl.trainer.routing` cuts it further to the tokens this rank's routers see, which in packed form is the
+packed order.
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def carried(array: np.ndarray | None) -> np.ndarray:
+    """One of a sample's optional arrays (kept sets, selected log-probs, routing) that the plan checked every sample of
+    the piece carries (:meth:`~moerl.trainer.distribute.BatchDistributor._plan`)."""
+    assert array is not None, "a sample lacks an array that the plan found on every sample"
+    return array
+
+
 _LOSS_INPUTS = (
     "rows",
     "cols",
@@ -100,9 +108,9 @@ _LOSS_INPUTS = (
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # int64 [b, s]: fed tokens, right-padded; packed: [1, s], samples end to end
-    rows: torch.Tensor  # int64 [T]: batch row of each response token
+    rows: torch.Tensor  # int64 [T]: batch row of each action (a response token the model sampled)
     cols: torch.Tensor  # int64 [T]: position scoring it
-    targets: torch.Tensor  # int64 [T]: the response token
+    targets: torch.Tensor  # int64 [T]: the action
     seq: torch.Tensor  # int64 [T]: sample index within the micro-batch
     temperature: torch.Tensor  # float32 [T]: the sampling temperature of the token's sample
     weights: torch.Tensor  # float32 [T]: aggregation weight over the global batch
@@ -210,38 +218,38 @@ def build_micro_batch(
     rows, cols, seq, temps, w, adv = [], [], [], [], [], []
     for b, (s, (row, col)) in enumerate(zip(samples, starts, strict=True)):
         input_ids[row, col : col + s.fed_len] = torch.from_numpy(s.fed_ids().astype(np.int64))
-        r = s.response_len
-        rows.append(np.full(r, row))
-        cols.append(np.arange(col + s.prompt_len - 1, col + s.prompt_len - 1 + r))
-        seq.append(np.full(r, b))
-        temps.append(np.full(r, s.temperature, dtype=np.float32))
-        w.append(np.full(r, weights[b], dtype=np.float32))
-        adv.append(np.full(r, advantages[b], dtype=np.float32))
+        t = s.action_count  # only actions are scored: context is fed, as the prompt is
+        rows.append(np.full(t, row))
+        cols.append(s.at_actions(np.arange(col + s.prompt_len - 1, col + s.prompt_len - 1 + s.response_len)))
+        seq.append(np.full(t, b))
+        temps.append(np.full(t, s.temperature, dtype=np.float32))
+        w.append(np.full(t, weights[b], dtype=np.float32))
+        adv.append(np.full(t, advantages[b], dtype=np.float32))
     cat = lambda parts, dtype=torch.long: torch.from_numpy(np.concatenate(parts)).to(dtype)
     if use_masks:
-        behaviour = cat([s.selected_logprobs for s in samples], torch.float32)
+        behaviour = cat([s.at_actions(carried(s.selected_logprobs)) for s in samples], torch.float32)
     else:
-        behaviour = cat([s.behaviour_logprobs for s in samples], torch.float32)
+        behaviour = cat([s.at_actions(s.behaviour_logprobs) for s in samples], torch.float32)
     batch = MicroBatch(
         input_ids=input_ids,
         rows=cat(rows),
         cols=cat(cols),
-        targets=cat([s.response_ids for s in samples]),
+        targets=cat([s.at_actions(s.response_ids) for s in samples]),
         seq=cat(seq),
         temperature=cat(temps, torch.float32),
         weights=cat(w, torch.float32),
         advantages=cat(adv, torch.float32),
         behaviour=behaviour,
-        versions=cat([s.versions for s in samples]),
+        versions=cat([s.at_actions(s.versions) for s in samples]),
         fed_lengths=fed.tolist(),
         cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(fed)]).astype(np.int32)) if packed else None,
     )
     if use_masks:
         offsets, start = [np.zeros(1, dtype=np.int64)], 0
         for s in samples:
-            assert s.mask_offsets is not None, "use_masks: every sample carries kept sets"
-            offsets.append(s.mask_offsets[1:].astype(np.int64) + start)
-            start += int(s.mask_offsets[-1])
+            # Each action's end; context tokens hold no ids, so the ids stay as they are.
+            offsets.append(s.at_actions(carried(s.mask_offsets)[1:]).astype(np.int64) + start)
+            start += int(carried(s.mask_offsets)[-1])
         batch.mask_offsets = cat(offsets)
         batch.mask_ids = cat([s.mask_ids for s in samples], torch.int32)  # kept sets are the bulk of the loss's inputs
     if routed_experts is not None:

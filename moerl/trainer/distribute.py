@@ -2,11 +2,13 @@
 
 Rank 0 plans each piece of a step: GRPO advantages and aggregation weights over the whole piece, and
 the token-balanced data-parallel shards (:func:`~moerl.trainer.batch.shard_by_tokens`). Every rank
-receives the plan, a few numbers per sample (lengths, advantages, weights, temperatures, kept-set sizes),
-so all agree on the shards and on the micro-batch count without further talk. Then each rank receives,
-as one flat tensor, only its own shard and only what its pipeline stage reads:
-token ids on the first stage (its inputs) and the last (its targets); behaviour log-probs, versions and
-kept sets on the last; routing on every stage that has MoE layers, only those layers' columns.
+receives the plan, a few numbers per sample (lengths, advantages, weights, temperatures, kept-set sizes, and
+for a piece holding agent episodes the actions of each sample), so all agree on the shards and on the micro-batch
+count without further talk. Then each rank receives, as one flat tensor, only its own shard and only what its
+pipeline stage reads: token ids on the first stage (its inputs) and the last (its targets); behaviour log-probs,
+versions and kept sets of the actions on the last, with the loss mask of each sample that has context (a byte per
+response token; single-turn samples send none); routing on every stage that has MoE layers, only those layers'
+columns.
 Tensor-parallel peers of a replica receive the same samples: rank 0 sends them once, point to point, to the
 TP group's first rank, which broadcasts them within the group. So a rank's host memory for routing is
 proportional to its own tokens and layers, and nothing batch-sized goes to every rank; rank 0's device holds at
@@ -32,12 +34,14 @@ from megatron.core import parallel_state
 from moerl.megatron.parallel import collective_device
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import shard_by_tokens
+from moerl.trainer.batch import carried, shard_by_tokens
 from moerl.trainer.config import TrainerConfig
 
 ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allows, by code in the header
 _PIECE, _END, _FAILED, _INTERLUDE = 1, 0, -1, 2  # header status
 _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature", "kept")
+_ACTIONS_ROW = len(_PLAN_ROWS)  # a piece with context (agent episodes) adds each sample's action count
+_MASKS, _CONTEXT = 1, 2  # the header's flags: kept sets travel; the plan has the actions row
 _ALIGN = 8
 # Rank 0's payloads for the other ranks wait on its GPU (NCCL sends from there) at most this many bytes at a time,
 # one payload larger than it alone: a step's whole batch staged at once (GBs at 32K-token responses) would not fit
@@ -76,7 +80,7 @@ class LocalPiece:
     advantages: np.ndarray  # float64, per local sample
     weights: np.ndarray  # float64, per local sample: its part of the aggregation
     shard_lengths: list[list[int]]  # fed lengths of every replica's shard: all ranks agree on the micro-batch count
-    response_lengths: np.ndarray  # of every sample of the piece: the step's normaliser counts them all
+    action_counts: np.ndarray  # of every sample of the piece: the step's normaliser counts them all
     routing: bool  # the samples carry routing (this rank's columns only)
     received: int  # bytes this rank took in for it (plan and shard)
     originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
@@ -91,20 +95,29 @@ def _finish(tensor: torch.Tensor, request: dist.Work) -> int:
 
 
 def _fields(
-    needs: Needs, prompt: np.ndarray, response: np.ndarray, kept: np.ndarray, routing: tuple | None, masks: bool
+    needs: Needs,
+    prompt: np.ndarray,
+    response: np.ndarray,
+    kept: np.ndarray,
+    actions: np.ndarray,
+    routing: tuple | None,
+    masks: bool,
 ) -> list[_Field]:
     """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths."""
     fields: list[_Field] = []
     if needs.ids:
         fields.append(("ids", np.dtype(np.int32), (int((prompt + response).sum()),)))
     if needs.last:
-        tokens = int(response.sum())
+        tokens = int(actions.sum())  # context's values are the contract's constants: made on arrival
         fields += [("behaviour", np.dtype(np.float32), (tokens,)), ("versions", np.dtype(np.int64), (tokens,))]
         if masks:
             fields += [
                 ("kept_counts", np.dtype(np.int32), (tokens,)),
                 ("kept_ids", np.dtype(np.int32), (int(kept.sum()),)),
             ]
+        context = actions < response
+        if context.any():
+            fields.append(("loss_mask", np.dtype(np.uint8), (int(response[context].sum()),)))
     if routing is not None:  # a stage without MoE layers gets zero columns
         dtype, topk = routing
         fields.append(("routing", np.dtype(dtype), (int((prompt + response - 1).sum()), len(needs.columns), topk)))
@@ -120,13 +133,6 @@ def _spans(fields: list[_Field]) -> tuple[list[tuple[int, int]], int]:
     return spans, offset
 
 
-def _carried(array: np.ndarray | None) -> np.ndarray:
-    """One of a sample's optional arrays (kept sets, selected log-probs, routing) that the plan checked every sample of
-    the piece carries (:meth:`BatchDistributor._plan`)."""
-    assert array is not None, "a sample lacks an array that the plan found on every sample"
-    return array
-
-
 def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool) -> np.ndarray:
     spans, total = _spans(fields)
     buffer = np.zeros(total, dtype=np.uint8)
@@ -134,22 +140,38 @@ def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool
         if name == "ids":
             parts = [np.concatenate([s.prompt_ids, s.response_ids]) for s in samples]
         elif name == "behaviour":
-            parts = [_carried(s.selected_logprobs) if masks else s.behaviour_logprobs for s in samples]
+            parts = [s.at_actions(carried(s.selected_logprobs) if masks else s.behaviour_logprobs) for s in samples]
         elif name == "versions":
-            parts = [s.versions for s in samples]
+            parts = [s.at_actions(s.versions) for s in samples]
         elif name == "kept_counts":
-            parts = [np.diff(_carried(s.mask_offsets)) for s in samples]
+            parts = [s.at_actions(np.diff(carried(s.mask_offsets))) for s in samples]
         elif name == "kept_ids":
-            parts = [_carried(s.mask_ids) for s in samples]
+            parts = [carried(s.mask_ids) for s in samples]
+        elif name == "loss_mask":  # the samples with context (as _fields counts them)
+            parts = [carried(s.loss_mask) for s in samples if s.action_count < s.response_len]
         else:
-            parts = [_carried(s.routing)[:, list(needs.columns)] for s in samples]
+            parts = [carried(s.routing)[:, list(needs.columns)] for s in samples]
         array = np.concatenate([np.asarray(p, dtype=dtype) for p in parts]).reshape(shape)
         buffer[start:end] = array.reshape(-1).view(np.uint8)
     return buffer
 
 
+def _spread(values: np.ndarray, loss_mask: np.ndarray | None, fill: float) -> np.ndarray:
+    """Per-action ``values`` at their response tokens, ``fill`` at context (what the sample contract holds there)."""
+    if loss_mask is None:
+        return values
+    out = np.full(len(loss_mask), fill, dtype=values.dtype)
+    out[loss_mask.astype(bool)] = values
+    return out
+
+
 def _unpack(
-    buffer: np.ndarray, fields: list[_Field], prompt: np.ndarray, response: np.ndarray, temperature: np.ndarray
+    buffer: np.ndarray,
+    fields: list[_Field],
+    prompt: np.ndarray,
+    response: np.ndarray,
+    temperature: np.ndarray,
+    actions: np.ndarray,
 ) -> list[Sample]:
     spans, _ = _spans(fields)
     arrays = {
@@ -157,31 +179,39 @@ def _unpack(
         for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True)  # a span per field
     }
     ids_at = np.concatenate([[0], np.cumsum(prompt + response)])
-    tokens_at = np.concatenate([[0], np.cumsum(response)])
+    actions_at = np.concatenate([[0], np.cumsum(actions)])
     fed_at = np.concatenate([[0], np.cumsum(prompt + response - 1)])
+    context = actions < response
+    masks_at = np.concatenate([[0], np.cumsum(np.where(context, response, 0))])
     kept_at = np.concatenate([[0], np.cumsum(arrays["kept_counts"])]) if "kept_counts" in arrays else None
     samples = []
     for i, (p, r) in enumerate(zip(prompt.tolist(), response.tolist(), strict=True)):  # both per sample
-        tokens = slice(tokens_at[i], tokens_at[i + 1])
+        acted = slice(actions_at[i], actions_at[i + 1])
         if "ids" in arrays:
             ids = arrays["ids"][ids_at[i] : ids_at[i + 1]]
             prompt_ids, response_ids = ids[:p], ids[p:]
         else:  # a middle stage: inputs come from the previous stage, only the lengths matter here
             prompt_ids, response_ids = np.zeros(p, dtype=np.int32), np.zeros(r, dtype=np.int32)
-        behaviour = arrays["behaviour"][tokens] if "behaviour" in arrays else np.zeros(r, dtype=np.float32)
+        loss_mask = arrays["loss_mask"][masks_at[i] : masks_at[i + 1]] if "loss_mask" in arrays and context[i] else None
+        if "behaviour" in arrays:  # the last stage
+            behaviour = _spread(arrays["behaviour"][acted], loss_mask, 0.0)
+            versions = _spread(arrays["versions"][acted], loss_mask, -1)
+        else:
+            behaviour, versions = np.zeros(r, dtype=np.float32), np.zeros(r, dtype=np.int64)
         sample = Sample(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             behaviour_logprobs=behaviour,
-            versions=arrays["versions"][tokens] if "versions" in arrays else np.zeros(r, dtype=np.int64),
+            versions=versions,
             temperature=float(temperature[i]),
             routing=arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None,
+            loss_mask=loss_mask,
         )
         if kept_at is not None:
-            offsets = kept_at[tokens_at[i] : tokens_at[i + 1] + 1]
+            counts = _spread(arrays["kept_counts"][acted].astype(np.int64), loss_mask, 0)
             sample.selected_logprobs = behaviour
-            sample.mask_offsets = offsets - offsets[0]
-            sample.mask_ids = arrays["kept_ids"][offsets[0] : offsets[-1]]
+            sample.mask_offsets = np.concatenate([[0], np.cumsum(counts)])
+            sample.mask_ids = arrays["kept_ids"][kept_at[actions_at[i]] : kept_at[actions_at[i + 1]]]
         samples.append(sample)
     return samples
 
@@ -260,14 +290,14 @@ class BatchDistributor:
             for needs in self.everyone:
                 if needs not in packed:
                     shard = shards[needs.dp_rank]
-                    prompt, response, kept = lengths[:, shard]
-                    fields = _fields(needs, prompt, response, kept, routing, masks)
+                    prompt, response, kept, actions = lengths[:, shard]
+                    fields = _fields(needs, prompt, response, kept, actions, routing, masks)
                     packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks)
             payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
             raise
-        self._header(_PIECE, len(piece), routing, masks)
+        self._header(_PIECE, len(piece), routing, masks, context=len(plan) > _ACTIONS_ROW)
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
         sends = self._send_within_window([(rank, payloads[rank]) for rank in self.receivers])
         self._to_tp_peers(torch.from_numpy(payloads[0]).to(collective_device()))
@@ -296,7 +326,8 @@ class BatchDistributor:
         return in_flight
 
     def _plan(self, piece: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
-        """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel)."""
+        """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel). The plan has the
+        actions row only where some sample has context."""
         if not piece:
             raise ValueError("an empty piece of a batch")
         if len(piece) < self.dp_size:
@@ -316,7 +347,7 @@ class BatchDistributor:
         with_routing = [s.routing is not None for s in piece]
         routing = None
         if all(with_routing):  # R3 replays it; otherwise it measures agreement
-            rollout = [_carried(s.routing) for s in piece]
+            rollout = [carried(s.routing) for s in piece]
             dtypes = {r.dtype for r in rollout}
             if len(dtypes) != 1 or next(iter(dtypes)) not in ROUTING_DTYPES:
                 raise ValueError(
@@ -331,29 +362,36 @@ class BatchDistributor:
             )
         rewards, groups = np.array([s.reward for s in piece]), np.array([s.group_id for s in piece])
         response = np.array([s.response_len for s in piece])
-        plan = np.stack(
-            [
-                np.array([s.prompt_len for s in piece], dtype=np.float64),
-                response.astype(np.float64),
-                objectives.grpo_advantages(rewards, groups, loss.std_normalize).astype(np.float64),
-                objectives.sample_weights(response, loss.aggregation).astype(np.float64),
-                np.array([s.temperature for s in piece], dtype=np.float64),
-                np.array([len(_carried(s.mask_ids)) if masks else 0 for s in piece], dtype=np.float64),
-            ]
+        actions = np.array([s.action_count for s in piece])
+        advantages = objectives.grpo_advantages(
+            rewards, groups, loss.std_normalize, episodes=[s.episode for s in piece]
         )
-        return plan, routing, masks
+        rows = [
+            np.array([s.prompt_len for s in piece], dtype=np.float64),
+            response.astype(np.float64),
+            advantages.astype(np.float64),
+            objectives.sample_weights(actions, loss.aggregation).astype(np.float64),
+            np.array([s.temperature for s in piece], dtype=np.float64),
+            np.array([len(carried(s.mask_ids)) if masks else 0 for s in piece], dtype=np.float64),
+        ]
+        if np.any(actions < response):  # single-turn pieces keep the plan's bytes as they were
+            rows.append(actions.astype(np.float64))
+        return np.stack(rows), routing, masks
 
-    def _header(self, status: int, n: int = 0, routing: tuple | None = None, masks: bool = False) -> None:
+    def _header(
+        self, status: int, n: int = 0, routing: tuple | None = None, masks: bool = False, context: bool = False
+    ) -> None:
         code = -1 if routing is None else [np.dtype(d) for d in ROUTING_DTYPES].index(np.dtype(routing[0]))
+        flags = _MASKS * masks | _CONTEXT * context
         header = torch.tensor(
-            [status, n, code, routing[1] if routing else 0, int(masks)], dtype=torch.int64, device=collective_device()
+            [status, n, code, routing[1] if routing else 0, flags], dtype=torch.int64, device=collective_device()
         )
         dist.broadcast(header, 0)
 
     def _receive(self) -> LocalPiece | Interlude | None:
         header = torch.empty(5, dtype=torch.int64, device=collective_device())
         dist.broadcast(header, 0)
-        status, n, code, topk, masks = header.tolist()
+        status, n, code, topk, flags = header.tolist()
         if status == _END:
             return None
         if status == _INTERLUDE:
@@ -361,12 +399,13 @@ class BatchDistributor:
         if status == _FAILED:
             raise BatchFailed("global rank 0 failed while preparing the batch (its error says why)")
         routing = None if code < 0 else (ROUTING_DTYPES[code], topk)
-        plan_tensor = torch.empty(len(_PLAN_ROWS), n, dtype=torch.float64, device=collective_device())
+        rows = len(_PLAN_ROWS) + bool(flags & _CONTEXT)
+        plan_tensor = torch.empty(rows, n, dtype=torch.float64, device=collective_device())
         dist.broadcast(plan_tensor, 0)
         plan = plan_tensor.cpu().numpy()
         lengths, shards = self._lengths(plan)
-        prompt, response, kept = lengths[:, shards[self.needs.dp_rank]]
-        fields = _fields(self.needs, prompt, response, kept, routing, bool(masks))
+        prompt, response, kept, actions = lengths[:, shards[self.needs.dp_rank]]
+        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS))
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
         if self.rank == self.tp_first:
             dist.recv(payload, 0)
@@ -380,9 +419,9 @@ class BatchDistributor:
             dist.broadcast(payload, self.tp_first, group=self.tp_group)
 
     def _lengths(self, plan: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
-        """(int64 [prompt, response, kept] x samples, each replica's sample indices) of a plan: the same on every
-        rank."""
-        lengths = plan[[0, 1, 5]].astype(np.int64)
+        """(int64 [prompt, response, kept, actions] x samples, each replica's sample indices) of a plan: the same on
+        every rank. Without the actions row every response token is an action."""
+        lengths = plan[[0, 1, 5, _ACTIONS_ROW if len(plan) > _ACTIONS_ROW else 1]].astype(np.int64)
         return lengths, shard_by_tokens((lengths[0] + lengths[1] - 1).tolist(), self.dp_size)
 
     def _local(
@@ -396,15 +435,15 @@ class BatchDistributor:
         received: int,
     ) -> LocalPiece:
         shard = shards[self.needs.dp_rank]
-        prompt, response, _ = lengths
-        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard])
+        prompt, response, _, actions = lengths
+        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], actions[shard])
         self.received += received
         return LocalPiece(
             samples=samples,
             advantages=plan[2, shard],
             weights=plan[3, shard],
             shard_lengths=[(prompt[s] + response[s] - 1).tolist() for s in shards],
-            response_lengths=response,
+            action_counts=actions,
             routing=routing is not None,
             received=received,
         )

@@ -1,9 +1,10 @@
 """GRPO-family objectives on flat per-token tensors.
 
-Every function takes the response tokens of a micro-batch flattened to ``[T]``, with ``seq`` [T]
-naming the sample each token belongs to (0..S-1 within the micro-batch). The loss of a micro-batch is
-``sum_t weight_t * term_t`` where ``weight_t`` comes from the aggregation over the *global* batch, so
-splitting the batch into micro-batches or data-parallel shards does not change the loss.
+Every function takes the action tokens of a micro-batch (its response tokens less any context of an agent
+episode) flattened to ``[T]``, with ``seq`` [T] naming the sample each token belongs to (0..S-1 within the
+micro-batch). The loss of a micro-batch is ``sum_t weight_t * term_t`` where ``weight_t`` comes from the
+aggregation over the *global* batch, so splitting the batch into micro-batches or data-parallel shards does not
+change the loss.
 
 Three log-probs meet here: ``behaviour`` (the engine that sampled, possibly several versions old),
 ``old`` (the proximal policy: the trainer's weights before this update, scored by the trainer) and
@@ -17,6 +18,7 @@ and trainer disagree on wildly, then weighs at most e^20 instead of making the l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,19 +68,42 @@ class LossConfig:
             raise ConfigError(f"loss.band_low must be >= 0 and below band_high, got {self.band_low}, {self.band_high}")
 
 
-def grpo_advantages(rewards: np.ndarray, group_ids: np.ndarray, std_normalize: bool, eps: float = 1e-6) -> np.ndarray:
-    """Each sample's reward minus its group's mean, divided by the group's (population) std when asked."""
+def grpo_advantages(
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    std_normalize: bool,
+    eps: float = 1e-6,
+    episodes: Sequence[int | None] | None = None,
+) -> np.ndarray:
+    """Each episode's reward minus its group's mean over episodes, divided by the group's (population) std over
+    episodes when asked; every sample of an episode takes the episode's advantage. ``episodes``: each sample's
+    episode within its group, the samples an episode forked into sharing it and its reward (counted once); None, for
+    all or for a sample: an episode of its own, as a single-turn completion is."""
     rewards = np.asarray(rewards, dtype=np.float64)
+    group_ids = np.asarray(group_ids)
     out = np.empty_like(rewards)
     for g in np.unique(group_ids):
-        members = group_ids == g
-        centred = rewards[members] - rewards[members].mean()
-        out[members] = centred / (rewards[members].std() + eps) if std_normalize else centred
+        members = np.flatnonzero(group_ids == g)
+        # Each member's episode, as the index of the episode's first member: forked samples meet there.
+        first: dict[int, int] = {}
+        owner = np.arange(len(members))
+        for k, i in enumerate(members.tolist()):
+            episode = None if episodes is None else episodes[i]
+            if episode is not None:
+                owner[k] = first.setdefault(episode, k)
+        heads = np.unique(owner)  # the episodes, in the order their first samples come
+        episode_rewards = rewards[members[heads]]
+        if not np.array_equal(rewards[members], rewards[members[owner]], equal_nan=True):
+            raise ValueError(f"group {g}: the samples of one episode carry different rewards (an episode has one)")
+        centred = episode_rewards - episode_rewards.mean()
+        advantages = centred / (episode_rewards.std() + eps) if std_normalize else centred
+        out[members] = advantages[np.searchsorted(heads, owner)]
     return out.astype(np.float32)
 
 
 def aggregation_weights(lengths: np.ndarray, aggregation: str, max_response_len: int | None = None) -> np.ndarray:
-    """Per-sample weight of each of its tokens, over the whole global batch of samples."""
+    """Per-sample weight of each of its scored tokens, over the whole global batch of samples. ``lengths``: each
+    sample's actions (its response tokens less any context: only actions are scored)."""
     return sample_weights(lengths, aggregation) / aggregation_normalizer(lengths, aggregation, max_response_len)
 
 
@@ -90,7 +115,7 @@ def sample_weights(lengths: np.ndarray, aggregation: str) -> np.ndarray:
 
 
 def aggregation_normalizer(lengths: np.ndarray, aggregation: str, max_response_len: int | None = None) -> float:
-    """The global batch's divisor: its tokens (token_mean), its samples (seq_mean_token_mean), or its
+    """The global batch's divisor: its action tokens (token_mean), its samples (seq_mean_token_mean), or its
     samples times a constant length (Dr. GRPO: no length bias)."""
     lengths = np.asarray(lengths, dtype=np.float64)
     if aggregation == "token_mean":

@@ -68,7 +68,7 @@ class SimulatedTrainer:
         for piece in self.batches.pieces(pieces, interlude):
             self._spend(self.profile.seconds(sum(s.fed_len for s in piece.samples), self.gpus))
             for sample in piece.samples:
-                lag = self.version - sample.versions
+                lag = self.version - sample.at_actions(sample.versions)  # context has no version
                 lag_tokens += np.bincount(np.clip(lag, 0, LAG_BINS - 1), minlength=LAG_BINS)
                 max_lag, tokens = max(max_lag, float(lag.max())), tokens + len(lag)
         if not tokens:

@@ -198,7 +198,7 @@ class Trainer:
 
     # ---- passes ------------------------------------------------------------------------------
     def _scores(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [T] of the response tokens under this forward, their logits rows [T, V/tp])."""
+        """(log-probs [T] of the actions under this forward, their logits rows [T, V/tp])."""
         rows = logits[mb.rows, mb.cols].float() / mb.temperature[:, None]
         if self.cfg.replay.sampling_mask:
             # the loss's stage, the only one that scores, receives the kept sets (micro_batches' use_masks)
@@ -307,7 +307,7 @@ class Trainer:
         lag_hist = torch.zeros(LAG_BINS, **tally)
         split = torch.zeros(len(MISMATCH_CELLS), len(MISMATCH_STATS), **tally)
         agreement: dict[str, np.ndarray] | None = None
-        lengths: list[int] = []
+        lengths: list[int] = []  # every sample's action count: what the aggregation normalises by
         count = parallel_state.get_tensor_model_parallel_rank() == 0  # TP ranks compute the same loss: count once
 
         def loss_fn(logits, mb: MicroBatch):
@@ -366,7 +366,7 @@ class Trainer:
         if trace_dir is not None:
             on_lead(lambda: replay_trace.clear_step(trace_dir, self.version), "clearing the step's replay traces")
         for number, piece in enumerate(self.batches.pieces(pieces, interlude)):
-            lengths += piece.response_lengths.tolist()
+            lengths += piece.action_counts.tolist()
             batches = self.micro_batches(piece)
             tracer = None
             if number == 0 and trace_dir is not None and piece.routing:
@@ -591,7 +591,7 @@ def _own_adam_steps(optimizer) -> None:
 
 
 def staleness_metrics(lag_tokens: list[float], max_lag: float, tokens: float) -> dict[str, float]:
-    """The step's staleness: its largest version lag, and the fraction of its response tokens at each lag
+    """The step's staleness: its largest version lag, and the fraction of its actions at each lag
     (``lag_tokens``: token counts at lags 0 .. LAG_BINS - 2 and at LAG_BINS - 1 or more)."""
     out = {"staleness/max": max_lag}
     for lag, n in enumerate(lag_tokens):
