@@ -38,14 +38,15 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "apex @ git+https://github.com/NVIDIA/apex.git"],
         # The release moerl's wire contract and driver are tested against (moerl.engines.protocol.SGLANG_VERSION).
         "sglang": ["sglang==0.5.23", "sglang-router"],
-        # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed; ruff, mypy and
-        # mkdocs: the gates of tools/check.sh (mkdocs also builds the site in tests/test_docs.py), pinned so that they
-        # judge alike everywhere.
+        # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed; openai: agent
+        # code written for its SDK drives an episode's endpoint; ruff, mypy and mkdocs: the gates of tools/check.sh
+        # (mkdocs also builds the site in tests/test_docs.py), pinned so that they judge alike everywhere.
         "dev": [
             "pytest>=8",
             "pytest-timeout",
             "peft==0.21.2",
             "hypothesis>=6",
+            "openai>=1.40",
             "ruff==0.17.6",
             "mypy==2.4.1",
             "mkdocs==1.6.1",

@@ -25,7 +25,7 @@ LAYERS = [
     {"moerl.models"},
     {"moerl.megatron"},
     {"moerl.checkpoint"},
-    {"moerl.engines", "moerl.tasks"},
+    {"moerl.engines", "moerl.episodes", "moerl.tasks"},
     {"moerl.trainer"},
     {"moerl.weight_sync"},
     {"moerl.orchestrator", "moerl.cli"},

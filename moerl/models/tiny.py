@@ -66,10 +66,70 @@ def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
 
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+# Qwen's tool and reasoning markers: added tokens that are not special (decoding keeps them), one id each, as in
+# Qwen2.5/Qwen3, so a tool call is parsed from the same kind of token stream. Ids after the characters': the
+# characters' ids stay what they were.
+MARKER_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+# Qwen2.5's chat template with tools, its prose shortened to fit the tiny models' 512 positions: a system block listing
+# the tools, tool calls as ``<tool_call>`` JSON in assistant turns (arguments given as a JSON string written as is, as
+# Qwen3's template does), tool results as ``<tool_response>`` blocks in one user turn. No default system message.
+CHAT_TEMPLATE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- '\\n</tools>\\nCall one as <tool_call>\\n{"name": <name>, "arguments": <args>}\\n</tool_call><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first)
+        or (message.role == 'assistant' and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or loop.previtem.role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or loop.nextitem.role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
 
 
 def tiny_tokenizer():
-    """A character-level fast tokenizer (printable ASCII and newline) that fits the tiny vocab."""
+    """A character-level fast tokenizer (printable ASCII and newline) that fits the tiny vocab, with Qwen's tool and
+    reasoning markers as single tokens and a Qwen2.5-style chat template with tools (:data:`CHAT_TEMPLATE`)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -78,13 +138,16 @@ def tiny_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|endoftext|>",
         pad_token="<|endoftext|>",
         unk_token="<unk>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],
     )
+    tokenizer.add_tokens(list(MARKER_TOKENS), special_tokens=False)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def save_tiny_hf(

@@ -117,6 +117,13 @@ class RolloutSection:
     # compact arrays reach the manager and one manager keeps up with many engines. 0: the manager does it all.
     generation_workers: int = 4
     seed: int = 0
+    # Agentic episodes (moerl.episodes): "package.module:function", an ``async def agent(episode, record)`` returning
+    # the episode's reward or None (the task's reward function scores its final answer); each of a group's
+    # samples_per_prompt samples is then an episode of many turns, max_new_tokens each. null: one completion per sample.
+    agent: str | None = None
+    tools: list[str] = field(default_factory=list)  # the episodes' tools: calculator, or "package.module:TOOL"
+    max_episode_tokens: int = 4096  # the most tokens an episode's stream may hold, prompt included
+    episode_timeout_s: float = 600.0  # an agent past this ends its episode: a failed episode, not a failed run
 
     def __post_init__(self):
         check_choices(self, "rollout")
@@ -355,9 +362,30 @@ def check(cfg: RunConfig) -> None:
             "engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be "
             "> 0, health_failures >= 1 and max_restarts >= 0"
         )
+    problems += episode_problems(cfg)
     problems += simulation_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def episode_problems(cfg: RunConfig) -> list[str]:
+    """What agentic episodes need: an agent that loads, tools that load, and budgets that leave room for a turn."""
+    r = cfg.rollout
+    if r.agent is None:
+        return ["rollout.tools: tools are for an agent's episodes; set rollout.agent"] if r.tools else []
+    from moerl.episodes.agents import load_agent, load_tools
+
+    problems = []
+    try:
+        load_agent(r.agent)
+        load_tools(r.tools)
+    except ConfigError as e:
+        problems.append(str(e))
+    if r.episode_timeout_s <= 0 or r.max_episode_tokens <= r.max_new_tokens:
+        problems.append("rollout.episode_timeout_s must be > 0 and rollout.max_episode_tokens > max_new_tokens")
+    if cfg.simulation.profile is not None:
+        problems.append("rollout.agent: simulated engines generate no text for an agent to read; run it for real")
+    return problems
 
 
 def simulation_problems(cfg: RunConfig) -> list[str]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -35,6 +37,9 @@ from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, Rep
 from moerl.engines.generation_workers import WorkerLost
 from moerl.engines.health import State
 from moerl.engines.protocol import Completion, SamplingParams
+from moerl.episodes.agents import load_agent, load_tools
+from moerl.episodes.endpoint import EpisodeEndpoint
+from moerl.episodes.episode import Episode, EpisodeStats
 from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
@@ -63,10 +68,15 @@ log = logging.getLogger("moerl.rollout")
 WORKER_LOSSES_PER_PROMPT = 3
 
 
-def sampling_seed(run_seed: int, index: int, attempt: int) -> int:
-    """A per-prompt seed: under the same weights the same prompt index draws the same completions from the embedded and
-    simulated engines; SGLang samples without it (see protocol.SamplingParams.sampling_seed)."""
-    return int(np.random.SeedSequence([run_seed, index, attempt]).generate_state(1)[0] >> 1)
+def sampling_seed(run_seed: int, index: int, attempt: int, *more: int) -> int:
+    """A per-prompt seed (``more``: an episode's index): under the same weights the same prompt index draws the same
+    completions from the embedded and simulated engines; SGLang samples without it (see
+    protocol.SamplingParams.sampling_seed)."""
+    return int(np.random.SeedSequence([run_seed, index, attempt, *more]).generate_state(1)[0] >> 1)
+
+
+class PromptDropped(Exception):
+    """A prompt's replicas failed more often than ``rollout.engine_retries``: its group is dropped (engine_failure)."""
 
 
 @dataclass
@@ -109,13 +119,15 @@ class RolloutManager:
         ]  # this manager's prefix-cache keys: engines given by URL hold other runs' prefixes
         self.serving = asyncio.Event()  # cleared while a weight update is under way (Updating until Served)
         self.serving.set()
+        # The config's end tokens may be a list (Qwen's instruct models end a turn at <|im_end|> too).
+        ends = config.get("eos_token_id")
+        ends = ends if isinstance(ends, list) else [ends]
         self.stop_ids = sorted(
-            {
-                t
-                for t in (self.tokenizer.eos_token_id, config.get("eos_token_id"), *cfg.rollout.stop_token_ids)
-                if isinstance(t, int)
-            }
+            {t for t in (self.tokenizer.eos_token_id, *ends, *cfg.rollout.stop_token_ids) if isinstance(t, int)}
         )
+        self.agent = load_agent(self.r.agent) if self.r.agent is not None else None
+        self.tools = load_tools(self.r.tools)
+        self.endpoint = EpisodeEndpoint(Path(hf_dir).name) if self.agent is not None else None
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -123,6 +135,8 @@ class RolloutManager:
         self.commands.connect(self.spec.orders)
         self.events.connect(self.spec.events)
         watch = asyncio.create_task(self._watch(), name="watch")
+        if self.endpoint is not None:
+            await self.endpoint.start()
         try:
             while True:
                 order = checked(await self.commands.recv_pyobj(), ORDERS)
@@ -153,6 +167,8 @@ class RolloutManager:
             await send_event(self.events, Stopped(cancelled))
             await self.client.close()
             await self.rewarder.close()
+            if self.endpoint is not None:
+                await self.endpoint.close()
             self.commands.close(linger=0)
             self.events.close(linger=1000)
             ctx.term()
@@ -200,25 +216,25 @@ class RolloutManager:
             await send_event(self.events, Issued(index, new))
             record, ids = self.stream.get(index)
             tries, start = Tries(), time.perf_counter()
-            generated = await self._generate(index, ids, tries)
-            if generated is None:
-                return  # dropped: its Dropped event is sent
-            completions, adapter_version = generated
-            # one sequence decodes to one text (transformers types decode's result for a batch of them too)
-            texts = [cast(str, self.tokenizer.decode(c.output_ids, skip_special_tokens=True)) for c in completions]
-            rewards = await self.rewarder.score(texts, record["answer"], record["prompt"])
-            # Under LoRA the engines' weights never change: the adapter a request used is its tokens' policy.
-            versions = (
-                {span["version"]: adapter_version for c in completions for span in c.weight_versions}
-                if self.cfg.lora.enabled
-                else None
-            )
-            samples = [
-                Sample.from_completion(
-                    c, ids, temperature=self.r.temperature, reward=x, group_id=index, versions=versions
+            episodes: dict[str, float] | None = None
+            try:
+                if self.agent is None:
+                    samples = await self._completions(index, record, ids, tries)
+                else:
+                    samples, episodes = await self._episodes(index, record, ids, tries)
+            except PromptDropped as e:
+                log.warning(
+                    "prompt %d dropped (engine_failure) after %d re-issues: %s", index, self.r.engine_retries, e
                 )
-                for c, x in zip(completions, rewards, strict=True)  # Rewarder.score: one reward per response
-            ]
+                await send_event(
+                    self.events, Dropped(index, "engine_failure", tries.engine_retries - 1, tries.workers_lost)
+                )
+                return
+            if not samples:  # every episode of the group failed
+                await send_event(
+                    self.events, Dropped(index, "episode_failure", tries.engine_retries, tries.workers_lost)
+                )
+                return
             await send_event(
                 self.events,
                 GroupDone(
@@ -228,6 +244,7 @@ class RolloutManager:
                     time.perf_counter() - start,
                     tries.engine_retries,
                     tries.workers_lost,
+                    episodes,
                 ),
             )
         except asyncio.CancelledError:
@@ -237,25 +254,148 @@ class RolloutManager:
         except Exception as e:  # noqa: BLE001 - whatever fails a prompt, the trainer stops the run with its message
             await send_event(self.events, RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
-    async def _generate(self, index: int, ids: list[int], tries: Tries) -> tuple[list[Completion], int] | None:
-        """Prompt ``index``'s completions and the policy version of the adapter they used (0: the base model), asked for
-        again as often as ``tries`` counts; None where it was dropped (its :class:`Dropped` event is sent)."""
+    def _params(self, index: int, n: int) -> SamplingParams:
         r = self.r
+        return SamplingParams(
+            n=n,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            sampling_seed=sampling_seed(r.seed, index, 0),
+        )
+
+    def _versions(self, completions: list[Completion], adapter_version: int) -> dict[str, int] | None:
+        """The policy version of each weight version the completions name: under LoRA the engines' weights never
+        change, and the adapter a request used is its tokens' policy. None: the weight versions are the policy's."""
+        if not self.cfg.lora.enabled:
+            return None
+        return {span["version"]: adapter_version for c in completions for span in c.weight_versions}
+
+    async def _completions(self, index: int, record: dict, ids: list[int], tries: Tries) -> list[Sample]:
+        """A single-turn group: ``samples_per_prompt`` completions of the prompt in one request, scored."""
+        completions, adapter_version = await self._generate(
+            index, ids, tries, self._params(index, self.r.samples_per_prompt), tag=f"p{index}"
+        )
+        # one sequence decodes to one text (transformers types decode's result for a batch of them too)
+        texts = [cast(str, self.tokenizer.decode(c.output_ids, skip_special_tokens=True)) for c in completions]
+        rewards = await self.rewarder.score(texts, record["answer"], record["prompt"])
+        versions = self._versions(completions, adapter_version)
+        return [
+            Sample.from_completion(c, ids, temperature=self.r.temperature, reward=x, group_id=index, versions=versions)
+            for c, x in zip(completions, rewards, strict=True)  # Rewarder.score: one reward per response
+        ]
+
+    async def _episodes(
+        self, index: int, record: dict, ids: list[int], tries: Tries
+    ) -> tuple[list[Sample], dict[str, float]]:
+        """An agentic group: ``samples_per_prompt`` episodes run at once by the agent, each turn a request of its own
+        (on any replica: each turn's routing and versions travel with its tokens), scored; and the group's episode
+        counts. An episode whose agent raises or outlives ``rollout.episode_timeout_s`` is left out, counted by
+        reason; one turn dropped past its engine retries drops the group."""
+        r = self.r
+        episodes = [
+            Episode(
+                ids,
+                record,
+                functools.partial(self._turn, index, tries, k),
+                self.tokenizer,
+                self._params(index, 1).model_copy(update={"sampling_seed": sampling_seed(r.seed, index, 0, k)}),
+                group_id=index,
+                index=k,
+                routing=True,  # under every replay mode: the agreement metrics compare against it
+                sampling_mask=self.cfg.trainer.replay.sampling_mask,
+                tools=self.tools,
+                max_total_tokens=r.max_episode_tokens,
+            )
+            for k in range(r.samples_per_prompt)
+        ]
+        try:
+            async with asyncio.TaskGroup() as group:
+                runs = [group.create_task(self._run_agent(e)) for e in episodes]
+        except* PromptDropped as dropped:
+            raise dropped.exceptions[0] from None
+        failures: dict[str, int] = {}
+        for run in runs:
+            if (failure := run.result()[1]) is not None:
+                failures[failure] = failures.get(failure, 0) + 1
+        finished = [(e, run.result()[0]) for e, run in zip(episodes, runs, strict=True) if run.result()[1] is None]
+        unscored = [e for e, reward in finished if reward is None]
+        scores = iter(await self.rewarder.score([e.final_text for e in unscored], record["answer"], record["prompt"]))
+        samples = [
+            sample
+            for e, reward in finished
+            for sample in e.samples(next(scores) if reward is None else reward, r.temperature)
+        ]
+        stats = EpisodeStats()
+        for e in episodes:
+            for f in dataclasses.fields(stats):
+                setattr(stats, f.name, getattr(stats, f.name) + getattr(e.stats, f.name))
+        counts = stats.metrics() | {"episode/episodes": len(episodes)}
+        counts |= {f"episode/failed_{reason}": n for reason, n in failures.items()}
+        return samples, counts
+
+    async def _run_agent(self, episode: Episode) -> tuple[float | None, str | None]:
+        """The agent's reward for ``episode`` (None: the task's reward function scores it), or why it failed."""
+        assert self.agent is not None and self.endpoint is not None  # an agentic run
+        key = self.endpoint.open(episode)
+        try:
+            async with asyncio.timeout(self.r.episode_timeout_s) as deadline:
+                reward = await self.agent(episode, episode.record)
+        except PromptDropped:
+            raise
+        except TimeoutError:
+            if not deadline.expired():
+                return None, self._failed(episode, "agent_error", "the agent raised TimeoutError")
+            return None, self._failed(
+                episode, "timeout", f"past rollout.episode_timeout_s={self.r.episode_timeout_s:g}"
+            )
+        except Exception as e:  # noqa: BLE001 - an agent's failure ends its episode, not the run
+            return None, self._failed(episode, "agent_error", f"{type(e).__name__}: {e}")
+        finally:
+            self.endpoint.close_episode(key)
+        if (failure := self.endpoint.failures.pop(key, None)) is not None:
+            if isinstance(failure, PromptDropped):
+                raise failure
+            return None, self._failed(episode, "agent_error", f"a call to its endpoint failed: {failure}")
+        if reward is not None and not isinstance(reward, int | float):
+            return None, self._failed(
+                episode, "agent_error", f"the agent returned {type(reward).__name__}, not a reward"
+            )
+        return (None if reward is None else float(reward)), None
+
+    @staticmethod
+    def _failed(episode: Episode, reason: str, detail: str) -> str:
+        log.warning("episode %d of prompt %d failed (%s): %s", episode.index, episode.group_id, reason, detail)
+        return reason
+
+    async def _turn(
+        self, index: int, tries: Tries, k: int, input_ids: list[int], params: SamplingParams, routing_start: int
+    ) -> tuple[Completion, dict[str, int] | None]:
+        """One turn of episode ``k`` of prompt ``index``: what :class:`Episode` asks of the engines."""
+        (completion,), adapter_version = await self._generate(
+            index, input_ids, tries, params, routing_start=routing_start, tag=f"p{index}-x{k}-l{len(input_ids)}"
+        )
+        return completion, self._versions([completion], adapter_version)
+
+    async def _generate(
+        self, index: int, ids: list[int], tries: Tries, params: SamplingParams, routing_start: int = 0, tag: str = ""
+    ) -> tuple[list[Completion], int]:
+        """``params.n`` completions of ``ids`` (routing rows from ``routing_start``) and the policy version of the
+        adapter they used (0: the base model), asked for again as often as ``tries`` counts: a weight update that
+        aborted them (``rollout.partial=retry``) regenerates them under the new weights with a new seed. Raises
+        :class:`PromptDropped` once prompt ``index``'s replicas failed more than ``rollout.engine_retries`` times."""
+        r = self.r
+        regenerations, seed = 0, params.sampling_seed
         while True:
             await self.serving.wait()  # no request while a weight update is under way: see Updating
             # Before the adapter is read: a replica that comes back after this wait holds only the current one.
             await self._until_healthy()
             adapter, adapter_version = self.adapter
             served = self.client.health.served
-            params = SamplingParams(
-                n=r.samples_per_prompt,
-                temperature=r.temperature,
-                top_k=r.top_k,
-                top_p=r.top_p,
-                max_new_tokens=r.max_new_tokens,
-                stop_token_ids=self.stop_ids,
-                sampling_seed=sampling_seed(r.seed, index, tries.attempt),
-            )
+            if regenerations and seed is not None:
+                params = params.model_copy(update={"sampling_seed": sampling_seed(seed, index, regenerations)})
             if adapter is not None:
                 self.users[adapter] = self.users.get(adapter, 0) + 1
             try:
@@ -264,9 +404,10 @@ class RolloutManager:
                     ids,
                     params,
                     return_routed_experts=True,
+                    routed_experts_start_len=routing_start,
                     lora_path=adapter,
                     return_sampling_mask=self.cfg.trainer.replay.sampling_mask,
-                    rid=f"p{index}-a{tries.attempt}-e{tries.engine_retries}-w{tries.workers_lost}",
+                    rid=f"{tag}-a{tries.attempt}-e{tries.engine_retries}-w{tries.workers_lost}",
                     # The prompt reuses only KV computed under the policy it is issued under: no request is issued
                     # during an update (Updating), and engines do not flush their prefix cache on an update while
                     # requests run. Those in flight keep theirs, as an in-place update defines.
@@ -283,11 +424,7 @@ class RolloutManager:
                 await self._report()
                 tries.engine_retries += 1
                 if tries.engine_retries > r.engine_retries:
-                    log.warning("prompt %d dropped (engine_failure) after %d re-issues: %s", index, r.engine_retries, e)
-                    await send_event(
-                        self.events, Dropped(index, "engine_failure", tries.engine_retries - 1, tries.workers_lost)
-                    )
-                    return None
+                    raise PromptDropped(str(e)) from None
                 log.warning("prompt %d re-issued (%d of %d): %s", index, tries.engine_retries, r.engine_retries, e)
                 if adapter in self.retired:
                     await self._unload_unused()
@@ -300,7 +437,8 @@ class RolloutManager:
             aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
             if not (aborted and r.partial == "retry"):
                 return completions, adapter_version
-            tries.attempt += 1  # a weight update aborted it: regenerate the whole group under the new weights
+            tries.attempt += 1  # a weight update aborted it: regenerate it (an episode: only this turn) anew
+            regenerations += 1
 
     @staticmethod
     def _count_worker_lost(index: int, error: WorkerLost, tries: Tries) -> None:

@@ -9,14 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moerl.config import import_object
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
 from moerl.files import staged_dir
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.preflight import model_dir, simulation_profile
+from moerl.tasks import DEMO_MODELS
 
 log = logging.getLogger("moerl.train")
-TINY_MODEL = "tiny-qwen3-moe-addition-v1"
 
 
 def _done(path: Path) -> bool:
@@ -40,13 +41,14 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
     profile = simulation_profile(cfg)
     given = model_dir(cfg, profile)
     if given is None:
-        from moerl.tasks.tiny import save_warm_tiny_model
+        name, builder = DEMO_MODELS[cfg.task.name]
+        save = import_object(builder, "task.name")
 
         def build(staging: Path) -> None:
-            log.info("creating the tiny demo model (once) in %s", cache / TINY_MODEL)
-            save_warm_tiny_model(staging / "model")  # a subdirectory: the build marker stays out of the HF directory
+            log.info("creating the tiny demo model (once) in %s", cache / name)
+            save(staging / "model")  # a subdirectory: the build marker stays out of the HF directory
 
-        hf = _build_once(cache / TINY_MODEL / "hf", build) / "model"
+        hf = _build_once(cache / name / "hf", build) / "model"
     else:
         hf = Path(given)
     if profile is not None:

@@ -125,9 +125,13 @@ def memory_plan(cfg: RunConfig, world: int, checked: bool):
 
 def check_task(cfg: RunConfig) -> None:
     """The prompts load and the reward function resolves, before the rollout manager needs them."""
-    from moerl.tasks import load_records
+    from moerl.tasks import DEMO_MODELS, load_records
     from moerl.tasks.rewards import Rewarder
 
+    if model_dir(cfg, simulation_profile(cfg)) is None and cfg.task.name not in DEMO_MODELS:
+        raise ConfigError(
+            f"task.name={cfg.task.name} has no demo model: set model.path (demo models: {', '.join(DEMO_MODELS)})"
+        )
     load_records(cfg.task)
     Rewarder(cfg.task)
 

@@ -1,10 +1,11 @@
 """Prompt datasets and their reward functions, named in config (the ``task`` section).
 
 A task is a list of records ``{"prompt": str, "answer": ...}`` and a reward function. Built in:
-``tiny`` (the CPU demo's addition task), ``gsm8k`` (grade-school math checked by math-verify; a small
-sample ships, point ``path`` at the full set), and ``file`` (local jsonl or parquet, with the reward
-named in config). Prompts are served in a seeded order that reshuffles every epoch, addressed by a
-global index, so a run can be resumed from a position and in-flight prompts re-issued exactly.
+``tiny`` (the CPU demo's addition task), ``calc`` (the CPU agent demo's: products to compute with a
+calculator tool), ``gsm8k`` (grade-school math checked by math-verify; a small sample ships, point
+``path`` at the full set), and ``file`` (local jsonl or parquet, with the reward named in config).
+Prompts are served in a seeded order that reshuffles every epoch, addressed by a global index, so a
+run can be resumed from a position and in-flight prompts re-issued exactly.
 """
 
 from __future__ import annotations
@@ -19,8 +20,15 @@ import numpy as np
 from moerl.config import ConfigError, check_choices
 
 DATA_DIR = Path(__file__).parent / "data"
-TaskName = Literal["tiny", "gsm8k", "file"]
-TASKS: dict[TaskName, str] = {"tiny": "tiny", "gsm8k": "math", "file": "exact"}  # task -> its default reward
+TaskName = Literal["tiny", "calc", "gsm8k", "file"]
+# task -> its default reward
+TASKS: dict[TaskName, str] = {"tiny": "tiny", "calc": "calc", "gsm8k": "math", "file": "exact"}
+# The CPU demos' tiny models (run without model.path), each warmed up on its task's format once and cached:
+# task -> (its directory in run.cache_dir, what builds it)
+DEMO_MODELS: dict[TaskName, tuple[str, str]] = {
+    "tiny": ("tiny-qwen3-moe-addition-v1", "moerl.tasks.tiny:save_warm_tiny_model"),
+    "calc": ("tiny-qwen3-moe-calc-v1", "moerl.tasks.calc:save_warm_calc_model"),
+}
 
 
 @dataclass
@@ -81,6 +89,10 @@ def load_records(cfg: TaskConfig) -> list[dict[str, Any]]:
         from moerl.tasks import tiny
 
         return tiny.records()
+    if cfg.name == "calc":
+        from moerl.tasks import calc
+
+        return calc.records()
     path = cfg.path or DATA_DIR / "gsm8k_sample.jsonl"  # gsm8k without a path: the shipped sample
     return read_records(path, cfg.prompt_key, cfg.answer_key)
 
@@ -114,8 +126,9 @@ class PromptStream:
         if self.cfg.chat_template:
             messages = [{"role": "system", "content": self.cfg.system_prompt}] if self.cfg.system_prompt else []
             messages.append({"role": "user", "content": record["prompt"]})
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         else:
             ids = self.tokenizer(record["prompt"], add_special_tokens=False)["input_ids"]
         return record, list(ids)

@@ -8,11 +8,11 @@ verifiers are called over HTTP, and group rewards see the whole group at once.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from moerl.config import import_object
 from moerl.errors import ConfigError
 from moerl.tasks import TASKS, TaskConfig
 
@@ -46,20 +46,22 @@ def tiny(response: str, answer: Any, prompt: str = "") -> float:
     return reward(response, answer, prompt)
 
 
-BUILT_IN: dict[str, Callable] = {"exact": exact, "math": math, "tiny": tiny}
+def calc(response: str, answer: Any, prompt: str = "") -> float:
+    from moerl.tasks.calc import reward
+
+    return reward(response, answer, prompt)
+
+
+BUILT_IN: dict[str, Callable] = {"exact": exact, "math": math, "tiny": tiny, "calc": calc}
 
 
 def resolve(name: str) -> Callable:
     """A built-in reward by name, or ``package.module:function``."""
     if name in BUILT_IN:
         return BUILT_IN[name]
-    module, sep, attr = name.partition(":")
-    if not sep:
+    if ":" not in name:
         raise ConfigError(f"task.reward={name!r}: expected one of {', '.join(BUILT_IN)} or 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"task.reward={name!r} cannot be loaded: {e}") from None
+    fn = import_object(name, "task.reward")
     if not callable(fn):
         raise ConfigError(f"task.reward={name!r} is not callable")
     return fn

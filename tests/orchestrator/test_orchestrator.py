@@ -222,6 +222,34 @@ def test_lora_job_moves_adapters_only(cache, tmp_path):
 
 
 @pytest.mark.e2e
+def test_the_agent_demo_trains_on_multi_turn_episodes_replayed_across_turns(cache, tmp_path):
+    """The agent recipe as a user runs it, in async mode with R3 and the sampling mask: tool-calling episodes of several
+    turns, their context masked, and the replay trace of every step checked: each fed position of a multi-turn sample
+    (context included) routed as the rollout recorded it."""
+    from moerl.trainer.replay_trace import check_replay
+
+    out = job(
+        cache,
+        tmp_path,
+        "--config",
+        str(REPO / "recipes" / "qwen_moe_agent.yaml"),
+        "run.steps=3",
+        "trainer.replay.trace_samples=4",
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["mode"] == "async" and r["routing/replayed"] == 1.0 and r["episode/failures"] == 0
+        assert r["rollout/samples"] == 4 * 8  # one sample per episode: no fork
+    assert sum(r["episode/tool_calls"] for r in rows) > 0 and max(r["episode/turns_mean"] for r in rows) > 1
+    assert max(r["episode/env_token_fraction"] for r in rows) > 0
+    report = check_replay(tmp_path)
+    assert report.ok and report.steps == 3, report.summary()
+    assert accounting(tmp_path)["balanced"]
+
+
+@pytest.mark.e2e
 def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, engine_bound):
     out = job(cache, tmp_path, "run.mode=async", "run.steps=3", "rollout.partial=retry", *engine_bound)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -862,26 +890,12 @@ def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_un
     sends none while an update is under way (Updating until Served): a request sent then would wait on a paused engine
     and start under the new weights, keyed to the old version's cache."""
     import base64
-    import pickle
 
-    import zmq
     from aiohttp import web
 
-    from moerl.orchestrator.config import load_config, to_yaml
-    from moerl.orchestrator.manager import RolloutManager
-    from moerl.orchestrator.messages import (
-        EVENTS,
-        Generate,
-        GroupDone,
-        ManagerSpec,
-        RolloutFailed,
-        Served,
-        Stop,
-        Stopped,
-        Updating,
-        checked,
-    )
+    from moerl.orchestrator.messages import Generate, GroupDone, Served, Updating
     from tests.engine_server import serving
+    from tests.rollout_manager import manager_run
 
     config = json.loads((random_model / "config.json").read_text())
     layers, topk = config["num_hidden_layers"], config["num_experts_per_tok"]
@@ -915,65 +929,17 @@ def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_un
 
     async def go():
         async with serving({("POST", "/generate"): generate, ("GET", "/health"): healthy}) as url:
-            ctx = zmq.Context()
-            orders, events = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-            orders_port, events_port = (
-                orders.bind_to_random_port("tcp://127.0.0.1"),
-                events.bind_to_random_port("tcp://127.0.0.1"),
-            )
-            cfg = load_config(
-                None,
-                [
-                    f"run.dir={tmp_path}",
-                    "trainer.replay.sampling_mask=false",
-                    "rollout.samples_per_prompt=2",
-                    "rollout.generation_workers=0",
-                ],
-            )
-            (tmp_path / "config.yaml").write_text(to_yaml(cfg))
-            spec = ManagerSpec(
-                str(tmp_path / "config.yaml"),
-                str(random_model),
-                [url],
-                f"tcp://127.0.0.1:{orders_port}",
-                f"tcp://127.0.0.1:{events_port}",
-                cursor=0,
-                reissue=[],
-            )
-            manager = asyncio.create_task(RolloutManager(load_config(spec.config, []), spec).run())
-
-            async def order(message):  # a PUSH socket blocks until the manager, in this event loop, connects
-                while True:
-                    try:
-                        return orders.send_pyobj(message, zmq.NOBLOCK)
-                    except zmq.Again:
-                        await asyncio.sleep(0.02)
-
-            async def next_event(kind):
-                while True:
-                    while not events.poll(0):
-                        await asyncio.sleep(0.02)
-                    head, *arrays = events.recv_multipart()
-                    event = checked(pickle.loads(head, buffers=[bytearray(a) for a in arrays]), EVENTS)
-                    assert not isinstance(event, RolloutFailed), event.message
-                    if isinstance(event, kind):
-                        return event
-
-            await order(Served("1", [url]))
-            await order(Generate(1))
-            first = await next_event(GroupDone)
-            await order(Updating())
-            await order(Generate(1))
-            await asyncio.sleep(1.0)
-            held = len(bodies)
-            await order(Served("2", [url]))
-            second = await next_event(GroupDone)
-            await order(Stop())
-            await next_event(Stopped)
-            await manager
-            orders.close(linger=0)
-            events.close(linger=0)
-            ctx.term()
+            overrides = ["trainer.replay.sampling_mask=false", "rollout.samples_per_prompt=2"]
+            async with manager_run(tmp_path, random_model, url, overrides) as run:
+                await run.order(Served("1", [url]))
+                await run.order(Generate(1))
+                first = await run.next_event(GroupDone)
+                await run.order(Updating())
+                await run.order(Generate(1))
+                await asyncio.sleep(1.0)
+                held = len(bodies)
+                await run.order(Served("2", [url]))
+                second = await run.next_event(GroupDone)
             return first, held, second
 
     first, held, second = asyncio.run(go())

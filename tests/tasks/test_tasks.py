@@ -59,6 +59,16 @@ def test_prompt_stream_is_seeded_reshuffled_per_epoch_and_addressable(tmp_path):
     assert tiny_tokenizer().decode(ids) == record["prompt"]
 
 
+def test_a_chat_template_prompt_is_the_templates_token_ids(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "2+2", "answer": "4"}) + "\n")
+    cfg = TaskConfig(name="file", path=str(path), chat_template=True, system_prompt="Be brief.")
+    record, ids = PromptStream(cfg, tiny_tokenizer()).get(0)
+    assert all(isinstance(i, int) for i in ids)
+    text = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_tokenizer().decode(ids) == text
+
+
 def test_parquet_records_and_clear_errors_for_bad_files(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

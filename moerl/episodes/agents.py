@@ -1,0 +1,60 @@
+"""Built-in agents, and the agents and tools a run's config names.
+
+An agent is ``async agent(episode, record) -> reward | None``: it drives an :class:`Episode` and returns a reward, or
+None to have the task's reward function score :attr:`Episode.final_text`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from moerl.config import import_object
+from moerl.episodes.episode import Episode
+from moerl.episodes.tools import CALCULATOR, Tool
+from moerl.errors import ConfigError
+
+Agent = Callable[[Episode, Mapping[str, Any]], Awaitable[float | None]]
+MAX_TURNS = 8  # model turns of a tool_agent episode; a record's "max_turns" overrides it
+
+
+async def tool_agent(episode: Episode, record: Mapping[str, Any]) -> float | None:
+    """Chat with the episode's tools: each turn's tool calls are run and answered, until a turn calls none, the
+    episode ends (its token budget) or ``max_turns`` turns have run. The record's ``prompt`` is the user message
+    (after its ``system`` one, if any); the last turn's content is the final answer, left to the task's reward."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    messages.append({"role": "user", "content": record["prompt"]})
+    tools = episode.tool_schemas()
+    for _ in range(record.get("max_turns", MAX_TURNS)):
+        reply = await episode.chat(messages, tools=tools)
+        calls = reply.get("tool_calls")
+        if not calls or episode.done:
+            break
+        messages.append(reply)
+        messages.extend(await episode.run_tools(calls))
+    return None
+
+
+AGENTS: dict[str, Agent] = {"tool_agent": tool_agent}
+TOOLS: dict[str, Tool] = {CALCULATOR.name: CALCULATOR}
+
+
+def load_agent(name: str) -> Agent:
+    """A built-in agent by name, or ``package.module:function`` (a coroutine function); :class:`ConfigError` if not."""
+    agent = AGENTS.get(name) or import_object(name, "rollout.agent")
+    if not inspect.iscoroutinefunction(agent):
+        raise ConfigError(f"rollout.agent={name!r} is not an async function (async def agent(episode, record))")
+    return agent
+
+
+def load_tools(names: list[str]) -> list[Tool]:
+    """Built-in tools by name, or ``package.module:TOOL`` (a :class:`Tool`), with distinct names."""
+    tools = [TOOLS.get(name) or import_object(name, "rollout.tools") for name in names]
+    for name, tool in zip(names, tools, strict=True):
+        if not isinstance(tool, Tool):
+            raise ConfigError(f"rollout.tools: {name!r} is {type(tool).__name__}, not a moerl.episodes.tools.Tool")
+    seen = [tool.name for tool in tools]
+    if len(set(seen)) != len(seen):
+        raise ConfigError(f"rollout.tools: two tools share a name ({', '.join(seen)})")
+    return tools

@@ -1,0 +1,392 @@
+"""One agent episode's exact token stream, and the samples it yields.
+
+Token in, token out: what the engine generated is kept as its ids, never decoded and encoded again. An episode is a
+stream of prompt tokens, then turns: context the caller appends (tool results, environment text, chat-template
+tokens; ``loss_mask`` 0) and the model's output (actions; ``loss_mask`` 1). Each turn sends the whole stream to the
+engine, which reuses its prefix cache for what earlier turns computed.
+
+Forks. At message level (:meth:`Episode.chat`) the caller passes the whole history, rendered with the tokenizer's chat
+template. Templates are not append-only (Qwen3's drops earlier reasoning, tool arguments are serialised again, a stop
+token is rendered again as a delimiter): where the rendering does not extend the stream token for token, the current
+sample is closed and a new one starts with the rendering as its prompt. A sample never holds tokens the model did not
+see, and its actions are exactly what the engine sampled. A stream without actions yet is replaced, not forked.
+
+Routing across turns (R3). The first turn of a sample asks for routing from position 0; each later turn only for the
+rows it has not got (``routed_experts_start_len`` = rows so far = the stream before its new context, less one) and
+appends them: rows are never overwritten, and a patch that does not start where the last ended is an error. Where the
+engine computed part of the prefix again (``cached_tokens < routed_experts_start_len``: eviction, retract, flush, maybe
+under newer weights), the rule is: the earlier rows are kept, since they are what the earlier tokens were sampled
+under, and the positions ``cached_tokens..start_len`` are counted in ``stats.recomputed_positions``
+(``routing/recomputed_positions``). Kept sets follow the stream the same way: one per output token, empty for context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+
+from moerl.engines.protocol import Completion, ProtocolError, SamplingParams
+from moerl.episodes.parsing import ParsedTurn, parse_hermes
+from moerl.episodes.tools import Tool, run_tool
+from moerl.errors import MoerlError
+from moerl.sample import Sample
+
+# What the rollout manager supplies: one completion (n=1) of ``input_ids`` with routing rows from the given position,
+# and the map of the engine's weight-version strings to policy versions (None: int(version)). Retries, regeneration
+# after aborts and prefix-cache keys are its business.
+Generate = Callable[[list[int], SamplingParams, int], Awaitable[tuple[Completion, dict[str, int] | None]]]
+END_OF_TURN = "<|im_end|>"  # Qwen's: a chat turn stops on it
+
+
+class EpisodeError(MoerlError):
+    """An episode misused, or an engine answer that does not fit its stream; the message says which."""
+
+
+class EpisodeDone(EpisodeError):
+    """A turn asked of an episode that has ended (its token budget spent, or a turn aborted)."""
+
+
+@dataclass
+class EpisodeStats:
+    turns: int = 0  # engine requests
+    tool_calls: int = 0  # parsed from chat turns
+    malformed_tool_calls: int = 0  # tool-call blocks that were not calls (left in the content)
+    tool_failures: int = 0  # tool runs that answered an error
+    forks: int = 0  # samples closed because a rendering did not extend the stream
+    context_tokens: int = 0  # appended by the caller between turns
+    model_tokens: int = 0  # generated
+    recomputed_positions: int = 0  # prefix positions the engine computed again (their earlier routing kept)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {f"episode/{f.name}": getattr(self, f.name) for f in fields(self)}
+        out["routing/recomputed_positions"] = out.pop("episode/recomputed_positions")
+        return out
+
+
+@dataclass
+class Turn:
+    """One generated turn: what an OpenAI-compatible endpoint answers with."""
+
+    output_ids: list[int]
+    text: str  # decoded, special tokens skipped
+    finish_reason: str  # OpenAI's: "stop" | "length" | "tool_calls"; "abort" where the engine aborted it
+    prompt_tokens: int  # the request's input
+    completion_tokens: int
+    cached_tokens: int  # of the input, reused from the engine's prefix cache
+    message: dict[str, Any] | None = None  # a chat turn's parsed assistant message
+
+
+@dataclass
+class _Segment:
+    """One linear stream: a sample once it holds an action. Per response token: the chunks of each array."""
+
+    prompt: list[int]
+    response: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[np.ndarray] = field(default_factory=list)
+    selected: list[np.ndarray] = field(default_factory=list)
+    versions: list[np.ndarray] = field(default_factory=list)
+    kept_lengths: list[np.ndarray] = field(default_factory=list)
+    kept_ids: list[np.ndarray] = field(default_factory=list)
+    routing: list[np.ndarray] = field(default_factory=list)
+    rows: int = 0  # routing rows so far: positions [0, rows)
+    actions: int = 0  # model tokens in the response
+    finish_reason: str = ""  # the engine's, of its last turn
+
+    def stream(self) -> list[int]:
+        return self.prompt + self.response
+
+
+class Episode:
+    """One agent episode: its token stream (and forks), its turns, its stats; :meth:`samples` at the end."""
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        record: Mapping[str, Any],
+        generate: Generate,
+        tokenizer: Any,
+        params: SamplingParams,
+        *,
+        group_id: int = 0,
+        index: int = 0,
+        routing: bool = True,
+        sampling_mask: bool = False,
+        tools: Sequence[Tool] = (),
+        tool_parser: Callable[[str], ParsedTurn] = parse_hermes,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        end_of_turn: str | None = END_OF_TURN,
+        max_total_tokens: int | None = None,
+    ):
+        """``params``: each turn's sampling (n is 1; a set sampling_seed becomes seed + turn); ``routing`` /
+        ``sampling_mask``: whether ``generate`` asks for routing / kept sets (checked on each completion);
+        ``end_of_turn``: the token a chat turn stops on (where the tokenizer has it); ``max_total_tokens``: the most
+        tokens a stream may hold, prompt included (at most the engine's context length): a turn generates at most up to
+        it, and the episode ends once it is reached."""
+        if not prompt_ids:
+            raise EpisodeError("an episode needs at least one prompt token")
+        self.record = record
+        self.group_id, self.index = group_id, index
+        self.tokenizer = tokenizer
+        self.params = params.model_copy(update={"n": 1})
+        self.routing, self.sampling_mask = routing, sampling_mask
+        self.tools = {tool.name: tool for tool in tools}
+        self.tool_parser = tool_parser
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        turn_end = tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn is not None else None
+        self.end_of_turn_ids = [turn_end] if isinstance(turn_end, int) and turn_end != tokenizer.unk_token_id else []
+        self.max_total_tokens = max_total_tokens
+        self.stats = EpisodeStats()
+        self.turns: list[Turn] = []
+        self.final_text = ""  # the last turn's answer (chat: its content), for the task's reward function
+        self.finish_reason: str | None = None  # set when the episode ends: "length" (budget) or "abort"
+        self.base_url: str | None = None  # the OpenAI-compatible endpoint serving this episode, where there is one
+        self._generate = generate
+        self._lock = asyncio.Lock()  # one turn at a time: each extends the stream the last one left
+        self._segment = _Segment(list(prompt_ids))
+        self._closed: list[_Segment] = []
+
+    # ---- turns ----------------------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def last_turn(self) -> Turn | None:
+        return self.turns[-1] if self.turns else None
+
+    def stream(self) -> list[int]:
+        """The current sample's tokens: what the next turn feeds, before its new context."""
+        return self._segment.stream()
+
+    async def generate(self, new_ids: Sequence[int] = (), **sampling_overrides: Any) -> list[int]:
+        """Token level: append ``new_ids`` as context, generate one turn, append its output; the output ids."""
+        params = self._params(sampling_overrides, [])
+        async with self._lock:
+            self._check_open()
+            turn = await self._turn(self._segment, list(new_ids), params)
+        self.final_text = turn.text
+        return turn.output_ids
+
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **sampling_overrides: Any
+    ) -> dict[str, Any]:
+        """Message level, with OpenAI's semantics (``messages``: the whole history): the assistant message of the next
+        turn, ``{"role", "content", "tool_calls"?, "reasoning_content"?}``."""
+        message = (await self.chat_turn(messages, tools, **sampling_overrides)).message
+        assert message is not None, "chat_turn parses every turn"
+        return message
+
+    async def chat_turn(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **sampling_overrides: Any
+    ) -> Turn:
+        """As :meth:`chat`, the whole turn: its message, finish reason and token counts (what an OpenAI-compatible
+        endpoint answers). Calls made at once run one after the other (a history without an earlier reply forks)."""
+        params = self._params(sampling_overrides, self.end_of_turn_ids)
+        rendered = self._render(messages, tools)
+        async with self._lock:
+            self._check_open()
+            stream = self._segment.stream()
+            if rendered[: len(stream)] == stream:
+                turn = await self._turn(self._segment, rendered[len(stream) :], params)
+            else:
+                turn = await self._turn(_Segment(rendered), [], params)
+        parsed = self.tool_parser(turn.text)
+        calls = [
+            {"id": f"call_{self.stats.tool_calls + i}", "type": "function", "function": call}
+            for i, call in enumerate(parsed.tool_calls)
+        ]
+        self.stats.tool_calls += len(calls)
+        self.stats.malformed_tool_calls += parsed.malformed
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = calls
+            if turn.finish_reason == "stop":
+                turn.finish_reason = "tool_calls"
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        turn.message = message
+        self.final_text = parsed.content
+        return turn
+
+    async def run_tools(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The tool messages answering ``calls`` (OpenAI tool calls), run at once, in their order; failures counted."""
+        outputs = await asyncio.gather(*(run_tool(self.tools, call) for call in calls))
+        self.stats.tool_failures += sum(out.failed for out in outputs)
+        return [out.message for out in outputs]
+
+    def tool_schemas(self) -> list[dict[str, Any]] | None:
+        """The episode's tools as OpenAI function schemas (None: it has none)."""
+        return [tool.schema() for tool in self.tools.values()] or None
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                **self.chat_template_kwargs,
+            )
+        )
+
+    def _check_open(self) -> None:
+        if self.done:
+            raise EpisodeDone(f"episode {self.index} of group {self.group_id} has ended ({self.finish_reason})")
+
+    def _params(self, overrides: dict[str, Any], stop_ids: list[int]) -> SamplingParams:
+        if overrides.get("n", 1) != 1:
+            raise EpisodeError("an episode's turn is one completion: n must be 1")
+        # One temperature for the whole sample: the behaviour log-probs are scaled by it and the trainer scores with it.
+        if overrides.get("temperature", self.params.temperature) != self.params.temperature:
+            raise EpisodeError(
+                f"temperature {overrides['temperature']} differs from the episode's {self.params.temperature}: "
+                "every token of a sample is sampled (and trained) at one temperature"
+            )
+        try:
+            params = SamplingParams.parse({**self.params.model_dump(), **overrides})
+        except ProtocolError as e:
+            raise EpisodeError(f"sampling overrides: {e}") from None
+        stops = list(dict.fromkeys([*(params.stop_token_ids or []), *stop_ids]))
+        return params.model_copy(update={"stop_token_ids": stops or None})
+
+    async def _turn(self, seg: _Segment, context: list[int], params: SamplingParams) -> Turn:
+        """One engine request continuing ``seg`` (the current stream, or a fork's new one) after ``context``. Nothing
+        changes until its answer has been checked: a request that fails or is refused leaves the episode as it was."""
+        start = seg.rows
+        input_ids = seg.stream() + context
+        if self.max_total_tokens is not None:
+            room = self.max_total_tokens - len(input_ids)
+            if room <= 0:  # the context fills the budget: nothing is generated, the episode ends
+                self.finish_reason = "length"
+                self.turns.append(turn := Turn([], "", "length", len(input_ids), 0, 0))
+                return turn
+            params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
+        if params.sampling_seed is not None:  # each turn draws its own, reproducibly
+            params = params.model_copy(update={"sampling_seed": params.sampling_seed + self.stats.turns})
+        completion, versions = await self._generate(input_ids, params, start)
+        self.stats.turns += 1
+        per_token = self._check(completion, versions, start, len(input_ids))
+        if seg is not self._segment:
+            if self._segment.actions:
+                self._closed.append(self._segment)
+                self.stats.forks += 1
+            self._segment = seg  # a stream without actions is replaced: not a fork
+        self._append_context(context)
+        self._append_output(completion, per_token, len(input_ids))
+        finish = completion.finish_reason.get("type", "")
+        seg.finish_reason = finish
+        if finish == "abort":
+            self.finish_reason = "abort"
+        elif self.max_total_tokens is not None and len(seg.prompt) + len(seg.response) >= self.max_total_tokens:
+            self.finish_reason = "length"
+        output = completion.output_ids.tolist()
+        text = self.tokenizer.decode(output, skip_special_tokens=True)
+        self.turns.append(turn := Turn(output, text, finish, len(input_ids), len(output), completion.cached_tokens))
+        return turn
+
+    def _check(self, c: Completion, versions: dict[str, int] | None, start: int, input_len: int) -> np.ndarray:
+        """That ``c`` answers a request of ``input_len`` tokens with routing from ``start``, and has all the episode
+        needs; its tokens' policy versions."""
+        n = len(c.output_ids)
+        if c.prompt_len != input_len:
+            raise EpisodeError(f"the engine answered for a {c.prompt_len}-token prompt, not {input_len}")
+        if c.logprobs is None:
+            raise EpisodeError("the completion has no output log-probs: generate must ask for return_logprob")
+        if self.sampling_mask and (c.mask_offsets is None or c.mask_ids is None or c.sampling_logprobs is None):
+            raise EpisodeError("the completion has no kept sets: generate must ask for return_sampling_mask")
+        if self.routing:
+            if c.routing is None:
+                raise EpisodeError("the completion has no routing: generate must ask for return_routed_experts")
+            if c.routing_start != start:
+                raise EpisodeError(
+                    f"a routing patch starts at position {c.routing_start}, but the stream's rows end at {start}: "
+                    "generate must pass routed_experts_start_len on"
+                )
+            rows = input_len + n - 1 - start  # SGLang: rows for positions [start, seqlen - 1)
+            if len(c.routing) != rows:
+                raise EpisodeError(f"the routing patch has {len(c.routing)} rows, not {rows} (from position {start})")
+        per_token = np.full(n, -1, np.int64)
+        for span in c.weight_versions:
+            v = span["version"]
+            per_token[span["start"] : span["end"]] = versions[v] if versions is not None else int(v)
+        if n and per_token.min() < 0:
+            raise EpisodeError(f"the completion's weight_versions {c.weight_versions} do not cover its {n} tokens")
+        return per_token
+
+    def _append_context(self, ids: list[int]) -> None:
+        seg = self._segment
+        self.stats.context_tokens += len(ids)
+        if not seg.actions:  # before the first action everything is prompt
+            seg.prompt.extend(ids)
+            return
+        n = len(ids)
+        seg.response.extend(ids)
+        seg.loss_mask.extend([0] * n)
+        seg.logprobs.append(np.zeros(n, np.float32))
+        seg.selected.append(np.zeros(n, np.float32))
+        seg.versions.append(np.full(n, -1, np.int64))
+        seg.kept_lengths.append(np.zeros(n, np.int64))
+
+    def _append_output(self, c: Completion, versions: np.ndarray, input_len: int) -> None:
+        """Append a checked completion's tokens (and their routing rows, from where the stream's end)."""
+        seg, n = self._segment, len(c.output_ids)
+        if self.routing:
+            assert c.routing is not None, "checked"
+            if seg.rows:  # a later turn: what the engine did not reuse from its cache it computed again
+                self.stats.recomputed_positions += max(0, seg.rows - c.cached_tokens)
+            seg.routing.append(c.routing)
+            seg.rows = input_len + n - 1
+        if self.sampling_mask:
+            assert c.mask_offsets is not None and c.mask_ids is not None and c.sampling_logprobs is not None, "checked"
+            seg.kept_lengths.append(np.diff(c.mask_offsets))
+            seg.kept_ids.append(c.mask_ids)
+            seg.selected.append(c.sampling_logprobs.astype(np.float32))
+        assert c.logprobs is not None, "checked"
+        seg.response.extend(c.output_ids.tolist())
+        seg.loss_mask.extend([1] * n)
+        seg.actions += n
+        seg.logprobs.append(c.logprobs.astype(np.float32))
+        seg.versions.append(versions)
+        self.stats.model_tokens += n
+
+    # ---- samples --------------------------------------------------------------------------------------------------
+    def samples(self, reward: float, temperature: float) -> list[Sample]:
+        """One validated sample per stream that holds an action (the original, then each fork), each with ``reward``,
+        the group id and the episode index. Context after a stream's last action is left out (nothing follows it to
+        learn)."""
+        return [self._sample(seg, reward, temperature) for seg in (*self._closed, self._segment) if seg.actions]
+
+    def _sample(self, seg: _Segment, reward: float, temperature: float) -> Sample:
+        mask = np.asarray(seg.loss_mask, np.uint8)
+        r = int(np.flatnonzero(mask)[-1]) + 1
+        p = len(seg.prompt)
+        offsets = kept_ids = selected = routing = None
+        if self.sampling_mask:
+            offsets = np.zeros(r + 1, np.int64)
+            np.cumsum(np.concatenate(seg.kept_lengths)[:r], out=offsets[1:])
+            kept_ids = np.concatenate(seg.kept_ids)[: offsets[-1]]
+            selected = np.concatenate(seg.selected)[:r]
+        if self.routing:
+            routing = np.concatenate(seg.routing)[: p + r - 1]
+        return Sample(
+            prompt_ids=np.asarray(seg.prompt, np.int32),
+            response_ids=np.asarray(seg.response[:r], np.int32),
+            behaviour_logprobs=np.concatenate(seg.logprobs)[:r],
+            versions=np.concatenate(seg.versions)[:r],
+            loss_mask=mask[:r],
+            temperature=temperature,
+            selected_logprobs=selected,
+            routing=routing,
+            mask_offsets=offsets,
+            mask_ids=kept_ids,
+            reward=float(reward),
+            group_id=self.group_id,
+            episode=self.index,
+            finish_reason=seg.finish_reason,
+        ).validate()
