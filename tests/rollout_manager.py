@@ -41,8 +41,8 @@ class ManagerRun:
 
 
 @asynccontextmanager
-async def manager_run(tmp_path, model_dir, url: str, overrides: list[str]):
-    """A :class:`RolloutManager` for ``model_dir`` served at ``url``, its config the defaults with ``overrides``;
+async def manager_run(tmp_path, model_dir, urls: str | list[str], overrides: list[str]):
+    """A :class:`RolloutManager` for ``model_dir`` served at ``urls``, its config the defaults with ``overrides``;
     stopped (and awaited) at the end."""
     import zmq
 
@@ -58,7 +58,7 @@ async def manager_run(tmp_path, model_dir, url: str, overrides: list[str]):
     spec = ManagerSpec(
         str(tmp_path / "config.yaml"),
         str(model_dir),
-        [url],
+        [urls] if isinstance(urls, str) else urls,
         f"tcp://127.0.0.1:{ports[0]}",
         f"tcp://127.0.0.1:{ports[1]}",
         cursor=0,

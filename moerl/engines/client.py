@@ -17,6 +17,7 @@ import base64
 import functools
 import json
 import logging
+import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -181,9 +182,12 @@ class EngineClient:
         rid: str | None = None,
         lora_path: str | None = None,
         extra_key: str | None = None,
+        affinity: str | None = None,
     ) -> list[Completion]:
-        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica; ``extra_key``:
-        the prefix-cache partition it may reuse KV from (SGLang's; a policy version's, say). Raises
+        """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica, or with an
+        ``affinity`` key from the healthy replica that key hashes to (the same one for as long as the healthy set
+        stays: an agent group's turns reuse its prompt's prefix there); ``extra_key``: the prefix-cache partition it may
+        reuse KV from (SGLang's; a policy version's, say). Raises
         :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when
         the worker carrying it died (the replica is not blamed): either may be re-issued."""
         if isinstance(sampling_params, dict):
@@ -207,7 +211,10 @@ class EngineClient:
         if not usable:
             states = ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls)
             raise NoHealthyEngine(f"no engine replica is healthy: {states}")
-        url = min(usable, key=self.in_flight.__getitem__)
+        if affinity is None:
+            url = min(usable, key=self.in_flight.__getitem__)
+        else:
+            url = sorted(usable)[zlib.crc32(affinity.encode()) % len(usable)]
         epoch = self.health.epochs[url]
         self.in_flight[url] += 1
         try:  # not again here: the caller re-issues elsewhere

@@ -314,8 +314,8 @@ class RolloutManager:
         try:
             async with asyncio.TaskGroup() as group:
                 runs = [group.create_task(self._run_agent(e)) for e in episodes]
-        except* PromptDropped as dropped:
-            raise dropped.exceptions[0] from None
+        except* (PromptDropped, EnginesDown) as ended:
+            raise ended.exceptions[0] from None
         failures: dict[str, int] = {}
         for run in runs:
             if (failure := run.result()[1]) is not None:
@@ -343,7 +343,7 @@ class RolloutManager:
         try:
             async with asyncio.timeout(self.r.episode_timeout_s) as deadline:
                 reward = await self.agent(episode, episode.record)
-        except PromptDropped:
+        except (PromptDropped, EnginesDown):  # the group's or the run's end, not the episode's
             raise
         except TimeoutError:
             if not deadline.expired():
@@ -356,7 +356,7 @@ class RolloutManager:
         finally:
             self.endpoint.close_episode(key)
         if (failure := self.endpoint.failures.pop(key, None)) is not None:
-            if isinstance(failure, PromptDropped):
+            if isinstance(failure, PromptDropped | EnginesDown):
                 raise failure
             return None, self._failed(episode, "agent_error", f"a call to its endpoint failed: {failure}")
         if reward is not None and not isinstance(reward, int | float):
@@ -375,16 +375,30 @@ class RolloutManager:
     ) -> tuple[Completion, dict[str, int] | None]:
         """One turn of episode ``k`` of prompt ``index``: what :class:`Episode` asks of the engines."""
         (completion,), adapter_version = await self._generate(
-            index, input_ids, tries, params, routing_start=routing_start, tag=f"p{index}-x{k}-l{len(input_ids)}"
+            index,
+            input_ids,
+            tries,
+            params,
+            routing_start=routing_start,
+            tag=f"p{index}-x{k}-l{len(input_ids)}",
+            affinity=f"{self.salt}-p{index}",  # the group's episodes share its prompt's prefix on one replica
         )
         return completion, self._versions([completion], adapter_version)
 
     async def _generate(
-        self, index: int, ids: list[int], tries: Tries, params: SamplingParams, routing_start: int = 0, tag: str = ""
+        self,
+        index: int,
+        ids: list[int],
+        tries: Tries,
+        params: SamplingParams,
+        routing_start: int = 0,
+        tag: str = "",
+        affinity: str | None = None,
     ) -> tuple[list[Completion], int]:
         """``params.n`` completions of ``ids`` (routing rows from ``routing_start``) and the policy version of the
         adapter they used (0: the base model), asked for again as often as ``tries`` counts: a weight update that
-        aborted them (``rollout.partial=retry``) regenerates them under the new weights with a new seed. Raises
+        aborted them (``rollout.partial=retry``) regenerates them under the new weights with a new seed; ``affinity``:
+        a key that keeps requests on one replica while it is healthy (:meth:`EngineClient.generate`). Raises
         :class:`PromptDropped` once prompt ``index``'s replicas failed more than ``rollout.engine_retries`` times."""
         r = self.r
         regenerations, seed = 0, params.sampling_seed
@@ -412,6 +426,7 @@ class RolloutManager:
                     # during an update (Updating), and engines do not flush their prefix cache on an update while
                     # requests run. Those in flight keep theirs, as an in-place update defines.
                     extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}",
+                    affinity=affinity,
                 )
             except NoHealthyEngine:
                 continue  # the last healthy replica left between the wait and the request: wait again

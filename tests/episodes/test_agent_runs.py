@@ -215,3 +215,32 @@ def test_under_retry_an_update_regenerates_only_the_turn_it_interrupted(calc_mod
     for sample in done.samples:
         assert sample.response_ids[: len(first_turns[sample.episode])].tolist() == first_turns[sample.episode]
         assert sample.finish_reason != "abort"
+
+
+def test_a_groups_turns_go_to_the_replica_its_key_hashes_to(calc_model, tmp_path, monkeypatch):
+    """Episodes of one group run on one replica, turn after turn, so every turn finds the group's prompt in that
+    replica's prefix cache; other groups spread over the replicas by their keys."""
+    replicas: dict[str, set[str]] = {}  # prompt -> the replicas its requests went to
+    generate_on = EngineClient.generate_on
+
+    async def recorded(self, url, request, routing_start):
+        replicas.setdefault(request.rid.split("-")[0], set()).add(url)
+        return await generate_on(self, url, request, routing_start)
+
+    monkeypatch.setattr(EngineClient, "generate_on", recorded)
+
+    async def go():
+        async with serving_app(engine_app(calc_model)) as a, serving_app(engine_app(calc_model)) as b:
+            overrides = [*AGENT_RUN, "rollout.agent=tool_agent", "rollout.samples_per_prompt=4"]
+            async with manager_run(tmp_path, calc_model, [a, b], overrides) as run:
+                for url in (a, b):
+                    async with EngineClient([url]) as engine:
+                        await engine.set_weight_version("1")
+                await run.order(Served("1", [a, b]))
+                await run.order(Generate(6))
+                return [await run.next_event(GroupDone) for _ in range(6)], {a, b}
+
+    done, urls = asyncio.run(go())
+    assert sum(d.episodes["episode/turns"] for d in done if d.episodes) > 6 * 4  # groups of several turns
+    assert all(len(used) == 1 for used in replicas.values()), replicas
+    assert set().union(*replicas.values()) == urls  # six groups' keys reached both
