@@ -47,6 +47,10 @@ class Sample:
     # The episode within its group, shared by the samples an episode forked into (they share its reward too). None: an
     # episode of its own, as every single-turn completion is; so the rollout side numbers only the episodes it forks.
     episode: int | None = None
+    # int64 [answers]: the position where each engine answer's routing rows began, in the order they came (an
+    # episode's turns: each asks only for the rows it lacks, so they rise from 0). None: one answer, from 0.
+    # `moerl check-replay` reads them: an answer that starts within rows an earlier one gave overwrote them.
+    routing_starts: np.ndarray | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -97,6 +101,11 @@ class Sample:
         actions = self._validated_actions()
         if self.routing is not None and (self.routing.ndim != 3 or self.routing.shape[0] != p + r - 1):
             raise SampleError(f"routing has shape {self.routing.shape}, expected ({p + r - 1}, moe_layers, topk)")
+        starts = self.routing_starts
+        if starts is not None and (
+            starts.ndim != 1 or not len(starts) or not 0 <= starts.min() <= starts.max() < p + r - 1
+        ):
+            raise SampleError(f"routing_starts must be 1-D positions in [0, {p + r - 1}), got {starts.tolist()}")
         if (self.mask_offsets is None) != (self.mask_ids is None):
             raise SampleError("mask_offsets and mask_ids come together")
         if self.mask_offsets is not None and self.mask_ids is not None:  # both or neither: checked above

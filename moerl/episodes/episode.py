@@ -93,6 +93,7 @@ class _Segment:
     kept_lengths: list[np.ndarray] = field(default_factory=list)
     kept_ids: list[np.ndarray] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)
+    routing_starts: list[int] = field(default_factory=list)  # where each answer's rows began
     rows: int = 0  # routing rows so far: positions [0, rows)
     actions: int = 0  # model tokens in the response
     finish_reason: str = ""  # the engine's, of its last turn
@@ -341,6 +342,7 @@ class Episode:
             if seg.rows:  # a later turn: what the engine did not reuse from its cache it computed again
                 self.stats.recomputed_positions += max(0, seg.rows - c.cached_tokens)
             seg.routing.append(c.routing)
+            seg.routing_starts.append(seg.rows)
             seg.rows = input_len + n - 1
         if self.sampling_mask:
             assert c.mask_offsets is not None and c.mask_ids is not None and c.sampling_logprobs is not None, "checked"
@@ -366,14 +368,17 @@ class Episode:
         mask = np.asarray(seg.loss_mask, np.uint8)
         r = int(np.flatnonzero(mask)[-1]) + 1
         p = len(seg.prompt)
-        offsets = kept_ids = selected = routing = None
+        offsets = kept_ids = selected = None
         if self.sampling_mask:
             offsets = np.zeros(r + 1, np.int64)
             np.cumsum(np.concatenate(seg.kept_lengths)[:r], out=offsets[1:])
             kept_ids = np.concatenate(seg.kept_ids)[: offsets[-1]]
             selected = np.concatenate(seg.selected)[:r]
+        routing = starts = None
         if self.routing:
             routing = np.concatenate(seg.routing)[: p + r - 1]
+            # the answers whose rows the sample keeps (context after its last action is left out)
+            starts = np.asarray([x for x in seg.routing_starts if x < p + r - 1], np.int64)
         return Sample(
             prompt_ids=np.asarray(seg.prompt, np.int32),
             response_ids=np.asarray(seg.response[:r], np.int32),
@@ -383,6 +388,7 @@ class Episode:
             temperature=temperature,
             selected_logprobs=selected,
             routing=routing,
+            routing_starts=starts,
             mask_offsets=offsets,
             mask_ids=kept_ids,
             reward=float(reward),

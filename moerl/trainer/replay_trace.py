@@ -72,6 +72,8 @@ def write_source(directory: str | Path, version: int, originals: list[list], cou
     arrays = {}
     for j, (_, s) in enumerate(traced):
         arrays[f"{j}/tokens"], arrays[f"{j}/routing"] = s.fed_ids().astype(np.int64), s.routing
+        if s.routing_starts is not None:
+            arrays[f"{j}/routing_starts"] = s.routing_starts
     np.savez_compressed(step_dir(directory, version) / "source.npz", meta=np.array(json.dumps(meta)), **arrays)
 
 
@@ -106,7 +108,8 @@ class Mismatch:
     step: str
     sample: str
     group: int
-    what: str  # "tokens", "received" (the routing the rank was sent), or a pass name
+    # "tokens", "received" (the routing the rank was sent), "overwritten" (a routing patch over earlier rows), or a pass
+    what: str
     layer: int | None
     position: int
     expected: list[int]
@@ -116,6 +119,11 @@ class Mismatch:
         where = f"{self.step} sample {self.sample} (group {self.group}) position {self.position}"
         if self.what == "tokens":
             return f"{where}: fed token {self.got} where the sample has {self.expected}"
+        if self.what == "overwritten":
+            return (
+                f"{where}: answer {self.got[0]}'s routing rows start here, within those an earlier answer gave from "
+                f"position {self.expected[0]}: the routing earlier turns were sampled under was overwritten"
+            )
         if self.what == "received":
             return f"{where} layer {self.layer}: the rank received routing {self.got}, the rollout's is {self.expected}"
         return f"{where} layer {self.layer}: {self.what} used experts {self.got}, expected {self.expected}"
@@ -225,6 +233,8 @@ class _Checker:
                 cover[np.ix_(columns, np.arange(s["start"], s["stop"]))] = True
                 self.sample(step.name, path.name, meta, s, arrays.get(j, {}), ref, source[ref_j])
         report.samples += len(samples)
+        for key, (j, ref) in samples.items():
+            self.patches(step.name, key, ref, source[j].get("routing_starts"))
         for key, (_, ref) in samples.items():
             recorded = covered.get(key)
             if recorded is None:
@@ -237,6 +247,17 @@ class _Checker:
                         f"{step.name} sample {key} (group {ref['group']}) layer {layers[c]}: positions "
                         f"{missing[0]}..{missing[-1]} ({missing.size} of {row.size}) not recorded"
                     )
+
+    def patches(self, step: str, key: str, ref: dict, starts: np.ndarray | None) -> None:
+        """A multi-turn sample's routing came in one patch per engine answer, each asked from where the rows so far
+        ended: one that starts within an earlier one's rows overwrote the routing that earlier tokens were sampled
+        under (a turn asking for its whole sequence's routing again)."""
+        if starts is None:
+            return
+        for k in range(1, len(starts)):
+            earlier = int(starts[:k].max())  # the rows from there on were an earlier answer's
+            if starts[k] <= earlier:
+                self.mismatch(step, key, ref["group"], "overwritten", None, int(starts[k]), [earlier], [k])
 
     def sample(self, step: str, rank: str, meta: dict, s: dict, arrays: dict, ref: dict, source: dict) -> None:
         report, mode = self.report, meta["mode"]

@@ -86,6 +86,7 @@ def test_agent_code_written_for_the_openai_sdk_is_recorded_token_for_token(calc_
         # Each turn asked from where the rows so far ended: the stream it extended, less the last token.
         patches = [c.routing for _, _, c in mine]
         assert [start for _, start, _ in mine] == [0, *np.cumsum([len(p) for p in patches])[:-1].tolist()]
+        assert sample.routing_starts.tolist() == [start for _, start, _ in mine]  # what check-replay reads
         for (ids, _, c), (_, start, _) in itertools.pairwise(mine):
             assert start == len(ids) + len(c.output_ids) - 1
         assert sample.fed_len == sum(len(p) for p in patches)  # nothing after the last action: its rows all count

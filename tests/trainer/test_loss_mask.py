@@ -320,3 +320,20 @@ def test_staleness_and_rollout_metrics_count_the_model_tokens():
     assert metrics["rollout/mixed_version_fraction"] == 0.5
     assert metrics["rollout/response_len_mean"] == 6.0  # the response, context included
     assert not any(k.startswith("episode/") for k in rollout_metrics([Group(1, [single])]))  # single-turn: none
+
+
+def test_check_replay_catches_a_rollout_that_overwrote_earlier_turns_routing(tmp_path):
+    """A multi-turn rollout that asks for each turn's whole routing and replaces the rows it had (verl's and SkyRL's
+    scheme) leaves a sample whose answers' rows start over at 0: check-replay names the sample and the position."""
+    from moerl.trainer.replay_trace import check_replay, clear_step, write_source
+
+    rng = np.random.default_rng(5)
+    kept, overwritten = (stream(rng, 3, [(2, 4), (2, 0)], routing_layers=2) for _ in range(2))
+    kept.routing_starts = np.array([0, 4])  # turn 2 asked from the rows turn 1 left off at
+    overwritten.routing_starts = np.array([0, 0])  # turn 2 asked for them all again
+    clear_step(tmp_path, 1)
+    write_source(tmp_path, 1, [[kept.validate(), overwritten.validate()]], 2)
+    report = check_replay(tmp_path)
+    caught = [m for m in report.mismatches if m.what == "overwritten"]
+    assert [(m.sample, m.position) for m in caught] == [("dp0-i1", 0)]
+    assert "overwritten" in str(caught[0]) and not report.ok
