@@ -41,6 +41,15 @@ def tiny_ckpts(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="session")
+def calc_model(tmp_path_factory):
+    """A tiny Qwen3-MoE warmed up briefly on the calc task's tool format: it writes well-formed tool calls and ends its
+    turns, though it uses the tool less often and less well than the demo's (what the episode tests need)."""
+    from moerl.tasks.calc import save_warm_calc_model
+
+    return save_warm_calc_model(tmp_path_factory.mktemp("calc") / "model", steps=150)
+
+
 def hub_grads(hf_model) -> dict[str, torch.Tensor]:
     """Gradients of a transformers model under the Hub's per-expert names.
 

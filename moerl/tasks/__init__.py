@@ -27,7 +27,7 @@ TASKS: dict[TaskName, str] = {"tiny": "tiny", "calc": "calc", "gsm8k": "math", "
 # task -> (its directory in run.cache_dir, what builds it)
 DEMO_MODELS: dict[TaskName, tuple[str, str]] = {
     "tiny": ("tiny-qwen3-moe-addition-v1", "moerl.tasks.tiny:save_warm_tiny_model"),
-    "calc": ("tiny-qwen3-moe-calc-v1", "moerl.tasks.calc:save_warm_calc_model"),
+    "calc": ("tiny-qwen3-moe-calc-v2", "moerl.tasks.calc:save_warm_calc_model"),
 }
 
 

@@ -85,7 +85,7 @@ def labelled(tokenizer, messages: list[dict[str, Any]]) -> tuple[list[int], list
     return ids, labels
 
 
-def warm_up(model, tokenizer, steps: int = 300, tool_fraction: float = 0.5, seed: int = 0, lr: float = 3e-3) -> None:
+def warm_up(model, tokenizer, steps: int = 1000, tool_fraction: float = 0.5, seed: int = 0, lr: float = 3e-3) -> None:
     """Supervised format training: an example uses the calculator with ``tool_fraction``, else guesses a product."""
     rng = random.Random(seed)
     items = records()
@@ -109,7 +109,7 @@ def warm_up(model, tokenizer, steps: int = 300, tool_fraction: float = 0.5, seed
     model.eval()
 
 
-def save_warm_calc_model(out_dir: str | Path, seed: int = 0, steps: int = 300) -> Path:
+def save_warm_calc_model(out_dir: str | Path, seed: int = 0, steps: int = 1000) -> Path:
     """A tiny Qwen3-MoE with its tokenizer, warmed up on the calc task's tool format, as a HF directory. Its turns end
     at ``<|im_end|>``, which its config names as an end token beside the tokenizer's own (as Qwen's instruct models
     do), so engines stop there."""

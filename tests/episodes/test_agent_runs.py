@@ -8,7 +8,6 @@ import asyncio
 import itertools
 
 import numpy as np
-import pytest
 
 from moerl.engines.client import EngineClient
 from moerl.orchestrator.messages import Dropped, Generate, GroupDone, Served, Updating
@@ -23,13 +22,6 @@ AGENT_RUN = [
     "rollout.tools=[moerl.tasks.calc:CALC]",
     "trainer.replay.sampling_mask=true",
 ]
-
-
-@pytest.fixture(scope="module")
-def calc_model(tmp_path_factory):
-    from moerl.tasks.calc import save_warm_calc_model
-
-    return save_warm_calc_model(tmp_path_factory.mktemp("calc") / "model", steps=150)
 
 
 def engine_app(model_dir):

@@ -222,10 +222,11 @@ def test_lora_job_moves_adapters_only(cache, tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_agent_demo_trains_on_multi_turn_episodes_replayed_across_turns(cache, tmp_path):
-    """The agent recipe as a user runs it, in async mode with R3 and the sampling mask: tool-calling episodes of several
-    turns, their context masked, and the replay trace of every step checked: each fed position of a multi-turn sample
-    (context included) routed as the rollout recorded it."""
+def test_the_agent_recipe_trains_on_multi_turn_episodes_replayed_across_turns(cache, tmp_path, calc_model):
+    """The agent recipe as a user runs it, in async mode with R3 and the sampling mask (on the episode tests' model,
+    not the demo's, which takes minutes to warm up): tool-calling episodes of several turns, their context masked, and
+    the replay trace of every step checked: each fed position of a multi-turn sample (context included) routed as the
+    rollout recorded it, each turn's routing appended, none overwritten."""
     from moerl.trainer.replay_trace import check_replay
 
     out = job(
@@ -235,6 +236,7 @@ def test_the_agent_demo_trains_on_multi_turn_episodes_replayed_across_turns(cach
         str(REPO / "recipes" / "qwen_moe_agent.yaml"),
         "run.steps=3",
         "trainer.replay.trace_samples=4",
+        f"model.path={calc_model}",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
