@@ -90,3 +90,10 @@ async def two_turn_agent(episode: Episode, record: dict[str, Any]) -> float | No
     await SECOND_TURN_MAY_START.wait()
     await episode.generate(episode.tokenizer("ok", add_special_tokens=False)["input_ids"])
     return float(episode.index)
+
+
+async def engines_gone_agent(episode: Episode, record: dict[str, Any]) -> float | None:
+    """As an agent whose turn found no engine healthy for engines.down_timeout_s."""
+    from moerl.errors import EnginesDown
+
+    raise EnginesDown("no engine replica has been healthy")

@@ -237,3 +237,20 @@ def test_a_groups_turns_go_to_the_replica_its_key_hashes_to(calc_model, tmp_path
     assert sum(d.episodes["episode/turns"] for d in done if d.episodes) > 6 * 4  # groups of several turns
     assert all(len(used) == 1 for used in replicas.values()), replicas
     assert set().union(*replicas.values()) == urls  # six groups' keys reached both
+
+
+def test_engines_gone_in_an_agents_turn_stop_the_run_not_the_episode(calc_model, tmp_path):
+    """No healthy engine for engines.down_timeout_s is the run's end (checkpoint and stop), wherever it surfaces: an
+    agent's turn passes it on rather than failing one episode."""
+    from moerl.orchestrator.messages import RolloutFailed
+
+    async def go():
+        async with serving_app(engine_app(calc_model)) as url:
+            overrides = [*AGENT_RUN, "rollout.agent=tests.episodes.agents:engines_gone_agent"]
+            async with manager_run(tmp_path, calc_model, url, overrides) as run:
+                await serve_version(run, url, "1")
+                await run.order(Generate(1))
+                return await run.next_event(RolloutFailed, GroupDone, Dropped)
+
+    event = asyncio.run(go())
+    assert type(event).__name__ == "RolloutFailed" and event.engines_down, event
