@@ -88,9 +88,8 @@ class EpisodeEndpoint:
         app.router.add_get("/episodes/{key}/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # started: it has a socket
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
 import time
 import traceback
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -39,7 +38,7 @@ from moerl.engines.health import State
 from moerl.engines.protocol import Completion, SamplingParams
 from moerl.episodes.agents import load_agent, load_tools
 from moerl.episodes.endpoint import EpisodeEndpoint
-from moerl.episodes.episode import Episode, EpisodeStats
+from moerl.episodes.episode import Episode
 from moerl.errors import EnginesDown
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
@@ -316,11 +315,8 @@ class RolloutManager:
                 runs = [group.create_task(self._run_agent(e)) for e in episodes]
         except* (PromptDropped, EnginesDown) as ended:
             raise ended.exceptions[0] from None
-        failures: dict[str, int] = {}
-        for run in runs:
-            if (failure := run.result()[1]) is not None:
-                failures[failure] = failures.get(failure, 0) + 1
-        finished = [(e, run.result()[0]) for e, run in zip(episodes, runs, strict=True) if run.result()[1] is None]
+        results = [run.result() for run in runs]
+        finished = [(e, reward) for e, (reward, failure) in zip(episodes, results, strict=True) if failure is None]
         unscored = [e for e, reward in finished if reward is None]
         scores = iter(await self.rewarder.score([e.final_text for e in unscored], record["answer"], record["prompt"]))
         samples = [
@@ -328,13 +324,11 @@ class RolloutManager:
             for e, reward in finished
             for sample in e.samples(next(scores) if reward is None else reward, r.temperature)
         ]
-        stats = EpisodeStats()
+        counts: Counter[str] = Counter({"episode/episodes": len(episodes)})
         for e in episodes:
-            for f in dataclasses.fields(stats):
-                setattr(stats, f.name, getattr(stats, f.name) + getattr(e.stats, f.name))
-        counts = stats.metrics() | {"episode/episodes": len(episodes)}
-        counts |= {f"episode/failed_{reason}": n for reason, n in failures.items()}
-        return samples, counts
+            counts.update(e.stats.metrics())
+        counts.update(f"episode/failed_{failure}" for _, failure in results if failure is not None)
+        return samples, dict(counts)
 
     async def _run_agent(self, episode: Episode) -> tuple[float | None, str | None]:
         """The agent's reward for ``episode`` (None: the task's reward function scores it), or why it failed."""
