@@ -24,6 +24,15 @@ from moerl.models.tiny import ARCHITECTURES, save_tiny_hf  # noqa: E402
 ARCHS = ARCHITECTURES
 
 
+def pytest_collection_finish(session) -> None:
+    """Multi-rank tests fork their CPU ranks from multiprocessing's fork server, which imports megatron-core once: start
+    it now, before an in-process test's generation workers start it without those imports."""
+    if any(item.get_closest_marker("e2e") for item in session.items):
+        from moerl.megatron.launch import start_fork_server
+
+        start_fork_server(["tests.workers"])
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> dict:
     """arch -> (hf_dir, mcore_dir) of a tiny random model and its converted Megatron checkpoint.

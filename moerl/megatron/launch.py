@@ -2,6 +2,10 @@
 
 Used by ``convert_ckpt.py verify`` for multi-rank layouts and by the multi-rank tests. Each rank
 gets torchrun's environment variables; results and tracebacks come back through files.
+
+Where no GPU exists, ranks are forked from multiprocessing's fork server, which imports megatron-core (and the
+modules :func:`start_fork_server` names) once: spawned, every rank pays those imports again (about 4 s a launch of
+two ranks on two cores). With a GPU they are spawned, each seeing the devices its launch allows.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import os
 import tempfile
 import time
 import traceback
+from multiprocessing import forkserver
 from pathlib import Path
 
 import torch
@@ -20,8 +25,16 @@ import torch.multiprocessing as mp
 from moerl.errors import MoerlError
 from moerl.megatron.parallel import destroy_distributed
 
+# What every rank imports: megatron-core and moerl's use of it (the trainer, checkpoints, weight export).
+RANK_MODULES = ["moerl.trainer.trainer", "moerl.checkpoint.verify", "moerl.weight_sync.export"]
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> None:
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, env: dict, cwd: str) -> None:
+    # The launcher's environment and directory as they are now, as a spawned process would start with (a fork
+    # server's child has the server's, from when it started).
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     # As under torchrun, the launching process hosts the rendezvous store and every rank is its client.
     os.environ.update(
         RANK=str(rank),
@@ -60,6 +73,15 @@ def _cuda_hidden():
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
+def start_fork_server(preload: list[str]) -> None:
+    """Start the fork server CPU ranks come from (one per process, shared with anything else that forks from it),
+    importing :data:`RANK_MODULES` and ``preload`` once, with CUDA hidden; a no-op where it runs already. The first CPU
+    launch starts it; a process that also forks other helpers from it (generation workers) starts it first, here."""
+    mp.set_forkserver_preload([*RANK_MODULES, *preload])
+    with _cuda_hidden():
+        forkserver.ensure_running()
+
+
 def run_ranks(fn, world_size: int, *args, use_cuda: bool | None = None, timeout_s: float = 900) -> list:
     """``fn(*args)`` on every rank; returns each rank's return value. Fails with the first traceback.
 
@@ -76,17 +98,23 @@ def run_ranks(fn, world_size: int, *args, use_cuda: bool | None = None, timeout_
 
 
 def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda: bool) -> list:
-    ctx = mp.get_context("spawn")
+    if use_cuda or torch.cuda.is_available():
+        ctx = mp.get_context("spawn")
+    else:
+        start_fork_server([fn.__module__])
+        ctx = mp.get_context("forkserver")
     # Bound here, on a port the OS picks, and held until the ranks end: a port picked now and bound by
     # rank 0 seconds later (after its imports) could be taken in between by another process.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    procs = [
-        ctx.Process(target=_entry, args=(r, world_size, store.port, str(out), fn, args)) for r in range(world_size)
-    ]
     # CPU ranks must never see a GPU: a spawned child imports megatron-core (which asks torch about CUDA, and
     # torch remembers the answer) while unpickling ``fn``, before any code of ours runs in it, so the
     # variable has to be in the environment it starts with.
     with _cuda_hidden() if not use_cuda else contextlib.nullcontext():
+        env = dict(os.environ)
+        procs = [
+            ctx.Process(target=_entry, args=(r, world_size, store.port, str(out), fn, args, env, os.getcwd()))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
     deadline = time.monotonic() + timeout_s
