@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -675,3 +676,10 @@ def what_each_rank_raises_from_parts_rank_0_takes_alone(run_dir: str) -> list[tu
         except Exception as e:  # noqa: BLE001 - what is raised is the answer
             out.append((type(e).__name__, str(e), getattr(e, "relayed", False)))
     return out
+
+
+def what_a_rank_sees(mark: str) -> tuple[str | None, str]:
+    """Says ``mark`` on stdout and stderr; this rank's MOERL_TEST_MARK and working directory."""
+    print(f"stdout of rank {os.environ['RANK']}: {mark}", flush=True)
+    print(f"stderr of rank {os.environ['RANK']}: {mark}", file=sys.stderr, flush=True)
+    return os.environ.get("MOERL_TEST_MARK"), os.getcwd()

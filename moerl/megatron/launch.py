@@ -15,7 +15,8 @@ import os
 import tempfile
 import time
 import traceback
-from multiprocessing import forkserver
+from multiprocessing import forkserver, reduction
+from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
 
 import torch
@@ -29,9 +30,26 @@ from moerl.megatron.parallel import destroy_distributed
 RANK_MODULES = ["moerl.trainer.trainer", "moerl.checkpoint.verify", "moerl.weight_sync.export"]
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, env: dict, cwd: str) -> None:
-    # The launcher's environment and directory as they are now, as a spawned process would start with (a fork
+class _Stdio:
+    """The launcher's stdout and stderr as a rank's: a spawned rank inherits them, one forked from the fork server has
+    the server's (those it started with) unless they are sent along, as descriptors pickled while the rank starts."""
+
+    def __init__(self, fds: tuple = ()):
+        self._fds = fds
+
+    def __reduce__(self):
+        return _Stdio, ((reduction.DupFd(1), reduction.DupFd(2)),)
+
+    def adopt(self) -> None:
+        for target, fd in zip((1, 2), self._fds, strict=True):
+            os.dup2(fd.detach(), target)
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, fn, args, launcher: tuple) -> None:
+    # The launcher's output, environment and directory as they are now, as a spawned process would start with (a fork
     # server's child has the server's, from when it started).
+    stdio, env, cwd = launcher
+    stdio.adopt()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -98,6 +116,7 @@ def run_ranks(fn, world_size: int, *args, use_cuda: bool | None = None, timeout_
 
 
 def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda: bool) -> list:
+    ctx: SpawnContext | ForkServerContext
     if use_cuda or torch.cuda.is_available():
         ctx = mp.get_context("spawn")
     else:
@@ -110,9 +129,9 @@ def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda
     # torch remembers the answer) while unpickling ``fn``, before any code of ours runs in it, so the
     # variable has to be in the environment it starts with.
     with _cuda_hidden() if not use_cuda else contextlib.nullcontext():
-        env = dict(os.environ)
+        launcher = (_Stdio(), dict(os.environ), os.getcwd())
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, store.port, str(out), fn, args, env, os.getcwd()))
+            ctx.Process(target=_entry, args=(r, world_size, store.port, str(out), fn, args, launcher))
             for r in range(world_size)
         ]
         for p in procs:
