@@ -88,3 +88,14 @@ def test_no_import_cycle():
         if not state.get(node):
             visit(node, [node])
     assert not cycles, cycles
+
+
+def test_the_command_line_checks_a_run_without_megatron_core():
+    """``moerl train --check`` (the recipe's launcher, before torchrun) and ``--help`` import no megatron-core: 2 s of
+    every job's start on a CPU, paid again by each rank."""
+    import subprocess
+    import sys
+
+    probe = "import sys, moerl.orchestrator.main; print(sorted(m for m in sys.modules if m.startswith('megatron')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,6 +1,6 @@
 """What global rank 0 runs beside its trainer rank: the engines it started, the rollouts (the rollout manager's process
 and the endpoint to it), the catch-up syncs a step may need, and the metrics and progress bar. The other ranks hold
-none of it: the job (:mod:`moerl.orchestrator.main`) calls it where ``job.lead`` is not None."""
+none of it: the job (:mod:`moerl.orchestrator.job`) calls it where ``job.lead`` is not None."""
 
 from __future__ import annotations
 
