@@ -19,6 +19,12 @@ the job with ``simulation.profile=PROFILE`` runs its own orchestrator against th
     trainer:                                    # only the job's simulation needs it
       tokens_per_s_per_gpu: 500
       optimizer_step_s: 0.5
+    episodes:                                   # agentic episodes (rollout.agent=simulated): optional
+      turns: {median: 4, p99: 12}               # engine requests per episode
+      tool_seconds: {median: 2, p99: 30}        # a tool's wall time between turns (simulated seconds)
+      observation_tokens: {median: 300, p99: 4000}  # its output, fed before the next turn
+
+Every distribution is log-normal (median and 99th percentile); counts are rounded, turns to at least one.
 """
 
 from __future__ import annotations
@@ -101,6 +107,15 @@ class TrainerProfile(_Strict):
         return tokens / (self.tokens_per_s_per_gpu * gpus)
 
 
+class EpisodeProfile(_Strict):
+    """Agentic episodes as the simulated agent runs them: a turn is one request (its length the engine's
+    ``response_tokens``), then a tool's wait and output, then the next turn."""
+
+    turns: LengthProfile
+    tool_seconds: LengthProfile
+    observation_tokens: LengthProfile
+
+
 class Profile(_Strict):
     name: str
     model: str | None = None  # a Hub model directory (config.json at least), relative to the profile's file
@@ -108,6 +123,7 @@ class Profile(_Strict):
     sources: list[str] = Field(min_length=1)  # where each figure comes from
     engine: EngineProfile
     trainer: TrainerProfile | None = None
+    episodes: EpisodeProfile | None = None
 
     @model_validator(mode="after")
     def _dtype(self) -> Profile:

@@ -6,14 +6,18 @@ None to have the task's reward function score :attr:`Episode.final_text`.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+
+import numpy as np
 
 from moerl.config import import_object
 from moerl.episodes.episode import Episode
 from moerl.episodes.tools import CALCULATOR, Tool
 from moerl.errors import ConfigError
+from moerl.simulation import EpisodeProfile
 
 Agent = Callable[[Episode, Mapping[str, Any]], Awaitable[float | None]]
 MAX_TURNS = 8  # model turns of a tool_agent episode; a record's "max_turns" overrides it
@@ -34,6 +38,29 @@ async def tool_agent(episode: Episode, record: Mapping[str, Any]) -> float | Non
         messages.append(reply)
         messages.extend(await episode.run_tools(calls))
     return None
+
+
+SIMULATED = "simulated"  # rollout.agent of a simulation: the episodes its profile describes
+
+
+def simulated_agent(profile: EpisodeProfile, time_scale: float, seed: int) -> Agent:
+    """The agent of a simulation (``rollout.agent=simulated``): token-level turns, as many as ``profile`` draws for the
+    episode, each after a tool's wait (simulated seconds, at ``time_scale``) and its output (random token ids: a tool's
+    costs in the manager and the engine). Reproducible per episode; the task's reward scores the last turn."""
+
+    async def agent(episode: Episode, record: Mapping[str, Any]) -> None:
+        rng = np.random.default_rng([seed, episode.group_id, episode.index])
+        observation: list[int] = []
+        for _ in range(max(1, round(profile.turns.draw(rng))) - 1):
+            await episode.generate(observation)
+            if episode.done:
+                return None
+            await asyncio.sleep(profile.tool_seconds.draw(rng) / time_scale)
+            observation = rng.integers(0, len(episode.tokenizer), round(profile.observation_tokens.draw(rng))).tolist()
+        await episode.generate(observation)
+        return None
+
+    return agent
 
 
 AGENTS: dict[str, Agent] = {"tool_agent": tool_agent}

@@ -50,6 +50,13 @@ class EpisodeDone(EpisodeError):
     """A turn asked of an episode that has ended (its token budget spent, or a turn aborted)."""
 
 
+_ROUTING_METRICS = {
+    "recomputed_positions": "routing/recomputed_positions",
+    "routing_rows": "routing/rows_received",
+    "full_sequence_rows": "routing/rows_full_sequence",
+}
+
+
 @dataclass
 class EpisodeStats:
     turns: int = 0  # engine requests
@@ -60,10 +67,14 @@ class EpisodeStats:
     context_tokens: int = 0  # appended by the caller between turns
     model_tokens: int = 0  # generated
     recomputed_positions: int = 0  # prefix positions the engine computed again (their earlier routing kept)
+    routing_rows: int = 0  # routing rows the engine returned: each position once, across turns
+    # the rows had every turn asked for its whole sequence's routing (verl's and SkyRL's multi-turn requests)
+    full_sequence_rows: int = 0
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {f"episode/{f.name}": getattr(self, f.name) for f in fields(self)}
-        out["routing/recomputed_positions"] = out.pop("episode/recomputed_positions")
+        for name, metric in _ROUTING_METRICS.items():
+            out[metric] = out.pop(f"episode/{name}")
         return out
 
 
@@ -344,6 +355,8 @@ class Episode:
             seg.routing.append(c.routing)
             seg.routing_starts.append(seg.rows)
             seg.rows = input_len + n - 1
+            self.stats.routing_rows += len(c.routing)
+            self.stats.full_sequence_rows += seg.rows
         if self.sampling_mask:
             assert c.mask_offsets is not None and c.mask_ids is not None and c.sampling_logprobs is not None, "checked"
             seg.kept_lengths.append(np.diff(c.mask_offsets))

@@ -373,18 +373,22 @@ def episode_problems(cfg: RunConfig) -> list[str]:
     r = cfg.rollout
     if r.agent is None:
         return ["rollout.tools: tools are for an agent's episodes; set rollout.agent"] if r.tools else []
-    from moerl.episodes.agents import load_agent, load_tools
+    from moerl.episodes.agents import SIMULATED, load_agent, load_tools
 
     problems = []
     try:
-        load_agent(r.agent)
+        if r.agent != SIMULATED:
+            load_agent(r.agent)
         load_tools(r.tools)
     except ConfigError as e:
         problems.append(str(e))
     if r.episode_timeout_s <= 0 or r.max_episode_tokens <= r.max_new_tokens:
         problems.append("rollout.episode_timeout_s must be > 0 and rollout.max_episode_tokens > max_new_tokens")
-    if cfg.simulation.profile is not None:
-        problems.append("rollout.agent: simulated engines generate no text for an agent to read; run it for real")
+    if (cfg.simulation.profile is not None) != (r.agent == SIMULATED):
+        problems.append(
+            f"rollout.agent={r.agent}: simulated engines generate no text for an agent to read, so a simulation runs "
+            f"rollout.agent={SIMULATED} (the episodes of its profile's episodes section) and a real run any other"
+        )
     return problems
 
 

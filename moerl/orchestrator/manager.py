@@ -36,7 +36,7 @@ from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, Rep
 from moerl.engines.generation_workers import WorkerLost
 from moerl.engines.health import State
 from moerl.engines.protocol import Completion, SamplingParams
-from moerl.episodes.agents import load_agent, load_tools
+from moerl.episodes.agents import SIMULATED, Agent, load_agent, load_tools, simulated_agent
 from moerl.episodes.endpoint import EpisodeEndpoint
 from moerl.episodes.episode import Episode
 from moerl.errors import EnginesDown
@@ -59,6 +59,7 @@ from moerl.orchestrator.messages import (
     send_event,
 )
 from moerl.sample import Sample
+from moerl.simulation import Profile
 from moerl.tasks import PromptStream
 from moerl.tasks.rewards import Rewarder
 
@@ -124,9 +125,18 @@ class RolloutManager:
         self.stop_ids = sorted(
             {t for t in (self.tokenizer.eos_token_id, *ends, *cfg.rollout.stop_token_ids) if isinstance(t, int)}
         )
-        self.agent = load_agent(self.r.agent) if self.r.agent is not None else None
+        self.agent = self._agent()
         self.tools = load_tools(self.r.tools)
         self.endpoint = EpisodeEndpoint(Path(hf_dir).name) if self.agent is not None else None
+
+    def _agent(self) -> Agent | None:
+        """The run's agent: none (single-turn groups), a simulation's, or the one ``rollout.agent`` names."""
+        if self.r.agent != SIMULATED:
+            return load_agent(self.r.agent) if self.r.agent is not None else None
+        assert self.cfg.simulation.profile is not None, "checked: config.episode_problems"
+        episodes = Profile.load(self.cfg.simulation.profile).episodes
+        assert episodes is not None, "checked: preflight.simulation_profile"
+        return simulated_agent(episodes, self.cfg.simulation.time_scale, self.r.seed)
 
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()

@@ -100,6 +100,11 @@ def simulation_profile(cfg: RunConfig):
             f"simulation.profile={cfg.simulation.profile} has no trainer section: the job's simulation needs its "
             "trainer's rate (tokens_per_s_per_gpu, optimizer_step_s)"
         )
+    if cfg.rollout.agent is not None and profile.episodes is None:
+        raise ConfigError(
+            f"rollout.agent={cfg.rollout.agent}: simulation.profile={cfg.simulation.profile} has no episodes section "
+            "(turns, tool_seconds, observation_tokens) for the simulated agent to follow"
+        )
     return profile
 
 

@@ -327,9 +327,10 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
 
 
 def episode_metrics(groups: list[Group], env_token_fraction: float) -> dict[str, float]:
-    """An agentic step's episodes: turns per episode; tool calls, forks, tool failures, failed episodes and recomputed
-    routing positions summed; and the share of the response that is environment, tool or template tokens (fed, not
-    scored). None of it for single-turn groups."""
+    """An agentic step's episodes: turns per episode; tool calls, forks, tool failures, failed episodes, recomputed
+    routing positions and routing rows (received, and what full-sequence requests per turn would have received)
+    summed; and the share of the response that is environment, tool or template tokens (fed, not scored). None of it
+    for single-turn groups."""
     counts: Counter = Counter()
     for g in groups:
         counts.update(g.episodes or {})
@@ -345,4 +346,6 @@ def episode_metrics(groups: list[Group], env_token_fraction: float) -> dict[str,
         "episode/failures": float(sum(failed.values())),
         "episode/env_token_fraction": env_token_fraction,
         "routing/recomputed_positions": float(counts["routing/recomputed_positions"]),
+        "routing/rows_received": float(counts["routing/rows_received"]),
+        "routing/rows_full_sequence": float(counts["routing/rows_full_sequence"]),
     } | {k: float(v) for k, v in failed.items()}

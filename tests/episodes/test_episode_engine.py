@@ -68,6 +68,9 @@ def test_token_level_turns_keep_the_engine_tokens_and_each_routing_row_once(mode
     np.testing.assert_array_equal(np.sort(sample.routing, -1), expert_sets(models[0], sample.fed_ids().tolist()))
     stats = episode.stats
     assert (stats.turns, stats.model_tokens, stats.context_tokens, stats.forks) == (2, n1 + n2, 3, 0)
+    # Received: each row once. Had each turn asked for its whole sequence: turn 1's rows twice.
+    assert stats.routing_rows == sample.routing.shape[0]
+    assert stats.full_sequence_rows == (p + n1 - 1) + sample.routing.shape[0]
     assert_only_seen(sample, calls)
 
 

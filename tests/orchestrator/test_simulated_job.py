@@ -57,9 +57,17 @@ def simulate(model: Path, run_dir: Path, *overrides: str) -> subprocess.Complete
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode, staleness", [("sync", 0), ("periodic", 0), ("async", 1)])
 def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_path, mode, staleness):
+    """Async mode's groups are the profile's agentic episodes: several turns, a tool's wait and output between them."""
     steps = 3
+    agentic = ["rollout.agent=simulated", "rollout.max_episode_tokens=400"] if mode == "async" else []
     out = simulate(
-        model, tmp_path, f"run.mode={mode}", f"run.steps={steps}", "rollout.max_staleness=1", "run.save_every=2"
+        model,
+        tmp_path,
+        f"run.mode={mode}",
+        f"run.steps={steps}",
+        "rollout.max_staleness=1",
+        "run.save_every=2",
+        *agentic,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
@@ -83,6 +91,10 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
     else:
         # updates met requests in flight, continued in place
         assert sum(r["rollout/mixed_version_fraction"] for r in rows) > 0
+        for r in rows:  # one sample per episode, tool output fed as context, each position's routing received once
+            assert r["episode/turns_mean"] > 1 and r["episode/failures"] == 0 and r["episode/forks"] == 0
+            assert r["episode/env_token_fraction"] > 0
+            assert 0 < r["routing/rows_received"] < r["routing/rows_full_sequence"]
     engines = sorted(p.name for p in (tmp_path / "logs").glob("simulated-*.log"))
     assert engines == ["simulated-0.log", "simulated-2.log"]  # replicas 0 and 1 in one process, 2 in another
     if mode == "sync":  # the run state and the simulated trainer's checkpoint resume the run where it stopped
@@ -200,6 +212,7 @@ def test_a_hollow_checkpoint_has_the_real_header_and_no_bytes_on_disk(tmp_path):
         ("engines.server=embedded", "leave engines.server=auto"),
         ("simulation.time_scale=0", "simulation.time_scale must be > 0"),
         ("trainer.replay.trace_samples=2", "runs no routers to trace"),
+        ("rollout.agent=tool_agent", "a simulation runs rollout.agent=simulated"),
     ],
 )
 def test_what_a_simulation_cannot_do_is_one_error(model, tmp_path, override, message):
@@ -214,6 +227,17 @@ def test_a_profile_without_a_trainer_is_refused_by_the_job(model, tmp_path):
     out = simulate(model, tmp_path / "run", f"simulation.profile={engine_only}")
     assert out.returncode == 2 and "has no trainer section" in out.stderr, out.stderr[-2000:]
     assert os.listdir(tmp_path) == ["engine.yaml"]  # refused before anything was made
+
+
+@pytest.mark.e2e
+def test_the_simulated_agent_needs_a_profile_with_episodes_and_a_simulation(model, tmp_path):
+    without = tmp_path / "single-turn.yaml"
+    without.write_text(PROFILE.read_text().split("episodes:")[0])
+    out = simulate(model, tmp_path / "run", f"simulation.profile={without}", "rollout.agent=simulated")
+    assert out.returncode == 2 and "has no episodes section" in out.stderr, out.stderr[-2000:]
+    out = simulate(model, tmp_path / "run", "simulation.profile=null", "rollout.agent=simulated", "sync.verify=false")
+    assert out.returncode == 2 and "a simulation runs rollout.agent=simulated" in out.stderr, out.stderr[-2000:]
+    assert os.listdir(tmp_path) == ["single-turn.yaml"]  # refused before anything was made
 
 
 @pytest.mark.e2e
