@@ -290,6 +290,22 @@ class AbortReq(WireModel):
         return self
 
 
+# What /release_memory_occupation and /resume_memory_occupation take (SGLang 0.5.23's tags; none given: all).
+MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
+MEMORY_TAGS: frozenset[str] = frozenset(("weights", "kv_cache", "cuda_graph"))
+
+
+class ReleaseMemoryOccupationReqInput(WireModel):
+    tags: list[MemoryTag] | None = None
+
+    def regions(self) -> frozenset[str]:
+        return MEMORY_TAGS if self.tags is None else frozenset(self.tags)
+
+
+class ResumeMemoryOccupationReqInput(ReleaseMemoryOccupationReqInput):
+    pass
+
+
 class UpdateWeightVersionReqInput(WireModel):
     new_version: str = Field(min_length=1)
     abort_all_requests: bool = True
@@ -434,6 +450,8 @@ CONTINUE = Route("/continue_generation", "POST")
 ABORT = Route("/abort_request", "POST")
 FLUSH_CACHE = Route("/flush_cache", "POST")
 UPDATE_WEIGHT_VERSION = Route("/update_weight_version", "POST")
+RELEASE_MEMORY = Route("/release_memory_occupation", "POST")  # a tag released already stays so: harmless twice
+RESUME_MEMORY = Route("/resume_memory_occupation", "POST")
 UPDATE_FROM_DISK = Route("/update_weights_from_disk", "POST", idempotent=False)
 INIT_GROUP = Route("/init_weights_update_group", "POST", idempotent=False)
 BEGIN_UPDATE = Route("/begin_weight_update", "POST", idempotent=False)

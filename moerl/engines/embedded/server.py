@@ -127,6 +127,8 @@ class EmbeddedEngine(Generic[RequestT]):
         max_length = getattr(config, "max_position_embeddings", 1 << 30)
         self.scheduler = scheduler(AdapterSet(model, self.family), eos_ids, max_length)
         self.limits = protocol.EngineLimits(config.vocab_size, self.scheduler.max_length, sampling_mask_max_tokens)
+        self.released: set[str] = set()  # memory given back (/release_memory_occupation's tags), until resumed
+        self.weight_shapes: dict[torch.nn.Parameter, torch.Size] = {}  # of the weights while released
         self.weight_groups: dict[str, object] = {}
         self.joining: set[str] = set()
         self.update_session = False  # between /begin_weight_update and /end_weight_update
@@ -284,6 +286,45 @@ class EmbeddedEngine(Generic[RequestT]):
             details.sampling_mask = kept_ids, kept_logprobs
         return details
 
+    # ---- memory occupation (colocated training) ------------------------------------------------
+    def release_memory(self, tags: frozenset[str]) -> set[str]:
+        """On the engine thread: give back the memory of ``tags`` (the prefix cache's KV, the weights; no CUDA graphs
+        are captured here), as SGLang does only while nothing runs: after a pause with abort or retract (retracted
+        requests wait without KV). The weights are not kept: once resumed they are uninitialised until a push, as
+        SGLang's without ``--enable-weights-cpu-backup``. The tags newly released."""
+        sched = self.scheduler
+        if sched.running or not sched.paused:
+            raise ProtocolError(
+                "memory is released only while nothing runs: pause generation with mode abort or retract first"
+            )
+        new = set(tags - self.released)
+        if "kv_cache" in new:
+            sched.prefix_cache.clear()
+        if "weights" in new:
+            self.weight_shapes = {p: p.shape for p in self.model.parameters()}
+            for p in self.weight_shapes:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.released |= new
+        give_back_freed_memory()
+        return new
+
+    def resume_memory(self, tags: frozenset[str]) -> set[str]:
+        """On the engine thread: take back the memory of ``tags``; the tags resumed."""
+        back = set(tags & self.released)
+        if "weights" in back:
+            for p, shape in self.weight_shapes.items():
+                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+            self.weight_shapes = {}
+        self.released -= back
+        return back
+
+    def check_weights_held(self, refused: str) -> None:
+        if "weights" in self.released:
+            raise ProtocolError(
+                f"{refused}: the weights are released; resume them first (/resume_memory_occupation with tags "
+                '["weights"])'
+            )
+
     # ---- weights -----------------------------------------------------------------------------
     def read_model_dir(self, path: str) -> list[tuple[str, torch.Tensor]]:
         """Every Hub tensor of the served model from the HF directory ``path``, all read before any is used:
@@ -312,6 +353,7 @@ class EmbeddedEngine(Generic[RequestT]):
     ) -> None:
         """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
         sched = self.scheduler
+        self.check_weights_held("weights not updated")
         pairs = hub_tensor_targets(self.family, self.model, named)
         self.check_flush(flush, abort_all, "weights not updated")
         if abort_all:
@@ -329,11 +371,13 @@ class EmbeddedEngine(Generic[RequestT]):
 
     def weight_values(self, name: str, truncate_size: int) -> list | None:
         """The first ``truncate_size`` rows of the Hub tensor ``name`` as served (None: not a weight of the model)."""
+        self.check_weights_held("no weights to read")
         view = hub_tensor_view(self.family, dict(self.model.named_parameters()), name)
         return None if view is None else view[:truncate_size].float().cpu().tolist()
 
     def checksum(self) -> str:
         """SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes."""
+        self.check_weights_held("no weights to hash")
         digest = hashlib.sha256()
         for name, param in sorted(self.model.named_parameters()):
             data = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data  # its bytes, uncopied
@@ -387,6 +431,16 @@ class EmbeddedEngine(Generic[RequestT]):
             "num_experts_per_tok": self.model.config.num_experts_per_tok,
             "vocab_size": self.model.config.vocab_size,
         }
+
+
+def give_back_freed_memory() -> None:
+    """Return the heap's freed pages to the OS: tensors below glibc's mmap threshold are freed into the heap, where
+    they would stay resident (the non-PyTorch memory left after an offload that verl #5979 reports)."""
+    import ctypes
+    import ctypes.util
+
+    if (libc := ctypes.util.find_library("c")) is not None and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
+        lib.malloc_trim(0)
 
 
 @contextlib.contextmanager
@@ -461,6 +515,8 @@ class EngineServer(Generic[RequestT]):
                 web.post(P.GET_WEIGHTS.path, self.get_weights_by_name),
                 web.post(P.WEIGHTS_CHECKER.path, self.weights_checker),
                 web.post(P.UPDATE_WEIGHT_VERSION.path, self.update_weight_version),
+                web.post(P.RELEASE_MEMORY.path, self.release_memory_occupation),
+                web.post(P.RESUME_MEMORY.path, self.resume_memory_occupation),
                 web.post(P.UPDATE_FROM_DISK.path, self.update_weights_from_disk),
                 web.post(P.INIT_GROUP.path, self.init_weights_update_group),
                 web.post(P.BEGIN_UPDATE.path, self.begin_weight_update),
@@ -511,8 +567,27 @@ class EngineServer(Generic[RequestT]):
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await _parse(request, protocol.ContinueGenerationReqInput)
-        await self.on_engine(self.sched.resume)
+
+        def resume() -> None:
+            if self.engine.released:
+                raise ProtocolError(
+                    f"memory is released ({', '.join(sorted(self.engine.released))}): resume it "
+                    "(/resume_memory_occupation) before generation continues"
+                )
+            self.sched.resume()
+
+        await self.on_engine(resume)
         return _ok("continued")
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.ReleaseMemoryOccupationReqInput)
+        released = await self.on_engine(lambda: self.engine.release_memory(req.regions()))
+        return _ok(f"released {', '.join(sorted(released)) or 'nothing more'}")
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.ResumeMemoryOccupationReqInput)
+        resumed = await self.on_engine(lambda: self.engine.resume_memory(req.regions()))
+        return _ok(f"resumed {', '.join(sorted(resumed)) or 'nothing released'}")
 
     async def abort_request(self, request: web.Request) -> web.Response:
         req = await _parse(request, protocol.AbortReq)
@@ -566,6 +641,7 @@ class EngineServer(Generic[RequestT]):
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         req = await _parse(request, protocol.UpdateWeightFromDiskReqInput)
         engine = self.engine
+        engine.check_weights_held("weights not loaded")  # before reading the directory
         with refused_path("model_path", req.model_path):
             named = await self.in_pool("disk", engine.read_model_dir, req.model_path)
         await self.on_engine(
@@ -606,6 +682,7 @@ class EngineServer(Generic[RequestT]):
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         req = await _parse(request, protocol.UpdateWeightsFromDistributedReqInput)
         engine = self.engine
+        engine.check_weights_held("weights not received")  # before a byte comes
         # Names, shapes and layout are checked before a byte is received: never allocate what a request claims.
         shapes = [
             (n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
