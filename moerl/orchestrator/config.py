@@ -106,8 +106,16 @@ class RolloutSection:
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)  # stop tokens besides the tokenizer's end token
     max_staleness: int = 1  # async: groups whose oldest token is more versions old than this are dropped
-    # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness)
+    # async depth bound (in flight + buffered); default groups_per_step * max(1, max_staleness), plus oversample
     max_outstanding_groups: int | None = None
+    # Dynamic sampling (DAPO, moerl.tasks.filters): which scored groups to train on. none | zero_variance (those whose
+    # rewards differ) | "package.module:function" (function(samples) -> bool). A group turned away is dropped as
+    # filtered, and another prompt is issued in its place.
+    filter_groups: str = "none"
+    # Groups filtered while a step collects its groups past which the run stops (its data can no longer fill a step);
+    # null: 4 x groups_per_step
+    max_filtered_per_step: int | None = None
+    oversample: int = 0  # groups issued beyond what a step needs, so that a filtered one does not hold it up
     # rollouts in flight at a weight update: in_place (continue, per-token versions) | retry (abort, regenerate)
     partial: Partial = "in_place"
     # re-issues of a prompt whose replica failed (same seed, another replica); then dropped as engine_failure
@@ -132,7 +140,11 @@ class RolloutSection:
     def outstanding(self) -> int:
         # Generation runs ahead of training by this many groups: one batch per version of staleness
         # allowed. A deeper queue only fills with groups that are dropped as stale when their turn comes.
-        return self.max_outstanding_groups or self.groups_per_step * max(1, self.max_staleness)
+        return (self.max_outstanding_groups or self.groups_per_step * max(1, self.max_staleness)) + self.oversample
+
+    @property
+    def filter_bound(self) -> int:
+        return 4 * self.groups_per_step if self.max_filtered_per_step is None else self.max_filtered_per_step
 
 
 @dataclass
@@ -362,10 +374,25 @@ def check(cfg: RunConfig) -> None:
             "engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be "
             "> 0, health_failures >= 1 and max_restarts >= 0"
         )
+    problems += filter_problems(r)
     problems += episode_problems(cfg)
     problems += simulation_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def filter_problems(r: RolloutSection) -> list[str]:
+    """What dynamic sampling needs: a filter that loads, and bounds that are counts."""
+    from moerl.tasks.filters import load_filter
+
+    problems = []
+    if r.filter_bound < 0 or r.oversample < 0:
+        problems.append("rollout.max_filtered_per_step and rollout.oversample must be >= 0")
+    try:
+        load_filter(r.filter_groups)
+    except ConfigError as err:
+        problems.append(str(err))
+    return problems
 
 
 def episode_problems(cfg: RunConfig) -> list[str]:

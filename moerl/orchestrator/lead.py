@@ -19,6 +19,7 @@ from moerl.orchestrator.components import start_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
 from moerl.orchestrator.rollouts import Accounting, Group, RolloutEndpoint, rollout_metrics
+from moerl.tasks.filters import FILTERED
 from moerl.weight_sync.base import SyncStats, WeightSync
 
 log = logging.getLogger("moerl.train")
@@ -158,6 +159,7 @@ class Lead:
         metrics.update(rollout_metrics(taken))
         metrics.update(rollouts.acct.counts())
         reissues = rollouts.take_reissues()
+        filtering = rollouts.take_filtering()
         wall = times.end - times.start
         metrics.update(
             {
@@ -177,6 +179,10 @@ class Lead:
                 "rollout/retries_worker_lost": float(reissues["worker_lost"]),
                 "sync/catch_ups": float(self.catch_ups),
                 "prompts/dropped_engine_failure": float(rollouts.acct.dropped["engine_failure"]),
+                "rollout/filtered_groups": float(filtering[FILTERED]),
+                "rollout/filter_refills": float(filtering["refills"]),
+                # of the groups scored since the last step: those the filter let through
+                "rollout/filter_pass_rate": filtering["done"] / max(filtering["done"] + filtering[FILTERED], 1),
             }
         )
         states = list(rollouts.engines.values())

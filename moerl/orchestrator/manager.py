@@ -61,6 +61,7 @@ from moerl.orchestrator.messages import (
 from moerl.sample import Sample
 from moerl.simulation import Profile
 from moerl.tasks import PromptStream
+from moerl.tasks.filters import FILTERED, load_filter
 from moerl.tasks.rewards import Rewarder
 
 log = logging.getLogger("moerl.rollout")
@@ -126,6 +127,7 @@ class RolloutManager:
             {t for t in (self.tokenizer.eos_token_id, *ends, *cfg.rollout.stop_token_ids) if isinstance(t, int)}
         )
         self.agent = self._agent()
+        self.keep = load_filter(self.r.filter_groups)
         self.tools = load_tools(self.r.tools)
         self.endpoint = EpisodeEndpoint(Path(hf_dir).name) if self.agent is not None else None
 
@@ -243,6 +245,9 @@ class RolloutManager:
                 await send_event(
                     self.events, Dropped(index, "episode_failure", tries.engine_retries, tries.workers_lost)
                 )
+                return
+            if self.keep is not None and not self.keep(samples):
+                await send_event(self.events, Dropped(index, FILTERED, tries.engine_retries, tries.workers_lost))
                 return
             await send_event(
                 self.events,

@@ -82,7 +82,7 @@ class GroupDone:
 class Dropped:
     index: int
     # engine_failure: its replicas failed more than rollout.engine_retries times; episode_failure: every episode of an
-    # agentic group failed (its agent raised or timed out)
+    # agentic group failed (its agent raised or timed out); filtered: rollout.filter_groups turned it away
     reason: str
     engine_retries: int
     workers_lost: int = 0

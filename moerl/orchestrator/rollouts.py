@@ -6,6 +6,11 @@ taken (in the step being trained), trained, or dropped with a reason. Staleness 
 group is taken: a group whose oldest model token is more than ``max_staleness`` versions behind the
 trainer is dropped. In async mode the buffer keeps ``outstanding`` groups in flight or ready,
 ordering one more group for each one taken or dropped, so engines never wait on the trainer.
+
+Dynamic sampling (``rollout.filter_groups``): a group the manager's filter turned away comes back dropped as
+filtered, and another is ordered in its place; past ``rollout.max_filtered_per_step`` in one step the run stops
+(:class:`FilterExhausted`). The on-policy modes order ``rollout.oversample`` groups more than a step needs; what is left
+of them once the step has its groups is dropped as surplus (they would be stale by the next step).
 """
 
 from __future__ import annotations
@@ -38,12 +43,20 @@ from moerl.orchestrator.messages import (
     receive_event,
 )
 from moerl.sample import Sample
+from moerl.tasks.filters import FILTERED
 
 WAITING_POLL_S = 0.5  # how often pieces() calls its waiting hook while no group is ready
 
 
 class RolloutError(RuntimeError):
     """The rollout manager failed; the message carries its traceback."""
+
+
+class FilterExhausted(MoerlError):
+    """``rollout.filter_groups`` turned away more groups in one step than ``rollout.max_filtered_per_step``."""
+
+
+SURPLUS = "surplus"  # the accounting's reason for an oversampled group a step did not need
 
 
 @dataclass
@@ -116,6 +129,12 @@ class RolloutEndpoint:
         self.losses: dict[str, int] = {}  # each replica's count of such losses, as the manager last reported it
         # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
         self.reissues: Counter = Counter()
+        # Since the last read: groups scored and kept (done), turned away by the filter (filtered), and the prompts
+        # ordered in place of those (refills).
+        self.filtering: Counter = Counter()
+        self.surplus: set[int] = set()  # oversampled prompts still in flight that no step will take
+        self.unissued = 0  # groups ordered whose Issued has not come yet (the manager issues them in order)
+        self.surplus_unissued = 0  # of those, the last ones: surplus
         # What stops the run with a checkpoint: the manager found no engine for engines.down_timeout_s, or the manager
         # is gone.
         self.stop_error: MoerlError | None = None
@@ -154,6 +173,7 @@ class RolloutEndpoint:
     def order(self, groups: int) -> None:
         if groups > 0:
             self._send(Generate(groups))
+            self.unissued += groups
 
     def updating(self) -> None:
         """A weight update begins: the manager holds new requests until :meth:`served`."""
@@ -185,23 +205,41 @@ class RolloutEndpoint:
         counts, self.reissues = self.reissues, Counter()
         return counts
 
+    def take_filtering(self) -> Counter:
+        counts, self.filtering = self.filtering, Counter()
+        return counts
+
     def _handle(self, event: Event) -> None:
         if isinstance(event, Issued):
+            self.unissued -= 1
+            if self.surplus_unissued:
+                self.surplus_unissued -= 1
+                self.surplus.add(event.index)
             if event.new:  # a resumed run's re-issued prompts were counted when first issued
                 self.acct.issued += 1
                 self.cursor = max(self.cursor, event.index + 1)
             self.acct.set(event.index, "in_flight")
         elif isinstance(event, GroupDone):
+            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
+            self.filtering["done"] += 1
+            if event.index in self.surplus:
+                self.surplus.discard(event.index)
+                self.acct.finish(event.index, SURPLUS)
+                return
             self.ready.append(
                 Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries, event.episodes)
             )
             self.acct.set(event.index, "ready")
-            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
-            if not self._stopping:
+            filtered = event.reason == FILTERED
+            self.filtering[FILTERED] += filtered
+            if event.index in self.surplus:  # no step waits for it
+                self.surplus.discard(event.index)
+            elif not self._stopping:
                 self.order(1)  # a prompt in its place: the step still needs its groups, the async queue its depth
+                self.filtering["refills"] += filtered
         elif isinstance(event, EnginesChanged):
             self.left |= {url for url, n in event.losses.items() if n > self.losses.get(url, 0)}
             self.engines, self.losses = event.states, event.losses
@@ -240,13 +278,15 @@ class RolloutEndpoint:
         one piece once all are ready). Stale groups are dropped (and re-ordered in async mode). While none is ready,
         ``waiting()`` is called every :data:`WAITING_POLL_S`; what it returns, unless None, is yielded in between."""
         if self.mode != "async":
-            self.order(groups)
+            self.order(groups + self.cfg.oversample)
         remaining = groups
+        filtered_before = self.filtering[FILTERED]
         piece: list[Group] = []
         while remaining:
             if self.stop_error is not None:
                 raise self.stop_error
             self.drain()
+            self._check_filtered(self.filtering[FILTERED] - filtered_before, groups - remaining, groups)
             hook_at = time.monotonic() + WAITING_POLL_S
             while not self.ready:
                 if self.stop_error is not None:
@@ -255,6 +295,7 @@ class RolloutEndpoint:
                 if not self._receive(WAITING_POLL_S):
                     self._manager_gone()
                 self.waited_s += time.perf_counter() - start
+                self._check_filtered(self.filtering[FILTERED] - filtered_before, groups - remaining, groups)
                 if waiting is not None and time.monotonic() >= hook_at:
                     hook_at = time.monotonic() + WAITING_POLL_S
                     if (interlude := waiting()) is not None:
@@ -272,8 +313,33 @@ class RolloutEndpoint:
                 piece.append(group)
                 remaining -= 1
             if piece and (not whole or not remaining):
+                if not remaining:
+                    self._drop_surplus()
                 yield piece
                 piece = []
+
+    def _check_filtered(self, filtered: int, taken: int, groups: int) -> None:
+        """Stop the run once the filter has turned away more than its bound while this step collects its groups."""
+        if filtered <= self.cfg.filter_bound:
+            return
+        scored = self.filtering["done"] + self.filtering[FILTERED]
+        self.stop_error = FilterExhausted(
+            f"rollout.filter_groups={self.cfg.filter_groups} turned away {filtered} groups while this step collected "
+            f"{taken} of its {groups} (a pass rate of {self.filtering['done'] / max(scored, 1):.0%} since the last "
+            f"step), past rollout.max_filtered_per_step={self.cfg.filter_bound}: the data can no longer fill a step. "
+            "Raise the bound, filter less, or give easier (or harder) prompts"
+        )
+        raise self.stop_error
+
+    def _drop_surplus(self) -> None:
+        """The on-policy modes, once a step has its groups: what it ordered beyond them is not trained."""
+        if self.mode == "async":
+            return
+        for group in self.ready:
+            self.acct.finish(group.index, SURPLUS)
+        self.ready.clear()
+        self.surplus |= {index for index, state in self.acct.live.items() if state == "in_flight"}
+        self.surplus_unissued = self.unissued
 
     def trained(self, groups: list[Group]) -> None:
         for g in groups:

@@ -149,8 +149,8 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
 ):
     staleness = 1
     extra = engine_bound if mode == "async" else []  # updates meet rollouts in flight, continued in place
-    if mode == "periodic":
-        extra = ["trainer.replay.trace_samples=2"]
+    if mode == "periodic":  # and dynamic sampling: a group with one reward throughout is replaced
+        extra = ["trainer.replay.trace_samples=2", "rollout.filter_groups=zero_variance"]
     out = job(
         cache,
         tmp_path,
@@ -186,8 +186,12 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
     assert acct["balanced"] and acct["live"] == 0
     assert acct["trained"] == steps * groups == rows[-1]["prompts/trained"]
     assert acct["issued"] == acct["trained"] + sum(acct["dropped"].values())
-    if mode != "async":
+    if mode == "sync":
         assert acct["dropped"] == {}
+    if mode == "periodic":
+        assert set(acct["dropped"]) <= {"filtered"}
+        assert sum(r["rollout/filtered_groups"] for r in rows) == acct["dropped"].get("filtered", 0)
+        assert all(r["rollout/zero_variance_groups"] == 0 for r in rows)
     png = plot(tmp_path)
     assert png.stat().st_size > 10_000
     assert any((tmp_path / "tensorboard").iterdir())

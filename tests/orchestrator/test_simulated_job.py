@@ -230,6 +230,24 @@ def test_a_profile_without_a_trainer_is_refused_by_the_job(model, tmp_path):
 
 
 @pytest.mark.e2e
+def test_a_run_whose_every_group_the_filter_turns_away_stops_with_its_pass_rate(model, tmp_path):
+    """Simulated engines write random tokens, which the task's reward scores 0: no group's rewards differ."""
+    out = simulate(
+        model,
+        tmp_path,
+        "run.mode=sync",
+        "run.steps=2",
+        "rollout.filter_groups=zero_variance",
+        "rollout.max_filtered_per_step=6",
+    )
+    assert out.returncode != 0
+    assert "turned away" in out.stderr and "a pass rate of 0%" in out.stderr, out.stderr[-4000:]
+    assert "checkpoint" in out.stderr and "run.resume=true continues from it" in out.stderr
+    acct = json.loads((tmp_path / "accounting.json").read_text())
+    assert acct["balanced"] and acct["trained"] == 0 and acct["dropped"]["filtered"] > 6
+
+
+@pytest.mark.e2e
 def test_the_simulated_agent_needs_a_profile_with_episodes_and_a_simulation(model, tmp_path):
     without = tmp_path / "single-turn.yaml"
     without.write_text(PROFILE.read_text().split("episodes:")[0])
