@@ -400,7 +400,9 @@ def fused_accumulation_output_layer() -> dict:
 def test_the_routers_gemm_works_without_transformer_engine_on_a_gpu_too(monkeypatch):
     """megatron-core's router_gating_linear tests a name only Transformer Engine's import binds: the first MoE
     forward on an H100 without TE raised NameError. init_distributed binds it on every device."""
+    import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core import parallel_state
 
     from moerl.layout import Layout
     from moerl.megatron import parallel
@@ -408,9 +410,9 @@ def test_the_routers_gemm_works_without_transformer_engine_on_a_gpu_too(monkeypa
     monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU: the CPU layer stays off
     monkeypatch.setattr(parallel, "init_process_group", lambda timeout_s: None)
-    monkeypatch.setattr(parallel, "model_parallel_cuda_manual_seed", lambda seed: None)
-    monkeypatch.setattr(parallel.parallel_state, "destroy_model_parallel", lambda: None)
-    monkeypatch.setattr(parallel.parallel_state, "initialize_model_parallel", lambda **kw: None)
+    monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed", lambda seed: None)
+    monkeypatch.setattr(parallel_state, "destroy_model_parallel", lambda: None)
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kw: None)
     monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 1)
     parallel.init_distributed(Layout())
     x, w = torch.randn(3, 8), torch.randn(4, 8)

@@ -156,6 +156,8 @@ def test_a_failed_request_leaves_the_episode_as_it_was(tokenizer):
         "episode/context_tokens": 3,
         "episode/model_tokens": 2,
         "routing/recomputed_positions": 0,
+        "routing/rows_received": 5 + 2,  # turn 1's prompt and output, then turn 2's context and output
+        "routing/rows_full_sequence": 5 + 7,  # each turn's whole sequence
     }
 
 

@@ -705,7 +705,7 @@ def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(
     """The adapter a resumed run's sync loads at start is what the rollout manager's first requests name."""
     from types import SimpleNamespace
 
-    from moerl.orchestrator import main as job_module
+    from moerl.orchestrator import job as job_module
     from moerl.orchestrator.config import load_config
     from moerl.orchestrator.lead import Lead
 
@@ -751,7 +751,7 @@ def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_wh
     policy (full weights: the others hold it too), and one it missed is not counted as caught up."""
     from types import SimpleNamespace
 
-    from moerl.orchestrator import main as job_module
+    from moerl.orchestrator import job as job_module
     from moerl.orchestrator.config import load_config
     from moerl.orchestrator.lead import Lead
 
