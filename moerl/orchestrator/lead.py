@@ -19,7 +19,6 @@ from moerl.orchestrator.components import start_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
 from moerl.orchestrator.rollouts import Accounting, Group, RolloutEndpoint, rollout_metrics
-from moerl.tasks.filters import FILTERED
 from moerl.weight_sync.base import SyncStats, WeightSync
 
 log = logging.getLogger("moerl.train")
@@ -159,7 +158,6 @@ class Lead:
         metrics.update(rollout_metrics(taken))
         metrics.update(rollouts.acct.counts())
         reissues = rollouts.take_reissues()
-        filtering = rollouts.take_filtering()
         wall = times.end - times.start
         metrics.update(
             {
@@ -179,12 +177,9 @@ class Lead:
                 "rollout/retries_worker_lost": float(reissues["worker_lost"]),
                 "sync/catch_ups": float(self.catch_ups),
                 "prompts/dropped_engine_failure": float(rollouts.acct.dropped["engine_failure"]),
-                "rollout/filtered_groups": float(filtering[FILTERED]),
-                "rollout/filter_refills": float(filtering["refills"]),
-                # of the groups scored since the last step: those the filter let through
-                "rollout/filter_pass_rate": filtering["done"] / max(filtering["done"] + filtering[FILTERED], 1),
             }
         )
+        metrics.update(rollouts.take_scored().metrics())
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})
         metrics["engines/restarts"] = float(sum(self.pool.restarts.values())) if self.pool is not None else 0.0

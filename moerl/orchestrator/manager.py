@@ -247,7 +247,10 @@ class RolloutManager:
                 )
                 return
             if self.keep is not None and not self.keep(samples):
-                await send_event(self.events, Dropped(index, FILTERED, tries.engine_retries, tries.workers_lost))
+                rewards = tuple(s.reward for s in samples)
+                await send_event(
+                    self.events, Dropped(index, FILTERED, tries.engine_retries, tries.workers_lost, rewards)
+                )
                 return
             await send_event(
                 self.events,

@@ -86,6 +86,7 @@ class Dropped:
     reason: str
     engine_retries: int
     workers_lost: int = 0
+    rewards: tuple[float, ...] = ()  # a filtered group's: what the policy scored, though nothing trains on it
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,31 @@ SURPLUS = "surplus"  # the accounting's reason for an oversampled group a step d
 
 
 @dataclass
+class Scored:
+    """The groups scored since the last step's metrics: kept, turned away by the filter, and the prompts ordered in
+    place of those; the rewards of every one of their samples."""
+
+    kept: int = 0
+    filtered: int = 0
+    refills: int = 0
+    reward_sum: float = 0.0
+    rewards: int = 0
+
+    def add(self, rewards: list[float]) -> None:
+        self.reward_sum += sum(rewards)
+        self.rewards += len(rewards)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/filtered_groups": float(self.filtered),
+            "rollout/filter_refills": float(self.refills),
+            "rollout/filter_pass_rate": self.kept / max(self.kept + self.filtered, 1),
+            # the policy's reward, where rollout/reward_mean is that of the groups trained
+            "rollout/scored_reward_mean": self.reward_sum / max(self.rewards, 1),
+        }
+
+
+@dataclass
 class Group:
     index: int
     samples: list[Sample]
@@ -129,9 +154,7 @@ class RolloutEndpoint:
         self.losses: dict[str, int] = {}  # each replica's count of such losses, as the manager last reported it
         # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
         self.reissues: Counter = Counter()
-        # Since the last read: groups scored and kept (done), turned away by the filter (filtered), and the prompts
-        # ordered in place of those (refills).
-        self.filtering: Counter = Counter()
+        self.scored = Scored()
         self.surplus: set[int] = set()  # oversampled prompts still in flight that no step will take
         self.unissued = 0  # groups ordered whose Issued has not come yet (the manager issues them in order)
         self.surplus_unissued = 0  # of those, the last ones: surplus
@@ -205,9 +228,9 @@ class RolloutEndpoint:
         counts, self.reissues = self.reissues, Counter()
         return counts
 
-    def take_filtering(self) -> Counter:
-        counts, self.filtering = self.filtering, Counter()
-        return counts
+    def take_scored(self) -> Scored:
+        scored, self.scored = self.scored, Scored()
+        return scored
 
     def _handle(self, event: Event) -> None:
         if isinstance(event, Issued):
@@ -221,7 +244,8 @@ class RolloutEndpoint:
             self.acct.set(event.index, "in_flight")
         elif isinstance(event, GroupDone):
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
-            self.filtering["done"] += 1
+            self.scored.kept += 1
+            self.scored.add([s.reward for s in event.samples])
             if event.index in self.surplus:
                 self.surplus.discard(event.index)
                 self.acct.finish(event.index, SURPLUS)
@@ -234,12 +258,13 @@ class RolloutEndpoint:
             self.acct.finish(event.index, event.reason)
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
             filtered = event.reason == FILTERED
-            self.filtering[FILTERED] += filtered
+            self.scored.filtered += filtered
+            self.scored.add(list(event.rewards))
             if event.index in self.surplus:  # no step waits for it
                 self.surplus.discard(event.index)
             elif not self._stopping:
                 self.order(1)  # a prompt in its place: the step still needs its groups, the async queue its depth
-                self.filtering["refills"] += filtered
+                self.scored.refills += filtered
         elif isinstance(event, EnginesChanged):
             self.left |= {url for url, n in event.losses.items() if n > self.losses.get(url, 0)}
             self.engines, self.losses = event.states, event.losses
@@ -280,13 +305,13 @@ class RolloutEndpoint:
         if self.mode != "async":
             self.order(groups + self.cfg.oversample)
         remaining = groups
-        filtered_before = self.filtering[FILTERED]
+        filtered_before = self.scored.filtered
         piece: list[Group] = []
         while remaining:
             if self.stop_error is not None:
                 raise self.stop_error
             self.drain()
-            self._check_filtered(self.filtering[FILTERED] - filtered_before, groups - remaining, groups)
+            self._check_filtered(self.scored.filtered - filtered_before, groups - remaining, groups)
             hook_at = time.monotonic() + WAITING_POLL_S
             while not self.ready:
                 if self.stop_error is not None:
@@ -295,7 +320,7 @@ class RolloutEndpoint:
                 if not self._receive(WAITING_POLL_S):
                     self._manager_gone()
                 self.waited_s += time.perf_counter() - start
-                self._check_filtered(self.filtering[FILTERED] - filtered_before, groups - remaining, groups)
+                self._check_filtered(self.scored.filtered - filtered_before, groups - remaining, groups)
                 if waiting is not None and time.monotonic() >= hook_at:
                     hook_at = time.monotonic() + WAITING_POLL_S
                     if (interlude := waiting()) is not None:
@@ -322,10 +347,10 @@ class RolloutEndpoint:
         """Stop the run once the filter has turned away more than its bound while this step collects its groups."""
         if filtered <= self.cfg.filter_bound:
             return
-        scored = self.filtering["done"] + self.filtering[FILTERED]
+        scored = self.scored.kept + self.scored.filtered
         self.stop_error = FilterExhausted(
             f"rollout.filter_groups={self.cfg.filter_groups} turned away {filtered} groups while this step collected "
-            f"{taken} of its {groups} (a pass rate of {self.filtering['done'] / max(scored, 1):.0%} since the last "
+            f"{taken} of its {groups} (a pass rate of {self.scored.kept / max(scored, 1):.0%} since the last "
             f"step), past rollout.max_filtered_per_step={self.cfg.filter_bound}: the data can no longer fill a step. "
             "Raise the bound, filter less, or give easier (or harder) prompts"
         )

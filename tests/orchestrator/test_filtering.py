@@ -65,7 +65,7 @@ class ScriptedManager:
                 index, self.cursor = self.cursor, self.cursor + 1
                 send_event(self.events, Issued(index, True))
                 if self.filtered(index):
-                    send_event(self.events, Dropped(index, FILTERED, 0))
+                    send_event(self.events, Dropped(index, FILTERED, 0, rewards=(1.0, 1.0)))
                 else:
                     samples = [sample(0.0, index, self.version), sample(1.0, index, self.version)]
                     send_event(self.events, GroupDone(index, samples, 0, 0.1))
@@ -102,8 +102,13 @@ def test_a_filtered_group_is_replaced_and_every_prompt_is_accounted(mode):
             endpoint.order(endpoint.cfg.outstanding)
         trained = steps(endpoint, manager, 3, whole=mode == "sync")
         assert all(len(step) == 4 and not any(i % 3 == 1 for i in step) for step in trained)
-        filtering = endpoint.take_filtering()
-        assert filtering[FILTERED] == endpoint.acct.dropped[FILTERED] > 0
+        scored = endpoint.take_scored()
+        assert scored.filtered == scored.refills == endpoint.acct.dropped[FILTERED] > 0
+        # the filtered groups' rewards (1, 1) count in what the policy scored; the kept ones' are (0, 1)
+        metrics = scored.metrics()
+        assert scored.rewards == 2 * (scored.kept + scored.filtered)
+        assert metrics["rollout/scored_reward_mean"] == (scored.kept + 2 * scored.filtered) / scored.rewards
+        assert metrics["rollout/filter_pass_rate"] == scored.kept / (scored.kept + scored.filtered)
         endpoint.stop()
         assert endpoint.acct.balanced() and not endpoint.acct.live
         assert endpoint.acct.trained == 12
