@@ -18,7 +18,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from moerl.orchestrator.messages import (
     receive_event,
 )
 from moerl.sample import Sample
-from moerl.tasks.filters import FILTERED
+from moerl.tasks.filters import FILTERED, reward_varies
 
 WAITING_POLL_S = 0.5  # how often pieces() calls its waiting hook while no group is ready
 
@@ -70,9 +70,10 @@ class Scored:
     reward_sum: float = 0.0
     rewards: int = 0
 
-    def add(self, rewards: list[float]) -> None:
-        self.reward_sum += sum(rewards)
-        self.rewards += len(rewards)
+    def add(self, rewards: Iterable[float]) -> None:
+        for reward in rewards:
+            self.reward_sum += reward
+            self.rewards += 1
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -245,7 +246,7 @@ class RolloutEndpoint:
         elif isinstance(event, GroupDone):
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
             self.scored.kept += 1
-            self.scored.add([s.reward for s in event.samples])
+            self.scored.add(s.reward for s in event.samples)
             if event.index in self.surplus:
                 self.surplus.discard(event.index)
                 self.acct.finish(event.index, SURPLUS)
@@ -259,7 +260,7 @@ class RolloutEndpoint:
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
             filtered = event.reason == FILTERED
             self.scored.filtered += filtered
-            self.scored.add(list(event.rewards))
+            self.scored.add(event.rewards)
             if event.index in self.surplus:  # no step waits for it
                 self.surplus.discard(event.index)
             elif not self._stopping:
@@ -311,7 +312,7 @@ class RolloutEndpoint:
             if self.stop_error is not None:
                 raise self.stop_error
             self.drain()
-            self._check_filtered(self.scored.filtered - filtered_before, groups - remaining, groups)
+            self._check_filtered(filtered_before, groups - remaining, groups)
             hook_at = time.monotonic() + WAITING_POLL_S
             while not self.ready:
                 if self.stop_error is not None:
@@ -320,7 +321,7 @@ class RolloutEndpoint:
                 if not self._receive(WAITING_POLL_S):
                     self._manager_gone()
                 self.waited_s += time.perf_counter() - start
-                self._check_filtered(self.scored.filtered - filtered_before, groups - remaining, groups)
+                self._check_filtered(filtered_before, groups - remaining, groups)
                 if waiting is not None and time.monotonic() >= hook_at:
                     hook_at = time.monotonic() + WAITING_POLL_S
                     if (interlude := waiting()) is not None:
@@ -343,8 +344,10 @@ class RolloutEndpoint:
                 yield piece
                 piece = []
 
-    def _check_filtered(self, filtered: int, taken: int, groups: int) -> None:
-        """Stop the run once the filter has turned away more than its bound while this step collects its groups."""
+    def _check_filtered(self, filtered_before: int, taken: int, groups: int) -> None:
+        """Stop the run once the filter has turned away more than its bound while this step collects its groups (the
+        filter's count was ``filtered_before`` when it began)."""
+        filtered = self.scored.filtered - filtered_before
         if filtered <= self.cfg.filter_bound:
             return
         scored = self.scored.kept + self.scored.filtered
@@ -402,7 +405,7 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
     rewards = np.array([s.reward for s in samples])
     lengths = np.array([s.response_len for s in samples])
     actions = np.array([s.action_count for s in samples])
-    solved = [np.ptp([s.reward for s in g.samples]) == 0 for g in groups]
+    solved = [not reward_varies(g.samples) for g in groups]
     return {
         "rollout/reward_mean": float(rewards.mean()),
         "rollout/reward_std": float(rewards.std()),
