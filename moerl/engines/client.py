@@ -315,6 +315,46 @@ class EngineClient:
             ),
         )
 
+    async def update_weights_from_tensor(
+        self,
+        payloads: Callable[[int], list[str]],
+        tp_sizes: dict[str, int],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """Tensors handed over on the engines' own machine (:mod:`moerl.engines.tensor_ipc`): each engine gets
+        ``payloads(tp_size)``, handles of its own, one per TP rank (``tp_sizes``: each engine's, by URL)."""
+        await asyncio.gather(
+            *(
+                self._call(
+                    url,
+                    P.UPDATE_FROM_TENSOR,
+                    P.UpdateWeightsFromTensorReqInput.model_validate(
+                        {
+                            "serialized_named_tensors": payloads(tp_sizes[url]),
+                            "load_format": load_format,
+                            "weight_version": weight_version,
+                            "flush_cache": flush_cache,
+                        }
+                    ),
+                )
+                for url in self.targets
+            )
+        )
+
+    async def release_memory(self, tags: list[str] | None = None) -> None:
+        """Give back the engines' memory of ``tags`` (None: all): after a pause with abort or retract."""
+        await self._everywhere(
+            P.RELEASE_MEMORY, P.ReleaseMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
+        )
+
+    async def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take back the engines' memory of ``tags`` (None: all); weights resumed hold nothing until a push."""
+        await self._everywhere(
+            P.RESUME_MEMORY, P.ResumeMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
+        )
+
     async def init_weights_update_group(
         self,
         master_address: str,

@@ -365,6 +365,19 @@ class UpdateWeightsFromDistributedReqInput(WireModel):
         return self
 
 
+class UpdateWeightsFromTensorReqInput(WireModel):
+    """Tensors handed over on the engine's own machine (colocated training): each entry a base64 pickle
+    (:mod:`moerl.engines.tensor_ipc`) whose tensors live in memory the engine maps, CUDA IPC on a GPU and shared memory
+    on the CPU; one entry per TP rank of the engine (SGLang: rank r reads entry r only)."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    # None: a list of (Hub name, tensor) pairs; flattened_bucket: one uint8 tensor and each tensor's span in it.
+    load_format: Literal["flattened_bucket"] | None = None
+    flush_cache: bool = True  # refused while requests run (an in_place pause): send false then
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
 class GetWeightsByNameReqInput(WireModel):
     name: str = Field(min_length=1)
     truncate_size: int = Field(default=100, ge=1)
@@ -457,6 +470,7 @@ INIT_GROUP = Route("/init_weights_update_group", "POST", idempotent=False)
 BEGIN_UPDATE = Route("/begin_weight_update", "POST", idempotent=False)
 END_UPDATE = Route("/end_weight_update", "POST", idempotent=False)
 UPDATE_FROM_DISTRIBUTED = Route("/update_weights_from_distributed", "POST", idempotent=False)
+UPDATE_FROM_TENSOR = Route("/update_weights_from_tensor", "POST", idempotent=False)
 GET_WEIGHTS = Route("/get_weights_by_name", "POST")
 WEIGHTS_CHECKER = Route("/weights_checker", "POST")
 LOAD_LORA = Route("/load_lora_adapter", "POST", idempotent=False)

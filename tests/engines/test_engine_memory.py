@@ -77,3 +77,94 @@ def test_released_memory_is_given_back_and_the_pushed_weights_are_served_bitwise
 
     asyncio.run(go())
     assert not engine.released
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("tensor") / "model")
+
+
+def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
+    """/update_weights_from_tensor, the colocated push: flattened buckets in shared memory, after the weights were
+    released and resumed (uninitialised), serve what was pushed; a push of other values serves those."""
+    from moerl.engines import tensor_ipc
+    from moerl.engines.embedded.server import EmbeddedEngine, build_app
+
+    engine = EmbeddedEngine(str(small_model))
+    named = engine.read_model_dir(str(small_model))
+    halves = [named[: len(named) // 2], named[len(named) // 2 :]]
+
+    def body(part, **extra):
+        payload = tensor_ipc.serialize(tensor_ipc.flattened_bucket(part))
+        return {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", **extra}
+
+    async def go():
+        async with serving_app(build_app(engine)) as url:
+            _, before, _ = await _request(url, "/generate", GREEDY)
+            _, checked, _ = await _request(url, "/weights_checker", {})
+            assert (await _request(url, "/pause_generation", {"mode": "retract"}))[0] == 200
+            assert (await _request(url, "/release_memory_occupation", {}))[0] == 200
+            status, answer, _ = await _request(url, "/update_weights_from_tensor", body(halves[0]))
+            assert status == 400 and "weights are released" in answer["error"]["message"]
+            assert (await _request(url, "/resume_memory_occupation", {"tags": ["weights"]}))[0] == 200
+            for i, part in enumerate(halves):
+                status, answer, _ = await _request(
+                    url, "/update_weights_from_tensor", body(part, weight_version="7" if i else None)
+                )
+                assert status == 200, answer
+            assert (await _request(url, "/resume_memory_occupation", {}))[0] == 200
+            assert (await _request(url, "/continue_generation", {}))[0] == 200
+            status, after, _ = await _request(url, "/generate", GREEDY)
+            assert status == 200 and after["output_ids"] == before["output_ids"]
+            assert (await _request(url, "/weights_checker", {}))[1] == checked
+            assert (await _request(url, "/model_info", method="GET"))[1]["weight_version"] == "7"
+            # Other values, as (name, tensor) pairs: served as pushed.
+            name, norm = next((n, t) for n, t in named if n == "model.norm.weight")
+            pairs = {"serialized_named_tensors": [tensor_ipc.serialize([(name, norm * 3)])]}
+            assert (await _request(url, "/update_weights_from_tensor", pairs))[0] == 200
+            _, values, _ = await _request(url, "/get_weights_by_name", {"name": name})
+            assert values == (norm * 3).float().tolist()
+
+    asyncio.run(go())
+
+
+def test_a_bad_tensor_payload_is_refused_naming_it_and_changes_nothing(small_model):
+    import base64
+    import os
+    import pickle
+    import types
+
+    import torch
+
+    from moerl.engines import tensor_ipc
+    from moerl.engines.embedded.server import EmbeddedEngine, build_app
+
+    engine = EmbeddedEngine(str(small_model))
+    name, norm = next((n, t) for n, t in engine.read_model_dir(str(small_model)) if n == "model.norm.weight")
+    bucket = tensor_ipc.flattened_bucket([(name, norm)])
+    outside = {**bucket, "metadata": [types.SimpleNamespace(**{**vars(bucket["metadata"][0]), "end_idx": 10**6})]}
+    code = base64.b64encode(pickle.dumps((os.system, ("true",)))).decode()
+    field = "serialized_named_tensors"
+    cases = [  # (body, what the refusal names)
+        ({field: [code]}, (field, "posix.system is not allowed")),
+        ({field: ["%%%"]}, (field, "not base64")),
+        ({field: [tensor_ipc.serialize(bucket)] * 2}, (field, "one entry")),
+        ({field: [tensor_ipc.serialize([(name, norm)])], "load_format": "flattened_bucket"}, (field, "bucket")),
+        ({field: [tensor_ipc.serialize(outside)], "load_format": "flattened_bucket"}, (field, "metadata[0]")),
+        ({field: [tensor_ipc.serialize({"x": norm})]}, (field, "(name, tensor) pairs")),
+        ({field: []}, (field,)),
+        ({field: [tensor_ipc.serialize([("model.nothing", norm)])]}, ("model.nothing",)),
+        ({field: [tensor_ipc.serialize([(name, norm[:3])])]}, (name,)),
+        ({field: [tensor_ipc.serialize(bucket)], "load_format": "direct"}, ("load_format",)),
+    ]
+
+    async def go():
+        async with serving_app(build_app(engine)) as url:
+            _, checked, _ = await _request(url, "/weights_checker", {})
+            for payload, named in cases:
+                status, answer, _ = await _request(url, "/update_weights_from_tensor", payload)
+                assert status == 400 and all(part in answer["error"]["message"] for part in named), (named, answer)
+            assert (await _request(url, "/weights_checker", {}))[1] == checked
+
+    asyncio.run(go())
+    assert torch.equal(dict(engine.read_model_dir(str(small_model)))[name], norm)

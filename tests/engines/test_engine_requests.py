@@ -599,6 +599,9 @@ BODIES = {  # a valid body per route, each corrupted before it is sent
         "load_format": "safetensors",
     },
     "/unload_lora_adapter": {"lora_name": "fuzz"},
+    "/release_memory_occupation": {"tags": ["kv_cache"]},
+    "/resume_memory_occupation": {"tags": ["weights"]},
+    "/update_weights_from_tensor": {"serialized_named_tensors": ["AA=="], "load_format": "flattened_bucket"},
 }
 JSON_VALUES = st.recursive(
     st.none()
@@ -664,6 +667,9 @@ KINDS = {  # route -> its request type, to know which corrupted bodies are still
     "/load_lora_adapter": P.LoadLoRAAdapterReqInput,
     "/load_lora_adapter_from_tensors": P.LoadLoRAAdapterFromTensorsReqInput,
     "/unload_lora_adapter": P.UnloadLoRAAdapterReqInput,
+    "/release_memory_occupation": P.ReleaseMemoryOccupationReqInput,
+    "/resume_memory_occupation": P.ResumeMemoryOccupationReqInput,
+    "/update_weights_from_tensor": P.UpdateWeightsFromTensorReqInput,
 }
 HARMLESS_WHEN_VALID = {"/generate", "/get_weights_by_name", "/abort_request"}
 

@@ -251,6 +251,11 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.load_lora("a", "/adapters/a")
         await client.load_lora_from_tensors("t", {"r": 2}, {"w": torch.ones(2)})
         await client.unload_lora("a")
+        await client.release_memory()
+        await client.resume_memory(["weights"])
+        await client.update_weights_from_tensor(
+            lambda tp: ["payload"] * tp, {"http://x": 2}, "flattened_bucket", weight_version="5", flush_cache=False
+        )
 
     asyncio.run(run())
     return sent
@@ -275,6 +280,9 @@ def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
         "/load_lora_adapter": io.LoadLoRAAdapterReqInput,
         "/load_lora_adapter_from_tensors": io.LoadLoRAAdapterFromTensorsReqInput,
         "/unload_lora_adapter": io.UnloadLoRAAdapterReqInput,
+        "/release_memory_occupation": io.ReleaseMemoryOccupationReqInput,
+        "/resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
+        "/update_weights_from_tensor": io.UpdateWeightsFromTensorReqInput,
     }
     sent = _captured_bodies()
     assert {route for route, _ in sent} == set(types) | {"/model_info"}
@@ -291,6 +299,42 @@ def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
             assert generate_contract_error(body) is None, body
             parsed.normalize_batch_and_arguments()
             assert parsed.input_ids == body["input_ids"]
+
+
+def test_a_tensor_payload_is_read_by_sglangs_unpickler_and_bucket():
+    """What moerl hands SGLang's /update_weights_from_tensor passes its restricted unpickler, and its weight updater's
+    reading of the metadata rebuilds every tensor; a bucket SGLang's own classes make is read by the embedded engine."""
+    pytest.importorskip("sglang.srt.utils.common", reason="sglang is not importable here")
+    import torch.multiprocessing
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    from moerl.engines import tensor_ipc
+
+    named = [("a", torch.randn(3, 4)), ("b", torch.arange(5)), ("c", torch.randn(2, 2).bfloat16())]
+    data = MultiprocessingSerializer.deserialize(tensor_ipc.serialize(tensor_ipc.flattened_bucket(named)))
+    metadata = [  # as weight_updater._update_weights_from_flattened_bucket converts them
+        FlattenedTensorMetadata(
+            name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel
+        )
+        for m in data["metadata"]
+    ]
+    rebuilt = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+    assert [n for n, _ in rebuilt] == [n for n, _ in named]
+    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(named, rebuilt, strict=True))
+    pairs = MultiprocessingSerializer.deserialize(tensor_ipc.serialize(named))
+    assert all(n == m and torch.equal(t, u) for (n, t), (m, u) in zip(named, pairs, strict=True))
+    theirs = FlattenedTensorBucket(named_tensors=named)
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        payload = MultiprocessingSerializer.serialize(
+            {"flattened_tensor": theirs.get_flattened_tensor(), "metadata": theirs.get_metadata()}, output_str=True
+        )
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+    ours = tensor_ipc.load_payload(payload, "flattened_bucket")
+    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(named, ours, strict=True))
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, RequestT, Scheduler
 from moerl.engines.protocol import ProtocolError
+from moerl.engines.tensor_ipc import load_payload
 from moerl.engines.weight_group import (
     bucket_layout,
     in_daemon_thread,
@@ -137,7 +138,7 @@ class EmbeddedEngine(Generic[RequestT]):
         # that never comes keeps one waiting until the group's timeout, holding up nothing else, not even exit.
         self.pools = {
             kind: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"moerl-{kind}")
-            for kind in ("disk", "lora")
+            for kind in ("disk", "lora", "tensor")
         }
 
     @property
@@ -522,6 +523,7 @@ class EngineServer(Generic[RequestT]):
                 web.post(P.BEGIN_UPDATE.path, self.begin_weight_update),
                 web.post(P.END_UPDATE.path, self.end_weight_update),
                 web.post(P.UPDATE_FROM_DISTRIBUTED.path, self.update_weights_from_distributed),
+                web.post(P.UPDATE_FROM_TENSOR.path, self.update_weights_from_tensor),
                 web.post(P.LOAD_LORA.path, self.load_lora_adapter),
                 web.post(P.LOAD_LORA_TENSORS.path, self.load_lora_adapter_from_tensors),
                 web.post(P.UNLOAD_LORA.path, self.unload_lora_adapter),
@@ -702,6 +704,21 @@ class EngineServer(Generic[RequestT]):
         # Logged: the order updates came in.
         log.info("receiving %d tensors from weight group %s", len(req.names), req.group_name)
         named = await in_daemon_thread(engine.receive, req, group)
+        await self.on_engine(
+            lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache)
+        )
+        return _ok(f"updated {len(named)} tensors")
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.UpdateWeightsFromTensorReqInput)
+        engine = self.engine
+        engine.check_weights_held("weights not updated")
+        if len(req.serialized_named_tensors) != 1:
+            raise ProtocolError(
+                "serialized_named_tensors must hold one entry: the embedded engine is one rank "
+                "(SGLang: one per TP rank)"
+            )
+        named = await self.in_pool("tensor", load_payload, req.serialized_named_tensors[0], req.load_format)
         await self.on_engine(
             lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache)
         )
