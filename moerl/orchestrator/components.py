@@ -23,6 +23,7 @@ from moerl.weight_sync.base import WeightSync
 from moerl.weight_sync.broadcast import BroadcastSync
 from moerl.weight_sync.disk import DiskSync
 from moerl.weight_sync.lora import AdapterSync
+from moerl.weight_sync.tensor import TensorSync
 
 log = logging.getLogger("moerl.train")
 
@@ -48,7 +49,8 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
             mem_fraction_static=e.mem_fraction_static,
             log_dir=str(run_dir / "logs"),
             extra_args=list(e.extra_args),
-            gpu_offset=local_trainer_ranks if cuda else 0,
+            # colocated: on the trainer's GPUs, from the first
+            gpu_offset=local_trainer_ranks if cuda and cfg.run.placement == "separate" else 0,
             lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
             lora_target_modules=lora_target_modules(hf, cfg.lora.targets)
             if cfg.lora.enabled and server == "sglang"
@@ -129,6 +131,8 @@ def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, h
 
 
 def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
+    if cfg.run.placement == "colocated":  # refused with LoRA, a simulation and modes other than sync
+        return TensorSync(urls, bucket_bytes=cfg.sync.bucket_mb << 20)
     if cfg.lora.enabled:
         return AdapterSync(
             urls,

@@ -32,6 +32,7 @@ from moerl.tasks import TaskConfig
 from moerl.trainer.config import TrainerConfig
 
 Mode = Literal["sync", "periodic", "async"]
+Placement = Literal["separate", "colocated"]
 Partial = Literal["in_place", "retry"]
 Server = Literal["auto", "sglang", "embedded"]
 # auto: bfloat16 with CUDA, float32 without; else MODEL_DTYPES
@@ -44,6 +45,9 @@ Resume = Literal["false", "true", "auto"]
 class RunSection:
     dir: str = "runs/qwen_moe_grpo"
     mode: Mode = "async"  # sync (generate, train, sync) | periodic (on-policy, overlapped) | async (bounded staleness)
+    # separate: engines on GPUs of their own | colocated: engines on the trainer's GPUs, their memory released while it
+    # trains, weights handed over on the machine (update_weights_from_tensor; sync.method is not read)
+    placement: Placement = "separate"
     steps: int = 40  # optimizer steps (policy versions) to reach
     save_every: int = 0  # trainer checkpoint every N steps (0: only the last step)
     # false: a new run (refused where dir holds one) | true: continue from the newest checkpoint under dir (one must be
@@ -375,6 +379,7 @@ def check(cfg: RunConfig) -> None:
             "> 0, health_failures >= 1 and max_restarts >= 0"
         )
     problems += filter_problems(r)
+    problems += colocation_problems(cfg)
     problems += episode_problems(cfg)
     problems += simulation_problems(cfg)
     if problems:
@@ -392,6 +397,32 @@ def filter_problems(r: RolloutSection) -> list[str]:
         load_filter(r.filter_groups)
     except ConfigError as err:
         problems.append(str(err))
+    return problems
+
+
+def colocation_problems(cfg: RunConfig) -> list[str]:
+    """What colocated placement needs: turns (the engines generate only while the trainer does not), engines the job
+    starts on its own GPUs, and full weights to push (a released engine keeps no base weights for adapters)."""
+    if cfg.run.placement != "colocated":
+        return []
+    problems = []
+    if cfg.run.mode != "sync":
+        problems.append(
+            f"run.placement=colocated runs in run.mode=sync (got {cfg.run.mode}): periodic and async generate while "
+            "the trainer trains, and colocated engines give their GPUs to the trainer then; set run.mode=sync, or "
+            "run.placement=separate"
+        )
+    if cfg.engines.urls:
+        problems.append(
+            "run.placement=colocated: the job starts its engines on the trainer's own GPUs; leave engines.urls empty"
+        )
+    if cfg.lora.enabled:
+        problems.append(
+            "run.placement=colocated pushes full weights: released engines keep no base weights for adapters to "
+            "apply to; set lora.enabled=false, or run.placement=separate"
+        )
+    if cfg.simulation.profile is not None:
+        problems.append("run.placement=colocated: a simulation runs separate placement; leave run.placement=separate")
     return problems
 
 

@@ -194,6 +194,8 @@ class Job:
                 if isinstance(piece, Interlude):
                     yield piece
                     continue
+                if cfg.run.placement == "colocated":  # a sync step's groups come as one piece: now the trainer's turn
+                    lead.sleep_engines()
                 piece = sorted(piece, key=lambda g: g.index)  # deterministic order within what has arrived
                 taken.extend(piece)
                 yield [s for g in piece for s in g.samples]

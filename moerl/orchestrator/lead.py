@@ -13,13 +13,16 @@ from typing import Any
 
 import zmq
 
+from moerl.engines.client import EngineError
 from moerl.engines.health import State
 from moerl.engines.pool import EnginePool
+from moerl.errors import MoerlError
 from moerl.orchestrator.components import start_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
 from moerl.orchestrator.rollouts import Accounting, Group, RolloutEndpoint, rollout_metrics
 from moerl.weight_sync.base import SyncStats, WeightSync
+from moerl.weight_sync.tensor import TensorSync
 
 log = logging.getLogger("moerl.train")
 
@@ -95,6 +98,15 @@ class Lead:
         killed = self.pool.kill(urls)
         self.revive()
         return killed
+
+    def sleep_engines(self) -> None:
+        """Colocated, before the trainer's phase: the engines give back their memory. One that fails to is left as it
+        is (the update wakes, or passes over, what it finds)."""
+        assert isinstance(self.sync, TensorSync), "colocated placement syncs by TensorSync"
+        try:
+            self.sync.sleep()
+        except (MoerlError, EngineError) as e:
+            log.warning("colocated: the engines did not all release their memory before the trainer's phase: %s", e)
 
     def start_step(self) -> float:
         """What the last update reached holds this version (the manager's view of it may lag by a probe); the rollouts'
@@ -179,6 +191,14 @@ class Lead:
                 "prompts/dropped_engine_failure": float(rollouts.acct.dropped["engine_failure"]),
             }
         )
+        if isinstance(self.sync, TensorSync):
+            phases = {
+                "colocate/sleep_seconds": self.sync.sleep_seconds,
+                "colocate/wake_seconds": self.sync.wake_seconds,
+                "colocate/push_seconds": stats.seconds,
+            }
+            metrics.update(phases)
+            metrics["colocate/step_fraction"] = sum(phases.values()) / wall
         metrics.update(rollouts.take_scored().metrics())
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})

@@ -322,19 +322,27 @@ class FullWeightSync(WeightSync):
             return None
         self.paused = True
         try:
-            self.agreed(lambda: self.on_engines(lambda client: client.pause(self.pause)))
+            self.agreed(self.before_push)
             stats, failed = None, None
             try:
                 stats = self.push_policy(trainer)
             except Exception as e:  # noqa: BLE001 - rank 0's own (a disk push's load call), or every rank's (a broadcast's, agreed)
                 failed = e
             self.agreed(error=failed)
-            self.agreed(lambda: self.on_engines(lambda client: client.resume()))
+            self.agreed(self.after_push)
         finally:
             self.paused = False
         if stats is not None:
             stats.pause_seconds = time.perf_counter() - start
         return stats
+
+    def before_push(self) -> None:
+        """Global rank 0, before an update's push: the engines stop generating."""
+        self.on_engines(lambda client: client.pause(self.pause))
+
+    def after_push(self) -> None:
+        """Global rank 0, after an update's push: the engines generate again."""
+        self.on_engines(lambda client: client.resume())
 
     def served(self, version: int) -> tuple[str | None, str | None]:
         return str(version), None

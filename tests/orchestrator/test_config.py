@@ -22,7 +22,7 @@ from tests import DATA, REPO
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 # Overrides some values need to form a valid config on their own.
-NEEDS = {("task.name", "file"): ["task.path=prompts.jsonl"]}
+NEEDS = {("task.name", "file"): ["task.path=prompts.jsonl"], ("run.placement", "colocated"): ["run.mode=sync"]}
 
 
 ENUM_VALUES = [(key, value) for key, options in choice_fields(RunConfig) for value in options]
@@ -204,3 +204,19 @@ def test_sglang_deterministic_inference_is_refused_for_it_seeds_a_whole_group_al
     load_config(
         None, ["engines.server=embedded", "engines.extra_args=[--enable-deterministic-inference]"]
     )  # not SGLang's flag there
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["run.mode=async"], "run.mode=sync (got async)"),
+        (["run.mode=periodic"], "run.mode=sync (got periodic)"),
+        (["run.mode=sync", "engines.urls=[http://10.0.0.3:30000]"], "leave engines.urls empty"),
+        (["run.mode=sync", "lora.enabled=true", "sync.method=disk"], "set lora.enabled=false"),
+        (["run.mode=sync", f"simulation.profile={DATA / 'simulation' / 'tiny.yaml'}"], "leave run.placement=separate"),
+    ],
+)
+def test_colocation_is_refused_where_engines_would_run_beside_training_or_lack_weights(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(None, ["run.placement=colocated", *overrides])
+    load_config(None, ["run.placement=colocated", "run.mode=sync"])

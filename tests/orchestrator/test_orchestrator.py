@@ -986,3 +986,44 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
         job_module.sync_address(remote)
     monkeypatch.setenv("MOERL_SYNC_ADDRESS", "10.0.0.2")
     assert job_module.sync_address(remote) == job_module.sync_address(local) == "10.0.0.2"
+
+
+@pytest.mark.e2e
+def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survive_an_engine_killed_asleep(
+    cache, tmp_path
+):
+    """run.placement=colocated: each step pauses and releases the engine, trains, resumes its weights, hands the new
+    ones over in shared memory, resumes its KV cache and continues; sync.verify finds the trainer's weights served
+    after every push. The engine SIGKILLed once released is started again and the run goes on with nothing lost: every
+    step's rewards and gradients are those of the same run with separate placement."""
+    steps = ["run.mode=sync", "run.steps=3"]
+    separate = job(cache, tmp_path / "separate", *steps)
+    assert separate.returncode == 0, separate.stderr[-4000:]
+    run_dir = tmp_path / "colocated"
+    proc = start_job(cache, run_dir, *steps, "run.placement=colocated")
+    log = run_dir / "logs" / "embedded-0.log"
+
+    def released() -> bool:
+        return log.exists() and "/release_memory_occupation" in log.read_text()
+
+    wait_while_running(proc, released, "the engine's first release")
+    for engine in engines_of(proc):
+        os.killpg(engine.pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    ours, theirs = read_metrics(run_dir), read_metrics(tmp_path / "separate")
+    assert [r["step"] for r in ours] == [1, 2, 3] and ours[-1]["engines/restarts"] == 1
+    for mine, other in zip(ours, theirs, strict=True):
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/grad_norm", "routing/agreement"):
+            assert mine[key] == other[key], (key, mine["step"])
+        assert mine["mismatch/k3_kl"] < 1e-6  # the engine's summation order may differ in a new process: 1e-14 apart
+        assert all(mine[f"colocate/{phase}_seconds"] > 0 for phase in ("sleep", "wake", "push"))
+        assert 0 < mine["colocate/step_fraction"] < 1 and mine["colocate/push_seconds"] == mine["sync/seconds"]
+    # Each step's sequence, as the engine took it (the restarted engine's log goes on in the same file).
+    calls = re.findall(r'"POST (/\w+)', log.read_text())
+    cycle = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor"] + [
+        "/resume_memory_occupation"
+    ]
+    assert [c for c in calls if c in cycle] == cycle * 3, calls
+    acct = accounting(run_dir)
+    assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 3 * GROUPS
