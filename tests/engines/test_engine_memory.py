@@ -98,9 +98,11 @@ def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
         payload = tensor_ipc.serialize(tensor_ipc.flattened_bucket(part))
         return {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", **extra}
 
+    scored = {**GREEDY, "return_logprob": True}
+
     async def go():
         async with serving_app(build_app(engine)) as url:
-            _, before, _ = await _request(url, "/generate", GREEDY)
+            _, before, _ = await _request(url, "/generate", scored)
             _, checked, _ = await _request(url, "/weights_checker", {})
             assert (await _request(url, "/pause_generation", {"mode": "retract"}))[0] == 200
             assert (await _request(url, "/release_memory_occupation", {}))[0] == 200
@@ -114,8 +116,11 @@ def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
                 assert status == 200, answer
             assert (await _request(url, "/resume_memory_occupation", {}))[0] == 200
             assert (await _request(url, "/continue_generation", {}))[0] == 200
-            status, after, _ = await _request(url, "/generate", GREEDY)
+            status, after, _ = await _request(url, "/generate", scored)
             assert status == 200 and after["output_ids"] == before["output_ids"]
+            # to the last bit: weights allocated again compute as those loaded did (the loaded ones are aligned too)
+            logprobs = [answer["meta_info"]["output_token_logprobs"] for answer in (before, after)]
+            assert logprobs[0] == logprobs[1]
             assert (await _request(url, "/weights_checker", {}))[1] == checked
             assert (await _request(url, "/model_info", method="GET"))[1]["weight_version"] == "7"
             # Other values, as (name, tensor) pairs: served as pushed.

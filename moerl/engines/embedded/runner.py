@@ -26,6 +26,17 @@ class PrefillResult:
     kv: KV  # per layer [1, kv_heads, p, head_dim]
 
 
+def own_weights(model: torch.nn.Module) -> None:
+    """Give each parameter storage of its own, allocated as any later one is. Weights read from safetensors on the CPU
+    are views into the file's buffer at its offsets (8-byte aligned), and the CPU's matmuls round differently on
+    unaligned operands: weights freed and allocated again (a colocated release and resume) then gave log-probs a few
+    ulps off for the same values."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.data_ptr() % 64:
+                param.data = param.data.clone()
+
+
 class ModelRunner:
     """Runs prefill for one request and decode steps for the running batch.
 
@@ -39,6 +50,7 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         # transformers wraps PreTrainedModel.to with functools.wraps, whose type takes the bound self for an argument.
         self.model: PreTrainedModel = model.to(self.device).eval()  # type: ignore[arg-type]
+        own_weights(self.model)
         self.model_dir = str(model_dir)
         config = self.model.config
         self.num_layers = config.num_hidden_layers
