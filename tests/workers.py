@@ -683,3 +683,51 @@ def what_a_rank_sees(mark: str) -> tuple[str | None, str]:
     print(f"stdout of rank {os.environ['RANK']}: {mark}", flush=True)
     print(f"stderr of rank {os.environ['RANK']}: {mark}", file=sys.stderr, flush=True)
     return os.environ.get("MOERL_TEST_MARK"), os.getcwd()
+
+
+def steps_offloaded_between(mcore_dir: str, trainer_cfg, samples: list, steps: int, offload: bool) -> dict:
+    """``steps`` trainer steps on the same batch, the trainer's state offloaded after each (``offload``) as a colocated
+    run's push leaves it; each step's metrics, the bytes each offload took off the device and what was left on it,
+    and the final weights."""
+    from moerl.trainer.trainer import Trainer, _optimizer_tensors
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    out: dict = {"metrics": [], "offloaded": [], "left": []}
+    for _ in range(steps):
+        out["metrics"].append(trainer.step(samples))
+        if offload:
+            out["offloaded"].append(trainer.offload())
+            held = [*trainer.model.module.parameters(), *_optimizer_tensors(trainer.optimizer)]
+            held += [b.grad_data for b in trainer.model.buffers + trainer.model.expert_parallel_buffers]
+            out["left"].append(sum(t.untyped_storage().nbytes() for t in held))
+    with trainer.on_device():  # copies: the offload after frees what the model's own tensors hold
+        out["weights"] = {k: t.clone() for k, t in (full_tensors(trainer.model.module) or {}).items()}
+    return out
+
+
+def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str) -> dict:
+    """A colocated push (TensorSync) whose second bucket fails on rank 0, as an engine lost mid-push: what each rank
+    raises (every rank must, none left waiting in a gather), and whether its trainer kept its weights on the device."""
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.tensor import TensorSync
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    rank0 = torch.distributed.get_rank() == 0
+    sync = TensorSync([url] if rank0 else None, bucket_bytes=64 << 10)
+    sent = [0]
+    push_bucket = sync.push_bucket
+
+    def failing(bucket, tp_sizes):
+        sent[0] += 1
+        if sent[0] == 2:
+            raise RuntimeError("a planted failure after one bucket")
+        push_bucket(bucket, tp_sizes)
+
+    sync.push_bucket = failing  # type: ignore[method-assign]
+    try:
+        sync.update(trainer)
+        raised = None
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        raised = f"{type(e).__name__}: {e}"
+    sync.close()
+    return {"raised": raised, "sent": sent[0], "on_device": not trainer.weights_offloaded}

@@ -132,6 +132,8 @@ class Job:
         """The engines and the weight sync to them; on rank 0 the rollouts, the manager and the metrics
         (:class:`Lead`)."""
         cfg = self.cfg
+        if cfg.run.placement == "colocated":  # the engines start on the trainer's GPUs: the trainer makes room
+            self.trainer.offload()
 
         def engines() -> list[str]:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -159,6 +161,8 @@ class Job:
         taken: list[Group] = []
         # rank 0 sends each rank its part
         metrics = trainer.step(self.pieces(taken) if self.lead is not None else None, self.interlude)
+        if cfg.run.placement == "colocated":  # before the engines' weights come back for the push
+            trainer.offload_training_state()
         trained_at = time.perf_counter()
         on_lead(lambda: self.rank0.before_the_sync(), "taking in the rollouts after the step")
         try:

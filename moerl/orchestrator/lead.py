@@ -199,6 +199,7 @@ class Lead:
             }
             metrics.update(phases)
             metrics["colocate/step_fraction"] = sum(phases.values()) / wall
+            metrics["colocate/trainer_offloaded_bytes"] = float(self.sync.offloaded_bytes)  # rank 0's
         metrics.update(rollouts.take_scored().metrics())
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})

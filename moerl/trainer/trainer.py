@@ -10,9 +10,10 @@ sampling-mask replay is on, so the actions are scored under the function that sa
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TypedDict
@@ -49,6 +50,7 @@ from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, s
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.distribute import BatchDistributor, Interlude, LocalPiece
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
+from moerl.trainer.offload import StorageOffload
 from moerl.trainer.routing import (
     LocalRouters,
     ReplayTracer,
@@ -155,6 +157,48 @@ class Trainer:
         self.reference = [p.detach().clone() for p in _trainable(model)] if cfg.loss.kl_coef else None
         if dtype != torch.float32:
             _fp32_output_layer(model)
+        device = next(model.parameters()).device
+        # colocated: what the engines' phase took off the device, the training state (optimizer, gradients) and the
+        # weights apart, since the push needs the weights on the device after the training state has left
+        self.offloaded_state, self.offloaded_weights = StorageOffload(device), StorageOffload(device)
+
+    # ---- colocated placement -------------------------------------------------------------------
+    def offload_training_state(self) -> None:
+        """After a step: the optimizer's master weights and state to host memory, the gradient buffers freed (each
+        step zeroes them). What is already off stays so."""
+        ddp = self.model
+        weights = {p.untyped_storage().data_ptr() for p in ddp.module.parameters()}
+        state = (t for t in _optimizer_tensors(self.optimizer) if t.untyped_storage().data_ptr() not in weights)
+        self.offloaded_state.keep(state)
+        self.offloaded_state.free(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers)
+
+    def offload(self) -> int:
+        """The device to colocated engines: the training state (:meth:`offload_training_state`), then the weights and
+        the KL reference, to host memory; the bytes off the device. The next step reloads it all once its first piece
+        arrives."""
+        self.offload_training_state()
+        self.offloaded_weights.keep(itertools.chain(self.model.module.parameters(), self.reference or []))
+        return self.offloaded_state.held_bytes + self.offloaded_weights.held_bytes
+
+    def reload(self) -> None:
+        """Whatever was offloaded back on the device (the gradient buffers zeroed)."""
+        self.offloaded_weights.reload()
+        self.offloaded_state.reload()
+
+    @property
+    def weights_offloaded(self) -> bool:
+        return self.offloaded_weights.active
+
+    @contextlib.contextmanager
+    def on_device(self):
+        """The trainer's whole state on its device within: reloaded if any was offloaded, and offloaded again after."""
+        offloaded = self.offloaded_state.active or self.offloaded_weights.active
+        self.reload()
+        try:
+            yield
+        finally:
+            if offloaded:
+                self.offload()
 
     # ---- batch preparation -------------------------------------------------------------------
     def micro_batches(self, piece: LocalPiece) -> list[MicroBatch]:
@@ -358,14 +402,16 @@ class Trainer:
                     )  # not bincount: on CUDA it reads its input's max
             return loss
 
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
         replay = self.cfg.replay
         # Where this step's replay trace goes, None where it traces nothing (__init__ checked that a count has one).
         trace_dir = replay.trace_dir if replay.trace_samples else None
         if trace_dir is not None:
             on_lead(lambda: replay_trace.clear_step(trace_dir, self.version), "clearing the step's replay traces")
         for number, piece in enumerate(self.batches.pieces(pieces, interlude)):
+            if number == 0:  # colocated engines have given the device back by the time a step's data comes
+                self.reload()
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
             lengths += piece.action_counts.tolist()
             batches = self.micro_batches(piece)
             tracer = None
@@ -484,7 +530,8 @@ class Trainer:
         any layout. The directory is also a moerl model checkpoint (``tools/convert_ckpt.py``, serving)."""
         ckpt_dir = Path(ckpt_dir)
         on_lead(lambda: ckpt_dir.mkdir(parents=True, exist_ok=False), f"making the checkpoint directory {ckpt_dir}")
-        save_sharded(self._sharded_state(loading=False), ckpt_dir)
+        with self.on_device():
+            save_sharded(self._sharded_state(loading=False), ckpt_dir)
 
         def describe() -> None:
             shutil.copytree(Path(self.ckpt_dir) / HF_SUBDIR, ckpt_dir / HF_SUBDIR)
@@ -532,6 +579,16 @@ OPTIMIZER_METADATA = {
 
 def _inner_optimizers(optimizer) -> list:
     return [opt.optimizer for opt in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
+    """The tensors megatron-core's optimizer holds: its master weights (or the model's, training in fp32) and its
+    state (Adam's moments and step)."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            yield from group["params"]
+        for state in inner.state.values():
+            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
 
 def _adam_state_before_loading(optimizer) -> None:

@@ -283,10 +283,15 @@ class WeightSync(ABC):
         deltas on global rank 0."""
         version, adapter = self.served(trainer.version)
         ids = probe_ids(trainer.hf_config["vocab_size"])
-        ours = probe_logprobs(trainer.model.module, ids)
+        ours = self.trainer_probe(trainer, ids)
         worst: dict[str, float] = {}
         self.agreed(lambda: worst.update(self.check_engines(ids, ours, version, tolerance, adapter)))
         return worst
+
+    def trainer_probe(self, trainer, ids: list[int]) -> np.ndarray:
+        """Collective: the trainer's log-probs of the probe ``ids`` (:func:`probe_logprobs`), which the engines must
+        reproduce."""
+        return probe_logprobs(trainer.model.module, ids)
 
     def check_engines(
         self, ids: list[int], ours: np.ndarray, version: str | None, tolerance: float, adapter: str | None = None

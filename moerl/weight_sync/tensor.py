@@ -4,20 +4,26 @@ GPU, shared memory on the CPU, :mod:`moerl.engines.tensor_ipc`), a bucket at a t
 weights plus one bucket.
 
 A colocated step, as the peers run it (waking weights and KV cache together runs out of memory): :meth:`sleep` pauses
-the engines (``retract``: what waits holds no KV) and releases all their memory; the trainer trains; :meth:`update`
-resumes the engines' weights (uninitialised), pushes, resumes their KV cache and CUDA graphs, and continues them. An
-update while the engines are awake (a catch-up between two pieces of a step) pauses and resumes them as any full sync.
+the engines (``retract``: what waits holds no KV) and releases all their memory; the trainer reloads its state and
+trains, then takes its training state (optimizer, gradients) off the device; :meth:`update` resumes the engines'
+weights (uninitialised), pushes, takes the trainer's weights off too (:meth:`~moerl.trainer.trainer.Trainer.offload`),
+resumes the engines' KV cache and CUDA graphs, and continues them. So the push holds the trainer's weights, the
+engines' and a bucket. An update while the engines are awake (a catch-up between two pieces of a step, the first push
+of a resumed run) pauses and resumes them as any full sync, the trainer's state brought back for the push and taken
+off again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from moerl.engines.tensor_ipc import flattened_bucket, serialize
-from moerl.weight_sync.base import FullWeightSync, SyncStats
+from moerl.weight_sync.base import FullWeightSync, SyncStats, probe_ids, probe_logprobs
 from moerl.weight_sync.broadcast import buckets
 
 _AFTER_WEIGHTS = ["kv_cache", "cuda_graph"]
@@ -32,6 +38,8 @@ class TensorSync(FullWeightSync):
         self.asleep = False  # rank 0: the engines' memory is released (sleep), until the next update wakes them
         self.sleep_seconds = 0.0  # rank 0: the last sleep's, and the last update's wake (resumes and continue)
         self.wake_seconds = 0.0
+        self.probe: np.ndarray | None = None  # every rank: the trainer's log-probs of the probe at the last push
+        self.offloaded_bytes = 0  # every rank: what the last push's offload took off its trainer rank's device
 
     def sleep(self) -> None:
         """Global rank 0, before the trainer's phase: the engines stop and give back their memory (KV cache, weights,
@@ -59,15 +67,51 @@ class TensorSync(FullWeightSync):
         super().after_push()
         self.wake_seconds += time.perf_counter() - start
 
+    def push_policy(self, trainer) -> SyncStats | None:
+        """Collective: the push, from the trainer's weights on its device; then the trainer's whole state leaves the
+        device before the engines take back their KV cache. The trainer's log-probs of the probe are taken first, for
+        :meth:`verify`, which runs once the engines generate again."""
+        # After a step only the training state is off (the job took it off before the engines' weights came back);
+        # the first push of a resumed run, or a catch-up, finds it all off and brings it back for the push.
+        with trainer.on_device() if trainer.weights_offloaded else contextlib.nullcontext():
+            stats, failed = None, None
+            try:
+                stats = super().push_policy(trainer)
+            except Exception as e:  # noqa: BLE001 - rank 0's, agreed before the probe: it is collective
+                failed = e
+            self.agreed(error=failed)
+            self.probe = probe_logprobs(trainer.model.module, probe_ids(trainer.hf_config["vocab_size"]))
+        self.offloaded_bytes = trainer.offload()
+        return stats
+
+    def trainer_probe(self, trainer, ids: list[int]) -> np.ndarray:
+        if self.probe is None:  # no push yet: the engines started from the trainer's checkpoint
+            with trainer.on_device():
+                self.probe = probe_logprobs(trainer.model.module, ids)
+        return self.probe
+
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
         stats, start = SyncStats(), time.perf_counter()
-        infos = zip(self.engines, self.server_info(), strict=True)
-        tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in infos}
+        failure: Exception | None = None
+        tp_sizes: dict[str, int] = {}
         for bucket in buckets(named, self.bucket_bytes):
-            self.push_bucket(bucket, tp_sizes)
+            # Every rank gathers each layer: after a failure rank 0 still takes the rest, or the others would wait in
+            # a gather for good; the failure is raised once they are done.
+            if failure is not None:
+                continue
+            try:
+                if not tp_sizes:
+                    infos = self.on_engines(lambda client: client.server_info())
+                    tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in zip(self.engines, infos, strict=True)}
+                self.push_bucket(bucket, tp_sizes)
+            except Exception as e:  # noqa: BLE001 - raised below, once every gather is done
+                failure = e
+                continue
             stats.buckets += 1
             stats.tensors += len(bucket)
             stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if failure is not None:
+            raise failure
         self.on_engines(lambda client: client.set_weight_version(version))
         stats.seconds = time.perf_counter() - start
         return stats

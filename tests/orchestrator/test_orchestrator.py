@@ -1014,11 +1014,13 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
     ours, theirs = read_metrics(run_dir), read_metrics(tmp_path / "separate")
     assert [r["step"] for r in ours] == [1, 2, 3] and ours[-1]["engines/restarts"] == 1
     for mine, other in zip(ours, theirs, strict=True):
-        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/grad_norm", "routing/agreement"):
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/grad_norm", "mismatch/k3_kl"):
             assert mine[key] == other[key], (key, mine["step"])
-        assert mine["mismatch/k3_kl"] < 1e-6  # the engine's summation order may differ in a new process: 1e-14 apart
         assert all(mine[f"colocate/{phase}_seconds"] > 0 for phase in ("sleep", "wake", "push"))
         assert 0 < mine["colocate/step_fraction"] < 1 and mine["colocate/push_seconds"] == mine["sync/seconds"]
+        # Rank 0's weights, gradients and optimizer state left its device: at EP2 it holds at least half the weights,
+        # and as many bytes of gradients (fp32), Adam's two moments besides.
+        assert mine["colocate/trainer_offloaded_bytes"] >= 2 * mine["sync/full_weight_bytes"]
     # Each step's sequence, as the engine took it (the restarted engine's log goes on in the same file).
     calls = re.findall(r'"POST (/\w+)', log.read_text())
     cycle = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor"] + [

@@ -502,3 +502,23 @@ def test_a_batch_fed_in_pieces_steps_like_the_whole_batch(tiny_ckpts, fp32_sampl
             atol=1e-6 * grad.abs().max().item(),
             msg=lambda m, name=name: f"{name}: {m}",
         )
+
+
+@pytest.mark.e2e
+def test_a_trainer_offloaded_between_steps_trains_bitwise_as_one_never_offloaded(tiny_ckpts, fp32_samples):
+    """Colocated placement takes the trainer's weights, optimizer state and gradients off its device after each push
+    and the next step reloads them: at EP2 over two ranks, every step's metrics and the final weights are those of a
+    trainer that kept them, and nothing of them is left on the device while offloaded."""
+    from tests.workers import steps_offloaded_between
+
+    mcore = str(tiny_ckpts[ARCH][1])
+    kept, offloaded = (
+        run_ranks(steps_offloaded_between, 2, mcore, config("R3", ep=2), fp32_samples, 3, offload)
+        for offload in (False, True)
+    )
+    for a, b in zip(kept, offloaded, strict=True):
+        for step, (m, n) in enumerate(zip(a["metrics"], b["metrics"], strict=True)):
+            differ = {k: (m[k], n[k]) for k in m if m[k] != n[k] and not (np.isnan(m[k]) and np.isnan(n[k]))}
+            assert m.keys() == n.keys() and not differ, (step, differ)
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+        assert all(moved > 0 for moved in b["offloaded"]) and b["left"] == [0, 0, 0]

@@ -398,3 +398,21 @@ def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_gro
             assert sync.group is None
         finally:
             sync.close()
+
+
+@pytest.mark.e2e
+def test_a_colocated_push_that_fails_mid_way_stops_every_rank_none_left_in_a_gather(tiny_ckpts, tmp_path):
+    """Rank 0 sends each bucket as the layers are gathered; when one fails it still takes the remaining gathers, which
+    the other ranks make, and only then raises: every rank stops with the failure, where rank 1 waited for good."""
+    from moerl.trainer.config import TrainerConfig
+    from tests.engine_server import running_server
+    from tests.workers import tensor_push_failing_after_a_bucket
+
+    hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    with running_server(hf_dir, tmp_path / "logs") as url:
+        ranks = run_ranks(
+            tensor_push_failing_after_a_bucket, 2, str(mcore_dir), TrainerConfig(ep=2), url, timeout_s=120
+        )
+    assert ranks[0]["sent"] == 2 and ranks[1]["sent"] == 0
+    assert ranks[0]["raised"] == "RuntimeError: a planted failure after one bucket"
+    assert "global rank 0 failed in the weight sync" in ranks[1]["raised"]
