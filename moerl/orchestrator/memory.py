@@ -51,6 +51,12 @@ NCCL_BUFFER_BYTES = 4 << 20
 NCCL_CHANNELS = 32
 NCCL_RING_PEERS = 2
 COMMUNICATOR_BYTES = NCCL_BUFFER_BYTES * NCCL_CHANNELS * NCCL_RING_PEERS
+# Colocated placement (assumed, not measured): what a released SGLang engine keeps on each of its GPUs (its CUDA
+# context, its own TP group's communicator, the memory saver's bookkeeping), and what a trainer rank keeps while the
+# engines run (its CUDA context, and megatron-core's NCCL communicators, which moerl does not suspend: about eight
+# groups of NCCL's default buffers).
+RELEASED_ENGINE_BYTES = 2 * GIB
+TRAINER_RESIDENT_BYTES = GIB // 2 + 8 * COMMUNICATOR_BYTES
 TP_SPLIT = (".linear_qkv.", ".linear_proj.", ".linear_fc1.", ".linear_fc2.", "word_embeddings.", "output_layer.")
 
 
@@ -77,6 +83,15 @@ class MicroBatchShape:
 
 
 @dataclass
+class Colocation:
+    """Per GPU of a colocated node, the phases that take turns: the trainer's is :attr:`MemoryPlan.trainer`."""
+
+    engines: float  # the engines generate: their static memory (weights, KV cache) beside the trainer's resident part
+    push: float  # the handover: the trainer's weights, the engines' weights and one bucket, beside what stays resident
+    ranks: int  # trainer ranks on the node, each keeping MemoryPlan.host in host memory
+
+
+@dataclass
 class MemoryPlan:
     device_bytes: float
     trainer: RankMemory
@@ -86,6 +101,8 @@ class MemoryPlan:
     micro_batch: MicroBatchShape
     senders: int = 0  # trainer ranks that each form a weight-sync group with every engine (broadcast sync)
     communicators: float = 0.0  # bytes of those groups' communicators per engine GPU, as many as it may hold
+    colocated: Colocation | None = None
+    host: dict[str, float] = field(default_factory=dict)  # bytes a trainer rank keeps in host memory, by what
 
     def table(self) -> str:
         mb = self.micro_batch
@@ -113,6 +130,19 @@ class MemoryPlan:
                 f"    weight-sync communicators {_size(self.communicators)}, outside mem_fraction_static: "
                 f"{self.senders} sender(s) x {MAX_GROUPS_PER_ENGINE} groups x {COMMUNICATOR_BYTES >> 20} MiB"
             )
+        if self.host:
+            lines.append("  a trainer rank's host memory:")
+            lines += [f"    {name:<30}{_size(value):>12}" for name, value in self.host.items()]
+        if self.colocated is not None:
+            c = self.colocated
+            lines += [
+                "  colocated, per GPU, phases taking turns:",
+                f"    {'trainer (above)':<30}{_size(self.trainer.total):>12}",
+                f"    {'engines generate':<30}{_size(c.engines):>12}  (mem_fraction_static, and the trainer's "
+                f"{_size(TRAINER_RESIDENT_BYTES)} resident: CUDA context, NCCL, assumed)",
+                f"    {'weight handover':<30}{_size(c.push):>12}  (trainer and engine weights, a bucket, resident)",
+                f"  host memory per node: {_size(sum(self.host.values()) * c.ranks)} ({c.ranks} ranks)",
+            ]
         return "\n".join(lines)
 
 
@@ -212,6 +242,8 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     terms["loss inputs (a step, at most)"] = step_tokens * (
         LOSS_BYTES_PER_TOKEN + KEPT_ID_BYTES * r.top_k * t.replay.sampling_mask
     )
+    colocated = cfg.run.placement == "colocated"
+    host = _host_terms(cfg, terms)
     device = device_memory_gb * GIB
     rank = RankMemory(params, trained, terms)
     problems: list[str] = []
@@ -239,7 +271,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     kv_tokens = max(0, int(kv_budget // kv_per_token))
     group_tokens = cfg.rollout.samples_per_prompt * cfg.rollout.max_new_tokens
     # Each sender (sends_weights: every pipeline stage's expert-parallel ranks) has a group with every engine GPU.
-    senders = layout.pp * layout.ep if cfg.sync.method == "broadcast" else 0
+    senders = layout.pp * layout.ep if cfg.sync.method == "broadcast" and not colocated else 0
     communicators = senders * MAX_GROUPS_PER_ENGINE * COMMUNICATOR_BYTES
     floor = group_tokens * kv_per_token  # the least KV cache a replica may hold: one group's completions
     needed = engine_weights + floor + communicators
@@ -273,7 +305,56 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
             f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
             f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk"
         )
-    return MemoryPlan(device, rank, engine_weights, kv_tokens, problems, mb, senders, communicators)
+    colocation = None
+    if colocated:
+        colocation = Colocation(
+            engines=e.mem_fraction_static * device + TRAINER_RESIDENT_BYTES,
+            push=terms["weights"]
+            + engine_weights
+            + (cfg.sync.bucket_mb << 20)
+            + RELEASED_ENGINE_BYTES
+            + TRAINER_RESIDENT_BYTES,
+            ranks=world,
+        )
+        problems += _colocation_problems(cfg, colocation, world, device)
+    return MemoryPlan(device, rank, engine_weights, kv_tokens, problems, mb, senders, communicators, colocation, host)
+
+
+def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
+    """What a trainer rank keeps in host memory, by what: with trainer.optim.cpu_offload the optimizer state throughout
+    (taken out of ``terms``, the device's); colocated, while the engines run, the weights, the optimizer state and the
+    KL reference (the gradients are freed), and ``terms`` gain what a released engine keeps on the GPU."""
+    host = {}
+    if cfg.trainer.optim.cpu_offload:
+        host["optimizer state"] = terms.pop("optimizer state")
+    if cfg.run.placement == "colocated":
+        host["weights"] = terms["weights"]
+        host.update({name: terms[name] for name in ("optimizer state", "KL reference") if name in terms})
+        terms["released engine (assumed)"] = RELEASED_ENGINE_BYTES
+    return host
+
+
+def _colocation_problems(cfg, c: Colocation, world: int, device: float) -> list[str]:
+    e = cfg.engines
+    problems = []
+    if e.replicas * e.gpus_per_replica > world:
+        problems.append(
+            f"colocated engines take {e.replicas} x {e.gpus_per_replica} GPUs, more than the {world} trainer ranks' "
+            "GPUs they share: lower engines.replicas or engines.gpus_per_replica"
+        )
+    if c.engines > device:
+        problems.append(
+            f"colocated engines' static memory (engines.mem_fraction_static={e.mem_fraction_static}) and the trainer's "
+            f"{_size(TRAINER_RESIDENT_BYTES)} resident need {_size(c.engines)} of a {_size(device)} GPU: lower "
+            f"engines.mem_fraction_static to at most {1 - TRAINER_RESIDENT_BYTES / device:.2f}"
+        )
+    if c.push > device:
+        problems.append(
+            f"the colocated weight handover needs {_size(c.push)} of a {_size(device)} GPU (the trainer's weights "
+            "beside the engines'): shard the trainer further (trainer.ep, trainer.tp), raise engines.gpus_per_replica "
+            "or lower sync.bucket_mb"
+        )
+    return problems
 
 
 def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
@@ -349,8 +430,9 @@ def _remedy(term: str) -> str:
         "train LoRA adapters (lora.enabled=true)",
         "gradients (fp32)": "shard the model over more GPUs (trainer.ep, trainer.tp, trainer.pp), or train LoRA "
         "adapters (lora.enabled=true)",
-        "optimizer state": "keep trainer.optim.distributed_optimizer=true and add data parallelism (more trainer GPUs: "
-        "run.trainer_ranks, more nodes), or shard further (trainer.ep, trainer.tp, trainer.pp)",
+        "optimizer state": "keep it in host memory (trainer.optim.cpu_offload=true), or keep "
+        "trainer.optim.distributed_optimizer=true and add data parallelism (more trainer GPUs: run.trainer_ranks, more "
+        "nodes), or shard further (trainer.ep, trainer.tp, trainer.pp)",
         "KL reference": "set trainer.loss.kl_coef=0 (no reference model) or shard the model further",
         "activations (est.)": f"set trainer.recompute=true, or lower trainer.micro_batch_tokens or {longest}",
         "logits (fp32)": f"raise trainer.tp (it splits the vocabulary), or lower trainer.micro_batch_tokens or "
@@ -360,6 +442,7 @@ def _remedy(term: str) -> str:
         "transformer_engine is installed: LoRA runs megatron-core's local attention), set "
         "trainer.recompute=true, trainer.micro_batch_format=padded or raise trainer.tp, or "
         f"lower trainer.micro_batch_tokens or {longest}",
+        "released engine (assumed)": "run.placement=separate gives the engines GPUs of their own",
         "loss inputs (a step, at most)": "lower rollout.top_k (4 bytes a response token for each id of its kept set), "
         "rollout.max_new_tokens or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",
     }[term]

@@ -43,6 +43,9 @@ class OptimConfig:
     clip_grad: float = 1.0
     # shard optimizer state over data parallel (CUDA only: gloo has no reduce-scatter)
     distributed_optimizer: bool = True
+    # megatron-core's hybrid-device optimizer: Adam's state, master weights and update in host memory (with the
+    # distributed optimizer, so on CUDA; without CUDA the state is in host memory anyway)
+    cpu_offload: bool = False
 
     def __post_init__(self):
         check_choices(self, "optim")

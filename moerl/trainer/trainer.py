@@ -126,6 +126,10 @@ class Trainer:
                 bf16=dtype == torch.bfloat16,
                 params_dtype=dtype,
                 use_distributed_optimizer=distributed,
+                # the hybrid-device optimizer, all of it on the host; megatron-core runs it as a precision-aware one
+                optimizer_cpu_offload=o.cpu_offload and distributed,
+                optimizer_offload_fraction=1.0 if o.cpu_offload and distributed else 0.0,
+                use_precision_aware_optimizer=o.cpu_offload and distributed,
             ),
             [self.model],
         )

@@ -297,3 +297,36 @@ def test_engines_refuse_communicators_that_do_not_fit():
     assert "48.0 GiB of weight-sync communicators" in problem and "sync.method=disk" in problem
     given = _plan("engines.mem_fraction_static=0.92", "engines.urls=[http://node3:30000]")  # engines elsewhere: theirs
     assert not given.problems and "weight-sync communicators 8.0 GiB" in given.table()
+
+
+ONE_NODE = "recipes/qwen3_30b_a3b_one_node.yaml"
+
+
+def test_the_one_node_recipe_fits_colocated_with_each_phase_and_the_host_memory_named():
+    """Qwen3-30B-A3B full fine-tuning on one 8 x H100 node: at TP2 x EP4 a rank's training needs 108 GiB with Adam's
+    state on the GPU; in host memory (trainer.optim.cpu_offload) it fits, and per GPU the engines' phase and the
+    handover fit beside what stays resident. Host memory holds each rank's optimizer state and, while the engines run,
+    its weights."""
+    plan = _plan(config=ONE_NODE)
+    assert not plan.problems and plan.colocated is not None
+    assert plan.trainer.total < 0.9 * 80 * GIB and "optimizer state" not in plan.trainer.terms
+    assert set(plan.host) == {"optimizer state", "weights"} and plan.host["weights"] == plan.trainer.terms["weights"]
+    assert plan.senders == 0 and plan.communicators == 0  # the handover forms no weight groups
+    assert plan.colocated.engines < 80 * GIB and plan.colocated.push < plan.colocated.engines
+    table = plan.table()
+    for line in ("released engine (assumed)", "engines generate", "weight handover", "host memory per node: 460.9 GiB"):
+        assert line in table, line
+    (problem,) = _plan("trainer.optim.cpu_offload=false", config=ONE_NODE).problems
+    assert "the largest term is optimizer state at 42.7 GiB" in problem and "trainer.optim.cpu_offload=true" in problem
+
+
+def test_colocated_engines_are_refused_past_the_gpus_they_share_or_the_memory_left_them():
+    crowded = _plan("engines.replicas=8", config=ONE_NODE)
+    assert any("colocated engines take 8 x 2 GPUs, more than the 8 trainer ranks' GPUs" in p for p in crowded.problems)
+    (greedy,) = _plan("engines.mem_fraction_static=0.99", config=ONE_NODE).problems
+    assert "lower engines.mem_fraction_static to at most 0.97" in greedy
+    # Unsharded engines hold 56.9 GiB a GPU: beside the trainer's 14.9 GiB, the resident part and an 8 GiB bucket, the
+    # handover no longer fits.
+    unsharded = ("engines.gpus_per_replica=1", "engines.replicas=8", "sync.bucket_mb=8192")
+    (heavy,) = _plan(*unsharded, config=ONE_NODE).problems
+    assert heavy.startswith("the colocated weight handover needs 84.3 GiB of a 80.0 GiB GPU"), heavy
