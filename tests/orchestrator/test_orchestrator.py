@@ -989,18 +989,17 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
 
 
 @pytest.mark.e2e
-def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survive_an_engine_killed_asleep(
-    cache, tmp_path
-):
+def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survive_a_kill_and_a_resume(cache, tmp_path):
     """run.placement=colocated: each step pauses and releases the engine, trains, resumes its weights, hands the new
     ones over in shared memory, resumes its KV cache and continues; sync.verify finds the trainer's weights served
-    after every push. The engine SIGKILLed once released is started again and the run goes on with nothing lost: every
-    step's rewards and gradients are those of the same run with separate placement."""
-    steps = ["run.mode=sync", "run.steps=3"]
-    separate = job(cache, tmp_path / "separate", *steps)
+    after every push. The engine SIGKILLed once released is started again and the run goes on with nothing lost; the
+    run resumed from its last checkpoint (written while the trainer's state was off the device) takes one step more.
+    Every step's rewards and gradients are those of the same run with separate placement."""
+    separate = job(cache, tmp_path / "separate", "run.mode=sync", "run.steps=4")
     assert separate.returncode == 0, separate.stderr[-4000:]
     run_dir = tmp_path / "colocated"
-    proc = start_job(cache, run_dir, *steps, "run.placement=colocated")
+    colocated = ["run.mode=sync", "run.placement=colocated"]
+    proc = start_job(cache, run_dir, *colocated, "run.steps=3")
     log = run_dir / "logs" / "embedded-0.log"
 
     def released() -> bool:
@@ -1011,8 +1010,12 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
         os.killpg(engine.pid, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-4000:]
+    assert read_metrics(run_dir)[-1]["engines/restarts"] == 1
+    first_log = log.read_text()  # the restarted engine logs on in the same file; the resumed run's starts it again
+    resumed = job(cache, run_dir, *colocated, "run.steps=4", "run.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
     ours, theirs = read_metrics(run_dir), read_metrics(tmp_path / "separate")
-    assert [r["step"] for r in ours] == [1, 2, 3] and ours[-1]["engines/restarts"] == 1
+    assert [r["step"] for r in ours] == [1, 2, 3, 4]
     for mine, other in zip(ours, theirs, strict=True):
         for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/grad_norm", "mismatch/k3_kl"):
             assert mine[key] == other[key], (key, mine["step"])
@@ -1021,11 +1024,12 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
         # Rank 0's weights, gradients and optimizer state left its device: at EP2 it holds at least half the weights,
         # and as many bytes of gradients (fp32), Adam's two moments besides.
         assert mine["colocate/trainer_offloaded_bytes"] >= 2 * mine["sync/full_weight_bytes"]
-    # Each step's sequence, as the engine took it (the restarted engine's log goes on in the same file).
-    calls = re.findall(r'"POST (/\w+)', log.read_text())
+    # Each step's sequence, as the engines took it; the resumed run's engine first takes the checkpoint's policy, awake.
     cycle = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor"] + [
         "/resume_memory_occupation"
     ]
-    assert [c for c in calls if c in cycle] == cycle * 3, calls
+    for text, expected in ((first_log, cycle * 3), (log.read_text(), ["/update_weights_from_tensor"] + cycle)):
+        calls = re.findall(r'"POST (/\w+)', text)
+        assert [c for c in calls if c in cycle] == expected, calls
     acct = accounting(run_dir)
-    assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 3 * GROUPS
+    assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 4 * GROUPS
