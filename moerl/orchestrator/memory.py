@@ -221,7 +221,9 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
     expert_share = experts / layout.ep / layout.etp / layout.pp / max(params, 1)  # of this rank's parameters
     dtype_bytes = 4 if t.dtype == "float32" else 2
     distributed = t.optim.distributed_optimizer
-    adam_bytes: float = (12 if dtype_bytes == 2 else 8) * trained
+    # fp32 master weights when training in bf16, and the two moments in their dtype
+    moment_bytes = 2 if t.optim.moments_dtype == "bfloat16" else 4
+    adam_bytes: float = ((4 if dtype_bytes == 2 else 0) + 2 * moment_bytes) * trained
     if distributed:
         adam_bytes = adam_bytes * (expert_share / expert_dp + (1 - expert_share) / dense_dp)
     terms: dict[str, float] = {

@@ -11,6 +11,7 @@ from moerl.trainer.objectives import LossConfig
 RoutingMode = Literal["off", "R2", "R3"]  # R2: replay the old-policy forward's routing; R3: the rollout's
 MicroBatchFormat = Literal["padded", "packed"]
 TrainerDtype = Literal["auto", "bfloat16", "float32"]  # auto: bfloat16 on CUDA, float32 on CPU
+MomentsDtype = Literal["float32", "bfloat16"]
 LRDecayStyle = Literal[
     "constant", "linear", "cosine", "inverse-square-root"
 ]  # megatron-core's schedules without extra settings
@@ -46,6 +47,9 @@ class OptimConfig:
     # megatron-core's hybrid-device optimizer: Adam's state, master weights and update in host memory (with the
     # distributed optimizer, so on CUDA; without CUDA the state is in host memory anyway)
     cpu_offload: bool = False
+    # Adam's two moments: bfloat16 halves them (megatron-core's precision-aware optimizer: Transformer Engine's
+    # FusedAdam with the distributed optimizer, so on CUDA only)
+    moments_dtype: MomentsDtype = "float32"
 
     def __post_init__(self):
         check_choices(self, "optim")

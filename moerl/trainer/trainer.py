@@ -38,12 +38,14 @@ from moerl.checkpoint.mcore import (
     write_moerl_meta,
 )
 from moerl.dtypes import torch_dtype
+from moerl.errors import ConfigError
 from moerl.layout import Layout
 from moerl.megatron.forward import host_to_device, run_schedule
 from moerl.megatron.lora import add_lora
 from moerl.megatron.lora_config import LoRAConfig
 from moerl.megatron.parallel import collective_device, on_lead
 from moerl.models import family_for
+from moerl.models.qwen_moe import te_usable
 from moerl.sample import Sample
 from moerl.trainer import objectives, replay_trace
 from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, split_by_budget, split_into
@@ -81,6 +83,12 @@ class Trainer:
         self.cfg, self.ckpt_dir = cfg, str(ckpt_dir)
         self.lora = lora if lora is not None and lora.enabled else None
         cuda = torch.cuda.is_available()
+        if cfg.optim.moments_dtype != "float32" and not (cfg.optim.distributed_optimizer and cuda and te_usable()):
+            raise ConfigError(
+                f"trainer.optim.moments_dtype={cfg.optim.moments_dtype} needs megatron-core's precision-aware "
+                "optimizer: Transformer Engine's FusedAdam on CUDA, with trainer.optim.distributed_optimizer=true; "
+                "set it to float32 here"
+            )
         dtype = torch_dtype(cfg.dtype)
         self.layout = Layout(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
         # Low-precision router logits flip near-tied experts; megatron-core can compute them in fp32.
@@ -129,7 +137,9 @@ class Trainer:
                 # the hybrid-device optimizer, all of it on the host; megatron-core runs it as a precision-aware one
                 optimizer_cpu_offload=o.cpu_offload and distributed,
                 optimizer_offload_fraction=1.0 if o.cpu_offload and distributed else 0.0,
-                use_precision_aware_optimizer=o.cpu_offload and distributed,
+                use_precision_aware_optimizer=(o.cpu_offload and distributed) or o.moments_dtype != "float32",
+                exp_avg_dtype=torch_dtype(o.moments_dtype),
+                exp_avg_sq_dtype=torch_dtype(o.moments_dtype),
             ),
             [self.model],
         )

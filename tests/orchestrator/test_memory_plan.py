@@ -330,3 +330,10 @@ def test_colocated_engines_are_refused_past_the_gpus_they_share_or_the_memory_le
     unsharded = ("engines.gpus_per_replica=1", "engines.replicas=8", "sync.bucket_mb=8192")
     (heavy,) = _plan(*unsharded, config=ONE_NODE).problems
     assert heavy.startswith("the colocated weight handover needs 84.3 GiB of a 80.0 GiB GPU"), heavy
+
+
+def test_bf16_moments_shrink_the_optimizer_state_to_two_thirds():
+    """Training in bf16, Adam holds fp32 master weights (4 bytes a parameter) and two moments: 12 bytes in fp32
+    moments, 8 in bf16 ones."""
+    fp32, bf16 = _plan(), _plan("trainer.optim.moments_dtype=bfloat16")
+    assert bf16.trainer.terms["optimizer state"] == pytest.approx(fp32.trainer.terms["optimizer state"] * 8 / 12)

@@ -522,3 +522,13 @@ def test_a_trainer_offloaded_between_steps_trains_bitwise_as_one_never_offloaded
             assert m.keys() == n.keys() and not differ, (step, differ)
         assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
         assert all(moved > 0 for moved in b["offloaded"]) and b["left"] == [0, 0, 0]
+
+
+def test_bf16_moments_are_refused_where_the_precision_aware_optimizer_cannot_run():
+    """megatron-core keeps Adam's moments in bf16 only in its precision-aware optimizer (Transformer Engine's FusedAdam
+    with the distributed optimizer): without CUDA the trainer says so before it loads anything."""
+    from moerl.errors import ConfigError
+    from moerl.trainer.trainer import Trainer
+
+    with pytest.raises(ConfigError, match=r"trainer\.optim\.moments_dtype=bfloat16 needs .* FusedAdam on CUDA"):
+        Trainer("/nonexistent", TrainerConfig(optim=OptimConfig(moments_dtype="bfloat16")))
