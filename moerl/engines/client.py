@@ -245,6 +245,11 @@ class EngineClient:
             raise ReplicaDown(url, reason)
         return completions
 
+    async def classify_on(self, url: str, input_ids: list[list[int]]) -> list[list[float]]:
+        """A reward model's scores of each input (SGLang's /classify), from the engine at ``url``."""
+        answers = await self._call(url, P.CLASSIFY, P.ClassifyReqInput(input_ids=input_ids))
+        return [answer["embedding"] for answer in answers]
+
     async def generate_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
         """One /generate on ``url``, read and decoded in this process; no retry, no health accounting."""
 

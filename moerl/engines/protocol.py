@@ -378,6 +378,45 @@ class UpdateWeightsFromTensorReqInput(WireModel):
     weight_version: str | None = None
 
 
+class ClassifyReqInput(WireModel):
+    """/classify, SGLang's route for a reward model (a sequence-classification model, served as an embedding model):
+    ``text`` or ``input_ids``, one input or a batch; each answer's ``embedding`` is the model's scores (one for a
+    reward model)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    rid: str | list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_kind_of_input(self) -> ClassifyReqInput:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give text or input_ids (one of them)")
+        batch = self.batch()
+        if not 1 <= len(batch) <= MAX_N:
+            raise ValueError(f"a batch holds 1 to {MAX_N} inputs, not {len(batch)}")
+        if any(len(one) == 0 for one in batch):
+            raise ValueError("an input is empty")
+        if isinstance(self.rid, list) and len(self.rid) != len(batch):
+            raise ValueError(f"rid names {len(self.rid)} requests for {len(batch)} inputs")
+        return self
+
+    @property
+    def batched(self) -> bool:
+        given = self.text if self.text is not None else self.input_ids
+        return isinstance(given, list) and (self.text is not None or bool(given) and isinstance(given[0], list))
+
+    def batch(self) -> list:
+        """The inputs, each a text or a list of ids, whether one was given or a batch."""
+        given = self.text if self.text is not None else self.input_ids
+        assert given is not None, "the validator requires one kind of input"
+        return list(given) if self.batched else [given]
+
+
+class ClassifyResponse(TypedDict):
+    embedding: list[float]  # the model's scores
+    meta_info: dict[str, Any]  # id, prompt_tokens
+
+
 class GetWeightsByNameReqInput(WireModel):
     name: str = Field(min_length=1)
     truncate_size: int = Field(default=100, ge=1)
@@ -455,6 +494,7 @@ class Route:
 
 
 GENERATE = Route("/generate", "POST")
+CLASSIFY = Route("/classify", "POST")
 HEALTH = Route("/health", "GET")
 MODEL_INFO = Route("/model_info", "GET")
 SERVER_INFO = Route("/server_info", "GET")

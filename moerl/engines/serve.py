@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import logging
 import signal
 from pathlib import Path
@@ -13,6 +14,7 @@ from aiohttp import web
 
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
+from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app, is_classifier
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS
 from moerl.engines.embedded.server import EmbeddedEngine, build_app
 from moerl.engines.simulated import SimulatedEngine
@@ -31,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        help="local HF model directory (with --simulate: its config and tokenizer, in place of the profile's)",
+        help="local HF model directory (with --simulate: its config and tokenizer, in place of the profile's); a "
+        "sequence-classification model is served as a reward model, at /classify",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -72,8 +75,15 @@ def _ports(text: str) -> list[int]:
     return ports
 
 
-def _engines(args: argparse.Namespace) -> list[EmbeddedEngine]:
-    """One engine per port served."""
+Served = EmbeddedEngine | ClassifierEngine
+
+
+def _app(engine: Served) -> web.Application:
+    return build_classifier_app(engine) if isinstance(engine, ClassifierEngine) else build_app(engine)
+
+
+def _engines(args: argparse.Namespace) -> list[Served]:
+    """One engine per port served: a model that generates, a simulated one, or a reward model."""
     if args.ports and not args.simulate:
         raise ConfigError(
             "--ports serves several simulated replicas: it needs --simulate (a model's engine serves on --port)"
@@ -94,6 +104,8 @@ def _engines(args: argparse.Namespace) -> list[EmbeddedEngine]:
             SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens, args.prefix_cache_tokens)
             for _ in args.ports or [args.port]
         ]
+    if is_classifier(json.loads(Path(model, "config.json").read_text()).get("architectures") or []):
+        return [ClassifierEngine(model, MODEL_DTYPES[args.dtype], args.device)]  # a reward model: /classify
     return [
         EmbeddedEngine(
             model,
@@ -127,19 +139,20 @@ def main(argv: list[str] | None = None) -> int:
     ports = args.ports or [args.port]
     if len(engines) == 1:
         # On SIGTERM, requests still open (a join whose peers never came, say) get a few seconds, not a minute.
+        engine = engines[0]
         web.run_app(
-            build_app(engines[0]),
+            _app(engine),
             host=args.host,
             port=ports[0],
             shutdown_timeout=5,
-            print=lambda *a: log.info("serving %s on http://%s:%d", engines[0].model_dir, args.host, ports[0]),
+            print=lambda *a: log.info("serving %s on http://%s:%d", engine.model_dir, args.host, ports[0]),
         )
     else:
         asyncio.run(_serve_all(engines, args.host, ports))
     return 0
 
 
-async def _serve_all(engines: list[EmbeddedEngine], host: str, ports: list[int]) -> None:
+async def _serve_all(engines: list[Served], host: str, ports: list[int]) -> None:
     """Each engine's app on its port, in this one event loop, until SIGTERM or SIGINT."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -148,7 +161,7 @@ async def _serve_all(engines: list[EmbeddedEngine], host: str, ports: list[int])
     runners: list[web.AppRunner] = []
     try:
         for engine, port in zip(engines, ports, strict=True):  # one engine per port (_engines)
-            runner = web.AppRunner(build_app(engine), shutdown_timeout=5)
+            runner = web.AppRunner(_app(engine), shutdown_timeout=5)
             runners.append(runner)
             await runner.setup()
             await web.TCPSite(runner, host, port).start()

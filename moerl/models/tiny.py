@@ -37,17 +37,39 @@ TINY_QWEN2 = {k: v for k, v in TINY_QWEN3.items() if k not in ("head_dim", "mlp_
 )
 
 
+TINY_QWEN3_REWARD: dict[str, object] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    num_labels=1,
+)
+
+
 def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
     """A randomly initialised transformers model of the given architecture (fp32, eval mode).
 
     Weights are drawn with a larger std than transformers' default so routing and logits are far
     from uniform and a wrong mapping cannot hide.
     """
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3Config,
+        Qwen3ForSequenceClassification,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     classes = {
         "Qwen3MoeForCausalLM": (Qwen3MoeConfig, Qwen3MoeForCausalLM, TINY_QWEN3),
         "Qwen2MoeForCausalLM": (Qwen2MoeConfig, Qwen2MoeForCausalLM, TINY_QWEN2),
+        # a reward model: one score a sequence, from its last token
+        "Qwen3ForSequenceClassification": (Qwen3Config, Qwen3ForSequenceClassification, TINY_QWEN3_REWARD),
     }
     config_cls, model_cls, base = classes[architecture]
     config = config_cls(**{**base, **overrides})

@@ -219,6 +219,8 @@ def _captured_bodies() -> list[tuple[str, dict]]:
                         "output_token_sampling_mask": [[1]],
                     },
                 }
+            if route.path == "/classify":
+                return [{"embedding": [0.5], "meta_info": {"id": None, "prompt_tokens": 2}}]
             return {"weight_version": "0"}
 
     async def run():
@@ -251,6 +253,7 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.load_lora("a", "/adapters/a")
         await client.load_lora_from_tensors("t", {"r": 2}, {"w": torch.ones(2)})
         await client.unload_lora("a")
+        await client.classify_on("http://x", [[1, 2]])
         await client.release_memory()
         await client.resume_memory(["weights"])
         await client.update_weights_from_tensor(
@@ -283,6 +286,7 @@ def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
         "/release_memory_occupation": io.ReleaseMemoryOccupationReqInput,
         "/resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
         "/update_weights_from_tensor": io.UpdateWeightsFromTensorReqInput,
+        "/classify": io.EmbeddingReqInput,
     }
     sent = _captured_bodies()
     assert {route for route, _ in sent} == set(types) | {"/model_info"}

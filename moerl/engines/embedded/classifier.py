@@ -1,0 +1,119 @@
+"""A reward model served as SGLang 0.5.23 serves one: a transformers sequence-classification model behind ``/classify``.
+
+SGLang takes such an architecture (``*ForSequenceClassification``, ``*ForRewardModel``) for a model that does not
+generate and answers ``/classify`` as an embedding request: per input, ``embedding`` is the scores of its last token's
+head (one score for a reward model). This engine does the same on the CPU or a GPU, one input at a time (no padding,
+so no input's score depends on another's), and holds weights that never change: reward models take no updates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import torch
+from aiohttp import web
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from moerl.engines import protocol
+from moerl.engines.embedded.runner import own_weights
+from moerl.engines.embedded.server import _dumps, _errors, _parse
+from moerl.engines.protocol import ProtocolError
+
+log = logging.getLogger("moerl.serve")
+
+
+def is_classifier(architectures: list[str]) -> bool:
+    """Whether a model of these architectures scores sequences rather than generating (SGLang's reading)."""
+    return any(a.endswith(("ForSequenceClassification", "ForRewardModel")) for a in architectures)
+
+
+class ClassifierEngine:
+    engine_name = "moerl-embedded"
+
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=dtype)
+        self.model: PreTrainedModel = model.to(self.device).eval()
+        own_weights(self.model)
+        self.model_dir = str(model_dir)
+        has_tokenizer = any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
+        config = self.model.config
+        self.vocab_size, self.max_tokens = config.vocab_size, config.max_position_embeddings
+        self._forward = asyncio.Lock()  # one input at a time through the model
+
+    def token_ids(self, req: protocol.ClassifyReqInput) -> list[list[int]]:
+        """Each input's token ids, checked against the model's vocabulary and context."""
+        if req.text is not None:
+            if self.tokenizer is None:
+                raise ProtocolError(f"text: {self.model_dir} has no tokenizer; send input_ids")
+            batch = [self.tokenizer(text, add_special_tokens=True)["input_ids"] for text in req.batch()]
+        else:
+            batch = req.batch()
+        for i, ids in enumerate(batch):
+            if not all(0 <= t < self.vocab_size for t in ids):
+                raise ProtocolError(f"input_ids[{i}]: ids must lie in [0, {self.vocab_size})")
+            if len(ids) > self.max_tokens:
+                raise ProtocolError(f"input {i}: {len(ids)} tokens, more than the model's {self.max_tokens}")
+        return batch
+
+    @torch.no_grad()
+    def scores(self, ids: list[int]) -> list[float]:
+        return self.model(torch.tensor([ids], device=self.device)).logits[0].float().tolist()
+
+    async def classify(self, req: protocol.ClassifyReqInput) -> list[protocol.ClassifyResponse]:
+        batch = self.token_ids(req)
+        rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(batch)
+        answers: list[protocol.ClassifyResponse] = []
+        async with self._forward:
+            for ids, rid in zip(batch, rids, strict=True):
+                scores = await asyncio.to_thread(self.scores, ids)
+                answers.append({"embedding": scores, "meta_info": {"id": rid, "prompt_tokens": len(ids)}})
+        return answers
+
+
+def build_classifier_app(engine: ClassifierEngine) -> web.Application:
+    """``engine`` over HTTP: ``/classify`` (POST or PUT, as SGLang's), ``/health``, ``/model_info`` and
+    ``/server_info``."""
+
+    async def classify(request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.ClassifyReqInput)
+        answers = await engine.classify(req)
+        return web.json_response(answers if req.batched else answers[0], dumps=_dumps)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def model_info(request: web.Request) -> web.Response:
+        info = {
+            "model_path": engine.model_dir,
+            "tokenizer_path": engine.model_dir if engine.tokenizer is not None else None,
+            "is_generation": False,
+        }
+        return web.json_response(info, dumps=_dumps)
+
+    async def server_info(request: web.Request) -> web.Response:
+        from moerl import __version__
+
+        info: protocol.ServerInfo = {
+            "tp_size": 1,
+            "version": __version__,
+            "engine": engine.engine_name,
+            "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "torch_version": torch.__version__,
+        }
+        return web.json_response(info, dumps=_dumps)
+
+    app = web.Application(middlewares=[_errors])
+    app.add_routes(
+        [
+            web.post(protocol.CLASSIFY.path, classify),
+            web.put(protocol.CLASSIFY.path, classify),
+            web.get(protocol.HEALTH.path, health),
+            web.get(protocol.MODEL_INFO.path, model_info),
+            web.get(protocol.SERVER_INFO.path, server_info),
+        ]
+    )
+    return app
