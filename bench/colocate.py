@@ -17,7 +17,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,35 +27,12 @@ PHASES = ("sleep", "wake", "push")
 
 
 def run(work: Path, placement: str, steps: int, model: Path) -> dict:
-    from bench.report import measured_steps, mode_summary
+    from bench.report import mode_summary, run_demo_job
 
-    from moerl.models.tiny import tiny_tokenizer
-
-    stops = ",".join(str(tiny_tokenizer().convert_tokens_to_ids(c)) for c in "eat ")
-    run_dir = work / placement
-    args = [
-        "bash",
-        str(REPO / "recipes/qwen_moe_grpo.sh"),
-        f"run.dir={run_dir}",
-        "run.mode=sync",
-        f"run.placement={placement}",
-        f"run.steps={steps}",
-        "run.progress=false",
-        f"run.cache_dir={work / 'cache'}",
-        f"model.path={model}",
-        "rollout.max_new_tokens=64",
-        f"rollout.stop_token_ids=[{stops}]",
-        "rollout.groups_per_step=8",
-        "rollout.samples_per_prompt=8",
-    ]
-    start = time.perf_counter()
-    out = subprocess.run(args, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"{placement} failed:\n{out.stderr[-4000:]}")
-    rows = measured_steps(run_dir)
+    rows, wall = run_demo_job(work, work / placement, model, steps, "run.mode=sync", f"run.placement={placement}")
     result = {
         **mode_summary(rows),
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall,
         "step_s": statistics.mean(r["time/step_seconds"] for r in rows),
         "sync_s": statistics.mean(r["sync/seconds"] for r in rows),
     }

@@ -20,44 +20,20 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def run_modes(work: Path, steps: int, model: Path) -> dict[str, dict]:
-    from bench.report import measured_steps, mode_summary
+    from bench.report import mode_summary, run_demo_job
 
-    from moerl.models.tiny import tiny_tokenizer
-
-    # Four stop characters: the random model draws one every ~20 tokens, so lengths spread out to the cap.
-    stops = ",".join(str(tiny_tokenizer().convert_tokens_to_ids(c)) for c in "eat ")
     results = {}
     for mode in ("sync", "periodic", "async"):
-        run_dir = work / mode
-        args = [
-            "bash",
-            str(REPO / "recipes/qwen_moe_grpo.sh"),
-            f"run.dir={run_dir}",
-            f"run.mode={mode}",
-            f"run.steps={steps}",
-            "run.progress=false",
-            f"run.cache_dir={work / 'cache'}",
-            f"model.path={model}",
-            "rollout.max_new_tokens=64",
-            f"rollout.stop_token_ids=[{stops}]",
-            "rollout.groups_per_step=8",
-            "rollout.samples_per_prompt=8",
-        ]
-        start = time.perf_counter()
-        out = subprocess.run(args, env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True)
-        if out.returncode:
-            raise SystemExit(f"{mode} failed:\n{out.stderr[-4000:]}")
-        results[mode] = {**mode_summary(measured_steps(run_dir)), "wall_s": time.perf_counter() - start}
+        rows, wall = run_demo_job(work, work / mode, model, steps, f"run.mode={mode}")
+        results[mode] = {**mode_summary(rows), "wall_s": wall}
         print(mode, results[mode], flush=True)
     return results
 
