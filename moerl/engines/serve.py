@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import json
 import logging
 import signal
 from pathlib import Path
 
 from aiohttp import web
 
+from moerl.checkpoint.hf import read_config
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
 from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app, is_classifier
@@ -104,7 +104,7 @@ def _engines(args: argparse.Namespace) -> list[Served]:
             SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens, args.prefix_cache_tokens)
             for _ in args.ports or [args.port]
         ]
-    if is_classifier(json.loads(Path(model, "config.json").read_text()).get("architectures") or []):
+    if is_classifier(read_config(model).get("architectures") or []):
         return [ClassifierEngine(model, MODEL_DTYPES[args.dtype], args.device)]  # a reward model: /classify
     return [
         EmbeddedEngine(

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from moerl.engines import protocol
 from moerl.engines.embedded.runner import own_weights
-from moerl.engines.embedded.server import _dumps, _errors, _parse
+from moerl.engines.embedded.server import _dumps, _errors, _parse, load_tokenizer
+from moerl.engines.embedded.server import server_info as server_info_of
 from moerl.engines.protocol import ProtocolError
 
 log = logging.getLogger("moerl.serve")
@@ -38,8 +39,7 @@ class ClassifierEngine:
         self.model: PreTrainedModel = model.to(self.device).eval()
         own_weights(self.model)
         self.model_dir = str(model_dir)
-        has_tokenizer = any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
+        self.tokenizer = load_tokenizer(model_dir)
         config = self.model.config
         self.vocab_size, self.max_tokens = config.vocab_size, config.max_position_embeddings
         self._forward = asyncio.Lock()  # one input at a time through the model
@@ -95,16 +95,7 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
         return web.json_response(info, dumps=_dumps)
 
     async def server_info(request: web.Request) -> web.Response:
-        from moerl import __version__
-
-        info: protocol.ServerInfo = {
-            "tp_size": 1,
-            "version": __version__,
-            "engine": engine.engine_name,
-            "dtype": str(engine.model.dtype).removeprefix("torch."),
-            "torch_version": torch.__version__,
-        }
-        return web.json_response(info, dumps=_dumps)
+        return web.json_response(server_info_of(engine.engine_name, engine.model), dumps=_dumps)
 
     app = web.Application(middlewares=[_errors])
     app.add_routes(

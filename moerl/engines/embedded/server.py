@@ -118,7 +118,7 @@ class EmbeddedEngine(Generic[RequestT]):
         """What serving needs besides the computation: ``model`` (the served transformers model: names, shapes,
         device, dtype) and ``scheduler(adapters, eos_ids, max_length)``, which makes the scheduler."""
         self.model_dir, self.model = model_dir, model
-        self.tokenizer = self._load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         config = model.config
         raw = read_config(model_dir)
         self.family = family_for(raw)
@@ -153,14 +153,6 @@ class EmbeddedEngine(Generic[RequestT]):
     @property
     def moe_layers(self) -> list[int]:
         return self.runner.moe_layers
-
-    @staticmethod
-    def _load_tokenizer(model_dir: str):
-        if not (Path(model_dir) / "tokenizer_config.json").is_file():
-            return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_dir)
 
     # ---- /generate --------------------------------------------------------------------------
     def generate(self, body: dict) -> list[protocol.GenerateResponse]:
@@ -434,6 +426,28 @@ class EmbeddedEngine(Generic[RequestT]):
         }
 
 
+def load_tokenizer(model_dir: str | Path):
+    """The HF directory's tokenizer, None where it has none."""
+    if not (Path(model_dir) / "tokenizer_config.json").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def server_info(engine_name: str, model: PreTrainedModel) -> protocol.ServerInfo:
+    """/server_info of a moerl engine (one rank) serving ``model``."""
+    from moerl import __version__
+
+    return {
+        "tp_size": 1,
+        "version": __version__,
+        "engine": engine_name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "torch_version": torch.__version__,
+    }
+
+
 def give_back_freed_memory() -> None:
     """Return the heap's freed pages to the OS: tensors below glibc's mmap threshold are freed into the heap, where
     they would stay resident (the non-PyTorch memory left after an offload that verl #5979 reports)."""
@@ -603,16 +617,7 @@ class EngineServer(Generic[RequestT]):
 
     # ---- info ---------------------------------------------------------------------------------
     async def server_info(self, request: web.Request) -> web.Response:
-        from moerl import __version__
-
-        info: protocol.ServerInfo = {
-            "tp_size": 1,
-            "version": __version__,
-            "engine": self.engine.engine_name,
-            "dtype": str(self.engine.model.dtype).removeprefix("torch."),
-            "torch_version": torch.__version__,
-        }
-        return web.json_response(info, dumps=_dumps)
+        return web.json_response(server_info(self.engine.engine_name, self.engine.model), dumps=_dumps)
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(self.engine.model_info(), dumps=_dumps)
