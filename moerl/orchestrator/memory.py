@@ -318,7 +318,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
             + TRAINER_RESIDENT_BYTES,
             ranks=world,
         )
-        problems += _colocation_problems(cfg, colocation, world, device)
+        problems += _colocation_problems(cfg, colocation, device)
     return MemoryPlan(device, rank, engine_weights, kv_tokens, problems, mb, senders, communicators, colocation, host)
 
 
@@ -336,12 +336,12 @@ def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
     return host
 
 
-def _colocation_problems(cfg, c: Colocation, world: int, device: float) -> list[str]:
+def _colocation_problems(cfg, c: Colocation, device: float) -> list[str]:
     e = cfg.engines
     problems = []
-    if e.replicas * e.gpus_per_replica > world:
+    if e.replicas * e.gpus_per_replica > c.ranks:
         problems.append(
-            f"colocated engines take {e.replicas} x {e.gpus_per_replica} GPUs, more than the {world} trainer ranks' "
+            f"colocated engines take {e.replicas} x {e.gpus_per_replica} GPUs, more than the {c.ranks} trainer ranks' "
             "GPUs they share: lower engines.replicas or engines.gpus_per_replica"
         )
     if c.engines > device:
