@@ -705,9 +705,15 @@ def steps_offloaded_between(mcore_dir: str, trainer_cfg, samples: list, steps: i
     return out
 
 
-def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str) -> dict:
-    """A colocated push (TensorSync) whose second bucket fails on rank 0, as an engine lost mid-push: what each rank
-    raises (every rank must, none left waiting in a gather), and whether its trainer kept its weights on the device."""
+def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str, kill_engine: bool = False) -> dict:
+    """A colocated push (TensorSync) whose second bucket fails on rank 0: a planted failure, or its one engine's
+    server SIGKILLed (``kill_engine``): what each rank raises (every rank must, none left waiting in a gather), whether
+    its trainer kept its weights on the device, and the engines rank 0's sync holds the policy on."""
+    import signal
+    import time
+
+    import psutil
+
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.tensor import TensorSync
 
@@ -720,7 +726,13 @@ def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str) ->
     def failing(bucket, tp_sizes):
         sent[0] += 1
         if sent[0] == 2:
-            raise RuntimeError("a planted failure after one bucket")
+            if not kill_engine:
+                raise RuntimeError("a planted failure after one bucket")
+            port = int(url.rsplit(":", 1)[1])
+            (pid,) = {c.pid for c in psutil.net_connections("tcp") if c.laddr.port == port and c.status == "LISTEN"}
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.05)  # the pool that started it reaps it
         push_bucket(bucket, tp_sizes)
 
     sync.push_bucket = failing  # type: ignore[method-assign]
@@ -729,5 +741,6 @@ def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str) ->
         raised = None
     except Exception as e:  # noqa: BLE001 - reported to the test
         raised = f"{type(e).__name__}: {e}"
+    engines = sync.engines if rank0 else None
     sync.close()
-    return {"raised": raised, "sent": sent[0], "on_device": not trainer.weights_offloaded}
+    return {"raised": raised, "sent": sent[0], "on_device": not trainer.weights_offloaded, "engines": engines}

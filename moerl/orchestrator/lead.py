@@ -86,7 +86,7 @@ class Lead:
             return
         e = self.cfg.engines
         restarted = self.pool.revive(e.max_restarts, e.restart_window_s)
-        self.sync.may_be_new |= set(restarted)
+        self.sync.started_again(restarted)
         self.rollouts.restarting(restarted)
 
     def restart(self, urls: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -96,8 +97,9 @@ class WeightSync(ABC):
             False  # between an update's pause and its resume: engines are asked whether they answer, not /health
         )
         # Global rank 0: engines that may be another process at the same address since a transport last read this (a
-        # call passed them over, see on_engines, or the job started them again).
+        # call passed them over, see on_engines, or the job started them again); how often the job started each again.
         self.may_be_new: set[str] = set()
+        self.starts: Counter[str] = Counter()
         # Global rank 0: called each second an update waits for an engine to answer; the job starts the replicas that
         # died again there, since nothing else does while the update waits.
         self.while_down: Callable[[], None] | None = None
@@ -221,6 +223,11 @@ class WeightSync(ABC):
         client.targets = up
         return up
 
+    def started_again(self, urls: list[str]) -> None:
+        """Global rank 0: the job started these engines' processes again, at their addresses."""
+        self.may_be_new |= set(urls)
+        self.starts.update(urls)
+
     def set_wedged(self, urls: list[str]) -> None:
         """Global rank 0: ``urls`` were told of a bucket whose broadcast failed, and those that took it wait in it for
         good (NCCL's kernels do not time out and nothing in SGLang aborts the group; its stream, and so every later
@@ -252,25 +259,31 @@ class WeightSync(ABC):
     def on_engines(self, call, policy: EngineCall = EngineCall.REPEATED):
         """Global rank 0: ``call(client)`` (a control coroutine) on the chosen engines, its result. While it fails on
         engines that have gone since, those left are the chosen ones, and ``policy`` says what the call then does
-        (:class:`EngineCall`). A failure on an engine that is still there is raised."""
+        (:class:`EngineCall`). A failure on an engine that is still there is raised; one the job started again
+        meanwhile is not still there, though it answers at the same address."""
         again, wait = policy.value
         link = self.lead_link
         client = link.client
+        starts = Counter(self.starts)
         while True:
             try:
                 return link.run(call(client))
             except EngineError as e:
                 before = list(client.targets)
-                # not one that came back: it missed the push
-                left = [url for url in self.choose_engines(None if wait else before) if url in before]
+                # not one that came back, nor a new process at a chosen one's address: it missed the push
+                left = [
+                    url
+                    for url in self.choose_engines(None if wait else before)
+                    if url in before and self.starts[url] == starts[url]
+                ]
+                client.targets = left
+                self.may_be_new |= set(before) - set(left)
                 if not (left or wait):
                     raise EnginesDown(
                         f"none of the engines this update chose answers any more ({', '.join(before)}): {e}"
                     ) from e
                 if set(left) >= set(before):
                     raise
-                client.targets = left
-                self.may_be_new |= set(before) - set(left)
                 if not again:
                     for failure in e.failures:
                         if failure.url in left:

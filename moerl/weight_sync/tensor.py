@@ -16,6 +16,7 @@ off again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 
@@ -23,8 +24,11 @@ import numpy as np
 import torch
 
 from moerl.engines.tensor_ipc import flattened_bucket, serialize
-from moerl.weight_sync.base import FullWeightSync, SyncStats, probe_ids, probe_logprobs
+from moerl.errors import EnginesDown
+from moerl.weight_sync.base import EngineCall, FullWeightSync, SyncStats, probe_ids, probe_logprobs
 from moerl.weight_sync.broadcast import buckets
+
+log = logging.getLogger("moerl.sync")
 
 _AFTER_WEIGHTS = ["kv_cache", "cuda_graph"]
 
@@ -91,6 +95,10 @@ class TensorSync(FullWeightSync):
         return self.probe
 
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
+        """Rank 0: the buckets, then ``version``, to the engines the update chose; one gone meanwhile is passed over.
+        With every one of them gone the update reaches none: the job starts them again, each holding its memory and
+        the checkpoint it started from, stale until a catch-up brings it the policy. Nothing waits for one to come
+        back, which would be told the version without the buckets before it."""
         stats, start = SyncStats(), time.perf_counter()
         failure: Exception | None = None
         tp_sizes: dict[str, int] = {}
@@ -101,7 +109,7 @@ class TensorSync(FullWeightSync):
                 continue
             try:
                 if not tp_sizes:
-                    infos = self.on_engines(lambda client: client.server_info())
+                    infos = self.on_engines(lambda client: client.server_info(), EngineCall.REPEATED_ON_CHOSEN)
                     tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in zip(self.engines, infos, strict=True)}
                 self.push_bucket(bucket, tp_sizes)
             except Exception as e:  # noqa: BLE001 - raised below, once every gather is done
@@ -110,9 +118,15 @@ class TensorSync(FullWeightSync):
             stats.buckets += 1
             stats.tensors += len(bucket)
             stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        if failure is not None:
+        if failure is None:
+            try:
+                self.on_engines(lambda client: client.set_weight_version(version), EngineCall.REPEATED_ON_CHOSEN)
+            except EnginesDown as e:
+                failure = e
+        if isinstance(failure, EnginesDown):
+            log.warning("colocated push of version %s reached no engine: %s", version, failure)
+        elif failure is not None:
             raise failure
-        self.on_engines(lambda client: client.set_weight_version(version))
         stats.seconds = time.perf_counter() - start
         return stats
 
@@ -127,5 +141,6 @@ class TensorSync(FullWeightSync):
         self.on_engines(
             lambda client: client.update_weights_from_tensor(
                 handles, tp_sizes, "flattened_bucket", flush_cache=self.flush_cache
-            )
+            ),
+            EngineCall.REPEATED_ON_CHOSEN,
         )

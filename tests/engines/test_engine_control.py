@@ -394,6 +394,47 @@ def test_a_repeated_call_stands_on_the_engines_left_however_many_go_while_it_is_
             sync.close()
 
 
+def test_an_engine_started_again_while_a_call_waits_is_not_the_one_the_call_was_made_on(server, tmp_path):
+    """A call fails on the engine an update chose, and the job starts that engine again before it answers (its process
+    died): the process answering at the address now missed the update, so the call is not made on it as if it were
+    still there (nor its failure raised). A repeated call stands on no engine; one of a push's last calls fails as
+    EnginesDown, every chosen engine gone."""
+    from moerl.engines.client import EngineError
+    from moerl.errors import EnginesDown
+    from moerl.weight_sync.base import EngineCall
+    from moerl.weight_sync.disk import DiskSync
+
+    sync = DiskSync([server], tmp_path, tmp_path)
+    client = sync.link.client
+    healthy = client.healthy
+
+    async def restarted_meanwhile(paused=False):
+        sync.started_again([server])  # as the job's revive, while the call waited for an engine
+        return await healthy(paused)
+
+    client.healthy = restarted_meanwhile
+    attempts = []
+
+    async def fails_on_the_process_that_died(client):
+        attempts.append(list(client.targets))
+        if client.targets:
+            raise EngineError(server, "connection reset")
+        return []
+
+    try:
+        for policy, raised in ((EngineCall.REPEATED, None), (EngineCall.REPEATED_ON_CHOSEN, EnginesDown)):
+            client.targets, attempts = [server], []
+            if raised is None:
+                assert sync.on_engines(fails_on_the_process_that_died, policy) == []
+                assert attempts == [[server], []]
+            else:
+                with pytest.raises(raised, match="none of the engines this update chose answers"):
+                    sync.on_engines(fails_on_the_process_that_died, policy)
+            assert client.targets == [] and sync.may_be_new == {server}
+    finally:
+        sync.close()
+
+
 def test_a_paused_engine_is_not_healthy_yet_the_update_that_paused_it_still_finds_it(server, tmp_path):
     """As SGLang's, a paused engine's /health fails (its one-token generation waits for the pause). An update that
     looks for its engines while it has them paused (after a failed call) asks whether they answer instead, or every

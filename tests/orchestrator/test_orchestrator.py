@@ -1025,11 +1025,19 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
         # and as many bytes of gradients (fp32), Adam's two moments besides.
         assert mine["colocate/trainer_offloaded_bytes"] >= 2 * mine["sync/full_weight_bytes"]
     # Each step's sequence, as the engines took it; the resumed run's engine first takes the checkpoint's policy, awake.
+    # The engine started again after the kill takes the first step's policy as the colocated handover where it was
+    # back before the update, or awake, as a catch-up before the second step's rollouts, where the kill came during
+    # the update (which then reached no engine): whichever the kill met, then two steps' cycles.
     cycle = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor"] + [
         "/resume_memory_occupation"
     ]
-    for text, expected in ((first_log, cycle * 3), (log.read_text(), ["/update_weights_from_tensor"] + cycle)):
-        calls = re.findall(r'"POST (/\w+)', text)
-        assert [c for c in calls if c in cycle] == expected, calls
+
+    def calls(text: str) -> list[str]:
+        return [c for c in re.findall(r'"POST (/\w+)', text) if c in cycle]
+
+    _, killed, restarted = first_log.split("moerl.serve INFO serving")
+    assert calls(killed)[0] == cycle[0]
+    assert calls(restarted) in (cycle[1:] + cycle * 2, cycle[2:3] + cycle * 2), calls(restarted)
+    assert calls(log.read_text()) == cycle[2:3] + cycle
     acct = accounting(run_dir)
     assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 4 * GROUPS

@@ -278,22 +278,27 @@ def test_engines_a_failed_bucket_may_have_wedged_are_restarted_or_left_out_never
     assert out["announced"] == [both] * tried  # the second update: the same buckets, and the push not made again
 
 
-def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push():
+def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push(tmp_path):
     """A replica the job starts again at its address is outside the broadcast's groups, though the engines chosen may
-    read the same: the sync is told, so that its senders form their groups again (the test above)."""
+    read the same: the sync is told, so that its senders form their groups again (the test above), and a call waiting
+    for an engine does not take the new process for the one it was made on (test_engine_control)."""
     from types import SimpleNamespace
 
     from moerl.orchestrator.lead import Lead
+    from moerl.weight_sync.disk import DiskSync
 
     told = []
     lead = SimpleNamespace(
         pool=SimpleNamespace(revive=lambda most, window: ["http://b"]),
         cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3, restart_window_s=3600.0)),
         rollouts=SimpleNamespace(restarting=told.append),
-        sync=SimpleNamespace(may_be_new={"http://a"}),
+        sync=DiskSync(None, tmp_path, tmp_path),
     )
+    lead.sync.may_be_new = {"http://a"}
     Lead.revive(lead)
-    assert lead.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]]
+    Lead.revive(lead)
+    assert lead.sync.may_be_new == {"http://a", "http://b"} and told == [["http://b"]] * 2
+    assert lead.sync.starts == {"http://b": 2}
 
 
 @pytest.mark.e2e
@@ -403,7 +408,10 @@ def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_gro
 @pytest.mark.e2e
 def test_a_colocated_push_that_fails_mid_way_stops_every_rank_none_left_in_a_gather(tiny_ckpts, tmp_path):
     """Rank 0 sends each bucket as the layers are gathered; when one fails it still takes the remaining gathers, which
-    the other ranks make, and only then raises: every rank stops with the failure, where rank 1 waited for good."""
+    the other ranks make, and only then raises: every rank stops with the failure, where rank 1 waited for good. Where
+    the failure is the engine's death (SIGKILL after the first bucket), the push reaches no engine and the update ends
+    on every rank without an error, the trainer's weights off the device as after any push: the job starts the engine
+    again, and a catch-up brings it the policy."""
     from moerl.trainer.config import TrainerConfig
     from tests.engine_server import running_server
     from tests.workers import tensor_push_failing_after_a_bucket
@@ -416,3 +424,10 @@ def test_a_colocated_push_that_fails_mid_way_stops_every_rank_none_left_in_a_gat
     assert ranks[0]["sent"] == 2 and ranks[1]["sent"] == 0
     assert ranks[0]["raised"] == "RuntimeError: a planted failure after one bucket"
     assert "global rank 0 failed in the weight sync" in ranks[1]["raised"]
+    assert all(rank["on_device"] for rank in ranks)
+    with running_server(hf_dir, tmp_path / "logs2") as url:
+        ranks = run_ranks(
+            tensor_push_failing_after_a_bucket, 2, str(mcore_dir), TrainerConfig(ep=2), url, True, timeout_s=120
+        )
+    assert [rank["raised"] for rank in ranks] == [None, None] and ranks[0]["engines"] == []
+    assert ranks[0]["sent"] == 2 and not any(rank["on_device"] for rank in ranks)
