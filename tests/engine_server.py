@@ -20,7 +20,14 @@ def running_server(model_dir: Path, log_dir: Path, *extra: str):
 def running_servers(model_dir: Path, log_dir: Path, replicas: int, *extra: str):
     """As :func:`running_server`, ``replicas`` of them, each logging to a file of its own in ``log_dir``; yields their
     URLs."""
-    pool = EnginePool(
+    with running_pool(model_dir, log_dir, replicas, *extra) as pool:
+        yield pool.urls
+
+
+@contextmanager
+def running_pool(model_dir: Path, log_dir: Path, replicas: int, *extra: str):
+    """As :func:`running_servers`, yielding the pool that started them (to kill and revive its replicas)."""
+    with EnginePool(
         EnginePoolConfig(
             model_path=str(model_dir),
             server="embedded",
@@ -30,9 +37,8 @@ def running_servers(model_dir: Path, log_dir: Path, replicas: int, *extra: str):
             log_dir=str(log_dir),
             extra_args=list(extra),
         )
-    )
-    with pool:
-        yield pool.urls
+    ) as pool:
+        yield pool
 
 
 async def weights_by_name(url: str, name: str) -> list:

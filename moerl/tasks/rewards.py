@@ -1,8 +1,10 @@
-"""Reward functions: built-in ones, any ``module:function`` named in config, or a remote verifier.
+"""Reward functions: built-in ones, any ``module:function`` named in config, or a remote verifier; and a reward model
+beside them (:mod:`moerl.tasks.reward_models`).
 
 Every reward is scored through :class:`Rewarder`, asynchronously: coroutine functions are awaited,
 plain functions run in worker threads (a slow checker never stalls the rollout loop), remote
-verifiers are called over HTTP, and group rewards see the whole group at once.
+verifiers are called over HTTP, and group rewards see the whole group at once. With a reward model, its scores
+are asked for at the same time, and each response's reward is ``combine(rule reward, model score)``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from moerl.tasks import TASKS, TaskConfig
 
 if TYPE_CHECKING:
     import aiohttp
+
+    from moerl.tasks.reward_models import RewardModel, Stats
 
 
 def exact(response: str, answer: Any, prompt: str = "") -> float:
@@ -68,8 +72,14 @@ def resolve(name: str) -> Callable:
 
 
 class Rewarder:
-    def __init__(self, cfg: TaskConfig):
-        self.cfg = cfg
+    def __init__(
+        self,
+        cfg: TaskConfig,
+        model: RewardModel | None = None,
+        combine: Callable[[float, float], float] | None = None,
+    ):
+        """``model`` and ``combine``: a reward model, and how its score and the task's reward make the reward."""
+        self.cfg, self.model, self.combine = cfg, model, combine
         self.url = cfg.reward_url
         self.fn: Callable | None = None if self.url else resolve(cfg.reward or TASKS[cfg.name])  # None: remote
         self._session: aiohttp.ClientSession | None = None  # made at the first remote call, in its event loop
@@ -92,8 +102,20 @@ class Rewarder:
             raise RuntimeError(f'reward verifier {url} answered {body!r}; expected {{"reward": float}}')
         return float(body["reward"])
 
-    async def score(self, responses: list[str], answer: Any, prompt: str) -> list[float]:
-        """One reward per response of a group."""
+    async def score(self, responses: list[str], answer: Any, prompt: str, stats: Stats | None = None) -> list[float]:
+        """One reward per response of a group; ``stats``: the reward model's counts (``reward_engines/*``)."""
+        if self.model is None:
+            return await self._rules(responses, answer, prompt)
+        assert self.combine is not None, "a reward model comes with its combine function"
+        rules, scores = await asyncio.gather(
+            self._rules(responses, answer, prompt), self.model.score(prompt, responses, answer, stats)
+        )
+        if stats is not None:
+            stats["reward_engines/score_sum"] += sum(scores)
+        return [float(self.combine(rule, score)) for rule, score in zip(rules, scores, strict=True)]
+
+    async def _rules(self, responses: list[str], answer: Any, prompt: str) -> list[float]:
+        """The task's reward of each response."""
         if self.url:
             url = self.url
             return list(await asyncio.gather(*(self._remote(url, r, answer, prompt) for r in responses)))
@@ -111,3 +133,5 @@ class Rewarder:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+        if self.model is not None:
+            await self.model.close()
