@@ -15,7 +15,7 @@ from moerl.dtypes import MODEL_DTYPES
 from moerl.dtypes import resolve as resolve_dtype
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
-from moerl.orchestrator.config import RunConfig, served_by
+from moerl.orchestrator.config import EngineSection, RunConfig, served_by
 from moerl.orchestrator.messages import ManagerSpec
 from moerl.orchestrator.preflight import simulation_profile
 from moerl.trainer.trainer import Trainer
@@ -28,9 +28,29 @@ from moerl.weight_sync.tensor import TensorSync
 log = logging.getLogger("moerl.train")
 
 
+def pool_config(e: EngineSection, model_path: str, server: str, log_dir: Path, gpu_offset: int, **more):
+    """What an engine pool of the section ``e`` is started with: its replicas of ``model_path`` served by ``server``,
+    from GPU ``gpu_offset`` on (``more``: the policy's own settings)."""
+    from moerl.engines.pool import EnginePoolConfig
+
+    return EnginePoolConfig(
+        model_path=model_path,
+        server=server,
+        replicas=e.replicas,
+        gpus_per_replica=e.gpus_per_replica,
+        base_port=0,
+        dtype=resolve_dtype(e.dtype),
+        mem_fraction_static=e.mem_fraction_static,
+        log_dir=str(log_dir),
+        extra_args=list(e.extra_args),
+        gpu_offset=gpu_offset,
+        **more,
+    )
+
+
 def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int):
     """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
-    from moerl.engines.pool import EnginePool, EnginePoolConfig
+    from moerl.engines.pool import EnginePool
     from moerl.engines.sglang import lora_target_modules
 
     e = cfg.engines
@@ -39,18 +59,13 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     cuda = torch.cuda.is_available()
     server = served_by(e, cfg.simulation)
     pool = EnginePool(
-        EnginePoolConfig(
-            model_path=str(hf),
-            server=server,
-            replicas=e.replicas,
-            gpus_per_replica=e.gpus_per_replica,
-            base_port=0,
-            dtype=resolve_dtype(e.dtype),
-            mem_fraction_static=e.mem_fraction_static,
-            log_dir=str(run_dir / "logs"),
-            extra_args=list(e.extra_args),
+        pool_config(
+            e,
+            str(hf),
+            server,
+            run_dir / "logs",
             # colocated: on the trainer's GPUs, from the first
-            gpu_offset=local_trainer_ranks if cuda and cfg.run.placement == "separate" else 0,
+            local_trainer_ranks if cuda and cfg.run.placement == "separate" else 0,
             lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
             lora_target_modules=lora_target_modules(hf, cfg.lora.targets)
             if cfg.lora.enabled and server == "sglang"
@@ -68,13 +83,40 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     return pool.start(e.start_timeout_s), pool
 
 
+def start_reward_engines(cfg: RunConfig, run_dir: Path, local_trainer_ranks: int):
+    """(URLs, pool or None) of the reward model's replicas (none without ``reward.model``): those given by URL, or ones
+    started here on the GPUs after the trainer's and the policy engines'. They log under ``logs/reward``."""
+    from moerl.engines.pool import EnginePool
+
+    w, e = cfg.reward, cfg.reward.engines
+    if w.model is None:
+        return [], None
+    if e.urls:  # health-checked by the preflight
+        return list(e.urls), None
+    policy = cfg.engines
+    policy_gpus = 0 if policy.urls else policy.replicas * policy.gpus_per_replica
+    server = served_by(e)
+    offset = local_trainer_ranks + policy_gpus if torch.cuda.is_available() else 0
+    pool = EnginePool(pool_config(e, w.model, server, run_dir / "logs" / "reward", offset))
+    log.info("starting %d %s reward engine(s); logs in %s", e.replicas, server, run_dir / "logs" / "reward")
+    return pool.start(e.start_timeout_s), pool
+
+
 def start_manager(
-    cfg_path: Path, hf: Path, urls: list[str], rollouts, cursor: int, reissue: list[int], run_dir: Path
+    cfg_path: Path,
+    hf: Path,
+    urls: list[str],
+    rollouts,
+    cursor: int,
+    reissue: list[int],
+    run_dir: Path,
+    reward_urls: list[str],
 ) -> subprocess.Popen:
     spec = ManagerSpec(
         config=str(cfg_path),
         hf_dir=str(hf),
         urls=urls,
+        reward_urls=reward_urls,
         orders=rollouts.orders_address,
         events=rollouts.events_address,
         cursor=cursor,

@@ -29,6 +29,7 @@ from moerl.engines.protocol import MAX_N
 from moerl.errors import ConfigError, MoerlError
 from moerl.megatron.lora_config import LoRAConfig
 from moerl.tasks import TaskConfig
+from moerl.tasks.reward_models import DEFAULT_JUDGE_PROMPT
 from moerl.trainer.config import TrainerConfig
 
 Mode = Literal["sync", "periodic", "async"]
@@ -98,6 +99,37 @@ class EngineSection:
 
     def __post_init__(self):
         check_choices(self, "engines")
+
+
+RewardKind = Literal["discriminative", "generative"]
+
+
+@dataclass
+class RewardEngineSection(EngineSection):
+    """The reward model's replicas (``reward.engines``): as the policy's, without weight updates."""
+
+    def __post_init__(self):
+        check_choices(self, "reward.engines")
+
+
+@dataclass
+class RewardSection:
+    """A reward model served by engines of its own (:mod:`moerl.tasks.reward_models`), scored as each group finishes;
+    its score and the task's reward make the reward by ``combine``."""
+
+    model: str | None = None  # its HF directory; null: the task's reward alone
+    kind: RewardKind = "discriminative"  # a sequence-classification head (/classify), or a generative judge
+    engines: RewardEngineSection = field(default_factory=RewardEngineSection)
+    # model | rule_times_model | rule_plus_model | "package.module:function" f(rule_reward, model_score) -> reward
+    combine: str = "model"
+    # a judge's question ({prompt}, {response}, {answer}), how its greedy answer becomes a score (last_number | yes_no |
+    # "package.module:function" f(text) -> float), and the most tokens it may answer with
+    judge_prompt: str = DEFAULT_JUDGE_PROMPT
+    verdict: str = "last_number"
+    judge_max_new_tokens: int = 32
+
+    def __post_init__(self):
+        check_choices(self, "reward")
 
 
 @dataclass
@@ -184,6 +216,7 @@ class RunConfig:
     rollout: RolloutSection = field(default_factory=RolloutSection)
     sync: SyncSection = field(default_factory=SyncSection)
     task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardSection = field(default_factory=RewardSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # per-expert adapters; enabled: base frozen, adapters synced alone
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -379,6 +412,7 @@ def check(cfg: RunConfig) -> None:
             "> 0, health_failures >= 1 and max_restarts >= 0"
         )
     problems += filter_problems(r)
+    problems += reward_problems(cfg)
     problems += colocation_problems(cfg)
     problems += episode_problems(cfg)
     problems += simulation_problems(cfg)
@@ -397,6 +431,44 @@ def filter_problems(r: RolloutSection) -> list[str]:
         load_filter(r.filter_groups)
     except ConfigError as err:
         problems.append(str(err))
+    return problems
+
+
+def reward_problems(cfg: RunConfig) -> list[str]:
+    """What a reward model needs: functions that load, and replicas on the GPUs left beside the trainer and the
+    policy's engines (colocated placement does not release them yet)."""
+    from moerl.tasks.reward_models import COMBINES, VERDICTS, load_named
+
+    w = cfg.reward
+    if w.model is None:
+        return []
+    problems = []
+    for value, built_in, key in ((w.combine, COMBINES, "reward.combine"), (w.verdict, VERDICTS, "reward.verdict")):
+        try:
+            load_named(value, built_in, key)
+        except ConfigError as err:
+            problems.append(str(err))
+    if w.kind == "generative":
+        try:
+            w.judge_prompt.format(prompt="", response="", answer="")
+        except (KeyError, IndexError, ValueError) as err:
+            problems.append(
+                f"reward.judge_prompt: {type(err).__name__} {err}: it may name {{prompt}}, {{response}} and {{answer}}"
+            )
+    if w.judge_max_new_tokens < 1:
+        problems.append("reward.judge_max_new_tokens must be >= 1")
+    if cfg.run.placement == "colocated":
+        problems.append(
+            "reward.model with run.placement=colocated: the reward replicas are not released while the trainer "
+            "trains; use run.placement=separate"
+        )
+    if cfg.simulation.profile is not None:
+        problems.append("reward.model in a simulation: simulated engines serve no reward model")
+    server = served_by(w.engines)
+    if server == "embedded" and w.engines.gpus_per_replica != 1 and not w.engines.urls:
+        problems.append(
+            f"reward.engines.gpus_per_replica={w.engines.gpus_per_replica}: the embedded engine serves on one device"
+        )
     return problems
 
 

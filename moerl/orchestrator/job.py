@@ -22,7 +22,14 @@ import torch.distributed as dist
 from moerl.engines.pool import EnginePool
 from moerl.errors import EnginesDown, MoerlError, relayed
 from moerl.megatron.parallel import init_process_group, on_lead
-from moerl.orchestrator.components import full_weight_bytes, make_sync, make_trainer, start_engines, verify_tolerance
+from moerl.orchestrator.components import (
+    full_weight_bytes,
+    make_sync,
+    make_trainer,
+    start_engines,
+    start_reward_engines,
+    verify_tolerance,
+)
 from moerl.orchestrator.config import RunConfig, to_yaml
 from moerl.orchestrator.lead import Lead, StepTimes
 from moerl.orchestrator.model_cache import prepare_model
@@ -53,6 +60,8 @@ class Job:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.run_dir = Path(cfg.run.dir)
         self.pool: EnginePool | None = None  # rank 0: the engines it started
+        self.reward_urls: list[str] = []  # rank 0: the reward model's engines (reward.model), and those it started
+        self.reward_pool: EnginePool | None = None
         self.sync: WeightSync | None = None
         self.lead: Lead | None = None  # rank 0, once its rollouts started
 
@@ -137,9 +146,9 @@ class Job:
 
         def engines() -> list[str]:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-            urls, self.pool = start_engines(
-                cfg, self.hf, self.run_dir, int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            )
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            urls, self.pool = start_engines(cfg, self.hf, self.run_dir, local_ranks)
+            self.reward_urls, self.reward_pool = start_reward_engines(cfg, self.run_dir, local_ranks)
             return urls
 
         urls = on_lead(engines, "starting the engines")
@@ -149,7 +158,17 @@ class Job:
         def lead() -> None:
             if cfg.engines.urls:  # verify compares on rank 0, at the precision the engines report
                 self.tolerance = verify_tolerance(cfg, [str(info.get("dtype", "auto")) for info in sync.server_info()])
-            self.lead = Lead(cfg, self.run_dir, self.hf, urls, self.pool, sync, self.state, self.trainer.version)
+            self.lead = Lead(
+                cfg,
+                self.run_dir,
+                self.hf,
+                urls,
+                self.pool,
+                sync,
+                self.state,
+                self.trainer.version,
+                (self.reward_urls, self.reward_pool),
+            )
 
         on_lead(lead, "starting the rollout manager")
 
@@ -267,6 +286,8 @@ class Job:
             self.sync.close()
         if self.lead is not None:
             self.lead.stop_engines()
-        elif self.pool is not None:  # started, and the rest of rank 0's part never was
-            self.pool.stop()
+        else:  # started, and the rest of rank 0's part never was
+            for pool in (self.pool, self.reward_pool):
+                if pool is not None:
+                    pool.stop()
         return summary

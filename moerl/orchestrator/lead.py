@@ -48,9 +48,11 @@ class Lead:
         sync: WeightSync,
         state: dict[str, Any],
         version: int,
+        reward: tuple[list[str], EnginePool | None] = ([], None),
     ):
         """``state``: a resumed run's (the data position, the prompts to issue again, the accounting); ``version``: the
-        trainer's policy version at start."""
+        trainer's policy version at start; ``reward``: the reward model's engines, and the pool of those the job
+        started."""
         from tqdm import tqdm
 
         self.cfg, self.pool, self.sync = cfg, pool, sync
@@ -60,8 +62,9 @@ class Lead:
             acct.set(index, "in_flight")
         self.zmq = zmq.Context()
         self.rollouts = RolloutEndpoint(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
+        self.reward_pool = reward[1]
         self.manager: subprocess.Popen | None = start_manager(
-            run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"], state["pending"], run_dir
+            run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"], state["pending"], run_dir, reward[0]
         )
         self.rollouts.watch(self.manager, run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.rollouts)
@@ -81,7 +84,10 @@ class Lead:
     # ---- engines -------------------------------------------------------------------------------
     def revive(self) -> None:
         """The replicas whose process died are started again (stale until a sync reaches them, outside the broadcast's
-        groups until it forms them again)."""
+        groups until it forms them again), and the reward model's."""
+        if self.reward_pool is not None:  # the manager's scoring finds them back by /health: they hold no policy
+            w = self.cfg.reward.engines
+            self.reward_pool.revive(w.max_restarts, w.restart_window_s)
         if self.pool is None:
             return
         e = self.cfg.engines
@@ -204,6 +210,8 @@ class Lead:
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})
         metrics["engines/restarts"] = float(sum(self.pool.restarts.values())) if self.pool is not None else 0.0
+        if self.reward_pool is not None:
+            metrics["reward_engines/restarts"] = float(sum(self.reward_pool.restarts.values()))
         metrics.update(self.cpu.step_metrics(wall))
         self.writer.write(metrics)
         if self.bar is not None:
@@ -240,6 +248,7 @@ class Lead:
 
     def stop_engines(self) -> None:
         """After the weight sync has closed: the engines the job started, and the sockets' context."""
-        if self.pool is not None:
-            self.pool.stop()
+        for pool in (self.pool, self.reward_pool):
+            if pool is not None:
+                pool.stop()
         self.zmq.term()

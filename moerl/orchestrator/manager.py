@@ -24,6 +24,7 @@ import time
 import traceback
 import uuid
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -62,6 +63,7 @@ from moerl.sample import Sample
 from moerl.simulation import Profile
 from moerl.tasks import PromptStream
 from moerl.tasks.filters import FILTERED, load_filter
+from moerl.tasks.reward_models import COMBINES, RewardModel, Stats, load_named
 from moerl.tasks.rewards import Rewarder
 
 log = logging.getLogger("moerl.rollout")
@@ -74,6 +76,28 @@ def sampling_seed(run_seed: int, index: int, attempt: int, *more: int) -> int:
     completions from the embedded and simulated engines; SGLang samples without it (see
     protocol.SamplingParams.sampling_seed)."""
     return int(np.random.SeedSequence([run_seed, index, attempt, *more]).generate_state(1)[0] >> 1)
+
+
+def reward_model(cfg: RunConfig, urls: list[str]) -> tuple[RewardModel | None, Callable[[float, float], float] | None]:
+    """The run's reward model on its engines ``urls``, and how its score combines with the task's reward (None, None
+    without ``reward.model``)."""
+    w = cfg.reward
+    if w.model is None:
+        return None, None
+    e = w.engines
+    model = RewardModel(
+        urls,
+        w.model,
+        w.kind,
+        w.judge_prompt,
+        w.verdict,
+        w.judge_max_new_tokens,
+        timeout_s=e.request_timeout_s or 600.0,
+        down_timeout_s=e.down_timeout_s,
+        health_interval_s=e.health_interval_s,
+        failures_to_dead=e.health_failures,
+    )
+    return model, load_named(w.combine, COMBINES, "reward.combine")
 
 
 class PromptDropped(Exception):
@@ -97,7 +121,7 @@ class RolloutManager:
         hf_dir = spec.hf_dir
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.stream = PromptStream(cfg.task, self.tokenizer)
-        self.rewarder = Rewarder(cfg.task)
+        self.rewarder = Rewarder(cfg.task, *reward_model(cfg, spec.reward_urls))
         config = json.loads(Path(hf_dir, "config.json").read_text())
         e = cfg.engines
         self.client = EngineClient(
@@ -226,13 +250,13 @@ class RolloutManager:
         try:
             await send_event(self.events, Issued(index, new))
             record, ids = self.stream.get(index)
-            tries, start = Tries(), time.perf_counter()
+            tries, start, scoring = Tries(), time.perf_counter(), Stats(float)
             episodes: dict[str, float] | None = None
             try:
                 if self.agent is None:
-                    samples = await self._completions(index, record, ids, tries)
+                    samples = await self._completions(index, record, ids, tries, scoring)
                 else:
-                    samples, episodes = await self._episodes(index, record, ids, tries)
+                    samples, episodes = await self._episodes(index, record, ids, tries, scoring)
             except PromptDropped as e:
                 log.warning(
                     "prompt %d dropped (engine_failure) after %d re-issues: %s", index, self.r.engine_retries, e
@@ -262,6 +286,7 @@ class RolloutManager:
                     tries.engine_retries,
                     tries.workers_lost,
                     episodes,
+                    dict(scoring) if self.rewarder.model is not None else None,
                 ),
             )
         except asyncio.CancelledError:
@@ -290,14 +315,17 @@ class RolloutManager:
             return None
         return {span["version"]: adapter_version for c in completions for span in c.weight_versions}
 
-    async def _completions(self, index: int, record: dict, ids: list[int], tries: Tries) -> list[Sample]:
-        """A single-turn group: ``samples_per_prompt`` completions of the prompt in one request, scored."""
+    async def _completions(
+        self, index: int, record: dict, ids: list[int], tries: Tries, scoring: Stats
+    ) -> list[Sample]:
+        """A single-turn group: ``samples_per_prompt`` completions of the prompt in one request, scored (``scoring``:
+        the reward model's counts)."""
         completions, adapter_version = await self._generate(
             index, ids, tries, self._params(index, self.r.samples_per_prompt), tag=f"p{index}"
         )
         # one sequence decodes to one text (transformers types decode's result for a batch of them too)
         texts = [cast(str, self.tokenizer.decode(c.output_ids, skip_special_tokens=True)) for c in completions]
-        rewards = await self.rewarder.score(texts, record["answer"], record["prompt"])
+        rewards = await self.rewarder.score(texts, record["answer"], record["prompt"], scoring)
         versions = self._versions(completions, adapter_version)
         return [
             Sample.from_completion(c, ids, temperature=self.r.temperature, reward=x, group_id=index, versions=versions)
@@ -305,7 +333,7 @@ class RolloutManager:
         ]
 
     async def _episodes(
-        self, index: int, record: dict, ids: list[int], tries: Tries
+        self, index: int, record: dict, ids: list[int], tries: Tries, scoring: Stats
     ) -> tuple[list[Sample], dict[str, float]]:
         """An agentic group: ``samples_per_prompt`` episodes run at once by the agent, each turn a request of its own
         (on any replica: each turn's routing and versions travel with its tokens), scored; and the group's episode
@@ -336,7 +364,9 @@ class RolloutManager:
         results = [run.result() for run in runs]
         finished = [(e, reward) for e, (reward, failure) in zip(episodes, results, strict=True) if failure is None]
         unscored = [e for e, reward in finished if reward is None]
-        scores = iter(await self.rewarder.score([e.final_text for e in unscored], record["answer"], record["prompt"]))
+        scores = iter(
+            await self.rewarder.score([e.final_text for e in unscored], record["answer"], record["prompt"], scoring)
+        )
         samples = [
             sample
             for e, reward in finished

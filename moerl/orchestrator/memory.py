@@ -103,6 +103,8 @@ class MemoryPlan:
     communicators: float = 0.0  # bytes of those groups' communicators per engine GPU, as many as it may hold
     colocated: Colocation | None = None
     host: dict[str, float] = field(default_factory=dict)  # bytes a trainer rank keeps in host memory, by what
+    reward_weights: float = 0.0  # bytes per reward engine GPU (reward.model)
+    reward_gpus: int = 0  # the GPUs the job's reward replicas take, beside the trainer's and the policy engines'
 
     def table(self) -> str:
         mb = self.micro_batch
@@ -129,6 +131,11 @@ class MemoryPlan:
             lines.append(
                 f"    weight-sync communicators {_size(self.communicators)}, outside mem_fraction_static: "
                 f"{self.senders} sender(s) x {MAX_GROUPS_PER_ENGINE} groups x {COMMUNICATOR_BYTES >> 20} MiB"
+            )
+        if self.reward_gpus:
+            lines.append(
+                f"  reward engine GPU: weights {_size(self.reward_weights)}; {self.reward_gpus} GPU(s) of their own, "
+                "beside the trainer's and the engines'"
             )
         if self.host:
             lines.append("  a trainer rank's host memory:")
@@ -186,8 +193,9 @@ def _stage_params(
     return int(params), int(trained)
 
 
-def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> MemoryPlan:
-    """The plan for the job config ``cfg`` (a RunConfig) on ``world`` trainer ranks."""
+def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_params: int = 0) -> MemoryPlan:
+    """The plan for the job config ``cfg`` (a RunConfig) on ``world`` trainer ranks; ``reward_params``: the reward
+    model's parameters (``reward.model``), served on GPUs of its own."""
     from moerl.layout import Layout
     from moerl.models import family_for
 
@@ -307,6 +315,14 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
             f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
             f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk"
         )
+    w = cfg.reward.engines
+    reward_weights = reward_params * (4 if w.dtype == "float32" else 2) / w.gpus_per_replica
+    if cfg.reward.model is not None and not w.urls and reward_weights > w.mem_fraction_static * device:
+        problems.append(
+            f"a reward engine GPU holds {reward_weights / GIB:.1f} GiB of weights, more than "
+            f"reward.engines.mem_fraction_static={w.mem_fraction_static} of {device_memory_gb:g} GiB: raise "
+            "reward.engines.gpus_per_replica (tensor parallelism)"
+        )
     colocation = None
     if colocated:
         colocation = Colocation(
@@ -319,7 +335,20 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float) -> Memory
             ranks=world,
         )
         problems += _colocation_problems(cfg, colocation, device)
-    return MemoryPlan(device, rank, engine_weights, kv_tokens, problems, mb, senders, communicators, colocation, host)
+    return MemoryPlan(
+        device,
+        rank,
+        engine_weights,
+        kv_tokens,
+        problems,
+        mb,
+        senders,
+        communicators,
+        colocation,
+        host,
+        reward_weights,
+        0 if cfg.reward.model is None or w.urls else w.replicas * w.gpus_per_replica,
+    )
 
 
 def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
@@ -459,13 +488,13 @@ def device_memory_gb(cfg) -> float:
     return torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
 
 
-def plan_for(cfg, model_config: dict, world: int) -> MemoryPlan:
-    return plan(cfg, model_config, world, device_memory_gb(cfg))
+def plan_for(cfg, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
+    return plan(cfg, model_config, world, device_memory_gb(cfg), reward_params)
 
 
-def check(cfg, model_config: dict, world: int) -> MemoryPlan:
+def check(cfg, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
     """The plan, or :class:`ConfigError` naming the term that does not fit and what to change."""
-    result = plan_for(cfg, model_config, world)
+    result = plan_for(cfg, model_config, world, reward_params)
     if result.problems:
         raise ConfigError("memory plan: " + "; ".join(result.problems))
     return result

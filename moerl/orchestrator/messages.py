@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moerl.sample import Sample
@@ -76,6 +76,8 @@ class GroupDone:
     # An agentic group: its episodes' counts summed (EpisodeStats.metrics: turns, tool calls, forks, ...), its episodes
     # and the failed ones by reason (episode/failed_<reason>). None: a single-turn group.
     episodes: dict[str, float] | None = None
+    # With a reward model: its requests, retries, seconds and score sum for the group (reward_engines/*)
+    scoring: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,7 @@ class ManagerSpec:
     events: str  # ZMQ address it pushes events to
     cursor: int  # the next new prompt index
     reissue: list[int]  # prompts to issue before new ones (a resumed run's pending ones)
+    reward_urls: list[str] = field(default_factory=list)  # the reward model's engines (reward.model), if any
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=1))

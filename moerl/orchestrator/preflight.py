@@ -5,6 +5,7 @@ Every problem is one :class:`~moerl.errors.ConfigError` naming it."""
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def preflight(cfg: RunConfig, world: int) -> None:
         if problem := sglang_problem():
             raise ConfigError(f"engines.server=sglang: {problem}; or set engines.server=embedded")
     check_task(cfg)
+    check_reward(cfg)
     profile = simulation_profile(cfg)
     if (model_path := model_dir(cfg, profile)) is not None:
         hf = Path(model_path)
@@ -116,7 +118,7 @@ def model_dir(cfg: RunConfig, profile) -> str | None:
 def memory_plan(cfg: RunConfig, world: int, checked: bool):
     """The memory plan (:mod:`moerl.orchestrator.memory`) of the configured model on ``world`` trainer ranks;
     ``checked``: a plan that does not fit raises :class:`ConfigError`."""
-    from moerl.checkpoint.hf import read_config
+    from moerl.checkpoint.hf import HFReader, read_config
     from moerl.orchestrator import memory
 
     if cfg.model.path is None:
@@ -125,7 +127,11 @@ def memory_plan(cfg: RunConfig, world: int, checked: bool):
         model_config = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
     else:
         model_config = read_config(cfg.model.path)
-    return (memory.check if checked else memory.plan_for)(cfg, model_config, world)
+    reward_params = 0
+    if cfg.reward.model is not None:
+        reader = HFReader(cfg.reward.model)
+        reward_params = sum(math.prod(reader.shape(name)) for name in reader.names())
+    return (memory.check if checked else memory.plan_for)(cfg, model_config, world, reward_params)
 
 
 def check_task(cfg: RunConfig) -> None:
@@ -141,11 +147,37 @@ def check_task(cfg: RunConfig) -> None:
     Rewarder(cfg.task)
 
 
-def check_engine_urls(urls: list[str], simulated: bool = False, sglang_refused: str | None = None) -> None:
+def check_reward(cfg: RunConfig) -> None:
+    """The reward model is a model directory of the configured kind, and its engines given by URL answer."""
+    from moerl.checkpoint.hf import CheckpointError, read_config
+    from moerl.engines.embedded.classifier import is_classifier
+
+    w = cfg.reward
+    if w.model is None:
+        return
+    try:
+        architectures = read_config(w.model).get("architectures") or []
+    except CheckpointError as e:
+        raise ConfigError(f"reward.model: {e}") from None
+    classifier = is_classifier(architectures)
+    if (w.kind == "discriminative") != classifier:
+        raise ConfigError(
+            f"reward.model={w.model} is {'a sequence-classification' if classifier else 'a generative'} model "
+            f"({', '.join(architectures) or 'no architectures named'}), and reward.kind={w.kind}: set "
+            f"reward.kind={'discriminative' if classifier else 'generative'}"
+        )
+    if w.engines.urls:
+        check_engine_urls(w.engines.urls, key="reward.engines.urls")
+
+
+def check_engine_urls(
+    urls: list[str], simulated: bool = False, sglang_refused: str | None = None, key: str = "engines.urls"
+) -> None:
     """Every engine answers, those that are SGLang servers run a release whose API moerl speaks (and none is, with
     ``sglang_refused``: why this run cannot use one), and they are simulated engines exactly when the run is a
     simulation (a simulation's hollow checkpoints would load as zeros into a real engine; a simulated one answers a real
-    run with random tokens). The config's own check cannot see that an engine given by URL is SGLang."""
+    run with random tokens). The config's own check cannot see that an engine given by URL is SGLang. ``key``: the
+    config key that gave the URLs, named in each error."""
     from moerl.engines.client import EngineClient
     from moerl.engines.sglang import sglang_problem
 
@@ -158,18 +190,18 @@ def check_engine_urls(urls: list[str], simulated: bool = False, sglang_refused: 
     down = [u for u, ok in zip(urls, up, strict=True) if not ok]  # one answer per URL
     if down:
         raise ConfigError(
-            f"engines.urls: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs"
+            f"{key}: {', '.join(down)} unreachable (no 200 from /health); start the engines or fix the URLs"
         )
     for url, info in zip(urls, infos, strict=True):  # all answered: every URL's info
         engine = str(info.get("engine"))
         if (engine == "moerl-simulated") != simulated:
             raise ConfigError(
-                f"engines.urls: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this "
+                f"{key}: {url} is {'a' if engine == 'moerl-simulated' else 'not a'} simulated engine and this "
                 f"run {'is' if simulated else 'is not'} a simulation (simulation.profile)"
             )
         if engine.startswith("moerl-"):
             continue
         if problem := sglang_problem(str(info.get("version"))):
-            raise ConfigError(f"engines.urls: {url} runs {problem}")
+            raise ConfigError(f"{key}: {url} runs {problem}")
         if sglang_refused:
-            raise ConfigError(f"engines.urls: {url} is an SGLang server, and {sglang_refused}")
+            raise ConfigError(f"{key}: {url} is an SGLang server, and {sglang_refused}")

@@ -93,6 +93,7 @@ class Group:
     seconds: float = 0.0
     engine_retries: int = 0
     episodes: dict[str, float] | None = None  # an agentic group's episode counts (GroupDone.episodes)
+    scoring: dict[str, float] | None = None  # the reward model's counts for it (GroupDone.scoring)
 
     def oldest_version(self) -> int:
         """Of the group's oldest model token: an episode's context was produced by no policy."""
@@ -252,7 +253,15 @@ class RolloutEndpoint:
                 self.acct.finish(event.index, SURPLUS)
                 return
             self.ready.append(
-                Group(event.index, event.samples, event.retries, event.seconds, event.engine_retries, event.episodes)
+                Group(
+                    event.index,
+                    event.samples,
+                    event.retries,
+                    event.seconds,
+                    event.engine_retries,
+                    event.episodes,
+                    event.scoring,
+                )
             )
             self.acct.set(event.index, "ready")
         elif isinstance(event, Dropped):
@@ -406,18 +415,38 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
     lengths = np.array([s.response_len for s in samples])
     actions = np.array([s.action_count for s in samples])
     solved = [not reward_varies(g.samples) for g in groups]
+    return (
+        {
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/reward_std": float(rewards.std()),
+            "rollout/response_len_mean": float(lengths.mean()),
+            "rollout/response_len_max": float(lengths.max()),
+            "rollout/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
+            "rollout/zero_variance_groups": float(np.mean(solved)),
+            "rollout/samples": float(len(samples)),
+            "rollout/group_seconds_mean": float(np.mean([g.seconds for g in groups])),
+            # Samples continued across a weight update (rollout.partial=in_place): actions from two or more versions.
+            "rollout/mixed_version_fraction": float(np.mean([np.ptp(s.at_actions(s.versions)) > 0 for s in samples])),
+        }
+        | episode_metrics(groups, float((lengths - actions).sum() / lengths.sum()))
+        | scoring_metrics(groups)
+    )
+
+
+def scoring_metrics(groups: list[Group]) -> dict[str, float]:
+    """With a reward model: the requests its replicas took for the step's groups, those asked again after a replica
+    failed, the mean seconds a group's scoring took, and the mean model score of a scored response."""
+    counts: Counter = Counter()
+    for g in groups:
+        counts.update(g.scoring or {})
+    if not any(g.scoring is not None for g in groups):
+        return {}
     return {
-        "rollout/reward_mean": float(rewards.mean()),
-        "rollout/reward_std": float(rewards.std()),
-        "rollout/response_len_mean": float(lengths.mean()),
-        "rollout/response_len_max": float(lengths.max()),
-        "rollout/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-        "rollout/zero_variance_groups": float(np.mean(solved)),
-        "rollout/samples": float(len(samples)),
-        "rollout/group_seconds_mean": float(np.mean([g.seconds for g in groups])),
-        # Samples continued across a weight update (rollout.partial=in_place): actions from two or more versions.
-        "rollout/mixed_version_fraction": float(np.mean([np.ptp(s.at_actions(s.versions)) > 0 for s in samples])),
-    } | episode_metrics(groups, float((lengths - actions).sum() / lengths.sum()))
+        "reward_engines/requests": float(counts["reward_engines/requests"]),
+        "reward_engines/retries": float(counts["reward_engines/retries"]),
+        "reward_engines/group_seconds_mean": counts["reward_engines/seconds"] / len(groups),
+        "reward_engines/score_mean": counts["reward_engines/score_sum"] / max(counts["reward_engines/scored"], 1),
+    }
 
 
 def episode_metrics(groups: list[Group], env_token_fraction: float) -> dict[str, float]:

@@ -220,3 +220,40 @@ def test_colocation_is_refused_where_engines_would_run_beside_training_or_lack_w
     with pytest.raises(ConfigError, match=re.escape(named)):
         load_config(None, ["run.placement=colocated", *overrides])
     load_config(None, ["run.placement=colocated", "run.mode=sync"])
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["reward.combine=product"], "reward.combine='product': expected one of model, rule_times_model"),
+        (["reward.combine=no_such_module:f"], "reward.combine='no_such_module:f' cannot be loaded"),
+        (["reward.verdict=maybe"], "reward.verdict='maybe': expected one of last_number, yes_no"),
+        (["reward.kind=generative", "reward.judge_prompt=Grade {reply}"], "reward.judge_prompt: KeyError 'reply'"),
+        (["reward.judge_max_new_tokens=0"], "reward.judge_max_new_tokens must be >= 1"),
+        (["run.placement=colocated", "run.mode=sync"], "reward.model with run.placement=colocated"),
+        (["reward.engines.gpus_per_replica=2", "reward.engines.server=embedded"], "serves on one device"),
+        (["reward.engines.server=vllm"], "reward.engines.server='vllm': expected one of auto, sglang, embedded"),
+    ],
+)
+def test_a_reward_model_config_that_cannot_run_is_refused_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(None, ["reward.model=/models/rm", *overrides])
+    load_config(None, ["reward.model=/models/rm", "reward.kind=generative", "reward.combine=rule_times_model"])
+
+
+def test_the_preflight_refuses_a_reward_model_of_the_other_kind_or_none_at_all(tmp_path):
+    from moerl.models.tiny import save_tiny_hf
+    from moerl.orchestrator.preflight import check_reward
+
+    classifier = save_tiny_hf("Qwen3ForSequenceClassification", tmp_path / "rm")
+    check_reward(load_config(None, [f"reward.model={classifier}"]))
+    with pytest.raises(
+        ConfigError,
+        match=r"is a sequence-classification model \(Qwen3ForSequenceClassification\), and "
+        r"reward.kind=generative: set reward.kind=discriminative",
+    ):
+        check_reward(load_config(None, [f"reward.model={classifier}", "reward.kind=generative"]))
+    with pytest.raises(ConfigError, match=r"reward.model: .*no config.json"):
+        check_reward(load_config(None, [f"reward.model={tmp_path / 'none'}"]))
+    with pytest.raises(ConfigError, match=r"reward.engines.urls: http://127.0.0.1:9 unreachable"):
+        check_reward(load_config(None, [f"reward.model={classifier}", "reward.engines.urls=[http://127.0.0.1:9]"]))

@@ -337,3 +337,35 @@ def test_bf16_moments_shrink_the_optimizer_state_to_two_thirds():
     moments, 8 in bf16 ones."""
     fp32, bf16 = _plan(), _plan("trainer.optim.moments_dtype=bfloat16")
     assert bf16.trainer.terms["optimizer state"] == pytest.approx(fp32.trainer.terms["optimizer state"] * 8 / 12)
+
+
+def test_reward_replicas_take_gpus_of_their_own_and_a_reward_model_too_large_for_one_is_refused(tmp_path):
+    """reward.model: its replicas' GPUs and weights per GPU are in the plan (read from its tensors); weights past
+    reward.engines.mem_fraction_static are refused naming the key that shards them; replicas given by URL are not
+    this job's to place."""
+    from safetensors.torch import load_file
+
+    from moerl.models.tiny import TINY_QWEN3, save_tiny_hf
+    from moerl.orchestrator import memory
+    from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.preflight import memory_plan
+
+    reward = save_tiny_hf("Qwen3ForSequenceClassification", tmp_path / "rm")
+    cfg = load_config(None, [f"reward.model={reward}", "reward.engines.replicas=2", "reward.engines.dtype=float32"])
+    plan = memory_plan(cfg, 1, checked=True)
+    params = sum(t.numel() for t in load_file(reward / "model.safetensors").values())
+    assert plan.reward_gpus == 2 and plan.reward_weights == 4 * params
+    assert f"reward engine GPU: weights {plan.reward_weights / (1 << 20):.1f} MiB; 2 GPU(s)" in plan.table()
+
+    policy = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
+
+    def planned(*overrides: str) -> memory.MemoryPlan:  # an 8B reward model in bf16 on 16 GiB GPUs
+        return memory.plan(load_config(None, [f"reward.model={reward}", *overrides]), policy, 1, 16.0, 8 << 30)
+
+    assert planned().problems == [
+        "a reward engine GPU holds 16.0 GiB of weights, more than reward.engines.mem_fraction_static=0.7 of 16 GiB: "
+        "raise reward.engines.gpus_per_replica (tensor parallelism)"
+    ]
+    assert planned("reward.engines.server=sglang", "reward.engines.gpus_per_replica=2").problems == []
+    given = planned("reward.engines.urls=[http://10.0.0.9:30000]")
+    assert given.problems == [] and given.reward_gpus == 0 and "reward engine" not in given.table()
