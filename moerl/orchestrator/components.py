@@ -7,7 +7,9 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +26,9 @@ from moerl.weight_sync.broadcast import BroadcastSync
 from moerl.weight_sync.disk import DiskSync
 from moerl.weight_sync.lora import AdapterSync
 from moerl.weight_sync.tensor import TensorSync
+
+if TYPE_CHECKING:
+    from moerl.engines.pool import EnginePool
 
 log = logging.getLogger("moerl.train")
 
@@ -83,23 +88,35 @@ def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: 
     return pool.start(e.start_timeout_s), pool
 
 
-def start_reward_engines(cfg: RunConfig, run_dir: Path, local_trainer_ranks: int):
-    """(URLs, pool or None) of the reward model's replicas (none without ``reward.model``): those given by URL, or ones
-    started here on the GPUs after the trainer's and the policy engines'. They log under ``logs/reward``."""
-    from moerl.engines.pool import EnginePool
+@dataclass
+class RewardEngines:
+    """The reward model's replicas: its HF directory (for its tokenizer), their URLs, and the pool of those the job
+    started (None: given by URL)."""
 
-    w, e = cfg.reward, cfg.reward.engines
-    if w.model is None:
-        return [], None
+    model: Path
+    urls: list[str]
+    pool: EnginePool | None
+
+
+def start_reward_engines(cfg: RunConfig, run_dir: Path, local_trainer_ranks: int) -> RewardEngines | None:
+    """The reward model's replicas (none without ``reward.model``): those given by URL, or ones started here on the
+    GPUs after the trainer's and the policy engines'. They log under ``logs/reward``."""
+    from moerl.engines.pool import EnginePool
+    from moerl.orchestrator.model_cache import prepare_reward_model
+
+    model = prepare_reward_model(cfg)
+    if model is None:
+        return None
+    e = cfg.reward.engines
     if e.urls:  # health-checked by the preflight
-        return list(e.urls), None
+        return RewardEngines(model, list(e.urls), None)
     policy = cfg.engines
     policy_gpus = 0 if policy.urls else policy.replicas * policy.gpus_per_replica
     server = served_by(e)
     offset = local_trainer_ranks + policy_gpus if torch.cuda.is_available() else 0
-    pool = EnginePool(pool_config(e, w.model, server, run_dir / "logs" / "reward", offset))
+    pool = EnginePool(pool_config(e, str(model), server, run_dir / "logs" / "reward", offset))
     log.info("starting %d %s reward engine(s); logs in %s", e.replicas, server, run_dir / "logs" / "reward")
-    return pool.start(e.start_timeout_s), pool
+    return RewardEngines(model, pool.start(e.start_timeout_s), pool)
 
 
 def start_manager(
@@ -110,13 +127,14 @@ def start_manager(
     cursor: int,
     reissue: list[int],
     run_dir: Path,
-    reward_urls: list[str],
+    reward: RewardEngines | None = None,
 ) -> subprocess.Popen:
     spec = ManagerSpec(
         config=str(cfg_path),
         hf_dir=str(hf),
         urls=urls,
-        reward_urls=reward_urls,
+        reward_model=str(reward.model) if reward is not None else None,
+        reward_urls=reward.urls if reward is not None else [],
         orders=rollouts.orders_address,
         events=rollouts.events_address,
         cursor=cursor,

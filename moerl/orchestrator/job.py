@@ -23,6 +23,7 @@ from moerl.engines.pool import EnginePool
 from moerl.errors import EnginesDown, MoerlError, relayed
 from moerl.megatron.parallel import init_process_group, on_lead
 from moerl.orchestrator.components import (
+    RewardEngines,
     full_weight_bytes,
     make_sync,
     make_trainer,
@@ -60,8 +61,7 @@ class Job:
         self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         self.run_dir = Path(cfg.run.dir)
         self.pool: EnginePool | None = None  # rank 0: the engines it started
-        self.reward_urls: list[str] = []  # rank 0: the reward model's engines (reward.model), and those it started
-        self.reward_pool: EnginePool | None = None
+        self.reward: RewardEngines | None = None  # rank 0: the reward model's engines (reward.model)
         self.sync: WeightSync | None = None
         self.lead: Lead | None = None  # rank 0, once its rollouts started
 
@@ -148,7 +148,7 @@ class Job:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
             urls, self.pool = start_engines(cfg, self.hf, self.run_dir, local_ranks)
-            self.reward_urls, self.reward_pool = start_reward_engines(cfg, self.run_dir, local_ranks)
+            self.reward = start_reward_engines(cfg, self.run_dir, local_ranks)
             return urls
 
         urls = on_lead(engines, "starting the engines")
@@ -167,7 +167,7 @@ class Job:
                 sync,
                 self.state,
                 self.trainer.version,
-                (self.reward_urls, self.reward_pool),
+                self.reward,
             )
 
         on_lead(lead, "starting the rollout manager")
@@ -287,7 +287,7 @@ class Job:
         if self.lead is not None:
             self.lead.stop_engines()
         else:  # started, and the rest of rank 0's part never was
-            for pool in (self.pool, self.reward_pool):
+            for pool in (self.pool, self.reward.pool if self.reward is not None else None):
                 if pool is not None:
                     pool.stop()
         return summary

@@ -17,7 +17,7 @@ from moerl.engines.client import EngineError
 from moerl.engines.health import State
 from moerl.engines.pool import EnginePool
 from moerl.errors import MoerlError
-from moerl.orchestrator.components import start_manager
+from moerl.orchestrator.components import RewardEngines, start_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
 from moerl.orchestrator.rollouts import Accounting, Group, RolloutEndpoint, rollout_metrics
@@ -48,7 +48,7 @@ class Lead:
         sync: WeightSync,
         state: dict[str, Any],
         version: int,
-        reward: tuple[list[str], EnginePool | None] = ([], None),
+        reward: RewardEngines | None = None,
     ):
         """``state``: a resumed run's (the data position, the prompts to issue again, the accounting); ``version``: the
         trainer's policy version at start; ``reward``: the reward model's engines, and the pool of those the job
@@ -62,9 +62,9 @@ class Lead:
             acct.set(index, "in_flight")
         self.zmq = zmq.Context()
         self.rollouts = RolloutEndpoint(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
-        self.reward_pool = reward[1]
+        self.reward_pool = reward.pool if reward is not None else None
         self.manager: subprocess.Popen | None = start_manager(
-            run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"], state["pending"], run_dir, reward[0]
+            run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"], state["pending"], run_dir, reward
         )
         self.rollouts.watch(self.manager, run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.rollouts)

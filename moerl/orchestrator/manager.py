@@ -78,16 +78,18 @@ def sampling_seed(run_seed: int, index: int, attempt: int, *more: int) -> int:
     return int(np.random.SeedSequence([run_seed, index, attempt, *more]).generate_state(1)[0] >> 1)
 
 
-def reward_model(cfg: RunConfig, urls: list[str]) -> tuple[RewardModel | None, Callable[[float, float], float] | None]:
-    """The run's reward model on its engines ``urls``, and how its score combines with the task's reward (None, None
-    without ``reward.model``)."""
+def reward_model(
+    cfg: RunConfig, model_dir: str | None, urls: list[str]
+) -> tuple[RewardModel | None, Callable[[float, float], float] | None]:
+    """The run's reward model (its HF directory ``model_dir``) on its engines ``urls``, and how its score combines with
+    the task's reward (None, None without one)."""
     w = cfg.reward
-    if w.model is None:
+    if model_dir is None:
         return None, None
     e = w.engines
     model = RewardModel(
         urls,
-        w.model,
+        model_dir,
         w.kind,
         w.judge_prompt,
         w.verdict,
@@ -121,7 +123,7 @@ class RolloutManager:
         hf_dir = spec.hf_dir
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         self.stream = PromptStream(cfg.task, self.tokenizer)
-        self.rewarder = Rewarder(cfg.task, *reward_model(cfg, spec.reward_urls))
+        self.rewarder = Rewarder(cfg.task, *reward_model(cfg, spec.reward_model, spec.reward_urls))
         config = json.loads(Path(hf_dir, "config.json").read_text())
         e = cfg.engines
         self.client = EngineClient(

@@ -156,7 +156,8 @@ class ManagerSpec:
     events: str  # ZMQ address it pushes events to
     cursor: int  # the next new prompt index
     reissue: list[int]  # prompts to issue before new ones (a resumed run's pending ones)
-    reward_urls: list[str] = field(default_factory=list)  # the reward model's engines (reward.model), if any
+    reward_model: str | None = None  # the reward model's HF directory (reward.model resolved), if any
+    reward_urls: list[str] = field(default_factory=list)  # its engines
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=1))

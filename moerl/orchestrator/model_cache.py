@@ -15,7 +15,7 @@ from moerl.errors import ConfigError
 from moerl.files import staged_dir
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.preflight import model_dir, simulation_profile
-from moerl.tasks import DEMO_MODELS
+from moerl.tasks import DEMO, DEMO_MODELS, DEMO_REWARD_MODELS
 
 log = logging.getLogger("moerl.train")
 
@@ -34,6 +34,26 @@ def _build_once(target: Path, build) -> Path:
     return target
 
 
+def _demo_model(cache: Path, name: str, builder: str) -> Path:
+    """The HF directory of the demo model ``name``, made by ``builder`` once into ``cache``."""
+    save = import_object(builder, "task.name")
+
+    def build(staging: Path) -> None:
+        log.info("creating the tiny demo model (once) in %s", cache / name)
+        save(staging / "model")  # a subdirectory: the build marker stays out of the HF directory
+
+    return _build_once(cache / name / "hf", build) / "model"
+
+
+def prepare_reward_model(cfg: RunConfig) -> Path | None:
+    """The reward model's HF directory (``reward.model``; ``demo``: the task's tiny one, made once), None without."""
+    if cfg.reward.model is None:
+        return None
+    if cfg.reward.model == DEMO:  # the preflight checked that the task has one
+        return _demo_model(Path(cfg.run.cache_dir).expanduser(), *DEMO_REWARD_MODELS[cfg.task.name])
+    return Path(cfg.reward.model)
+
+
 def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
     """(HF directory, Megatron checkpoint) of the model to train, made once and cached; a simulation has no
     checkpoint."""
@@ -41,14 +61,7 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
     profile = simulation_profile(cfg)
     given = model_dir(cfg, profile)
     if given is None:
-        name, builder = DEMO_MODELS[cfg.task.name]
-        save = import_object(builder, "task.name")
-
-        def build(staging: Path) -> None:
-            log.info("creating the tiny demo model (once) in %s", cache / name)
-            save(staging / "model")  # a subdirectory: the build marker stays out of the HF directory
-
-        hf = _build_once(cache / name / "hf", build) / "model"
+        hf = _demo_model(cache, *DEMO_MODELS[cfg.task.name])
     else:
         hf = Path(given)
     if profile is not None:

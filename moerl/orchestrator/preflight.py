@@ -12,6 +12,7 @@ from pathlib import Path
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import RunConfig, sglang_lora_problem
 from moerl.orchestrator.run_state import latest_checkpoint
+from moerl.tasks import DEMO, DEMO_REWARD_MODELS
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
@@ -128,7 +129,11 @@ def memory_plan(cfg: RunConfig, world: int, checked: bool):
     else:
         model_config = read_config(cfg.model.path)
     reward_params = 0
-    if cfg.reward.model is not None:
+    if cfg.reward.model == DEMO:  # made with the engines, after this plan
+        from moerl.models.tiny import tiny_hf_model
+
+        reward_params = sum(p.numel() for p in tiny_hf_model("Qwen3ForSequenceClassification").parameters())
+    elif cfg.reward.model is not None:
         reader = HFReader(cfg.reward.model)
         reward_params = sum(math.prod(reader.shape(name)) for name in reader.names())
     return (memory.check if checked else memory.plan_for)(cfg, model_config, world, reward_params)
@@ -155,10 +160,18 @@ def check_reward(cfg: RunConfig) -> None:
     w = cfg.reward
     if w.model is None:
         return
-    try:
-        architectures = read_config(w.model).get("architectures") or []
-    except CheckpointError as e:
-        raise ConfigError(f"reward.model: {e}") from None
+    if w.model == DEMO:
+        if cfg.task.name not in DEMO_REWARD_MODELS:
+            raise ConfigError(
+                f"reward.model=demo: task.name={cfg.task.name} has no demo reward model (those that have one: "
+                f"{', '.join(DEMO_REWARD_MODELS)}); set reward.model to a model directory"
+            )
+        architectures = ["Qwen3ForSequenceClassification"]
+    else:
+        try:
+            architectures = read_config(w.model).get("architectures") or []
+        except CheckpointError as e:
+            raise ConfigError(f"reward.model: {e}") from None
     classifier = is_classifier(architectures)
     if (w.kind == "discriminative") != classifier:
         raise ConfigError(

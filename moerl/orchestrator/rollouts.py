@@ -435,7 +435,7 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
 
 def scoring_metrics(groups: list[Group]) -> dict[str, float]:
     """With a reward model: the requests its replicas took for the step's groups, those asked again after a replica
-    failed, the mean seconds a group's scoring took, and the mean model score of a scored response."""
+    failed, the mean seconds a group's scoring took, and the mean model score and task reward of a scored response."""
     counts: Counter = Counter()
     for g in groups:
         counts.update(g.scoring or {})
@@ -446,6 +446,7 @@ def scoring_metrics(groups: list[Group]) -> dict[str, float]:
         "reward_engines/retries": float(counts["reward_engines/retries"]),
         "reward_engines/group_seconds_mean": counts["reward_engines/seconds"] / len(groups),
         "reward_engines/score_mean": counts["reward_engines/score_sum"] / max(counts["reward_engines/scored"], 1),
+        "reward_engines/rule_mean": counts["reward_engines/rule_sum"] / max(counts["reward_engines/scored"], 1),
     }
 
 

@@ -29,6 +29,12 @@ DEMO_MODELS: dict[TaskName, tuple[str, str]] = {
     "tiny": ("tiny-qwen3-moe-addition-v1", "moerl.tasks.tiny:save_warm_tiny_model"),
     "calc": ("tiny-qwen3-moe-calc-v2", "moerl.tasks.calc:save_warm_calc_model"),
 }
+DEMO = "demo"  # reward.model's value for the task's demo reward model
+# The CPU demos' reward models (reward.model=demo): a tiny sequence-classifier warmed up on the task's right and wrong
+# answers, made once, as the demo models are.
+DEMO_REWARD_MODELS: dict[TaskName, tuple[str, str]] = {
+    "tiny": ("tiny-qwen3-reward-addition-v1", "moerl.tasks.tiny:save_tiny_reward_model"),
+}
 
 
 @dataclass

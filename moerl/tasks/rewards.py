@@ -112,6 +112,7 @@ class Rewarder:
         )
         if stats is not None:
             stats["reward_engines/score_sum"] += sum(scores)
+            stats["reward_engines/rule_sum"] += sum(rules)
         return [float(self.combine(rule, score)) for rule, score in zip(rules, scores, strict=True)]
 
     async def _rules(self, responses: list[str], answer: Any, prompt: str) -> list[float]:

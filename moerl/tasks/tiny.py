@@ -74,12 +74,63 @@ def accuracy(model, tokenizer) -> float:
 
 def save_warm_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     """A tiny Qwen3-MoE with its tokenizer, warmed up on the task's format, as a HF directory."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    out = save_tiny_hf("Qwen3MoeForCausalLM", out_dir, seed=seed)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    return _save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm_up, out_dir, seed)
+
+
+def reward_examples(rng: random.Random, k: int, tokenizer) -> list[tuple[list[int], float]]:
+    """``k`` conversations of the task, scored as a reward model reads them (:meth:`RewardModel.conversation_ids`):
+    half answered right (label 1), half with another sum (label 0)."""
+    examples = []
+    for item in rng.choices(records(), k=k):
+        right = rng.random() < 0.5
+        answer = (
+            item["answer"] if right else str(rng.choice([s for s in range(2 * DIGITS - 1) if str(s) != item["answer"]]))
+        )
+        messages = [{"role": "user", "content": item["prompt"]}, {"role": "assistant", "content": answer}]
+        examples.append((list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)), float(right)))
+    return examples
+
+
+def warm_up_reward_model(model, tokenizer, steps: int = 500, seed: int = 0, lr: float = 1e-3) -> None:
+    """Train a sequence-classification model to score a right answer above a wrong one (logistic loss on its one
+    logit)."""
+    rng = random.Random(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    pad = tokenizer.pad_token_id
+    model.train()
+    for _ in range(steps):
+        batch = reward_examples(rng, 32, tokenizer)
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([i + [pad] * (width - len(i)) for i, _ in batch])
+        labels = torch.tensor([label for _, label in batch])
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(input_ids=ids).logits[:, 0], labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def save_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny Qwen3 sequence-classification model with its tokenizer, warmed up to tell the task's right answers from
+    wrong ones, as a HF directory: the CPU demo's reward model (``reward.model=demo``)."""
+    from transformers import AutoModelForSequenceClassification
+
+    return _save_warmed(
+        "Qwen3ForSequenceClassification", AutoModelForSequenceClassification, warm_up_reward_model, out_dir, seed
+    )
+
+
+def _save_warmed(architecture: str, auto_class, warm, out_dir: str | Path, seed: int) -> Path:
+    """A tiny model of ``architecture`` saved to ``out_dir``, loaded by ``auto_class``, ``warm(model, tokenizer,
+    seed=seed)`` and saved again."""
+    from transformers import AutoTokenizer
+
+    out = save_tiny_hf(architecture, out_dir, seed=seed)
+    model = auto_class.from_pretrained(out, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(out)
     torch.manual_seed(seed)
-    warm_up(model, tokenizer, seed=seed)
+    warm(model, tokenizer, seed=seed)
     model.save_pretrained(out)
     return out

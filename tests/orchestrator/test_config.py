@@ -253,6 +253,9 @@ def test_the_preflight_refuses_a_reward_model_of_the_other_kind_or_none_at_all(t
         r"reward.kind=generative: set reward.kind=discriminative",
     ):
         check_reward(load_config(None, [f"reward.model={classifier}", "reward.kind=generative"]))
+    check_reward(load_config(None, ["reward.model=demo"]))
+    with pytest.raises(ConfigError, match="reward.model=demo: task.name=calc has no demo reward model"):
+        check_reward(load_config(None, ["reward.model=demo", "task.name=calc"]))
     with pytest.raises(ConfigError, match=r"reward.model: .*no config.json"):
         check_reward(load_config(None, [f"reward.model={tmp_path / 'none'}"]))
     with pytest.raises(ConfigError, match=r"reward.engines.urls: http://127.0.0.1:9 unreachable"):

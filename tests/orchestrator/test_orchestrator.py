@@ -1045,20 +1045,17 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
 
 @pytest.mark.e2e
 def test_a_reward_model_scores_every_group_on_replicas_of_its_own_and_one_killed_is_started_again(cache, tmp_path):
-    """reward.model: a tiny sequence-classification model on an embedded engine of its own scores each group as it
-    finishes, its score added to the task's (reward.combine=rule_plus_model). Its replica SIGKILLed after the first step
-    is started again; no group is dropped, each is scored once (a request per group, besides those asked again), and
-    the run ends."""
-    from moerl.models.tiny import save_tiny_hf
-
-    reward_model = save_tiny_hf("Qwen3ForSequenceClassification", tmp_path / "reward-model")
+    """reward.model=demo: the tiny sequence classifier (made once) on an embedded engine of its own scores each group as
+    it finishes, its score added to the task's (reward.combine=rule_plus_model). Its replica SIGKILLed after the first
+    step is started again; no group is dropped, each is scored once (a request per group, besides those asked again),
+    and the run ends."""
     run_dir = tmp_path / "run"
     proc = start_job(
-        cache, run_dir, "run.mode=sync", "run.steps=3", f"reward.model={reward_model}", "reward.combine=rule_plus_model"
+        cache, run_dir, "run.mode=sync", "run.steps=3", "reward.model=demo", "reward.combine=rule_plus_model"
     )
 
     def reward_engines() -> list[psutil.Process]:
-        return [p for p in engines_of(proc) if str(reward_model) in " ".join(p.cmdline())]
+        return [p for p in engines_of(proc) if "tiny-qwen3-reward-addition" in " ".join(p.cmdline())]
 
     wait_while_running(proc, lambda: len(rows_so_far(run_dir)) >= 1 and bool(reward_engines()), "the first step")
     for engine in reward_engines():
@@ -1071,8 +1068,8 @@ def test_a_reward_model_scores_every_group_on_replicas_of_its_own_and_one_killed
         assert r["reward_engines/requests"] - r["reward_engines/retries"] == GROUPS
         # each reward is the task's (0 or 1) plus the model's score: the means differ by a share of solved samples
         solved = (r["rollout/reward_mean"] - r["reward_engines/score_mean"]) * r["rollout/samples"]
-        assert solved == pytest.approx(round(solved), abs=1e-6) and 0 <= round(solved) <= r["rollout/samples"]
-        assert r["reward_engines/score_mean"] != 0
+        assert solved == pytest.approx(r["reward_engines/rule_mean"] * r["rollout/samples"], abs=1e-6)
+        assert solved == pytest.approx(round(solved), abs=1e-6) and r["reward_engines/score_mean"] != 0
     assert (run_dir / "logs" / "reward" / "embedded-0.log").read_text().count("moerl.serve INFO serving") == 2
     acct = accounting(run_dir)
     assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 3 * GROUPS

@@ -150,3 +150,25 @@ def test_a_reward_replica_that_dies_costs_a_retry_and_one_started_again_scores_w
                 await reward_model.close()
 
         asyncio.run(go())
+
+
+def test_the_demo_reward_model_ranks_each_prompts_sum_above_every_other_answer(tmp_path):
+    """reward.model=demo: the tiny classifier, warmed up on the task's right and wrong answers, scores each prompt's
+    sum above every other answer the tiny policy could give, and right answers above zero and wrong ones below: a
+    policy rewarded by it alone learns the task."""
+    from transformers import AutoModelForSequenceClassification
+
+    from moerl.tasks.reward_models import RewardModel
+    from moerl.tasks.tiny import DIGITS, records, save_tiny_reward_model
+
+    directory = save_tiny_reward_model(tmp_path / "model")
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    reading = RewardModel(["http://127.0.0.1:9"], directory, "discriminative")  # how the job reads a conversation
+    for item in records():
+        answers = [str(s) for s in range(2 * DIGITS - 1)]
+        with torch.no_grad():
+            scores = [
+                model(torch.tensor([reading.conversation_ids(item["prompt"], a)])).logits[0, 0].item() for a in answers
+            ]
+        assert max(answers, key=dict(zip(answers, scores, strict=True)).__getitem__) == item["answer"], item
+        assert all((score > 0) == (a == item["answer"]) for a, score in zip(answers, scores, strict=True)), item
