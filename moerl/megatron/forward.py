@@ -27,6 +27,31 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
 
 
+@contextlib.contextmanager
+def rope_at(model_chunk: torch.nn.Module, positions: torch.Tensor | None):
+    """Within: ``model_chunk``'s rotary embedding rotates position ``i`` of the sequence by ``positions[i]`` (int64
+    ``[s]``, on its device) rather than by ``i``: megatron-core's GPTModel reads no position ids for RoPE, so a
+    response fed after other responses, yet attending to its prompt, would be rotated as far from the prompt as it is
+    fed. None: as megatron-core rotates."""
+    if positions is None:
+        yield
+        return
+    rotary = next(
+        r for m in model_chunk.modules() if isinstance(r := getattr(m, "rotary_pos_emb", None), torch.nn.Module)
+    )
+    table = rotary.forward
+
+    def at_positions(max_seq_len: int, *args, **kwargs):
+        assert max_seq_len == positions.numel(), "rope_at: one position per position of the sequence"
+        return table(int(positions.max()) + 1, *args, **kwargs)[positions]
+
+    rotary.forward = at_positions
+    try:
+        yield
+    finally:
+        del rotary.forward  # the class's own again
+
+
 def run_schedule(
     model: torch.nn.Module,
     microbatches: list[Any],
@@ -45,7 +70,8 @@ def run_schedule(
     their mean. ``around_forward(item)``, if given, is a context manager entered around this stage's
     forward of the item (e.g. to set routing-replay targets and read what the routers recorded).
     ``extra_inputs(item, device)``, if given, returns model inputs replacing the defaults (positions
-    counted from each row's start, causal attention), e.g. a packed micro-batch's positions and masks.
+    counted from each row's start, causal attention), e.g. a packed micro-batch's positions and masks; and
+    ``rope_positions``, where RoPE must rotate each position by another than its index (:func:`rope_at`).
     """
     first = input_ids_of(microbatches[0])
     b, s = first.shape
@@ -59,7 +85,11 @@ def run_schedule(
         inputs = {"position_ids": position_ids_for(input_ids), "attention_mask": None}
         if extra_inputs is not None:
             inputs.update(extra_inputs(item, device))
-        with around_forward(item) if around_forward is not None else contextlib.nullcontext():
+        positions = inputs.pop("rope_positions", None)
+        with (
+            rope_at(model_chunk, positions),
+            around_forward(item) if around_forward is not None else contextlib.nullcontext(),
+        ):
             output = model_chunk(input_ids, **inputs)
 
         def loss_func(logits):

@@ -128,7 +128,11 @@ class MicroBatch:
     # bool [T]: the old-policy pass's native experts differ from the rollout's somewhere
     routing_differs: torch.Tensor | None = None
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
-    cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each sample starts and ends in the row
+    cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each segment starts and ends in the row
+    # Packed form with shared prompts: per segment, the segment (its group's prompt) it also attends to, -1 for none;
+    # a response's positions continue from its prompt's. None: every segment is a sample, attending only to itself.
+    prefix_of: np.ndarray | None = None
+    prompt_disagreements: int = 0  # shared prompts' positions whose routing differs between the samples sharing them
 
     def loss_inputs_to(self, device: torch.device) -> None:
         """The per-token tensors the passes' log-probs and the loss read, moved to ``device`` once, before any pass,
@@ -153,9 +157,10 @@ class MicroBatch:
         return np.arange(width)[None, :] < ends[:, None]
 
     def packed_inputs(self, device: torch.device, thd: bool) -> dict:
-        """Model inputs of the packed form: positions restarting at each sample, and either Transformer
-        Engine's THD boundaries (``thd``) or an explicit block-diagonal causal mask, which megatron-core's
-        local attention applies as given. The padding tail is a segment of its own."""
+        """Model inputs of the packed form: positions restarting at each sample (a shared prompt's responses continuing
+        from it), and either Transformer Engine's THD boundaries (``thd``) or an explicit causal mask within each
+        segment and from a response to its prompt, which megatron-core's local attention applies as given. The padding
+        tail is a segment of its own."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         assert self.cu_seqlens is not None, "packed inputs of a padded micro-batch"
@@ -164,22 +169,34 @@ class MicroBatch:
         if bounds[-1] < width:
             bounds.append(width)
         lengths = np.diff(bounds)
-        positions = host_to_device(torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])), device)[None, :]
+        prefix = np.full(len(lengths), -1)
+        if self.prefix_of is not None:
+            prefix[: len(self.prefix_of)] = self.prefix_of
+        offsets = np.where(prefix >= 0, lengths[np.maximum(prefix, 0)], 0)
+        positions = np.concatenate([offset + np.arange(n) for offset, n in zip(offsets, lengths, strict=True)])
+        positions_t = host_to_device(torch.from_numpy(positions), device)[None, :]
         if thd:
+            assert self.prefix_of is None, "THD packing is block-diagonal: it cannot attend to a shared prompt"
             cu = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
             longest = int(lengths.max())
             return {
-                "position_ids": positions,
+                "position_ids": positions_t,
                 "attention_mask": None,
                 "packed_seq_params": PackedSeqParams(
                     qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
                 ),
             }
         # Built on the host: repeat_interleave on a GPU reads its output size back, a wait as long as a blocking copy.
-        segment = host_to_device(torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)), device)
+        segments = np.repeat(np.arange(len(lengths)), lengths)
+        segment = host_to_device(torch.from_numpy(segments), device)
+        also = host_to_device(torch.from_numpy(prefix[segments]), device)  # the segment each position's may also see
         query, key = torch.arange(width, device=device)[:, None], torch.arange(width, device=device)[None, :]
-        blocked = (segment[:, None] != segment[None, :]) | (key > query)  # True: may not attend
-        return {"position_ids": positions, "attention_mask": blocked[None, None]}
+        visible = (segment[:, None] == segment[None, :]) | (also[:, None] == segment[None, :])
+        blocked = ~visible | (key > query)  # True: may not attend
+        inputs = {"position_ids": positions_t, "attention_mask": blocked[None, None]}
+        if self.prefix_of is not None:  # responses rotated as in their own sequences, after their prompt
+            inputs["rope_positions"] = positions_t[0]
+        return inputs
 
 
 def padding_routing(count: int, topk: int, num_experts: int, dtype: np.dtype) -> np.ndarray:
@@ -193,6 +210,37 @@ def padding_routing(count: int, topk: int, num_experts: int, dtype: np.dtype) ->
     return ((np.arange(count)[:, None] + offsets) % num_experts).astype(dtype)
 
 
+def shared_runs(shares: list[int]) -> list[list[int]]:
+    """Positions ``0..n-1`` in runs of consecutive equal ``shares`` (a run of several shares one prompt)."""
+    runs: list[list[int]] = []
+    for i, share in enumerate(shares):
+        if runs and shares[runs[-1][0]] == share:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def shared_units(shares: list[int], prompts: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """A shard's samples (``shares``, ``prompts``: prompt lengths, ``lengths``: fed lengths, per sample) in units the
+    micro-batches keep whole: those sharing a prompt, one unit unless that would be larger than ``budget`` (then
+    each sample is a unit of its own, fed unshared)."""
+    units = []
+    for run in shared_runs(shares):
+        if unit_length(run, prompts, lengths) <= budget:
+            units.append(run)
+        else:
+            units += [[i] for i in run]
+    return units
+
+
+def unit_length(unit: list[int], prompts: list[int], lengths: list[int]) -> int:
+    """The positions a unit takes fed (its prompt once where several share it)."""
+    if len(unit) == 1:
+        return lengths[unit[0]]
+    return prompts[unit[0]] + sum(lengths[i] - prompts[i] for i in unit)
+
+
 def build_micro_batch(
     samples: list[Sample],
     advantages: list[float],
@@ -201,26 +249,48 @@ def build_micro_batch(
     use_masks: bool,
     routed_experts: int | None,
     packed: bool = False,
+    shares: list[int] | None = None,
 ) -> MicroBatch:
     """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
     sequence parallelism). ``use_masks``: every sample carries kept sets; ``routed_experts``: every sample carries
     routing, and the model has this many routed experts, over which the padding's routing is spread
     (:func:`padding_routing`); None: no routing (checked where the batch is planned,
-    :class:`~moerl.trainer.distribute.BatchDistributor`)."""
+    :class:`~moerl.trainer.distribute.BatchDistributor`). ``shares`` (packed only): per sample, the prompt it shares;
+    consecutive samples sharing one are fed as the prompt once, then each one's response, attending to the prompt and
+    to itself at the positions it had in its own sequence. The prompt's positions take the first sample's routing;
+    :attr:`MicroBatch.prompt_disagreements` counts those where another sample's differs."""
+    runs = shared_runs(shares) if packed and shares is not None else [[i] for i in range(len(samples))]
+    # Each sample's fed tokens as (row, column) positions of the micro-batch; and the packed form's segments, each
+    # with the segment it also attends to (its shared prompt; -1: none).
+    where: list[tuple[int, np.ndarray]] = [(0, np.zeros(0, dtype=np.int64))] * len(samples)
+    bounds, prefix_of = [0], []
+    for run in runs:
+        lead = samples[run[0]]
+        if len(run) == 1:
+            col = bounds[-1] if packed else 0
+            where[run[0]] = (0 if packed else run[0], col + np.arange(lead.fed_len))
+            bounds.append(col + lead.fed_len)
+            prefix_of.append(-1)
+            continue
+        prompt_col, p = bounds[-1], lead.prompt_len
+        bounds.append(prompt_col + p)
+        prefix_of.append(-1)
+        prompt_segment = len(prefix_of) - 1
+        for i in run:
+            start, r = bounds[-1], samples[i].fed_len - p
+            where[i] = (0, np.concatenate([prompt_col + np.arange(p), start + np.arange(r)]))
+            if r:
+                bounds.append(start + r)
+                prefix_of.append(prompt_segment)
     fed = np.array([s.fed_len for s in samples])
-    if packed:
-        width = _round_up(int(fed.sum()), multiple)
-        starts = [(0, int(o)) for o in np.concatenate([[0], np.cumsum(fed)[:-1]])]  # (row, column) of each sample
-    else:
-        width = _round_up(int(fed.max()), multiple)
-        starts = [(b, 0) for b in range(len(samples))]
+    width = _round_up(bounds[-1] if packed else int(fed.max()), multiple)
     input_ids = torch.zeros(1 if packed else len(samples), width, dtype=torch.long)
     rows, cols, seq, temps, w, adv = [], [], [], [], [], []
-    for b, (s, (row, col)) in enumerate(zip(samples, starts, strict=True)):
-        input_ids[row, col : col + s.fed_len] = torch.from_numpy(s.fed_ids().astype(np.int64))
+    for b, (s, (row, at)) in enumerate(zip(samples, where, strict=True)):
+        input_ids[row, torch.from_numpy(at)] = torch.from_numpy(s.fed_ids().astype(np.int64))
         t = s.action_count  # only actions are scored: context is fed, as the prompt is
         rows.append(np.full(t, row))
-        cols.append(s.at_actions(np.arange(col + s.prompt_len - 1, col + s.prompt_len - 1 + s.response_len)))
+        cols.append(s.at_actions(at[s.prompt_len - 1 : s.prompt_len - 1 + s.response_len]))
         seq.append(np.full(t, b))
         temps.append(np.full(t, s.temperature, dtype=np.float32))
         w.append(np.full(t, weights[b], dtype=np.float32))
@@ -242,7 +312,8 @@ def build_micro_batch(
         behaviour=behaviour,
         versions=cat([s.at_actions(s.versions) for s in samples]),
         fed_lengths=fed.tolist(),
-        cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(fed)]).astype(np.int32)) if packed else None,
+        cu_seqlens=torch.tensor(bounds, dtype=torch.int32) if packed else None,
+        prefix_of=np.array(prefix_of) if packed and max(prefix_of) >= 0 else None,
     )
     if use_masks:
         offsets, start = [np.zeros(1, dtype=np.int64)], 0
@@ -253,12 +324,19 @@ def build_micro_batch(
         batch.mask_offsets = cat(offsets)
         batch.mask_ids = cat([s.mask_ids for s in samples], torch.int32)  # kept sets are the bulk of the loss's inputs
     if routed_experts is not None:
-        first = samples[0].routing
-        assert first is not None, "routed_experts: every sample carries routing"
-        _, layers, topk = first.shape
-        routing = np.empty((*input_ids.shape, layers, topk), dtype=first.dtype)
-        for s, (row, col) in zip(samples, starts, strict=True):
-            routing[row, col : col + s.fed_len] = s.routing
+        some = samples[0].routing
+        assert some is not None, "routed_experts: every sample carries routing"
+        _, layers, topk = some.shape
+        routing = np.empty((*input_ids.shape, layers, topk), dtype=some.dtype)
+        for run in runs:
+            for i in reversed(run):  # the run's first sample writes the shared prompt's rows last
+                row, at = where[i]
+                routing[row, at] = samples[i].routing
+            if len(run) > 1:
+                p = samples[run[0]].prompt_len
+                prompt = [np.sort(carried(samples[i].routing)[:p], axis=-1) for i in run]
+                differs = np.any([(r != prompt[0]).any(axis=(1, 2)) for r in prompt[1:]], axis=0)
+                batch.prompt_disagreements += int(differs.sum())
         padding = ~batch.real_positions()
         routing[padding] = padding_routing(int(padding.sum()), topk, routed_experts, routing.dtype)[:, None]
         batch.routing = routing

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from moerl.config import check_choices
+from moerl.errors import ConfigError
 from moerl.trainer.objectives import LossConfig
 
 RoutingMode = Literal["off", "R2", "R3"]  # R2: replay the old-policy forward's routing; R3: the rollout's
@@ -63,6 +64,8 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # tokens per micro-batch, padding included
     # padded: [b, s] rows | packed: samples end to end, each attending only to itself
     micro_batch_format: MicroBatchFormat = "padded"
+    # packed only: a group's samples fed as their prompt once, then each response, attending to the prompt and itself
+    shared_prompt: bool = False
     dtype: TrainerDtype = "auto"
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
     loss: LossConfig = field(default_factory=LossConfig)
@@ -71,3 +74,10 @@ class TrainerConfig:
 
     def __post_init__(self):
         check_choices(self, "trainer")
+        if self.shared_prompt and self.micro_batch_format != "packed":
+            raise ConfigError("trainer.shared_prompt feeds packed micro-batches: set trainer.micro_batch_format=packed")
+        if self.shared_prompt and self.replay.trace_samples:
+            raise ConfigError(
+                "trainer.shared_prompt: the replay trace reads each sample's positions end to end, which a shared "
+                "prompt's responses are not; set trainer.replay.trace_samples=0"
+            )

@@ -34,13 +34,14 @@ from megatron.core import parallel_state
 from moerl.megatron.parallel import collective_device
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import carried, shard_by_tokens
+from moerl.trainer.batch import carried, shard_by_tokens, shared_runs
 from moerl.trainer.config import TrainerConfig
 
 ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allows, by code in the header
 _PIECE, _END, _FAILED, _INTERLUDE = 1, 0, -1, 2  # header status
 _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature", "kept")
-_ACTIONS_ROW = len(_PLAN_ROWS)  # a piece with context (agent episodes) adds each sample's action count
+# trainer.shared_prompt adds each sample's share (the first sample of the piece with its group and prompt), then a piece
+# with context (agent episodes) each sample's action count
 _MASKS, _CONTEXT = 1, 2  # the header's flags: kept sets travel; the plan has the actions row
 _ALIGN = 8
 # Rank 0's payloads for the other ranks wait on its GPU (NCCL sends from there) at most this many bytes at a time,
@@ -80,10 +81,13 @@ class LocalPiece:
     advantages: np.ndarray  # float64, per local sample
     weights: np.ndarray  # float64, per local sample: its part of the aggregation
     shard_lengths: list[list[int]]  # fed lengths of every replica's shard: all ranks agree on the micro-batch count
+    shard_prompts: list[list[int]]  # and their prompt lengths
     action_counts: np.ndarray  # of every sample of the piece: the step's normaliser counts them all
     routing: bool  # the samples carry routing (this rank's columns only)
     received: int  # bytes this rank took in for it (plan and shard)
     originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
+    # trainer.shared_prompt: every replica's shard's shares (consecutive samples with one share share their prompt)
+    shard_shares: list[list[int]] | None = None
 
 
 def _finish(tensor: torch.Tensor, request: dist.Work) -> int:
@@ -223,6 +227,8 @@ class BatchDistributor:
     def __init__(self, cfg: TrainerConfig, columns: list[int]):
         """``columns``: the rollout-routing column (MoE layer) of each of this rank's routers, in build order."""
         self.cfg = cfg
+        self.share_row = len(_PLAN_ROWS) if cfg.shared_prompt else None
+        self.actions_row = len(_PLAN_ROWS) + cfg.shared_prompt
         ps = parallel_state
         self.needs = Needs(
             dp_rank=ps.get_data_parallel_rank(),
@@ -297,7 +303,7 @@ class BatchDistributor:
         except BaseException:
             self._header(_FAILED)
             raise
-        self._header(_PIECE, len(piece), routing, masks, context=len(plan) > _ACTIONS_ROW)
+        self._header(_PIECE, len(piece), routing, masks, context=len(plan) > self.actions_row)
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
         sends = self._send_within_window([(rank, payloads[rank]) for rank in self.receivers])
         self._to_tp_peers(torch.from_numpy(payloads[0]).to(collective_device()))
@@ -374,6 +380,10 @@ class BatchDistributor:
             np.array([s.temperature for s in piece], dtype=np.float64),
             np.array([len(carried(s.mask_ids)) if masks else 0 for s in piece], dtype=np.float64),
         ]
+        if self.share_row is not None:
+            first: dict[tuple[int, bytes], int] = {}
+            keys = [(s.group_id, np.asarray(s.prompt_ids, dtype=np.int64).tobytes()) for s in piece]
+            rows.append(np.array([first.setdefault(key, i) for i, key in enumerate(keys)], dtype=np.float64))
         if np.any(actions < response):  # single-turn pieces keep the plan's bytes as they were
             rows.append(actions.astype(np.float64))
         return np.stack(rows), routing, masks
@@ -399,7 +409,7 @@ class BatchDistributor:
         if status == _FAILED:
             raise BatchFailed("global rank 0 failed while preparing the batch (its error says why)")
         routing = None if code < 0 else (ROUTING_DTYPES[code], topk)
-        rows = len(_PLAN_ROWS) + bool(flags & _CONTEXT)
+        rows = self.actions_row + bool(flags & _CONTEXT)
         plan_tensor = torch.empty(rows, n, dtype=torch.float64, device=collective_device())
         dist.broadcast(plan_tensor, 0)
         plan = plan_tensor.cpu().numpy()
@@ -420,9 +430,17 @@ class BatchDistributor:
 
     def _lengths(self, plan: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
         """(int64 [prompt, response, kept, actions] x samples, each replica's sample indices) of a plan: the same on
-        every rank. Without the actions row every response token is an action."""
-        lengths = plan[[0, 1, 5, _ACTIONS_ROW if len(plan) > _ACTIONS_ROW else 1]].astype(np.int64)
-        return lengths, shard_by_tokens((lengths[0] + lengths[1] - 1).tolist(), self.dp_size)
+        every rank. Without the actions row every response token is an action. Samples sharing a prompt go to one
+        replica together, where there are as many shares as replicas."""
+        lengths = plan[[0, 1, 5, self.actions_row if len(plan) > self.actions_row else 1]].astype(np.int64)
+        fed = (lengths[0] + lengths[1] - 1).tolist()
+        if self.share_row is None:
+            return lengths, shard_by_tokens(fed, self.dp_size)
+        units = shared_runs(plan[self.share_row].astype(np.int64).tolist())
+        if len(units) < self.dp_size:
+            return lengths, shard_by_tokens(fed, self.dp_size)
+        sizes = [int(lengths[0][u[0]]) + sum(fed[i] - int(lengths[0][i]) for i in u) for u in units]
+        return lengths, [sorted(i for u in shard for i in units[u]) for shard in shard_by_tokens(sizes, self.dp_size)]
 
     def _local(
         self,
@@ -443,6 +461,10 @@ class BatchDistributor:
             advantages=plan[2, shard],
             weights=plan[3, shard],
             shard_lengths=[(prompt[s] + response[s] - 1).tolist() for s in shards],
+            shard_prompts=[prompt[s].tolist() for s in shards],
+            shard_shares=None
+            if self.share_row is None
+            else [plan[self.share_row, s].astype(np.int64).tolist() for s in shards],
             action_counts=actions,
             routing=routing is not None,
             received=received,

@@ -48,7 +48,15 @@ from moerl.models import family_for
 from moerl.models.qwen_moe import te_usable
 from moerl.sample import Sample
 from moerl.trainer import objectives, replay_trace
-from moerl.trainer.batch import MicroBatch, build_micro_batch, pack_by_budget, split_by_budget, split_into
+from moerl.trainer.batch import (
+    MicroBatch,
+    build_micro_batch,
+    pack_by_budget,
+    shared_units,
+    split_by_budget,
+    split_into,
+    unit_length,
+)
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.distribute import BatchDistributor, Interlude, LocalPiece
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
@@ -162,6 +170,11 @@ class Trainer:
         self.batches = BatchDistributor(cfg, self.routers.columns)
         # Packed micro-batches go to Transformer Engine's attention as THD, to megatron-core's own as a mask.
         self.thd = any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
+        if cfg.shared_prompt and self.thd:
+            raise ConfigError(
+                "trainer.shared_prompt: Transformer Engine's attention takes packed samples as THD, which cannot "
+                "attend to a shared prompt; only megatron-core's local attention (its explicit mask) runs it for now"
+            )
         if cfg.recompute:
             replay_through_recompute()
         self.version = 0  # policy version of the current weights
@@ -223,11 +236,27 @@ class Trainer:
         # Every rank knows every shard's lengths, so all agree on the micro-batch count without communicating.
         packed = self.cfg.micro_batch_format == "packed"
         group_by = pack_by_budget if packed else split_by_budget
+        budget, multiple = self.cfg.micro_batch_tokens, self.layout.tp
+        if piece.shard_shares is None:
+            units = [[[i] for i in range(len(lengths))] for lengths in piece.shard_lengths]
+        else:
+            units = [
+                shared_units(shares, prompts, lengths, budget)
+                for shares, prompts, lengths in zip(
+                    piece.shard_shares, piece.shard_prompts, piece.shard_lengths, strict=True
+                )
+            ]
         split = [
-            group_by(lengths, self.cfg.micro_batch_tokens, multiple=self.layout.tp) for lengths in piece.shard_lengths
+            group_by([unit_length(u, prompts, lengths) for u in us], budget, multiple=multiple)
+            for us, prompts, lengths in zip(units, piece.shard_prompts, piece.shard_lengths, strict=True)
         ]
         count = max(len(g) for g in split)
-        groups = split_into(split[parallel_state.get_data_parallel_rank()], count)
+        # A micro-batch of units, split further where it must, never within a unit (a prompt shared once).
+        mine = units[parallel_state.get_data_parallel_rank()]
+        groups = [
+            [i for u in g for i in mine[u]] for g in split_into(split[parallel_state.get_data_parallel_rank()], count)
+        ]
+        unit_of = {i: u for u, members in enumerate(mine) for i in members}
         samples = piece.samples
         # only the loss reads kept sets
         use_masks = self.cfg.replay.sampling_mask and parallel_state.is_pipeline_last_stage()
@@ -241,6 +270,7 @@ class Trainer:
                 use_masks=use_masks,
                 routed_experts=self.routers.num_experts if piece.routing else None,
                 packed=packed,
+                shares=[unit_of[i] for i in g] if piece.shard_shares is not None else None,
             )
 
         batches = [build(g) for g in groups]
@@ -402,6 +432,8 @@ class Trainer:
                     values = {
                         "loss": loss.double(),
                         "tokens": torch.full((), float(mb.num_tokens), **tally),
+                        "fed": torch.full((), float(mb.real_positions().sum()), **tally),
+                        "prompt_disagree": torch.full((), float(mb.prompt_disagreements), **tally),
                         "clipped": clipped.double().sum(),
                         "is_weight": is_weight.sum(),
                         "is_kept": (corr > 0).double().sum(),
@@ -497,6 +529,7 @@ class Trainer:
             "train/ratio_mean": s["ratio"] / tokens,
             "train/ratio_max": maxes[1].item(),
             "train/tokens": s["tokens"],
+            "train/tokens_fed": s["fed"],  # the positions each forward computed (a shared prompt counted once)
             # the mismatch over all tokens: the split's cells added up
             "mismatch/abs_logprob_delta": split[:, MISMATCH_STATS.index("abs_delta")].sum().item() / tokens,
             "mismatch/k3_kl": split[:, MISMATCH_STATS.index("k3")].sum().item() / tokens,
@@ -508,6 +541,8 @@ class Trainer:
         }
         if self.cfg.loss.entropy_coef:
             out["train/entropy"] = s["entropy"] / tokens
+        if self.cfg.shared_prompt:  # fed once, they take the first sample's routing
+            out["routing/shared_prompt_disagreements"] = s["prompt_disagree"]
         out.update(mismatch_split_metrics(split.numpy(), routing=agreement is not None))
         if agreement is not None:
             differ = [MISMATCH_CELLS.index("lag0_routing_differ"), MISMATCH_CELLS.index("lagged_routing_differ")]
@@ -690,7 +725,7 @@ def mismatch_split_metrics(split: np.ndarray, routing: bool) -> dict[str, float]
 # Cell of a token in the mismatch split: 2 * (version lag > 0) + (native routing differs from the rollout's somewhere).
 MISMATCH_CELLS = ("lag0_routing_agree", "lag0_routing_differ", "lagged_routing_agree", "lagged_routing_differ")
 MISMATCH_STATS = ("tokens", "abs_delta", "k3")
-_SUMS = ("loss", "tokens", "clipped", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")
+_SUMS = ("loss", "tokens", "fed", "prompt_disagree", "clipped", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")
 _MAXES = ("is_weight", "ratio", "lag")
 
 

@@ -260,3 +260,19 @@ def test_the_preflight_refuses_a_reward_model_of_the_other_kind_or_none_at_all(t
         check_reward(load_config(None, [f"reward.model={tmp_path / 'none'}"]))
     with pytest.raises(ConfigError, match=r"reward.engines.urls: http://127.0.0.1:9 unreachable"):
         check_reward(load_config(None, [f"reward.model={classifier}", "reward.engines.urls=[http://127.0.0.1:9]"]))
+
+
+def test_a_shared_prompt_is_refused_outside_packed_micro_batches_and_with_the_replay_trace(tmp_path):
+    with pytest.raises(ConfigError, match="feeds packed micro-batches: set trainer.micro_batch_format=packed"):
+        load_config(None, ["trainer.shared_prompt=true"])
+    with pytest.raises(ConfigError, match="set trainer.replay.trace_samples=0"):
+        load_config(
+            None,
+            [
+                "trainer.shared_prompt=true",
+                "trainer.micro_batch_format=packed",
+                "trainer.replay.trace_samples=2",
+                f"trainer.replay.trace_dir={tmp_path}",
+            ],
+        )
+    assert load_config(None, ["trainer.shared_prompt=true", "trainer.micro_batch_format=packed"]).trainer.shared_prompt

@@ -82,6 +82,7 @@ def config(routing: str, lr: float = 1e-3, **layout) -> TrainerConfig:
 
 
 PACKED = {"micro_batch_format": "packed"}
+SHARED = {**PACKED, "shared_prompt": True}
 LAYOUTS = {
     "TP1": (1, {}),
     "DP2": (2, {}),
@@ -91,6 +92,10 @@ LAYOUTS = {
     "PP4": (4, {"pp": 4}),
     "packed TP2+SP+EP2": (2, {"tp": 2, "ep": 2, **PACKED}),
     "packed PP2": (2, {"pp": 2, **PACKED}),
+    # each group's prompt fed once, the largest group (over micro_batch_tokens shared) fed unshared
+    "shared TP2+SP+EP2": (2, {"tp": 2, "ep": 2, **SHARED}),
+    "shared PP2": (2, {"pp": 2, **SHARED}),
+    "shared DP2": (2, SHARED),
 }
 
 
@@ -133,6 +138,26 @@ def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
     for name, grad in reference["grads"].items():
         assert grad.abs().max() > 0 or name.endswith("bias"), name
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("shared")])
+def test_a_shared_prompt_is_fed_once_per_group_within_the_budget(r3_runs, fp32_samples, layout):
+    """trainer.shared_prompt: each group's prompt is fed once where the group fits micro_batch_tokens so (the largest
+    group here does not, and is fed as unshared samples); the engine prefilled each group's prompt once, so the samples
+    sharing it agree on its routing."""
+    budget = config("R3").micro_batch_tokens
+    expected = 0
+    for group in range(len(PROMPTS)):
+        members = [s for s in fp32_samples if s.group_id == group]
+        shared = members[0].prompt_len + sum(s.fed_len - s.prompt_len for s in members)
+        expected += shared if shared <= budget else sum(s.fed_len for s in members)
+    unshared = sum(s.fed_len for s in fp32_samples)
+    metrics = r3_runs[layout][0]["metrics"][0]
+    assert metrics["train/tokens_fed"] == expected < unshared
+    assert metrics["train/tokens"] == r3_runs["TP1"][0]["metrics"][0]["train/tokens"]
+    assert r3_runs["TP1"][0]["metrics"][0]["train/tokens_fed"] == unshared
+    assert metrics["routing/shared_prompt_disagreements"] == 0
 
 
 @pytest.mark.e2e

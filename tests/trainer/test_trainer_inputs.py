@@ -196,3 +196,55 @@ def test_the_probe_runs_only_in_the_old_pass_of_a_batch_with_routing(tiny_ckpts)
     for key, value in without["metrics"].items():  # the split's cells are summed in other groups: equal to rounding
         assert with_routing["metrics"][key] == pytest.approx(value, rel=1e-12, abs=1e-15, nan_ok=True), key
     assert set(np.unique(out["padding"])) == set(range(out["experts"]))
+
+
+def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_own_positions():
+    """Three samples of one prompt (shares 0, 0, 0) and one of their own (share 1), packed: the prompt once, then
+    each response; a response attends to the prompt and to its own earlier tokens only, rotated as in its own
+    sequence; each first action is scored at the prompt's last position; the prompt takes the first sample's routing,
+    and the positions where another sample's differs are counted."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, 200, 3, dtype=np.int32)
+
+    def sample(response_len: int, routing: np.ndarray) -> Sample:
+        return Sample(
+            prompt_ids=prompt,
+            response_ids=rng.integers(1, 200, response_len, dtype=np.int32),
+            behaviour_logprobs=np.full(response_len, -2.0, np.float32),
+            versions=np.zeros(response_len, np.int64),
+            routing=routing,
+        ).validate()
+
+    def routed(fed: int) -> np.ndarray:
+        return np.argsort(rng.random((fed, 2, 8)), axis=-1)[..., :2].astype(np.uint8)
+
+    first = sample(4, routed(6))
+    other = routed(5)
+    other[:3] = first.routing[:3]
+    other[1] = first.routing[1][:, ::-1]  # the same sets in another order: not a disagreement
+    other[2, 0] = (first.routing[2, 0] + 1) % 8  # a different set at prompt position 2
+    agrees = routed(3)
+    agrees[:] = first.routing[:3]
+    samples = [first, sample(3, other), sample(1, agrees), sample(2, routed(4))]
+    alone = samples[3]
+    batch = build_micro_batch(
+        samples, [1.0] * 4, [1.0] * 4, multiple=4, use_masks=False, routed_experts=8, packed=True, shares=[0, 0, 0, 1]
+    )
+    # prompt (3), responses fed 3 + 2 + 0, then the sample of its own (4): 12 positions
+    assert batch.cu_seqlens.tolist() == [0, 3, 6, 8, 12] and batch.prefix_of.tolist() == [-1, 0, 0, -1]
+    ids = batch.input_ids[0].tolist()
+    assert ids[:3] == prompt.tolist()
+    assert ids[3:6] == first.response_ids[:3].tolist() and ids[6:8] == samples[1].response_ids[:2].tolist()
+    assert ids[8:12] == alone.fed_ids().tolist()
+    assert batch.cols.tolist() == [2, 3, 4, 5, 2, 6, 7, 2, 10, 11]
+    assert batch.targets.tolist() == [t for s in samples for t in s.response_ids.tolist()]
+    inputs = batch.packed_inputs(torch.device("cpu"), thd=False)
+    assert inputs["rope_positions"].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 0, 1, 2, 3]
+    sees = ~inputs["attention_mask"][0, 0]
+    assert sees[7].nonzero().flatten().tolist() == [0, 1, 2, 6, 7]  # the second response: the prompt and itself
+    assert sees[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    assert sees[11].nonzero().flatten().tolist() == [8, 9, 10, 11]  # the sample of its own sees only itself
+    assert np.array_equal(batch.routing[0, :3], first.routing[:3]) and batch.prompt_disagreements == 1
+    assert np.array_equal(batch.routing[0, 6:8], other[3:]) and np.array_equal(batch.routing[0, 8:12], alone.routing)
+    with pytest.raises(AssertionError, match="cannot attend to a shared prompt"):
+        batch.packed_inputs(torch.device("cpu"), thd=True)
