@@ -292,10 +292,11 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
         for kills in range(2):
             # Both replicas up and in rotation after the job restarted the last one killed: a row written between a kill
             # and the health checks that see it still reads both healthy, with the killed one's process already gone.
+            # A kill during a broadcast also restarts the replica that took the bucket (it would wait in it for good).
             wait_while_running(
                 proc,
                 lambda killed_after=killed_after, kills=kills: any(
-                    r["step"] > killed_after and r["engines/restarts"] == kills and r["engines/healthy"] == 2
+                    r["step"] > killed_after and r["engines/restarts"] >= kills and r["engines/healthy"] == 2
                     for r in rows_so_far(tmp_path)
                 ),
                 "the engines were back",
@@ -315,7 +316,13 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     acct = accounting(tmp_path)
     assert acct["balanced"], acct
     assert acct["live"] == 0 and "engine_failure" not in acct["dropped"] and acct["trained"] == steps * GROUPS, acct
-    assert done[-1]["engines/restarts"] == 2, done[-1]
+    # the two killed, and those a broadcast that one of them broke left waiting in it
+    wedged = [
+        line.split("restarting ", 1)[1].split(";")[0].split(", ")
+        for line in stderr.splitlines()
+        if "a broadcast failed after its bucket was announced: restarting" in line
+    ]
+    assert 2 <= done[-1]["engines/restarts"] <= 2 + sum(len(urls) for urls in wedged), (done[-1], wedged)
     assert done[-1]["prompts/dropped_engine_failure"] == 0, done[-1]
     assert any(r["engines/healthy"] < 2 for r in done)  # the kills were seen
 
