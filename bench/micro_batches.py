@@ -58,7 +58,7 @@ def steps(mcore_dir: str, cfg, samples: list, repeats: int) -> dict:
 
     trainer = Trainer(mcore_dir, cfg)
     batches = trainer.micro_batches(trainer.batches.scatter(samples))
-    fed = sum(sum(mb.fed_lengths) for mb in batches)
+    fed = sum(int(mb.real_positions().sum()) for mb in batches)  # a shared prompt counted once
     positions = sum(mb.input_ids.numel() for mb in batches)
     trainer.step(samples)  # warm-up
     times = []
