@@ -75,30 +75,43 @@ def steps(mcore_dir: str, cfg, samples: list, repeats: int) -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--samples", type=int, default=64)
+def step_arguments(doc: str | None, budget: int) -> argparse.ArgumentParser:
+    """The options every trainer-step benchmark takes."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--group", type=int, default=8, help="samples per GRPO group")
-    p.add_argument("--budget", type=int, default=2048, help="micro_batch_tokens")
-    p.add_argument("--cap", type=int, default=512, help="longest response")
+    p.add_argument("--budget", type=int, default=budget, help="micro_batch_tokens")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", help="append the table to this markdown file")
+    return p
+
+
+def tiny_moe_checkpoint(directory: Path) -> tuple[str, dict, int]:
+    """A tiny random Qwen3-MoE converted to a Megatron checkpoint in ``directory``: (its path, the model's normalised
+    config, its MoE layers)."""
+    from moerl.checkpoint.convert import hf_to_mcore
+    from moerl.models import family_for
+    from moerl.models.tiny import save_tiny_hf
+
+    hf = save_tiny_hf("Qwen3MoeForCausalLM", directory / "hf")
+    mcore = hf_to_mcore(hf, directory / "mcore", progress=False)
+    raw = json.loads((hf / "config.json").read_text())
+    c = family_for(raw).normalize(raw)
+    return str(mcore), c, sum(family_for(c).moe_layer_pattern(c))
+
+
+def main() -> None:
+    p = step_arguments(__doc__, budget=2048)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--cap", type=int, default=512, help="longest response")
     args = p.parse_args()
     from bench.report import publish
 
-    from moerl.checkpoint.convert import hf_to_mcore
     from moerl.megatron.launch import run_ranks
-    from moerl.models import family_for
-    from moerl.models.tiny import save_tiny_hf
     from moerl.trainer.config import ReplayConfig, TrainerConfig
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
-        hf = save_tiny_hf("Qwen3MoeForCausalLM", Path(tmp) / "hf")
-        mcore = hf_to_mcore(hf, Path(tmp) / "mcore", progress=False)
-        raw = json.loads((hf / "config.json").read_text())
-        c = family_for(raw).normalize(raw)
-        moe_layers = sum(family_for(c).moe_layer_pattern(c))
+        mcore, c, moe_layers = tiny_moe_checkpoint(Path(tmp))
         samples = long_tailed_batch(
             args.samples, args.group, c["vocab_size"], moe_layers, c["num_experts"], c["num_experts_per_tok"], args.cap
         )
@@ -108,7 +121,7 @@ def main() -> None:
                 micro_batch_format=form,
                 replay=ReplayConfig(routing="R3", sampling_mask=False),
             )
-            results[form] = run_ranks(steps, 1, str(mcore), cfg, samples, args.repeats)[0]
+            results[form] = run_ranks(steps, 1, mcore, cfg, samples, args.repeats)[0]
             print(form, results[form], flush=True)
     lengths = [s.response_len for s in samples]
     base = results["padded"]

@@ -8,13 +8,11 @@ micro-batches under one token budget. Reported per shape and form: micro-batches
 step, and the speed-up over padded. On the CPU packed and shared rows run megatron-core's local attention with an
 explicit mask (each row costs its length squared); a shared prompt removes ``(G - 1) * P`` fed positions a group.
 
-    python bench/shared_prompt.py [--groups 4] [--group 8] [--tokens 160] [--budget 1024] [--out FILE]
+    python bench/shared_prompt.py [--groups 4] [--group 8] [--tokens 160] [--budget 1536] [--out FILE]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import sys
@@ -57,22 +55,16 @@ def shared_prompt_batch(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--groups", type=int, default=4)
-    p.add_argument("--group", type=int, default=8, help="samples per GRPO group")
-    p.add_argument("--tokens", type=int, default=160, help="prompt + response tokens of a sample")
-    p.add_argument("--budget", type=int, default=1024, help="micro_batch_tokens")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", help="append the table to this markdown file")
-    args = p.parse_args()
-    from bench.micro_batches import steps
+    from bench.micro_batches import step_arguments, steps, tiny_moe_checkpoint
     from bench.report import publish
 
-    from moerl.checkpoint.convert import hf_to_mcore
     from moerl.megatron.launch import run_ranks
-    from moerl.models import family_for
-    from moerl.models.tiny import save_tiny_hf
     from moerl.trainer.config import ReplayConfig, TrainerConfig
+
+    p = step_arguments(__doc__, budget=1536)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=160, help="prompt + response tokens of a sample")
+    args = p.parse_args()
 
     forms = {
         "padded": {"micro_batch_format": "padded"},
@@ -81,11 +73,7 @@ def main() -> None:
     }
     rows = []
     with tempfile.TemporaryDirectory(prefix="moerl-bench-") as tmp:
-        hf = save_tiny_hf("Qwen3MoeForCausalLM", Path(tmp) / "hf")
-        mcore = hf_to_mcore(hf, Path(tmp) / "mcore", progress=False)
-        raw = json.loads((hf / "config.json").read_text())
-        c = family_for(raw).normalize(raw)
-        moe_layers = sum(family_for(c).moe_layer_pattern(c))
+        mcore, c, moe_layers = tiny_moe_checkpoint(Path(tmp))
         for prompt_part, response_part in SHAPES:
             prompt = args.tokens * prompt_part // (prompt_part + response_part)
             samples = shared_prompt_batch(
@@ -103,7 +91,7 @@ def main() -> None:
                 cfg = TrainerConfig(
                     micro_batch_tokens=args.budget, replay=ReplayConfig(routing="R3", sampling_mask=False), **settings
                 )
-                results[form] = run_ranks(steps, 1, str(mcore), cfg, samples, args.repeats)[0]
+                results[form] = run_ranks(steps, 1, mcore, cfg, samples, args.repeats)[0]
                 print(f"{prompt_part}:{response_part}", form, results[form], flush=True)
             for form, r in results.items():
                 rows.append(
