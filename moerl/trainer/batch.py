@@ -132,7 +132,6 @@ class MicroBatch:
     # Packed form with shared prompts: per segment, the segment (its group's prompt) it also attends to, -1 for none;
     # a response's positions continue from its prompt's. None: every segment is a sample, attending only to itself.
     prefix_of: np.ndarray | None = None
-    prompt_disagreements: int = 0  # shared prompts' positions whose routing differs between the samples sharing them
 
     def loss_inputs_to(self, device: torch.device) -> None:
         """The per-token tensors the passes' log-probs and the loss read, moved to ``device`` once, before any pass,
@@ -221,6 +220,18 @@ def shared_runs(shares: list[int]) -> list[list[int]]:
     return runs
 
 
+def prompt_disagreements(samples: list[Sample], shares: list[int]) -> int:
+    """Of the prompts consecutive ``samples`` share (equal ``shares``), the positions where a sample's recorded routing
+    (as sets) differs from the first's, which the shared forward replays for all of them."""
+    count = 0
+    for run in shared_runs(shares):
+        if len(run) > 1 and samples[run[0]].routing is not None:
+            p = samples[run[0]].prompt_len
+            prompt = [np.sort(carried(samples[i].routing)[:p], axis=-1) for i in run]
+            count += int(np.any([(r != prompt[0]).any(axis=(1, 2)) for r in prompt[1:]], axis=0).sum())
+    return count
+
+
 def shared_units(shares: list[int], prompts: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """A shard's samples (``shares``, ``prompts``: prompt lengths, ``lengths``: fed lengths, per sample) in units the
     micro-batches keep whole: those sharing a prompt, one unit unless that would be larger than ``budget`` (then
@@ -257,8 +268,8 @@ def build_micro_batch(
     (:func:`padding_routing`); None: no routing (checked where the batch is planned,
     :class:`~moerl.trainer.distribute.BatchDistributor`). ``shares`` (packed only): per sample, the prompt it shares;
     consecutive samples sharing one are fed as the prompt once, then each one's response, attending to the prompt and
-    to itself at the positions it had in its own sequence. The prompt's positions take the first sample's routing;
-    :attr:`MicroBatch.prompt_disagreements` counts those where another sample's differs."""
+    to itself at the positions it had in its own sequence. The prompt's positions take the first sample's routing
+    (the data plane sends no other: :func:`prompt_disagreements`)."""
     runs = shared_runs(shares) if packed and shares is not None else [[i] for i in range(len(samples))]
     # Each sample's fed tokens as (row, column) positions of the micro-batch; and the packed form's segments, each
     # with the segment it also attends to (its shared prompt; -1: none).
@@ -332,11 +343,6 @@ def build_micro_batch(
             for i in reversed(run):  # the run's first sample writes the shared prompt's rows last
                 row, at = where[i]
                 routing[row, at] = samples[i].routing
-            if len(run) > 1:
-                p = samples[run[0]].prompt_len
-                prompt = [np.sort(carried(samples[i].routing)[:p], axis=-1) for i in run]
-                differs = np.any([(r != prompt[0]).any(axis=(1, 2)) for r in prompt[1:]], axis=0)
-                batch.prompt_disagreements += int(differs.sum())
         padding = ~batch.real_positions()
         routing[padding] = padding_routing(int(padding.sum()), topk, routed_experts, routing.dtype)[:, None]
         batch.routing = routing

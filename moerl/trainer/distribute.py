@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from moerl.megatron.parallel import collective_device
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import carried, shard_by_tokens, shared_runs
+from moerl.trainer.batch import carried, prompt_disagreements, shard_by_tokens, shared_runs
 from moerl.trainer.config import TrainerConfig
 
 ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allows, by code in the header
@@ -88,6 +88,8 @@ class LocalPiece:
     originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
     # trainer.shared_prompt: every replica's shard's shares (consecutive samples with one share share their prompt)
     shard_shares: list[list[int]] | None = None
+    # global rank 0, trainer.shared_prompt: the piece's shared prompts' positions whose routing differs between samples
+    prompt_disagreements: int = 0
 
 
 def _finish(tensor: torch.Tensor, request: dist.Work) -> int:
@@ -106,11 +108,14 @@ def _fields(
     actions: np.ndarray,
     routing: tuple | None,
     masks: bool,
+    follows: np.ndarray,
 ) -> list[_Field]:
-    """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths."""
+    """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths;
+    ``follows``: the samples that share the prompt of the one before them, whose prompt (ids, routing) is not sent."""
     fields: list[_Field] = []
+    sent = np.where(follows, 0, prompt)  # prompt tokens sent per sample
     if needs.ids:
-        fields.append(("ids", np.dtype(np.int32), (int((prompt + response).sum()),)))
+        fields.append(("ids", np.dtype(np.int32), (int((sent + response).sum()),)))
     if needs.last:
         tokens = int(actions.sum())  # context's values are the contract's constants: made on arrival
         fields += [("behaviour", np.dtype(np.float32), (tokens,)), ("versions", np.dtype(np.int64), (tokens,))]
@@ -124,7 +129,7 @@ def _fields(
             fields.append(("loss_mask", np.dtype(np.uint8), (int(response[context].sum()),)))
     if routing is not None:  # a stage without MoE layers gets zero columns
         dtype, topk = routing
-        fields.append(("routing", np.dtype(dtype), (int((prompt + response - 1).sum()), len(needs.columns), topk)))
+        fields.append(("routing", np.dtype(dtype), (int((sent + response - 1).sum()), len(needs.columns), topk)))
     return fields
 
 
@@ -137,12 +142,13 @@ def _spans(fields: list[_Field]) -> tuple[list[tuple[int, int]], int]:
     return spans, offset
 
 
-def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool) -> np.ndarray:
+def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool, follows: np.ndarray) -> np.ndarray:
     spans, total = _spans(fields)
     buffer = np.zeros(total, dtype=np.uint8)
+    skip = [s.prompt_len if f else 0 for s, f in zip(samples, follows, strict=True)]  # a shared prompt's, sent once
     for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True):  # a span per field
         if name == "ids":
-            parts = [np.concatenate([s.prompt_ids, s.response_ids]) for s in samples]
+            parts = [np.concatenate([s.prompt_ids, s.response_ids])[k:] for s, k in zip(samples, skip, strict=True)]
         elif name == "behaviour":
             parts = [s.at_actions(carried(s.selected_logprobs) if masks else s.behaviour_logprobs) for s in samples]
         elif name == "versions":
@@ -154,7 +160,7 @@ def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool
         elif name == "loss_mask":  # the samples with context (as _fields counts them)
             parts = [carried(s.loss_mask) for s in samples if s.action_count < s.response_len]
         else:
-            parts = [carried(s.routing)[:, list(needs.columns)] for s in samples]
+            parts = [carried(s.routing)[k:, list(needs.columns)] for s, k in zip(samples, skip, strict=True)]
         array = np.concatenate([np.asarray(p, dtype=dtype) for p in parts]).reshape(shape)
         buffer[start:end] = array.reshape(-1).view(np.uint8)
     return buffer
@@ -176,24 +182,30 @@ def _unpack(
     response: np.ndarray,
     temperature: np.ndarray,
     actions: np.ndarray,
+    follows: np.ndarray,
 ) -> list[Sample]:
+    """The samples of a payload; one that ``follows`` takes the prompt (ids, routing) of the one before it."""
     spans, _ = _spans(fields)
     arrays = {
         name: buffer[start:end].view(dtype).reshape(shape)
         for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True)  # a span per field
     }
-    ids_at = np.concatenate([[0], np.cumsum(prompt + response)])
+    sent = np.where(follows, 0, prompt)
+    ids_at = np.concatenate([[0], np.cumsum(sent + response)])
     actions_at = np.concatenate([[0], np.cumsum(actions)])
-    fed_at = np.concatenate([[0], np.cumsum(prompt + response - 1)])
+    fed_at = np.concatenate([[0], np.cumsum(sent + response - 1)])
     context = actions < response
     masks_at = np.concatenate([[0], np.cumsum(np.where(context, response, 0))])
     kept_at = np.concatenate([[0], np.cumsum(arrays["kept_counts"])]) if "kept_counts" in arrays else None
-    samples = []
+    samples: list[Sample] = []
     for i, (p, r) in enumerate(zip(prompt.tolist(), response.tolist(), strict=True)):  # both per sample
         acted = slice(actions_at[i], actions_at[i + 1])
         if "ids" in arrays:
             ids = arrays["ids"][ids_at[i] : ids_at[i + 1]]
-            prompt_ids, response_ids = ids[:p], ids[p:]
+            if follows[i]:
+                prompt_ids, response_ids = samples[-1].prompt_ids, ids
+            else:
+                prompt_ids, response_ids = ids[:p], ids[p:]
         else:  # a middle stage: inputs come from the previous stage, only the lengths matter here
             prompt_ids, response_ids = np.zeros(p, dtype=np.int32), np.zeros(r, dtype=np.int32)
         loss_mask = arrays["loss_mask"][masks_at[i] : masks_at[i + 1]] if "loss_mask" in arrays and context[i] else None
@@ -202,13 +214,16 @@ def _unpack(
             versions = _spread(arrays["versions"][acted], loss_mask, -1)
         else:
             behaviour, versions = np.zeros(r, dtype=np.float32), np.zeros(r, dtype=np.int64)
+        routing = arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None
+        if routing is not None and follows[i]:
+            routing = np.concatenate([carried(samples[-1].routing)[:p], routing])
         sample = Sample(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
             behaviour_logprobs=behaviour,
             versions=versions,
             temperature=float(temperature[i]),
-            routing=arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None,
+            routing=routing,
             loss_mask=loss_mask,
         )
         if kept_at is not None:
@@ -297,8 +312,9 @@ class BatchDistributor:
                 if needs not in packed:
                     shard = shards[needs.dp_rank]
                     prompt, response, kept, actions = lengths[:, shard]
-                    fields = _fields(needs, prompt, response, kept, actions, routing, masks)
-                    packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks)
+                    follows = self._follows(plan, shard)
+                    fields = _fields(needs, prompt, response, kept, actions, routing, masks, follows)
+                    packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks, follows)
             payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
@@ -312,6 +328,8 @@ class BatchDistributor:
         # Rank 0's own part is unpacked like everyone else's: every rank trains on what the wire format carries.
         local = self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
         local.originals = [[piece[i] for i in shard] for shard in shards]
+        if self.share_row is not None and routing is not None:  # a follower's own prompt routing stays here
+            local.prompt_disagreements = prompt_disagreements(piece, plan[self.share_row].astype(np.int64).tolist())
         return local
 
     def _send_within_window(self, payloads: list[tuple[int, np.ndarray]]) -> deque[tuple[torch.Tensor, dist.Work]]:
@@ -415,7 +433,8 @@ class BatchDistributor:
         plan = plan_tensor.cpu().numpy()
         lengths, shards = self._lengths(plan)
         prompt, response, kept, actions = lengths[:, shards[self.needs.dp_rank]]
-        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS))
+        follows = self._follows(plan, shards[self.needs.dp_rank])
+        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS), follows)
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
         if self.rank == self.tp_first:
             dist.recv(payload, 0)
@@ -427,6 +446,14 @@ class BatchDistributor:
         """The TP group's first rank hands its payload to the others (they all read the same samples)."""
         if dist.get_world_size(self.tp_group) > 1:
             dist.broadcast(payload, self.tp_first, group=self.tp_group)
+
+    def _follows(self, plan: np.ndarray, shard: list[int]) -> np.ndarray:
+        """bool per sample of ``shard``: it shares the prompt of the sample before it, which alone sends it."""
+        follows = np.zeros(len(shard), dtype=bool)
+        if self.share_row is not None:
+            shares = plan[self.share_row, shard]
+            follows[1:] = shares[1:] == shares[:-1]
+        return follows
 
     def _lengths(self, plan: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
         """(int64 [prompt, response, kept, actions] x samples, each replica's sample indices) of a plan: the same on
@@ -454,7 +481,8 @@ class BatchDistributor:
     ) -> LocalPiece:
         shard = shards[self.needs.dp_rank]
         prompt, response, _, actions = lengths
-        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], actions[shard])
+        follows = self._follows(plan, shard)
+        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], actions[shard], follows)
         self.received += received
         return LocalPiece(
             samples=samples,

@@ -433,7 +433,7 @@ class Trainer:
                         "loss": loss.double(),
                         "tokens": torch.full((), float(mb.num_tokens), **tally),
                         "fed": torch.full((), float(mb.real_positions().sum()), **tally),
-                        "prompt_disagree": torch.full((), float(mb.prompt_disagreements), **tally),
+                        "prompt_disagree": torch.zeros((), **tally),  # the piece's, added once on rank 0
                         "clipped": clipped.double().sum(),
                         "is_weight": is_weight.sum(),
                         "is_kept": (corr > 0).double().sum(),
@@ -459,6 +459,7 @@ class Trainer:
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
             lengths += piece.action_counts.tolist()
+            sums[_SUMS.index("prompt_disagree")] += piece.prompt_disagreements
             batches = self.micro_batches(piece)
             tracer = None
             if number == 0 and trace_dir is not None and piece.routing:

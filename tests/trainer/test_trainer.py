@@ -161,6 +161,35 @@ def test_a_shared_prompt_is_fed_once_per_group_within_the_budget(r3_runs, fp32_s
 
 
 @pytest.mark.e2e
+def test_a_shared_prompt_crosses_the_data_plane_once_per_replica(tiny_ckpts, fp32_samples):
+    """trainer.shared_prompt at PP2xDP2 (EP2): a group's samples go to one replica, and only its first sample's prompt
+    (ids, routing) is sent: the others take it on arrival. Every rank's samples are those sent, whole, and the ranks
+    take in fewer bytes than unshared."""
+    from tests.workers import scatter_piece
+
+    mcore, layout = str(tiny_ckpts[ARCH][1]), {"pp": 2, "ep": 2}
+    unshared = run_ranks(scatter_piece, 4, mcore, config("R3", **layout, **PACKED), fp32_samples)
+    shared = run_ranks(scatter_piece, 4, mcore, config("R3", **layout, **SHARED), fp32_samples)
+    for out in shared:
+        needs = out["needs"]
+        for got in out["samples"]:
+            (sent,) = [
+                s
+                for s in fp32_samples
+                if s.response_len == got.response_len
+                and np.array_equal(s.routing[s.prompt_len :, list(needs.columns)], got.routing[got.prompt_len :])
+            ]
+            assert np.array_equal(got.routing, sent.routing[:, list(needs.columns)])
+            if needs.ids:
+                assert np.array_equal(got.prompt_ids, sent.prompt_ids)
+                assert np.array_equal(got.response_ids, sent.response_ids)
+        # responses run to their group's limit: their length names the group, and a replica holds whole groups
+        groups = {got.response_len for got in out["samples"]}
+        assert len(out["samples"]) == sum(s.response_len in groups for s in fp32_samples)
+    assert sum(o["received"] for o in shared) < sum(o["received"] for o in unshared)
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "layout,window",
     [({"pp": 2, "ep": 2}, None), ({"pp": 4}, 1), ({"tp": 2, "pp": 2}, None)],

@@ -202,7 +202,9 @@ def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_o
     """Three samples of one prompt (shares 0, 0, 0) and one of their own (share 1), packed: the prompt once, then
     each response; a response attends to the prompt and to its own earlier tokens only, rotated as in its own
     sequence; each first action is scored at the prompt's last position; the prompt takes the first sample's routing,
-    and the positions where another sample's differs are counted."""
+    and the positions where another sample's differs (as sets) are counted."""
+    from moerl.trainer.batch import prompt_disagreements
+
     rng = np.random.default_rng(3)
     prompt = rng.integers(1, 200, 3, dtype=np.int32)
 
@@ -244,7 +246,8 @@ def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_o
     assert sees[7].nonzero().flatten().tolist() == [0, 1, 2, 6, 7]  # the second response: the prompt and itself
     assert sees[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
     assert sees[11].nonzero().flatten().tolist() == [8, 9, 10, 11]  # the sample of its own sees only itself
-    assert np.array_equal(batch.routing[0, :3], first.routing[:3]) and batch.prompt_disagreements == 1
+    assert np.array_equal(batch.routing[0, :3], first.routing[:3])
+    assert prompt_disagreements(samples, [0, 0, 0, 1]) == 1
     assert np.array_equal(batch.routing[0, 6:8], other[3:]) and np.array_equal(batch.routing[0, 8:12], alone.routing)
     with pytest.raises(AssertionError, match="cannot attend to a shared prompt"):
         batch.packed_inputs(torch.device("cpu"), thd=True)
