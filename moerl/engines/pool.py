@@ -412,6 +412,24 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+def node_address() -> str | None:
+    """This node's address on its default route (no packet is sent), else the one its hostname resolves to; None where
+    that is a loopback address, which other nodes cannot reach."""
+    import ipaddress
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: any routable address picks the default route's interface
+            address = probe.getsockname()[0]
+    except OSError:
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return None
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
 def main(argv: list[str] | None = None) -> int:
     """``moerl engines``: SGLang replicas on this node for a job whose trainer runs on other nodes."""
     import argparse
@@ -445,17 +463,38 @@ def main(argv: list[str] | None = None) -> int:
         "their Hub modules only",
     )
     p.add_argument("--log-dir", default="engine-logs")
+    p.add_argument(
+        "--server",
+        choices=["sglang", "embedded"],
+        default="sglang",
+        help="sglang, or moerl's embedded engine (the same HTTP API, one device or the CPU, no tensor parallelism)",
+    )
+    p.add_argument(
+        "--host",
+        default=None,
+        help="the address the replicas serve on and the job reaches them at (default: this node's address on its "
+        "default route)",
+    )
     args = p.parse_args(argv)
-    problem = sglang_problem()
+    problem = sglang_problem() if args.server == "sglang" else None
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    host = args.host or node_address()
+    if host is None:
+        print(
+            f"error: {socket.gethostname()} has no default route and resolves to a loopback address: pass --host, the "
+            "address the trainer nodes reach this node at",
+            file=sys.stderr,
+        )
         return 2
     pool = EnginePool(
         EnginePoolConfig(
             model_path=args.model,
+            server=args.server,
             replicas=args.replicas,
             gpus_per_replica=args.gpus_per_replica,
-            host="0.0.0.0",
+            host=host,
             base_port=args.base_port,
             dtype=args.dtype,
             log_dir=args.log_dir,
@@ -465,8 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     pool.start()
-    node = socket.gethostname()
-    print("engines.urls=[" + ",".join(f"http://{node}:{port}" for port in pool.ports) + "]", flush=True)
+    print("engines.urls=[" + ",".join(pool.replica_urls) + "]", flush=True)
     stop = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait, not as KeyboardInterrupt
     try:

@@ -68,6 +68,20 @@ def lead_agrees(error: Exception | None, what: str) -> None:
         raise relayed(MoerlError(f"global rank 0 failed in {what} (its error says why)"))
 
 
+def ranks_agree(error: Exception | None, what: str) -> None:
+    """Collective: how a check every rank made of its own ended (``error``: what it raised there). If any failed, every
+    rank raises now: that rank its error, the others a relayed :class:`MoerlError` naming the rank and its error, so
+    that no rank goes on to wait for one that has stopped."""
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if error is None else str(error))  # one line per rank, once
+    if error is not None:
+        raise error
+    failed = [(rank, message) for rank, message in enumerate(found) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise relayed(MoerlError(f"rank {rank} failed in {what}: {message}"))
+
+
 def on_lead(call, what: str):
     """Collective: ``call()`` on global rank 0 alone, then :func:`lead_agrees` on how it ended; its result on rank 0,
     None on the other ranks."""

@@ -190,10 +190,22 @@ def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, h
     return sync
 
 
-def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
+def sync_strategy(cfg: RunConfig) -> str:
+    """Which weight-sync strategy the run uses: tensor (colocated), adapters (LoRA), simulated, disk or broadcast."""
     if cfg.run.placement == "colocated":  # refused with LoRA, a simulation and modes other than sync
-        return TensorSync(urls, bucket_bytes=cfg.sync.bucket_mb << 20)
+        return "tensor"
     if cfg.lora.enabled:
+        return "adapters"
+    if cfg.simulation.profile is not None:
+        return "simulated"
+    return cfg.sync.method
+
+
+def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
+    strategy = sync_strategy(cfg)
+    if strategy == "tensor":
+        return TensorSync(urls, bucket_bytes=cfg.sync.bucket_mb << 20)
+    if strategy == "adapters":
         return AdapterSync(
             urls,
             cfg.lora,
@@ -205,11 +217,11 @@ def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Pa
     # Updates that land while requests keep running (async, continued in place) cannot flush the engines'
     # cache: SGLang refuses. Everywhere else nothing runs during an update and the cache is flushed.
     flush = not (cfg.run.mode == "async" and cfg.rollout.partial == "in_place")
-    if cfg.simulation.profile is not None:
+    if strategy == "simulated":
         from moerl.weight_sync.simulated import SimulatedSync
 
         return SimulatedSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
-    if cfg.sync.method == "disk":
+    if strategy == "disk":
         return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
     return BroadcastSync(
         urls,
@@ -242,6 +254,15 @@ def sync_address(cfg: RunConfig) -> str:
             return False
 
     given = os.environ.get("MOERL_SYNC_ADDRESS")
+    if given:
+        try:  # the weight groups' rendezvous listens there: an address of another host would never be served
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((given, 0))
+        except OSError as e:
+            raise ConfigError(
+                f"MOERL_SYNC_ADDRESS={given} is not an address of this host ({socket.gethostname()}: {e.strerror}): "
+                "set it on each trainer node to that node's own address, the one the engines reach it at"
+            ) from None
     address = given or _route_from(hosts[0])
     elsewhere = [host for host in hosts if host and not loopback(host)]
     if elsewhere and loopback(address):

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moerl.engines.pool import EnginePool
-from moerl.errors import EnginesDown, MoerlError, relayed
-from moerl.megatron.parallel import init_process_group, on_lead
+from moerl.errors import ConfigError, EnginesDown, MoerlError, relayed
+from moerl.megatron.parallel import init_process_group, on_lead, ranks_agree
 from moerl.orchestrator.components import (
     RewardEngines,
     full_weight_bytes,
@@ -29,6 +29,8 @@ from moerl.orchestrator.components import (
     make_trainer,
     start_engines,
     start_reward_engines,
+    sync_address,
+    sync_strategy,
     verify_tolerance,
 )
 from moerl.orchestrator.config import RunConfig, to_yaml
@@ -117,6 +119,13 @@ class Job:
         check_layout(cfg, self.world)
         # Generation in sync mode can outlast any default collective timeout.
         init_process_group(timeout_s=6 * 3600)
+        refused = None
+        if sync_strategy(cfg) == "broadcast":  # each node's own
+            try:
+                sync_address(cfg)
+            except ConfigError as e:
+                refused = e
+        ranks_agree(refused, "checking the weight sync's address (MOERL_SYNC_ADDRESS)")
 
         def prepare() -> list[str | None]:
             # before minutes of model preparation (again: torchrun may have started this rank directly)

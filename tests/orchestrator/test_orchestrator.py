@@ -967,7 +967,8 @@ def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_un
 def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_host(monkeypatch):
     """Each sender hosts its weight group's rendezvous at the sync address: a loopback one (127.0.1.1, what a hostname
     resolves to on many distributions) where an engine is on another host would leave the first push waiting for
-    engines that never connect. Refused at start, naming MOERL_SYNC_ADDRESS; fine where every engine is on this host."""
+    engines that never connect. Refused at start, naming MOERL_SYNC_ADDRESS; fine where every engine is on this host.
+    So is a MOERL_SYNC_ADDRESS that is no address of this host (the rendezvous could not listen there)."""
     from moerl.errors import ConfigError
     from moerl.orchestrator import components as job_module
     from moerl.orchestrator.config import load_config
@@ -991,8 +992,11 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
     monkeypatch.setenv("MOERL_SYNC_ADDRESS", "127.0.1.1")
     with pytest.raises(ConfigError, match=r"loopback address \(MOERL_SYNC_ADDRESS\)"):
         job_module.sync_address(remote)
-    monkeypatch.setenv("MOERL_SYNC_ADDRESS", "10.0.0.2")
-    assert job_module.sync_address(remote) == job_module.sync_address(local) == "10.0.0.2"
+    monkeypatch.delenv("GROUP_RANK")  # the first node: its engines beside it reach it there
+    assert job_module.sync_address(local) == "127.0.1.1"
+    monkeypatch.setenv("MOERL_SYNC_ADDRESS", "198.51.100.77")  # TEST-NET-2: no host's address
+    with pytest.raises(ConfigError, match=r"MOERL_SYNC_ADDRESS=198\.51\.100\.77 is not an address of this host"):
+        job_module.sync_address(remote)
 
 
 @pytest.mark.e2e

@@ -1,0 +1,127 @@
+"""The main job on three network hosts, as the docs tell a user to run it (docs/main-job.md, "Several nodes"): the
+engines started with ``moerl engines`` on node 3, the trainer through ``torchrun --nnodes 2`` with a c10d rendezvous
+on nodes 1 and 2 (one gloo rank each), each trainer node setting ``MOERL_SYNC_ADDRESS`` to its own address. The hosts
+are network namespaces this test makes (:mod:`tests.netns`); nothing binds 0.0.0.0 or reaches outside them."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import REPO
+from tests.netns import Nodes, unavailable
+
+pytestmark = pytest.mark.e2e
+RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
+WHY = unavailable()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from moerl.tasks.tiny import save_warm_tiny_model
+
+    return save_warm_tiny_model(tmp_path_factory.mktemp("model") / "hf")
+
+
+@pytest.fixture
+def nodes():
+    if WHY is not None:
+        pytest.skip(f"no network namespaces here: {WHY}")
+    with Nodes() as made:
+        yield made
+
+
+def start_engines(nodes: Nodes, model: Path, logs: Path) -> str:
+    """``moerl engines`` on node 3; the ``engines.urls=[...]`` line it prints."""
+    proc = nodes.popen(
+        3,
+        [
+            sys.executable, "-m", "moerl.cli", "engines", "--model", str(model), "--server", "embedded",
+            "--host", nodes.address(3), "--dtype", "float32", "--log-dir", str(logs),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("engines.urls="):
+            return line.strip()
+    raise AssertionError(f"moerl engines ended ({proc.wait()}) without printing its URLs")
+
+
+def trainers(
+    nodes: Nodes, run_dir: Path, cache: Path, model: Path, urls: str, *overrides: str, sync_on: tuple[int, int] = (1, 2)
+) -> list:
+    """``torchrun --nnodes 2`` on nodes 1 and 2, each with MOERL_SYNC_ADDRESS its own address, as the docs say
+    (``sync_on``: the nodes whose addresses nodes 1 and 2 set)."""
+    import os
+
+    procs = []
+    for node, sync in zip((1, 2), sync_on, strict=True):
+        env = dict(os.environ, MOERL_SYNC_ADDRESS=nodes.address(sync), PYTHON=sys.executable)
+        procs.append(
+            nodes.popen(
+                node,
+                [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.hostnames[0]}:29500", "--no-python",
+                    "bash", str(RECIPE), f"run.dir={run_dir}", f"run.cache_dir={cache}", f"model.path={model}", urls,
+                    "run.progress=false", "sync.verify=true", "rollout.groups_per_step=4", *overrides,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                env=env,
+            )
+        )  # fmt: skip
+    return procs
+
+
+def finished(procs: list, timeout_s: float = 420) -> list[tuple[int, str]]:
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        out.append((proc.returncode, stderr))
+    return out
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_the_job_trains_across_three_hosts_and_resumes_on_both_trainer_nodes(nodes, model, tmp_path):
+    """Async mode, broadcast weight sync from each trainer node to the engine node, sync.verify after every update: the
+    steps complete and the engines serve the trainer's weights; a resume on both nodes continues from the checkpoint."""
+    urls = start_engines(nodes, model, tmp_path / "engine-logs")
+    assert re.fullmatch(rf"engines.urls=\[http://{re.escape(nodes.address(3))}:30000\]", urls), urls
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    for rc, stderr in finished(trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=3")):
+        assert rc == 0, stderr[-4000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["sync/verify_max_abs_delta"] < 1e-4 for r in rows), rows
+    resumed = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=4", "run.resume=true")
+    for rc, stderr in finished(resumed):
+        assert rc == 0, stderr[-4000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, model, tmp_path):
+    """Node 2 given node 1's address (the same environment copied to both nodes): its weight groups' rendezvous could
+    never listen there. Refused before the ranks meet, naming MOERL_SYNC_ADDRESS; the job ends on both nodes."""
+    urls = start_engines(nodes, model, tmp_path / "engine-logs")
+    procs = trainers(nodes, tmp_path / "run", tmp_path / "cache", model, urls, "run.steps=1", sync_on=(1, 1))
+    (first_rc, _), (second_rc, stderr) = finished(procs, timeout_s=300)
+    assert first_rc != 0 and second_rc != 0
+    assert f"MOERL_SYNC_ADDRESS={nodes.address(1)} is not an address of this host (node2" in stderr, stderr[-4000:]
+    assert nodes.running(1) == [] and nodes.running(2) == []
