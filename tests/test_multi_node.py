@@ -125,3 +125,26 @@ def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, mod
     assert first_rc != 0 and second_rc != 0
     assert f"MOERL_SYNC_ADDRESS={nodes.address(1)} is not an address of this host (node2" in stderr, stderr[-4000:]
     assert nodes.running(1) == [] and nodes.running(2) == []
+
+
+def test_a_trainer_nodes_network_cut_ends_the_job_with_one_error_and_nothing_left_running(nodes, model, tmp_path):
+    """Node 2's interface goes down mid-run: nothing closes a connection, so the ranks' collectives would wait for
+    hours. Each rank's heartbeat (run.peer_silence_s) ends it: node 1 says rank 1 has not been heard from, node 2 that
+    it lost the others; no process of the job is left on either node."""
+    urls = start_engines(nodes, model, tmp_path / "engine-logs")
+    run_dir = tmp_path / "run"
+    procs = trainers(
+        nodes, run_dir, tmp_path / "cache", model, urls, "run.mode=async", "run.steps=200", "run.peer_silence_s=10"
+    )
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step within 300 s"
+        time.sleep(0.5)
+    nodes.cut(2)
+    start = time.monotonic()
+    (first_rc, first), (second_rc, second) = finished(procs, timeout_s=180)
+    assert first_rc != 0 and second_rc != 0
+    assert "error: rank 1 has not been heard from for" in first, first[-3000:]
+    assert "has not answered rank 1 for" in second, second[-3000:]
+    assert time.monotonic() - start < 120
+    assert nodes.running(1) == [] and nodes.running(2) == []

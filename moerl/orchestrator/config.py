@@ -61,9 +61,14 @@ class RunSection:
     device_memory_gb: float | None = (
         None  # GPU memory the memory plan is made for (default: the visible GPU's, else 80)
     )
+    # A trainer rank not heard from for this long (its node's network or process gone) stops the job: collectives wait
+    # for hours (moerl.megatron.peers)
+    peer_silence_s: float = 60.0
 
     def __post_init__(self):
         check_choices(self, "run")
+        if not self.peer_silence_s > 0:
+            raise ConfigError(f"run.peer_silence_s must be > 0 (got {self.peer_silence_s})")
 
 
 @dataclass

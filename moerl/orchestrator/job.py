@@ -22,6 +22,7 @@ import torch.distributed as dist
 from moerl.engines.pool import EnginePool
 from moerl.errors import ConfigError, EnginesDown, MoerlError, relayed
 from moerl.megatron.parallel import init_process_group, on_lead, ranks_agree
+from moerl.megatron.peers import PeerWatch
 from moerl.orchestrator.components import (
     RewardEngines,
     full_weight_bytes,
@@ -66,6 +67,7 @@ class Job:
         self.reward: RewardEngines | None = None  # rank 0: the reward model's engines (reward.model)
         self.sync: WeightSync | None = None
         self.lead: Lead | None = None  # rank 0, once its rollouts started
+        self.watch: PeerWatch | None = None  # the other ranks' heartbeat, once the process group is made
 
     @property
     def rank0(self) -> Lead:
@@ -109,6 +111,8 @@ class Job:
             raise
         finally:
             summary = self.teardown()
+            if self.watch is not None:
+                self.watch.stop()
         return summary
 
     # ---- phases --------------------------------------------------------------------------------
@@ -126,6 +130,8 @@ class Job:
             except ConfigError as e:
                 refused = e
         ranks_agree(refused, "checking the weight sync's address (MOERL_SYNC_ADDRESS)")
+        if self.world > 1:
+            self.watch = PeerWatch(self.rank, self.world, cfg.run.peer_silence_s)
 
         def prepare() -> list[str | None]:
             # before minutes of model preparation (again: torchrun may have started this rank directly)
