@@ -29,6 +29,12 @@ def model(tmp_path_factory) -> Path:
     return save_warm_tiny_model(tmp_path_factory.mktemp("model") / "hf")
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """run.cache_dir for every run here: the model is converted to the Megatron layout once."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture
 def nodes():
     if WHY is not None:
@@ -99,12 +105,12 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_the_job_trains_across_three_hosts_and_resumes_on_both_trainer_nodes(nodes, model, tmp_path):
+def test_the_job_trains_across_three_hosts_and_resumes_on_both_trainer_nodes(nodes, model, cache, tmp_path):
     """Async mode, broadcast weight sync from each trainer node to the engine node, sync.verify after every update: the
     steps complete and the engines serve the trainer's weights; a resume on both nodes continues from the checkpoint."""
     urls = start_engines(nodes, model, tmp_path / "engine-logs")
     assert re.fullmatch(rf"engines.urls=\[http://{re.escape(nodes.address(3))}:30000\]", urls), urls
-    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    run_dir = tmp_path / "run"
     for rc, stderr in finished(trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=3")):
         assert rc == 0, stderr[-4000:]
     rows = metrics(run_dir)
@@ -116,26 +122,26 @@ def test_the_job_trains_across_three_hosts_and_resumes_on_both_trainer_nodes(nod
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
 
 
-def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, model, tmp_path):
+def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, model, cache, tmp_path):
     """Node 2 given node 1's address (the same environment copied to both nodes): its weight groups' rendezvous could
     never listen there. Refused before the ranks meet, naming MOERL_SYNC_ADDRESS; the job ends on both nodes."""
     urls = start_engines(nodes, model, tmp_path / "engine-logs")
-    procs = trainers(nodes, tmp_path / "run", tmp_path / "cache", model, urls, "run.steps=1", sync_on=(1, 1))
+    procs = trainers(nodes, tmp_path / "run", cache, model, urls, "run.steps=1", sync_on=(1, 1))
     (first_rc, _), (second_rc, stderr) = finished(procs, timeout_s=300)
     assert first_rc != 0 and second_rc != 0
     assert f"MOERL_SYNC_ADDRESS={nodes.address(1)} is not an address of this host (node2" in stderr, stderr[-4000:]
     assert nodes.running(1) == [] and nodes.running(2) == []
 
 
-def test_a_trainer_nodes_network_cut_ends_the_job_with_one_error_and_nothing_left_running(nodes, model, tmp_path):
+def test_a_trainer_nodes_network_cut_ends_the_job_with_one_error_and_nothing_left_running(
+    nodes, model, cache, tmp_path
+):
     """Node 2's interface goes down mid-run: nothing closes a connection, so the ranks' collectives would wait for
     hours. Each rank's heartbeat (run.peer_silence_s) ends it: node 1 says rank 1 has not been heard from, node 2 that
     it lost the others; no process of the job is left on either node."""
     urls = start_engines(nodes, model, tmp_path / "engine-logs")
     run_dir = tmp_path / "run"
-    procs = trainers(
-        nodes, run_dir, tmp_path / "cache", model, urls, "run.mode=async", "run.steps=200", "run.peer_silence_s=10"
-    )
+    procs = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=200", "run.peer_silence_s=10")
     deadline = time.monotonic() + 300
     while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step within 300 s"
