@@ -4,9 +4,9 @@ A collective waits for a rank that is gone until its timeout, and the trainer's 
 while the engines generate). A rank whose process died closes its connections, and gloo or NCCL fail at once; a node
 whose network went away closes nothing, and torchrun's agents do not end the workers of the nodes left. So every rank
 beats on the rendezvous store (torchrun's, at ``MASTER_ADDR:MASTER_PORT``) from a thread of its own, and watches the
-others' beats: counts, not clock times (the nodes' clocks differ). A rank not heard from for ``silence_s``, or the
-store not answering this rank for as long, stops this process with one line saying which and why; the launcher then
-ends the rest.
+others' beats: counts, not clock times (the nodes' clocks differ). A rank not heard from for ``silence_s`` while the
+store answered, or the store not answering this rank for as long, stops this process with one line saying which and
+why; the launcher then ends the rest.
 """
 
 from __future__ import annotations
@@ -89,8 +89,9 @@ class PeerWatch:
                     ),
                     launcher,
                 )
+            # Silence counts only while the store answers: a node cut off hears no rank, and must say so above.
             for r, at in enumerate(self._heard_at):
-                if r != self.rank and r not in self._done and now - at > self.silence_s:
+                if r != self.rank and r not in self._done and self._answered_at - at > self.silence_s:
                     self._stop(
                         f"rank {r} has not been heard from for {now - at:.0f} s: its node's network or its process is "
                         "gone"
