@@ -412,27 +412,26 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def node_address() -> str | None:
-    """This node's address on its default route (no packet is sent), else the one its hostname resolves to; None where
-    that is a loopback address, which other nodes cannot reach."""
-    import ipaddress
+def route_address(host: str = "192.0.2.1") -> str | None:
+    """This host's address on its route to ``host`` (no packet is sent; the default, in TEST-NET-1, picks the default
+    route), else the one its hostname resolves to; None where neither is known."""
     import socket
 
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: any routable address picks the default route's interface
-            address = probe.getsockname()[0]
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
     except OSError:
         try:
-            address = socket.gethostbyname(socket.gethostname())
+            return socket.gethostbyname(socket.gethostname())
         except OSError:
             return None
-    return None if ipaddress.ip_address(address).is_loopback else address
 
 
 def main(argv: list[str] | None = None) -> int:
     """``moerl engines``: SGLang replicas on this node for a job whose trainer runs on other nodes."""
     import argparse
+    import ipaddress
     import socket
 
     from moerl.megatron.lora_config import LoRAConfig
@@ -480,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    host = args.host or node_address()
-    if host is None:
+    host = args.host or route_address()
+    if host is None or ipaddress.ip_address(host).is_loopback:
         print(
             f"error: {socket.gethostname()} has no default route and resolves to a loopback address: pass --host, the "
             "address the trainer nodes reach this node at",

@@ -242,6 +242,8 @@ def sync_address(cfg: RunConfig) -> str:
     import socket
     from urllib.parse import urlsplit
 
+    from moerl.engines.pool import route_address
+
     if cfg.engines.urls:
         hosts = [urlsplit(url).hostname or "" for url in cfg.engines.urls]
     else:
@@ -263,7 +265,7 @@ def sync_address(cfg: RunConfig) -> str:
                 f"MOERL_SYNC_ADDRESS={given} is not an address of this host ({socket.gethostname()}: {e.strerror}): "
                 "set it on each trainer node to that node's own address, the one the engines reach it at"
             ) from None
-    address = given or _route_from(hosts[0])
+    address = given or route_address(hosts[0]) or "127.0.0.1"
     elsewhere = [host for host in hosts if host and not loopback(host)]
     if elsewhere and loopback(address):
         raise ConfigError(
@@ -273,15 +275,3 @@ def sync_address(cfg: RunConfig) -> str:
             "trainer node to the address the engines reach that node at"
         )
     return address
-
-
-def _route_from(host: str) -> str:
-    """This host's address on the route to ``host`` (no packet is sent), else the one its hostname resolves to."""
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())

@@ -969,6 +969,7 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
     resolves to on many distributions) where an engine is on another host would leave the first push waiting for
     engines that never connect. Refused at start, naming MOERL_SYNC_ADDRESS; fine where every engine is on this host.
     So is a MOERL_SYNC_ADDRESS that is no address of this host (the rendezvous could not listen there)."""
+    from moerl.engines import pool
     from moerl.errors import ConfigError
     from moerl.orchestrator import components as job_module
     from moerl.orchestrator.config import load_config
@@ -978,7 +979,7 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
     local, remote = load_config(None, []), load_config(None, ["engines.urls=[http://10.11.12.13:30000]"])
     assert job_module.sync_address(local) == "127.0.0.1"  # the job's engines, beside this rank
     assert job_module.sync_address(load_config(None, ["engines.urls=[http://localhost:30000]"])) == "127.0.0.1"
-    monkeypatch.setattr(job_module, "_route_from", lambda host: "127.0.1.1")
+    monkeypatch.setattr(pool, "route_address", lambda host="": "127.0.1.1")
     with pytest.raises(
         ConfigError,
         match=r"127\.0\.1\.1, a loopback address \(.* resolves to it\), which the engines on "
