@@ -17,6 +17,7 @@ import base64
 import functools
 import json
 import logging
+import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -26,8 +27,9 @@ import numpy as np
 
 from moerl.engines import protocol as P
 from moerl.engines.generation_workers import GenerationWorkers
-from moerl.engines.health import ReplicaHealth
+from moerl.engines.health import ReplicaHealth, State
 from moerl.engines.protocol import Completion, Route, SamplingParams, WireModel
+from moerl.errors import EnginesDown
 from moerl.models.family import ModelShape
 
 log = logging.getLogger(__name__)
@@ -493,6 +495,45 @@ class EngineClient:
         except EngineError:
             return False, None
         return (True, info.get("weight_version")) if isinstance(info, dict) else (False, None)
+
+    async def probe_out_of_rotation(self, urls: Iterable[str] | None = None) -> None:
+        """Probe each of ``urls`` (default: every replica) that is out of rotation and tell the health table; an
+        answer is dropped where a sync reached the replica while it was asked (it may predate that)."""
+        health = self.health
+        for url in health.urls if urls is None else urls:
+            if health.state(url) is State.HEALTHY:
+                continue
+            epoch = health.epochs[url]
+            try:
+                answered, version = await self.probe(url)
+            except Exception as e:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
+                log.warning("probing %s: %s: %s", url, type(e).__name__, e)
+                answered, version = False, None
+            if health.epochs[url] == epoch:
+                health.probed(url, answered, version)
+
+    async def until_usable(
+        self,
+        down_timeout_s: float,
+        timeout_key: str,
+        poll_s: float,
+        meanwhile: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """Return once a replica is healthy; while none is, awaits ``meanwhile`` (a probe, where nothing else probes)
+        before each look. Raises :class:`EnginesDown`, naming ``timeout_key`` and each replica's state, after
+        ``down_timeout_s``."""
+        deadline = time.monotonic() + down_timeout_s
+        while not self.health.usable():
+            if meanwhile is not None:
+                await meanwhile()
+                if self.health.usable():
+                    return
+            if time.monotonic() > deadline:
+                states = ", ".join(f"{r.url} {r.state.value} ({r.reason})" for r in self.health.replicas.values())
+                raise EnginesDown(
+                    f"no engine replica has been healthy for {timeout_key}={down_timeout_s:g} s: {states}"
+                )
+            await asyncio.sleep(poll_s)
 
     @staticmethod
     def liveness_route(paused: bool) -> P.Route:

@@ -35,7 +35,6 @@ import zmq.asyncio
 
 from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, ReplicaDown
 from moerl.engines.generation_workers import WorkerLost
-from moerl.engines.health import State
 from moerl.engines.protocol import Completion, SamplingParams
 from moerl.episodes.agents import SIMULATED, Agent, load_agent, load_tools, simulated_agent
 from moerl.episodes.endpoint import EpisodeEndpoint
@@ -221,7 +220,8 @@ class RolloutManager:
                 self.retired.add(self.adapter[0])
             self.adapter = (order.adapter, order.version)
             log.info("new requests use adapter %s (policy version %d)", *self.adapter)
-        await self._probe(order.engines)  # those the sync brought back rejoin now, not a probe interval later
+        # Those the sync brought back rejoin now, not a probe interval later.
+        await self.client.probe_out_of_rotation(order.engines)
         await self._report()
         await self._unload_unused()
 
@@ -449,7 +449,9 @@ class RolloutManager:
         while True:
             await self.serving.wait()  # no request while a weight update is under way: see Updating
             # Before the adapter is read: a replica that comes back after this wait holds only the current one.
-            await self._until_healthy()
+            await self.client.until_usable(
+                self.cfg.engines.down_timeout_s, "engines.down_timeout_s", min(self.cfg.engines.health_interval_s, 0.5)
+            )
             adapter, adapter_version = self.adapter
             served = self.client.health.served
             if regenerations and seed is not None:
@@ -511,41 +513,12 @@ class RolloutManager:
             ) from None
         log.warning("prompt %d re-issued: %s", index, error)
 
-    async def _until_healthy(self) -> None:
-        """Wait for a healthy replica, at most ``engines.down_timeout_s``."""
-        e = self.cfg.engines
-        deadline = time.monotonic() + e.down_timeout_s
-        while not self.client.health.usable():
-            if time.monotonic() > deadline:
-                states = ", ".join(
-                    f"{r.url} {r.state.value} ({r.reason})" for r in self.client.health.replicas.values()
-                )
-                raise EnginesDown(
-                    f"no engine replica has been healthy for engines.down_timeout_s={e.down_timeout_s:g} s: {states}"
-                )
-            await asyncio.sleep(min(e.health_interval_s, 0.5))
-
     async def _watch(self) -> None:
         """Probe the replicas out of rotation; tell the trainer when any replica's state changes."""
         while True:
-            await self._probe(list(self.client.health.replicas))
+            await self.client.probe_out_of_rotation()
             await self._report()
             await asyncio.sleep(self.cfg.engines.health_interval_s)
-
-    async def _probe(self, urls: list[str]) -> None:
-        """Probe those of ``urls`` out of rotation."""
-        health = self.client.health
-        for url in urls:
-            if health.state(url) is State.HEALTHY:
-                continue
-            epoch = health.epochs[url]
-            try:
-                answered, version = await self.client.probe(url)
-            except Exception as e:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
-                log.warning("probing %s: %s: %s", url, type(e).__name__, e)
-                answered, version = False, None
-            if health.epochs[url] == epoch:  # else a sync reached it meanwhile: the answer may predate it
-                health.probed(url, answered, version)
 
     async def _report(self) -> None:
         health = self.client.health

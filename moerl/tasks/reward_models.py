@@ -25,9 +25,8 @@ from typing import Any
 
 from moerl.config import import_object
 from moerl.engines.client import EngineClient, EngineError
-from moerl.engines.health import State
 from moerl.engines.protocol import GenerateReqInput, SamplingParams
-from moerl.errors import ConfigError, EnginesDown
+from moerl.errors import ConfigError
 
 log = logging.getLogger("moerl.reward")
 Stats = defaultdict[str, float]  # reward_engines/* counts and seconds, summed over calls
@@ -179,20 +178,11 @@ class RewardModel:
         """``call(url)`` on the least-loaded healthy replica; on a replica's failure (transport, 5xx, deadline) it is
         out of rotation and the call is made again elsewhere, or once a replica answers /health again."""
         health = self.client.health
-        deadline = time.monotonic() + self.down_timeout_s
         while True:
+            await self.client.until_usable(
+                self.down_timeout_s, "reward.engines.down_timeout_s", self.health_interval_s, self._probe
+            )
             usable = health.usable()
-            if not usable:
-                await self._probe()
-                if not health.usable():
-                    if time.monotonic() > deadline:
-                        states = ", ".join(f"{r.url} {r.state.value} ({r.reason})" for r in health.replicas.values())
-                        raise EnginesDown(
-                            f"no reward engine has answered for reward.engines.down_timeout_s="
-                            f"{self.down_timeout_s:g} s: {states}"
-                        )
-                    await asyncio.sleep(self.health_interval_s)
-                continue
             url = min(usable, key=self.client.in_flight.__getitem__)
             counts["reward_engines/requests"] += 1
             self.client.in_flight[url] += 1
@@ -213,18 +203,8 @@ class RewardModel:
         async with self._probing:
             if time.monotonic() - self._probed_at < self.health_interval_s:
                 return
-            await self._probe_now()
+            await self.client.probe_out_of_rotation()
             self._probed_at = time.monotonic()
-
-    async def _probe_now(self) -> None:
-        health = self.client.health
-        for url in health.urls:
-            if health.state(url) is not State.HEALTHY:
-                try:
-                    answered, _ = await self.client.probe(url)
-                except Exception:  # noqa: BLE001 - a probe that fails in any way is an unanswered probe
-                    answered = False
-                health.probed(url, answered, None)
 
     async def close(self) -> None:
         await self.client.close()

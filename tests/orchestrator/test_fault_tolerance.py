@@ -338,11 +338,11 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
 def test_a_probe_answer_that_predates_a_sync_does_not_undo_it():
     """The manager's probe of a restarted replica is still waiting when a catch-up sync reaches it and the sync's own
     probe brings it back; the late answer (what it held before the sync) must not make it stale again."""
+    from moerl.engines.client import EngineClient
     from moerl.engines.health import ReplicaHealth, State
-    from moerl.orchestrator.manager import RolloutManager
 
-    class Client:
-        def __init__(self):
+    class Client(EngineClient):
+        def __init__(self):  # the probing alone: no sessions or workers
             self.health, self.answers = ReplicaHealth(["a"]), []
 
         async def probe(self, url):
@@ -352,17 +352,16 @@ def test_a_probe_answer_that_predates_a_sync_does_not_undo_it():
             return True, version
 
     async def go():
-        manager = RolloutManager.__new__(RolloutManager)  # the probing alone: no engines, tokenizer or sockets
-        manager.client = client = Client()
+        client = Client()
         health = client.health
         health.sync_reached("5", ["a"])
         health.restarted("a")
         release = asyncio.Event()
         client.answers = [("default", release), ("5", None)]
-        late = asyncio.create_task(manager._probe(["a"]))  # the watch's probe, waiting on the restarted replica
+        late = asyncio.create_task(client.probe_out_of_rotation())  # the watch's probe, waiting on the restarted one
         await asyncio.sleep(0)
         health.sync_reached("5", ["a"])  # the catch-up reaches it, and its own probe brings it back
-        await manager._probe(["a"])
+        await client.probe_out_of_rotation(["a"])
         assert health.state("a") is State.HEALTHY
         release.set()
         await late

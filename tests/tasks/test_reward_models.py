@@ -143,7 +143,7 @@ def test_a_reward_replica_that_dies_costs_a_retry_and_one_started_again_scores_w
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                 reward_model.down_timeout_s = 1.0
-                gone = "no reward engine has answered for reward.engines.down_timeout_s=1 s"
+                gone = "no engine replica has been healthy for reward.engines.down_timeout_s=1 s"
                 with pytest.raises(EnginesDown, match=gone):
                     await reward_model.score(PROMPT, RESPONSES, ANSWER)
             finally:
