@@ -50,12 +50,8 @@ TINY_QWEN3_REWARD: dict[str, object] = dict(
 )
 
 
-def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
-    """A randomly initialised transformers model of the given architecture (fp32, eval mode).
-
-    Weights are drawn with a larger std than transformers' default so routing and logits are far
-    from uniform and a wrong mapping cannot hide.
-    """
+def _tiny(architecture: str, **overrides):
+    """The transformers class of ``architecture`` and its tiny config."""
     from transformers import (
         Qwen2MoeConfig,
         Qwen2MoeForCausalLM,
@@ -74,6 +70,23 @@ def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
     config_cls, model_cls, base = classes[architecture]
     config = config_cls(**{**base, **overrides})
     config.architectures = [architecture]
+    return model_cls, config
+
+
+def tiny_param_count(architecture: str) -> int:
+    """How many parameters :func:`tiny_hf_model` has for ``architecture``, counted without making its weights."""
+    model_cls, config = _tiny(architecture)
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_cls(config).parameters())
+
+
+def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
+    """A randomly initialised transformers model of the given architecture (fp32, eval mode).
+
+    Weights are drawn with a larger std than transformers' default so routing and logits are far
+    from uniform and a wrong mapping cannot hide.
+    """
+    model_cls, config = _tiny(architecture, **overrides)
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     with torch.no_grad():

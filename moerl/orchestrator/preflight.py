@@ -130,9 +130,9 @@ def memory_plan(cfg: RunConfig, world: int, checked: bool):
         model_config = read_config(cfg.model.path)
     reward_params = 0
     if cfg.reward.model == DEMO:  # made with the engines, after this plan
-        from moerl.models.tiny import tiny_hf_model
+        from moerl.models.tiny import tiny_param_count
 
-        reward_params = sum(p.numel() for p in tiny_hf_model("Qwen3ForSequenceClassification").parameters())
+        reward_params = tiny_param_count("Qwen3ForSequenceClassification")
     elif cfg.reward.model is not None:
         reader = HFReader(cfg.reward.model)
         reward_params = sum(math.prod(reader.shape(name)) for name in reader.names())

@@ -356,6 +356,8 @@ def test_reward_replicas_take_gpus_of_their_own_and_a_reward_model_too_large_for
     params = sum(t.numel() for t in load_file(reward / "model.safetensors").values())
     assert plan.reward_gpus == 2 and plan.reward_weights == 4 * params
     assert f"reward engine GPU: weights {plan.reward_weights / (1 << 20):.1f} MiB; 2 GPU(s)" in plan.table()
+    demo = memory_plan(load_config(None, ["reward.model=demo", "reward.engines.dtype=float32"]), 1, checked=True)
+    assert demo.reward_weights == 4 * params  # reward.model=demo is made after the plan: counted from its config
 
     policy = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
 
