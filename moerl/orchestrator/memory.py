@@ -77,7 +77,8 @@ class MicroBatchShape:
 
     tokens: int
     width: int
-    longest: int  # the longest sample: a prompt of PROMPT_TOKENS and max_new_tokens, within the model's context
+    longest: int  # the longest sample (longest_sample), within the model's context
+    bound: str  # what bounds it
     logits_copies: int
     local_attention: bool
 
@@ -117,8 +118,7 @@ class MemoryPlan:
             f"memory plan (device {self.device_bytes / GIB:.0f} GiB; trainer ranks use up to {USABLE:.0%}):",
             f"  trainer rank: {self.trainer.params:,} parameters ({self.trainer.trainable:,} trained)",
             f"  largest micro-batch: {mb.tokens:,} tokens in rows of up to {mb.width:,}; longest sample "
-            f"{mb.longest:,} tokens (a prompt taken as {PROMPT_TOKENS:,} + rollout.max_new_tokens, within the "
-            "model's context)",
+            f"{mb.longest:,} tokens ({mb.bound}, within the model's context)",
             f"  {mb.logits_copies} fp32 logits copies; attention: {attention}",
         ]
         lines += [f"    {name:<30}{_size(value):>12}" for name, value in self.trainer.terms.items()]
@@ -247,8 +247,9 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
     if mb.local_attention:
         terms["attention scores (s x s)"] = _attention_scores(mc, t, layout, dtype_bytes, mb)
     r = cfg.rollout
-    # every response at its longest
-    step_tokens = r.groups_per_step * r.samples_per_prompt * r.max_new_tokens / dense_dp
+    # every response at its longest (an episode's: its whole stream, at most)
+    response = r.max_episode_tokens if r.agent is not None else r.max_new_tokens
+    step_tokens = r.groups_per_step * r.samples_per_prompt * response / dense_dp
     terms["loss inputs (a step, at most)"] = step_tokens * (
         LOSS_BYTES_PER_TOKEN + KEPT_ID_BYTES * r.top_k * t.replay.sampling_mask
     )
@@ -263,7 +264,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
             f"a trainer rank needs {rank.total / GIB:.1f} GiB of {USABLE * device / GIB:.1f} GiB usable "
             f"({device_memory_gb:g} GiB device, layout tp={t.tp} pp={t.pp} ep={t.ep} on {world} ranks); the largest "
             f"term is {largest} at {terms[largest] / GIB:.1f} GiB: "
-            + _remedy(largest)
+            + _remedy(largest, mb.bound)
             + " (every term: "
             + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in sorted(terms.items(), key=lambda kv: -kv[1]))
             + ")"
@@ -393,7 +394,8 @@ def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
     included), and a sample longer than that is a micro-batch of its own; rows are rounded up to a multiple of the TP
     size. A padded micro-batch's rows are at most the longest sample; a packed one is a single row."""
     t = cfg.trainer
-    longest = min(PROMPT_TOKENS + cfg.rollout.max_new_tokens, mc.get("max_position_embeddings", math.inf))
+    sample, bound = longest_sample(cfg)
+    longest = min(sample, mc.get("max_position_embeddings", math.inf))
     longest = -(-int(longest) // t.tp) * t.tp
     tokens = max(t.micro_batch_tokens, longest)
     # The logits copies at their peak (the loss's forward; its backward holds as many): the output layer's [s, b, V/tp],
@@ -402,8 +404,18 @@ def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
     # their exp and the product. Every copy is counted at the micro-batch's size: a response fills all but its prompt.
     copies = 3 + (not t.replay.sampling_mask) + 3 * bool(t.loss.entropy_coef)
     return MicroBatchShape(
-        tokens, tokens if t.micro_batch_format == "packed" else longest, longest, copies, local_attention(cfg)
+        tokens, tokens if t.micro_batch_format == "packed" else longest, longest, bound, copies, local_attention(cfg)
     )
+
+
+def longest_sample(cfg) -> tuple[int, str]:
+    """The most tokens a sample may hold, and what bounds it: an agent's episode holds at most
+    ``rollout.max_episode_tokens``, its prompt included; a single turn, a prompt of PROMPT_TOKENS and
+    ``rollout.max_new_tokens``."""
+    r = cfg.rollout
+    if r.agent is not None:
+        return r.max_episode_tokens, "rollout.max_episode_tokens"
+    return PROMPT_TOKENS + r.max_new_tokens, f"a prompt taken as {PROMPT_TOKENS:,} + rollout.max_new_tokens"
 
 
 def local_attention(cfg) -> bool:
@@ -454,8 +466,10 @@ def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape
     return scores * (per["buffer"] + per["kept"] * layers + per["transient"]) + masks
 
 
-def _remedy(term: str) -> str:
-    longest = "rollout.max_new_tokens (a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)"
+def _remedy(term: str, bound: str) -> str:
+    """What shrinks ``term``; ``bound``: what bounds the longest sample (:func:`longest_sample`)."""
+    key = bound.split()[-1]
+    longest = f"{key} (a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)"
     return {
         "weights": "shard the model over more GPUs (raise trainer.ep for the experts, trainer.tp or trainer.pp), or "
         "train LoRA adapters (lora.enabled=true)",
@@ -475,7 +489,7 @@ def _remedy(term: str) -> str:
         f"lower trainer.micro_batch_tokens or {longest}",
         "released engine (assumed)": "run.placement=separate gives the engines GPUs of their own",
         "loss inputs (a step, at most)": "lower rollout.top_k (4 bytes a response token for each id of its kept set), "
-        "rollout.max_new_tokens or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",
+        f"{key} or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",
     }[term]
 
 

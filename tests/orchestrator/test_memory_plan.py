@@ -255,6 +255,27 @@ def test_a_32k_response_is_a_micro_batch_of_its_own_and_sizes_the_terms():
     assert long.trainer.terms["logits (fp32)"] == 3 * 34816 * vocab * 4 + 2 * vocab * 2048 * 4
 
 
+def test_an_agents_episode_is_sized_by_its_stream_budget_not_one_turn():
+    """An episode's sample is its whole stream, up to rollout.max_episode_tokens, whatever one turn's max_new_tokens:
+    at 32,768 episode tokens and 1,024 a turn the micro-batch, the logits and the loss inputs are an episode's, and a
+    refusal names the key that bounds them."""
+    turn = _plan("rollout.max_new_tokens=1024")
+    episode = _plan(
+        "rollout.max_new_tokens=1024",
+        "rollout.agent=moerl.episodes.agents:tool_agent",
+        "rollout.max_episode_tokens=32768",
+    )
+    assert (turn.micro_batch.longest, episode.micro_batch.longest) == (3072, 32768)
+    assert episode.micro_batch.tokens == 32768 and episode.micro_batch.bound == "rollout.max_episode_tokens"
+    vocab = 151936 / 2  # over TP2
+    assert episode.trainer.terms["logits (fp32)"] == 3 * 32768 * vocab * 4 + 2 * vocab * 2048 * 4
+    loss = "loss inputs (a step, at most)"
+    assert episode.trainer.terms[loss] == pytest.approx(turn.trainer.terms[loss] * 32)
+    (problem,) = episode.problems
+    assert "lower trainer.micro_batch_tokens or rollout.max_episode_tokens (a sample longer" in problem, problem
+    assert "longest sample 32,768 tokens (rollout.max_episode_tokens, within" in episode.table()
+
+
 def test_the_30b_recipe_at_32k_responses_is_refused_for_its_logits_and_fits_at_tp4():
     plan = _plan("rollout.max_new_tokens=32768")
     assert 84 * GIB < plan.trainer.total < 85 * GIB  # it was 60.3 GiB: micro_batch_tokens alone, two logits copies
