@@ -164,6 +164,37 @@ def test_an_update_that_finds_every_engine_dead_has_them_started_again_while_it_
             sync.close()
 
 
+def test_a_replica_failing_now_and_then_is_always_restarted_and_a_crash_loop_is_given_up_on(tmp_path, monkeypatch):
+    """engines.max_restarts counts restarts within engines.restart_window_s: a replica that dies once a day is
+    restarted on a week-long run's eighth day as on its first; one that dies every 10 s is given up on after
+    max_restarts."""
+    from moerl.engines import pool as pool_module
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def poll(self):
+            return 1
+
+    clock = [0.0]
+    monkeypatch.setattr(pool_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(pool_module, "group_left", lambda pgid: [])
+    monkeypatch.setattr(pool_module.os, "killpg", lambda *args: None)
+
+    def restarts(every_s: float) -> tuple[int, set[int]]:
+        pool = EnginePool(EnginePoolConfig(model_path=str(tmp_path), server="embedded", base_port=0))
+        pool.ports, pool.procs = [1], [Exited()]
+        monkeypatch.setattr(pool, "_spawn_replica", lambda i, port, restart=False: Exited())
+        done = 0
+        for _ in range(8):
+            done += len(pool.revive(max_restarts=3, window_s=3600.0))
+            clock[0] += every_s
+        return done, pool.given_up
+
+    assert restarts(every_s=86400.0) == (8, set())
+    assert restarts(every_s=10.0) == (3, {0})
+
+
 @pytest.mark.e2e
 def test_a_dead_replica_is_started_again_only_once_every_process_of_its_server_has_ended(tmp_path, monkeypatch, caplog):
     """A GPU's memory is free once every process that held it has ended: a server started earlier fails for want of
