@@ -5,6 +5,7 @@ are network namespaces this test makes (:mod:`tests.netns`); nothing binds 0.0.0
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import subprocess
@@ -105,21 +106,59 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def test_the_job_trains_across_three_hosts_and_resumes_on_both_trainer_nodes(nodes, model, cache, tmp_path):
+def wait_for_steps(run_dir: Path, procs: list, steps: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= steps):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no step within {timeout_s} s"
+        time.sleep(0.5)
+
+
+def engine_changes(log: Path, url: str) -> list[tuple[datetime.datetime, str]]:
+    """When the rollout manager's log says the replica at ``url`` changed state, and to which."""
+    pattern = re.compile(rf"^(\S+ \S+) moerl\.engines \w+ engine {re.escape(url)}: \w+ -> (\w+) ")
+    changes = []
+    for line in log.read_text().splitlines():
+        if found := pattern.match(line):
+            changes.append((datetime.datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S,%f"), found[2]))
+    return changes
+
+
+def test_the_job_trains_across_three_hosts_survives_the_engine_nodes_network_gone_and_resumes(
+    nodes, model, cache, tmp_path
+):
     """Async mode, broadcast weight sync from each trainer node to the engine node, sync.verify after every update: the
-    steps complete and the engines serve the trainer's weights; a resume on both nodes continues from the checkpoint."""
+    steps complete and the engines serve the trainer's weights. Node 3's interface down for 15 s mid-run, then up: its
+    requests pass their deadline, the replica leaves rotation while its probes fail, a probe brings it back once the
+    interface is, and no prompt is lost. A resume on both nodes continues from the checkpoint."""
     urls = start_engines(nodes, model, tmp_path / "engine-logs")
     assert re.fullmatch(rf"engines.urls=\[http://{re.escape(nodes.address(3))}:30000\]", urls), urls
+    url = urls.removeprefix("engines.urls=[").removesuffix("]")
     run_dir = tmp_path / "run"
-    for rc, stderr in finished(trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=3")):
+    procs = trainers(
+        nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=4", "engines.request_timeout_s=8",
+        "engines.health_interval_s=0.5",
+    )  # fmt: skip
+    wait_for_steps(run_dir, procs, 1)
+    cut = datetime.datetime.now()
+    nodes.cut(3)
+    time.sleep(15)
+    nodes.restore(3)
+    restored = datetime.datetime.now()
+    for rc, stderr in finished(procs):
         assert rc == 0, stderr[-4000:]
     rows = metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == list(range(1, 5))
     assert all(r["sync/verify_max_abs_delta"] < 1e-4 for r in rows), rows
-    resumed = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=4", "run.resume=true")
+    changes = engine_changes(run_dir / "logs" / "rollout_manager.log", url)
+    assert any(cut <= at <= restored and state != "healthy" for at, state in changes), changes
+    assert any(at >= restored and state == "healthy" for at, state in changes), changes
+    accounting = json.loads((run_dir / "accounting.json").read_text())
+    assert accounting["balanced"] and set(accounting["dropped"]) <= {"unused_at_stop"}, accounting
+
+    resumed = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=5", "run.resume=true")
     for rc, stderr in finished(resumed):
         assert rc == 0, stderr[-4000:]
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 6))
 
 
 def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, model, cache, tmp_path):
@@ -142,10 +181,7 @@ def test_a_trainer_nodes_network_cut_ends_the_job_with_one_error_and_nothing_lef
     urls = start_engines(nodes, model, tmp_path / "engine-logs")
     run_dir = tmp_path / "run"
     procs = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=200", "run.peer_silence_s=10")
-    deadline = time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= 2):
-        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step within 300 s"
-        time.sleep(0.5)
+    wait_for_steps(run_dir, procs, 2)
     nodes.cut(2)
     start = time.monotonic()
     (first_rc, first), (second_rc, second) = finished(procs, timeout_s=180)
