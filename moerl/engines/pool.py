@@ -42,6 +42,8 @@ class EnginePoolConfig:
     mem_fraction_static: float = 0.7
     sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS
     enable_memory_saver: bool = True  # release/resume memory occupation around training
+    # released weights come back from host memory on resume (a colocated model no push reaches: a reward model)
+    weights_cpu_backup: bool = False
     lora_max_rank: int | None = None  # set to serve LoRA adapters (per-expert keys need triton_v2)
     lora_target_modules: list[str] | None = (
         None  # with lora_max_rank: the adapters' Hub modules (lora_target_modules())
@@ -79,6 +81,8 @@ def server_args(cfg: EnginePoolConfig, port: int) -> list[str]:
     ]
     if cfg.enable_memory_saver:
         args.append("--enable-memory-saver")
+    if cfg.weights_cpu_backup:
+        args.append("--enable-weights-cpu-backup")
     if cfg.lora_max_rank is not None:
         if not cfg.lora_target_modules:
             raise ValueError(
@@ -149,6 +153,7 @@ def launch_args(cfg: EnginePoolConfig, ports: list[int]) -> list[str]:
             "cuda" if torch.cuda.is_available() else "cpu",
             "--sampling-mask-max-tokens",
             str(cfg.sampling_mask_max_tokens),
+            *(["--enable-weights-cpu-backup"] if cfg.weights_cpu_backup else []),
             *cfg.extra_args,
         ]
     raise ValueError(f"engines.server={cfg.server!r}: expected sglang, embedded or simulated")

@@ -50,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "within the same extra_key / cache_salt / adapter as SGLang's radix cache (0: no prefix cache)",
     )
     p.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="keep released weights in host memory and restore them on resume, as SGLang's flag of this name (for a "
+        "model no weight update reaches, such as a colocated reward model); without it they come back uninitialised",
+    )
+    p.add_argument(
         "--simulate",
         metavar="PROFILE",
         help="serve no model: a simulated engine with this profile's throughput "
@@ -105,7 +111,8 @@ def _engines(args: argparse.Namespace) -> list[Served]:
             for _ in args.ports or [args.port]
         ]
     if is_classifier(read_config(model).get("architectures") or []):
-        return [ClassifierEngine(model, MODEL_DTYPES[args.dtype], args.device)]  # a reward model: /classify
+        # a reward model: /classify
+        return [ClassifierEngine(model, MODEL_DTYPES[args.dtype], args.device, args.enable_weights_cpu_backup)]
     return [
         EmbeddedEngine(
             model,
@@ -114,6 +121,7 @@ def _engines(args: argparse.Namespace) -> list[Served]:
             args.max_running_requests,
             args.sampling_mask_max_tokens,
             args.prefix_cache_tokens,
+            args.enable_weights_cpu_backup,
         )
     ]
 

@@ -100,7 +100,8 @@ class RewardEngines:
 
 def start_reward_engines(cfg: RunConfig, run_dir: Path, local_trainer_ranks: int) -> RewardEngines | None:
     """The reward model's replicas (none without ``reward.model``): those given by URL, or ones started here on the
-    GPUs after the trainer's and the policy engines'. They log under ``logs/reward``."""
+    GPUs after the trainer's and the policy engines' (colocated: on the trainer's, keeping their weights in host memory
+    while released). They log under ``logs/reward``."""
     from moerl.engines.pool import EnginePool
     from moerl.orchestrator.model_cache import prepare_reward_model
 
@@ -113,8 +114,11 @@ def start_reward_engines(cfg: RunConfig, run_dir: Path, local_trainer_ranks: int
     policy = cfg.engines
     policy_gpus = 0 if policy.urls else policy.replicas * policy.gpus_per_replica
     server = served_by(e)
-    offset = local_trainer_ranks + policy_gpus if torch.cuda.is_available() else 0
-    pool = EnginePool(pool_config(e, str(model), server, run_dir / "logs" / "reward", offset))
+    colocated = cfg.run.placement == "colocated"  # on the trainer's GPUs, released while it trains
+    offset = local_trainer_ranks + policy_gpus if torch.cuda.is_available() and not colocated else 0
+    pool = EnginePool(
+        pool_config(e, str(model), server, run_dir / "logs" / "reward", offset, weights_cpu_backup=colocated)
+    )
     log.info("starting %d %s reward engine(s); logs in %s", e.replicas, server, run_dir / "logs" / "reward")
     return RewardEngines(model, pool.start(e.start_timeout_s), pool)
 

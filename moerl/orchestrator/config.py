@@ -440,8 +440,7 @@ def filter_problems(r: RolloutSection) -> list[str]:
 
 
 def reward_problems(cfg: RunConfig) -> list[str]:
-    """What a reward model needs: functions that load, and replicas on the GPUs left beside the trainer and the
-    policy's engines (colocated placement does not release them yet)."""
+    """What a reward model needs: functions that load, and engines that can serve it."""
     from moerl.tasks.reward_models import COMBINES, VERDICTS, load_named
 
     w = cfg.reward
@@ -462,11 +461,6 @@ def reward_problems(cfg: RunConfig) -> list[str]:
             )
     if w.judge_max_new_tokens < 1:
         problems.append("reward.judge_max_new_tokens must be >= 1")
-    if cfg.run.placement == "colocated":
-        problems.append(
-            "reward.model with run.placement=colocated: the reward replicas are not released while the trainer "
-            "trains; use run.placement=separate"
-        )
     if cfg.simulation.profile is not None:
         problems.append("reward.model in a simulation: simulated engines serve no reward model")
     server = served_by(w.engines)

@@ -202,6 +202,8 @@ class Job:
         try:
             stats = sync.update(trainer)
             self.serve_policy()
+            if self.lead is not None and cfg.run.placement == "colocated":
+                self.lead.wake_reward_engines()
             end = time.perf_counter()
             metrics.update(self.verify())
         except EnginesDown as e:

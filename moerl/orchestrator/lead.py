@@ -4,6 +4,7 @@ none of it: the job (:mod:`moerl.orchestrator.job`) calls it where ``job.lead`` 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import subprocess
@@ -13,7 +14,7 @@ from typing import Any
 
 import zmq
 
-from moerl.engines.client import EngineError
+from moerl.engines.client import EngineClient, EngineError
 from moerl.engines.health import State
 from moerl.engines.pool import EnginePool
 from moerl.errors import MoerlError
@@ -63,6 +64,10 @@ class Lead:
         self.zmq = zmq.Context()
         self.rollouts = RolloutEndpoint(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
         self.reward_pool = reward.pool if reward is not None else None
+        # colocated: the reward replicas share the trainer's GPUs, and give back their memory while it trains
+        self.colocated_reward: list[str] = []
+        if reward is not None and reward.pool is not None and cfg.run.placement == "colocated":
+            self.colocated_reward = reward.urls
         self.manager: subprocess.Popen | None = start_manager(
             run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"], state["pending"], run_dir, reward
         )
@@ -113,6 +118,31 @@ class Lead:
             self.sync.sleep()
         except (MoerlError, EngineError) as e:
             log.warning("colocated: the engines did not all release their memory before the trainer's phase: %s", e)
+        self._on_colocated_reward("release their memory", _release_memory)
+
+    def wake_reward_engines(self) -> None:
+        """Colocated, once the policy's engines generate again: the reward replicas take back their memory (their
+        weights from host memory: they take no updates) and score again."""
+        self._on_colocated_reward("take back their memory", _take_back_memory)
+
+    def _on_colocated_reward(self, what: str, call) -> None:
+        """``call(client)`` on each colocated reward replica; one that fails is left as it is (revive restarts it if
+        it died; a restarted replica holds its memory)."""
+
+        async def each(url: str) -> None:
+            async with EngineClient([url], timeout_s=REWARD_MEMORY_TIMEOUT_S, retries=0) as client:
+                await call(client)
+
+        async def every() -> list:
+            return await asyncio.gather(*(each(url) for url in self.colocated_reward), return_exceptions=True)
+
+        if not self.colocated_reward:
+            return
+        for url, outcome in zip(self.colocated_reward, asyncio.run(every()), strict=True):
+            if isinstance(outcome, MoerlError | EngineError):
+                log.warning("colocated: reward engine %s did not %s: %s", url, what, outcome)
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     def start_step(self) -> float:
         """What the last update reached holds this version (the manager's view of it may lag by a probe); the rollouts'
@@ -252,3 +282,16 @@ class Lead:
             if pool is not None:
                 pool.stop()
         self.zmq.term()
+
+
+REWARD_MEMORY_TIMEOUT_S = 120.0  # a release or resume of a reward replica's memory
+
+
+async def _release_memory(client: EngineClient) -> None:
+    await client.pause("retract")
+    await client.release_memory()
+
+
+async def _take_back_memory(client: EngineClient) -> None:
+    await client.resume_memory()
+    await client.resume()

@@ -137,6 +137,11 @@ class MemoryPlan:
                 f"  reward engine GPU: weights {_size(self.reward_weights)}; {self.reward_gpus} GPU(s) of their own, "
                 "beside the trainer's and the engines'"
             )
+        elif self.reward_weights and self.colocated is not None:
+            lines.append(
+                f"  reward engine: weights {_size(self.reward_weights)} a GPU, on the trainer's GPUs, released while "
+                "it trains (its weights kept in host memory)"
+            )
         if self.host:
             lines.append("  a trainer rank's host memory:")
             lines += [f"    {name:<30}{_size(value):>12}" for name, value in self.host.items()]
@@ -326,12 +331,13 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
         )
     colocation = None
     if colocated:
+        reward_static = w.mem_fraction_static * device if _colocated_reward(cfg) else 0.0
         colocation = Colocation(
-            engines=e.mem_fraction_static * device + TRAINER_RESIDENT_BYTES,
+            engines=e.mem_fraction_static * device + reward_static + TRAINER_RESIDENT_BYTES,
             push=terms["weights"]
             + engine_weights
             + (cfg.sync.bucket_mb << 20)
-            + RELEASED_ENGINE_BYTES
+            + RELEASED_ENGINE_BYTES * (1 + _colocated_reward(cfg))
             + TRAINER_RESIDENT_BYTES,
             ranks=world,
         )
@@ -348,7 +354,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
         colocation,
         host,
         reward_weights,
-        0 if cfg.reward.model is None or w.urls else w.replicas * w.gpus_per_replica,
+        0 if cfg.reward.model is None or w.urls or colocated else w.replicas * w.gpus_per_replica,
     )
 
 
@@ -362,8 +368,14 @@ def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
     if cfg.run.placement == "colocated":
         host["weights"] = terms["weights"]
         host.update({name: terms[name] for name in ("optimizer state", "KL reference") if name in terms})
-        terms["released engine (assumed)"] = RELEASED_ENGINE_BYTES
+        terms["released engine (assumed)"] = RELEASED_ENGINE_BYTES * (1 + _colocated_reward(cfg))
     return host
+
+
+def _colocated_reward(cfg) -> bool:
+    """Whether the job starts reward replicas on the trainer's GPUs (colocated placement), released as the policy's
+    engines are."""
+    return cfg.reward.model is not None and not cfg.reward.engines.urls and cfg.run.placement == "colocated"
 
 
 def _colocation_problems(cfg, c: Colocation, device: float) -> list[str]:
@@ -374,11 +386,18 @@ def _colocation_problems(cfg, c: Colocation, device: float) -> list[str]:
             f"colocated engines take {e.replicas} x {e.gpus_per_replica} GPUs, more than the {c.ranks} trainer ranks' "
             "GPUs they share: lower engines.replicas or engines.gpus_per_replica"
         )
-    if c.engines > device:
+    w = cfg.reward.engines
+    if _colocated_reward(cfg) and w.replicas * w.gpus_per_replica > c.ranks:
         problems.append(
-            f"colocated engines' static memory (engines.mem_fraction_static={e.mem_fraction_static}) and the trainer's "
-            f"{_size(TRAINER_RESIDENT_BYTES)} resident need {_size(c.engines)} of a {_size(device)} GPU: lower "
-            f"engines.mem_fraction_static to at most {1 - TRAINER_RESIDENT_BYTES / device:.2f}"
+            f"colocated reward engines take {w.replicas} x {w.gpus_per_replica} GPUs, more than the {c.ranks} trainer "
+            "ranks' GPUs they share: lower reward.engines.replicas or reward.engines.gpus_per_replica"
+        )
+    if c.engines > device:
+        reward = f" with reward.engines.mem_fraction_static={w.mem_fraction_static}" if _colocated_reward(cfg) else ""
+        problems.append(
+            f"colocated engines' static memory (engines.mem_fraction_static={e.mem_fraction_static}{reward}) and the "
+            f"trainer's {_size(TRAINER_RESIDENT_BYTES)} resident need {_size(c.engines)} of a {_size(device)} GPU: "
+            f"lower the fractions to at most {1 - TRAINER_RESIDENT_BYTES / device:.2f} together"
         )
     if c.push > device:
         problems.append(

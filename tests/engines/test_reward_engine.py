@@ -106,3 +106,35 @@ def test_moerl_serve_serves_a_reward_model_by_its_architecture(reward_model, tmp
                 return await client.classify_on(url, INPUTS)
 
         assert asyncio.run(go()) == expected
+
+
+def test_a_colocated_reward_engine_pauses_gives_back_its_weights_and_scores_the_same_after(reward_model):
+    """What colocated placement asks of a reward replica while the trainer trains: paused, a request waits; its memory
+    is released only while paused, and nothing continues until it is taken back; with --enable-weights-cpu-backup the
+    weights come back as they were (a reward model takes no push), so the scores are bitwise the same."""
+    from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app
+
+    engine = ClassifierEngine(str(reward_model), weights_cpu_backup=True)
+    weights = [p.data for p in engine.model.parameters()]
+
+    async def go():
+        async with serving_app(build_classifier_app(engine)) as url:
+            _, before, _ = await _request(url, "/classify", {"input_ids": INPUTS})
+            status, body, _ = await _request(url, "/release_memory_occupation", {})
+            assert status == 400 and "pause generation first" in body["error"]["message"]
+            assert (await _request(url, "/pause_generation", {"mode": "retract"}))[0] == 200
+            waiting = asyncio.create_task(_request(url, "/classify", {"input_ids": INPUTS}))
+            assert (await _request(url, "/release_memory_occupation", {}))[0] == 200
+            assert all(p.numel() == 0 for p in engine.model.parameters())  # given back
+            status, body, _ = await _request(url, "/continue_generation", {})
+            assert status == 400 and "resume it (/resume_memory_occupation)" in body["error"]["message"]
+            await asyncio.sleep(0.2)
+            assert not waiting.done()
+            assert (await _request(url, "/resume_memory_occupation", {}))[0] == 200
+            assert (await _request(url, "/continue_generation", {}))[0] == 200
+            status, after, _ = await _request(url, "/classify", {"input_ids": INPUTS})
+            assert status == 200 and after == before
+            assert (await waiting)[1] == before  # the request held by the pause, answered once it continued
+            assert all(torch.equal(p.data, w) for p, w in zip(engine.model.parameters(), weights, strict=True))
+
+    asyncio.run(go())

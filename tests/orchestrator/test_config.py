@@ -230,7 +230,6 @@ def test_colocation_is_refused_where_engines_would_run_beside_training_or_lack_w
         (["reward.verdict=maybe"], "reward.verdict='maybe': expected one of last_number, yes_no"),
         (["reward.kind=generative", "reward.judge_prompt=Grade {reply}"], "reward.judge_prompt: KeyError 'reply'"),
         (["reward.judge_max_new_tokens=0"], "reward.judge_max_new_tokens must be >= 1"),
-        (["run.placement=colocated", "run.mode=sync"], "reward.model with run.placement=colocated"),
         (["reward.engines.gpus_per_replica=2", "reward.engines.server=embedded"], "serves on one device"),
         (["reward.engines.server=vllm"], "reward.engines.server='vllm': expected one of auto, sglang, embedded"),
     ],
@@ -239,6 +238,8 @@ def test_a_reward_model_config_that_cannot_run_is_refused_naming_the_key(overrid
     with pytest.raises(ConfigError, match=re.escape(named)):
         load_config(None, ["reward.model=/models/rm", *overrides])
     load_config(None, ["reward.model=/models/rm", "reward.kind=generative", "reward.combine=rule_times_model"])
+    # colocated, released as the policy's engines are
+    load_config(None, ["reward.model=/models/rm", "run.placement=colocated", "run.mode=sync"])
 
 
 def test_the_preflight_refuses_a_reward_model_of_the_other_kind_or_none_at_all(tmp_path):

@@ -1056,15 +1056,19 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
 
 
 @pytest.mark.e2e
-def test_a_reward_model_scores_every_group_on_replicas_of_its_own_and_one_killed_is_started_again(cache, tmp_path):
+def test_a_reward_model_scores_every_group_on_colocated_replicas_released_each_step_and_one_killed_comes_back(
+    cache, tmp_path
+):
     """reward.model=demo: the tiny sequence classifier (made once) on an embedded engine of its own scores each group as
-    it finishes, its score added to the task's (reward.combine=rule_plus_model). Its replica SIGKILLed after the first
-    step is started again; no group is dropped, each is scored once (a request per group, besides those asked again),
-    and the run ends."""
+    it finishes, its score added to the task's (reward.combine=rule_plus_model). Colocated, the replica is paused and
+    gives back its memory while the trainer trains, then takes its weights back from host memory and scores again. Its
+    replica SIGKILLed after the first step is started again; no group is dropped, each is scored once (a request per
+    group, besides those asked again), and the run ends."""
     run_dir = tmp_path / "run"
     proc = start_job(
-        cache, run_dir, "run.mode=sync", "run.steps=3", "reward.model=demo", "reward.combine=rule_plus_model"
-    )
+        cache, run_dir, "run.mode=sync", "run.placement=colocated", "run.steps=3", "reward.model=demo",
+        "reward.combine=rule_plus_model", "engines.mem_fraction_static=0.6", "reward.engines.mem_fraction_static=0.2",
+    )  # fmt: skip
 
     def reward_engines() -> list[psutil.Process]:
         return [p for p in engines_of(proc) if "tiny-qwen3-reward-addition" in " ".join(p.cmdline())]
@@ -1082,6 +1086,11 @@ def test_a_reward_model_scores_every_group_on_replicas_of_its_own_and_one_killed
         solved = (r["rollout/reward_mean"] - r["reward_engines/score_mean"]) * r["rollout/samples"]
         assert solved == pytest.approx(r["reward_engines/rule_mean"] * r["rollout/samples"], abs=1e-6)
         assert solved == pytest.approx(round(solved), abs=1e-6) and r["reward_engines/score_mean"] != 0
-    assert (run_dir / "logs" / "reward" / "embedded-0.log").read_text().count("moerl.serve INFO serving") == 2
+    log = (run_dir / "logs" / "reward" / "embedded-0.log").read_text()
+    assert log.count("moerl.serve INFO serving") == 2
+    # A cycle each step, one before the kill and two after; every call answered 200.
+    cycle = ["/pause_generation", "/release_memory_occupation", "/resume_memory_occupation", "/continue_generation"]
+    calls = [(route, status) for route, status in re.findall(r'"POST (/\w+) [^"]*" (\d+)', log) if route in cycle]
+    assert calls == [(route, "200") for route in cycle * 3], calls
     acct = accounting(run_dir)
     assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 3 * GROUPS

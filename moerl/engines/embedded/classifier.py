@@ -4,6 +4,8 @@ SGLang takes such an architecture (``*ForSequenceClassification``, ``*ForRewardM
 generate and answers ``/classify`` as an embedding request: per input, ``embedding`` is the scores of its last token's
 head (one score for a reward model). This engine does the same on the CPU or a GPU, one input at a time (no padding,
 so no input's score depends on another's), and holds weights that never change: reward models take no updates.
+Colocated with a trainer it pauses (requests wait), gives back its memory and takes it back, as SGLang's memory saver
+does with ``--enable-weights-cpu-backup``; it holds no KV cache between requests.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from moerl.engines import protocol
 from moerl.engines.embedded.runner import own_weights
-from moerl.engines.embedded.server import _dumps, _errors, _parse, load_tokenizer
+from moerl.engines.embedded.server import MemoryOccupation, _dumps, _errors, _ok, _parse, load_tokenizer
 from moerl.engines.embedded.server import server_info as server_info_of
 from moerl.engines.protocol import ProtocolError
 
@@ -33,7 +35,13 @@ def is_classifier(architectures: list[str]) -> bool:
 class ClassifierEngine:
     engine_name = "moerl-embedded"
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+        weights_cpu_backup: bool = False,
+    ):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=dtype)
         self.model: PreTrainedModel = model.to(self.device).eval()
@@ -43,6 +51,31 @@ class ClassifierEngine:
         config = self.model.config
         self.vocab_size, self.max_tokens = config.vocab_size, config.max_position_embeddings
         self._forward = asyncio.Lock()  # one input at a time through the model
+        self.memory = MemoryOccupation(self.model, weights_cpu_backup)
+        self.serving = asyncio.Event()  # clear while paused: requests wait
+        self.serving.set()
+
+    async def pause(self) -> None:
+        """Requests wait from now on; the one running ends first."""
+        self.serving.clear()
+        async with self._forward:
+            pass
+
+    def resume(self) -> None:
+        if self.memory.released:
+            raise ProtocolError(
+                f"memory is released ({', '.join(sorted(self.memory.released))}): resume it "
+                "(/resume_memory_occupation) before requests continue"
+            )
+        self.serving.set()
+
+    async def release_memory(self, tags: frozenset[str]) -> set[str]:
+        """Give back the memory of ``tags`` while paused (as SGLang, only while nothing runs); the tags newly
+        released."""
+        if self.serving.is_set():
+            raise ProtocolError("memory is released only while nothing runs: pause generation first")
+        async with self._forward:
+            return self.memory.release(tags)
 
     def token_ids(self, req: protocol.ClassifyReqInput) -> list[list[int]]:
         """Each input's token ids, checked against the model's vocabulary and context."""
@@ -67,6 +100,7 @@ class ClassifierEngine:
         batch = self.token_ids(req)
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(batch)
         answers: list[protocol.ClassifyResponse] = []
+        await self.serving.wait()
         async with self._forward:
             for ids, rid in zip(batch, rids, strict=True):
                 scores = await asyncio.to_thread(self.scores, ids)
@@ -75,8 +109,8 @@ class ClassifierEngine:
 
 
 def build_classifier_app(engine: ClassifierEngine) -> web.Application:
-    """``engine`` over HTTP: ``/classify`` (POST or PUT, as SGLang's), ``/health``, ``/model_info`` and
-    ``/server_info``."""
+    """``engine`` over HTTP: ``/classify`` (POST or PUT, as SGLang's), ``/health``, ``/model_info``, ``/server_info``,
+    and the colocation routes (pause, continue, release and resume memory)."""
 
     async def classify(request: web.Request) -> web.Response:
         req = await _parse(request, protocol.ClassifyReqInput)
@@ -97,6 +131,26 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response(server_info_of(engine.engine_name, engine.model), dumps=_dumps)
 
+    async def pause(request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.PauseGenerationReqInput)
+        await engine.pause()
+        return _ok(f"paused ({req.mode})")
+
+    async def resume(request: web.Request) -> web.Response:
+        await _parse(request, protocol.ContinueGenerationReqInput)
+        engine.resume()
+        return _ok("continued")
+
+    async def release(request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.ReleaseMemoryOccupationReqInput)
+        released = await engine.release_memory(req.regions())
+        return _ok(f"released {', '.join(sorted(released)) or 'nothing more'}")
+
+    async def take_back(request: web.Request) -> web.Response:
+        req = await _parse(request, protocol.ResumeMemoryOccupationReqInput)
+        resumed = engine.memory.resume(req.regions())
+        return _ok(f"resumed {', '.join(sorted(resumed)) or 'nothing released'}")
+
     app = web.Application(middlewares=[_errors])
     app.add_routes(
         [
@@ -105,6 +159,10 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
             web.get(protocol.HEALTH.path, health),
             web.get(protocol.MODEL_INFO.path, model_info),
             web.get(protocol.SERVER_INFO.path, server_info),
+            web.post(protocol.PAUSE.path, pause),
+            web.post(protocol.CONTINUE.path, resume),
+            web.post(protocol.RELEASE_MEMORY.path, release),
+            web.post(protocol.RESUME_MEMORY.path, take_back),
         ]
     )
     return app

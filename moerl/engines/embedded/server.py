@@ -96,6 +96,7 @@ class EmbeddedEngine(Generic[RequestT]):
         max_running: int = 64,
         sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
         prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        weights_cpu_backup: bool = False,
     ):
         self.request_type = Request
         self.runner = ModelRunner(model_dir, dtype, device)
@@ -106,6 +107,7 @@ class EmbeddedEngine(Generic[RequestT]):
                 self.runner, adapters, eos_ids, max_length, max_running, prefix_cache_tokens=prefix_cache_tokens
             ),
             sampling_mask_max_tokens,
+            weights_cpu_backup,
         )
 
     def _serve(
@@ -114,9 +116,11 @@ class EmbeddedEngine(Generic[RequestT]):
         model: PreTrainedModel,
         scheduler: Callable[[AdapterSet, set[int], int], Scheduler[RequestT]],
         sampling_mask_max_tokens: int,
+        weights_cpu_backup: bool = False,
     ) -> None:
         """What serving needs besides the computation: ``model`` (the served transformers model: names, shapes,
-        device, dtype) and ``scheduler(adapters, eos_ids, max_length)``, which makes the scheduler."""
+        device, dtype) and ``scheduler(adapters, eos_ids, max_length)``, which makes the scheduler; with
+        ``weights_cpu_backup`` released weights come back as they were (:class:`MemoryOccupation`)."""
         self.model_dir, self.model = model_dir, model
         self.tokenizer = load_tokenizer(model_dir)
         config = model.config
@@ -128,8 +132,7 @@ class EmbeddedEngine(Generic[RequestT]):
         max_length = getattr(config, "max_position_embeddings", 1 << 30)
         self.scheduler = scheduler(AdapterSet(model, self.family), eos_ids, max_length)
         self.limits = protocol.EngineLimits(config.vocab_size, self.scheduler.max_length, sampling_mask_max_tokens)
-        self.released: set[str] = set()  # memory given back (/release_memory_occupation's tags), until resumed
-        self.weight_shapes: dict[torch.nn.Parameter, torch.Size] = {}  # of the weights while released
+        self.memory = MemoryOccupation(model, weights_cpu_backup)
         self.weight_groups: dict[str, object] = {}
         self.joining: set[str] = set()
         self.update_session = False  # between /begin_weight_update and /end_weight_update
@@ -283,33 +286,23 @@ class EmbeddedEngine(Generic[RequestT]):
     def release_memory(self, tags: frozenset[str]) -> set[str]:
         """On the engine thread: give back the memory of ``tags`` (the prefix cache's KV, the weights; no CUDA graphs
         are captured here), as SGLang does only while nothing runs: after a pause with abort or retract (retracted
-        requests wait without KV). The weights are not kept: once resumed they are uninitialised until a push, as
-        SGLang's without ``--enable-weights-cpu-backup``. The tags newly released."""
+        requests wait without KV). The weights as :class:`MemoryOccupation` keeps them. The tags newly released."""
         sched = self.scheduler
         if sched.running or not sched.paused:
             raise ProtocolError(
                 "memory is released only while nothing runs: pause generation with mode abort or retract first"
             )
-        new = set(tags - self.released)
-        if "kv_cache" in new:
+        if "kv_cache" in tags:
             sched.prefix_cache.clear()
-        if "weights" in new:
-            self.weight_shapes = {p: p.shape for p in self.model.parameters()}
-            for p in self.weight_shapes:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.released |= new
-        give_back_freed_memory()
-        return new
+        return self.memory.release(tags)
 
     def resume_memory(self, tags: frozenset[str]) -> set[str]:
         """On the engine thread: take back the memory of ``tags``; the tags resumed."""
-        back = set(tags & self.released)
-        if "weights" in back:
-            for p, shape in self.weight_shapes.items():
-                p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-            self.weight_shapes = {}
-        self.released -= back
-        return back
+        return self.memory.resume(tags)
+
+    @property
+    def released(self) -> set[str]:
+        return self.memory.released
 
     def check_weights_held(self, refused: str) -> None:
         if "weights" in self.released:
@@ -446,6 +439,43 @@ def server_info(engine_name: str, model: PreTrainedModel) -> protocol.ServerInfo
         "dtype": str(model.dtype).removeprefix("torch."),
         "torch_version": torch.__version__,
     }
+
+
+class MemoryOccupation:
+    """What /release_memory_occupation and /resume_memory_occupation have done to a served model: the tags released
+    (until resumed), and its weights. Released, the weights' device memory is given back; resumed, they hold what they
+    held where the server keeps a host copy (``cpu_backup``: SGLang's ``--enable-weights-cpu-backup``, for a model no
+    push reaches, such as a reward model's), and are uninitialised until a push otherwise."""
+
+    def __init__(self, model: torch.nn.Module, cpu_backup: bool):
+        self.model, self.cpu_backup = model, cpu_backup
+        self.released: set[str] = set()
+        # while released: each weight's host copy (on the CPU, the tensor itself), or its shape
+        self.held: dict[torch.nn.Parameter, torch.Tensor | torch.Size] = {}
+
+    def release(self, tags: frozenset[str]) -> set[str]:
+        """The tags newly released."""
+        new = set(tags - self.released)
+        if "weights" in new:
+            for p in self.model.parameters():
+                self.held[p] = p.data.to("cpu") if self.cpu_backup else p.shape
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.released |= new
+        give_back_freed_memory()
+        return new
+
+    def resume(self, tags: frozenset[str]) -> set[str]:
+        """The tags resumed."""
+        back = set(tags & self.released)
+        if "weights" in back:
+            for p, held in self.held.items():
+                if isinstance(held, torch.Tensor):
+                    p.data = held.to(p.device)
+                else:
+                    p.data = torch.empty(held, dtype=p.dtype, device=p.device)
+            self.held = {}
+        self.released -= back
+        return back
 
 
 def give_back_freed_memory() -> None:
