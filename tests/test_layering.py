@@ -7,6 +7,7 @@ import ast
 from pathlib import Path
 
 import moerl
+from tests import REPO
 
 ROOT = Path(moerl.__file__).parent
 # Lowest first. A module imports from its own layer or lower ones.
@@ -99,3 +100,20 @@ def test_the_command_line_checks_a_run_without_megatron_core():
     probe = "import sys, moerl.orchestrator.main; print(sorted(m for m in sys.modules if m.startswith('megatron')))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_recipes_check_loads_no_model_code(tmp_path):
+    """The recipe's ``--check`` of the demo run, what every job start pays for before torchrun, loads no transformers
+    model code (3 s on a CPU): the reward check of a run without a reward model asked the classifier's module once."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, contextlib, io\n"
+        "from moerl import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        f"    cli.main(['train', '--check', '--config', 'recipes/qwen_moe_grpo.yaml', 'run.dir={tmp_path / 'run'}'])\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('transformers.modeling_utils', 'megatron'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]

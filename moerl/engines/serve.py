@@ -14,11 +14,12 @@ from aiohttp import web
 from moerl.checkpoint.hf import read_config
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
-from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app, is_classifier
+from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS
 from moerl.engines.embedded.server import EmbeddedEngine, build_app
 from moerl.engines.simulated import SimulatedEngine
 from moerl.errors import ConfigError, MoerlError
+from moerl.models import is_classifier
 from moerl.simulation import Profile
 
 log = logging.getLogger("moerl.serve")

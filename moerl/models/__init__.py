@@ -29,3 +29,8 @@ def model_shape(raw: dict) -> ModelShape:
 
 
 __all__ = ["FAMILIES", "ModelFamily", "ModelShape", "TensorRule", "family_for", "model_shape"]
+
+
+def is_classifier(architectures: list[str]) -> bool:
+    """Whether a model of these architectures scores sequences rather than generating (SGLang's reading)."""
+    return any(a.endswith(("ForSequenceClassification", "ForRewardModel")) for a in architectures)

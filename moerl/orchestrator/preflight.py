@@ -155,7 +155,7 @@ def check_task(cfg: RunConfig) -> None:
 def check_reward(cfg: RunConfig) -> None:
     """The reward model is a model directory of the configured kind, and its engines given by URL answer."""
     from moerl.checkpoint.hf import CheckpointError, read_config
-    from moerl.engines.embedded.classifier import is_classifier
+    from moerl.models import is_classifier
 
     w = cfg.reward
     if w.model is None:

@@ -27,11 +27,6 @@ from moerl.engines.protocol import ProtocolError
 log = logging.getLogger("moerl.serve")
 
 
-def is_classifier(architectures: list[str]) -> bool:
-    """Whether a model of these architectures scores sequences rather than generating (SGLang's reading)."""
-    return any(a.endswith(("ForSequenceClassification", "ForRewardModel")) for a in architectures)
-
-
 class ClassifierEngine:
     engine_name = "moerl-embedded"
 
