@@ -321,14 +321,16 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
     """The rollout manager applies a sync's ``Served`` order at once: at its first await (where a waiting request
     could pick a replica and an adapter), a replica a catch-up brought back is in rotation only under the adapter
     the catch-up loaded there, and one the sync passed over is already out of rotation."""
+    from moerl.engines.client import EngineClient
     from moerl.engines.health import ReplicaHealth, State
     from moerl.orchestrator.manager import RolloutManager
     from moerl.orchestrator.messages import Served
 
     seen, unloaded = [], []
 
-    class Client:
-        health = ReplicaHealth(["a", "b"])
+    class Client(EngineClient):
+        def __init__(self):  # the probing and unloading alone: no sessions or workers
+            self.health = ReplicaHealth(["a", "b"])
 
         async def probe(self, url):
             seen.append((manager.adapter, manager.client.health.usable()))
