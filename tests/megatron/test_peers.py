@@ -68,6 +68,6 @@ def test_a_node_cut_off_from_the_store_says_so_not_that_the_others_went_quiet(st
     the last one answered): only the store's silence may be reported, or the node cut off blames the one left, and
     does not stop its launcher."""
     proc, port = store
-    stderr = watched(port, beats_s=3.0, then=lambda: (time.sleep(SILENCE_S / 2), os.kill(proc.pid, signal.SIGSTOP)))
+    stderr = watched(port, beats_s=3.0, then=lambda: (time.sleep(SILENCE_S / 3), os.kill(proc.pid, signal.SIGSTOP)))
     assert "has not answered rank 1 for" in stderr, stderr
     assert "rank 0 has not been heard from" not in stderr, stderr
