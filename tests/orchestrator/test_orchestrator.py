@@ -499,7 +499,7 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     sessions of their own that no signal of torchrun's reaches, so each must notice and stop (engines and rollout
     manager with it); one left running kept loading its weights into the engine the next job was given (found on an
     H100). Then run.resume=auto continues from the newest checkpoint to the same results as a run never killed."""
-    steps = ["run.mode=sync", "run.steps=6", "run.save_every=2", "sync.verify=false"]
+    steps = ["run.mode=sync", "run.steps=4", "run.save_every=2", "sync.verify=false"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert job(cache, straight, *steps).returncode == 0
     proc = start_until_checkpoint(cache, killed, steps, 2)
@@ -518,11 +518,11 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     saved = sorted(
         int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists()
     )
-    assert saved and saved[-1] < 6, f"the ranks ran on without their launcher: checkpoints {saved}"
+    assert saved and saved[-1] < 4, f"the ranks ran on without their launcher: checkpoints {saved}"
     out = job(cache, killed, *steps, "run.resume=auto")
     assert out.returncode == 0, out.stderr[-4000:]
     a, b = read_metrics(straight), read_metrics(killed)
-    assert [r["step"] for r in b] == list(range(1, 7))
+    assert [r["step"] for r in b] == list(range(1, 5))
     # The same tokens, rewards and weights; float32 rounding may differ: the engine's log-probs (the behaviour policy of
     # the loss's correction) depend on what it batched them with, by ~1e-7, which moves a GRPO loss of ~0 by as much.
     for x, y in zip(a, b, strict=True):
@@ -538,14 +538,25 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
 
 
 @pytest.mark.e2e
-def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
-    """SIGKILL of trainer rank 1: torchrun stops rank 0, which tears down (engines and rollout manager stopped,
-    accounting written; had it been killed too, they would die with it), no process of the job is left (the killed
-    rank's helpers neither: its checkpoint writers' queue server) and the job exits non-zero. Resuming after a kill is
-    the run whose launcher is killed; a checkpoint a kill cut short is passed over (the test below)."""
-    steps = ["run.mode=sync", "run.steps=4", "run.save_every=1", "sync.verify=false"]
-    proc = start_until_checkpoint(cache, tmp_path, steps, 1)
+def test_a_trainer_rank_killed_while_its_state_is_offloaded_leaves_no_process_behind(cache, tmp_path):
+    """Colocated, SIGKILL of trainer rank 1 once step 1 is saved and the engine is awake again, so the ranks' state is
+    in host memory: torchrun stops rank 0, which tears down (engines and rollout manager stopped, accounting written;
+    had it been killed too, they would die with it), no process of the job is left (the killed rank's helpers neither:
+    its checkpoint writers' queue server) and the job exits non-zero. The run resumed from step 1's checkpoint ends its
+    steps with every prompt accounted for; a checkpoint a kill cut short is passed over (the test below)."""
+    steps = ["run.mode=sync", "run.placement=colocated", "run.steps=2", "run.save_every=1", "sync.verify=false"]
+    proc = start_job(cache, tmp_path, *steps)
+    log = tmp_path / "logs" / "embedded-0.log"
+
+    def offloaded() -> bool:
+        """Step 1 saved, and the engine's last memory call a resume: between its wake and the next step's release."""
+        if not (tmp_path / "checkpoints" / "step_1" / "run_state.json").exists():
+            return False
+        calls = re.findall(r'"POST /(release|resume)_memory_occupation', log.read_text())
+        return bool(calls) and calls[-1] == "resume"
+
     try:
+        wait_while_running(proc, offloaded, "step 1's checkpoint with the engine awake")
         family = psutil.Process(proc.pid).children(recursive=True)
         ranks = {int(p.environ()["RANK"]): p for p in family if p.ppid() == proc.pid}  # torchrun's workers
         assert sorted(ranks) == [0, 1]
@@ -561,6 +572,11 @@ def test_a_killed_trainer_rank_leaves_no_process_behind(cache, tmp_path):
     finally:
         if proc.poll() is None:
             _kill_tree(proc)
+    resumed = job(cache, tmp_path, *steps, "run.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    acct = accounting(tmp_path)
+    assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 2 * GROUPS
 
 
 def test_a_resume_takes_the_newest_checkpoint_whose_run_state_was_written(tmp_path):
