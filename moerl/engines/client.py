@@ -356,11 +356,13 @@ class EngineClient:
             P.RELEASE_MEMORY, P.ReleaseMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
         )
 
-    async def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Take back the engines' memory of ``tags`` (None: all); weights resumed hold nothing until a push."""
-        await self._everywhere(
-            P.RESUME_MEMORY, P.ResumeMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
-        )
+    async def resume_memory(self, tags: list[str] | None = None, among: Iterable[str] | None = None) -> None:
+        """Take back the memory of ``tags`` (None: all) on the engines (those of them in ``among``: the ones that
+        released it; SGLang's scheduler fails on a tag it did not release). Weights resumed hold nothing until a push,
+        unless the server keeps a host copy."""
+        request = P.ResumeMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
+        chosen = self.targets if among is None else [u for u in self.targets if u in set(among)]
+        await asyncio.gather(*(self._call(u, P.RESUME_MEMORY, request) for u in chosen))
 
     async def init_weights_update_group(
         self,

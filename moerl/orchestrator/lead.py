@@ -66,6 +66,7 @@ class Lead:
         self.reward_pool = reward.pool if reward is not None else None
         # colocated: the reward replicas share the trainer's GPUs, and give back their memory while it trains
         self.colocated_reward: list[str] = []
+        self.reward_released: set[str] = set()  # those the last sleep released, less those started again since
         if reward is not None and reward.pool is not None and cfg.run.placement == "colocated":
             self.colocated_reward = reward.urls
         self.manager: subprocess.Popen | None = start_manager(
@@ -92,7 +93,7 @@ class Lead:
         groups until it forms them again), and the reward model's."""
         if self.reward_pool is not None:  # the manager's scoring finds them back by /health: they hold no policy
             w = self.cfg.reward.engines
-            self.reward_pool.revive(w.max_restarts, w.restart_window_s)
+            self.reward_released -= set(self.reward_pool.revive(w.max_restarts, w.restart_window_s))
         if self.pool is None:
             return
         e = self.cfg.engines
@@ -118,31 +119,39 @@ class Lead:
             self.sync.sleep()
         except (MoerlError, EngineError) as e:
             log.warning("colocated: the engines did not all release their memory before the trainer's phase: %s", e)
-        self._on_colocated_reward("release their memory", _release_memory)
+        self.reward_released = self._on_colocated_reward(self.colocated_reward, "release their memory", _release_memory)
 
     def wake_reward_engines(self) -> None:
-        """Colocated, once the policy's engines generate again: the reward replicas take back their memory (their
-        weights from host memory: they take no updates) and score again."""
-        self._on_colocated_reward("take back their memory", _take_back_memory)
+        """Colocated, once the policy's engines generate again: the reward replicas the sleep released take back their
+        memory (their weights from host memory: they take no updates) and score again. One started again since holds
+        its memory and serves already; SGLang's scheduler fails on a resume of what it did not release."""
+        woken = sorted(self.reward_released)
+        self.reward_released = set()
+        self._on_colocated_reward(woken, "take back their memory", _take_back_memory)
 
-    def _on_colocated_reward(self, what: str, call) -> None:
-        """``call(client)`` on each colocated reward replica; one that fails is left as it is (revive restarts it if
-        it died; a restarted replica holds its memory)."""
+    @staticmethod
+    def _on_colocated_reward(urls: list[str], what: str, call) -> set[str]:
+        """``call(client)`` on each of these colocated reward replicas; those it succeeded on. One that fails is left
+        as it is (revive restarts it if it died; a restarted replica holds its memory)."""
 
         async def each(url: str) -> None:
             async with EngineClient([url], timeout_s=REWARD_MEMORY_TIMEOUT_S, retries=0) as client:
                 await call(client)
 
         async def every() -> list:
-            return await asyncio.gather(*(each(url) for url in self.colocated_reward), return_exceptions=True)
+            return await asyncio.gather(*(each(url) for url in urls), return_exceptions=True)
 
-        if not self.colocated_reward:
-            return
-        for url, outcome in zip(self.colocated_reward, asyncio.run(every()), strict=True):
+        if not urls:
+            return set()
+        done = set()
+        for url, outcome in zip(urls, asyncio.run(every()), strict=True):
             if isinstance(outcome, MoerlError | EngineError):
                 log.warning("colocated: reward engine %s did not %s: %s", url, what, outcome)
             elif isinstance(outcome, BaseException):
                 raise outcome
+            else:
+                done.add(url)
+        return done
 
     def start_step(self) -> float:
         """What the last update reached holds this version (the manager's view of it may lag by a probe); the rollouts'

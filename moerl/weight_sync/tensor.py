@@ -40,6 +40,7 @@ class TensorSync(FullWeightSync):
         super().__init__(urls, "moerl-tensor-sync", pause, flush_cache=True)
         self.bucket_bytes = bucket_bytes
         self.asleep = False  # rank 0: the engines' memory is released (sleep), until the next update wakes them
+        self.released: set[str] = set()  # rank 0: the engines the sleep released, less those started again since
         self.sleep_seconds = 0.0  # rank 0: the last sleep's, and the last update's wake (resumes and continue)
         self.wake_seconds = 0.0
         self.probe: np.ndarray | None = None  # every rank: the trainer's log-probs of the probe at the last push
@@ -52,13 +53,18 @@ class TensorSync(FullWeightSync):
         self.paused = True  # from here to the update's resume, the engines are asked whether they answer, not /health
         self.on_engines(lambda client: client.pause("retract"))
         self.on_engines(lambda client: client.release_memory())
+        self.released = set(self.lead_link.client.targets)
         self.asleep = True
         self.sleep_seconds = time.perf_counter() - start
 
+    def started_again(self, urls: list[str]) -> None:
+        super().started_again(urls)
+        self.released -= set(urls)
+
     def before_push(self) -> None:
         start = time.perf_counter()
-        if self.asleep:
-            self.on_engines(lambda client: client.resume_memory(["weights"]))
+        if self.asleep:  # an engine started again since holds its memory: it takes the push as it is
+            self.on_engines(lambda client: client.resume_memory(["weights"], among=self.released))
         else:
             super().before_push()
         self.wake_seconds = time.perf_counter() - start
@@ -66,8 +72,8 @@ class TensorSync(FullWeightSync):
     def after_push(self) -> None:
         start = time.perf_counter()
         if self.asleep:
-            self.on_engines(lambda client: client.resume_memory(_AFTER_WEIGHTS))
-            self.asleep = False
+            self.on_engines(lambda client: client.resume_memory(_AFTER_WEIGHTS, among=self.released))
+            self.asleep, self.released = False, set()
         super().after_push()
         self.wake_seconds += time.perf_counter() - start
 

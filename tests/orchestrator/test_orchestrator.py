@@ -1053,9 +1053,9 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
         # and as many bytes of gradients (fp32), Adam's two moments besides.
         assert mine["colocate/trainer_offloaded_bytes"] >= 2 * mine["sync/full_weight_bytes"]
     # Each step's sequence, as the engines took it; the resumed run's engine first takes the checkpoint's policy, awake.
-    # The engine started again after the kill takes the first step's policy as the colocated handover where it was
-    # back before the update, or awake, as a catch-up before the second step's rollouts, where the kill came during
-    # the update (which then reached no engine): whichever the kill met, then two steps' cycles.
+    # The engine started again after the kill holds its memory and released nothing, so nothing is resumed on it (a
+    # resume of what it did not release is refused, as SGLang's scheduler fails on one): it takes the first step's
+    # policy awake, in the handover or in a catch-up before the second step's rollouts, then two steps' cycles.
     cycle = ["/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor"] + [
         "/resume_memory_occupation"
     ]
@@ -1065,7 +1065,7 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
 
     _, killed, restarted = first_log.split("moerl.serve INFO serving")
     assert calls(killed)[0] == cycle[0]
-    assert calls(restarted) in (cycle[1:] + cycle * 2, cycle[2:3] + cycle * 2), calls(restarted)
+    assert calls(restarted) == cycle[2:3] + cycle * 2, calls(restarted)
     assert calls(log.read_text()) == cycle[2:3] + cycle
     acct = accounting(run_dir)
     assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 4 * GROUPS
@@ -1083,7 +1083,7 @@ def test_a_reward_model_scores_every_group_on_colocated_replicas_released_each_s
     run_dir = tmp_path / "run"
     proc = start_job(
         cache, run_dir, "run.mode=sync", "run.placement=colocated", "run.steps=3", "reward.model=demo",
-        "reward.combine=rule_plus_model", "engines.mem_fraction_static=0.6", "reward.engines.mem_fraction_static=0.2",
+        "reward.combine=rule_plus_model",
     )  # fmt: skip
 
     def reward_engines() -> list[psutil.Process]:

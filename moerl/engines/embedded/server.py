@@ -465,8 +465,13 @@ class MemoryOccupation:
         return new
 
     def resume(self, tags: frozenset[str]) -> set[str]:
-        """The tags resumed."""
-        back = set(tags & self.released)
+        """The tags resumed; a tag not released is refused, as SGLang's scheduler fails on one."""
+        if not_released := sorted(tags - self.released):
+            raise ProtocolError(
+                f"tags {', '.join(not_released)} were not released: resume only what /release_memory_occupation "
+                "released (SGLang's scheduler fails on the others)"
+            )
+        back = set(tags)
         if "weights" in back:
             for p, held in self.held.items():
                 if isinstance(held, torch.Tensor):
@@ -480,12 +485,15 @@ class MemoryOccupation:
 
 def give_back_freed_memory() -> None:
     """Return the heap's freed pages to the OS: tensors below glibc's mmap threshold are freed into the heap, where
-    they would stay resident (the non-PyTorch memory left after an offload that verl #5979 reports)."""
+    they would stay resident (the non-PyTorch memory left after an offload that verl #5979 reports); and on a GPU the
+    caching allocator's freed blocks to the device."""
     import ctypes
     import ctypes.util
 
     if (libc := ctypes.util.find_library("c")) is not None and hasattr(lib := ctypes.CDLL(libc), "malloc_trim"):
         lib.malloc_trim(0)
+    if torch.cuda.is_initialized():  # and the caching allocator's to the device, where another process can take it
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
