@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     host = args.host or route_address()
-    if host is None or ipaddress.ip_address(host).is_loopback:
+    if host is None or (not args.host and ipaddress.ip_address(host).is_loopback):
         print(
             f"error: {socket.gethostname()} has no default route and resolves to a loopback address: pass --host, the "
             "address the trainer nodes reach this node at",

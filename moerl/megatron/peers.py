@@ -66,11 +66,11 @@ class PeerWatch:
                 store, self._last_error = None, str(e)
                 continue
             now = time.monotonic()
-            self._answered_at = now
             self._done |= done
             for r, beat in enumerate(beats):
                 if beat != heard[r]:
                     heard[r], self._heard_at[r] = beat, now
+            self._answered_at = now  # last: the judge never sees an answer without the beats it brought
 
     def _judge(self) -> None:
         while not self._stopped.wait(self.interval_s):

@@ -115,7 +115,7 @@ def test_a_colocated_reward_engine_pauses_gives_back_its_weights_and_scores_the_
     from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app
 
     engine = ClassifierEngine(str(reward_model), weights_cpu_backup=True)
-    weights = [p.data for p in engine.model.parameters()]
+    weights = [p.data.clone() for p in engine.model.parameters()]
 
     async def go():
         async with serving_app(build_classifier_app(engine)) as url:

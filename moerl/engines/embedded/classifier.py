@@ -95,11 +95,18 @@ class ClassifierEngine:
         batch = self.token_ids(req)
         rids = req.rid if isinstance(req.rid, list) else [req.rid] * len(batch)
         answers: list[protocol.ClassifyResponse] = []
-        await self.serving.wait()
-        async with self._forward:
+        while True:  # serving, and still so once the model is ours: a pause may come between the two
+            await self.serving.wait()
+            await self._forward.acquire()
+            if self.serving.is_set():
+                break
+            self._forward.release()
+        try:
             for ids, rid in zip(batch, rids, strict=True):
                 scores = await asyncio.to_thread(self.scores, ids)
                 answers.append({"embedding": scores, "meta_info": {"id": rid, "prompt_tokens": len(ids)}})
+        finally:
+            self._forward.release()
         return answers
 
 
