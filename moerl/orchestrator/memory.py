@@ -321,19 +321,11 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
             f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
             f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk"
         )
-    w = cfg.reward.engines
-    reward_weights = reward_params * (4 if w.dtype == "float32" else 2) / w.gpus_per_replica
-    if cfg.reward.model is not None and not w.urls and reward_weights > w.mem_fraction_static * device:
-        problems.append(
-            f"a reward engine GPU holds {reward_weights / GIB:.1f} GiB of weights, more than "
-            f"reward.engines.mem_fraction_static={w.mem_fraction_static} of {device_memory_gb:g} GiB: raise "
-            "reward.engines.gpus_per_replica (tensor parallelism)"
-        )
+    reward_weights, reward_static = _reward_engine(cfg, reward_params, device, problems)
     colocation = None
     if colocated:
-        reward_static = w.mem_fraction_static * device if _colocated_reward(cfg) else 0.0
         colocation = Colocation(
-            engines=e.mem_fraction_static * device + reward_static + TRAINER_RESIDENT_BYTES,
+            engines=e.mem_fraction_static * device + reward_static * _colocated_reward(cfg) + TRAINER_RESIDENT_BYTES,
             push=terms["weights"]
             + engine_weights
             + (cfg.sync.bucket_mb << 20)
@@ -354,8 +346,36 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
         colocation,
         host,
         reward_weights,
-        0 if cfg.reward.model is None or w.urls or colocated else w.replicas * w.gpus_per_replica,
+        _reward_gpus(cfg),
     )
+
+
+def _reward_engine(cfg, reward_params: int, device: float, problems: list[str]) -> tuple[float, float]:
+    """A reward replica's weights and static memory per GPU; ``problems`` gains weights that do not fit. SGLang takes
+    its static memory as a fraction of what is free when it starts: colocated, the reward replicas start beside the
+    policy's engines and the trainer's resident part."""
+    e, w = cfg.engines, cfg.reward.engines
+    reward_weights = reward_params * (4 if w.dtype == "float32" else 2) / w.gpus_per_replica
+    colocated = _colocated_reward(cfg)
+    room = device - (e.mem_fraction_static * device + TRAINER_RESIDENT_BYTES if colocated else 0)
+    static = w.mem_fraction_static * room
+    if cfg.reward.model is not None and not w.urls and reward_weights > static:
+        of = f"the {_size(room)} the policy's engines leave" if colocated else f"{device / GIB:g} GiB"
+        problems.append(
+            f"a reward engine GPU holds {reward_weights / GIB:.1f} GiB of weights, more than "
+            f"reward.engines.mem_fraction_static={w.mem_fraction_static} of {of}: raise "
+            "reward.engines.gpus_per_replica (tensor parallelism)"
+            + (" or reward.engines.mem_fraction_static" if colocated else "")
+        )
+    return reward_weights, static
+
+
+def _reward_gpus(cfg) -> int:
+    """The GPUs of their own the job's reward replicas take: none given by URL, nor colocated."""
+    w = cfg.reward.engines
+    if cfg.reward.model is None or w.urls or cfg.run.placement == "colocated":
+        return 0
+    return w.replicas * w.gpus_per_replica
 
 
 def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
@@ -393,11 +413,10 @@ def _colocation_problems(cfg, c: Colocation, device: float) -> list[str]:
             "ranks' GPUs they share: lower reward.engines.replicas or reward.engines.gpus_per_replica"
         )
     if c.engines > device:
-        reward = f" with reward.engines.mem_fraction_static={w.mem_fraction_static}" if _colocated_reward(cfg) else ""
         problems.append(
-            f"colocated engines' static memory (engines.mem_fraction_static={e.mem_fraction_static}{reward}) and the "
-            f"trainer's {_size(TRAINER_RESIDENT_BYTES)} resident need {_size(c.engines)} of a {_size(device)} GPU: "
-            f"lower the fractions to at most {1 - TRAINER_RESIDENT_BYTES / device:.2f} together"
+            f"colocated engines' static memory (engines.mem_fraction_static={e.mem_fraction_static}) and the trainer's "
+            f"{_size(TRAINER_RESIDENT_BYTES)} resident need {_size(c.engines)} of a {_size(device)} GPU: lower "
+            f"engines.mem_fraction_static to at most {1 - TRAINER_RESIDENT_BYTES / device:.2f}"
         )
     if c.push > device:
         problems.append(

@@ -345,7 +345,7 @@ def test_colocated_engines_are_refused_past_the_gpus_they_share_or_the_memory_le
     crowded = _plan("engines.replicas=8", config=ONE_NODE)
     assert any("colocated engines take 8 x 2 GPUs, more than the 8 trainer ranks' GPUs" in p for p in crowded.problems)
     (greedy,) = _plan("engines.mem_fraction_static=0.99", config=ONE_NODE).problems
-    assert "lower the fractions to at most 0.97 together" in greedy
+    assert "lower engines.mem_fraction_static to at most 0.97" in greedy
     # Unsharded engines hold 56.9 GiB a GPU: beside the trainer's 14.9 GiB, the resident part and an 8 GiB bucket, the
     # handover no longer fits.
     unsharded = ("engines.gpus_per_replica=1", "engines.replicas=8", "sync.bucket_mb=8192")
@@ -355,8 +355,8 @@ def test_colocated_engines_are_refused_past_the_gpus_they_share_or_the_memory_le
 
 def test_colocated_reward_replicas_share_the_trainers_gpus_and_are_released_as_the_policys_engines():
     """Colocated, the job's reward replicas take no GPUs of their own: their static memory joins the engines' phase, a
-    released one adds its assumed remainder to the trainer's phase and the handover, and the fractions must fit
-    together."""
+    released one adds its assumed remainder to the trainer's phase and the handover, and its weights must fit in its
+    fraction of what the policy's engines leave."""
     import json
 
     from moerl.orchestrator import memory
@@ -368,16 +368,18 @@ def test_colocated_reward_replicas_share_the_trainers_gpus_and_are_released_as_t
         mc = json.loads((QWEN3_30B / "config.json").read_text())
         return memory.plan(cfg, mc, trainer_world_size(cfg), 80.0, reward_params=1_500_000_000)
 
-    alone, beside = _plan(config=ONE_NODE), plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.1")
+    alone, beside = _plan(config=ONE_NODE), plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.5")
     assert beside.reward_gpus == 0 and beside.reward_weights == 3e9 and not beside.problems
     assert beside.colocated is not None and alone.colocated is not None
-    assert beside.colocated.engines == pytest.approx(alone.colocated.engines + 0.1 * 80 * GIB)
+    # SGLang's fraction is of what is free when it starts: beside the policy's engines and the trainer's resident part
+    left = alone.device_bytes - alone.colocated.engines
+    assert beside.colocated.engines == pytest.approx(alone.colocated.engines + 0.5 * left)
     assert beside.colocated.push == alone.colocated.push + memory.RELEASED_ENGINE_BYTES
     assert beside.trainer.terms["released engine (assumed)"] == 2 * memory.RELEASED_ENGINE_BYTES
     assert "reward engine: weights 2.8 GiB a GPU, on the trainer's GPUs, released while it trains" in beside.table()
-    (greedy,) = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.5").problems
-    assert "with reward.engines.mem_fraction_static=0.5) and the trainer's" in greedy, greedy
-    crowded = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.1", "reward.engines.replicas=9")
+    (scant,) = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.1").problems
+    assert f"more than reward.engines.mem_fraction_static=0.1 of the {left / GIB:.1f} GiB the policy's engines" in scant
+    crowded = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.5", "reward.engines.replicas=9")
     assert any("colocated reward engines take 9 x 1 GPUs, more than the 8" in p for p in crowded.problems)
 
 
