@@ -361,7 +361,8 @@ class EngineClient:
         released it; SGLang's scheduler fails on a tag it did not release). Weights resumed hold nothing until a push,
         unless the server keeps a host copy."""
         request = P.ResumeMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
-        chosen = self.targets if among is None else [u for u in self.targets if u in set(among)]
+        kept = None if among is None else set(among)
+        chosen = [u for u in self.targets if kept is None or u in kept]
         await asyncio.gather(*(self._call(u, P.RESUME_MEMORY, request) for u in chosen))
 
     async def init_weights_update_group(

@@ -28,9 +28,9 @@ def model_shape(raw: dict) -> ModelShape:
     return family.model_shape(family.normalize(raw))
 
 
-__all__ = ["FAMILIES", "ModelFamily", "ModelShape", "TensorRule", "family_for", "model_shape"]
-
-
 def is_classifier(architectures: list[str]) -> bool:
     """Whether a model of these architectures scores sequences rather than generating (SGLang's reading)."""
     return any(a.endswith(("ForSequenceClassification", "ForRewardModel")) for a in architectures)
+
+
+__all__ = ["FAMILIES", "ModelFamily", "ModelShape", "TensorRule", "family_for", "is_classifier", "model_shape"]

@@ -359,7 +359,7 @@ def _reward_engine(cfg, reward_params: int, device: float, problems: list[str]) 
     colocated = _colocated_reward(cfg)
     room = device - (e.mem_fraction_static * device + TRAINER_RESIDENT_BYTES if colocated else 0)
     static = w.mem_fraction_static * room
-    if cfg.reward.model is not None and not w.urls and reward_weights > static:
+    if _reward_started(cfg) and reward_weights > static:
         of = f"the {_size(room)} the policy's engines leave" if colocated else f"{device / GIB:g} GiB"
         problems.append(
             f"a reward engine GPU holds {reward_weights / GIB:.1f} GiB of weights, more than "
@@ -373,9 +373,14 @@ def _reward_engine(cfg, reward_params: int, device: float, problems: list[str]) 
 def _reward_gpus(cfg) -> int:
     """The GPUs of their own the job's reward replicas take: none given by URL, nor colocated."""
     w = cfg.reward.engines
-    if cfg.reward.model is None or w.urls or cfg.run.placement == "colocated":
+    if not _reward_started(cfg) or cfg.run.placement == "colocated":
         return 0
     return w.replicas * w.gpus_per_replica
+
+
+def _reward_started(cfg) -> bool:
+    """Whether the job starts reward replicas of its own (``reward.model``, not given by URL)."""
+    return cfg.reward.model is not None and not cfg.reward.engines.urls
 
 
 def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
@@ -395,7 +400,7 @@ def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
 def _colocated_reward(cfg) -> bool:
     """Whether the job starts reward replicas on the trainer's GPUs (colocated placement), released as the policy's
     engines are."""
-    return cfg.reward.model is not None and not cfg.reward.engines.urls and cfg.run.placement == "colocated"
+    return _reward_started(cfg) and cfg.run.placement == "colocated"
 
 
 def _colocation_problems(cfg, c: Colocation, device: float) -> list[str]:
