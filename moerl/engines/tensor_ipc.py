@@ -134,6 +134,8 @@ def _allowed() -> dict[tuple[str, str], Any]:
         ("torch", "Size"): torch.Size,
         ("torch", "UntypedStorage"): torch.UntypedStorage,
         ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+        # a CUDA handle's storage class: torch's reduction passes its tensor's typed storage's type
+        ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
         ("types", "SimpleNamespace"): types.SimpleNamespace,
         # SGLang's own bucket metadata (a client that imports SGLang sends it): a dataclass of the same attributes.
         ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): types.SimpleNamespace,

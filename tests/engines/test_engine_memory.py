@@ -136,6 +136,24 @@ def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
     asyncio.run(go())
 
 
+def test_the_globals_a_cuda_handle_names_are_admitted():
+    """torch's reduction of a CUDA tensor names its rebuild and its storage's class, a TypedStorage (the CPU's file
+    handles name an UntypedStorage): the engine's unpickler admits both, or no colocated push on a GPU is taken."""
+    import io
+    import pickle
+
+    import torch
+    from torch.multiprocessing import reductions
+
+    from moerl.engines import tensor_ipc
+
+    storage_class = type(torch.zeros(1)._typed_storage())  # what reduce_tensor passes as rebuild_cuda_tensor's
+    raw = pickle.dumps([reductions.rebuild_cuda_tensor, storage_class, torch.bfloat16, torch.Size([2])])
+    rebuild, storage, dtype, size = tensor_ipc._Unpickler(io.BytesIO(raw)).load()
+    assert storage is storage_class and dtype is torch.bfloat16 and size == torch.Size([2])
+    assert rebuild is not reductions.rebuild_cuda_tensor  # moerl's, which maps a GPU's UUID to its index
+
+
 def test_a_bad_tensor_payload_is_refused_naming_it_and_changes_nothing(small_model):
     import base64
     import os
