@@ -14,6 +14,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moerl.checkpoint.mcore import load_megatron_model
 from moerl.layout import Layout
 from moerl.megatron.forward import forward_logits, run_schedule
+from moerl.megatron.parallel import collective_device
 from moerl.megatron.weights import Gather
 
 # What this process was started with, before any of its code ran (the spawned ranks import this module first).
@@ -145,7 +146,7 @@ def train_steps(mcore_dir: str, trainer_cfg, samples: list, steps: int) -> dict:
         batches = trainer.micro_batches(trainer.batches.scatter(samples))
         trainer.score(batches)
         total = sum(float((mb.advantages * mb.old).sum()) for mb in batches if mb.old is not None)
-        total = torch.tensor(total if parallel_state_counts() else 0.0, dtype=torch.float64)
+        total = torch.tensor(total if parallel_state_counts() else 0.0, dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(total)
         return total.item()
 
@@ -744,3 +745,70 @@ def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str, ki
     engines = sync.engines if rank0 else None
     sync.close()
     return {"raised": raised, "sent": sent[0], "on_device": not trainer.weights_offloaded, "engines": engines}
+
+
+def segment_attention_against_references(dtype_name: str) -> dict:
+    """Packed rows (a prompt, two responses attending to it, a sample of its own, padding; then the same cut short, at
+    another :func:`~moerl.megatron.attention.flex_width`) through
+    :class:`~moerl.megatron.attention.SegmentAttention`, queries, keys and values strided views of one fused projection
+    as megatron-core's are: on this rank's device, the largest relative gaps of its segment-table path against
+    megatron-core's dense-masked path and against each sample's own causal sequence (outputs, and on a GPU the inputs'
+    gradients), and of FlexAttention's kernel forward against the dense path on any device."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from moerl.megatron.attention import SegmentAttention, dense_mask, segment_table
+    from moerl.megatron.parallel import init_distributed
+
+    init_distributed(Layout())
+    dtype = getattr(torch, dtype_name)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    heads, groups, dim = 4, 2, 24  # the tiny Qwen3-MoE's: GQA, a head size no power of two
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=heads, num_query_groups=groups, kv_channels=dim,
+        attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+    )  # fmt: skip
+    attention = SegmentAttention(config, 1, AttnMaskType.causal, "self").to(device)
+    # segments crossing FlexAttention's 128-position blocks: prompt 150, responses 90 and 70, a sample 110, padding 12
+    lengths, prefix = [150, 90, 70, 110, 12], [-1, 0, 0, -1, -1]
+    segments = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths))
+    full = segment_table(segments, torch.tensor(prefix)[segments]).to(device)
+    gen = torch.Generator().manual_seed(0)
+    fused = torch.randn(full.shape[1], 1, groups, (heads // groups + 2) * dim, generator=gen).to(device, dtype)
+    gaps: dict[str, list[float]] = {"flex_vs_dense": [], "kernel_vs_dense": [], "dense_vs_own": [], "grads": []}
+    for length in (full.shape[1], 200):  # all of it; the prompt and part of the first response
+        table = full[:, :length].clone()
+        mixed = fused[:length].clone().requires_grad_(device.type == "cuda")
+        q, k, v = torch.split(mixed, [heads // groups * dim, dim, dim], dim=3)
+        q = q.reshape(length, 1, heads, dim)
+
+        def run(mask, q=q, k=k, v=v, mixed=mixed):
+            out = attention(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
+            grad = torch.autograd.grad(out.float().square().sum(), mixed)[0] if out.requires_grad else None
+            return out.detach().float(), grad
+
+        out, grad = run(table)
+        dense, dense_grad = run(dense_mask(table))
+        real = min(length, 420)
+        # each response as its own sequence after the prompt (the prompt's outputs are its own either way); the sample
+        own = dense.clone()
+        with torch.no_grad():
+            for first, end in ((150, 240), (240, 310), (310, 420)):
+                end = min(end, length)
+                if first >= end:
+                    continue
+                rows = torch.tensor(list(range(150 if first < 310 else 0)) + list(range(first, end)), device=device)
+                alone = attention(q[rows], k[rows], v[rows], None, attn_mask_type=AttnMaskType.causal).float()
+                own[first:end] = alone[-(end - first) :]
+            kernel = attention.flex(q, k, v, table).float()
+
+        def gap(a, b, real=real):
+            return ((a[:real] - b[:real]).abs().max() / b[:real].abs().max()).item()
+
+        gaps["flex_vs_dense"].append(gap(out, dense))
+        gaps["kernel_vs_dense"].append(gap(kernel, dense))
+        gaps["dense_vs_own"].append(gap(dense, own))
+        if grad is not None:
+            gaps["grads"].append(gap(grad, dense_grad))
+    flex_used = device.type == "cuda" and not isinstance(SegmentAttention._cached[1], torch.Tensor)
+    return {"device": device.type, "flex_used": flex_used, **{name: max(v, default=0.0) for name, v in gaps.items()}}

@@ -10,6 +10,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from moerl.layout import Layout
+from moerl.megatron.attention import SegmentAttention
 from moerl.models import family_for, qwen_moe
 
 
@@ -70,9 +71,13 @@ def build_model(
     # RouterReplay keeps a class-level list of every router ever built; a second model in the same
     # process would otherwise receive the first one's replay targets.
     RouterReplay.clear_global_router_replay_instances()
+    spec = family.layer_spec(config, transformer_engine=transformer_engine)
+    if not uses_transformer_engine(transformer_engine):
+        for layer in spec.layer_specs:  # a packed row's segment table as well as megatron-core's masks
+            layer.submodules.self_attention.submodules.core_attention = SegmentAttention
     model = GPTModel(
         config=config,
-        transformer_layer_spec=family.layer_spec(config, transformer_engine=transformer_engine),
+        transformer_layer_spec=spec,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         **family.gpt_model_kwargs(cfg),

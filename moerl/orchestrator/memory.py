@@ -7,8 +7,8 @@ parallelism by the distributed optimizer, the KL reference's copy of the weights
 whole step at most (kept sets included). Then what the largest micro-batch the config allows holds: a sample
 longer than ``micro_batch_tokens`` is a micro-batch of its own, so that is ``max(micro_batch_tokens, prompt +
 max_new_tokens)`` tokens: an estimate of its activations, the fp32 logits' copies, and, where megatron-core's
-local attention computes it (no Transformer Engine), the ``s x s`` attention scores. Per engine GPU: the
-weights and the KV cache left within SGLang's ``mem_fraction_static``, and outside it the communicators of a
+local attention computes a padded micro-batch (no Transformer Engine), the ``s x s`` attention scores. Per engine
+GPU: the weights and the KV cache left within SGLang's ``mem_fraction_static``, and outside it the communicators of a
 broadcast weight sync. The plan is for GPUs of ``run.device_memory_gb`` (default: the visible GPU's memory,
 else 80 GB), with ``auto`` dtypes meaning bf16 as they do on a GPU, so it can be made anywhere.
 """
@@ -80,7 +80,7 @@ class MicroBatchShape:
     longest: int  # the longest sample (longest_sample), within the model's context
     bound: str  # what bounds it
     logits_copies: int
-    local_attention: bool
+    attention: str  # the kernel the trainer's attention runs on a GPU: one of ATTENTION
 
 
 @dataclass
@@ -109,11 +109,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         mb = self.micro_batch
-        attention = (
-            "megatron-core's local attention (s x s scores)"
-            if mb.local_attention
-            else "Transformer Engine's (no s x s scores)"
-        )
+        attention = ATTENTION[mb.attention]
         lines = [
             f"memory plan (device {self.device_bytes / GIB:.0f} GiB; trainer ranks use up to {USABLE:.0%}):",
             f"  trainer rank: {self.trainer.params:,} parameters ({self.trainer.trainable:,} trained)",
@@ -249,7 +245,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
     mb = largest_micro_batch(cfg, mc)
     terms["activations (est.)"] = _activations(mc, t, layout, dtype_bytes, mb.tokens)
     terms["logits (fp32)"] = _logits(mc, layout, dtype_bytes, mb)
-    if mb.local_attention:
+    if mb.attention == "local":
         terms["attention scores (s x s)"] = _attention_scores(mc, t, layout, dtype_bytes, mb)
     r = cfg.rollout
     # every response at its longest (an episode's: its whole stream, at most)
@@ -447,7 +443,7 @@ def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
     # their exp and the product. Every copy is counted at the micro-batch's size: a response fills all but its prompt.
     copies = 3 + (not t.replay.sampling_mask) + 3 * bool(t.loss.entropy_coef)
     return MicroBatchShape(
-        tokens, tokens if t.micro_batch_format == "packed" else longest, longest, bound, copies, local_attention(cfg)
+        tokens, tokens if t.micro_batch_format == "packed" else longest, longest, bound, copies, attention_kernel(cfg)
     )
 
 
@@ -461,18 +457,26 @@ def longest_sample(cfg) -> tuple[int, str]:
     return PROMPT_TOKENS + r.max_new_tokens, f"a prompt taken as {PROMPT_TOKENS:,} + rollout.max_new_tokens"
 
 
-def local_attention(cfg) -> bool:
-    """Whether the trainer computes attention with megatron-core's local DotProductAttention, which materialises the
-    ``[b, heads/tp, s, s]`` scores: with LoRA (it adapts the local layers only: the trainer builds them), or where the
-    plan is made on a CUDA machine without a usable Transformer Engine (the trainer would build the same). A plan made
-    without CUDA takes full fine-tuning to run on Transformer Engine's attention, as the GPU path does."""
-    if cfg.lora.enabled:
-        return True
+ATTENTION = {
+    "local": "megatron-core's local attention (s x s scores)",
+    "flex": "FlexAttention over packed rows (no s x s scores)",
+    "transformer_engine": "Transformer Engine's (no s x s scores)",
+}
+
+
+def attention_kernel(cfg) -> str:
+    """What computes the trainer's attention on a GPU (a key of :data:`ATTENTION`). megatron-core's local layers, built
+    for LoRA (it adapts those only) and on a CUDA machine without a usable Transformer Engine (a plan made without CUDA
+    takes full fine-tuning to run on Transformer Engine's layers, as the GPU path does), take a packed row's segments to
+    FlexAttention; a padded micro-batch to megatron-core's DotProductAttention, which materialises the
+    ``[b, heads/tp, s, s]`` scores."""
     import torch
 
     from moerl.models.qwen_moe import te_usable
 
-    return torch.cuda.is_available() and not te_usable()
+    if not cfg.lora.enabled and not (torch.cuda.is_available() and not te_usable()):
+        return "transformer_engine"
+    return "flex" if cfg.trainer.micro_batch_format == "packed" else "local"
 
 
 def _activations(mc: dict, t, layout, dtype_bytes: int, tokens: int) -> float:
@@ -499,13 +503,12 @@ def _logits(mc: dict, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
 def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
     """megatron-core's local attention: per layer ``heads/tp x b x s x s`` scores, at most ``tokens x width`` per head
     (:data:`SCORE_BYTES`), kept by every layer of the stage (1F1B: by up to two micro-batches, as for the activations)
-    or, with full recompute, by one layer at a time; and the ``[s, s]`` masks: megatron-core's causal mask for a padded
-    micro-batch (:data:`CAUSAL_MASK_TRANSIENT_BYTES`, a bool mask kept per layer), the explicit one of a packed
-    micro-batch (one bool mask for every layer)."""
+    or, with full recompute, by one layer at a time; and megatron-core's ``[s, s]`` causal masks
+    (:data:`CAUSAL_MASK_TRANSIENT_BYTES`, a bool mask kept per layer)."""
     layers = 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
     per = SCORE_BYTES[dtype_bytes]
     scores = mc["num_attention_heads"] / layout.tp * mb.tokens * mb.width
-    masks = mb.width**2 * (1 if t.micro_batch_format == "packed" else layers + CAUSAL_MASK_TRANSIENT_BYTES)
+    masks = mb.width**2 * (layers + CAUSAL_MASK_TRANSIENT_BYTES)
     return scores * (per["buffer"] + per["kept"] * layers + per["transient"]) + masks
 
 
@@ -526,10 +529,9 @@ def _remedy(term: str, bound: str) -> str:
         "logits (fp32)": f"raise trainer.tp (it splits the vocabulary), or lower trainer.micro_batch_tokens or "
         f"{longest}; trainer.loss.entropy_coef=0 and trainer.replay.sampling_mask=true hold fewer "
         "copies",
-        "attention scores (s x s)": "train on Transformer Engine's attention (full fine-tuning where "
-        "transformer_engine is installed: LoRA runs megatron-core's local attention), set "
-        "trainer.recompute=true, trainer.micro_batch_format=padded or raise trainer.tp, or "
-        f"lower trainer.micro_batch_tokens or {longest}",
+        "attention scores (s x s)": "set trainer.micro_batch_format=packed (FlexAttention, no s x s scores), train "
+        "on Transformer Engine's attention (full fine-tuning where transformer_engine is installed), set "
+        f"trainer.recompute=true or raise trainer.tp, or lower trainer.micro_batch_tokens or {longest}",
         "released engine (assumed)": "run.placement=separate gives the engines GPUs of their own",
         "loss inputs (a step, at most)": "lower rollout.top_k (4 bytes a response token for each id of its kept set), "
         f"{key} or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",

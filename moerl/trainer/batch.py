@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moerl.megatron.attention import segment_table
 from moerl.megatron.forward import host_to_device
 from moerl.sample import Sample
 
@@ -157,9 +158,9 @@ class MicroBatch:
 
     def packed_inputs(self, device: torch.device, thd: bool) -> dict:
         """Model inputs of the packed form: positions restarting at each sample (a shared prompt's responses continuing
-        from it), and either Transformer Engine's THD boundaries (``thd``) or an explicit causal mask within each
-        segment and from a response to its prompt, which megatron-core's local attention applies as given. The padding
-        tail is a segment of its own."""
+        from it), and either Transformer Engine's THD boundaries (``thd``) or the row's segment table for
+        :class:`~moerl.megatron.attention.SegmentAttention` (causal within each segment and from a response to its
+        prompt). The padding tail is a segment of its own."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         assert self.cu_seqlens is not None, "packed inputs of a padded micro-batch"
@@ -187,12 +188,8 @@ class MicroBatch:
             }
         # Built on the host: repeat_interleave on a GPU reads its output size back, a wait as long as a blocking copy.
         segments = np.repeat(np.arange(len(lengths)), lengths)
-        segment = host_to_device(torch.from_numpy(segments), device)
-        also = host_to_device(torch.from_numpy(prefix[segments]), device)  # the segment each position's may also see
-        query, key = torch.arange(width, device=device)[:, None], torch.arange(width, device=device)[None, :]
-        visible = (segment[:, None] == segment[None, :]) | (also[:, None] == segment[None, :])
-        blocked = ~visible | (key > query)  # True: may not attend
-        inputs = {"position_ids": positions_t, "attention_mask": blocked[None, None]}
+        table = segment_table(torch.from_numpy(segments), torch.from_numpy(prefix[segments]))
+        inputs = {"position_ids": positions_t, "attention_mask": host_to_device(table, device)}
         if self.prefix_of is not None:  # responses rotated as in their own sequences, after their prompt
             inputs["rope_positions"] = positions_t[0]
         return inputs

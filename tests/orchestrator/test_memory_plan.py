@@ -110,10 +110,10 @@ ATTENTION_MODEL = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8,
 SEQ = 512
 
 
-def attention_peaks(cases: list[tuple[str, bool, int]]) -> list[int]:
-    """On a rank: per (dtype, packed, layers) case, the peak bytes of ``layers`` of megatron-core's local attention
-    (DotProductAttention, as the local layer spec builds it), run forward one after another and then backward, on one
-    row of ``SEQ`` tokens; packed, with the explicit mask of a micro-batch of two samples (MicroBatch.packed_inputs)."""
+def attention_peaks(cases: list[tuple[str, int]]) -> list[int]:
+    """On a rank: per (dtype, layers) case, the peak bytes of ``layers`` of megatron-core's local attention
+    (DotProductAttention, as the local layer spec builds it for a padded micro-batch), run forward one after another
+    and then backward, on one row of ``SEQ`` tokens."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -121,14 +121,13 @@ def attention_peaks(cases: list[tuple[str, bool, int]]) -> list[int]:
     from moerl.megatron.parallel import init_distributed
     from moerl.models import family_for
     from moerl.models.tiny import TINY_QWEN3
-    from moerl.trainer.batch import MicroBatch
 
     init_distributed(Layout())
     cfg = dict(TINY_QWEN3, **ATTENTION_MODEL, architectures=["Qwen3MoeForCausalLM"])
     family = family_for(cfg)
     heads, groups, dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     peaks = []
-    for dtype_name, packed, layers in cases:
+    for dtype_name, layers in cases:
         dtype = getattr(torch, dtype_name)
         config = family.transformer_config(cfg, Layout(), dtype)
         attention = [
@@ -137,18 +136,10 @@ def attention_peaks(cases: list[tuple[str, bool, int]]) -> list[int]:
         ]
         query = torch.randn(SEQ, 1, heads, dim, dtype=dtype, requires_grad=True)
         key, value = (torch.randn(SEQ, 1, groups, dim, dtype=dtype, requires_grad=True) for _ in range(2))
-        half = SEQ // 2
-        mb = MicroBatch(
-            torch.zeros(1, SEQ, dtype=torch.long),
-            *(None,) * 9,
-            fed_lengths=[half, half],
-            cu_seqlens=torch.tensor([0, half, SEQ], dtype=torch.int32),
-        )
         with PeakBytes() as counted:
-            mask = mb.packed_inputs(torch.device("cpu"), thd=False)["attention_mask"] if packed else None
             out = query
             for layer in attention:
-                out = layer(out, key, value, mask).view(SEQ, 1, heads, dim)
+                out = layer(out, key, value, None).view(SEQ, 1, heads, dim)
             out.float().sum().backward()
         peaks.append(counted.peak)
     return peaks
@@ -190,9 +181,7 @@ def test_the_logits_term_is_what_the_logits_path_allocates(measured_logits, samp
     assert measured <= plan.trainer.terms["logits (fp32)"] <= 1.05 * measured
 
 
-ATTENTION_CASES = [
-    (dtype, packed, layers) for dtype in ("bfloat16", "float32") for packed in (False, True) for layers in (1, 3)
-]
+ATTENTION_CASES = [(dtype, layers) for dtype in ("bfloat16", "float32") for layers in (1, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -201,45 +190,48 @@ def measured_attention() -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("dtype, packed, layers", ATTENTION_CASES)
-def test_the_attention_scores_term_is_what_local_attention_allocates(measured_attention, dtype, packed, layers):
-    """megatron-core's local attention (LoRA's) at a [1, 4 heads, 512, 512] shape: the plan's s x s term for a stage of
-    ``layers`` layers without recompute, and with recompute (one layer's at a time) for one layer's, is within 5% below
-    the measured peak (the query, key and value sized tensors, counted with the activations, are in it too) and 20%
-    above. The plan adds megatron-core's per-layer causal masks of a padded micro-batch as a GPU builds them (fp32, then
-    bool); on the CPU one cached bool mask stands in, so the padded terms run higher."""
-    fmt = "packed" if packed else "padded"
+@pytest.mark.parametrize("dtype, layers", ATTENTION_CASES)
+def test_the_attention_scores_term_is_what_local_attention_allocates(measured_attention, dtype, layers):
+    """megatron-core's local attention (LoRA's, a padded micro-batch) at a [1, 4 heads, 512, 512] shape: the plan's
+    s x s term for a stage of ``layers`` layers without recompute, and with recompute (one layer's at a time) for one
+    layer's, is within 5% below the measured peak (the query, key and value sized tensors, counted with the activations,
+    are in it too) and 20% above. The plan adds megatron-core's per-layer causal masks as a GPU builds them (fp32, then
+    bool); on the CPU one cached bool mask stands in, so the terms run higher."""
     for recompute, measured_layers in ((False, layers), (True, 1)):
         plan = _tiny_plan(
             dict(ATTENTION_MODEL, num_hidden_layers=layers),
             "lora.enabled=true",
             f"trainer.dtype={dtype}",
             f"trainer.micro_batch_tokens={SEQ}",
-            f"trainer.micro_batch_format={fmt}",
+            "trainer.micro_batch_format=padded",
             f"trainer.recompute={str(recompute).lower()}",
         )
-        assert plan.micro_batch.local_attention and (plan.micro_batch.tokens, plan.micro_batch.width) == (SEQ, SEQ)
-        measured = measured_attention[(dtype, packed, measured_layers)]
+        assert plan.micro_batch.attention == "local" and (plan.micro_batch.tokens, plan.micro_batch.width) == (SEQ, SEQ)
+        measured = measured_attention[(dtype, measured_layers)]
         assert 0.95 * measured <= plan.trainer.terms["attention scores (s x s)"] <= 1.2 * measured
 
 
 def test_transformer_engine_attention_has_no_scores_term_and_lora_or_a_gpu_without_it_has(monkeypatch):
     """The trainer builds megatron-core's local layers for LoRA, and on a GPU where Transformer Engine is not usable; a
-    plan made without CUDA takes full fine-tuning to run on Transformer Engine's attention."""
+    plan made without CUDA takes full fine-tuning to run on Transformer Engine's attention. On the local layers a
+    padded micro-batch materialises the scores, a packed one does not."""
     from moerl.models import qwen_moe
     from moerl.orchestrator import memory
     from moerl.orchestrator.config import load_config
 
-    full, lora = _plan(), _plan("lora.enabled=true", "sync.method=disk")
+    full, lora = _plan(), _plan("lora.enabled=true", "sync.method=disk", "trainer.micro_batch_format=padded")
     assert "attention scores (s x s)" not in full.trainer.terms
     assert "Transformer Engine's (no s x s scores)" in full.table()
     assert lora.trainer.terms["attention scores (s x s)"] > 20 * GIB  # 16 heads a TP rank, 16,384 x 6,144 tokens a head
     assert "megatron-core's local attention" in lora.table()
+    # packed rows go to FlexAttention on the local layers: block-sparse, no s x s scores
+    packed = _plan("lora.enabled=true", "sync.method=disk", "trainer.micro_batch_format=packed")
+    assert "attention scores (s x s)" not in packed.trainer.terms and "FlexAttention" in packed.table()
     cfg = load_config(REPO / "recipes" / "qwen3_30b_a3b.yaml", [f"model.path={QWEN3_30B}", "engines.urls=[]"])
-    assert not memory.local_attention(cfg)
+    assert memory.attention_kernel(cfg) == "transformer_engine"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(qwen_moe, "te_usable", lambda: False)
-    assert memory.local_attention(cfg)
+    assert memory.attention_kernel(cfg) == "local"  # the recipe's micro-batches are padded
 
 
 def test_a_32k_response_is_a_micro_batch_of_its_own_and_sizes_the_terms():

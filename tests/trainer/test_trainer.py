@@ -160,6 +160,24 @@ def test_a_shared_prompt_is_fed_once_per_group_within_the_budget(r3_runs, fp32_s
     assert metrics["routing/shared_prompt_disagreements"] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_a_shared_prompt_steps_on_a_gpu_as_the_unshared_batch_does(tiny_ckpts, fp32_samples):
+    """On CUDA every forward of a shared-prompt step (the score pass and the training pass) runs FlexAttention's kernel:
+    its loss and gradients are the unshared step's."""
+    mcore = str(tiny_ckpts[ARCH][1])
+    plain, shared = (
+        run_ranks(train_steps, 1, mcore, config("R3", **layout), fp32_samples, 1, use_cuda=True)[0]
+        for layout in ({}, SHARED)
+    )
+    assert shared["metrics"][0]["train/tokens_fed"] < plain["metrics"][0]["train/tokens_fed"]
+    assert shared["metrics"][0]["train/loss"] == pytest.approx(plain["metrics"][0]["train/loss"], rel=1e-5)
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(
+            shared["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name
+        )
+
+
 @pytest.mark.e2e
 def test_a_shared_prompt_crosses_the_data_plane_once_per_replica(tiny_ckpts, fp32_samples):
     """trainer.shared_prompt at PP2xDP2 (EP2): a group's samples go to one replica, and only its first sample's prompt

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from moerl.megatron.attention import dense_mask
 from moerl.megatron.launch import run_ranks
 from moerl.sample import Sample
 from moerl.trainer.batch import build_micro_batch
@@ -242,7 +243,7 @@ def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_o
     assert batch.targets.tolist() == [t for s in samples for t in s.response_ids.tolist()]
     inputs = batch.packed_inputs(torch.device("cpu"), thd=False)
     assert inputs["rope_positions"].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 0, 1, 2, 3]
-    sees = ~inputs["attention_mask"][0, 0]
+    sees = ~dense_mask(inputs["attention_mask"])[0, 0]
     assert sees[7].nonzero().flatten().tolist() == [0, 1, 2, 6, 7]  # the second response: the prompt and itself
     assert sees[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
     assert sees[11].nonzero().flatten().tolist() == [8, 9, 10, 11]  # the sample of its own sees only itself
