@@ -520,15 +520,17 @@ class EngineClient:
         down_timeout_s: float,
         timeout_key: str,
         poll_s: float,
-        meanwhile: Callable[[], Awaitable[None]] | None = None,
+        meanwhile: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         """Return once a replica is healthy; while none is, awaits ``meanwhile`` (a probe, where nothing else probes)
         before each look. Raises :class:`EnginesDown`, naming ``timeout_key`` and each replica's state, after
-        ``down_timeout_s``."""
+        ``down_timeout_s`` without one; a wait that ``meanwhile`` finds a replica alive in (True: paused by another
+        process, say) does not count."""
         deadline = time.monotonic() + down_timeout_s
         while not self.health.usable():
             if meanwhile is not None:
-                await meanwhile()
+                if await meanwhile():
+                    deadline = time.monotonic() + down_timeout_s
                 if self.health.usable():
                     return
             if time.monotonic() > deadline:

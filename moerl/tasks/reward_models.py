@@ -116,6 +116,7 @@ class RewardModel:
         self.client = EngineClient(urls, timeout_s=timeout_s, retries=0, failures_to_dead=failures_to_dead)
         self.down_timeout_s, self.health_interval_s = down_timeout_s, health_interval_s
         self._probing, self._probed_at = asyncio.Lock(), -math.inf
+        self._paused = False  # the last probe found a replica alive but none healthy
 
     def conversation_ids(self, prompt: str, response: str) -> list[int]:
         """What a discriminative model scores: the prompt and the response as a user's turn and the assistant's,
@@ -197,14 +198,17 @@ class RewardModel:
             finally:
                 self.client.in_flight[url] -= 1
 
-    async def _probe(self) -> None:
+    async def _probe(self) -> bool:
         """/health of each replica out of rotation, at most once per ``health_interval_s`` however many groups wait:
-        one that answers is back (it holds no policy to be stale in)."""
+        one that answers is back (it holds no policy to be stale in). Whether one that does not still answers
+        /model_info: paused, as colocated replicas are while the trainer trains (SGLang's /health waits on a paused
+        scheduler), so not down."""
         async with self._probing:
-            if time.monotonic() - self._probed_at < self.health_interval_s:
-                return
-            await self.client.probe_out_of_rotation()
-            self._probed_at = time.monotonic()
+            if time.monotonic() - self._probed_at >= self.health_interval_s:
+                await self.client.probe_out_of_rotation()
+                self._paused = not self.client.health.usable() and any(await self.client.healthy(paused=True))
+                self._probed_at = time.monotonic()
+            return self._paused
 
     async def close(self) -> None:
         await self.client.close()

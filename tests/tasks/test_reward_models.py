@@ -152,6 +152,36 @@ def test_a_reward_replica_that_dies_costs_a_retry_and_one_started_again_scores_w
         asyncio.run(go())
 
 
+def test_a_paused_reward_replica_holds_its_scores_past_the_down_timeout_and_serves_them_after(classifier, tmp_path):
+    """Colocated reward replicas are paused for the trainer's phase, however long. A score asked meanwhile times out,
+    and /health fails while paused (as SGLang's does), yet the replica answers /model_info: it is paused, not down, so
+    the score waits past reward.engines.down_timeout_s and is the live replica's once generation continues."""
+    from moerl.engines.client import EngineClient
+    from moerl.tasks.reward_models import RewardModel, Stats
+
+    with running_pool(classifier, tmp_path / "logs", 1) as pool:
+
+        async def go():
+            reward_model = RewardModel(
+                pool.urls, classifier, "discriminative", timeout_s=0.5, down_timeout_s=1.0, health_interval_s=0.2
+            )
+            try:
+                before = await reward_model.score(PROMPT, RESPONSES, ANSWER)
+                async with EngineClient(pool.urls) as lead:
+                    await lead.pause("retract")
+                    assert await lead.healthy() == [False] and await lead.healthy(paused=True) == [True]
+                    stats = Stats(float)
+                    waiting = asyncio.create_task(reward_model.score(PROMPT, RESPONSES, ANSWER, stats))
+                    await asyncio.sleep(3.0)  # three down timeouts
+                    assert not waiting.done() and reward_model.client.health.usable() == []  # its request timed out
+                    await lead.resume()
+                assert await waiting == before and stats["reward_engines/retries"] >= 1
+            finally:
+                await reward_model.close()
+
+        asyncio.run(go())
+
+
 def test_the_demo_reward_model_ranks_each_prompts_sum_above_every_other_answer(tmp_path):
     """reward.model=demo: the tiny classifier, warmed up on the task's right and wrong answers, scores each prompt's
     sum above every other answer the tiny policy could give, and right answers above zero and wrong ones below: a

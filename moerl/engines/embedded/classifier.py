@@ -120,6 +120,9 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
         return web.json_response(answers if req.batched else answers[0], dumps=_dumps)
 
     async def health(request: web.Request) -> web.Response:
+        # As SGLang's, whose /health runs a request through the scheduler: not while paused.
+        if not engine.serving.is_set():
+            return web.Response(status=503, text="generation is paused")
         return web.Response(text="ok")
 
     async def model_info(request: web.Request) -> web.Response:
