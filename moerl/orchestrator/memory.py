@@ -90,6 +90,7 @@ class Colocation:
     engines: float  # the engines generate: their static memory (weights, KV cache) beside the trainer's resident part
     push: float  # the handover: the trainer's weights, the engines' weights and one bucket, beside what stays resident
     ranks: int  # trainer ranks on the node, each keeping MemoryPlan.host in host memory
+    reward_backup: float = 0.0  # the node's reward replicas' weights, copied into host memory (weights CPU backup)
 
 
 @dataclass
@@ -149,7 +150,8 @@ class MemoryPlan:
                 f"    {'engines generate':<30}{_size(c.engines):>12}  (mem_fraction_static, and the trainer's "
                 f"{_size(TRAINER_RESIDENT_BYTES)} resident: CUDA context, NCCL, assumed)",
                 f"    {'weight handover':<30}{_size(c.push):>12}  (trainer and engine weights, a bucket, resident)",
-                f"  host memory per node: {_size(sum(self.host.values()) * c.ranks)} ({c.ranks} ranks)",
+                f"  host memory per node: {_size(sum(self.host.values()) * c.ranks + c.reward_backup)} ({c.ranks} ranks"
+                + (f", and {_size(c.reward_backup)} of the reward replicas' weights)" if c.reward_backup else ")"),
             ]
         return "\n".join(lines)
 
@@ -328,6 +330,10 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
             + RELEASED_ENGINE_BYTES * (1 + _colocated_reward(cfg))
             + TRAINER_RESIDENT_BYTES,
             ranks=world,
+            # each reward GPU's weights (a replica's over its GPUs), kept in host memory while released
+            reward_backup=reward_weights * cfg.reward.engines.replicas * cfg.reward.engines.gpus_per_replica
+            if _colocated_reward(cfg)
+            else 0.0,
         )
         problems += _colocation_problems(cfg, colocation, device)
     return MemoryPlan(

@@ -369,6 +369,12 @@ def test_colocated_reward_replicas_share_the_trainers_gpus_and_are_released_as_t
     assert beside.colocated.push == alone.colocated.push + memory.RELEASED_ENGINE_BYTES
     assert beside.trainer.terms["released engine (assumed)"] == 2 * memory.RELEASED_ENGINE_BYTES
     assert "reward engine: weights 2.8 GiB a GPU, on the trainer's GPUs, released while it trains" in beside.table()
+    # every reward GPU's weights wait in host memory while released (--enable-weights-cpu-backup)
+    w = load_config(None, ["reward.model=/models/rm"]).reward.engines
+    assert beside.colocated.reward_backup == 3e9 * w.replicas * w.gpus_per_replica
+    assert alone.colocated.reward_backup == 0
+    node = sum(beside.host.values()) * beside.colocated.ranks + beside.colocated.reward_backup
+    assert f"host memory per node: {node / 2**30:.1f} GiB (8 ranks, and " in beside.table()
     (scant,) = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.1").problems
     assert f"more than reward.engines.mem_fraction_static=0.1 of the {left / GIB:.1f} GiB the policy's engines" in scant
     crowded = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.5", "reward.engines.replicas=9")
