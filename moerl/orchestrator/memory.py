@@ -78,7 +78,7 @@ class MicroBatchShape:
     tokens: int
     width: int
     longest: int  # the longest sample (longest_sample), within the model's context
-    bound: str  # what bounds it
+    bound: str  # the config key that bounds it
     logits_copies: int
     attention: str  # the kernel the trainer's attention runs on a GPU: one of ATTENTION
 
@@ -115,7 +115,7 @@ class MemoryPlan:
             f"memory plan (device {self.device_bytes / GIB:.0f} GiB; trainer ranks use up to {USABLE:.0%}):",
             f"  trainer rank: {self.trainer.params:,} parameters ({self.trainer.trainable:,} trained)",
             f"  largest micro-batch: {mb.tokens:,} tokens in rows of up to {mb.width:,}; longest sample "
-            f"{mb.longest:,} tokens ({mb.bound}, within the model's context)",
+            f"{mb.longest:,} tokens ({_bound_text(mb.bound)}, within the model's context)",
             f"  {mb.logits_copies} fp32 logits copies; attention: {attention}",
         ]
         lines += [f"    {name:<30}{_size(value):>12}" for name, value in self.trainer.terms.items()]
@@ -454,13 +454,18 @@ def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
 
 
 def longest_sample(cfg) -> tuple[int, str]:
-    """The most tokens a sample may hold, and what bounds it: an agent's episode holds at most
+    """The most tokens a sample may hold, and the config key that bounds it: an agent's episode holds at most
     ``rollout.max_episode_tokens``, its prompt included; a single turn, a prompt of PROMPT_TOKENS and
     ``rollout.max_new_tokens``."""
     r = cfg.rollout
     if r.agent is not None:
         return r.max_episode_tokens, "rollout.max_episode_tokens"
-    return PROMPT_TOKENS + r.max_new_tokens, f"a prompt taken as {PROMPT_TOKENS:,} + rollout.max_new_tokens"
+    return PROMPT_TOKENS + r.max_new_tokens, "rollout.max_new_tokens"
+
+
+def _bound_text(key: str) -> str:
+    """What :func:`longest_sample`'s bounding ``key`` takes a sample as."""
+    return f"a prompt taken as {PROMPT_TOKENS:,} + {key}" if key == "rollout.max_new_tokens" else key
 
 
 ATTENTION = {
@@ -518,9 +523,8 @@ def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape
     return scores * (per["buffer"] + per["kept"] * layers + per["transient"]) + masks
 
 
-def _remedy(term: str, bound: str) -> str:
-    """What shrinks ``term``; ``bound``: what bounds the longest sample (:func:`longest_sample`)."""
-    key = bound.split()[-1]
+def _remedy(term: str, key: str) -> str:
+    """What shrinks ``term``; ``key``: the config key that bounds the longest sample (:func:`longest_sample`)."""
     longest = f"{key} (a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)"
     return {
         "weights": "shard the model over more GPUs (raise trainer.ep for the experts, trainer.tp or trainer.pp), or "
