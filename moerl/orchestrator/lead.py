@@ -124,10 +124,14 @@ class Lead:
     def wake_reward_engines(self) -> None:
         """Colocated, once the policy's engines generate again: the reward replicas the sleep released take back their
         memory (their weights from host memory: they take no updates) and score again. One started again since holds
-        its memory and serves already; SGLang's scheduler fails on a resume of what it did not release."""
+        its memory and serves already; SGLang's scheduler fails on a resume of what it did not release. One that fails
+        to wake is killed and started again: the manager's scoring waits on a paused replica, since it answers."""
         woken = sorted(self.reward_released)
         self.reward_released = set()
-        self._on_colocated_reward(woken, "take back their memory", _take_back_memory)
+        failed = set(woken) - self._on_colocated_reward(woken, "take back their memory", _take_back_memory)
+        if failed and self.reward_pool is not None:  # left paused or without its memory, it would never score again
+            log.warning("colocated: reward engine(s) %s killed, to be started again", ", ".join(sorted(failed)))
+            self.reward_pool.kill(sorted(failed))
 
     @staticmethod
     def _on_colocated_reward(urls: list[str], what: str, call) -> set[str]:
@@ -298,7 +302,11 @@ REWARD_MEMORY_TIMEOUT_S = 120.0  # a release or resume of a reward replica's mem
 
 async def _release_memory(client: EngineClient) -> None:
     await client.pause("retract")
-    await client.release_memory()
+    try:
+        await client.release_memory()
+    except (MoerlError, EngineError):
+        await client.resume()  # it serves on, holding its memory, rather than staying paused through the step
+        raise
 
 
 async def _take_back_memory(client: EngineClient) -> None:

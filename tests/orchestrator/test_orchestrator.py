@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -802,6 +803,38 @@ def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_wh
     job.interlude(job_module.Pause.CATCH_UP)
     assert served == [(("4", ["http://b"], None, 4), {"also": True})]
     assert lead.caught_up == {"http://a", "http://b"} and lead.catch_ups == 1
+
+
+def test_a_reward_replica_that_fails_to_wake_is_killed_and_one_that_fails_to_release_serves_on():
+    """Colocated reward replicas: one whose wake fails would stay paused or without its memory, and the manager's
+    scoring waits on a paused replica that answers, so the Lead kills it for revive to start it again; one whose
+    release fails after its pause is continued, serving on with its memory, rather than left paused for the step."""
+    from moerl.engines.client import EngineError
+    from moerl.orchestrator.lead import Lead, _release_memory
+
+    killed = []
+    lead = Lead.__new__(Lead)  # rank 0's part, without the processes it starts
+    lead.reward_pool = SimpleNamespace(kill=lambda urls: killed.extend(urls) or urls)
+    lead.reward_released = {"http://127.0.0.1:9"}  # nothing listens on the discard port: its resume fails
+    lead.wake_reward_engines()
+    assert killed == ["http://127.0.0.1:9"] and lead.reward_released == set()
+
+    calls = []
+
+    class Replica:
+        async def pause(self, mode):
+            calls.append(f"pause {mode}")
+
+        async def release_memory(self):
+            calls.append("release")
+            raise EngineError("http://r", "/release_memory_occupation refused (400): busy", 400)
+
+        async def resume(self):
+            calls.append("continue")
+
+    with pytest.raises(EngineError):
+        asyncio.run(_release_memory(Replica()))
+    assert calls == ["pause retract", "release", "continue"]
 
 
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
