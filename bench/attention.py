@@ -43,8 +43,9 @@ def main() -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from moerl.layout import Layout
-    from moerl.megatron.attention import SegmentAttention, block_mask, dense_mask, segment_table
+    from moerl.megatron.attention import SegmentAttention
     from moerl.megatron.parallel import init_distributed
+    from moerl.megatron.segments import block_mask, dense_mask, segment_table
 
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py times GPU kernels: no CUDA device is visible")

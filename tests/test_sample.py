@@ -47,7 +47,7 @@ def test_packing_fills_rows_up_to_the_budget():
 
 
 def test_a_packed_micro_batch_lays_samples_end_to_end_and_walls_them_off():
-    from moerl.megatron.attention import dense_mask
+    from moerl.megatron.segments import dense_mask
     from moerl.trainer.batch import build_micro_batch
 
     samples = [_sample([1, 2, 3], [4, 5], 0), _sample([6], [7, 8, 9], 1)]

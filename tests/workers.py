@@ -757,8 +757,9 @@ def segment_attention_against_references(dtype_name: str) -> dict:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from moerl.megatron.attention import SegmentAttention, dense_mask, segment_table
+    from moerl.megatron.attention import SegmentAttention
     from moerl.megatron.parallel import init_distributed
+    from moerl.megatron.segments import dense_mask, segment_table
 
     init_distributed(Layout())
     dtype = getattr(torch, dtype_name)

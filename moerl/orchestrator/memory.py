@@ -249,6 +249,8 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
     terms["logits (fp32)"] = _logits(mc, layout, dtype_bytes, mb)
     if mb.attention == "local":
         terms["attention scores (s x s)"] = _attention_scores(mc, t, layout, dtype_bytes, mb)
+    elif mb.attention == "flex":
+        terms["attention rows (FlexAttention)"] = _flex_rows(mc, t, layout, dtype_bytes, mb)
     r = cfg.rollout
     # every response at its longest (an episode's: its whole stream, at most)
     response = r.max_episode_tokens if r.agent is not None else r.max_new_tokens
@@ -523,6 +525,19 @@ def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape
     return scores * (per["buffer"] + per["kept"] * layers + per["transient"]) + masks
 
 
+def _flex_rows(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
+    """What FlexAttention keeps for the backward beyond the activations: per layer the queries, keys, values and
+    output as contiguous rows padded to :func:`~moerl.megatron.segments.flex_width`, and the fp32 log-sum-exp per
+    head and position; kept as the scores are (:func:`_attention_scores`)."""
+    from moerl.megatron.segments import flex_width
+
+    layers = 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
+    heads, groups = mc["num_attention_heads"] / layout.tp, mc["num_key_value_heads"] / layout.tp
+    head_dim = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+    per_position = (2 * heads + 2 * groups) * head_dim * dtype_bytes + heads * 4
+    return layers * flex_width(mb.width) * per_position
+
+
 def _remedy(term: str, key: str) -> str:
     """What shrinks ``term``; ``key``: the config key that bounds the longest sample (:func:`longest_sample`)."""
     longest = f"{key} (a sample longer than trainer.micro_batch_tokens is a micro-batch of its own)"
@@ -542,6 +557,8 @@ def _remedy(term: str, key: str) -> str:
         "attention scores (s x s)": "set trainer.micro_batch_format=packed (FlexAttention, no s x s scores), train "
         "on Transformer Engine's attention (full fine-tuning where transformer_engine is installed), set "
         f"trainer.recompute=true or raise trainer.tp, or lower trainer.micro_batch_tokens or {longest}",
+        "attention rows (FlexAttention)": "set trainer.recompute=true or raise trainer.tp, or lower "
+        f"trainer.micro_batch_tokens or {longest}",
         "released engine (assumed)": "run.placement=separate gives the engines GPUs of their own",
         "loss inputs (a step, at most)": "lower rollout.top_k (4 bytes a response token for each id of its kept set), "
         f"{key} or rollout.groups_per_step, or add data parallelism (run.trainer_ranks)",

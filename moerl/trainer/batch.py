@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moerl.megatron.attention import segment_table
 from moerl.megatron.forward import host_to_device
+from moerl.megatron.segments import segment_table
 from moerl.sample import Sample
 
 

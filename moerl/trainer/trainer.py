@@ -168,12 +168,12 @@ class Trainer:
         self.moe_layers = [i for i, moe in enumerate(family.moe_layer_pattern(self.hf_config)) if moe]
         self.routers = LocalRouters(self.model, self.moe_layers)
         self.batches = BatchDistributor(cfg, self.routers.columns)
-        # Packed micro-batches go to Transformer Engine's attention as THD, to megatron-core's own as a mask.
+        # Packed micro-batches go to Transformer Engine's attention as THD, to the local layers as a segment table.
         self.thd = any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
         if cfg.shared_prompt and self.thd:
             raise ConfigError(
                 "trainer.shared_prompt: Transformer Engine's attention takes packed samples as THD, which cannot "
-                "attend to a shared prompt; only megatron-core's local attention (its explicit mask) runs it for now"
+                "attend to a shared prompt; only megatron-core's local layers (SegmentAttention) run it for now"
             )
         if cfg.recompute:
             replay_through_recompute()

@@ -33,7 +33,7 @@ def test_flex_attention_on_a_gpu_equals_the_dense_mask_forward_and_backward(dtyp
 def test_a_kernel_whose_rows_differ_from_the_reference_is_refused_before_its_output_is_used():
     from torch.nn.attention.flex_attention import flex_attention
 
-    from moerl.megatron.attention import KernelMismatch, block_mask, check_rows, flex_width, segment_table
+    from moerl.megatron.segments import KernelMismatch, block_mask, check_rows, flex_width, segment_table
 
     segments = torch.repeat_interleave(torch.arange(3), torch.tensor([40, 30, 30]))
     table = segment_table(segments, torch.tensor([-1, 0, -1])[segments])

@@ -227,6 +227,9 @@ def test_transformer_engine_attention_has_no_scores_term_and_lora_or_a_gpu_witho
     # packed rows go to FlexAttention on the local layers: block-sparse, no s x s scores
     packed = _plan("lora.enabled=true", "sync.method=disk", "trainer.micro_batch_format=packed")
     assert "attention scores (s x s)" not in packed.trainer.terms and "FlexAttention" in packed.table()
+    # what it keeps instead: its padded rows of queries, keys, values and output, a few percent of the scores
+    rows = packed.trainer.terms["attention rows (FlexAttention)"]
+    assert 0 < rows < lora.trainer.terms["attention scores (s x s)"] / 20
     cfg = load_config(REPO / "recipes" / "qwen3_30b_a3b.yaml", [f"model.path={QWEN3_30B}", "engines.urls=[]"])
     assert memory.attention_kernel(cfg) == "transformer_engine"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

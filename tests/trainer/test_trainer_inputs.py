@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.megatron.attention import dense_mask
 from moerl.megatron.launch import run_ranks
+from moerl.megatron.segments import dense_mask
 from moerl.sample import Sample
 from moerl.trainer.batch import build_micro_batch
 
