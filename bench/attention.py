@@ -106,8 +106,8 @@ def main() -> None:
 
         lengths = [prompt] + [response] * args.group
         segments = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        prefix = torch.tensor([-1] + [0] * args.group)
-        table = segment_table(segments, prefix[segments]).to(device)
+        exits = torch.tensor([1 + args.group] + [2 + k for k in range(args.group)])  # the prompt's subtree: all
+        table = segment_table(segments, exits[segments]).to(device)
         s = prompt + args.group * response
         packed = inputs(s, 1)
         for way, mask in (("dense", dense_mask(table)), ("flex", table)):

@@ -770,10 +770,11 @@ def segment_attention_against_references(dtype_name: str) -> dict:
         attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
     )  # fmt: skip
     attention = SegmentAttention(config, 1, AttnMaskType.causal, "self").to(device)
-    # segments crossing FlexAttention's 128-position blocks: prompt 150, responses 90 and 70, a sample 110, padding 12
-    lengths, prefix = [150, 90, 70, 110, 12], [-1, 0, 0, -1, -1]
+    # segments crossing FlexAttention's 128-position blocks: prompt 150, responses 90 and 70 (the prompt's subtree), a
+    # sample 110, padding 12; each segment's subtree end
+    lengths, exits = [150, 90, 70, 110, 12], [3, 2, 3, 4, 5]
     segments = torch.repeat_interleave(torch.arange(5), torch.tensor(lengths))
-    full = segment_table(segments, torch.tensor(prefix)[segments]).to(device)
+    full = segment_table(segments, torch.tensor(exits)[segments]).to(device)
     gen = torch.Generator().manual_seed(0)
     fused = torch.randn(full.shape[1], 1, groups, (heads // groups + 2) * dim, generator=gen).to(device, dtype)
     gaps: dict[str, list[float]] = {"flex_vs_dense": [], "kernel_vs_dense": [], "dense_vs_own": [], "grads": []}

@@ -12,21 +12,31 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from moerl.errors import MoerlError
 
 
-def segment_table(segments: torch.Tensor, also: torch.Tensor) -> torch.Tensor:
-    """int64 ``[2, s]``: each position's segment, and the one (its group's prompt) it also sees, -1 for none."""
-    return torch.stack([segments, also]).to(torch.int64)
+def segment_table(enter: torch.Tensor, exit_: torch.Tensor) -> torch.Tensor:
+    """int64 ``[2, s]``: per position, its segment's index in the row and the index after that segment's subtree.
+
+    A packed row lays its segments out as a tree in depth-first order: a sample alone is a segment without children;
+    a prefix several samples share (a group's prompt, an episode's history before a fork) is a segment whose subtree
+    holds what follows it in each. Segment ``a`` is an ancestor of ``b`` (or ``b`` itself) exactly when
+    ``enter[a] <= enter[b] < exit[a]``."""
+    return torch.stack([enter, exit_]).to(torch.int64)
 
 
 def is_segment_table(mask: torch.Tensor | None) -> bool:
     return mask is not None and mask.dim() == 2 and mask.shape[0] == 2 and mask.dtype == torch.int64
 
 
+def sees(table: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Whether each ``query`` position attends to each ``key`` position (broadcast index tensors): causally, within
+    its own segment and its ancestors'."""
+    enter, exit_ = table[0], table[1]
+    return (key <= query) & (enter[key] <= enter[query]) & (enter[query] < exit_[key])
+
+
 def dense_mask(table: torch.Tensor) -> torch.Tensor:
     """bool ``[1, 1, s, s]``, True where a query may not attend to a key: megatron-core's mask convention."""
-    segment, also = table[0], table[1]
-    positions = torch.arange(segment.numel(), device=table.device)
-    visible = (segment[:, None] == segment[None, :]) | (also[:, None] == segment[None, :])
-    return (~visible | (positions[None, :] > positions[:, None]))[None, None]
+    positions = torch.arange(table.shape[1], device=table.device)
+    return ~sees(table, positions[:, None], positions[None, :])[None, None]
 
 
 def flex_width(length: int) -> int:
@@ -43,12 +53,12 @@ def block_mask(table: torch.Tensor) -> BlockMask:
     compiled kernel on a GPU, without an ``s x s`` tensor."""
     length = table.shape[1]
     width = flex_width(length)
-    # The padding's segment id, ``length``, is no real one's (each holds a position); -1: it sees no prompt.
-    padding = torch.tensor([[length], [-1]], dtype=table.dtype, device=table.device).expand(2, width - length)
-    segment, also = torch.cat([table, padding], dim=1)
+    # The padding is a segment of its own, after every real one (there are at most ``length``), with no children.
+    padding = torch.tensor([[length], [length + 1]], dtype=table.dtype, device=table.device).expand(2, width - length)
+    padded = torch.cat([table, padding], dim=1)
 
     def visible(b, h, q, k):
-        return (k <= q) & ((segment[k] == segment[q]) | (segment[k] == also[q]))
+        return sees(padded, q, k)
 
     build = compiled(create_block_mask) if table.is_cuda else create_block_mask
     return build(visible, None, None, width, width, device=table.device)
@@ -72,13 +82,10 @@ def check_rows(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     with torch.no_grad():
         rows = torch.linspace(0, length - 1, min(length, 64), device=q.device).long()
         keys = torch.arange(length, device=q.device)
-        segment, also = table[0], table[1]
-        sees = (keys[None, :] <= rows[:, None]) & (
-            (segment[None, :] == segment[rows][:, None]) | (segment[None, :] == also[rows][:, None])
-        )
+        visible = sees(table, rows[:, None], keys[None, :])
         repeat = q.shape[1] // k.shape[1]
         keys_, values = (t[0, :, :length].float().repeat_interleave(repeat, dim=0) for t in (k, v))
-        scores = (q[0, :, rows].float() @ keys_.transpose(1, 2) * scale).masked_fill(~sees, float("-inf"))
+        scores = (q[0, :, rows].float() @ keys_.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
         expected = scores.softmax(dim=-1) @ values
         gap = ((out[0, :, rows].float() - expected).abs().max() / expected.abs().max()).item()
     if not gap <= _TOLERANCE[q.dtype]:

@@ -130,9 +130,10 @@ class MicroBatch:
     routing_differs: torch.Tensor | None = None
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
     cu_seqlens: torch.Tensor | None = None  # int32 [n+1]: packed form: where each segment starts and ends in the row
-    # Packed form with shared prompts: per segment, the segment (its group's prompt) it also attends to, -1 for none;
-    # a response's positions continue from its prompt's. None: every segment is a sample, attending only to itself.
-    prefix_of: np.ndarray | None = None
+    # Packed form with shared prefixes: int64 [segments, 2], per segment (in row order, a depth-first order of their
+    # tree) the index after its subtree and the position its first token had in its samples' own sequences. None:
+    # every segment is a sample, attending only to itself.
+    tree: np.ndarray | None = None
 
     def loss_inputs_to(self, device: torch.device) -> None:
         """The per-token tensors the passes' log-probs and the loss read, moved to ``device`` once, before any pass,
@@ -157,10 +158,10 @@ class MicroBatch:
         return np.arange(width)[None, :] < ends[:, None]
 
     def packed_inputs(self, device: torch.device, thd: bool) -> dict:
-        """Model inputs of the packed form: positions restarting at each sample (a shared prompt's responses continuing
-        from it), and either Transformer Engine's THD boundaries (``thd``) or the row's segment table for
-        :class:`~moerl.megatron.attention.SegmentAttention` (causal within each segment and from a response to its
-        prompt). The padding tail is a segment of its own."""
+        """Model inputs of the packed form: positions restarting at each sample (what follows a shared prefix
+        continuing from it), and either Transformer Engine's THD boundaries (``thd``) or the row's segment table for
+        :class:`~moerl.megatron.attention.SegmentAttention` (causal within each segment and to its ancestors, the
+        prefixes it follows). The padding tail is a segment of its own."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         assert self.cu_seqlens is not None, "packed inputs of a padded micro-batch"
@@ -169,14 +170,13 @@ class MicroBatch:
         if bounds[-1] < width:
             bounds.append(width)
         lengths = np.diff(bounds)
-        prefix = np.full(len(lengths), -1)
-        if self.prefix_of is not None:
-            prefix[: len(self.prefix_of)] = self.prefix_of
-        offsets = np.where(prefix >= 0, lengths[np.maximum(prefix, 0)], 0)
+        exits, offsets = np.arange(1, len(lengths) + 1), np.zeros(len(lengths), dtype=np.int64)
+        if self.tree is not None:
+            exits[: len(self.tree)], offsets[: len(self.tree)] = self.tree[:, 0], self.tree[:, 1]
         positions = np.concatenate([offset + np.arange(n) for offset, n in zip(offsets, lengths, strict=True)])
         positions_t = host_to_device(torch.from_numpy(positions), device)[None, :]
         if thd:
-            assert self.prefix_of is None, "THD packing is block-diagonal: it cannot attend to a shared prompt"
+            assert self.tree is None, "THD packing is block-diagonal: it cannot attend to a shared prefix"
             cu = host_to_device(torch.tensor(bounds, dtype=torch.int32), device)
             longest = int(lengths.max())
             return {
@@ -188,9 +188,9 @@ class MicroBatch:
             }
         # Built on the host: repeat_interleave on a GPU reads its output size back, a wait as long as a blocking copy.
         segments = np.repeat(np.arange(len(lengths)), lengths)
-        table = segment_table(torch.from_numpy(segments), torch.from_numpy(prefix[segments]))
+        table = segment_table(torch.from_numpy(segments), torch.from_numpy(exits[segments]))
         inputs = {"position_ids": positions_t, "attention_mask": host_to_device(table, device)}
-        if self.prefix_of is not None:  # responses rotated as in their own sequences, after their prompt
+        if self.tree is not None:  # what follows a shared prefix rotated as in its own sequence, after the prefix
             inputs["rope_positions"] = positions_t[0]
         return inputs
 
@@ -206,47 +206,90 @@ def padding_routing(count: int, topk: int, num_experts: int, dtype: np.dtype) ->
     return ((np.arange(count)[:, None] + offsets) % num_experts).astype(dtype)
 
 
-def shared_runs(shares: list[int]) -> list[list[int]]:
-    """Positions ``0..n-1`` in runs of consecutive equal ``shares`` (a run of several shares one prompt)."""
+def shared_runs(shared: list[int]) -> list[list[int]]:
+    """Positions ``0..n-1`` in runs: a sample that shares a prefix with the one before it (``shared`` tokens, > 0)
+    joins its run."""
     runs: list[list[int]] = []
-    for i, share in enumerate(shares):
-        if runs and shares[runs[-1][0]] == share:
+    for i, tokens in enumerate(shared):
+        if runs and tokens > 0:
             runs[-1].append(i)
         else:
             runs.append([i])
     return runs
 
 
-def prompt_disagreements(samples: list[Sample], shares: list[int]) -> int:
-    """Of the prompts consecutive ``samples`` share (equal ``shares``), the positions where a sample's recorded routing
-    (as sets) differs from the first's, which the shared forward replays for all of them."""
-    count = 0
-    for run in shared_runs(shares):
-        if len(run) > 1 and samples[run[0]].routing is not None:
-            p = samples[run[0]].prompt_len
-            prompt = [np.sort(carried(samples[i].routing)[:p], axis=-1) for i in run]
-            count += int(np.any([(r != prompt[0]).any(axis=(1, 2)) for r in prompt[1:]], axis=0).sum())
+def prefix_disagreements(samples: list[Sample], shared: list[int]) -> int:
+    """Of the prefixes consecutive ``samples`` share (``shared``: tokens each shares with the one before it), the
+    positions where a sample's recorded routing (as sets) differs from the routing the shared forward replays there:
+    the earliest sample's that fed the position."""
+    count, fed = 0, None
+    for sample, tokens in zip(samples, shared, strict=True):
+        own = None if sample.routing is None else np.sort(carried(sample.routing), axis=-1)
+        if own is not None and fed is not None and tokens > 0:
+            count += int((own[:tokens] != fed[:tokens]).any(axis=(1, 2)).sum())
+            own = np.concatenate([fed[:tokens], own[tokens:]])
+        fed = own
     return count
 
 
-def shared_units(shares: list[int], prompts: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """A shard's samples (``shares``, ``prompts``: prompt lengths, ``lengths``: fed lengths, per sample) in units the
-    micro-batches keep whole: those sharing a prompt, one unit unless that would be larger than ``budget`` (then
+def shared_units(shared: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """A shard's samples (``shared``: tokens each shares with the one before it; ``lengths``: fed lengths) in units
+    the micro-batches keep whole: a run sharing prefixes, one unit unless that would be larger than ``budget`` (then
     each sample is a unit of its own, fed unshared)."""
     units = []
-    for run in shared_runs(shares):
-        if unit_length(run, prompts, lengths) <= budget:
+    for run in shared_runs(shared):
+        if unit_length(run, shared, lengths) <= budget:
             units.append(run)
         else:
             units += [[i] for i in run]
     return units
 
 
-def unit_length(unit: list[int], prompts: list[int], lengths: list[int]) -> int:
-    """The positions a unit takes fed (its prompt once where several share it)."""
-    if len(unit) == 1:
-        return lengths[unit[0]]
-    return prompts[unit[0]] + sum(lengths[i] - prompts[i] for i in unit)
+def unit_length(unit: list[int], shared: list[int], lengths: list[int]) -> int:
+    """The positions a unit takes fed (each shared prefix once)."""
+    return lengths[unit[0]] + sum(lengths[i] - shared[i] for i in unit[1:])
+
+
+@dataclass(eq=False)  # segments are told apart by identity: two may hold equal spans
+class _Segment:
+    """Fed tokens ``start:end`` of a sample's sequence, fed once for every sample whose path holds them."""
+
+    start: int
+    end: int
+    parent: _Segment | None = None
+
+
+def prefix_tree(fed_lengths: list[int], shared: list[int]) -> tuple[list[_Segment], list[list[_Segment]]]:
+    """The segments of a row of samples sharing prefixes (sample ``i``'s first ``shared[i]`` tokens are sample
+    ``i - 1``'s), in a depth-first order, and each sample's path through them. Each sample attaches where the one before
+    it branches, on the last path laid out, so laying segments out as they come is depth-first; a segment a branch
+    starts within is split there."""
+    segments: list[_Segment] = []
+    paths: list[list[_Segment]] = []
+    for i, (length, tokens) in enumerate(zip(fed_lengths, shared, strict=True)):
+        path: list[_Segment] = []
+        if tokens > 0:
+            for seg in paths[i - 1]:
+                if seg.end <= tokens:
+                    path.append(seg)
+                    continue
+                if seg.start < tokens:  # the branch starts within it: split it there
+                    tail = _Segment(tokens, seg.end, seg)
+                    for other in segments:
+                        if other.parent is seg:
+                            other.parent = tail
+                    seg.end = tokens
+                    segments.insert(segments.index(seg) + 1, tail)
+                    for earlier in paths:
+                        if seg in earlier:
+                            earlier.insert(earlier.index(seg) + 1, tail)
+                    path.append(seg)
+                break
+        if length > tokens:
+            segments.append(_Segment(tokens, length, path[-1] if path else None))
+            path.append(segments[-1])
+        paths.append(path)
+    return segments, paths
 
 
 def build_micro_batch(
@@ -257,40 +300,38 @@ def build_micro_batch(
     use_masks: bool,
     routed_experts: int | None,
     packed: bool = False,
-    shares: list[int] | None = None,
+    shared: list[int] | None = None,
 ) -> MicroBatch:
     """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
     sequence parallelism). ``use_masks``: every sample carries kept sets; ``routed_experts``: every sample carries
     routing, and the model has this many routed experts, over which the padding's routing is spread
     (:func:`padding_routing`); None: no routing (checked where the batch is planned,
-    :class:`~moerl.trainer.distribute.BatchDistributor`). ``shares`` (packed only): per sample, the prompt it shares;
-    consecutive samples sharing one are fed as the prompt once, then each one's response, attending to the prompt and
-    to itself at the positions it had in its own sequence. The prompt's positions take the first sample's routing
-    (the data plane sends no other: :func:`prompt_disagreements`)."""
-    runs = shared_runs(shares) if packed and shares is not None else [[i] for i in range(len(samples))]
-    # Each sample's fed tokens as (row, column) positions of the micro-batch; and the packed form's segments, each
-    # with the segment it also attends to (its shared prompt; -1: none).
-    where: list[tuple[int, np.ndarray]] = [(0, np.zeros(0, dtype=np.int64))] * len(samples)
-    bounds, prefix_of = [0], []
-    for run in runs:
-        lead = samples[run[0]]
-        if len(run) == 1:
-            col = bounds[-1] if packed else 0
-            where[run[0]] = (0 if packed else run[0], col + np.arange(lead.fed_len))
-            bounds.append(col + lead.fed_len)
-            prefix_of.append(-1)
-            continue
-        prompt_col, p = bounds[-1], lead.prompt_len
-        bounds.append(prompt_col + p)
-        prefix_of.append(-1)
-        prompt_segment = len(prefix_of) - 1
-        for i in run:
-            start, r = bounds[-1], samples[i].fed_len - p
-            where[i] = (0, np.concatenate([prompt_col + np.arange(p), start + np.arange(r)]))
-            if r:
-                bounds.append(start + r)
-                prefix_of.append(prompt_segment)
-    fed = np.array([s.fed_len for s in samples])
+    :class:`~moerl.trainer.distribute.BatchDistributor`). ``shared`` (packed only): per sample, the tokens of its
+    prompt it shares with the sample before it (a group's prompt, an episode's history before a fork; 0: none).
+    Shared prefixes are fed once (:func:`prefix_tree`); what follows each attends to it and to itself at the positions
+    it had in its own sequence. A shared position takes the routing of the first sample that fed it (the data plane
+    sends no other: :func:`prefix_disagreements`)."""
+    fed_lengths = [s.fed_len for s in samples]
+    # Each sample's fed tokens as (row, column) positions of the micro-batch; the packed form's segments and tree.
+    if packed:
+        segments, paths = prefix_tree(fed_lengths, shared if shared is not None else [0] * len(samples))
+        starts = np.cumsum([0] + [seg.end - seg.start for seg in segments])
+        column = {id(seg): int(start) for seg, start in zip(segments, starts[:-1], strict=True)}
+        where = [
+            (0, np.concatenate([column[id(seg)] + np.arange(seg.end - seg.start) for seg in path])) for path in paths
+        ]
+        bounds = starts.tolist()
+        index = {id(seg): k for k, seg in enumerate(segments)}
+        exits = np.arange(1, len(segments) + 1)
+        for k in reversed(range(len(segments))):  # a subtree ends where its last descendant's does
+            parent = segments[k].parent
+            if parent is not None:
+                exits[index[id(parent)]] = max(exits[index[id(parent)]], exits[k])
+        branched = (exits > np.arange(1, len(segments) + 1)).any()
+        tree = np.stack([exits, [seg.start for seg in segments]], axis=1) if branched else None
+    else:
+        where, tree = [(b, np.arange(n)) for b, n in enumerate(fed_lengths)], None
+    fed = np.array(fed_lengths)
     width = _round_up(bounds[-1] if packed else int(fed.max()), multiple)
     input_ids = torch.zeros(1 if packed else len(samples), width, dtype=torch.long)
     rows, cols, seq, temps, w, adv = [], [], [], [], [], []
@@ -321,7 +362,7 @@ def build_micro_batch(
         versions=cat([s.at_actions(s.versions) for s in samples]),
         fed_lengths=fed.tolist(),
         cu_seqlens=torch.tensor(bounds, dtype=torch.int32) if packed else None,
-        prefix_of=np.array(prefix_of) if packed and max(prefix_of) >= 0 else None,
+        tree=tree,
     )
     if use_masks:
         offsets, start = [np.zeros(1, dtype=np.int64)], 0
@@ -336,10 +377,9 @@ def build_micro_batch(
         assert some is not None, "routed_experts: every sample carries routing"
         _, layers, topk = some.shape
         routing = np.empty((*input_ids.shape, layers, topk), dtype=some.dtype)
-        for run in runs:
-            for i in reversed(run):  # the run's first sample writes the shared prompt's rows last
-                row, at = where[i]
-                routing[row, at] = samples[i].routing
+        for i in reversed(range(len(samples))):  # a shared position: the first sample that fed it writes it last
+            row, at = where[i]
+            routing[row, at] = samples[i].routing
         padding = ~batch.real_positions()
         routing[padding] = padding_routing(int(padding.sum()), topk, routed_experts, routing.dtype)[:, None]
         batch.routing = routing

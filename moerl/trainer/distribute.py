@@ -34,14 +34,14 @@ from megatron.core import parallel_state
 from moerl.megatron.parallel import collective_device
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import carried, prompt_disagreements, shard_by_tokens, shared_runs
+from moerl.trainer.batch import carried, prefix_disagreements, shard_by_tokens, shared_runs
 from moerl.trainer.config import TrainerConfig
 
 ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allows, by code in the header
 _PIECE, _END, _FAILED, _INTERLUDE = 1, 0, -1, 2  # header status
 _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature", "kept")
-# trainer.shared_prompt adds each sample's share (the first sample of the piece with its group and prompt), then a piece
-# with context (agent episodes) each sample's action count
+# trainer.shared_prompt adds the prompt tokens each sample shares with the one before it (of its group: the group's
+# prompt, an episode's history before a fork), then a piece with context (agent episodes) each sample's action count
 _MASKS, _CONTEXT = 1, 2  # the header's flags: kept sets travel; the plan has the actions row
 _ALIGN = 8
 # Rank 0's payloads for the other ranks wait on its GPU (NCCL sends from there) at most this many bytes at a time,
@@ -81,14 +81,13 @@ class LocalPiece:
     advantages: np.ndarray  # float64, per local sample
     weights: np.ndarray  # float64, per local sample: its part of the aggregation
     shard_lengths: list[list[int]]  # fed lengths of every replica's shard: all ranks agree on the micro-batch count
-    shard_prompts: list[list[int]]  # and their prompt lengths
     action_counts: np.ndarray  # of every sample of the piece: the step's normaliser counts them all
     routing: bool  # the samples carry routing (this rank's columns only)
     received: int  # bytes this rank took in for it (plan and shard)
     originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
-    # trainer.shared_prompt: every replica's shard's shares (consecutive samples with one share share their prompt)
-    shard_shares: list[list[int]] | None = None
-    # global rank 0, trainer.shared_prompt: the piece's shared prompts' positions whose routing differs between samples
+    # trainer.shared_prompt: per replica's shard, the tokens each sample shares with the one before it there
+    shard_shared: list[list[int]] | None = None
+    # global rank 0, trainer.shared_prompt: the piece's shared prefixes' positions whose routing differs between samples
     prompt_disagreements: int = 0
 
 
@@ -108,12 +107,12 @@ def _fields(
     actions: np.ndarray,
     routing: tuple | None,
     masks: bool,
-    follows: np.ndarray,
+    skips: np.ndarray,
 ) -> list[_Field]:
     """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths;
-    ``follows``: the samples that share the prompt of the one before them, whose prompt (ids, routing) is not sent."""
+    ``skips``: the prompt tokens each shares with the sample before it, whose ids and routing it does not send."""
     fields: list[_Field] = []
-    sent = np.where(follows, 0, prompt)  # prompt tokens sent per sample
+    sent = prompt - skips  # prompt tokens sent per sample
     if needs.ids:
         fields.append(("ids", np.dtype(np.int32), (int((sent + response).sum()),)))
     if needs.last:
@@ -133,6 +132,20 @@ def _fields(
     return fields
 
 
+def _shared_prefixes(piece: list[Sample]) -> list[int]:
+    """Per sample of ``piece``: the tokens its prompt shares with the fed tokens of the sample before it, where both are
+    of one group (a group's prompt; an episode's history before a fork, and the episodes' common part); else 0."""
+    out = [0] * len(piece)
+    for i in range(1, len(piece)):
+        this, before = piece[i], piece[i - 1]
+        if this.group_id == before.group_id:
+            fed = before.fed_ids()
+            n = min(this.prompt_len, len(fed))
+            differ = np.flatnonzero(np.asarray(this.prompt_ids[:n]) != np.asarray(fed[:n]))
+            out[i] = int(differ[0]) if len(differ) else n
+    return out
+
+
 def _spans(fields: list[_Field]) -> tuple[list[tuple[int, int]], int]:
     spans, offset = [], 0
     for _, dtype, shape in fields:
@@ -142,10 +155,10 @@ def _spans(fields: list[_Field]) -> tuple[list[tuple[int, int]], int]:
     return spans, offset
 
 
-def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool, follows: np.ndarray) -> np.ndarray:
+def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool, skips: np.ndarray) -> np.ndarray:
     spans, total = _spans(fields)
     buffer = np.zeros(total, dtype=np.uint8)
-    skip = [s.prompt_len if f else 0 for s, f in zip(samples, follows, strict=True)]  # a shared prompt's, sent once
+    skip = skips.tolist()  # a shared prefix's tokens, sent once
     for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True):  # a span per field
         if name == "ids":
             parts = [np.concatenate([s.prompt_ids, s.response_ids])[k:] for s, k in zip(samples, skip, strict=True)]
@@ -182,15 +195,15 @@ def _unpack(
     response: np.ndarray,
     temperature: np.ndarray,
     actions: np.ndarray,
-    follows: np.ndarray,
+    skips: np.ndarray,
 ) -> list[Sample]:
-    """The samples of a payload; one that ``follows`` takes the prompt (ids, routing) of the one before it."""
+    """The samples of a payload; each takes its first ``skips`` prompt tokens (ids, routing) from the one before it."""
     spans, _ = _spans(fields)
     arrays = {
         name: buffer[start:end].view(dtype).reshape(shape)
         for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True)  # a span per field
     }
-    sent = np.where(follows, 0, prompt)
+    sent = prompt - skips
     ids_at = np.concatenate([[0], np.cumsum(sent + response)])
     actions_at = np.concatenate([[0], np.cumsum(actions)])
     fed_at = np.concatenate([[0], np.cumsum(sent + response - 1)])
@@ -202,10 +215,10 @@ def _unpack(
         acted = slice(actions_at[i], actions_at[i + 1])
         if "ids" in arrays:
             ids = arrays["ids"][ids_at[i] : ids_at[i + 1]]
-            if follows[i]:
-                prompt_ids, response_ids = samples[-1].prompt_ids, ids
-            else:
-                prompt_ids, response_ids = ids[:p], ids[p:]
+            if skips[i]:
+                before = np.concatenate([samples[-1].prompt_ids, samples[-1].response_ids])
+                ids = np.concatenate([before[: skips[i]], ids]).astype(np.int32)
+            prompt_ids, response_ids = ids[:p], ids[p:]
         else:  # a middle stage: inputs come from the previous stage, only the lengths matter here
             prompt_ids, response_ids = np.zeros(p, dtype=np.int32), np.zeros(r, dtype=np.int32)
         loss_mask = arrays["loss_mask"][masks_at[i] : masks_at[i + 1]] if "loss_mask" in arrays and context[i] else None
@@ -215,8 +228,8 @@ def _unpack(
         else:
             behaviour, versions = np.zeros(r, dtype=np.float32), np.zeros(r, dtype=np.int64)
         routing = arrays["routing"][fed_at[i] : fed_at[i + 1]] if "routing" in arrays else None
-        if routing is not None and follows[i]:
-            routing = np.concatenate([carried(samples[-1].routing)[:p], routing])
+        if routing is not None and skips[i]:
+            routing = np.concatenate([carried(samples[-1].routing)[: skips[i]], routing])
         sample = Sample(
             prompt_ids=prompt_ids,
             response_ids=response_ids,
@@ -312,9 +325,9 @@ class BatchDistributor:
                 if needs not in packed:
                     shard = shards[needs.dp_rank]
                     prompt, response, kept, actions = lengths[:, shard]
-                    follows = self._follows(plan, shard)
-                    fields = _fields(needs, prompt, response, kept, actions, routing, masks, follows)
-                    packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks, follows)
+                    skips = self._skips(plan, shard)
+                    fields = _fields(needs, prompt, response, kept, actions, routing, masks, skips)
+                    packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks, skips)
             payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
@@ -328,8 +341,8 @@ class BatchDistributor:
         # Rank 0's own part is unpacked like everyone else's: every rank trains on what the wire format carries.
         local = self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
         local.originals = [[piece[i] for i in shard] for shard in shards]
-        if self.share_row is not None and routing is not None:  # a follower's own prompt routing stays here
-            local.prompt_disagreements = prompt_disagreements(piece, plan[self.share_row].astype(np.int64).tolist())
+        if self.share_row is not None and routing is not None:  # a follower's own prefix routing stays here
+            local.prompt_disagreements = prefix_disagreements(piece, plan[self.share_row].astype(np.int64).tolist())
         return local
 
     def _send_within_window(self, payloads: list[tuple[int, np.ndarray]]) -> deque[tuple[torch.Tensor, dist.Work]]:
@@ -399,9 +412,7 @@ class BatchDistributor:
             np.array([len(carried(s.mask_ids)) if masks else 0 for s in piece], dtype=np.float64),
         ]
         if self.share_row is not None:
-            first: dict[tuple[int, bytes], int] = {}
-            keys = [(s.group_id, np.asarray(s.prompt_ids, dtype=np.int64).tobytes()) for s in piece]
-            rows.append(np.array([first.setdefault(key, i) for i, key in enumerate(keys)], dtype=np.float64))
+            rows.append(np.array(_shared_prefixes(piece), dtype=np.float64))
         if np.any(actions < response):  # single-turn pieces keep the plan's bytes as they were
             rows.append(actions.astype(np.float64))
         return np.stack(rows), routing, masks
@@ -433,8 +444,8 @@ class BatchDistributor:
         plan = plan_tensor.cpu().numpy()
         lengths, shards = self._lengths(plan)
         prompt, response, kept, actions = lengths[:, shards[self.needs.dp_rank]]
-        follows = self._follows(plan, shards[self.needs.dp_rank])
-        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS), follows)
+        skips = self._skips(plan, shards[self.needs.dp_rank])
+        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS), skips)
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
         if self.rank == self.tp_first:
             dist.recv(payload, 0)
@@ -447,13 +458,14 @@ class BatchDistributor:
         if dist.get_world_size(self.tp_group) > 1:
             dist.broadcast(payload, self.tp_first, group=self.tp_group)
 
-    def _follows(self, plan: np.ndarray, shard: list[int]) -> np.ndarray:
-        """bool per sample of ``shard``: it shares the prompt of the sample before it, which alone sends it."""
-        follows = np.zeros(len(shard), dtype=bool)
-        if self.share_row is not None:
-            shares = plan[self.share_row, shard]
-            follows[1:] = shares[1:] == shares[:-1]
-        return follows
+    def _skips(self, plan: np.ndarray, shard: list[int]) -> np.ndarray:
+        """Per sample of ``shard``: the prompt tokens it shares with the sample before it in the piece, where that one
+        is the one before it in the shard too (it alone sends them); else 0."""
+        skips = np.zeros(len(shard), dtype=np.int64)
+        if self.share_row is not None and len(shard) > 1:
+            after = np.diff(shard) == 1
+            skips[1:] = np.where(after, plan[self.share_row, shard[1:]], 0)
+        return skips
 
     def _lengths(self, plan: np.ndarray) -> tuple[np.ndarray, list[list[int]]]:
         """(int64 [prompt, response, kept, actions] x samples, each replica's sample indices) of a plan: the same on
@@ -463,10 +475,11 @@ class BatchDistributor:
         fed = (lengths[0] + lengths[1] - 1).tolist()
         if self.share_row is None:
             return lengths, shard_by_tokens(fed, self.dp_size)
-        units = shared_runs(plan[self.share_row].astype(np.int64).tolist())
+        shared = plan[self.share_row].astype(np.int64).tolist()
+        units = shared_runs(shared)
         if len(units) < self.dp_size:
             return lengths, shard_by_tokens(fed, self.dp_size)
-        sizes = [int(lengths[0][u[0]]) + sum(fed[i] - int(lengths[0][i]) for i in u) for u in units]
+        sizes = [sum(fed[i] - shared[i] * (i != u[0]) for i in u) for u in units]
         return lengths, [sorted(i for u in shard for i in units[u]) for shard in shard_by_tokens(sizes, self.dp_size)]
 
     def _local(
@@ -481,18 +494,15 @@ class BatchDistributor:
     ) -> LocalPiece:
         shard = shards[self.needs.dp_rank]
         prompt, response, _, actions = lengths
-        follows = self._follows(plan, shard)
-        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], actions[shard], follows)
+        skips = self._skips(plan, shard)
+        samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], actions[shard], skips)
         self.received += received
         return LocalPiece(
             samples=samples,
             advantages=plan[2, shard],
             weights=plan[3, shard],
             shard_lengths=[(prompt[s] + response[s] - 1).tolist() for s in shards],
-            shard_prompts=[prompt[s].tolist() for s in shards],
-            shard_shares=None
-            if self.share_row is None
-            else [plan[self.share_row, s].astype(np.int64).tolist() for s in shards],
+            shard_shared=None if self.share_row is None else [self._skips(plan, s).tolist() for s in shards],
             action_counts=actions,
             routing=routing is not None,
             received=received,

@@ -237,18 +237,13 @@ class Trainer:
         packed = self.cfg.micro_batch_format == "packed"
         group_by = pack_by_budget if packed else split_by_budget
         budget, multiple = self.cfg.micro_batch_tokens, self.layout.tp
-        if piece.shard_shares is None:
-            units = [[[i] for i in range(len(lengths))] for lengths in piece.shard_lengths]
-        else:
-            units = [
-                shared_units(shares, prompts, lengths, budget)
-                for shares, prompts, lengths in zip(
-                    piece.shard_shares, piece.shard_prompts, piece.shard_lengths, strict=True
-                )
-            ]
+        shared = piece.shard_shared or [[0] * len(lengths) for lengths in piece.shard_lengths]
+        units = [
+            shared_units(tokens, lengths, budget) for tokens, lengths in zip(shared, piece.shard_lengths, strict=True)
+        ]
         split = [
-            group_by([unit_length(u, prompts, lengths) for u in us], budget, multiple=multiple)
-            for us, prompts, lengths in zip(units, piece.shard_prompts, piece.shard_lengths, strict=True)
+            group_by([unit_length(u, tokens, lengths) for u in us], budget, multiple=multiple)
+            for us, tokens, lengths in zip(units, shared, piece.shard_lengths, strict=True)
         ]
         count = max(len(g) for g in split)
         # A micro-batch of units, split further where it must, never within a unit (a prompt shared once).
@@ -256,7 +251,9 @@ class Trainer:
         groups = [
             [i for u in g for i in mine[u]] for g in split_into(split[parallel_state.get_data_parallel_rank()], count)
         ]
-        unit_of = {i: u for u, members in enumerate(mine) for i in members}
+        # what each sample shares with the one before it, where that one is fed before it in its unit
+        mine_shared = shared[parallel_state.get_data_parallel_rank()]
+        fed_after = {i: mine_shared[i] for members in mine for i in members[1:]}
         samples = piece.samples
         # only the loss reads kept sets
         use_masks = self.cfg.replay.sampling_mask and parallel_state.is_pipeline_last_stage()
@@ -270,7 +267,7 @@ class Trainer:
                 use_masks=use_masks,
                 routed_experts=self.routers.num_experts if piece.routing else None,
                 packed=packed,
-                shares=[unit_of[i] for i in g] if piece.shard_shares is not None else None,
+                shared=[fed_after.get(i, 0) if k else 0 for k, i in enumerate(g)],
             )
 
         batches = [build(g) for g in groups]

@@ -36,7 +36,7 @@ def test_a_kernel_whose_rows_differ_from_the_reference_is_refused_before_its_out
     from moerl.megatron.segments import KernelMismatch, block_mask, check_rows, flex_width, segment_table
 
     segments = torch.repeat_interleave(torch.arange(3), torch.tensor([40, 30, 30]))
-    table = segment_table(segments, torch.tensor([-1, 0, -1])[segments])
+    table = segment_table(segments, torch.tensor([2, 2, 3])[segments])  # the second follows the first
     width = flex_width(100)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, width, 16, generator=gen) for n in (4, 2, 2))

@@ -7,6 +7,7 @@ padding); a bf16 engine routes some tokens differently, which replay off measure
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -31,34 +32,59 @@ def rollout(hf_dir, dtype: torch.dtype) -> list[Sample]:
     engine = EmbeddedEngine(str(hf_dir), dtype=dtype, device="cpu")
     shape = model_shape(json.loads((hf_dir / "config.json").read_text()))
     engine.scheduler.start()
-    samples = []
     try:
-        for group, prompt in enumerate(PROMPTS):
-            body = {
-                "input_ids": prompt,
-                "return_logprob": True,
-                "return_routed_experts": True,
-                "return_sampling_mask": True,
-                "sampling_params": {
-                    "n": 4,
-                    "max_new_tokens": 6 + 3 * group,
-                    "top_k": 24,
-                    "temperature": 1.0,
-                    "sampling_seed": 100 * group,
-                    "ignore_eos": True,
-                },
-            }
-            for response in engine.generate(body):
-                completion = decode_generate(response, shape)
-                reward = float(np.mean(completion.output_ids % 2 == 0))  # a reward the policy can learn: even tokens
-                samples.append(
-                    Sample.from_completion(
-                        completion, prompt, temperature=1.0, reward=reward, group_id=group, versions={"default": 0}
-                    )
-                )
+        return [
+            sample
+            for group, prompt in enumerate(PROMPTS)
+            for sample in generate(engine, shape, prompt, 4, 6 + 3 * group, 100 * group, group)
+        ]
     finally:
         engine.scheduler.stop()
+
+
+def generate(engine, shape, prompt: list[int], n: int, max_new_tokens: int, seed: int, group: int) -> list[Sample]:
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "return_sampling_mask": True,
+        "sampling_params": {
+            "n": n,
+            "max_new_tokens": max_new_tokens,
+            "top_k": 24,
+            "temperature": 1.0,
+            "sampling_seed": seed,
+            "ignore_eos": True,
+        },
+    }
+    samples = []
+    for response in engine.generate(body):
+        completion = decode_generate(response, shape)
+        reward = float(np.mean(completion.output_ids % 2 == 0))  # a reward the policy can learn: even tokens
+        samples.append(
+            Sample.from_completion(
+                completion, prompt, temperature=1.0, reward=reward, group_id=group, versions={"default": 0}
+            )
+        )
     return samples
+
+
+def forked(hf_dir) -> list[Sample]:
+    """One group's samples as an agent's episode forks them: the first, then samples whose prompt is its fed stream's
+    first 9 tokens (a history re-rendered after its second action), then its first 7 (twice)."""
+    engine = EmbeddedEngine(str(hf_dir), dtype=torch.float32, device="cpu")
+    shape = model_shape(json.loads((hf_dir / "config.json").read_text()))
+    engine.scheduler.start()
+    try:
+        (first,) = generate(engine, shape, [30, 31, 32, 33], 1, 8, 7, 9)
+        stream = first.fed_ids().tolist()
+        return [
+            first,
+            *generate(engine, shape, stream[:9], 1, 4, 8, 9),
+            *generate(engine, shape, stream[:7], 2, 4, 9, 9),
+        ]
+    finally:
+        engine.scheduler.stop()
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +184,52 @@ def test_a_shared_prompt_is_fed_once_per_group_within_the_budget(r3_runs, fp32_s
     assert metrics["train/tokens"] == r3_runs["TP1"][0]["metrics"][0]["train/tokens"]
     assert r3_runs["TP1"][0]["metrics"][0]["train/tokens_fed"] == unshared
     assert metrics["routing/shared_prompt_disagreements"] == 0
+
+
+def common(before: Sample, sample: Sample) -> int:
+    """The tokens of ``sample``'s prompt that ``before``'s fed stream starts with."""
+    fed, prompt = before.fed_ids(), sample.prompt_ids
+    n = min(len(fed), len(prompt))
+    differ = np.flatnonzero(fed[:n] != prompt[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+@pytest.fixture(scope="module")
+def fork_runs(tiny_ckpts, fp32_samples):
+    mcore, samples = str(tiny_ckpts[ARCH][1]), fp32_samples + forked(tiny_ckpts[ARCH][0])
+    layouts = {"TP1": (1, {}), **{name: LAYOUTS[name] for name in LAYOUTS if name.startswith("shared")}}
+    runs = {
+        name: run_ranks(train_steps, world, mcore, config("R3", **layout), samples, 1)
+        for name, (world, layout) in layouts.items()
+    }
+    return samples, runs
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("shared")])
+def test_samples_forked_from_an_episode_share_their_common_prefix_as_a_tree_and_train_as_unshared(fork_runs, layout):
+    """A group whose samples share more than one prompt (forks of an episode: each one's prompt is a prefix of the
+    first's stream, 9 tokens then 7): each prefix is fed once, as a tree whose branches split the first's stream at 9
+    and at 7, and the loss and gradients are the unshared step's (fp32, R3)."""
+    samples, runs = fork_runs
+    fork = [s for s in samples if s.group_id == 9]
+    stream = fork[0].fed_ids()
+    assert fork[1].prompt_ids.tolist() == stream[:9].tolist() and fork[2].prompt_ids.tolist() == stream[:7].tolist()
+    metrics, reference = runs[layout][0]["metrics"][0], runs["TP1"][0]["metrics"][0]
+    budget = config("R3").micro_batch_tokens
+    expected = 0
+    for group in sorted({s.group_id for s in samples}):
+        members = [s for s in samples if s.group_id == group]
+        shared = [0] + [common(a, b) for a, b in itertools.pairwise(members)]
+        tree = sum(s.fed_len for s in members) - sum(shared)
+        expected += tree if tree <= budget else sum(s.fed_len for s in members)
+    assert metrics["train/tokens_fed"] == expected < reference["train/tokens_fed"]
+    assert metrics["routing/shared_prompt_disagreements"] == 0
+    assert metrics["train/loss"] == pytest.approx(reference["train/loss"], rel=1e-5)
+    for name, grad in runs["TP1"][0]["grads"].items():
+        torch.testing.assert_close(
+            runs[layout][0]["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name
+        )
 
 
 @pytest.mark.gpu

@@ -200,11 +200,12 @@ def test_the_probe_runs_only_in_the_old_pass_of_a_batch_with_routing(tiny_ckpts)
 
 
 def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_own_positions():
-    """Three samples of one prompt (shares 0, 0, 0) and one of their own (share 1), packed: the prompt once, then
+    """Three samples of one prompt (sharing its 3 tokens with the one before) and one of their own, packed: the prompt
+    once, then
     each response; a response attends to the prompt and to its own earlier tokens only, rotated as in its own
     sequence; each first action is scored at the prompt's last position; the prompt takes the first sample's routing,
     and the positions where another sample's differs (as sets) are counted."""
-    from moerl.trainer.batch import prompt_disagreements
+    from moerl.trainer.batch import prefix_disagreements
 
     rng = np.random.default_rng(3)
     prompt = rng.integers(1, 200, 3, dtype=np.int32)
@@ -231,10 +232,11 @@ def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_o
     samples = [first, sample(3, other), sample(1, agrees), sample(2, routed(4))]
     alone = samples[3]
     batch = build_micro_batch(
-        samples, [1.0] * 4, [1.0] * 4, multiple=4, use_masks=False, routed_experts=8, packed=True, shares=[0, 0, 0, 1]
+        samples, [1.0] * 4, [1.0] * 4, multiple=4, use_masks=False, routed_experts=8, packed=True, shared=[0, 3, 3, 0]
     )
     # prompt (3), responses fed 3 + 2 + 0, then the sample of its own (4): 12 positions
-    assert batch.cu_seqlens.tolist() == [0, 3, 6, 8, 12] and batch.prefix_of.tolist() == [-1, 0, 0, -1]
+    assert batch.cu_seqlens.tolist() == [0, 3, 6, 8, 12]
+    assert batch.tree.tolist() == [[3, 0], [2, 3], [3, 3], [4, 0]]  # the prompt's subtree holds both responses
     ids = batch.input_ids[0].tolist()
     assert ids[:3] == prompt.tolist()
     assert ids[3:6] == first.response_ids[:3].tolist() and ids[6:8] == samples[1].response_ids[:2].tolist()
@@ -248,7 +250,50 @@ def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_o
     assert sees[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
     assert sees[11].nonzero().flatten().tolist() == [8, 9, 10, 11]  # the sample of its own sees only itself
     assert np.array_equal(batch.routing[0, :3], first.routing[:3])
-    assert prompt_disagreements(samples, [0, 0, 0, 1]) == 1
+    assert prefix_disagreements(samples, [0, 3, 3, 0]) == 1
     assert np.array_equal(batch.routing[0, 6:8], other[3:]) and np.array_equal(batch.routing[0, 8:12], alone.routing)
-    with pytest.raises(AssertionError, match="cannot attend to a shared prompt"):
+    with pytest.raises(AssertionError, match="cannot attend to a shared prefix"):
         batch.packed_inputs(torch.device("cpu"), thd=True)
+
+
+def test_forks_of_an_episode_are_fed_as_a_tree_each_prefix_once():
+    """An episode's first sample, then samples whose prompts are its fed stream's first 6 tokens and first 4 (twice):
+    the stream is split at 6 and at 4, each branch follows its prefix, and a branch sees its ancestors, never a
+    sibling's tokens."""
+    from moerl.trainer.batch import prefix_disagreements
+
+    rng = np.random.default_rng(5)
+
+    def sample(prompt: np.ndarray, response_len: int) -> Sample:
+        fed = len(prompt) + response_len - 1
+        return Sample(
+            prompt_ids=prompt.astype(np.int32),
+            response_ids=rng.integers(1, 200, response_len, dtype=np.int32),
+            behaviour_logprobs=np.full(response_len, -2.0, np.float32),
+            versions=np.zeros(response_len, np.int64),
+            routing=np.argsort(rng.random((fed, 2, 8)), axis=-1)[..., :2].astype(np.uint8),
+        ).validate()
+
+    first = sample(np.array([1, 2, 3]), 6)
+    stream = first.fed_ids()
+    samples = [first, sample(stream[:6], 2), sample(stream[:4], 3), sample(stream[:4], 2)]
+    for later in samples[1:]:  # their prefixes routed as the first's: what an engine's prefix cache serves
+        later.routing[: later.prompt_len] = first.routing[: later.prompt_len]
+    batch = build_micro_batch(
+        samples, [1.0] * 4, [1.0] * 4, multiple=1, use_masks=False, routed_experts=8, packed=True, shared=[0, 6, 4, 4]
+    )
+    # [0, 4) | [4, 6) | the first's [6, 8) | the second's [6, 7) | the third's [4, 6) | the fourth's [4, 5)
+    assert batch.cu_seqlens.tolist() == [0, 4, 6, 8, 9, 11, 12]
+    assert batch.tree.tolist() == [[6, 0], [4, 4], [3, 6], [4, 6], [5, 4], [6, 4]]
+    for s, (row, at) in zip(samples, [(0, [0, 1, 2, 3, 4, 5, 6, 7]), (0, [0, 1, 2, 3, 4, 5, 8]),
+                                      (0, [0, 1, 2, 3, 9, 10]), (0, [0, 1, 2, 3, 11])], strict=True):  # fmt: skip
+        assert batch.input_ids[row, at].tolist() == s.fed_ids().tolist()
+    inputs = batch.packed_inputs(torch.device("cpu"), thd=False)
+    assert inputs["rope_positions"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 6, 4, 5, 4]
+    sees = ~dense_mask(inputs["attention_mask"])[0, 0]
+    assert sees[8].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 8]  # not the first's tail
+    assert sees[10].nonzero().flatten().tolist() == [0, 1, 2, 3, 9, 10]
+    assert sees[11].nonzero().flatten().tolist() == [0, 1, 2, 3, 11]  # not its sibling's
+    assert prefix_disagreements(samples, [0, 6, 4, 4]) == 0
+    samples[3].routing[2, 1] = (samples[3].routing[2, 1] + 1) % 8
+    assert prefix_disagreements(samples, [0, 6, 4, 4]) == 1
