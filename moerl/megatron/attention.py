@@ -1,11 +1,12 @@
 """Attention over a packed row of segments, for megatron-core's local layers.
 
-A packed micro-batch is one row of segments end to end (samples, or a group's shared prompt and its responses). A
-position attends causally within its own segment and, for a response fed after its group's prompt, to that prompt
-too. The row's structure travels to every layer as a *segment table* in place of the attention mask: int64
-``[2, s]``, each position's segment and the segment it may also see (-1: none). Nothing ``s x s`` is built for it on a
-GPU: FlexAttention's block-sparse kernel computes only the blocks the table makes visible. Without CUDA (where
-FlexAttention has no backward) megatron-core's own attention takes the explicit mask the table gives.
+A packed micro-batch is one row of segments end to end: samples, or the prefix tree of what a group's samples share
+(:func:`~moerl.trainer.batch.prefix_tree`). A position attends causally within its own segment and to its segment's
+ancestors. The row's structure travels to every layer as a *segment table* in place of the attention mask
+(:func:`~moerl.megatron.segments.segment_table`: per position its segment's index and its subtree's end; the rule is
+:func:`~moerl.megatron.segments.sees`). Nothing ``s x s`` is built for it on a GPU: FlexAttention's block-sparse
+kernel computes only the blocks the table makes visible. Without CUDA (where FlexAttention has no backward)
+megatron-core's own attention takes the explicit mask the table gives.
 """
 
 from __future__ import annotations

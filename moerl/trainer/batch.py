@@ -234,14 +234,19 @@ def prefix_disagreements(samples: list[Sample], shared: list[int]) -> int:
 
 def shared_units(shared: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """A shard's samples (``shared``: tokens each shares with the one before it; ``lengths``: fed lengths) in units
-    the micro-batches keep whole: a run sharing prefixes, one unit unless that would be larger than ``budget`` (then
-    each sample is a unit of its own, fed unshared)."""
-    units = []
+    the micro-batches keep whole: a run sharing prefixes, cut where the next sample would take the unit past
+    ``budget`` (the sample after a cut is fed whole: it shares with nothing before it in the micro-batch)."""
+    units: list[list[int]] = []
     for run in shared_runs(shared):
-        if unit_length(run, shared, lengths) <= budget:
-            units.append(run)
-        else:
-            units += [[i] for i in run]
+        units.append([run[0]])
+        size = lengths[run[0]]
+        for i in run[1:]:
+            if size + lengths[i] - shared[i] <= budget:
+                units[-1].append(i)
+                size += lengths[i] - shared[i]
+            else:
+                units.append([i])
+                size = lengths[i]
     return units
 
 

@@ -64,7 +64,7 @@ class TrainerConfig:
     micro_batch_tokens: int = 4096  # tokens per micro-batch, padding included
     # padded: [b, s] rows | packed: samples end to end, each attending only to itself
     micro_batch_format: MicroBatchFormat = "padded"
-    # packed only: a group's samples fed as their prompt once, then each response, attending to the prompt and itself
+    # packed only: what a group's samples share (its prompt, an episode's history before a fork) fed once, a prefix tree
     shared_prompt: bool = False
     dtype: TrainerDtype = "auto"
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it

@@ -342,7 +342,9 @@ class BatchDistributor:
         local = self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
         local.originals = [[piece[i] for i in shard] for shard in shards]
         if self.share_row is not None and routing is not None:  # a follower's own prefix routing stays here
-            local.prompt_disagreements = prefix_disagreements(piece, plan[self.share_row].astype(np.int64).tolist())
+            local.prompt_disagreements = sum(
+                prefix_disagreements([piece[i] for i in shard], self._skips(plan, shard).tolist()) for shard in shards
+            )
         return local
 
     def _send_within_window(self, payloads: list[tuple[int, np.ndarray]]) -> deque[tuple[torch.Tensor, dist.Work]]:

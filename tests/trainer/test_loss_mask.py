@@ -153,11 +153,11 @@ def _round_trip(samples: list[Sample], needs: Needs, masks: bool) -> tuple[list[
         np.array([getattr(s, attr) for s in samples]) for attr in ("prompt_len", "response_len", "action_count")
     )
     kept = np.array([len(s.mask_ids) if masks else 0 for s in samples])
-    follows = np.zeros(len(samples), dtype=bool)  # each sample sends its own prompt
-    fields = _fields(needs, prompt, response, kept, actions, (np.uint8, 2), masks, follows)
-    buffer = _pack(samples, needs, fields, masks, follows)
+    skips = np.zeros(len(samples), dtype=np.int64)  # each sample sends its whole prompt
+    fields = _fields(needs, prompt, response, kept, actions, (np.uint8, 2), masks, skips)
+    buffer = _pack(samples, needs, fields, masks, skips)
     temperature = np.array([s.temperature for s in samples])
-    unpacked = _unpack(buffer, fields, prompt, response, temperature, actions, follows)
+    unpacked = _unpack(buffer, fields, prompt, response, temperature, actions, skips)
     return [name for name, _, _ in fields], len(buffer), unpacked
 
 

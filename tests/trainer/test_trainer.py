@@ -7,7 +7,6 @@ padding); a bf16 engine routes some tokens differently, which replay off measure
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import numpy as np
@@ -126,10 +125,16 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def r3_runs(tiny_ckpts, fp32_samples):
+def r3_samples(tiny_ckpts, fp32_samples):
+    """The GRPO groups, and one group forked as an agent's episode forks (:func:`forked`)."""
+    return fp32_samples + forked(tiny_ckpts[ARCH][0])
+
+
+@pytest.fixture(scope="module")
+def r3_runs(tiny_ckpts, r3_samples):
     mcore = str(tiny_ckpts[ARCH][1])
     return {
-        name: run_ranks(train_steps, world, mcore, config("R3", **layout), fp32_samples, 1)
+        name: run_ranks(train_steps, world, mcore, config("R3", **layout), r3_samples, 1)
         for name, (world, layout) in LAYOUTS.items()
     }
 
@@ -166,26 +171,6 @@ def test_loss_and_gradients_agree_across_layouts(r3_runs, layout):
         torch.testing.assert_close(other["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name)
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("shared")])
-def test_a_shared_prompt_is_fed_once_per_group_within_the_budget(r3_runs, fp32_samples, layout):
-    """trainer.shared_prompt: each group's prompt is fed once where the group fits micro_batch_tokens so (the largest
-    group here does not, and is fed as unshared samples); the engine prefilled each group's prompt once, so the samples
-    sharing it agree on its routing."""
-    budget = config("R3").micro_batch_tokens
-    expected = 0
-    for group in range(len(PROMPTS)):
-        members = [s for s in fp32_samples if s.group_id == group]
-        shared = members[0].prompt_len + sum(s.fed_len - s.prompt_len for s in members)
-        expected += shared if shared <= budget else sum(s.fed_len for s in members)
-    unshared = sum(s.fed_len for s in fp32_samples)
-    metrics = r3_runs[layout][0]["metrics"][0]
-    assert metrics["train/tokens_fed"] == expected < unshared
-    assert metrics["train/tokens"] == r3_runs["TP1"][0]["metrics"][0]["train/tokens"]
-    assert r3_runs["TP1"][0]["metrics"][0]["train/tokens_fed"] == unshared
-    assert metrics["routing/shared_prompt_disagreements"] == 0
-
-
 def common(before: Sample, sample: Sample) -> int:
     """The tokens of ``sample``'s prompt that ``before``'s fed stream starts with."""
     fed, prompt = before.fed_ids(), sample.prompt_ids
@@ -194,60 +179,39 @@ def common(before: Sample, sample: Sample) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-@pytest.fixture(scope="module")
-def fork_runs(tiny_ckpts, fp32_samples):
-    mcore, samples = str(tiny_ckpts[ARCH][1]), fp32_samples + forked(tiny_ckpts[ARCH][0])
-    layouts = {"TP1": (1, {}), **{name: LAYOUTS[name] for name in LAYOUTS if name.startswith("shared")}}
-    runs = {
-        name: run_ranks(train_steps, world, mcore, config("R3", **layout), samples, 1)
-        for name, (world, layout) in layouts.items()
-    }
-    return samples, runs
+def fed_positions(members: list[Sample], budget: int) -> int:
+    """The positions a group's samples take fed: each shares with the one before it what :func:`common` finds, and the
+    group is cut where the next sample would take a part past ``budget`` (that sample is then fed whole)."""
+    total, part = 0, 0
+    for k, sample in enumerate(members):
+        cost = sample.fed_len - (common(members[k - 1], sample) if k else 0)
+        if k == 0 or part + cost > budget:
+            total, part = total + part, sample.fed_len
+        else:
+            part += cost
+    return total + part
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name.startswith("shared")])
-def test_samples_forked_from_an_episode_share_their_common_prefix_as_a_tree_and_train_as_unshared(fork_runs, layout):
-    """A group whose samples share more than one prompt (forks of an episode: each one's prompt is a prefix of the
-    first's stream, 9 tokens then 7): each prefix is fed once, as a tree whose branches split the first's stream at 9
-    and at 7, and the loss and gradients are the unshared step's (fp32, R3)."""
-    samples, runs = fork_runs
-    fork = [s for s in samples if s.group_id == 9]
+def test_what_a_group_shares_is_fed_once_as_a_tree_within_the_budget(r3_runs, r3_samples, layout):
+    """trainer.shared_prompt: each group's prompt is fed once where the group fits micro_batch_tokens (the largest
+    GRPO group here does not: it is cut in two, the second part feeding the prompt again). The forked group's prompts
+    are the first sample's stream cut at 9 tokens and at 7: fed once each, as a tree split at 9 and at 7. Every sample
+    sharing a prefix agrees on its routing (the engine prefilled a group's prompt once; the fp32 engine routes a fork's
+    prefix as it did the stream). The loss and gradients are the unshared step's (test_loss_and_gradients_agree_...)."""
+    fork = [s for s in r3_samples if s.group_id == 9]
     stream = fork[0].fed_ids()
     assert fork[1].prompt_ids.tolist() == stream[:9].tolist() and fork[2].prompt_ids.tolist() == stream[:7].tolist()
-    metrics, reference = runs[layout][0]["metrics"][0], runs["TP1"][0]["metrics"][0]
     budget = config("R3").micro_batch_tokens
-    expected = 0
-    for group in sorted({s.group_id for s in samples}):
-        members = [s for s in samples if s.group_id == group]
-        shared = [0] + [common(a, b) for a, b in itertools.pairwise(members)]
-        tree = sum(s.fed_len for s in members) - sum(shared)
-        expected += tree if tree <= budget else sum(s.fed_len for s in members)
-    assert metrics["train/tokens_fed"] == expected < reference["train/tokens_fed"]
+    groups = {s.group_id for s in r3_samples}
+    expected = sum(fed_positions([s for s in r3_samples if s.group_id == group], budget) for group in groups)
+    unshared = sum(s.fed_len for s in r3_samples)
+    metrics = r3_runs[layout][0]["metrics"][0]
+    assert metrics["train/tokens_fed"] == expected < unshared
+    assert metrics["train/tokens"] == r3_runs["TP1"][0]["metrics"][0]["train/tokens"]
+    assert r3_runs["TP1"][0]["metrics"][0]["train/tokens_fed"] == unshared
     assert metrics["routing/shared_prompt_disagreements"] == 0
-    assert metrics["train/loss"] == pytest.approx(reference["train/loss"], rel=1e-5)
-    for name, grad in runs["TP1"][0]["grads"].items():
-        torch.testing.assert_close(
-            runs[layout][0]["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name
-        )
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
-def test_a_shared_prompt_steps_on_a_gpu_as_the_unshared_batch_does(tiny_ckpts, fp32_samples):
-    """On CUDA every forward of a shared-prompt step (the score pass and the training pass) runs FlexAttention's kernel:
-    its loss and gradients are the unshared step's."""
-    mcore = str(tiny_ckpts[ARCH][1])
-    plain, shared = (
-        run_ranks(train_steps, 1, mcore, config("R3", **layout), fp32_samples, 1, use_cuda=True)[0]
-        for layout in ({}, SHARED)
-    )
-    assert shared["metrics"][0]["train/tokens_fed"] < plain["metrics"][0]["train/tokens_fed"]
-    assert shared["metrics"][0]["train/loss"] == pytest.approx(plain["metrics"][0]["train/loss"], rel=1e-5)
-    for name, grad in plain["grads"].items():
-        torch.testing.assert_close(
-            shared["grads"][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item(), msg=name
-        )
 
 
 @pytest.mark.e2e
@@ -597,13 +561,13 @@ def test_reference_kl_starts_at_zero_and_holds_the_policy_back(tiny_ckpts, fp32_
 
 
 @pytest.mark.e2e
-def test_activation_recompute_replays_each_micro_batchs_routing(tiny_ckpts, fp32_samples, r3_runs):
+def test_activation_recompute_replays_each_micro_batchs_routing(tiny_ckpts, r3_samples, r3_runs):
     # Under 1F1B a micro-batch is recomputed after later ones have set their targets (PP2 shows it;
     # without pipelining each backward follows its own forward at once).
     world, parallel = LAYOUTS["PP2"]
     cfg = config("R3", **parallel)
     cfg.recompute = True
-    out = run_ranks(train_steps, world, str(tiny_ckpts[ARCH][1]), cfg, fp32_samples, 1)[0]
+    out = run_ranks(train_steps, world, str(tiny_ckpts[ARCH][1]), cfg, r3_samples, 1)[0]
     reference = r3_runs["TP1"][0]
     assert out["metrics"][0]["train/loss"] == pytest.approx(reference["metrics"][0]["train/loss"], rel=1e-5)
     for name, grad in reference["grads"].items():

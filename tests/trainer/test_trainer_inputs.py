@@ -297,3 +297,16 @@ def test_forks_of_an_episode_are_fed_as_a_tree_each_prefix_once():
     assert prefix_disagreements(samples, [0, 6, 4, 4]) == 0
     samples[3].routing[2, 1] = (samples[3].routing[2, 1] + 1) % 8
     assert prefix_disagreements(samples, [0, 6, 4, 4]) == 1
+
+
+def test_a_run_sharing_prefixes_is_cut_where_the_next_sample_would_pass_the_budget():
+    """Units the micro-batches keep whole: a run of samples sharing prefixes, cut before the sample that would take it
+    past the budget, which then starts a unit fed whole; a sample sharing nothing starts its own."""
+    from moerl.trainer.batch import shared_units, unit_length
+
+    shared, lengths = [0, 3, 3, 3, 0, 2], [10, 10, 10, 10, 6, 6]
+    units = shared_units(shared, lengths, 20)
+    assert units == [[0, 1], [2, 3], [4, 5]]
+    assert [unit_length(u, shared, lengths) for u in units] == [17, 17, 10]
+    assert shared_units(shared, lengths, 100) == [[0, 1, 2, 3], [4, 5]]
+    assert shared_units(shared, lengths, 5) == [[0], [1], [2], [3], [4], [5]]  # each alone, over budget as it is
