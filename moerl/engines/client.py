@@ -151,8 +151,13 @@ class EngineClient:
         assert last is not None, "every attempt that did not return set it"
         raise last
 
-    async def _everywhere(self, route: Route, request: WireModel | None = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._call(u, route, request) for u in self.targets)))
+    async def _everywhere(
+        self, route: Route, request: WireModel | None = None, among: Iterable[str] | None = None
+    ) -> list[Any]:
+        """``route`` on every engine (those of them in ``among``, where given)."""
+        kept = None if among is None else set(among)
+        chosen = [u for u in self.targets if kept is None or u in kept]
+        return list(await asyncio.gather(*(self._call(u, route, request) for u in chosen)))
 
     async def _on_each(self, route: Route, request: WireModel | None = None) -> list[Any]:
         """As :meth:`_everywhere`, for a call that must not be repeated where it succeeded: it ends on every engine
@@ -361,9 +366,7 @@ class EngineClient:
         released it; SGLang's scheduler fails on a tag it did not release). Weights resumed hold nothing until a push,
         unless the server keeps a host copy."""
         request = P.ResumeMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
-        kept = None if among is None else set(among)
-        chosen = [u for u in self.targets if kept is None or u in kept]
-        await asyncio.gather(*(self._call(u, P.RESUME_MEMORY, request) for u in chosen))
+        await self._everywhere(P.RESUME_MEMORY, request, among)
 
     async def init_weights_update_group(
         self,

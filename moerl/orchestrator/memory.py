@@ -513,12 +513,18 @@ def _logits(mc: dict, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
     return mb.logits_copies * mb.tokens * vocab * 4 + weight
 
 
+def _attention_layers(mc: dict, t, layout) -> int:
+    """The layers whose attention state one micro-batch keeps at once: every layer of the stage (1F1B: by up to two
+    micro-batches, as for the activations) or, with full recompute, one layer at a time."""
+    return 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
+
+
 def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
     """megatron-core's local attention: per layer ``heads/tp x b x s x s`` scores, at most ``tokens x width`` per head
     (:data:`SCORE_BYTES`), kept by every layer of the stage (1F1B: by up to two micro-batches, as for the activations)
     or, with full recompute, by one layer at a time; and megatron-core's ``[s, s]`` causal masks
     (:data:`CAUSAL_MASK_TRANSIENT_BYTES`, a bool mask kept per layer)."""
-    layers = 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
+    layers = _attention_layers(mc, t, layout)
     per = SCORE_BYTES[dtype_bytes]
     scores = mc["num_attention_heads"] / layout.tp * mb.tokens * mb.width
     masks = mb.width**2 * (layers + CAUSAL_MASK_TRANSIENT_BYTES)
@@ -531,7 +537,7 @@ def _flex_rows(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape) -> fl
     head and position; kept as the scores are (:func:`_attention_scores`)."""
     from moerl.megatron.segments import flex_width
 
-    layers = 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
+    layers = _attention_layers(mc, t, layout)
     heads, groups = mc["num_attention_heads"] / layout.tp, mc["num_key_value_heads"] / layout.tp
     head_dim = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
     per_position = (2 * heads + 2 * groups) * head_dim * dtype_bytes + heads * 4

@@ -34,7 +34,7 @@ from megatron.core import parallel_state
 from moerl.megatron.parallel import collective_device
 from moerl.sample import Sample
 from moerl.trainer import objectives
-from moerl.trainer.batch import carried, prefix_disagreements, shard_by_tokens, shared_runs
+from moerl.trainer.batch import carried, prefix_disagreements, shard_by_tokens, shared_runs, unit_length
 from moerl.trainer.config import TrainerConfig
 
 ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allows, by code in the header
@@ -481,7 +481,7 @@ class BatchDistributor:
         units = shared_runs(shared)
         if len(units) < self.dp_size:
             return lengths, shard_by_tokens(fed, self.dp_size)
-        sizes = [sum(fed[i] - shared[i] * (i != u[0]) for i in u) for u in units]
+        sizes = [unit_length(u, shared, fed) for u in units]
         return lengths, [sorted(i for u in shard for i in units[u]) for shard in shard_by_tokens(sizes, self.dp_size)]
 
     def _local(
