@@ -275,8 +275,6 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     tensor read back next to the trainer's."""
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.broadcast import BroadcastSync
-    from moerl.weight_sync.export import hf_named_tensors
-    from tests.engine_server import weights_by_name
 
     trainer = Trainer(mcore_dir, trainer_cfg)
     trainer.step(samples)
@@ -284,11 +282,56 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     sync = BroadcastSync(urls if rank0 else None, "127.0.0.1", "gloo", bucket_bytes=64 << 10)
     sync.connect()
     stats = sync.update(trainer)
-    trained = list(hf_named_tensors(Gather(trainer.model.module), trainer.hf_config))
     mine = {"sent": sync.sent, "received": sync.gather.received, "group": sync.group_name if sync.sender else None}
-    if not rank0:
+    return {**mine, **_served_next_to_trained(sync, trainer, urls, stats)}
+
+
+def train_then_hand_over(mcore_dir: str, trainer_cfg, samples: list, urls: list[str]) -> dict:
+    """One trainer step, then a colocated push (TensorSync) to the engines at ``urls``, one per rank's GPU: the
+    handles each rank made, those rank 0 posted (by GPU, per bucket), and each engine's copy of every tensor read back
+    next to the trainer's."""
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync import tensor
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    trainer.step(samples)
+    rank0 = torch.distributed.get_rank() == 0
+    sync = tensor.TensorSync(urls if rank0 else None, bucket_bytes=64 << 10)
+    made, posted = [], []
+    serialize, post = tensor.serialize, sync.post
+
+    def recorded(payload):
+        made.append(serialize(payload))
+        return made[-1]
+
+    def recording(handles):
+        posted.append(handles)
+        post(handles)
+
+    tensor.serialize, sync.post = recorded, recording  # type: ignore[method-assign]
+    try:
+        stats = sync.update(trainer)
+    finally:
+        tensor.serialize = serialize
+    return {
+        "made": made,
+        "posted": posted,
+        "ranks": sync.handover.ranks,
+        **_served_next_to_trained(sync, trainer, urls, stats),
+    }
+
+
+def _served_next_to_trained(sync, trainer, urls: list[str], stats) -> dict:
+    """Collective: on rank 0, the trainer's Hub tensors, each engine's copy of them, the engines' versions and the
+    update's ``stats``; nothing elsewhere. Closes ``sync``."""
+    from moerl.weight_sync.export import hf_named_tensors
+    from tests.engine_server import weights_by_name
+
+    with trainer.on_device():  # a colocated push leaves it off: copies, as the offload after frees what they view
+        trained = [(name, t.clone()) for name, t in hf_named_tensors(Gather(trainer.model.module), trainer.hf_config)]
+    if sync.link is None:
         sync.close()
-        return mine
+        return {}
     link = sync.link
 
     async def read_back():
@@ -297,7 +340,7 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     served = link.run(read_back())
     versions = link.run(link.client.weight_versions())
     sync.close()
-    return {**mine, "stats": stats, "trained": trained, "served": served, "versions": versions}
+    return {"stats": stats, "trained": trained, "served": served, "versions": versions}
 
 
 def sync_with_a_sender_failing_once(mcore_dir: str, trainer_cfg, urls: list[str]) -> dict:
@@ -722,9 +765,9 @@ def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str, ki
     rank0 = torch.distributed.get_rank() == 0
     sync = TensorSync([url] if rank0 else None, bucket_bytes=64 << 10)
     sent = [0]
-    push_bucket = sync.push_bucket
+    post = sync.post
 
-    def failing(bucket, tp_sizes):
+    def failing(handles):
         sent[0] += 1
         if sent[0] == 2:
             if not kill_engine:
@@ -734,9 +777,9 @@ def tensor_push_failing_after_a_bucket(mcore_dir: str, trainer_cfg, url: str, ki
             os.killpg(os.getpgid(pid), signal.SIGKILL)
             while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                 time.sleep(0.05)  # the pool that started it reaps it
-        push_bucket(bucket, tp_sizes)
+        post(handles)
 
-    sync.push_bucket = failing  # type: ignore[method-assign]
+    sync.post = failing  # type: ignore[method-assign]
     try:
         sync.update(trainer)
         raised = None

@@ -329,14 +329,13 @@ class EngineClient:
 
     async def update_weights_from_tensor(
         self,
-        payloads: Callable[[int], list[str]],
-        tp_sizes: dict[str, int],
+        payloads: Callable[[str], list[str]],
         load_format: str | None = None,
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> None:
         """Tensors handed over on the engines' own machine (:mod:`moerl.engines.tensor_ipc`): each engine gets
-        ``payloads(tp_size)``, handles of its own, one per TP rank (``tp_sizes``: each engine's, by URL)."""
+        ``payloads(url)``, handles of its own, one per TP rank (SGLang's TP rank i reads entry i)."""
         await asyncio.gather(
             *(
                 self._call(
@@ -344,7 +343,7 @@ class EngineClient:
                     P.UPDATE_FROM_TENSOR,
                     P.UpdateWeightsFromTensorReqInput.model_validate(
                         {
-                            "serialized_named_tensors": payloads(tp_sizes[url]),
+                            "serialized_named_tensors": payloads(url),
                             "load_format": load_format,
                             "weight_version": weight_version,
                             "flush_cache": flush_cache,

@@ -208,7 +208,7 @@ def sync_strategy(cfg: RunConfig) -> str:
 def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
     strategy = sync_strategy(cfg)
     if strategy == "tensor":
-        return TensorSync(urls, bucket_bytes=cfg.sync.bucket_mb << 20)
+        return TensorSync(urls, cfg.sync.bucket_mb << 20, cfg.engines.gpus_per_replica)
     if strategy == "adapters":
         return AdapterSync(
             urls,

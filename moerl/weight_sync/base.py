@@ -16,7 +16,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -29,7 +29,6 @@ from moerl.errors import EnginesDown
 from moerl.megatron.forward import forward_logits
 from moerl.megatron.parallel import collective_device, lead_agrees
 from moerl.megatron.weights import Gather
-from moerl.weight_sync.export import hf_named_tensors
 
 log = logging.getLogger("moerl.sync")
 
@@ -369,20 +368,9 @@ class FullWeightSync(WeightSync):
         """Collective: ``trainer``'s weights to the engines under its version; the stats on rank 0, None elsewhere."""
         return self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
 
+    @abstractmethod
     def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
         """Collective: ``model``'s weights to the engines under ``version``; the stats on rank 0, None elsewhere."""
-        if self.gather is None:
-            self.gather = Gather(model)
-        named = hf_named_tensors(self.gather, hf_config)  # every rank iterates: the gathers are collective
-        if self.link is None:
-            for _ in named:
-                pass
-            return None
-        return self.push(named, version)
-
-    @abstractmethod
-    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
-        """Rank 0: send the Hub-named tensors; the engines take ``version`` with the last of them."""
 
 
 class WeightSyncError(RuntimeError):

@@ -327,7 +327,7 @@ class BroadcastSync(FullWeightSync):
                 if dist.get_rank() in turn:
                     try:  # whole buckets; the last, unfilled, waits for the next turn unless this is the end
                         self._send_buckets(
-                            _drained(pending, len(pending) if last else _whole_buckets(pending, self.bucket_bytes)),
+                            drained(pending, len(pending) if last else whole_buckets(pending, self.bucket_bytes)),
                             self.sent,
                         )
                     except Exception as e:  # noqa: BLE001 - every rank hears of it after this turn
@@ -505,7 +505,7 @@ def _nbytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for _, t in named)
 
 
-def _whole_buckets(pending: deque, bucket_bytes: int) -> int:
+def whole_buckets(pending: deque, bucket_bytes: int) -> int:
     """How many of ``pending``'s first tensors make whole buckets (:func:`buckets`): all but an unfilled last one."""
     groups = list(buckets(pending, bucket_bytes))
     if groups and _nbytes(groups[-1]) < bucket_bytes:
@@ -513,7 +513,7 @@ def _whole_buckets(pending: deque, bucket_bytes: int) -> int:
     return sum(len(g) for g in groups)
 
 
-def _drained(pending: deque, count: int) -> Iterator:
+def drained(pending: deque, count: int) -> Iterator:
     """``pending``'s first ``count`` items, each let go of as it is taken: a tensor sent is not held until the turn
     ends."""
     for _ in range(count):

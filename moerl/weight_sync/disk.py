@@ -14,8 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from moerl.files import staged_dir
+from moerl.megatron.weights import Gather
 from moerl.weight_sync.base import FullWeightSync, SyncStats
 from moerl.weight_sync.broadcast import buckets
+from moerl.weight_sync.export import hf_named_tensors
 
 # Everything of a HF model directory but its weights.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".safetensors.index.json", ".bin.index.json")
@@ -41,7 +43,19 @@ class DiskSync(FullWeightSync):
         if self.link is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
 
+    def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
+        """Collective: every weight gathered on rank 0 (:class:`~moerl.megatron.weights.Gather`), which writes them."""
+        if self.gather is None:
+            self.gather = Gather(model)
+        named = hf_named_tensors(self.gather, hf_config)  # every rank iterates: the gathers are collective
+        if self.link is None:
+            for _ in named:
+                pass
+            return None
+        return self.push(named, version)
+
     def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
+        """Rank 0: the Hub-named tensors written as a new version directory, which every engine loads."""
         stats, start = SyncStats(), time.perf_counter()
         out = self.directory / f"v{version}"
         with staged_dir(out) as staging:  # engines only ever see complete directories

@@ -1,7 +1,7 @@
 """Weight sync to engines on the trainer's own GPUs (``run.placement=colocated``): the engines' memory is released while
 the trainer trains, and the new weights are handed over on the machine (``/update_weights_from_tensor``: CUDA IPC on a
-GPU, shared memory on the CPU, :mod:`moerl.engines.tensor_ipc`), a bucket at a time, so the push costs the engines'
-weights plus one bucket.
+GPU, shared memory on the CPU, :mod:`moerl.engines.tensor_ipc`), a bucket at a time from every GPU an engine runs on
+(:class:`Handover`), so the push costs the engines' weights plus one bucket on each.
 
 A colocated step, as the peers run it (waking weights and KV cache together runs out of memory): :meth:`sleep` pauses
 the engines (``retract``: what waits holds no KV) and releases all their memory; the trainer reloads its state and
@@ -16,17 +16,25 @@ off again.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import os
+import socket
 import time
-from collections.abc import Iterable
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from moerl.engines.tensor_ipc import flattened_bucket, serialize
-from moerl.errors import EnginesDown
+from moerl.engines.tensor_ipc import flattened_bucket, serialize, shareable_allocations
+from moerl.errors import ConfigError, EnginesDown
+from moerl.megatron.parallel import collective_device
+from moerl.megatron.weights import Gather
 from moerl.weight_sync.base import EngineCall, FullWeightSync, SyncStats, probe_ids, probe_logprobs
-from moerl.weight_sync.broadcast import buckets
+from moerl.weight_sync.broadcast import buckets, drained, whole_buckets
+from moerl.weight_sync.export import hf_layers
 
 log = logging.getLogger("moerl.sync")
 
@@ -34,11 +42,15 @@ _AFTER_WEIGHTS = ["kv_cache", "cuda_graph"]
 
 
 class TensorSync(FullWeightSync):
-    def __init__(self, urls: list[str] | None, bucket_bytes: int = 512 << 20, pause: str = "abort"):
-        """``urls``: the engines, on global rank 0 (None elsewhere); ``pause``: how an update of awake engines pauses
-        them (see :class:`~moerl.weight_sync.base.FullWeightSync`)."""
+    def __init__(
+        self, urls: list[str] | None, bucket_bytes: int = 512 << 20, gpus_per_replica: int = 1, pause: str = "abort"
+    ):
+        """``urls``: the engines, on global rank 0 (None elsewhere), in the order of the GPUs they run on;
+        ``gpus_per_replica``: each one's TP size; ``pause``: how an update of awake engines pauses them (see
+        :class:`~moerl.weight_sync.base.FullWeightSync`)."""
         super().__init__(urls, "moerl-tensor-sync", pause, flush_cache=True)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.gpus_per_replica = bucket_bytes, gpus_per_replica
+        self.handover: Handover | None = None  # every rank: made at the first push (collective)
         self.asleep = False  # rank 0: the engines' memory is released (sleep), until the next update wakes them
         self.released: set[str] = set()  # rank 0: the engines the sleep released, less those started again since
         self.sleep_seconds = 0.0  # rank 0: the last sleep's, and the last update's wake (resumes and continue)
@@ -100,30 +112,42 @@ class TensorSync(FullWeightSync):
                 self.probe = probe_logprobs(trainer.model.module, ids)
         return self.probe
 
-    def push(self, named: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncStats:
-        """Rank 0: the buckets, then ``version``, to the engines the update chose; one gone meanwhile is passed over.
-        With every one of them gone the update reaches none: the job starts them again, each holding its memory and
-        the checkpoint it started from, stale until a catch-up brings it the policy. Nothing waits for one to come
-        back, which would be told the version without the buckets before it."""
+    def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
+        """Collective: each weight layer gathered whole on rank 0 (:class:`~moerl.megatron.weights.Gather`), in buckets
+        handed over to the engines from every GPU they run on (:class:`Handover`), then ``version`` served. An engine
+        gone meanwhile is passed over. With every one of them gone the update reaches none: the job starts them again,
+        each holding its memory and the checkpoint it started from, stale until a catch-up brings it the policy. Nothing
+        waits for one to come back, which would be told the version without the buckets before it. Any other failure
+        is rank 0's, raised there once every gather is done (see :meth:`push_policy`)."""
+        if self.gather is None:
+            self.gather = Gather(model)
+        if self.handover is None:
+            self.handover = Handover.between(
+                len(self.lead_link.client.urls) * self.gpus_per_replica if self.link is not None else None
+            )
+        handover, lead = self.handover, self.link is not None
         stats, start = SyncStats(), time.perf_counter()
         failure: Exception | None = None
-        tp_sizes: dict[str, int] = {}
-        for bucket in buckets(named, self.bucket_bytes):
-            # Every rank gathers each layer: after a failure rank 0 still takes the rest, or the others would wait in
-            # a gather for good; the failure is raised once they are done.
-            if failure is not None:
-                continue
-            try:
-                if not tp_sizes:
-                    infos = self.on_engines(lambda client: client.server_info(), EngineCall.REPEATED_ON_CHOSEN)
-                    tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in zip(self.engines, infos, strict=True)}
-                self.push_bucket(bucket, tp_sizes)
-            except Exception as e:  # noqa: BLE001 - raised below, once every gather is done
-                failure = e
-                continue
-            stats.buckets += 1
-            stats.tensors += len(bucket)
-            stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        pending: deque[tuple[str, torch.Tensor]] = deque()  # rank 0: tensors not yet handed over
+        for layer in itertools.chain(hf_layers(self.gather, hf_config), [None]):  # the gathers are collective
+            if layer is not None and failure is None:
+                pending += layer  # a layer is empty but on rank 0
+            # whole buckets; the last, unfilled, waits for the next layer unless the layers are over
+            count = len(pending) if layer is None else whole_buckets(pending, self.bucket_bytes)
+            del layer
+            for bucket in handover.buckets(list(buckets(drained(pending, count), self.bucket_bytes))):
+                try:
+                    handover.hand_over(bucket, self.post if failure is None else None)
+                except Exception as e:  # noqa: BLE001 - rank 0's post: raised below, once every gather is done
+                    failure = e
+                    pending.clear()
+                    continue
+                if bucket is not None and failure is None:
+                    stats.buckets += 1
+                    stats.tensors += len(bucket)
+                    stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if not lead:
+            return None
         if failure is None:
             try:
                 self.on_engines(lambda client: client.set_weight_version(version), EngineCall.REPEATED_ON_CHOSEN)
@@ -136,17 +160,87 @@ class TensorSync(FullWeightSync):
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def push_bucket(self, bucket: list[tuple[str, torch.Tensor]], tp_sizes: dict[str, int]) -> None:
-        """Rank 0: one bucket to every engine, flattened on the tensors' device in memory IPC can share; freed once
-        every engine answered (an engine answers once it has copied the bucket into its weights)."""
-        payload = flattened_bucket(bucket)
+    def post(self, handles: list[str]) -> None:
+        """Rank 0: one bucket to every chosen engine, each TP rank its GPU's handle (``handles``, by GPU); it answers
+        once it has copied the bucket into its weights. Made once on each: CUDA IPC counts a handle's references per
+        pickle, so none is read twice."""
+        urls, width = self.lead_link.client.urls, self.gpus_per_replica
 
-        def handles(tp_size: int) -> list[str]:
-            return [serialize(payload) for _ in range(tp_size)]  # each TP rank reads its own handles
+        def theirs(url: str) -> list[str]:
+            first = urls.index(url) * width
+            return handles[first : first + width]
 
         self.on_engines(
-            lambda client: client.update_weights_from_tensor(
-                handles, tp_sizes, "flattened_bucket", flush_cache=self.flush_cache
-            ),
-            EngineCall.REPEATED_ON_CHOSEN,
+            lambda client: client.update_weights_from_tensor(theirs, "flattened_bucket", flush_cache=self.flush_cache),
+            EngineCall.ONCE_ON_CHOSEN,
         )
+
+
+@dataclass
+class Handover:
+    """The trainer ranks whose GPUs the engines run on, which hand each bucket over. Engine replica ``k``'s TP rank
+    ``t`` runs on GPU ``k * T + t`` of global rank 0's node (the job starts each on its GPUs only, CUDA_VISIBLE_DEVICES
+    naming them), the GPU of the trainer rank of that local rank. CUDA IPC maps memory of a GPU the engine sees, so
+    each of those ranks takes a copy of the bucket (broadcast from rank 0) and makes the handle to its own; on the CPU
+    the same ranks hand over shared memory. ``ranks``: the rank on each of those GPUs, in order; ``group`` (None on the
+    others) joins them and global rank 0, which talks to the engines."""
+
+    ranks: list[int]
+    group: dist.ProcessGroup | None
+
+    @property
+    def members(self) -> list[int]:
+        """The group's ranks in its own order (torch's: ascending)."""
+        return sorted({0, *self.ranks})
+
+    @classmethod
+    def between(cls, gpus: int | None) -> Handover:
+        """Collective over the world: ``gpus``, rank 0's (None elsewhere), the engines' GPUs on its node. Raises
+        :class:`ConfigError` on every rank where a GPU has no trainer rank."""
+        here = (socket.gethostname(), int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (here, gpus))  # once: a host name and two numbers a rank
+        (host, _), gpus = everyone[0]
+        local = {place[1]: rank for rank, (place, _) in enumerate(everyone) if place[0] == host}
+        missing = [gpu for gpu in range(gpus) if gpu not in local]
+        if missing:
+            raise ConfigError(
+                f"run.placement=colocated: the engines run on {gpus} GPUs of global rank 0's node, and no trainer rank "
+                f"runs on GPU(s) {missing} there; give the trainer that node's GPUs (run.trainer_ranks), or fewer "
+                "engines.replicas x engines.gpus_per_replica"
+            )
+        handover = cls([local[gpu] for gpu in range(gpus)], None)
+        group = dist.new_group(handover.members)  # every rank makes it, members or not
+        if dist.get_rank() in handover.members:
+            handover.group = group
+        return handover
+
+    def buckets(self, ready: list) -> list:
+        """Collective over :attr:`group`: ``ready`` on rank 0; on the other members as many Nones; nothing elsewhere."""
+        if self.group is None:
+            return []
+        count = torch.tensor([len(ready)], dtype=torch.int64, device=collective_device())
+        dist.broadcast(count, src=0, group=self.group)
+        return ready if ready else [None] * int(count.item())
+
+    def hand_over(self, bucket: list[tuple[str, torch.Tensor]] | None, post) -> None:
+        """Collective over :attr:`group`: ``bucket`` (rank 0's; None on the others) flattened on every member's device,
+        in memory IPC can share, each member's handle to its own copy gathered on rank 0, and ``post(handles)`` (rank
+        0's; None: the bucket goes nowhere) there while every copy is held."""
+        lead = bucket is not None
+        payload = flattened_bucket(bucket) if bucket is not None else None
+        metadata: list = [payload["metadata"] if payload is not None else None]
+        dist.broadcast_object_list(metadata, src=0, group=self.group)  # names, shapes, dtypes and spans
+        if payload is None:
+            with shareable_allocations(collective_device()):
+                flat = torch.empty(metadata[0][-1].end_idx, dtype=torch.uint8, device=collective_device())
+            payload = {"flattened_tensor": flat, "metadata": metadata[0]}
+        dist.broadcast(payload["flattened_tensor"], src=0, group=self.group)
+        members = self.members
+        held: list | None = [None] * len(members) if lead else None
+        dist.gather_object(serialize(payload), held, dst=0, group=self.group)  # a few hundred bytes each
+        try:
+            if post is not None and held is not None:
+                post([held[members.index(rank)] for rank in self.ranks])
+        finally:
+            dist.barrier(group=self.group)  # every copy is held until the engines have read theirs

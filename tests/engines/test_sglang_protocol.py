@@ -257,7 +257,7 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.release_memory()
         await client.resume_memory(["weights"])
         await client.update_weights_from_tensor(
-            lambda tp: ["payload"] * tp, {"http://x": 2}, "flattened_bucket", weight_version="5", flush_cache=False
+            lambda url: ["payload"] * 2, "flattened_bucket", weight_version="5", flush_cache=False
         )
 
     asyncio.run(run())

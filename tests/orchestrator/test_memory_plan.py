@@ -355,8 +355,7 @@ def test_colocated_reward_replicas_share_the_trainers_gpus_and_are_released_as_t
     import json
 
     from moerl.orchestrator import memory
-    from moerl.orchestrator.config import load_config
-    from moerl.orchestrator.preflight import trainer_world_size
+    from moerl.orchestrator.config import load_config, trainer_world_size
 
     def plan(*overrides: str) -> memory.MemoryPlan:
         cfg = load_config(REPO / ONE_NODE, [f"model.path={QWEN3_30B}", "engines.urls=[]", *overrides])

@@ -407,6 +407,37 @@ def test_engines_on_another_torch_than_the_trainer_are_refused_before_a_nccl_gro
 
 
 @pytest.mark.e2e
+def test_a_colocated_push_hands_each_engine_the_bucket_from_the_rank_on_its_gpu(tiny_ckpts, tmp_path):
+    """Colocated, engine k runs on the GPU of the trainer rank of local rank k, and CUDA IPC maps only memory of a GPU
+    the engine sees: every bucket is copied to each such rank, and each engine is posted the handle its own rank made.
+    After one step both engines hold the trainer's weights bitwise."""
+    from moerl.trainer.config import OptimConfig, TrainerConfig
+    from tests.engine_server import running_servers
+    from tests.trainer.test_trainer import rollout
+    from tests.workers import train_then_hand_over
+
+    hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    samples = rollout(hf_dir, torch.float32)
+    cfg = TrainerConfig(optim=OptimConfig(lr=1e-2), ep=2)
+    with running_servers(hf_dir, tmp_path / "logs", 2) as urls:
+        ranks = run_ranks(train_then_hand_over, 2, str(mcore_dir), cfg, samples, urls)
+    out = ranks[0]
+    assert out["ranks"] == [0, 1] and out["stats"].buckets == len(out["posted"]) > 1
+    made = [set(rank["made"]) for rank in ranks]
+    assert all(len(rank["made"]) == len(out["posted"]) for rank in ranks)  # a copy of each bucket on each rank
+    for handles in out["posted"]:
+        assert handles[0] in made[0] and handles[1] in made[1]
+    reader = HFReader(hf_dir)
+    assert out["stats"].tensors == len(reader.names()) and out["versions"] == ["1", "1"]
+    changed = 0
+    for name, tensor in out["trained"]:
+        for served in out["served"][name]:
+            assert torch.equal(torch.tensor(served, dtype=tensor.dtype), tensor), name
+        changed += not torch.equal(tensor, reader.get(name))
+    assert changed > len(out["trained"]) // 2  # the step moved the weights the engines now serve
+
+
+@pytest.mark.e2e
 def test_a_colocated_push_that_fails_mid_way_stops_every_rank_none_left_in_a_gather(tiny_ckpts, tmp_path):
     """Rank 0 sends each bucket as the layers are gathered; when one fails it still takes the remaining gathers, which
     the other ranks make, and only then raises: every rank stops with the failure, where rank 1 waited for good. Where
