@@ -731,12 +731,12 @@ def what_a_rank_sees(mark: str) -> tuple[str | None, str]:
 
 def steps_offloaded_between(mcore_dir: str, trainer_cfg, samples: list, steps: int, offload: bool) -> dict:
     """``steps`` trainer steps on the same batch, the trainer's state offloaded after each (``offload``) as a colocated
-    run's push leaves it; each step's metrics, the bytes each offload took off the device and what was left on it,
-    and the final weights."""
+    run's push leaves it; each step's metrics, the bytes each offload took off the device, what was left on it and how
+    many NCCL communicators it suspended (and why none could be, if so), and the final weights."""
     from moerl.trainer.trainer import Trainer, _optimizer_tensors
 
     trainer = Trainer(mcore_dir, trainer_cfg)
-    out: dict = {"metrics": [], "offloaded": [], "left": []}
+    out: dict = {"metrics": [], "offloaded": [], "left": [], "suspended": []}
     for _ in range(steps):
         out["metrics"].append(trainer.step(samples))
         if offload:
@@ -744,6 +744,8 @@ def steps_offloaded_between(mcore_dir: str, trainer_cfg, samples: list, steps: i
             held = [*trainer.model.module.parameters(), *_optimizer_tensors(trainer.optimizer)]
             held += [b.grad_data for b in trainer.model.buffers + trainer.model.expert_parallel_buffers]
             out["left"].append(sum(t.untyped_storage().nbytes() for t in held))
+            out["suspended"].append(len(trainer.communicators.suspended))
+    out["unsupported"] = trainer.communicators.unsupported
     with trainer.on_device():  # copies: the offload after frees what the model's own tensors hold
         out["weights"] = {k: t.clone() for k, t in (full_tensors(trainer.model.module) or {}).items()}
     return out

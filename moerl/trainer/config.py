@@ -68,6 +68,9 @@ class TrainerConfig:
     shared_prompt: bool = False
     dtype: TrainerDtype = "auto"
     recompute: bool = False  # full activation recompute, one layer per checkpoint; routing replay follows it
+    # colocated: megatron-core's NCCL communicators suspended while the engines run (torch >= 2.12 with NCCL >= 2.29.7;
+    # elsewhere they stay, and the run says so once)
+    suspend_communicators: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

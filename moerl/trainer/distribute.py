@@ -278,10 +278,14 @@ class BatchDistributor:
         self.staged_peak = 0  # global rank 0: the most bytes of other ranks' payloads it has held on the device at once
 
     def pieces(
-        self, source: Iterable[list[Sample] | Interlude] | None, interlude: Callable[[int], None] | None = None
+        self,
+        source: Iterable[list[Sample] | Interlude] | None,
+        interlude: Callable[[int], None] | None = None,
+        arriving: Callable[[], None] | None = None,
     ) -> Iterator[LocalPiece]:
         """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends.
-        An :class:`Interlude` it yields instead runs ``interlude(kind)`` on every rank, all together."""
+        An :class:`Interlude` it yields instead runs ``interlude(kind)`` on every rank, all together. ``arriving()``
+        runs on every rank once a piece is announced, before its bytes travel (see :meth:`scatter`)."""
         feed: Iterator[list[Sample] | Interlude] | None = None  # rank 0's pieces
         if self.rank == 0:
             assert source is not None, "global rank 0 reads the pieces"
@@ -296,7 +300,7 @@ class BatchDistributor:
                 except BaseException:
                     self._header(_FAILED)
                     raise
-            local = self.scatter(piece)
+            local = self.scatter(piece, arriving)
             if local is None:
                 return
             if isinstance(local, Interlude):
@@ -305,11 +309,14 @@ class BatchDistributor:
                 continue
             yield local
 
-    def scatter(self, piece: list[Sample] | Interlude | None) -> LocalPiece | Interlude | None:
+    def scatter(
+        self, piece: list[Sample] | Interlude | None, arriving: Callable[[], None] | None = None
+    ) -> LocalPiece | Interlude | None:
         """Collective: rank 0 plans ``piece`` (None: the end) and sends each rank its part; this rank's part, None at
-        the end (an interlude: itself, on every rank)."""
+        the end (an interlude: itself, on every rank). ``arriving()`` runs on every rank once the piece is announced,
+        before the tensor-parallel groups pass it on (a colocated trainer's communicators come back then)."""
         if self.rank != 0:
-            return self._receive()
+            return self._receive(arriving)
         if piece is None:
             self._header(_END)
             return None
@@ -333,6 +340,8 @@ class BatchDistributor:
             self._header(_FAILED)
             raise
         self._header(_PIECE, len(piece), routing, masks, context=len(plan) > self.actions_row)
+        if arriving is not None:
+            arriving()
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
         sends = self._send_within_window([(rank, payloads[rank]) for rank in self.receivers])
         self._to_tp_peers(torch.from_numpy(payloads[0]).to(collective_device()))
@@ -429,7 +438,7 @@ class BatchDistributor:
         )
         dist.broadcast(header, 0)
 
-    def _receive(self) -> LocalPiece | Interlude | None:
+    def _receive(self, arriving: Callable[[], None] | None) -> LocalPiece | Interlude | None:
         header = torch.empty(5, dtype=torch.int64, device=collective_device())
         dist.broadcast(header, 0)
         status, n, code, topk, flags = header.tolist()
@@ -439,6 +448,8 @@ class BatchDistributor:
             return Interlude(n)
         if status == _FAILED:
             raise BatchFailed("global rank 0 failed while preparing the batch (its error says why)")
+        if arriving is not None:
+            arriving()
         routing = None if code < 0 else (ROUTING_DTYPES[code], topk)
         rows = self.actions_row + bool(flags & _CONTEXT)
         plan_tensor = torch.empty(rows, n, dtype=torch.float64, device=collective_device())

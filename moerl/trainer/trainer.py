@@ -43,7 +43,7 @@ from moerl.layout import Layout
 from moerl.megatron.forward import host_to_device, run_schedule
 from moerl.megatron.lora import add_lora
 from moerl.megatron.lora_config import LoRAConfig
-from moerl.megatron.parallel import collective_device, on_lead
+from moerl.megatron.parallel import IdleCommunicators, collective_device, on_lead
 from moerl.models import family_for
 from moerl.models.qwen_moe import te_usable
 from moerl.sample import Sample
@@ -188,6 +188,7 @@ class Trainer:
         # colocated: what the engines' phase took off the device, the training state (optimizer, gradients) and the
         # weights apart, since the push needs the weights on the device after the training state has left
         self.offloaded_state, self.offloaded_weights = StorageOffload(device), StorageOffload(device)
+        self.communicators = IdleCommunicators() if cfg.suspend_communicators else None
 
     # ---- colocated placement -------------------------------------------------------------------
     def offload_training_state(self) -> None:
@@ -200,15 +201,20 @@ class Trainer:
         self.offloaded_state.free(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers)
 
     def offload(self) -> int:
-        """The device to colocated engines: the training state (:meth:`offload_training_state`), then the weights and
-        the KL reference, to host memory; the bytes off the device. The next step reloads it all once its first piece
-        arrives."""
+        """Collective: the device to colocated engines: the training state (:meth:`offload_training_state`), then the
+        weights and the KL reference, to host memory, and megatron-core's NCCL communicators suspended
+        (:class:`~moerl.megatron.parallel.IdleCommunicators`); the bytes off the device. The next step reloads it all
+        once its first piece arrives."""
         self.offload_training_state()
         self.offloaded_weights.keep(itertools.chain(self.model.module.parameters(), self.reference or []))
-        return self.offloaded_state.held_bytes + self.offloaded_weights.held_bytes
+        suspended = self.communicators.suspend() if self.communicators is not None else 0
+        return self.offloaded_state.held_bytes + self.offloaded_weights.held_bytes + suspended
 
     def reload(self) -> None:
-        """Whatever was offloaded back on the device (the gradient buffers zeroed)."""
+        """Collective: whatever was offloaded back on the device (the gradient buffers zeroed), the communicators
+        first."""
+        if self.communicators is not None:
+            self.communicators.resume()
         self.offloaded_weights.reload()
         self.offloaded_state.reload()
 
@@ -450,9 +456,9 @@ class Trainer:
         trace_dir = replay.trace_dir if replay.trace_samples else None
         if trace_dir is not None:
             on_lead(lambda: replay_trace.clear_step(trace_dir, self.version), "clearing the step's replay traces")
-        for number, piece in enumerate(self.batches.pieces(pieces, interlude)):
-            if number == 0:  # colocated engines have given the device back by the time a step's data comes
-                self.reload()
+        # colocated engines have given the device back by the time a step's data comes
+        for number, piece in enumerate(self.batches.pieces(pieces, interlude, arriving=self.reload)):
+            if number == 0:
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
             lengths += piece.action_counts.tolist()

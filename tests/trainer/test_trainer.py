@@ -632,6 +632,29 @@ def test_a_trainer_offloaded_between_steps_trains_bitwise_as_one_never_offloaded
         assert all(moved > 0 for moved in b["offloaded"]) and b["left"] == [0, 0, 0]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+def test_a_trainer_whose_communicators_are_suspended_between_steps_trains_as_one_that_kept_them(
+    tiny_ckpts, fp32_samples
+):
+    """On a GPU the offload also suspends megatron-core's NCCL communicators that a collective has used, and the next
+    step resumes them: three steps give the metrics of a trainer that never offloaded. Skipped, saying why, where torch
+    or NCCL cannot suspend (torch < 2.12, NCCL < 2.29.7)."""
+    from tests.workers import steps_offloaded_between
+
+    mcore = str(tiny_ckpts[ARCH][1])
+    (kept,), (offloaded,) = (
+        run_ranks(steps_offloaded_between, 1, mcore, config("R3"), fp32_samples, 3, offload)
+        for offload in (False, True)
+    )
+    if offloaded["unsupported"] is not None:
+        pytest.skip(f"this torch cannot suspend NCCL communicators: {offloaded['unsupported']}")
+    assert all(count > 0 for count in offloaded["suspended"])  # the gradient norm's all-reduce, at least
+    for m, n in zip(kept["metrics"], offloaded["metrics"], strict=True):
+        for key, value in m.items():
+            assert n[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key
+
+
 def test_bf16_moments_are_refused_where_the_precision_aware_optimizer_cannot_run():
     """megatron-core keeps Adam's moments in bf16 only in its precision-aware optimizer (Transformer Engine's FusedAdam
     with the distributed optimizer): without CUDA the trainer says so before it loads anything."""
