@@ -56,7 +56,7 @@ def calc_model(tmp_path_factory):
     turns, though it uses the tool less often and less well than the demo's (what the episode tests need)."""
     from moerl.tasks.calc import save_warm_calc_model
 
-    return save_warm_calc_model(tmp_path_factory.mktemp("calc") / "model", steps=150)
+    return save_warm_calc_model(tmp_path_factory.mktemp("calc") / "model", steps=80)
 
 
 def hub_grads(hf_model) -> dict[str, torch.Tensor]:
