@@ -103,7 +103,7 @@ class IdleCommunicators:
     """megatron-core's NCCL communicators, suspended while colocated engines hold the GPU: ``ncclCommSuspend`` gives
     back their buffers (7-10 GB a rank at 3D+EP, verl #6266) and keeps the communicators, which ``ncclCommResume``
     restores at the same addresses. torch >= 2.12 built with NCCL >= 2.29.7 has it (``Backend.suspend``); elsewhere
-    they stay, and the first attempt says why once.
+    they stay (:attr:`unsupported` says why), and the first offload says so once.
 
     Each suspend and resume is collective over that communicator's ranks, so every rank takes megatron-core's groups in
     one order: by the name parallel_state keeps each under, which is the same on every rank. The world group stays up:
@@ -112,22 +112,22 @@ class IdleCommunicators:
 
     def __init__(self) -> None:
         self.suspended: list[Any] = []  # the backends suspended now, in the order they were
-        self.unsupported: str | None = None  # why this install cannot suspend them, once found
+        self.unsupported = _suspend_problem()  # why this process cannot suspend them; None: it can
+        self.said = False
 
     def suspend(self) -> int:
         """Collective: every used NCCL communicator of megatron-core's groups suspended; the bytes they gave back."""
-        if self.suspended or self.unsupported is not None or not torch.cuda.is_available():
+        if self.unsupported is not None:
+            if not self.said and torch.cuda.is_available():
+                log.warning("megatron-core's NCCL communicators stay on the GPU meanwhile: %s", self.unsupported)
+                self.said = True
             return 0
         freed = 0
-        for backend in _used_nccl_backends():
-            try:
+        if not self.suspended:
+            for backend in _used_nccl_backends():
+                freed += int(backend.memory_stats().get("suspend", 0))  # the bytes it can give back
                 backend.suspend()
-            except (AttributeError, RuntimeError) as e:  # no Backend.suspend (torch), or NCCL before 2.29.7
-                self.unsupported = str(e)
-                log.warning("megatron-core's NCCL communicators stay on the GPU while the engines run: %s", e)
-                break
-            self.suspended.append(backend)
-            freed += int(backend.memory_stats().get("suspended", 0))
+                self.suspended.append(backend)
         return freed
 
     def resume(self) -> None:
@@ -135,6 +135,21 @@ class IdleCommunicators:
         for backend in self.suspended:
             backend.resume()
         self.suspended = []
+
+
+def _suspend_problem() -> str | None:
+    """Why this process cannot suspend NCCL communicators; None where it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA"
+    from torch._C._distributed_c10d import Backend
+
+    if not hasattr(Backend, "suspend"):
+        return f"torch {torch.__version__} has no Backend.suspend (torch 2.12 or later has)"
+    version = tuple(torch.cuda.nccl.version())[:3]
+    if version < (2, 29, 7):
+        nccl = ".".join(map(str, version))
+        return f"torch {torch.__version__} runs NCCL {nccl}; ncclCommSuspend needs 2.29.7 or later"
+    return None
 
 
 def _used_nccl_backends() -> list[Any]:

@@ -95,6 +95,8 @@ class Job:
                 )  # a resumed run's pending prompts are re-issued first
             while self.trainer.version < self.cfg.run.steps:
                 self.step()
+            if self.cfg.run.placement == "colocated":  # none left suspended when the process group ends
+                self.trainer.resume_communicators()
         except Exception as e:
             # One rank's failure makes torchrun stop the others, maybe this one in its teardown: said now, not after it.
             if isinstance(e, MoerlError):

@@ -61,6 +61,8 @@ class StorageOffload:
 
     def reload(self) -> None:
         """Every storage back on the device: the kept ones with their bytes, the freed ones zeroed."""
+        if not self.active:
+            return
         for storage, host in self.kept:
             storage.resize_(host.numel())
             _bytes(storage).copy_(host, non_blocking=True)

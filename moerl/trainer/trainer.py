@@ -213,10 +213,14 @@ class Trainer:
     def reload(self) -> None:
         """Collective: whatever was offloaded back on the device (the gradient buffers zeroed), the communicators
         first."""
-        if self.communicators is not None:
-            self.communicators.resume()
+        self.resume_communicators()
         self.offloaded_weights.reload()
         self.offloaded_state.reload()
+
+    def resume_communicators(self) -> None:
+        """Collective: megatron-core's communicators back, the rest left where it is (before the process group ends)."""
+        if self.communicators is not None:
+            self.communicators.resume()
 
     @property
     def weights_offloaded(self) -> bool:
@@ -224,14 +228,14 @@ class Trainer:
 
     @contextlib.contextmanager
     def on_device(self):
-        """The trainer's whole state on its device within: reloaded if any was offloaded, and offloaded again after."""
+        """Collective: the trainer's whole state on its device within: reloaded if any was offloaded, and offloaded
+        again after, unless what ran within raised: a suspend waits in NCCL for every rank of each communicator, and a
+        rank that failed alone would wait there for good (the job stops on an error anyway)."""
         offloaded = self.offloaded_state.active or self.offloaded_weights.active
         self.reload()
-        try:
-            yield
-        finally:
-            if offloaded:
-                self.offload()
+        yield
+        if offloaded:
+            self.offload()
 
     # ---- batch preparation -------------------------------------------------------------------
     def micro_batches(self, piece: LocalPiece) -> list[MicroBatch]:

@@ -136,13 +136,11 @@ class TensorSync(FullWeightSync):
             count = len(pending) if layer is None else whole_buckets(pending, self.bucket_bytes)
             del layer
             for bucket in handover.buckets(list(buckets(drained(pending, count), self.bucket_bytes))):
-                try:
-                    handover.hand_over(bucket, self.post if failure is None else None)
-                except Exception as e:  # noqa: BLE001 - rank 0's post: raised below, once every gather is done
-                    failure = e
+                error = handover.hand_over(bucket, self.post, self.chosen_gpus() if lead and failure is None else [])
+                if error is not None:  # rank 0's post: raised below, once every gather is done
+                    failure = error
                     pending.clear()
-                    continue
-                if bucket is not None and failure is None:
+                elif bucket is not None and failure is None:
                     stats.buckets += 1
                     stats.tensors += len(bucket)
                     stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -160,15 +158,22 @@ class TensorSync(FullWeightSync):
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def post(self, handles: list[str]) -> None:
-        """Rank 0: one bucket to every chosen engine, each TP rank its GPU's handle (``handles``, by GPU); it answers
-        once it has copied the bucket into its weights. Made once on each: CUDA IPC counts a handle's references per
-        pickle, so none is read twice."""
+    def chosen_gpus(self) -> list[int]:
+        """Rank 0: the GPUs the engines this update goes to run on (see :class:`Handover`)."""
+        client, width = self.lead_link.client, self.gpus_per_replica
+        return [client.urls.index(url) * width + t for url in client.targets for t in range(width)]
+
+    def post(self, handles: list[str | None]) -> None:
+        """Rank 0: one bucket to every chosen engine, each TP rank the handle made on its GPU (``handles``, by GPU); it
+        answers once it has copied the bucket into its weights. Made once on each: CUDA IPC counts a handle's references
+        per pickle, so none is read twice."""
         urls, width = self.lead_link.client.urls, self.gpus_per_replica
 
         def theirs(url: str) -> list[str]:
             first = urls.index(url) * width
-            return handles[first : first + width]
+            mine = [handle for handle in handles[first : first + width] if handle is not None]
+            assert len(mine) == width, f"{url}: a chosen engine's GPU made no handle"
+            return mine
 
         self.on_engines(
             lambda client: client.update_weights_from_tensor(theirs, "flattened_bucket", flush_cache=self.flush_cache),
@@ -182,15 +187,17 @@ class Handover:
     ``t`` runs on GPU ``k * T + t`` of global rank 0's node (the job starts each on its GPUs only, CUDA_VISIBLE_DEVICES
     naming them), the GPU of the trainer rank of that local rank. CUDA IPC maps memory of a GPU the engine sees, so
     each of those ranks takes a copy of the bucket (broadcast from rank 0) and makes the handle to its own; on the CPU
-    the same ranks hand over shared memory. ``ranks``: the rank on each of those GPUs, in order; ``group`` (None on the
-    others) joins them and global rank 0, which talks to the engines."""
+    the same ranks hand over shared memory. ``ranks``: the rank on each of those GPUs, in order. Two groups join them
+    and global rank 0, which talks to the engines (None on the other ranks): ``group`` carries the bytes (NCCL on a
+    GPU), ``control`` the rest (gloo), so that no rank's kernel spins on an engine's GPU while rank 0 posts."""
 
     ranks: list[int]
-    group: dist.ProcessGroup | None
+    group: dist.ProcessGroup | None = None
+    control: dist.ProcessGroup | None = None
 
     @property
     def members(self) -> list[int]:
-        """The group's ranks in its own order (torch's: ascending)."""
+        """The groups' ranks in their own order (torch's: ascending)."""
         return sorted({0, *self.ranks})
 
     @classmethod
@@ -209,38 +216,43 @@ class Handover:
                 f"runs on GPU(s) {missing} there; give the trainer that node's GPUs (run.trainer_ranks), or fewer "
                 "engines.replicas x engines.gpus_per_replica"
             )
-        handover = cls([local[gpu] for gpu in range(gpus)], None)
-        group = dist.new_group(handover.members)  # every rank makes it, members or not
-        if dist.get_rank() in handover.members:
-            handover.group = group
+        handover = cls([local[gpu] for gpu in range(gpus)])
+        group, control = dist.new_group(handover.members), dist.new_group(handover.members, backend="gloo")
+        if dist.get_rank() in handover.members:  # every rank makes the groups, members or not
+            handover.group, handover.control = group, control
         return handover
 
     def buckets(self, ready: list) -> list:
-        """Collective over :attr:`group`: ``ready`` on rank 0; on the other members as many Nones; nothing elsewhere."""
-        if self.group is None:
+        """Collective over the members: ``ready`` on rank 0; on the other members as many Nones; nothing elsewhere."""
+        if self.control is None:
             return []
-        count = torch.tensor([len(ready)], dtype=torch.int64, device=collective_device())
-        dist.broadcast(count, src=0, group=self.group)
+        count = torch.tensor([len(ready)], dtype=torch.int64)
+        dist.broadcast(count, src=0, group=self.control)
         return ready if ready else [None] * int(count.item())
 
-    def hand_over(self, bucket: list[tuple[str, torch.Tensor]] | None, post) -> None:
-        """Collective over :attr:`group`: ``bucket`` (rank 0's; None on the others) flattened on every member's device,
-        in memory IPC can share, each member's handle to its own copy gathered on rank 0, and ``post(handles)`` (rank
-        0's; None: the bucket goes nowhere) there while every copy is held."""
-        lead = bucket is not None
+    def hand_over(self, bucket: list[tuple[str, torch.Tensor]] | None, post, gpus: list[int]) -> Exception | None:
+        """Collective over the members: ``bucket`` (rank 0's; None on the others) flattened on every member's device in
+        memory IPC can share, handles to the copies on ``gpus`` (rank 0's: those of the engines it goes to) gathered on
+        rank 0, and ``post(handles by GPU)`` there while every copy is held. No other handle is made: torch parks an
+        IPC-shared block no engine releases for the life of the process. What rank 0's post raised, returned there."""
         payload = flattened_bucket(bucket) if bucket is not None else None
-        metadata: list = [payload["metadata"] if payload is not None else None]
-        dist.broadcast_object_list(metadata, src=0, group=self.group)  # names, shapes, dtypes and spans
+        told: list = [(payload["metadata"], gpus) if payload is not None else None]
+        dist.broadcast_object_list(told, src=0, group=self.control)  # names, shapes, dtypes, spans; where it goes
+        metadata, gpus = told[0]
         if payload is None:
             with shareable_allocations(collective_device()):
-                flat = torch.empty(metadata[0][-1].end_idx, dtype=torch.uint8, device=collective_device())
-            payload = {"flattened_tensor": flat, "metadata": metadata[0]}
+                flat = torch.empty(metadata[-1].end_idx, dtype=torch.uint8, device=collective_device())
+            payload = {"flattened_tensor": flat, "metadata": metadata}
         dist.broadcast(payload["flattened_tensor"], src=0, group=self.group)
-        members = self.members
-        held: list | None = [None] * len(members) if lead else None
-        dist.gather_object(serialize(payload), held, dst=0, group=self.group)  # a few hundred bytes each
-        try:
-            if post is not None and held is not None:
-                post([held[members.index(rank)] for rank in self.ranks])
-        finally:
-            dist.barrier(group=self.group)  # every copy is held until the engines have read theirs
+        rank, members = dist.get_rank(), self.members
+        posted = rank in self.ranks and self.ranks.index(rank) in gpus
+        held: list | None = [None] * len(members) if bucket is not None else None
+        dist.gather_object(serialize(payload) if posted else None, held, dst=0, group=self.control)
+        failure = None
+        if held is not None and gpus:
+            try:
+                post([held[members.index(r)] for r in self.ranks])
+            except Exception as e:  # noqa: BLE001 - rank 0's, raised once every gather is done
+                failure = e
+        dist.barrier(group=self.control)  # every copy is held until the engines have read theirs
+        return failure
