@@ -483,7 +483,8 @@ def test_a_fully_reshardable_optimizer_state_loads_into_torch_adam():
 # ---- the memory plan ---------------------------------------------------------------------------------
 def _plan(*overrides: str, config: str = "recipes/qwen3_30b_a3b.yaml", world: int | None = None):
     from moerl.orchestrator import memory
-    from moerl.orchestrator.config import load_config, trainer_world_size
+    from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.preflight import trainer_world_size
 
     cfg = load_config(REPO / config, [f"model.path={QWEN3_30B}", "engines.urls=[]", *overrides])
     return memory.plan(cfg, json.loads((QWEN3_30B / "config.json").read_text()), world or trainer_world_size(cfg), 80.0)

@@ -471,14 +471,6 @@ def reward_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def trainer_world_size(cfg: RunConfig) -> int:
-    """How many trainer ranks the job runs."""
-    if cfg.simulation.profile is not None:
-        return 1  # one process stands for the simulated trainer
-    t = cfg.trainer
-    return cfg.run.trainer_ranks or t.tp * t.pp * t.ep
-
-
 def colocation_problems(cfg: RunConfig) -> list[str]:
     """What colocated placement needs: turns (the engines generate only while the trainer does not), engines the job
     starts on its own GPUs, and full weights to push (a released engine keeps no base weights for adapters)."""
@@ -491,16 +483,9 @@ def colocation_problems(cfg: RunConfig) -> list[str]:
             "the trainer trains, and colocated engines give their GPUs to the trainer then; set run.mode=sync, or "
             "run.placement=separate"
         )
-    e = cfg.engines
-    if e.urls:
+    if cfg.engines.urls:
         problems.append(
             "run.placement=colocated: the job starts its engines on the trainer's own GPUs; leave engines.urls empty"
-        )
-    elif e.replicas * e.gpus_per_replica > trainer_world_size(cfg):
-        problems.append(
-            f"run.placement=colocated runs each engine GPU beside a trainer rank, which hands it the weights: "
-            f"engines.replicas x engines.gpus_per_replica = {e.replicas * e.gpus_per_replica} exceeds the "
-            f"{trainer_world_size(cfg)} trainer ranks; lower them, or raise run.trainer_ranks"
         )
     if cfg.lora.enabled:
         problems.append(

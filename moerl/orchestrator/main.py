@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from moerl.errors import ConfigError, MoerlError
-from moerl.orchestrator.config import load_config, to_yaml, trainer_world_size
-from moerl.orchestrator.preflight import memory_plan, preflight
+from moerl.orchestrator.config import load_config, to_yaml
+from moerl.orchestrator.preflight import memory_plan, preflight, trainer_world_size
 
 
 def parse_args(argv: list[str] | None):

@@ -15,6 +15,13 @@ from moerl.orchestrator.run_state import latest_checkpoint
 from moerl.tasks import DEMO, DEMO_REWARD_MODELS
 
 
+def trainer_world_size(cfg: RunConfig) -> int:
+    if cfg.simulation.profile is not None:
+        return 1  # one process stands for the simulated trainer
+    t = cfg.trainer
+    return cfg.run.trainer_ranks or t.tp * t.pp * t.ep
+
+
 def check_layout(cfg: RunConfig, world: int) -> None:
     from moerl.layout import Layout, LayoutError
 

@@ -214,14 +214,6 @@ def test_sglang_deterministic_inference_is_refused_for_it_seeds_a_whole_group_al
         (["run.mode=sync", "engines.urls=[http://10.0.0.3:30000]"], "leave engines.urls empty"),
         (["run.mode=sync", "lora.enabled=true", "sync.method=disk"], "set lora.enabled=false"),
         (["run.mode=sync", f"simulation.profile={DATA / 'simulation' / 'tiny.yaml'}"], "leave run.placement=separate"),
-        (
-            ["run.mode=sync", "engines.replicas=3", "trainer.ep=1"],
-            "engines.replicas x engines.gpus_per_replica = 3 exceeds the 1 trainer",
-        ),
-        (
-            ["run.mode=sync", "engines.gpus_per_replica=2", "engines.server=sglang", "run.trainer_ranks=1"],
-            "= 2 exceeds the 1",
-        ),
     ],
 )
 def test_colocation_is_refused_where_engines_would_run_beside_training_or_lack_weights(overrides, named):
