@@ -114,6 +114,13 @@ class IdleCommunicators:
         self.suspended: list[Any] = []  # the backends suspended now, in the order they were
         self.unsupported = _suspend_problem()  # why this process cannot suspend them; None: it can
         self.said = False
+        self.ours: list[dist.ProcessGroup] = []  # moerl's own groups, suspended after megatron-core's (see include)
+
+    def include(self, group: dist.ProcessGroup | None) -> None:
+        """``group`` suspended too, after megatron-core's groups and those included before (None: this rank is in no
+        such group). Every member includes it at the same point, so the order stays one on every rank."""
+        if group is not None and all(group is not known for known in self.ours):
+            self.ours.append(group)
 
     def suspend(self) -> int:
         """Collective: every used NCCL communicator of megatron-core's groups suspended; the bytes they gave back."""
@@ -124,7 +131,7 @@ class IdleCommunicators:
             return 0
         freed = 0
         if not self.suspended:
-            for backend in _used_nccl_backends():
+            for backend in _used_nccl_backends(self.ours):
                 freed += int(backend.memory_stats().get("suspend", 0))  # the bytes it can give back
                 backend.suspend()
                 self.suspended.append(backend)
@@ -152,14 +159,14 @@ def _suspend_problem() -> str | None:
     return None
 
 
-def _used_nccl_backends() -> list[Any]:
-    """The NCCL backends of megatron-core's process groups that a collective has used, each once, in the order of the
-    names parallel_state keeps them under (gloo groups and the world group left out)."""
+def _used_nccl_backends(ours: list[dist.ProcessGroup]) -> list[Any]:
+    """The NCCL backends of megatron-core's process groups, in the order of the names parallel_state keeps them under,
+    then of ``ours``, that a collective has used, each once (gloo groups and the world group left out)."""
     from megatron.core import parallel_state
 
+    named = sorted(n for n in dir(parallel_state) if n.startswith("_") and "GROUP" in n)
     out, seen = [], set()
-    for name in sorted(n for n in dir(parallel_state) if n.startswith("_") and "GROUP" in n):
-        value = getattr(parallel_state, name)
+    for value in [getattr(parallel_state, name) for name in named] + [ours]:
         groups = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
         for group in groups:
             if not isinstance(group, dist.ProcessGroup) or group is dist.group.WORLD or id(group) in seen:

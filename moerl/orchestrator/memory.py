@@ -53,9 +53,9 @@ NCCL_RING_PEERS = 2
 COMMUNICATOR_BYTES = NCCL_BUFFER_BYTES * NCCL_CHANNELS * NCCL_RING_PEERS
 # Colocated placement (assumed, not measured): what a released SGLang engine keeps on each of its GPUs (its CUDA
 # context, its own TP group's communicator, the memory saver's bookkeeping), and what a trainer rank keeps while the
-# engines run (its CUDA context and NCCL communicators: megatron-core's, about eight groups of NCCL's default buffers,
-# counted though they are suspended where torch and NCCL can, which the plan cannot know before launch; and the weight
-# handover's, which carries each bucket to the engines' GPUs).
+# engines run (its CUDA context, and NCCL communicators: megatron-core's, about eight groups of NCCL's default
+# buffers, and the weight handover's, which carries each bucket to the engines' GPUs; counted though they are suspended
+# where torch and NCCL can, which the plan cannot know before launch).
 RELEASED_ENGINE_BYTES = 2 * GIB
 TRAINER_RESIDENT_BYTES = GIB // 2 + 9 * COMMUNICATOR_BYTES
 TP_SPLIT = (".linear_qkv.", ".linear_proj.", ".linear_fc1.", ".linear_fc2.", "word_embeddings.", "output_layer.")

@@ -102,6 +102,8 @@ class TensorSync(FullWeightSync):
             except Exception as e:  # noqa: BLE001 - rank 0's, agreed before the probe: it is collective
                 failed = e
             self.agreed(error=failed)
+            if trainer.communicators is not None and self.handover is not None:  # idle until the next push
+                trainer.communicators.include(self.handover.group)
             self.probe = probe_logprobs(trainer.model.module, probe_ids(trainer.hf_config["vocab_size"]))
         self.offloaded_bytes = trainer.offload()
         return stats
