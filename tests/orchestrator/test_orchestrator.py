@@ -500,7 +500,7 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     sessions of their own that no signal of torchrun's reaches, so each must notice and stop (engines and rollout
     manager with it); one left running kept loading its weights into the engine the next job was given (found on an
     H100). Then run.resume=auto continues from the newest checkpoint to the same results as a run never killed."""
-    steps = ["run.mode=sync", "run.steps=4", "run.save_every=2", "sync.verify=false"]
+    steps = ["run.mode=sync", "run.steps=6", "run.save_every=2", "sync.verify=false"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert job(cache, straight, *steps).returncode == 0
     proc = start_until_checkpoint(cache, killed, steps, 2)
@@ -519,11 +519,11 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
     saved = sorted(
         int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists()
     )
-    assert saved and saved[-1] < 4, f"the ranks ran on without their launcher: checkpoints {saved}"
+    assert saved and saved[-1] < 6, f"the ranks ran on without their launcher: checkpoints {saved}"
     out = job(cache, killed, *steps, "run.resume=auto")
     assert out.returncode == 0, out.stderr[-4000:]
     a, b = read_metrics(straight), read_metrics(killed)
-    assert [r["step"] for r in b] == list(range(1, 5))
+    assert [r["step"] for r in b] == list(range(1, 7))
     # The same tokens, rewards and weights; float32 rounding may differ: the engine's log-probs (the behaviour policy of
     # the loss's correction) depend on what it batched them with, by ~1e-7, which moves a GRPO loss of ~0 by as much.
     for x, y in zip(a, b, strict=True):
