@@ -41,6 +41,12 @@ class SyncStats:
     seconds: float = 0.0
     pause_seconds: float = 0.0  # how long the engines stopped generating for it
 
+    def add(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of named tensors sent."""
+        self.buckets += 1
+        self.tensors += len(bucket)
+        self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+
 
 class EngineLink:
     """An engine client driven from the (synchronous) training loop through an event loop of its own, in a thread."""

@@ -80,9 +80,7 @@ class DiskSync(FullWeightSync):
             name = f"model-{n:05d}.safetensors"
             self.save_shard(shard, staging / name)
             index.update({k: name for k, _ in shard})
-            stats.buckets += 1
-            stats.tensors += len(shard)
-            stats.bytes += sum(t.numel() * t.element_size() for _, t in shard)
+            stats.add(shard)
         (staging / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": stats.bytes}, "weight_map": index})
         )

@@ -143,9 +143,7 @@ class TensorSync(FullWeightSync):
                     failure = error
                     pending.clear()
                 elif bucket is not None and failure is None:
-                    stats.buckets += 1
-                    stats.tensors += len(bucket)
-                    stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                    stats.add(bucket)
         if not lead:
             return None
         if failure is None:
