@@ -32,11 +32,13 @@ setup(
         "tensorboard",
         "matplotlib",  # moerl plot
     ],
-    package_data={"moerl.tasks": ["data/*.jsonl"]},
+    # The SGLang server's CPU support: files for its interpreter, not modules of moerl's (moerl.engines.sglang).
+    package_data={"moerl.tasks": ["data/*.jsonl"], "moerl.engines": ["sglang_cpu/*.py", "sglang_cpu/sgl_kernel/*.py"]},
     extras_require={
         # NVIDIA Apex is not on PyPI (the "apex" there is an unrelated project); it builds from source.
         "gpu": ["transformer-engine[pytorch]", "apex @ git+https://github.com/NVIDIA/apex.git"],
-        # The release moerl's wire contract and driver are tested against (moerl.engines.protocol.SGLANG_VERSION).
+        # The release moerl's wire contract and driver are tested against (moerl.engines.protocol.SGLANG_VERSION), in
+        # this environment: for pip users on a GPU. tools/install.sh installs it into an environment of its own.
         "sglang": ["sglang==0.5.23", "sglang-router"],
         # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed; openai: agent
         # code written for its SDK drives an episode's endpoint; ruff, mypy and mkdocs: the gates of tools/check.sh

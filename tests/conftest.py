@@ -34,6 +34,22 @@ def pytest_collection_finish(session) -> None:
 
 
 @pytest.fixture(scope="session")
+def sglang_python() -> str:
+    """The interpreter SGLang servers run with (:func:`moerl.engines.sglang.server_python`). Without a usable SGLang
+    (``bash tools/install.sh sglang``) the test is skipped, saying why; where ``MOERL_REQUIRE_SGLANG`` is set (CI) it
+    fails instead, so the sglang tier never skips unseen."""
+    from moerl.engines.sglang import server_python, sglang_problem
+
+    if problem := sglang_problem():
+        if os.environ.get("MOERL_REQUIRE_SGLANG"):
+            pytest.fail(f"MOERL_REQUIRE_SGLANG is set and {problem}")
+        pytest.skip(problem)
+    python = server_python()
+    assert python is not None, "sglang_problem found an interpreter"
+    return python
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory) -> dict:
     """arch -> (hf_dir, mcore_dir) of a tiny random model and its converted Megatron checkpoint.
 

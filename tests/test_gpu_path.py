@@ -281,27 +281,29 @@ def test_joins_broadcasts_and_loads_are_never_retried():
 
 
 # ---- 9: SGLang present and recent enough, or said why not ---------------------------------------------
-def test_sglang_is_used_only_when_it_is_installed_and_recent(monkeypatch):
-    from importlib import metadata
-
+def test_sglang_is_used_only_when_it_is_installed_and_recent(monkeypatch, tmp_path):
     from moerl.engines import sglang
     from moerl.orchestrator.config import EngineSection, served_by
 
-    def installed(version):
-        def lookup(name):
-            if version is None:
-                raise metadata.PackageNotFoundError(name)
-            return version
-
-        monkeypatch.setattr(metadata, "version", lookup)
-
+    versions: dict[str, str] = {}  # interpreter -> the sglang installed for it
+    monkeypatch.setattr(sglang, "_version_in", versions.get)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    installed(None)
+    monkeypatch.setenv("MOERL_SGLANG_VENV", str(tmp_path / "venv"))
+    monkeypatch.delenv("MOERL_SGLANG_PYTHON", raising=False)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)  # none beside moerl either
+    assert sglang.server_python() is None
     assert "not installed" in sglang.sglang_problem() and served_by(EngineSection()) == "embedded"
-    installed("0.5.10")
+    python = tmp_path / "venv" / "bin" / "python"  # the environment tools/install.sh sglang makes
+    python.parent.mkdir(parents=True)
+    python.touch()
+    assert sglang.server_python() == str(python)
+    assert f"not installed for {python}" in sglang.sglang_problem()
+    versions[str(python)] = "0.5.10"
     assert "0.5.10 is older than 0.5.23" in sglang.sglang_problem() and served_by(EngineSection()) == "embedded"
-    installed("0.5.23")
+    versions[str(python)] = "0.5.23"
     assert sglang.sglang_problem() is None and served_by(EngineSection()) == "sglang"
+    monkeypatch.setenv("MOERL_SGLANG_PYTHON", "/elsewhere/python")  # given: it wins
+    assert sglang.server_python() == "/elsewhere/python" and "not installed" in sglang.sglang_problem()
     assert sglang.sglang_problem("0.4.9") and sglang.sglang_problem("0.6.0") is None  # a running server's version
 
 
@@ -320,7 +322,8 @@ def test_an_explicit_sglang_without_sglang_is_one_error_line(tmp_path):
             f"run.dir={tmp_path}/r",
             f"run.cache_dir={tmp_path}/c",
         ],
-        env=child_env(PYTHON=sys.executable),
+        # an SGLang environment where none is installed
+        env={**child_env(PYTHON=sys.executable, MOERL_SGLANG_VENV=str(tmp_path / "none")), "MOERL_SGLANG_PYTHON": ""},
         capture_output=True,
         text=True,
         timeout=120,

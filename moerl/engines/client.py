@@ -263,7 +263,19 @@ class EngineClient:
         async def decode(body: bytes) -> list[Completion]:
             return P.decode_generate_body(body, self.shape, routing_start)
 
-        return await self._call(url, P.GENERATE, request, retries=0, parse=decode)
+        if (split := P.one_by_one(request)) is None:
+            return await self._call(url, P.GENERATE, request, retries=0, parse=decode)
+        prefill, each = split
+        await self._call(url, P.GENERATE, prefill, retries=0)
+        tasks = [asyncio.ensure_future(self._call(url, P.GENERATE, one, retries=0, parse=decode)) for one in each]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:  # the first failure, or a cancel: the others end (the engine aborts what nobody reads)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [completion for part in parts for completion in part]
 
     # ---- control ------------------------------------------------------------------------------
     async def pause(self, mode: str = "abort") -> None:
@@ -277,12 +289,20 @@ class EngineClient:
     async def release(self, urls: list[str], timeout_s: float = 5.0) -> None:
         """End the weight-update session and continue generation on ``urls``, engines a failed update leaves out that
         may be stuck: each call given ``timeout_s``, whatever they answer."""
+        await self._quietly(
+            urls, [(P.END_UPDATE, P.EndWeightUpdateReqInput()), (P.CONTINUE, P.ContinueGenerationReqInput())], timeout_s
+        )
+
+    async def end_sessions(self, urls: list[str], timeout_s: float = 5.0) -> None:
+        """End the weight-update session on ``urls``, where a failed push opened one (or may have), whatever they
+        answer: the next push's would be refused while it is open."""
+        await self._quietly(urls, [(P.END_UPDATE, P.EndWeightUpdateReqInput())], timeout_s)
+
+    async def _quietly(self, urls: list[str], calls: list[tuple[Route, WireModel]], timeout_s: float) -> None:
+        """Each of ``calls`` in turn on each of ``urls``, given ``timeout_s`` each, whatever it answers."""
 
         async def one(url: str) -> None:
-            for route, request in (
-                (P.END_UPDATE, P.EndWeightUpdateReqInput()),
-                (P.CONTINUE, P.ContinueGenerationReqInput()),
-            ):
+            for route, request in calls:
                 try:
                     await asyncio.wait_for(self._call(url, route, request, retries=0), timeout_s)
                 except (TimeoutError, EngineError):
@@ -355,15 +375,17 @@ class EngineClient:
         )
 
     async def release_memory(self, tags: list[str] | None = None) -> None:
-        """Give back the engines' memory of ``tags`` (None: all): after a pause with abort or retract."""
-        await self._everywhere(
+        """Give back the engines' memory of ``tags`` (None: all): after a pause with abort or retract. Asked once of
+        each engine and ended on every one before a failure is raised, each engine's failure in it
+        (:attr:`EngineError.failures`): the others have released theirs."""
+        await self._on_each(
             P.RELEASE_MEMORY, P.ReleaseMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
         )
 
     async def resume_memory(self, tags: list[str] | None = None, among: Iterable[str] | None = None) -> None:
         """Take back the memory of ``tags`` (None: all) on the engines (those of them in ``among``: the ones that
-        released it; SGLang's scheduler fails on a tag it did not release). Weights resumed hold nothing until a push,
-        unless the server keeps a host copy."""
+        released it; SGLang's scheduler dies on a tag it did not release, so it is asked once of each). Weights resumed
+        hold nothing until a push, unless the server keeps a host copy."""
         request = P.ResumeMemoryOccupationReqInput.model_validate({"tags": tags} if tags else {})
         await self._everywhere(P.RESUME_MEMORY, request, among)
 

@@ -21,10 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moerl.checkpoint.hf import read_config
+from moerl.engines import sglang
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from moerl.engines.sglang import lora_target_modules, sglang_problem
 from moerl.env import child_env, die_with_parent, free_ports, group_left
+from moerl.models import is_classifier
 
 log = logging.getLogger("moerl.engines")
 
@@ -40,6 +43,7 @@ class EnginePoolConfig:
     base_port: int = 30000  # replica i serves on base_port + i; 0: free ports picked at start (see EnginePool.start)
     dtype: str = "bfloat16"
     mem_fraction_static: float = 0.7
+    kv_tokens: int | None = None  # SGLang's --max-total-tokens (None: its own sizing on a GPU, CPU_KV_TOKENS on a CPU)
     sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS
     enable_memory_saver: bool = True  # release/resume memory occupation around training
     # released weights come back from host memory on resume (a colocated model no push reaches: a reward model)
@@ -58,8 +62,10 @@ class EnginePoolConfig:
     replicas_per_process: int = 1  # server simulated: replicas one process serves (each costs an interpreter otherwise)
 
 
-def server_args(cfg: EnginePoolConfig, port: int) -> list[str]:
-    """``sglang.launch_server`` arguments of the replica serving on ``port``."""
+def server_args(cfg: EnginePoolConfig, port: int, cuda: bool = True) -> list[str]:
+    """``sglang.launch_server`` arguments of the replica serving on ``port``, on GPUs or (``cuda`` false) the CPU. A
+    sequence classifier is served at /classify; a MoE model returns its routing."""
+    model = read_config(cfg.model_path)
     args = [
         "--model-path",
         cfg.model_path,
@@ -73,13 +79,22 @@ def server_args(cfg: EnginePoolConfig, port: int) -> list[str]:
         cfg.dtype,
         "--mem-fraction-static",
         str(cfg.mem_fraction_static),
-        # Keep Routing: every token's routed experts come back with the completion.
-        "--enable-return-routed-experts",
-        # Keep Sampling Mask: the top-k/top-p kept set of each sampled token.
-        "--sampling-mask-max-tokens",
-        str(cfg.sampling_mask_max_tokens),
     ]
-    if cfg.enable_memory_saver:
+    if is_classifier(model.get("architectures") or []):
+        args.append("--is-embedding")
+    else:
+        # Keep Sampling Mask: the top-k/top-p kept set of each sampled token.
+        args += ["--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens)]
+    if "num_experts_per_tok" in model:
+        # Keep Routing: every token's routed experts come back with the completion (a dense model has none, and
+        # SGLang's capturer fails at start for it).
+        args.append("--enable-return-routed-experts")
+    if not cuda:
+        args += sglang.cpu_args(cfg.kv_tokens)
+    elif cfg.kv_tokens is not None:
+        args += ["--max-total-tokens", str(cfg.kv_tokens)]
+    # On the CPU the memory saver would need libcuda: the scheduler dies at start.
+    if cfg.enable_memory_saver and cuda:
         args.append("--enable-memory-saver")
     if cfg.weights_cpu_backup:
         args.append("--enable-weights-cpu-backup")
@@ -107,9 +122,9 @@ def server_args(cfg: EnginePoolConfig, port: int) -> list[str]:
     return args + list(cfg.extra_args)
 
 
-def launch_args(cfg: EnginePoolConfig, ports: list[int]) -> list[str]:
+def launch_args(cfg: EnginePoolConfig, ports: list[int], cuda: bool = True) -> list[str]:
     """``python`` arguments that start a replica of ``cfg.server`` on each of ``ports`` (several: simulated replicas
-    only)."""
+    only), on GPUs or (``cuda`` false) the CPU."""
     if cfg.server == "simulated":
         return [
             "-m",
@@ -133,10 +148,8 @@ def launch_args(cfg: EnginePoolConfig, ports: list[int]) -> list[str]:
         raise ValueError(f"engines.server={cfg.server!r} serves one replica per process, not {len(ports)}")
     port = ports[0]
     if cfg.server == "sglang":
-        return ["-m", "sglang.launch_server", *server_args(cfg, port)]
+        return ["-m", "sglang.launch_server", *server_args(cfg, port, cuda)]
     if cfg.server == "embedded":
-        import torch
-
         return [
             "-m",
             "moerl.cli",
@@ -150,7 +163,7 @@ def launch_args(cfg: EnginePoolConfig, ports: list[int]) -> list[str]:
             "--dtype",
             cfg.dtype,
             "--device",
-            "cuda" if torch.cuda.is_available() else "cpu",
+            "cuda" if cuda else "cpu",
             "--sampling-mask-max-tokens",
             str(cfg.sampling_mask_max_tokens),
             *(["--enable-weights-cpu-backup"] if cfg.weights_cpu_backup else []),
@@ -166,8 +179,16 @@ def router_args(cfg: EnginePoolConfig, urls: list[str]) -> list[str]:
 class EnginePool:
     """Start, health-check, restart and stop the engine replicas (and the router)."""
 
-    def __init__(self, cfg: EnginePoolConfig, python: str = sys.executable):
-        self.cfg, self.python = cfg, python
+    def __init__(self, cfg: EnginePoolConfig, python: str | None = None):
+        """``python``: the interpreter SGLang servers and the router run with (default
+        :func:`~moerl.engines.sglang.server_python`); moerl's own engines run with this one."""
+        self.cfg = cfg
+        self.python = sys.executable
+        if cfg.server == "sglang":
+            chosen = python or sglang.server_python()
+            if chosen is None:
+                raise RuntimeError(f"engines.server=sglang: {sglang_problem()}")
+            self.python = chosen
         self.procs: list[subprocess.Popen] = []  # the replicas in order, then the router
         self.ports: list[int] = [cfg.base_port + i for i in range(cfg.replicas)] if cfg.base_port else []
         self.logs: dict[int, Path] = {}  # pid -> log file
@@ -189,7 +210,7 @@ class EnginePool:
         return [f"http://{self.cfg.host}:{self.cfg.router_port}"] if self.cfg.router else self.replica_urls
 
     def _gpus(self, replica: int) -> str | None:
-        if self.cfg.server == "simulated" or (self.cfg.server == "embedded" and not _has_cuda()):
+        if self.cfg.server == "simulated" or not _has_cuda():  # on the CPU
             return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         need = self.cfg.gpu_offset + self.cfg.replicas * self.cfg.gpus_per_replica
@@ -227,9 +248,12 @@ class EnginePool:
     def _spawn_replicas(self, first: int, ports: list[int], restart: bool = False) -> subprocess.Popen:
         """The server of replicas ``first``, ``first + 1`` ... on ``ports`` (one process)."""
         gpus = self._gpus(first)
+        cuda = _has_cuda()
         env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
+        if self.cfg.server == "sglang" and not cuda:
+            env.update(sglang.cpu_env())
         return self._spawn(
-            [self.python, *launch_args(self.cfg, ports)], env, f"{self.cfg.server}-{first}", append=restart
+            [self.python, *launch_args(self.cfg, ports, cuda)], env, f"{self.cfg.server}-{first}", append=restart
         )
 
     def start(self, timeout_s: float = 900) -> list[str]:
@@ -480,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         "default route)",
     )
     args = p.parse_args(argv)
-    problem = sglang_problem() if args.server == "sglang" else None
+    problem = (sglang_problem() or sglang.served_wrong(args.model)) if args.server == "sglang" else None
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -202,6 +202,40 @@ class GenerateReqInput(_NullMeansDefault):
         return self
 
 
+def one_by_one(req: GenerateReqInput) -> tuple[GenerateReqInput, list[GenerateReqInput]] | None:
+    """``req`` as SGLang serves ``n > 1`` itself, where it cannot: with kept sets. SGLang 0.5.23 first prefills the
+    prompt in a request of its own (max_new_tokens 0) that keeps every flag, return_sampling_mask included; a prefill
+    samples nothing whose kept set it could capture, so every such request fails with a 500 ("The sampling backend did
+    not return captured sampling support"), on a GPU as on the CPU. The client sends the same requests itself: the
+    prompt's prefill asking for nothing back, then one completion per request (completion i seeded
+    ``sampling_seed + i`` as the embedded engine seeds it, named ``<rid>-<i>``), whose prompts reuse that prefill's KV
+    and routing. None: ``req`` goes as it is."""
+    n = req.sampling_params.n
+    if not (req.return_sampling_mask and n > 1):
+        return None
+    # What the prefill's prompt KV is keyed by; nothing else of the request (SGLang refuses sampling_logprobs_mode
+    # without return_sampling_mask).
+    keyed = {"text", "input_ids", "lora_path", "extra_key", "cache_salt"} & req.model_fields_set
+    prefill = GenerateReqInput.model_validate(
+        {k: getattr(req, k) for k in keyed}
+        | {"sampling_params": req.sampling_params.model_copy(update={"n": 1, "max_new_tokens": 0})}
+        | ({} if req.rid is None else {"rid": f"{req.rid}-prefill"})
+    )
+    seed = req.sampling_params.sampling_seed
+    completions = [
+        req.model_copy(
+            update={
+                "sampling_params": req.sampling_params.model_copy(
+                    update={"n": 1, "sampling_seed": None if seed is None else seed + i}
+                ),
+                "rid": None if req.rid is None else f"{req.rid}-{i}",
+            }
+        )
+        for i in range(n)
+    ]
+    return prefill, completions
+
+
 @dataclass(frozen=True)
 class EngineLimits:
     """What a request is checked against on the serving engine."""
@@ -503,8 +537,10 @@ CONTINUE = Route("/continue_generation", "POST")
 ABORT = Route("/abort_request", "POST")
 FLUSH_CACHE = Route("/flush_cache", "POST")
 UPDATE_WEIGHT_VERSION = Route("/update_weight_version", "POST")
-RELEASE_MEMORY = Route("/release_memory_occupation", "POST")  # a tag released already stays so: harmless twice
-RESUME_MEMORY = Route("/resume_memory_occupation", "POST")
+# Neither is harmless twice in SGLang: a second release stashes the released weights' state again; a resume of a tag
+# not released (the first succeeded) kills its scheduler.
+RELEASE_MEMORY = Route("/release_memory_occupation", "POST", idempotent=False)
+RESUME_MEMORY = Route("/resume_memory_occupation", "POST", idempotent=False)
 UPDATE_FROM_DISK = Route("/update_weights_from_disk", "POST", idempotent=False)
 INIT_GROUP = Route("/init_weights_update_group", "POST", idempotent=False)
 BEGIN_UPDATE = Route("/begin_weight_update", "POST", idempotent=False)

@@ -28,9 +28,48 @@ def model_shape(raw: dict) -> ModelShape:
     return family.model_shape(family.normalize(raw))
 
 
+# The sequence classifiers and reward models SGLang 0.5.23 serves at /classify: a fixed list (is_generation_model in
+# its configs/model_config.py), not every *ForSequenceClassification. Text embedding models on that list are left out.
+CLASSIFIERS = frozenset(
+    {
+        "LlamaForSequenceClassification",
+        "LlamaForSequenceClassificationWithNormal_Weights",
+        "InternLM2ForRewardModel",
+        "Qwen2ForRewardModel",
+        "Qwen3ForRewardModel",
+        "Qwen2ForSequenceClassification",
+        "Qwen3ForSequenceClassification",
+        "BertForSequenceClassification",
+        "XLMRobertaForSequenceClassification",
+        "Gemma2ForSequenceClassification",
+    }
+)
+
+
 def is_classifier(architectures: list[str]) -> bool:
-    """Whether a model of these architectures scores sequences rather than generating (SGLang's reading)."""
-    return any(a.endswith(("ForSequenceClassification", "ForRewardModel")) for a in architectures)
+    """Whether a model of these architectures scores sequences rather than generating, as SGLang reads it."""
+    return any(a in CLASSIFIERS for a in architectures)
 
 
-__all__ = ["FAMILIES", "ModelFamily", "ModelShape", "TensorRule", "family_for", "is_classifier", "model_shape"]
+def unserved_classifier(architectures: list[str]) -> str | None:
+    """Why a model of these architectures, a sequence classifier by its name, cannot be a reward model (None: it can,
+    or it is no classifier): SGLang serves only those of :data:`CLASSIFIERS`, and starts any other as a generative
+    model."""
+    named = [a for a in architectures if a.endswith(("ForSequenceClassification", "ForRewardModel"))]
+    if not named or is_classifier(architectures):
+        return None
+    served = ", ".join(sorted(CLASSIFIERS))
+    return f"{named[0]} is not among the sequence classifiers SGLang serves at /classify ({served})"
+
+
+__all__ = [
+    "CLASSIFIERS",
+    "FAMILIES",
+    "ModelFamily",
+    "ModelShape",
+    "TensorRule",
+    "family_for",
+    "is_classifier",
+    "model_shape",
+    "unserved_classifier",
+]

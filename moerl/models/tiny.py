@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +27,10 @@ TINY_QWEN3 = dict(
     tie_word_embeddings=False,
     rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
 )
+
+# The demo models' change to TINY_QWEN3: every layer sparse. SGLang 0.5.23 builds every Qwen3-MoE layer sparse whatever
+# mlp_only_layers says (moerl.engines.sglang.served_wrong), and the demos run on SGLang as on the embedded engine.
+ALL_SPARSE: dict[str, Any] = {"mlp_only_layers": []}
 
 # Qwen2-MoE's differences: shared experts and their gate, dense layers by sparse step, tied embeddings.
 TINY_QWEN2 = {k: v for k, v in TINY_QWEN3.items() if k not in ("head_dim", "mlp_only_layers")} | dict(
@@ -74,10 +79,12 @@ def _tiny(architecture: str, **overrides):
 
 
 def tiny_param_count(architecture: str) -> int:
-    """How many parameters :func:`tiny_hf_model` has for ``architecture``, counted without making its weights."""
+    """How many parameters :func:`save_tiny_hf` saves for ``architecture`` (a classifier's ``score.bias`` included,
+    see :func:`save_model`), counted without making its weights."""
     model_cls, config = _tiny(architecture)
     with torch.device("meta"):
-        return sum(p.numel() for p in model_cls(config).parameters())
+        count = sum(p.numel() for p in model_cls(config).parameters())
+    return count + (config.num_labels if architecture.endswith("ForSequenceClassification") else 0)
 
 
 def tiny_hf_model(architecture: str, seed: int = 0, **overrides):
@@ -194,9 +201,22 @@ def save_tiny_hf(
     model = tiny_hf_model(
         architecture, seed=seed, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides
     )
-    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    save_model(model, out, max_shard_size)
     tokenizer.save_pretrained(out)
     return out
+
+
+def save_model(model, out: str | Path, max_shard_size: str | None = None) -> None:
+    """``model.save_pretrained(out)``; a sequence classifier's score head gets a zero ``score.bias`` in the
+    checkpoint, which transformers' head lacks and ignores, and SGLang's has (left random without it)."""
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if model.config.architectures[0].endswith("ForSequenceClassification"):
+        from safetensors.torch import load_file, save_file
+
+        path = Path(out) / "model.safetensors"
+        tensors = load_file(path)
+        tensors["score.bias"] = torch.zeros(model.config.num_labels)
+        save_file(tensors, path, metadata={"format": "pt"})
 
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")

@@ -46,6 +46,7 @@ def pool_config(e: EngineSection, model_path: str, server: str, log_dir: Path, g
         base_port=0,
         dtype=resolve_dtype(e.dtype),
         mem_fraction_static=e.mem_fraction_static,
+        kv_tokens=e.kv_tokens,
         log_dir=str(log_dir),
         extra_args=list(e.extra_args),
         gpu_offset=gpu_offset,

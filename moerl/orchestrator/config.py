@@ -85,6 +85,9 @@ class EngineSection:
     gpus_per_replica: int = 1
     dtype: EngineDtype = "auto"
     mem_fraction_static: float = 0.7
+    # SGLang: tokens of KV cache each replica holds (--max-total-tokens); null: sized from mem_fraction_static on a GPU,
+    # 16384 on the CPU (where SGLang would size it from the host's free memory)
+    kv_tokens: int | None = None
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 900.0
     # Health: a generate request past this deadline marks its replica suspect, as a transport error does (a hung

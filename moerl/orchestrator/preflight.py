@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from moerl.errors import ConfigError
-from moerl.orchestrator.config import RunConfig, sglang_lora_problem
+from moerl.orchestrator.config import RunConfig, served_by, sglang_lora_problem
 from moerl.orchestrator.run_state import latest_checkpoint
 from moerl.tasks import DEMO, DEMO_REWARD_MODELS
 
@@ -72,13 +72,18 @@ def preflight(cfg: RunConfig, world: int) -> None:
         )
     if cfg.engines.urls:
         check_engine_urls(
-            cfg.engines.urls, simulated=cfg.simulation.profile is not None, sglang_refused=sglang_lora_problem(cfg)
+            cfg.engines.urls,
+            simulated=cfg.simulation.profile is not None,
+            sglang_refused=sglang_lora_problem(cfg),
+            served=cfg.model.path,
         )
     elif cfg.engines.server == "sglang":
         from moerl.engines.sglang import sglang_problem
 
         if problem := sglang_problem():
             raise ConfigError(f"engines.server=sglang: {problem}; or set engines.server=embedded")
+    if not cfg.engines.urls and served_by(cfg.engines, cfg.simulation) == "sglang" and cfg.model.path is not None:
+        check_served_right(cfg.model.path, "model.path", "engines.server=embedded")
     check_task(cfg)
     check_reward(cfg)
     profile = simulation_profile(cfg)
@@ -123,9 +128,9 @@ def memory_plan(cfg: RunConfig, world: int, checked: bool):
     from moerl.orchestrator import memory
 
     if cfg.model.path is None:
-        from moerl.models.tiny import TINY_QWEN3
+        from moerl.models.tiny import ALL_SPARSE, TINY_QWEN3
 
-        model_config = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
+        model_config = dict(TINY_QWEN3, **ALL_SPARSE, architectures=["Qwen3MoeForCausalLM"])
     else:
         model_config = read_config(cfg.model.path)
     reward_params = 0
@@ -155,7 +160,7 @@ def check_task(cfg: RunConfig) -> None:
 def check_reward(cfg: RunConfig) -> None:
     """The reward model is a model directory of the configured kind, and its engines given by URL answer."""
     from moerl.checkpoint.hf import CheckpointError, read_config
-    from moerl.models import is_classifier
+    from moerl.models import is_classifier, unserved_classifier
 
     w = cfg.reward
     if w.model is None:
@@ -172,6 +177,8 @@ def check_reward(cfg: RunConfig) -> None:
             architectures = read_config(w.model).get("architectures") or []
         except CheckpointError as e:
             raise ConfigError(f"reward.model: {e}") from None
+    if problem := unserved_classifier(architectures):
+        raise ConfigError(f"reward.model={w.model}: {problem}")
     classifier = is_classifier(architectures)
     if (w.kind == "discriminative") != classifier:
         raise ConfigError(
@@ -179,18 +186,35 @@ def check_reward(cfg: RunConfig) -> None:
             f"({', '.join(architectures) or 'no architectures named'}), and reward.kind={w.kind}: set "
             f"reward.kind={'discriminative' if classifier else 'generative'}"
         )
+    given = None if w.model == DEMO else w.model  # the demo's is made later, as SGLang serves it
     if w.engines.urls:
-        check_engine_urls(w.engines.urls, key="reward.engines.urls")
+        check_engine_urls(w.engines.urls, key="reward.engines.urls", served=given)
+    elif served_by(w.engines) == "sglang" and given is not None:
+        check_served_right(given, "reward.model", "reward.engines.server=embedded")
+
+
+def check_served_right(model: str | Path, key: str, instead: str) -> None:
+    """SGLang serves the model at ``model`` (``key``'s) as transformers computes it (:func:`~moerl.engines.sglang.
+    served_wrong`); ``instead``: what else serves it."""
+    from moerl.engines.sglang import served_wrong
+
+    if problem := served_wrong(model):
+        raise ConfigError(f"{key}: {problem}; serve it with {instead}, or change the checkpoint")
 
 
 def check_engine_urls(
-    urls: list[str], simulated: bool = False, sglang_refused: str | None = None, key: str = "engines.urls"
+    urls: list[str],
+    simulated: bool = False,
+    sglang_refused: str | None = None,
+    key: str = "engines.urls",
+    served: str | Path | None = None,
 ) -> None:
     """Every engine answers, those that are SGLang servers run a release whose API moerl speaks (and none is, with
-    ``sglang_refused``: why this run cannot use one), and they are simulated engines exactly when the run is a
-    simulation (a simulation's hollow checkpoints would load as zeros into a real engine; a simulated one answers a real
-    run with random tokens). The config's own check cannot see that an engine given by URL is SGLang. ``key``: the
-    config key that gave the URLs, named in each error."""
+    ``sglang_refused``: why this run cannot use one) and serve the model at ``served`` (where given) as transformers
+    computes it, and they are simulated engines exactly when the run is a simulation (a simulation's hollow checkpoints
+    would load as zeros into a real engine; a simulated one answers a real run with random tokens). The config's own
+    check cannot see that an engine given by URL is SGLang. ``key``: the config key that gave the URLs, named in each
+    error."""
     from moerl.engines.client import EngineClient
     from moerl.engines.sglang import sglang_problem
 
@@ -218,3 +242,5 @@ def check_engine_urls(
             raise ConfigError(f"{key}: {url} runs {problem}")
         if sglang_refused:
             raise ConfigError(f"{key}: {url} is an SGLang server, and {sglang_refused}")
+        if served is not None:
+            check_served_right(served, f"{key}: {url} (SGLang)", "moerl serve")

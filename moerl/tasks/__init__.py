@@ -26,14 +26,14 @@ TASKS: dict[TaskName, str] = {"tiny": "tiny", "calc": "calc", "gsm8k": "math", "
 # The CPU demos' tiny models (run without model.path), each warmed up on its task's format once and cached:
 # task -> (its directory in run.cache_dir, what builds it)
 DEMO_MODELS: dict[TaskName, tuple[str, str]] = {
-    "tiny": ("tiny-qwen3-moe-addition-v1", "moerl.tasks.tiny:save_warm_tiny_model"),
-    "calc": ("tiny-qwen3-moe-calc-v2", "moerl.tasks.calc:save_warm_calc_model"),
+    "tiny": ("tiny-qwen3-moe-addition-v2", "moerl.tasks.tiny:save_warm_tiny_model"),
+    "calc": ("tiny-qwen3-moe-calc-v3", "moerl.tasks.calc:save_warm_calc_model"),
 }
 DEMO = "demo"  # reward.model's value for the task's demo reward model
 # The CPU demos' reward models (reward.model=demo): a tiny sequence-classifier warmed up on the task's right and wrong
 # answers, made once, as the demo models are.
 DEMO_REWARD_MODELS: dict[TaskName, tuple[str, str]] = {
-    "tiny": ("tiny-qwen3-reward-addition-v1", "moerl.tasks.tiny:save_tiny_reward_model"),
+    "tiny": ("tiny-qwen3-reward-addition-v2", "moerl.tasks.tiny:save_tiny_reward_model"),
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from moerl.episodes.tools import Tool, calculator
-from moerl.models.tiny import save_tiny_hf
+from moerl.models.tiny import ALL_SPARSE, save_tiny_hf
 
 FACTORS = range(2, 10)  # 64 prompts
 # The calculator with a terse schema: the chat template lists it in every prompt, and the tiny model reads characters.
@@ -115,7 +115,7 @@ def save_warm_calc_model(out_dir: str | Path, seed: int = 0, steps: int = 1000) 
     do), so engines stop there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = save_tiny_hf("Qwen3MoeForCausalLM", out_dir, seed=seed)
+    out = save_tiny_hf("Qwen3MoeForCausalLM", out_dir, seed=seed, **ALL_SPARSE)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(out)
     torch.manual_seed(seed)

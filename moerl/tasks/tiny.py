@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from moerl.models.tiny import save_tiny_hf
+from moerl.models.tiny import ALL_SPARSE, save_model, save_tiny_hf
 
 DIGITS = 5  # 25 prompts: a few minutes of CPU GRPO take the tiny model from ~0.4 to ~1.0
 
@@ -76,7 +76,7 @@ def save_warm_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     """A tiny Qwen3-MoE with its tokenizer, warmed up on the task's format, as a HF directory."""
     from transformers import AutoModelForCausalLM
 
-    return _save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm_up, out_dir, seed)
+    return _save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm_up, out_dir, seed, **ALL_SPARSE)
 
 
 def reward_examples(rng: random.Random, k: int, tokenizer) -> list[tuple[list[int], float]]:
@@ -93,7 +93,7 @@ def reward_examples(rng: random.Random, k: int, tokenizer) -> list[tuple[list[in
     return examples
 
 
-def warm_up_reward_model(model, tokenizer, steps: int = 500, seed: int = 0, lr: float = 1e-3) -> None:
+def warm_up_reward_model(model, tokenizer, steps: int = 800, seed: int = 0, lr: float = 1e-3) -> None:
     """Train a sequence-classification model to score a right answer above a wrong one (logistic loss on its one
     logit)."""
     rng = random.Random(seed)
@@ -122,15 +122,15 @@ def save_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
     )
 
 
-def _save_warmed(architecture: str, auto_class, warm, out_dir: str | Path, seed: int) -> Path:
-    """A tiny model of ``architecture`` saved to ``out_dir``, loaded by ``auto_class``, ``warm(model, tokenizer,
-    seed=seed)`` and saved again."""
+def _save_warmed(architecture: str, auto_class, warm, out_dir: str | Path, seed: int, **overrides) -> Path:
+    """A tiny model of ``architecture`` (its config changed by ``overrides``) saved to ``out_dir``, loaded by
+    ``auto_class``, ``warm(model, tokenizer, seed=seed)`` and saved again."""
     from transformers import AutoTokenizer
 
-    out = save_tiny_hf(architecture, out_dir, seed=seed)
+    out = save_tiny_hf(architecture, out_dir, seed=seed, **overrides)
     model = auto_class.from_pretrained(out, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(out)
     torch.manual_seed(seed)
     warm(model, tokenizer, seed=seed)
-    model.save_pretrained(out)
+    save_model(model, out)
     return out

@@ -1,16 +1,21 @@
-"""The SGLang side of the engine contract.
+"""The SGLang side of the engine contract, without a server.
 
-The driver's lifecycle runs against embedded-engine processes standing in for SGLang servers (SGLang
-itself needs a GPU). Where ``sglang`` imports, the driver's flags are parsed by SGLang's own argument
-parser, every body moerl's client sends is validated by SGLang's request types and its /generate
-contract gate, and the routing/mask codecs are checked against SGLang's encoder and decoder.
+The driver's lifecycle runs against embedded-engine processes standing in for SGLang servers. Where SGLang is
+installed (its own interpreter, :func:`moerl.engines.sglang.server_python`), the driver's flags are parsed by SGLang's
+own argument parser, every body moerl's client sends is validated by SGLang's request types and its /generate contract
+gate, a tensor payload is read by SGLang's unpickler and bucket, and the routing/mask codecs are checked against
+SGLang's encoder and decoder: all in one run of tests/engines/sglang_side.py there. tests/sglang/ runs SGLang servers
+themselves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import stat
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +30,7 @@ from moerl.engines.protocol import (
     decode_sampling_masks,
     encode_routed_experts,
 )
+from moerl.engines.sglang import CPU_KV_TOKENS
 from moerl.models import ModelShape
 from moerl.models.tiny import save_tiny_hf
 
@@ -33,20 +39,32 @@ def _flag_value(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A MoE policy, a dense one (a generative judge) and a reward model, as HF directories (their configs decide
+    flags)."""
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "moe": save_tiny_hf("Qwen3MoeForCausalLM", root / "moe", mlp_only_layers=[]),
+        "classifier": save_tiny_hf("Qwen3ForSequenceClassification", root / "rm"),
+    }
+
+
 @pytest.mark.e2e
-def test_server_args_carry_the_rl_flags():
-    cfg = EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=4, base_port=31000)
+def test_server_args_carry_the_rl_flags(models):
+    moe = str(models["moe"])
+    cfg = EnginePoolConfig(model_path=moe, replicas=2, gpus_per_replica=4, base_port=31000)
     args = server_args(cfg, port=31001)
     assert _flag_value(args, "--port") == "31001" and _flag_value(args, "--tp-size") == "4"
     assert "--enable-return-routed-experts" in args and "--enable-memory-saver" in args
     assert _flag_value(args, "--sampling-mask-max-tokens") == str(cfg.sampling_mask_max_tokens)
-    assert "--enable-lora" not in args
+    assert "--enable-lora" not in args and "--is-embedding" not in args and "--device" not in args
 
     with pytest.raises(ValueError, match="target modules"):
-        server_args(EnginePoolConfig(model_path="/m", lora_max_rank=16), port=30000)
+        server_args(EnginePoolConfig(model_path=moe, lora_max_rank=16), port=30000)
     lora = server_args(
         EnginePoolConfig(
-            model_path="/m", lora_max_rank=16, lora_target_modules=["o_proj", "q_proj"], enable_memory_saver=False
+            model_path=moe, lora_max_rank=16, lora_target_modules=["o_proj", "q_proj"], enable_memory_saver=False
         ),
         port=30000,
     )
@@ -60,7 +78,24 @@ def test_server_args_carry_the_rl_flags():
     )
     assert "--enable-memory-saver" not in lora
 
-    pool = EnginePool(cfg)
+    # On the CPU: SGLang's CPU engine, a bounded KV cache, no memory saver (it needs libcuda: the scheduler dies).
+    cpu = server_args(cfg, port=31001, cuda=False)
+    assert _flag_value(cpu, "--device") == "cpu" and _flag_value(cpu, "--attention-backend") == "torch_native"
+    assert _flag_value(cpu, "--max-total-tokens") == str(CPU_KV_TOKENS) and "--sleep-on-idle" in cpu
+    assert "--enable-memory-saver" not in cpu
+    sized = server_args(EnginePoolConfig(model_path=moe, kv_tokens=512), port=1, cuda=False)
+    assert _flag_value(sized, "--max-total-tokens") == "512"
+    assert (
+        _flag_value(server_args(EnginePoolConfig(model_path=moe, kv_tokens=512), port=1), "--max-total-tokens") == "512"
+    )
+
+    # A reward model is served at /classify; with no experts it has no routing to return (SGLang's capturer would fail
+    # at start).
+    rm = server_args(EnginePoolConfig(model_path=str(models["classifier"])), port=1)
+    assert "--is-embedding" in rm and "--enable-return-routed-experts" not in rm
+    assert "--sampling-mask-max-tokens" not in rm
+
+    pool = EnginePool(cfg, python=sys.executable)
     assert pool.replica_urls == ["http://127.0.0.1:31000", "http://127.0.0.1:31001"]
     router = router_args(cfg, pool.replica_urls)
     assert router[router.index("--worker-urls") + 1 : router.index("--host")] == pool.replica_urls
@@ -68,7 +103,8 @@ def test_server_args_carry_the_rl_flags():
 
 @pytest.mark.e2e
 def test_replicas_get_disjoint_visible_gpus(monkeypatch):
-    pool = EnginePool(EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=2))
+    monkeypatch.setattr("moerl.engines.pool._has_cuda", lambda: True)
+    pool = EnginePool(EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=2), python=sys.executable)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     assert [pool._gpus(i) for i in range(2)] == ["4,5", "6,7"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
@@ -77,10 +113,13 @@ def test_replicas_get_disjoint_visible_gpus(monkeypatch):
     # Without CUDA_VISIBLE_DEVICES, the node's GPUs: 8 trainer ranks leave no room for an engine on an 8-GPU node.
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setattr("moerl.engines.pool._gpu_count", lambda: 8)
-    after_trainer = EnginePool(EnginePoolConfig(model_path="/m", replicas=1, gpus_per_replica=2, gpu_offset=8))
+    after_trainer = EnginePool(
+        EnginePoolConfig(model_path="/m", replicas=1, gpus_per_replica=2, gpu_offset=8), python=sys.executable
+    )
     with pytest.raises(RuntimeError, match="need 10 GPUs; 8 visible"):
         after_trainer._gpus(0)
-    assert EnginePool(EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=2, gpu_offset=4))._gpus(1) == "6,7"
+    wider = EnginePool(EnginePoolConfig(model_path="/m", replicas=2, gpus_per_replica=2, gpu_offset=4), sys.executable)
+    assert wider._gpus(1) == "6,7"
 
 
 def _stand_in_python(tmp_path):
@@ -118,7 +157,6 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
         return [taken, *free_ports(n - 1, avoid=[*avoid, taken])] if next(first, False) else free_ports(n, avoid)
 
     monkeypatch.setattr(pool_module, "free_ports", taken_first)
-    monkeypatch.setattr(pool_module, "_gpu_count", lambda: 2)  # the stand-in servers' GPUs
     cfg = EnginePoolConfig(model_path=str(model), replicas=2, base_port=0, log_dir=str(tmp_path / "logs"))
     pool = EnginePool(cfg, python=_stand_in_python(tmp_path))
 
@@ -151,54 +189,115 @@ def test_ports_picked_together_are_distinct_and_avoid_those_handed_out():
 
 
 @pytest.mark.e2e
-def test_pool_reports_a_server_that_dies_during_startup(tmp_path, monkeypatch):
-    monkeypatch.setattr("moerl.engines.pool._gpu_count", lambda: 1)  # the stand-in server's GPU
-    cfg = EnginePoolConfig(model_path=str(tmp_path / "no-such-model"), log_dir=str(tmp_path / "logs"))
+def test_pool_reports_a_server_that_dies_during_startup(tmp_path):
+    """A model directory with a config and no weights: the server exits while loading it."""
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text(
+        (save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "model") / "config.json").read_text()
+    )
+    cfg = EnginePoolConfig(model_path=str(tmp_path / "no-weights"), log_dir=str(tmp_path / "logs"))
     pool = EnginePool(cfg, python=_stand_in_python(tmp_path))
     with pytest.raises(RuntimeError, match="exited during start-up"):
         pool.start(timeout_s=60)
     assert pool.procs == []
 
 
-# ---- against SGLang's own code, where it imports --------------------------------------------------
+# ---- against SGLang's own code, in its interpreter --------------------------------------------------
+
+ROUTING = np.random.default_rng(0).integers(0, 60, size=(7, 3, 4), dtype=np.int32)
+KEPT = [np.random.default_rng(k).choice(1000, size=k, replace=False).astype(np.int32) for k in (1, 5, 3, 8)]
+CONTRACT_BODIES = [
+    {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "top_k": 5}, "return_sampling_mask": True},
+    {"input_ids": [1, 2], "sampling_params": {"top_kk": 5}},
+    {"input_ids": "12"},
+    {"input_ids": [1], "sampling_params": {"max_new_tokens": "4"}},
+    {"input_ids": [1], "sampling_params": {"temperature": "hot"}},
+    {"input_ids": [1], "return_logprob": "yes"},
+    {"input_ids": [1], "sampling_params": {"stop_token_ids": "3"}},
+]
+# The routes with a body, each checked against SGLang's request type of the route (tests/engines/sglang_side.py)
+SGLANG_TYPED = (
+    "/generate",
+    "/pause_generation",
+    "/continue_generation",
+    "/abort_request",
+    "/update_weight_version",
+    "/update_weights_from_disk",
+    "/init_weights_update_group",
+    "/begin_weight_update",
+    "/end_weight_update",
+    "/update_weights_from_distributed",
+    "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors",
+    "/unload_lora_adapter",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/update_weights_from_tensor",
+    "/classify",
+)
+BUCKET = [("a", torch.randn(3, 4)), ("b", torch.arange(5)), ("c", torch.randn(2, 2).bfloat16())]
+LORA_SERVER = EnginePoolConfig(
+    model_path="", gpus_per_replica=2, lora_max_rank=8, lora_target_modules=["down_proj", "gate_proj", "q_proj"]
+)
 
 
 @pytest.fixture(scope="module")
-def sglang_io():
-    pytest.importorskip("sglang.srt.entrypoints.api_contract", reason="sglang is not importable here")
-    import sglang.srt.managers.io_struct as io
+def sglang_read(sglang_python, models):
+    """What SGLang's own code makes of moerl's flags, bodies, codecs and tensor payload: one run of
+    tests/engines/sglang_side.py in SGLang's interpreter (its imports take seconds)."""
+    import json
+    import subprocess
+    from dataclasses import replace
 
-    return io
+    from moerl.engines import tensor_ipc
 
-
-def test_server_args_parse_with_sglangs_parser(sglang_io):
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(
-        server_args(
-            EnginePoolConfig(
-                model_path="/m",
-                gpus_per_replica=2,
-                lora_max_rank=8,
-                lora_target_modules=["down_proj", "gate_proj", "q_proj"],
-            ),
-            port=30000,
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    payload = tensor_ipc.serialize(tensor_ipc.flattened_bucket(BUCKET))  # held here while SGLang reads it
+    asked = {
+        "server_args": {"args": server_args(replace(LORA_SERVER, model_path=str(models["moe"])), port=30000)},
+        "bodies": {"sent": [(route, body) for route, body in _captured_bodies() if route in SGLANG_TYPED]},
+        "contract": {"generate_bodies": CONTRACT_BODIES},
+        "codecs": {
+            "routing": ROUTING.tolist(),
+            "kept": [k.tolist() for k in KEPT],
+            "ours": encode_routed_experts(ROUTING),
+        },
+        "tensor": {"payload": payload},
+    }
+    # Its stdout goes to a file, not a pipe: a CPU tensor handover's torch_shm_manager keeps an inherited pipe open.
+    with open(models["moe"].parent / "sglang_side.json", "w+") as out:
+        subprocess.run(
+            [sglang_python, str(Path(__file__).with_name("sglang_side.py"))],
+            input=json.dumps(asked).encode(),
+            stdout=out,
+            check=True,
+            timeout=300,
         )
-    )
-    assert ns.lora_target_modules == ["down_proj", "gate_proj", "q_proj"]
-    assert ns.enable_return_routed_experts and ns.enable_memory_saver and ns.enable_lora
-    assert (ns.tp_size, ns.max_lora_rank, ns.lora_backend, ns.moe_a2a_backend, ns.moe_runner_backend) == (
+        out.seek(0)
+        found = json.load(out)
+    assert torch.multiprocessing.get_sharing_strategy() == strategy, "tensor_ipc restores the strategy it changed"
+    return found
+
+
+@pytest.mark.sglang
+def test_server_args_parse_with_sglangs_parser(sglang_read):
+    ns = sglang_read["server_args"]
+    assert ns["lora_target_modules"] == ["down_proj", "gate_proj", "q_proj"]
+    assert ns["enable_return_routed_experts"] and ns["enable_memory_saver"] and ns["enable_lora"]
+    assert (
+        ns["tp_size"],
+        ns["max_lora_rank"],
+        ns["lora_backend"],
+        ns["moe_a2a_backend"],
+        ns["moe_runner_backend"],
+    ) == (
         2,
         8,
         "triton_v2",
         "none",
         "lora_triton",
     )
-    assert ns.sampling_mask_max_tokens == EnginePoolConfig.sampling_mask_max_tokens
+    assert ns["sampling_mask_max_tokens"] == EnginePoolConfig.sampling_mask_max_tokens
 
 
 def _captured_bodies() -> list[tuple[str, dict]]:
@@ -206,10 +305,10 @@ def _captured_bodies() -> list[tuple[str, dict]]:
     sent: list[tuple[str, dict]] = []
 
     class Capturing(EngineClient):
-        async def _call(self, url, route, request=None):
+        async def _call(self, url, route, request=None, retries=None, parse=None):
             sent.append((route.path, request.body() if request is not None else None))
             if route.path == "/generate":
-                return {
+                answer = {
                     "output_ids": [1],
                     "meta_info": {
                         "id": "r",
@@ -219,6 +318,7 @@ def _captured_bodies() -> list[tuple[str, dict]]:
                         "output_token_sampling_mask": [[1]],
                     },
                 }
+                return await parse(json.dumps(answer).encode()) if parse is not None else answer
             if route.path == "/classify":
                 return [{"embedding": [0.5], "meta_info": {"id": None, "prompt_tokens": 2}}]
             return {"weight_version": "0"}
@@ -233,6 +333,9 @@ def _captured_bodies() -> list[tuple[str, dict]]:
             return_sampling_mask=True,
             rid="r",
             lora_path="a",
+        )
+        await client.generate(  # n > 1 with kept sets: a prefill, then one request a completion
+            [1, 2], {"max_new_tokens": 1, "top_k": 5, "n": 2}, return_sampling_mask=True, rid="g", extra_key="k"
         )
         await client.generate(
             [1, 2], {"temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "stop_token_ids": [3], "ignore_eos": False}
@@ -257,132 +360,104 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.release_memory()
         await client.resume_memory(["weights"])
         await client.update_weights_from_tensor(
-            lambda url: ["payload"] * 2, "flattened_bucket", weight_version="5", flush_cache=False
+            lambda url: [base64.b64encode(b"payload").decode()] * 2,
+            "flattened_bucket",
+            weight_version="5",
+            flush_cache=False,
         )
 
     asyncio.run(run())
     return sent
 
 
-def test_client_bodies_validate_against_sglangs_request_types(sglang_io):
-    from pydantic import TypeAdapter
-    from sglang.srt.entrypoints.api_contract import generate_contract_error
-
-    io = sglang_io
-    types = {
-        "/generate": io.GenerateReqInput,
-        "/pause_generation": io.PauseGenerationReqInput,
-        "/continue_generation": io.ContinueGenerationReqInput,
-        "/abort_request": io.AbortReq,
-        "/update_weight_version": io.UpdateWeightVersionReqInput,
-        "/update_weights_from_disk": io.UpdateWeightFromDiskReqInput,
-        "/init_weights_update_group": io.InitWeightsUpdateGroupReqInput,
-        "/begin_weight_update": io.BeginWeightUpdateReqInput,
-        "/end_weight_update": io.EndWeightUpdateReqInput,
-        "/update_weights_from_distributed": io.UpdateWeightsFromDistributedReqInput,
-        "/load_lora_adapter": io.LoadLoRAAdapterReqInput,
-        "/load_lora_adapter_from_tensors": io.LoadLoRAAdapterFromTensorsReqInput,
-        "/unload_lora_adapter": io.UnloadLoRAAdapterReqInput,
-        "/release_memory_occupation": io.ReleaseMemoryOccupationReqInput,
-        "/resume_memory_occupation": io.ResumeMemoryOccupationReqInput,
-        "/update_weights_from_tensor": io.UpdateWeightsFromTensorReqInput,
-        "/classify": io.EmbeddingReqInput,
+def test_n_completions_with_kept_sets_go_as_sglang_sends_its_own():
+    """SGLang 0.5.23 fails every n > 1 request with kept sets (its prefill-only warm-up asks for a kept set it cannot
+    capture): the client sends the prefill, asking for nothing back, then one request per completion."""
+    bodies = [body for route, body in _captured_bodies() if route == "/generate"]
+    prefill, *each = [body for body in bodies if body.get("rid", "").startswith("g")]
+    assert prefill == {
+        "input_ids": [1, 2],
+        "sampling_params": {"max_new_tokens": 0, "top_k": 5, "n": 1},
+        "rid": "g-prefill",
+        "extra_key": "k",
     }
-    sent = _captured_bodies()
-    assert {route for route, _ in sent} == set(types) | {"/model_info"}
-    for route, body in sent:
-        if route == "/model_info":
-            continue
-        kind = types[route]
-        # SGLang ignores unknown fields silently, so a misspelled one would be lost: check names too.
-        assert set(body) <= set(
-            kind.__struct_fields__ if hasattr(kind, "__struct_fields__") else kind.__dataclass_fields__
-        ), (route, body)
-        parsed = TypeAdapter(kind).validate_python(body)
-        if route == "/generate":
-            assert generate_contract_error(body) is None, body
-            parsed.normalize_batch_and_arguments()
-            assert parsed.input_ids == body["input_ids"]
+    assert [b["rid"] for b in each] == ["g-0", "g-1"]
+    assert all(b["sampling_params"]["n"] == 1 and b["return_sampling_mask"] and b["extra_key"] == "k" for b in each)
+    assert not any(b["sampling_params"].get("n", 1) > 1 and b.get("return_sampling_mask") for b in bodies)
 
 
-def test_a_tensor_payload_is_read_by_sglangs_unpickler_and_bucket():
+@pytest.mark.sglang
+def test_client_bodies_validate_against_sglangs_request_types(sglang_read):
+    """SGLang drops fields it does not know silently, so a misspelled one would be lost: names are checked too."""
+    assert {route for route, _ in _captured_bodies()} == set(SGLANG_TYPED) | {"/model_info"}
+    assert sglang_read["bodies"] == []
+
+
+@pytest.mark.sglang
+def test_a_tensor_payload_is_read_by_sglangs_unpickler_and_bucket(sglang_read):
     """What moerl hands SGLang's /update_weights_from_tensor passes its restricted unpickler, and its weight updater's
-    reading of the metadata rebuilds every tensor; a bucket SGLang's own classes make is read by the embedded engine."""
-    pytest.importorskip("sglang.srt.utils.common", reason="sglang is not importable here")
-    import torch.multiprocessing
-    from sglang.srt.utils.common import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
-
-    from moerl.engines import tensor_ipc
-
-    named = [("a", torch.randn(3, 4)), ("b", torch.arange(5)), ("c", torch.randn(2, 2).bfloat16())]
-    data = MultiprocessingSerializer.deserialize(tensor_ipc.serialize(tensor_ipc.flattened_bucket(named)))
-    metadata = [  # as weight_updater._update_weights_from_flattened_bucket converts them
-        FlattenedTensorMetadata(
-            name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel
-        )
-        for m in data["metadata"]
-    ]
-    rebuilt = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata).reconstruct_tensors()
-    assert [n for n, _ in rebuilt] == [n for n, _ in named]
-    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(named, rebuilt, strict=True))
-    pairs = MultiprocessingSerializer.deserialize(tensor_ipc.serialize(named))
-    assert all(n == m and torch.equal(t, u) for (n, t), (m, u) in zip(named, pairs, strict=True))
-    theirs = FlattenedTensorBucket(named_tensors=named)
-    strategy = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        payload = MultiprocessingSerializer.serialize(
-            {"flattened_tensor": theirs.get_flattened_tensor(), "metadata": theirs.get_metadata()}, output_str=True
-        )
-    finally:
-        torch.multiprocessing.set_sharing_strategy(strategy)
-    ours = tensor_ipc.load_payload(payload, "flattened_bucket")
-    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(named, ours, strict=True))
+    reading of the metadata rebuilds every tensor."""
+    read = sglang_read["tensor"]
+    assert [name for name, _, _ in read] == [name for name, _ in BUCKET]
+    for (_, dtype, values), (_, tensor) in zip(read, BUCKET, strict=True):
+        assert dtype == str(tensor.dtype) and values == tensor.float().flatten().tolist()
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4, "top_k": 5}, "return_sampling_mask": True},
-        {"input_ids": [1, 2], "sampling_params": {"top_kk": 5}},
-        {"input_ids": "12"},
-        {"input_ids": [1], "sampling_params": {"max_new_tokens": "4"}},
-        {"input_ids": [1], "sampling_params": {"temperature": "hot"}},
-        {"input_ids": [1], "return_logprob": "yes"},
-        {"input_ids": [1], "sampling_params": {"stop_token_ids": "3"}},
-    ],
-)
-def test_generate_bodies_sglangs_contract_refuses_are_refused_here(sglang_io, body):
-    from sglang.srt.entrypoints.api_contract import generate_contract_error
-
-    theirs = generate_contract_error(body)
-    if theirs is None:
-        GenerateReqInput.parse(body)
-    else:
-        with pytest.raises(ProtocolError):
+@pytest.mark.sglang
+def test_generate_bodies_sglangs_contract_refuses_are_refused_here(sglang_read):
+    for body, theirs in zip(CONTRACT_BODIES, sglang_read["contract"], strict=True):
+        if theirs is None:
             GenerateReqInput.parse(body)
+        else:
+            with pytest.raises(ProtocolError):
+                GenerateReqInput.parse(body)
 
 
-def test_routing_and_mask_codecs_match_sglangs(sglang_io):
-    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
-    from sglang.srt.sampling.sampling_mask import SamplingMaskRows
-    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
-
-    rng = np.random.default_rng(0)
-    routing = rng.integers(0, 60, size=(7, 3, 4), dtype=np.int32)
-    (theirs,) = DetokenizerManager._b64_encode_per_request([torch.from_numpy(routing)])
-    assert np.array_equal(decode_routed_experts(theirs, 3, 4, [0, 2], 60), routing[:, [0, 2]])
-    ours = encode_routed_experts(routing)
-    assert np.array_equal(
-        extract_routed_experts_from_meta_info({"meta_info": {"routed_experts": ours}}), routing.ravel()
-    )
-
-    rows = SamplingMaskRows()
-    kept = [rng.choice(1000, size=k, replace=False).astype(np.int32) for k in (1, 5, 3, 8)]
-    for ids in kept:
-        rows.append(ids, np.zeros(len(ids), np.float32))
-    masks, _ = rows.view().to_lists(support_logprobs=True)
-    offsets, ids = decode_sampling_masks(masks)
+@pytest.mark.sglang
+def test_routing_and_mask_codecs_match_sglangs(sglang_read):
+    codecs = sglang_read["codecs"]
+    assert np.array_equal(decode_routed_experts(codecs["encoded"], 3, 4, [0, 2], 60), ROUTING[:, [0, 2]])
+    assert codecs["decoded"] == ROUTING.ravel().tolist()
+    offsets, ids = decode_sampling_masks(codecs["masks"])
     assert offsets.tolist() == [0, 1, 6, 9, 17]
-    assert all(np.array_equal(ids[offsets[t] : offsets[t + 1]], kept[t]) for t in range(len(kept)))
+    assert all(np.array_equal(ids[offsets[t] : offsets[t + 1]], KEPT[t]) for t in range(len(KEPT)))
+
+
+def test_models_sglang_would_serve_wrong_are_named_before_launch(tmp_path, monkeypatch):
+    """SGLang 0.5.23 builds every Qwen MoE layer sparse and never ties the output layer (its routing and log-probs were
+    compared with transformers'), and gives a sequence classifier's head a bias transformers' lacks: such a model is
+    refused before launch, with what to do, whoever serves it; one it serves faithfully is not."""
+    from moerl.engines.sglang import served_wrong
+    from moerl.errors import ConfigError
+    from moerl.orchestrator import preflight
+    from moerl.orchestrator.config import load_config
+
+    assert served_wrong(save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "sparse", mlp_only_layers=[])) is None
+    assert "mlp_only_layers=[1]" in served_wrong(save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "dense"))
+    assert "decoder_sparse_step=2" in served_wrong(save_tiny_hf("Qwen2MoeForCausalLM", tmp_path / "qwen2"))
+    tied = save_tiny_hf("Qwen2MoeForCausalLM", tmp_path / "tied", decoder_sparse_step=1)
+    assert "tie_word_embeddings" in served_wrong(tied)
+    untied = save_tiny_hf("Qwen2MoeForCausalLM", tmp_path / "untied", decoder_sparse_step=1, tie_word_embeddings=False)
+    assert served_wrong(untied) is None
+    scored = save_tiny_hf("Qwen3ForSequenceClassification", tmp_path / "rm")  # saved with a zero score.bias
+    assert served_wrong(scored) is None
+    unbiased = tmp_path / "rm-hf"
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(scored).save_pretrained(unbiased)  # transformers' own save
+    assert "score.bias" in served_wrong(unbiased)
+
+    monkeypatch.setattr("moerl.engines.sglang.sglang_problem", lambda installed=None: None)
+    dense = tmp_path / "dense"
+    for overrides, named in (
+        ([f"model.path={dense}", "engines.server=sglang"], "model.path: "),
+        ([f"reward.model={unbiased}", "reward.engines.server=sglang"], "reward.model: "),
+    ):
+        with pytest.raises(ConfigError, match=named) as refused:
+            preflight.preflight(load_config(None, [f"run.dir={tmp_path / 'run'}", *overrides]), 2)
+        assert "served_wrong" not in str(refused.value) and "engines.server=embedded" in str(refused.value)
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(json.dumps({"architectures": ["MistralForSequenceClassification"]}))
+    with pytest.raises(ConfigError, match="MistralForSequenceClassification is not among the sequence classifiers"):
+        preflight.check_reward(load_config(None, [f"reward.model={mistral}"]))
