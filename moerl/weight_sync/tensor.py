@@ -15,7 +15,6 @@ off again.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moerl.engines.client import EngineError
 from moerl.engines.tensor_ipc import flattened_bucket, serialize, shareable_allocations
 from moerl.errors import ConfigError, EnginesDown
 from moerl.megatron.parallel import collective_device
@@ -60,14 +60,23 @@ class TensorSync(FullWeightSync):
 
     def sleep(self) -> None:
         """Global rank 0, before the trainer's phase: the engines stop and give back their memory (KV cache, weights,
-        CUDA graphs). An engine gone meanwhile is passed over: restarted, it holds its memory until the update."""
+        CUDA graphs). An engine gone meanwhile is passed over: restarted, it holds its memory until the update. Where
+        some engines fail to release, those that did are still asleep, and the update wakes them before it pushes; the
+        failures are raised (each engine's in :attr:`EngineError.failures`)."""
         start, self.sleep_seconds = time.perf_counter(), 0.0
         self.paused = True  # from here to the update's resume, the engines are asked whether they answer, not /health
         self.on_engines(lambda client: client.pause("retract"))
-        self.on_engines(lambda client: client.release_memory())
-        self.released = set(self.lead_link.client.targets)
+        link = self.lead_link
+        asked, failed = list(link.client.targets), set()
         self.asleep = True
-        self.sleep_seconds = time.perf_counter() - start
+        try:  # once on each: SGLang stashes the released weights' state again on a second release
+            link.run(link.client.release_memory())
+        except EngineError as e:
+            failed = {failure.url for failure in e.failures}
+            raise
+        finally:
+            self.released = set(asked) - failed
+            self.sleep_seconds = time.perf_counter() - start
 
     def started_again(self, urls: list[str]) -> None:
         super().started_again(urls)
@@ -76,7 +85,8 @@ class TensorSync(FullWeightSync):
     def before_push(self) -> None:
         start = time.perf_counter()
         if self.asleep:  # an engine started again since holds its memory: it takes the push as it is
-            self.on_engines(lambda client: client.resume_memory(["weights"], among=self.released))
+            # Once on each: SGLang's scheduler dies on a resume of a tag it holds.
+            self.on_engines(lambda client: client.resume_memory(["weights"], among=self.released), EngineCall.ONCE)
         else:
             super().before_push()
         self.wake_seconds = time.perf_counter() - start
@@ -84,7 +94,7 @@ class TensorSync(FullWeightSync):
     def after_push(self) -> None:
         start = time.perf_counter()
         if self.asleep:
-            self.on_engines(lambda client: client.resume_memory(_AFTER_WEIGHTS, among=self.released))
+            self.on_engines(lambda client: client.resume_memory(_AFTER_WEIGHTS, among=self.released), EngineCall.ONCE)
             self.asleep, self.released = False, set()
         super().after_push()
         self.wake_seconds += time.perf_counter() - start
@@ -94,8 +104,8 @@ class TensorSync(FullWeightSync):
         device before the engines take back their KV cache. The trainer's log-probs of the probe are taken first, for
         :meth:`verify`, which runs once the engines generate again."""
         # After a step only the training state is off (the job took it off before the engines' weights came back);
-        # the first push of a resumed run, or a catch-up, finds it all off and brings it back for the push.
-        with trainer.on_device() if trainer.weights_offloaded else contextlib.nullcontext():
+        # the first push of a resumed run, or a catch-up, finds it all off and brings its weights back for the push.
+        with trainer.weights_on_device():
             stats, failed = None, None
             try:
                 stats = super().push_policy(trainer)
@@ -110,7 +120,7 @@ class TensorSync(FullWeightSync):
 
     def trainer_probe(self, trainer, ids: list[int]) -> np.ndarray:
         if self.probe is None:  # no push yet: the engines started from the trainer's checkpoint
-            with trainer.on_device():
+            with trainer.weights_on_device():
                 self.probe = probe_logprobs(trainer.model.module, ids)
         return self.probe
 
@@ -130,6 +140,11 @@ class TensorSync(FullWeightSync):
         handover, lead = self.handover, self.link is not None
         stats, start = SyncStats(), time.perf_counter()
         failure: Exception | None = None
+        if lead:  # SGLang takes tensors only within a weight-update session
+            try:
+                self.on_engines(lambda client: client.begin_weight_update(), EngineCall.ONCE_ON_CHOSEN)
+            except Exception as e:  # noqa: BLE001 - rank 0's, raised once every gather is done
+                failure = e
         pending: deque[tuple[str, torch.Tensor]] = deque()  # rank 0: tensors not yet handed over
         for layer in itertools.chain(hf_layers(self.gather, hf_config), [None]):  # the gathers are collective
             if layer is not None and failure is None:
@@ -148,9 +163,12 @@ class TensorSync(FullWeightSync):
             return None
         if failure is None:
             try:
+                self.on_engines(lambda client: client.end_weight_update(), EngineCall.ONCE_ON_CHOSEN)
                 self.on_engines(lambda client: client.set_weight_version(version), EngineCall.REPEATED_ON_CHOSEN)
             except EnginesDown as e:
                 failure = e
+        else:  # a session left open would refuse the next push's
+            self.lead_link.run(self.lead_link.client.end_sessions(self.lead_link.client.targets))
         if isinstance(failure, EnginesDown):
             log.warning("colocated push of version %s reached no engine: %s", version, failure)
         elif failure is not None:

@@ -110,6 +110,9 @@ def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
             assert (await _request(url, "/pause_generation", {"mode": "retract"}))[0] == 200
             assert (await _request(url, "/release_memory_occupation", {}))[0] == 200
             status, answer, _ = await _request(url, "/update_weights_from_tensor", body(halves[0]))
+            assert status == 400 and "must run between /begin_weight_update" in answer["error"]["message"]  # as SGLang
+            assert (await _request(url, "/begin_weight_update", {}))[0] == 200
+            status, answer, _ = await _request(url, "/update_weights_from_tensor", body(halves[0]))
             assert status == 400 and "weights are released" in answer["error"]["message"]
             assert (await _request(url, "/resume_memory_occupation", {"tags": ["weights"]}))[0] == 200
             for i, part in enumerate(halves):
@@ -117,6 +120,7 @@ def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
                     url, "/update_weights_from_tensor", body(part, weight_version="7" if i else None)
                 )
                 assert status == 200, answer
+            assert (await _request(url, "/end_weight_update", {}))[0] == 200
             assert (await _request(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}))[0] == 200
             assert (await _request(url, "/continue_generation", {}))[0] == 200
             status, after, _ = await _request(url, "/generate", scored)
@@ -129,7 +133,9 @@ def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
             # Other values, as (name, tensor) pairs: served as pushed.
             name, norm = next((n, t) for n, t in named if n == "model.norm.weight")
             pairs = {"serialized_named_tensors": [tensor_ipc.serialize([(name, norm * 3)])]}
+            assert (await _request(url, "/begin_weight_update", {}))[0] == 200
             assert (await _request(url, "/update_weights_from_tensor", pairs))[0] == 200
+            assert (await _request(url, "/end_weight_update", {}))[0] == 200
             _, values, _ = await _request(url, "/get_weights_by_name", {"name": name})
             assert values == (norm * 3).float().tolist()
 
@@ -187,6 +193,7 @@ def test_a_bad_tensor_payload_is_refused_naming_it_and_changes_nothing(small_mod
     async def go():
         async with serving_app(build_app(engine)) as url:
             _, checked, _ = await _request(url, "/weights_checker", {})
+            assert (await _request(url, "/begin_weight_update", {}))[0] == 200
             for payload, named in cases:
                 status, answer, _ = await _request(url, "/update_weights_from_tensor", payload)
                 assert status == 400 and all(part in answer["error"]["message"] for part in named), (named, answer)

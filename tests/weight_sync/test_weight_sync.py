@@ -463,3 +463,65 @@ def test_a_colocated_push_that_fails_mid_way_stops_every_rank_none_left_in_a_gat
         )
     assert [rank["raised"] for rank in ranks] == [None, None] and ranks[0]["engines"] == []
     assert ranks[0]["sent"] == 2 and not any(rank["on_device"] for rank in ranks)
+
+
+def test_a_sleep_that_fails_on_one_engine_leaves_those_it_released_asleep_for_the_update():
+    """Colocated: one engine refuses to release its memory. Those that released it are asleep: the update gives them
+    their weights back before it pushes (it never pushes into released weights) and resumes each tag it released once;
+    the one that refused holds its memory and is asked to resume nothing (SGLang's scheduler dies on a resume of a tag
+    it did not release). Release was asked once of each (SGLang stashes the released weights' state again on a
+    second)."""
+    import threading
+
+    from aiohttp import web
+
+    from moerl.engines.client import EngineError
+    from moerl.weight_sync.tensor import TensorSync
+    from tests.engine_server import serving
+
+    calls: dict[str, list] = {"ok": [], "refuses": []}
+
+    def engine(name: str):
+        async def record(request):
+            body = await request.json() if request.can_read_body else None
+            calls[name].append((request.path, body))
+            if request.path == "/release_memory_occupation" and name == "refuses":
+                return web.json_response({"error": {"message": "release failed"}}, status=500)
+            return web.json_response({"weight_version": "0"})
+
+        return {(method, path): record for method, path in (("POST", "/pause_generation"),
+                ("POST", "/release_memory_occupation"), ("POST", "/resume_memory_occupation"),
+                ("POST", "/continue_generation"), ("GET", "/model_info"), ("GET", "/health"))}  # fmt: skip
+
+    loop, urls, up = asyncio.new_event_loop(), {}, threading.Event()
+    stop = asyncio.Event()
+
+    async def serve_both():
+        async with serving(engine("ok")) as ok, serving(engine("refuses")) as refuses:
+            urls.update(ok=ok, refuses=refuses)
+            up.set()
+            await stop.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve_both(),), daemon=True)
+    thread.start()
+    up.wait(30)
+    sync = TensorSync([urls["ok"], urls["refuses"]])
+    try:
+        with pytest.raises(EngineError, match="release failed"):
+            sync.sleep()
+        assert sync.asleep and sync.released == {urls["ok"]}
+        sync.before_push()
+        sync.after_push()
+        assert not sync.asleep and sync.released == set()
+    finally:
+        sync.close()
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+    def asked(name: str, path: str) -> list:
+        return [body for p, body in calls[name] if p == path]
+
+    assert len(asked("ok", "/release_memory_occupation")) == len(asked("refuses", "/release_memory_occupation")) == 1
+    assert asked("ok", "/resume_memory_occupation") == [{"tags": ["weights"]}, {"tags": ["kv_cache", "cuda_graph"]}]
+    assert asked("refuses", "/resume_memory_occupation") == []
+    assert asked("ok", "/continue_generation") and asked("refuses", "/continue_generation")

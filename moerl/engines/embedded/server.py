@@ -755,6 +755,10 @@ class EngineServer(Generic[RequestT]):
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
         req = await _parse(request, protocol.UpdateWeightsFromTensorReqInput)
         engine = self.engine
+        if not engine.update_session:
+            raise ProtocolError(
+                "update_weights_from_tensor must run between /begin_weight_update and /end_weight_update"
+            )
         engine.check_weights_held("weights not updated")
         if len(req.serialized_named_tensors) != 1:
             raise ProtocolError(
