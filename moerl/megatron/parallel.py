@@ -112,8 +112,8 @@ class IdleCommunicators:
 
     def __init__(self) -> None:
         self.suspended: list[Any] = []  # the backends suspended now, in the order they were
-        self.unsupported = _suspend_problem()  # why this process cannot suspend them; None: it can
-        self.said = False
+        # why the communicators stay, the same on every rank; None: none has found a reason yet
+        self.unsupported: str | None = None if torch.cuda.is_available() else "no CUDA"
         self.ours: list[dist.ProcessGroup] = []  # moerl's own groups, suspended after megatron-core's (see include)
 
     def include(self, group: dist.ProcessGroup | None) -> None:
@@ -123,18 +123,21 @@ class IdleCommunicators:
             self.ours.append(group)
 
     def suspend(self) -> int:
-        """Collective: every used NCCL communicator of megatron-core's groups suspended; the bytes they gave back."""
-        if self.unsupported is not None:
-            if not self.said and torch.cuda.is_available():
-                log.warning("megatron-core's NCCL communicators stay on the GPU meanwhile: %s", self.unsupported)
-                self.said = True
+        """Collective: every used NCCL communicator of megatron-core's groups suspended; the bytes they gave back.
+
+        Every rank first finds alone whether it can suspend its own (:func:`_suspendable`), then all agree over the
+        world group: a rank suspending while another cannot would wait in NCCL for it for good. Where one cannot, none
+        does, now or later, and each says why once."""
+        if self.unsupported is not None or self.suspended:
             return 0
-        freed = 0
-        if not self.suspended:
-            for backend in _used_nccl_backends(self.ours):
-                freed += int(backend.memory_stats().get("suspend", 0))  # the bytes it can give back
-                backend.suspend()
-                self.suspended.append(backend)
+        backends, freed, problem = _suspendable(self.ours)
+        self.unsupported = _first_problem(problem)
+        if self.unsupported is not None:
+            log.warning("megatron-core's NCCL communicators stay on the GPU meanwhile: %s", self.unsupported)
+            return 0
+        for backend in backends:
+            backend.suspend()
+            self.suspended.append(backend)
         return freed
 
     def resume(self) -> None:
@@ -144,10 +147,34 @@ class IdleCommunicators:
         self.suspended = []
 
 
+def _suspendable(ours: list[dist.ProcessGroup]) -> tuple[list[Any], int, str | None]:
+    """This rank's used NCCL backends (:func:`_used_nccl_backends`) and the bytes they can give back, or why it cannot
+    suspend them. Each backend is asked alone (``ncclCommMemStats``, no collective): torch built against an NCCL older
+    than 2.29.7 has ``Backend.suspend`` and may load a newer NCCL, and then its memory stats raise, as its suspend
+    would (torch gates both on the NCCL it was compiled with)."""
+    problem = _suspend_problem()
+    if problem is not None:
+        return [], 0, problem
+    backends = _used_nccl_backends(ours)
+    try:
+        freed = sum(int(backend.memory_stats().get("suspend", 0)) for backend in backends)
+    except RuntimeError as e:  # NotImplementedError is one
+        built = f"torch {torch.__version__} was built without ncclCommSuspend, whatever NCCL it loads ({e})"
+        return [], 0, f"{built}; a torch built with NCCL 2.29.7 or later has it"
+    return backends, freed, None
+
+
+def _first_problem(mine: str | None) -> str | None:
+    """Collective over the world: the first rank's reason not to suspend (``mine``: this rank's), naming the rank;
+    None where every rank can."""
+    found: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)  # a line per rank, once per suspend
+    return next((f"rank {rank}: {why}" for rank, why in enumerate(found) if why is not None), None)
+
+
 def _suspend_problem() -> str | None:
-    """Why this process cannot suspend NCCL communicators; None where it can."""
-    if not torch.cuda.is_available():
-        return "no CUDA"
+    """Why this process cannot suspend NCCL communicators, as far as its torch and NCCL versions tell; None where it
+    can."""
     from torch._C._distributed_c10d import Backend
 
     if not hasattr(Backend, "suspend"):

@@ -184,31 +184,42 @@ class Trainer:
         self.reference = [p.detach().clone() for p in _trainable(model)] if cfg.loss.kl_coef else None
         if dtype != torch.float32:
             _fp32_output_layer(model)
-        device = next(model.parameters()).device
+        self.device = next(model.parameters()).device
         # colocated: what the engines' phase took off the device, the training state (optimizer, gradients) and the
         # weights apart, since the push needs the weights on the device after the training state has left
-        self.offloaded_state, self.offloaded_weights = StorageOffload(device), StorageOffload(device)
+        self.offloaded_state, self.offloaded_weights = StorageOffload(self.device), StorageOffload(self.device)
         self.communicators = IdleCommunicators() if cfg.suspend_communicators else None
 
     # ---- colocated placement -------------------------------------------------------------------
     def offload_training_state(self) -> None:
         """After a step: the optimizer's master weights and state to host memory, the gradient buffers freed (each
         step zeroes them). What is already off stays so."""
-        ddp = self.model
-        weights = {p.untyped_storage().data_ptr() for p in ddp.module.parameters()}
-        state = (t for t in _optimizer_tensors(self.optimizer) if t.untyped_storage().data_ptr() not in weights)
-        self.offloaded_state.keep(state)
-        self.offloaded_state.free(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers)
+        self._take_off_training_state()
+        self._return_freed_memory()
 
     def offload(self) -> int:
         """Collective: the device to colocated engines: the training state (:meth:`offload_training_state`), then the
         weights and the KL reference, to host memory, and megatron-core's NCCL communicators suspended
         (:class:`~moerl.megatron.parallel.IdleCommunicators`); the bytes off the device. The next step reloads it all
         once its first piece arrives."""
-        self.offload_training_state()
+        self._take_off_training_state()
         self.offloaded_weights.keep(itertools.chain(self.model.module.parameters(), self.reference or []))
         suspended = self.communicators.suspend() if self.communicators is not None else 0
+        self._return_freed_memory()
         return self.offloaded_state.held_bytes + self.offloaded_weights.held_bytes + suspended
+
+    def _take_off_training_state(self) -> None:
+        ddp = self.model
+        weights = {p.untyped_storage().data_ptr() for p in ddp.module.parameters()}
+        state = (t for t in _optimizer_tensors(self.optimizer) if t.untyped_storage().data_ptr() not in weights)
+        self.offloaded_state.keep(state)
+        self.offloaded_state.free(buffer.grad_data for buffer in ddp.buffers + ddp.expert_parallel_buffers)
+
+    def _return_freed_memory(self) -> None:
+        """What an offload freed back to the device: torch's caching allocator keeps freed blocks for this process,
+        and the colocated engines that wake next size their KV cache from the memory the device has free."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def reload(self) -> None:
         """Collective: whatever was offloaded back on the device (the gradient buffers zeroed), the communicators
@@ -233,6 +244,19 @@ class Trainer:
         rank that failed alone would wait there for good (the job stops on an error anyway)."""
         offloaded = self.offloaded_state.active or self.offloaded_weights.active
         self.reload()
+        yield
+        if offloaded:
+            self.offload()
+
+    @contextlib.contextmanager
+    def weights_on_device(self):
+        """Collective: what a push reads on the device within, the weights (and the KL reference) and the
+        communicators, as a step leaves them; the training state stays where it is, since a push while colocated
+        engines are awake (a catch-up, the first push of a resumed run) may leave no room for it. Offloaded again
+        after if they were off, as :meth:`on_device` does."""
+        offloaded = self.offloaded_weights.active
+        self.resume_communicators()
+        self.offloaded_weights.reload()
         yield
         if offloaded:
             self.offload()

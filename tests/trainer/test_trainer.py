@@ -655,6 +655,64 @@ def test_a_trainer_whose_communicators_are_suspended_between_steps_trains_as_one
             assert n[key] == pytest.approx(value, rel=1e-6, nan_ok=True), key
 
 
+@pytest.mark.e2e
+def test_every_offload_on_a_gpu_gives_the_freed_memory_back_to_the_device(tiny_ckpts, fp32_samples):
+    """Offloaded storages go back to torch's caching allocator, which keeps them from colocated engines that wake next
+    and size their KV cache from the device's free memory: on a GPU every way the trainer's state leaves the device
+    ends with one ``torch.cuda.empty_cache``, once the storages are off (the offloads hold bytes then)."""
+    from tests.trainer.offload_workers import offloads_on_a_gpu
+
+    (emptied,) = run_ranks(offloads_on_a_gpu, 1, str(tiny_ckpts[ARCH][1]), config("R3"), fp32_samples)
+    assert len(emptied) == 4
+    for way, held in emptied.items():
+        assert len(held) == 1 and held[0] > 0, (way, held)
+    assert emptied["the rest after a push"][0] > emptied["training state after a step"][0]  # the weights too
+
+
+@pytest.mark.e2e
+def test_a_push_brings_back_the_weights_alone_and_training_goes_on_as_if_never_offloaded(tiny_ckpts, fp32_samples):
+    """A push that finds the trainer's state offloaded (the first push of a resumed run, a catch-up, while the engines
+    are awake beside it) brings back the weights alone, with their bytes; the optimizer state and the gradient buffers
+    stay off, and everything is off again after it. The next step's metrics are those of a trainer never offloaded."""
+    from tests.trainer.offload_workers import steps_with_a_push_between
+
+    mcore = str(tiny_ckpts[ARCH][1])
+    (kept,), (pushed,) = (
+        run_ranks(steps_with_a_push_between, 1, mcore, config("R3"), fp32_samples, offload) for offload in (False, True)
+    )
+    before, within = pushed["before"], pushed["within"]
+    assert min(before.values()) > 0
+    assert within == {"weights": before["weights"], "state": 0, "grads": 0}
+    assert pushed["after"] == {"weights": 0, "state": 0, "grads": 0}
+    weights = pushed["weights before"]
+    assert all(torch.equal(weights[k], pushed["weights within"][k]) for k in weights)
+    for m, n in zip(kept["metrics"], pushed["metrics"], strict=True):
+        differ = {k: (m[k], n[k]) for k in m if m[k] != n[k] and not (np.isnan(m[k]) and np.isnan(n[k]))}
+        assert m.keys() == n.keys() and not differ, differ
+
+
+@pytest.mark.e2e
+def test_communicators_stay_on_every_rank_where_one_ranks_torch_lacks_communicator_offload():
+    """torch 2.12+ compiled against an NCCL older than 2.29.7 has ``Backend.suspend`` and raises when it runs, however
+    new the NCCL it loads. The ranks find it before any suspend and agree: where any rank lacks it none suspends (one
+    that did would wait in NCCL for the others for good), each says why once, and the offloads go on without; where
+    none lacks it, each suspends and resumes."""
+    from tests.trainer.offload_workers import communicators_where_ranks_lack_offload
+
+    every, one, none = zip(*run_ranks(communicators_where_ranks_lack_offload, 2, [[0, 1], [1], []]), strict=True)
+    for case, first in ((every, 0), (one, 1)):
+        for rank in case:
+            assert rank["freed"] == [0, 0, 0] and rank["calls"] == []
+            assert rank["unsupported"].startswith(f"rank {first}: torch ")
+            assert "getMemoryStats() requires NCCL 2.29.7 or later" in rank["unsupported"]
+            assert rank["said"] == [
+                f"megatron-core's NCCL communicators stay on the GPU meanwhile: {rank['unsupported']}"
+            ]
+    for rank in none:
+        assert rank["freed"] == [1 << 20, 0, 1 << 20] and rank["calls"] == ["suspend", "resume"] * 2
+        assert rank["unsupported"] is None and rank["said"] == []
+
+
 def test_bf16_moments_are_refused_where_the_precision_aware_optimizer_cannot_run():
     """megatron-core keeps Adam's moments in bf16 only in its precision-aware optimizer (Transformer Engine's FusedAdam
     with the distributed optimizer): without CUDA the trainer says so before it loads anything."""
