@@ -79,3 +79,31 @@ async def serving_app(app):
         yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     finally:
         await runner.cleanup()
+
+
+def two_token_answer(body: dict, version: str, layers: int, topk: int, cached: int = 0):
+    """A stand-in engine's /generate answer to ``body``: each of its ``n`` completions two tokens long under weight
+    ``version``, with zero routing over ``layers`` and ``topk`` and ``cached`` prompt tokens from the prefix cache."""
+    import base64
+
+    import numpy as np
+    from aiohttp import web
+
+    prompt = len(body["input_ids"])
+    routing = base64.b64encode(np.zeros((prompt + 1, layers, topk), dtype=np.int32).tobytes()).decode()
+    meta = {
+        "finish_reason": {"type": "stop"},
+        "prompt_tokens": prompt,
+        "completion_tokens": 2,
+        "cached_tokens": cached,
+        "weight_version": version,
+        "weight_versions": [{"version": version, "start": 0, "end": 2}],
+        "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None]],
+        "routed_experts": routing,
+    }
+    return web.json_response(
+        [
+            {"text": "", "output_ids": [5, 6], "meta_info": {**meta, "id": f"{body['rid']}-{i}"}}
+            for i in range(body["sampling_params"]["n"])
+        ]
+    )

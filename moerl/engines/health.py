@@ -6,14 +6,20 @@ row, or its process exited), ``restarting`` (its process is being started again)
 does not hold the policy the others serve: it takes requests again only once it reports that weight version).
 Requests go to healthy replicas only, so a hung replica (alive, not answering) is caught by its requests'
 deadlines and taken out of rotation like a crashed one. Every change is logged with the replica and the reason.
+A replica paused (its /health fails, it answers /model_info) is not down: waits for one are not cut short
+(:class:`Probes`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 log = logging.getLogger("moerl.engines")
 
@@ -145,3 +151,44 @@ class ReplicaHealth:
         else:  # a sync reached it, and it serves something else now: restarted unseen (an engine given by URL)
             self.set(url, State.STALE, f"answers but serves weight version {version}, not {self.served}")
             self._forget(url)
+
+
+class Probed(Protocol):
+    """What :class:`Probes` asks of an :class:`~moerl.engines.client.EngineClient` (which imports this module)."""
+
+    urls: list[str]
+    health: ReplicaHealth
+
+    async def probe_out_of_rotation(self) -> None: ...
+
+    async def healthy(self, paused: bool = False) -> list[bool]: ...
+
+
+class Probes:
+    """The probes of ``client``'s replicas out of rotation, made at most once per ``interval_s`` however many callers
+    ask. Awaited, it says whether none is usable because one is paused: its /health fails (SGLang's waits on a paused
+    scheduler) yet it answers /model_info, as colocated replicas do while the trainer trains. As the ``meanwhile`` of
+    :meth:`~moerl.engines.client.EngineClient.until_usable` it keeps such a wait, however long, from counting as the
+    replicas being down."""
+
+    def __init__(self, client: Probed, interval_s: float):
+        self.client, self.interval_s = client, interval_s
+        self._probing, self._probed_at = asyncio.Lock(), -math.inf
+        self._paused = False  # what the last probe found
+
+    async def __call__(self) -> bool:
+        async with self._probing:
+            if time.monotonic() - self._probed_at >= self.interval_s:
+                await self.client.probe_out_of_rotation()
+                self._paused = await self._paused_with_none_usable()
+                self._probed_at = time.monotonic()
+            return self._paused
+
+    async def _paused_with_none_usable(self) -> bool:
+        health = self.client.health
+        if health.usable():
+            return False
+        # /model_info of each: a replica that answers it and failed its last /health probe is paused, not down (one
+        # that answered /health is back, or stale until a weight sync reaches it)
+        answers = await self.client.healthy(paused=True)
+        return any(up and health.replicas[url].failed_probes for url, up in zip(self.client.urls, answers, strict=True))

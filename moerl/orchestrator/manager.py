@@ -10,7 +10,9 @@ Engines fail: a prompt whose replica fails (transport error, 5xx, past ``engines
 re-issued to another healthy replica with the same seed, up to ``rollout.engine_retries`` times, then
 dropped as ``engine_failure``; the trainer's accounting counts both. Replicas out of rotation are probed
 every ``engines.health_interval_s`` and come back once they answer and report the weight version the
-trainer last served; with none healthy for ``engines.down_timeout_s`` the run stops with one error.
+trainer last served; with none healthy for ``engines.down_timeout_s`` the run stops with one error. A replica the
+trainer has paused (colocated, while it trains: the surplus groups of ``rollout.oversample`` are still generating then)
+is not down, however long the pause.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import zmq.asyncio
 
 from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, ReplicaDown
 from moerl.engines.generation_workers import WorkerLost
+from moerl.engines.health import Probes
 from moerl.engines.protocol import Completion, SamplingParams
 from moerl.episodes.agents import SIMULATED, Agent, load_agent, load_tools, simulated_agent
 from moerl.episodes.endpoint import EpisodeEndpoint
@@ -132,6 +135,8 @@ class RolloutManager:
             failures_to_dead=e.health_failures,
             workers=cfg.rollout.generation_workers,
         )
+        # those of the replicas out of rotation: the watch's, and those of the requests waiting for a replica
+        self.probes = Probes(self.client, e.health_interval_s)
         self.reported: EnginesChanged | None = None  # the replicas' states and losses as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
@@ -450,7 +455,10 @@ class RolloutManager:
             await self.serving.wait()  # no request while a weight update is under way: see Updating
             # Before the adapter is read: a replica that comes back after this wait holds only the current one.
             await self.client.until_usable(
-                self.cfg.engines.down_timeout_s, "engines.down_timeout_s", min(self.cfg.engines.health_interval_s, 0.5)
+                self.cfg.engines.down_timeout_s,
+                "engines.down_timeout_s",
+                min(self.cfg.engines.health_interval_s, 0.5),
+                self.probes,
             )
             adapter, adapter_version = self.adapter
             served = self.client.health.served
@@ -516,7 +524,7 @@ class RolloutManager:
     async def _watch(self) -> None:
         """Probe the replicas out of rotation; tell the trainer when any replica's state changes."""
         while True:
-            await self.client.probe_out_of_rotation()
+            await self.probes()
             await self._report()
             await asyncio.sleep(self.cfg.engines.health_interval_s)
 

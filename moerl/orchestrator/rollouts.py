@@ -315,13 +315,15 @@ class RolloutEndpoint:
         if self.mode != "async":
             self.order(groups + self.cfg.oversample)
         remaining = groups
-        filtered_before = self.scored.filtered
+        # The bound counts the groups turned away that this step orders again: a surplus one (the last step's, still in
+        # flight or not yet read) holds no step up, whether the filter turned it away before this step or during it.
+        refills_before = self.scored.refills
         piece: list[Group] = []
         while remaining:
             if self.stop_error is not None:
                 raise self.stop_error
             self.drain()
-            self._check_filtered(filtered_before, groups - remaining, groups)
+            self._check_filtered(refills_before, groups - remaining, groups)
             hook_at = time.monotonic() + WAITING_POLL_S
             while not self.ready:
                 if self.stop_error is not None:
@@ -330,7 +332,7 @@ class RolloutEndpoint:
                 if not self._receive(WAITING_POLL_S):
                     self._manager_gone()
                 self.waited_s += time.perf_counter() - start
-                self._check_filtered(filtered_before, groups - remaining, groups)
+                self._check_filtered(refills_before, groups - remaining, groups)
                 if waiting is not None and time.monotonic() >= hook_at:
                     hook_at = time.monotonic() + WAITING_POLL_S
                     if (interlude := waiting()) is not None:
@@ -353,10 +355,10 @@ class RolloutEndpoint:
                 yield piece
                 piece = []
 
-    def _check_filtered(self, filtered_before: int, taken: int, groups: int) -> None:
-        """Stop the run once the filter has turned away more than its bound while this step collects its groups (the
-        filter's count was ``filtered_before`` when it began)."""
-        filtered = self.scored.filtered - filtered_before
+    def _check_filtered(self, refills_before: int, taken: int, groups: int) -> None:
+        """Stop the run once the filter has turned away more than its bound of the groups this step collects (those
+        ordered again in their place: there were ``refills_before`` such when it began)."""
+        filtered = self.scored.refills - refills_before
         if filtered <= self.cfg.filter_bound:
             return
         scored = self.scored.kept + self.scored.filtered

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import re
 import time
 from collections import defaultdict
@@ -25,6 +24,7 @@ from typing import Any
 
 from moerl.config import import_object
 from moerl.engines.client import EngineClient, EngineError
+from moerl.engines.health import Probes
 from moerl.engines.protocol import GenerateReqInput, SamplingParams
 from moerl.errors import ConfigError
 
@@ -115,8 +115,8 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.client = EngineClient(urls, timeout_s=timeout_s, retries=0, failures_to_dead=failures_to_dead)
         self.down_timeout_s, self.health_interval_s = down_timeout_s, health_interval_s
-        self._probing, self._probed_at = asyncio.Lock(), -math.inf
-        self._paused = False  # the last probe found a replica alive but none healthy
+        # shared by every score that waits: a replica that answers is back (it holds no policy to be stale in)
+        self.probes = Probes(self.client, health_interval_s)
 
     def conversation_ids(self, prompt: str, response: str) -> list[int]:
         """What a discriminative model scores: the prompt and the response as a user's turn and the assistant's,
@@ -181,7 +181,7 @@ class RewardModel:
         health = self.client.health
         while True:
             await self.client.until_usable(
-                self.down_timeout_s, "reward.engines.down_timeout_s", self.health_interval_s, self._probe
+                self.down_timeout_s, "reward.engines.down_timeout_s", self.health_interval_s, self.probes
             )
             usable = health.usable()
             url = min(usable, key=self.client.in_flight.__getitem__)
@@ -197,18 +197,6 @@ class RewardModel:
                 log.warning("reward engine %s failed a request (asked again): %s", url, e)
             finally:
                 self.client.in_flight[url] -= 1
-
-    async def _probe(self) -> bool:
-        """/health of each replica out of rotation, at most once per ``health_interval_s`` however many groups wait:
-        one that answers is back (it holds no policy to be stale in). Whether one that does not still answers
-        /model_info: paused, as colocated replicas are while the trainer trains (SGLang's /health waits on a paused
-        scheduler), so not down."""
-        async with self._probing:
-            if time.monotonic() - self._probed_at >= self.health_interval_s:
-                await self.client.probe_out_of_rotation()
-                self._paused = not self.client.health.usable() and any(await self.client.healthy(paused=True))
-                self._probed_at = time.monotonic()
-            return self._paused
 
     async def close(self) -> None:
         await self.client.close()

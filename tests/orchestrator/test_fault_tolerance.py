@@ -401,3 +401,68 @@ def test_a_probe_answer_that_predates_a_sync_does_not_undo_it():
         assert health.state("a") is State.HEALTHY
 
     asyncio.run(go())
+
+
+def test_a_paused_replica_holds_the_groups_in_flight_past_the_down_timeout_and_serves_them_after(model, tmp_path):
+    """Colocated, the trainer pauses the engines for its phase, however long, while the groups of rollout.oversample its
+    step did not need are still generating (the manager is not told). Their requests time out, and /health fails while
+    paused (as SGLang's does), yet the replica answers /model_info: it is paused, not down, so a group waits past
+    engines.down_timeout_s (it does not stop the run) and is generated once the sync after the trainer's phase serves
+    the new policy."""
+    import json
+
+    from aiohttp import web
+
+    from moerl.orchestrator.messages import Generate, GroupDone, Served, Updating
+    from tests.engine_server import serving, two_token_answer
+    from tests.rollout_manager import manager_run
+
+    config = json.loads((model / "config.json").read_text())
+    layers, topk = config["num_hidden_layers"], config["num_experts_per_tok"]
+    served = {"version": "1", "paused": False}
+    arrived, generating = asyncio.Event(), asyncio.Event()
+
+    async def generate(request):
+        body = await request.json()
+        arrived.set()
+        await generating.wait()  # the trainer pauses the replica while this is in flight
+        return two_token_answer(body, served["version"], layers, topk)
+
+    async def health(request):
+        return web.Response(status=503 if served["paused"] else 200)
+
+    async def model_info(request):
+        return web.json_response({"weight_version": served["version"]})
+
+    async def go():
+        routes = {("POST", "/generate"): generate, ("GET", "/health"): health, ("GET", "/model_info"): model_info}
+        async with serving(routes) as url:
+            overrides = [
+                "trainer.replay.sampling_mask=false",
+                "rollout.samples_per_prompt=2",
+                "engines.request_timeout_s=0.5",
+                "engines.down_timeout_s=1",
+                "engines.health_interval_s=0.2",
+                "engines.health_failures=2",
+            ]
+            async with manager_run(tmp_path, model, url, overrides) as run:
+                try:
+                    await run.order(Served("1", [url]))
+                    await run.order(Generate(1))
+                    await arrived.wait()
+                    served["paused"] = True  # the trainer's phase begins
+                    waiting = asyncio.create_task(run.next_event(GroupDone))
+                    await asyncio.sleep(3.0)  # three down timeouts
+                    assert not waiting.done(), waiting.result()  # a RolloutFailed (engines down) fails it
+                    # the sync after the trainer's phase: the replica generates again, under the new policy
+                    await run.order(Updating())
+                    served.update(version="2", paused=False)
+                    generating.set()
+                    await run.order(Served("2", [url]))
+                    return await waiting
+                finally:
+                    generating.set()  # else the server's shutdown waits on the requests it holds
+
+    done = asyncio.run(go())
+    assert done.index == 0 and done.engine_retries >= 1  # its request timed out, and waited for the replica
+    assert [s.versions.tolist() for s in done.samples] == [[2, 2], [2, 2]]

@@ -152,3 +152,80 @@ def test_a_step_the_filter_cannot_fill_stops_the_run_with_the_pass_rate():
         manager.close()
         endpoint.close()
         ctx.term()
+
+
+class HandFed:
+    """The rollout manager's sockets with no manager behind them: the test sends each event by hand."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: RolloutEndpoint):
+        self.orders, self.events = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        self.orders.connect(endpoint.orders_address)  # the endpoint's orders are sent, and left unread
+        self.events.connect(endpoint.events_address)
+
+    def send(self, *events) -> None:
+        for event in events:
+            send_event(self.events, event)
+
+    def done(self, *indices: int) -> None:
+        self.send(*(GroupDone(i, [sample(0.0, i), sample(1.0, i)], 0, 0.1) for i in indices))
+
+    def filtered(self, *indices: int) -> None:
+        self.send(*(Dropped(i, FILTERED, 0, rewards=(1.0, 1.0)) for i in indices))
+
+    def close(self) -> None:
+        self.orders.close(linger=0)
+        self.events.close(linger=0)
+
+
+def test_a_steps_filter_bound_counts_only_the_groups_it_collects_not_the_last_steps_surplus():
+    """Sync, 4 groups a step and 3 oversampled, at most 1 filtered a step. The last step's surplus, turned away by the
+    filter before this step takes its first group or while it collects, holds no step up: it is not counted against
+    this step's bound, only in the pass rate. The groups this step orders are."""
+    cfg = load_config(
+        None,
+        [
+            "run.mode=sync",
+            "rollout.groups_per_step=4",
+            "rollout.oversample=3",
+            "rollout.filter_groups=zero_variance",
+            "rollout.max_filtered_per_step=1",
+        ],
+    )
+    ctx = zmq.Context()
+    endpoint = RolloutEndpoint(ctx, cfg.rollout, "sync")
+    manager = HandFed(ctx, endpoint)
+    try:
+        # step 1 orders 0-6: 0-3 fill it, and 4-6 are still generating, its surplus
+        manager.send(*(Issued(i, True) for i in range(7)))
+        manager.done(0, 1, 2, 3)
+        taken = [g for piece in endpoint.pieces(0, 4, whole=False) for g in piece]
+        assert [g.index for g in taken] == [0, 1, 2, 3]
+        endpoint.trained(taken)
+        # surplus turned away between the steps, read only once step 2 collects
+        manager.filtered(4, 5)
+        # step 2 orders 7-13; surplus 6 turned away while it collects, and one of its own (8), ordered again (14)
+        manager.send(*(Issued(i, True) for i in range(7, 14)))
+        manager.done(7)
+        step = endpoint.pieces(1, 4, whole=False)
+        taken = next(step)
+        assert [g.index for g in taken] == [7]
+        manager.filtered(6, 8)
+        manager.send(Issued(14, True))
+        manager.done(9, 10, 11)
+        taken += [g for piece in step for g in piece]
+        assert sorted(g.index for g in taken) == [7, 9, 10, 11]
+        endpoint.trained(taken)
+        scored = endpoint.take_scored()
+        assert (scored.filtered, scored.refills) == (4, 1)  # the pass rate sees every group turned away
+        # step 3 orders 15-21: two of its own turned away pass the bound
+        manager.send(*(Issued(i, True) for i in range(15, 22)))
+        manager.filtered(15, 16)
+        with pytest.raises(FilterExhausted, match="turned away 2 groups while this step collected 0 of its 4"):
+            list(endpoint.pieces(2, 4, whole=False))
+        manager.send(Stopped([]))
+        endpoint.stop()
+        assert endpoint.acct.dropped[FILTERED] == 6 and endpoint.acct.balanced()
+    finally:
+        manager.close()
+        endpoint.close()
+        ctx.term()

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import psutil
 import pytest
 
@@ -952,12 +951,11 @@ def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_un
     """The rollout manager keys each request's prefix cache (extra_key) by the weight version it is issued under, and
     sends none while an update is under way (Updating until Served): a request sent then would wait on a paused engine
     and start under the new weights, keyed to the old version's cache."""
-    import base64
 
     from aiohttp import web
 
     from moerl.orchestrator.messages import Generate, GroupDone, Served, Updating
-    from tests.engine_server import serving
+    from tests.engine_server import serving, two_token_answer
     from tests.rollout_manager import manager_run
 
     config = json.loads((random_model / "config.json").read_text())
@@ -967,25 +965,7 @@ def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_un
     async def generate(request):
         body = await request.json()
         bodies.append(body)
-        version, cached = body["extra_key"].rsplit("-v", 1)[1], 3
-        prompt = len(body["input_ids"])
-        routing = base64.b64encode(np.zeros((prompt + 1, layers, topk), dtype=np.int32).tobytes()).decode()
-        meta = {
-            "finish_reason": {"type": "stop"},
-            "prompt_tokens": prompt,
-            "completion_tokens": 2,
-            "cached_tokens": cached,
-            "weight_version": version,
-            "weight_versions": [{"version": version, "start": 0, "end": 2}],
-            "output_token_logprobs": [[-1.0, 5, None], [-1.0, 6, None]],
-            "routed_experts": routing,
-        }
-        return web.json_response(
-            [
-                {"text": "", "output_ids": [5, 6], "meta_info": {**meta, "id": f"{body['rid']}-{i}"}}
-                for i in range(body["sampling_params"]["n"])
-            ]
-        )
+        return two_token_answer(body, body["extra_key"].rsplit("-v", 1)[1], layers, topk, cached=3)
 
     async def healthy(request):
         return web.Response(text="")
