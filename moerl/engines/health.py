@@ -192,3 +192,32 @@ class Probes:
         # that answered /health is back, or stale until a weight sync reaches it)
         answers = await self.client.healthy(paused=True)
         return any(up and health.replicas[url].failed_probes for url, up in zip(self.client.urls, answers, strict=True))
+
+
+class SameAnswer:
+    """A run's requests that the engines answer, every one of them, with the same server error (a 5xx and its message:
+    a feature the server cannot serve, a model it cannot run), nothing served between. Each such failure looks like a
+    replica's: it is re-issued elsewhere, the replica is back at its next /health, and a prompt dropped after its
+    retries is replaced by the next, which fails the same way, for ever. :meth:`failed` says when it is the run's end
+    instead: ``bound`` failures in a row (a prompt's retries on every replica) with one message, from every replica."""
+
+    def __init__(self, urls: Iterable[str], bound: int):
+        self.urls, self.bound = set(urls), bound
+        self.message: str | None = None
+        self.count = 0
+        self.seen: set[str] = set()
+
+    def served(self) -> None:
+        self.message, self.count, self.seen = None, 0, set()
+
+    def failed(self, url: str, status: int | None, message: str) -> bool:
+        """A request to ``url`` failed with ``status`` (None: in transport, no answer) and ``message``; whether every
+        replica has now answered the same error past the bound."""
+        if status is None or status < 500:  # not the same error answered: the streak starts again
+            self.served()
+            return False
+        if message != self.message:
+            self.message, self.count, self.seen = message, 0, set()
+        self.count += 1
+        self.seen.add(url)
+        return self.count >= self.bound and self.seen >= self.urls

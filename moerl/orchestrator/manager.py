@@ -10,9 +10,10 @@ Engines fail: a prompt whose replica fails (transport error, 5xx, past ``engines
 re-issued to another healthy replica with the same seed, up to ``rollout.engine_retries`` times, then
 dropped as ``engine_failure``; the trainer's accounting counts both. Replicas out of rotation are probed
 every ``engines.health_interval_s`` and come back once they answer and report the weight version the
-trainer last served; with none healthy for ``engines.down_timeout_s`` the run stops with one error. A replica the
-trainer has paused (colocated, while it trains: the surplus groups of ``rollout.oversample`` are still generating then)
-is not down, however long the pause.
+trainer last served; with none healthy for ``engines.down_timeout_s`` the run stops with one error, and so it does
+when every replica answers every request with the same server error (:class:`~moerl.engines.health.SameAnswer`). A
+replica the trainer has paused (colocated, while it trains: the surplus groups of ``rollout.oversample`` are still
+generating then) is not down, however long the pause.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import zmq.asyncio
 
 from moerl.engines.client import EngineClient, EngineError, NoHealthyEngine, ReplicaDown
 from moerl.engines.generation_workers import WorkerLost
-from moerl.engines.health import Probes
+from moerl.engines.health import Probes, SameAnswer
 from moerl.engines.protocol import Completion, SamplingParams
 from moerl.episodes.agents import SIMULATED, Agent, load_agent, load_tools, simulated_agent
 from moerl.episodes.endpoint import EpisodeEndpoint
@@ -137,6 +138,8 @@ class RolloutManager:
         )
         # those of the replicas out of rotation: the watch's, and those of the requests waiting for a replica
         self.probes = Probes(self.client, e.health_interval_s)
+        # every replica failing every request with one error: a prompt's retries on each of them, and the run stops
+        self.same_answer = SameAnswer(self.client.urls, (cfg.rollout.engine_retries + 1) * len(self.client.urls))
         self.reported: EnginesChanged | None = None  # the replicas' states and losses as last sent to the trainer
         self.cursor, self.reissue = spec.cursor, deque(spec.reissue)
         self.tasks: set[asyncio.Task] = set()
@@ -491,6 +494,11 @@ class RolloutManager:
                 continue
             except ReplicaDown as e:
                 await self._report()
+                if self.same_answer.failed(e.url, e.status, e.message):
+                    raise EnginesDown(
+                        f"every engine answers the run's requests with the same error, {self.same_answer.count} in a "
+                        f"row with none served between: {e.message}; they cannot serve this run as configured"
+                    ) from None
                 tries.engine_retries += 1
                 if tries.engine_retries > r.engine_retries:
                     raise PromptDropped(str(e)) from None
@@ -501,6 +509,7 @@ class RolloutManager:
             finally:
                 if adapter is not None:
                     self.users[adapter] -= 1
+            self.same_answer.served()
             if adapter in self.retired:
                 await self._unload_unused()
             aborted = any(c.finish_reason.get("type") == "abort" for c in completions)

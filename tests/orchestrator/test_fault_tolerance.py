@@ -466,3 +466,64 @@ def test_a_paused_replica_holds_the_groups_in_flight_past_the_down_timeout_and_s
     done = asyncio.run(go())
     assert done.index == 0 and done.engine_retries >= 1  # its request timed out, and waited for the replica
     assert [s.versions.tolist() for s in done.samples] == [[2, 2], [2, 2]]
+
+
+def test_every_replica_answering_the_same_error_stops_the_run_and_one_answering_it_alone_does_not(model, tmp_path):
+    """SGLang answered every request of a run with the same 500 (a feature it could not serve): each looked like a
+    replica's failure, re-issued, the replica back at its next /health, each prompt dropped after its retries replaced
+    by the next. While another replica serves, the failing one's prompts are re-issued there; once every replica
+    answers the same error, a prompt's retries on each of them in a row, the run stops, naming the error."""
+    import json
+
+    from aiohttp import web
+
+    from moerl.orchestrator.messages import Generate, GroupDone, RolloutFailed, Served
+    from tests.engine_server import serving, two_token_answer
+
+    config = json.loads((model / "config.json").read_text())
+    layers, topk = config["num_hidden_layers"], config["num_experts_per_tok"]
+    error = "The sampling backend did not return captured sampling support."
+    failing = {"a": True, "b": False}
+    answered = {"a": 0, "b": 0}
+
+    def replica(name: str):
+        async def generate(request):
+            body = await request.json()
+            answered[name] += 1
+            if failing[name]:
+                return web.json_response({"object": "error", "message": error, "code": 500}, status=500)
+            return two_token_answer(body, "1", layers, topk)
+
+        async def health(request):
+            return web.Response(text="")
+
+        async def model_info(request):
+            return web.json_response({"weight_version": "1"})
+
+        return {("POST", "/generate"): generate, ("GET", "/health"): health, ("GET", "/model_info"): model_info}
+
+    async def go():
+        async with serving(replica("a")) as a, serving(replica("b")) as b:
+            overrides = [
+                "trainer.replay.sampling_mask=false",
+                "rollout.samples_per_prompt=2",
+                "rollout.engine_retries=2",
+                "engines.health_interval_s=0.1",
+            ]
+            async with manager_run(tmp_path, model, [a, b], overrides) as run:
+                await run.order(Served("1", [a, b]))
+                await run.order(Generate(6))
+                done = [await run.next_event(GroupDone) for _ in range(6)]  # a's failures re-issued on b
+                assert answered["a"] > 0 and all(g.samples for g in done)
+                failing["b"] = True
+                before = sum(answered.values())
+                # Two prompts: one is dropped after its retries, the other's last failure is the bound's.
+                await run.order(Generate(2))
+                failed = await asyncio.wait_for(run.next_event(RolloutFailed), 60)  # without the bound: never
+                return failed, sum(answered.values()) - before
+
+    from tests.rollout_manager import manager_run
+
+    failed, requests = asyncio.run(go())
+    assert failed.engines_down and error in failed.message and "every engine answers" in failed.message
+    assert requests == (2 + 1) * 2  # a prompt's retries on each replica
