@@ -260,8 +260,10 @@ class EngineClient:
     async def generate_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
         """One /generate on ``url``, read and decoded in this process; no retry, no health accounting."""
 
+        prompt_len = len(request.input_ids) if request.input_ids is not None else None
+
         async def decode(body: bytes) -> list[Completion]:
-            return P.decode_generate_body(body, self.shape, routing_start)
+            return P.decode_generate_body(body, self.shape, routing_start, prompt_len)
 
         if (split := P.one_by_one(request)) is None:
             return await self._call(url, P.GENERATE, request, retries=0, parse=decode)

@@ -639,14 +639,21 @@ class Completion:
     sampling_logprobs: np.ndarray | None = None  # float32 [T] ("selected" mode)
 
 
-def decode_generate(response: GenerateResponse, shape: ModelShape | None, routing_start: int = 0) -> Completion:
+def decode_generate(
+    response: GenerateResponse, shape: ModelShape | None, routing_start: int = 0, prompt_len: int | None = None
+) -> Completion:
+    """One completion of a /generate answer; ``prompt_len``: the prompt's length where the request knows it (SGLang
+    answers a request aborted in its waiting queue without ``prompt_tokens``)."""
     meta = response["meta_info"]
     finish_reason = meta["finish_reason"]
     if finish_reason is None:  # only a streamed chunk of a completion still running has none
         raise BrokenAnswer(f"/generate answered completion {meta['id']!r} unfinished (finish_reason null)")
+    prompt_len = meta.get("prompt_tokens", prompt_len)
+    if prompt_len is None:
+        raise BrokenAnswer(f"/generate answered completion {meta['id']!r} without prompt_tokens")
     completion = Completion(
         rid=meta["id"],
-        prompt_len=meta["prompt_tokens"],
+        prompt_len=prompt_len,
         output_ids=np.asarray(response["output_ids"], dtype=np.int32),
         finish_reason=finish_reason,
         weight_versions=meta.get("weight_versions") or [],
@@ -654,7 +661,13 @@ def decode_generate(response: GenerateResponse, shape: ModelShape | None, routin
         cached_tokens=meta.get("cached_tokens", 0),
     )
     if "output_token_logprobs" in meta:
-        completion.logprobs = np.fromiter((lp for lp, _, _ in meta["output_token_logprobs"]), dtype=np.float32)
+        logprobs = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        if None in logprobs:  # SGLang writes a NaN as null
+            raise BrokenAnswer(
+                f"/generate answered completion {meta['id']!r} with a log-prob that is not a number (null): the "
+                "engine computes NaN (broken or uninitialised weights?)"
+            )
+        completion.logprobs = np.asarray(logprobs, dtype=np.float32)
     if "routed_experts" in meta:
         if shape is None:
             raise ProtocolError("routed_experts returned but the model shape is unknown")
@@ -669,12 +682,14 @@ def decode_generate(response: GenerateResponse, shape: ModelShape | None, routin
     return completion
 
 
-def decode_generate_body(body: bytes, shape: ModelShape | None, routing_start: int = 0) -> list[Completion]:
-    """A /generate answer's raw body, parsed and decoded: the part of a rollout's cost that grows with its tokens (an
-    8K-token response of a 48-layer top-8 model is 19 MB of JSON, 75 ms to decode), so a client may run it in another
-    process."""
+def decode_generate_body(
+    body: bytes, shape: ModelShape | None, routing_start: int = 0, prompt_len: int | None = None
+) -> list[Completion]:
+    """A /generate answer's raw body, parsed and decoded (``prompt_len``: see :func:`decode_generate`): the part of a
+    rollout's cost that grows with its tokens (an 8K-token response of a 48-layer top-8 model is 19 MB of JSON, 75 ms
+    to decode), so a client may run it in another process."""
     try:
         out = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # not the exception itself: it holds the whole body
         raise BrokenAnswer(f"/generate answered with {len(body)} bytes that are not JSON: {e}") from None
-    return [decode_generate(r, shape, routing_start) for r in (out if isinstance(out, list) else [out])]
+    return [decode_generate(r, shape, routing_start, prompt_len) for r in (out if isinstance(out, list) else [out])]

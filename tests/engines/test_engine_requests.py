@@ -301,7 +301,9 @@ def test_a_flushing_update_during_an_in_place_pause_is_refused_untouched(server,
 
 @pytest.mark.e2e
 def test_abort_by_rid_aborts_all_n_completions(server):
-    n = 64  # x 500 tokens takes ~9 s here: still running at the abort (n=4 could finish first on a warm, idle machine)
+    """Those running end with their tokens; those still waiting for a place in the batch (64 run at once) are answered
+    as SGLang answers them, without prompt_tokens, and the client takes the prompt's length from its request."""
+    n = 70  # x 500 tokens takes ~9 s here: still running at the abort (n=4 could finish first on a warm, idle machine)
 
     async def go():
         async with aiohttp.ClientSession() as session:
@@ -320,6 +322,10 @@ def test_abort_by_rid_aborts_all_n_completions(server):
     assert status == 200 and answer["aborted"] == n
     assert [c["meta_info"]["id"] for c in completions] == [f"many-{i}" for i in range(n)]
     assert all(c["meta_info"]["finish_reason"]["type"] == "abort" and len(c["output_ids"]) < 500 for c in completions)
+    waiting = [c for c in completions if "prompt_tokens" not in c["meta_info"]]
+    assert len(waiting) == n - 64
+    assert all(c["meta_info"]["finish_reason"]["message"] == "Abort in waiting queue" for c in waiting)
+    assert all(P.decode_generate(c, None, prompt_len=len(PROMPT)).prompt_len == len(PROMPT) for c in waiting)
 
 
 @pytest.mark.e2e

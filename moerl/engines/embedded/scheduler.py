@@ -60,6 +60,8 @@ class Request:
         return self.input_ids + self.output_ids[:-1]
 
 
+# SGLang's finish_reason message for a request aborted in its waiting queue, before its prefill
+WAITING_ABORT = "Abort in waiting queue"
 RequestT = TypeVar("RequestT", bound=Request)  # what a scheduler queues: Request, or a subclass's own
 
 
@@ -280,8 +282,8 @@ class Scheduler(Generic[RequestT]):
     def abort_these(self, requests: list[RequestT], message: str) -> int:
         """Finish those of ``requests`` still queued or running with their partial output."""
         hits = [r for r in requests if r.finish_reason is None]
-        for request in hits:
-            self._finish(request, {"type": "abort", "message": message})
+        for request in hits:  # one never prefilled is answered as SGLang answers it (server.meta_info)
+            self._finish(request, {"type": "abort", "message": message if request.routing else WAITING_ABORT})
         self.waiting = deque(r for r in self.waiting if r.finish_reason is None)
         self._drop_finished()
         return len(hits)

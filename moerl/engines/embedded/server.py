@@ -218,15 +218,16 @@ class EmbeddedEngine(Generic[RequestT]):
     def meta_info(self, request: Request, versions: list[str]) -> protocol.GenerateMetaInfo:
         """What every answer's meta_info holds; ``versions``: each output token's weight version."""
         spans = protocol.version_spans(versions)
-        return {
+        meta: protocol.GenerateMetaInfo = {
             "id": request.rid,
             "finish_reason": request.finish_reason,
-            "prompt_tokens": len(request.input_ids),
             "completion_tokens": len(request.output_ids),
-            "cached_tokens": request.cached_tokens,
             "weight_version": spans[-1]["version"] if spans else self.scheduler.weight_version,
             "weight_versions": spans,
         }
+        if request.routing:  # prefilled: SGLang answers one aborted in its waiting queue without these
+            meta["prompt_tokens"], meta["cached_tokens"] = len(request.input_ids), request.cached_tokens
+        return meta
 
     def response(self, request: Request, req: protocol.GenerateReqInput) -> protocol.GenerateResponse:
         """SGLang's answer for ``request``: its tokens, and what ``req`` asked to know of them (``token_details``)."""
@@ -241,7 +242,7 @@ class EmbeddedEngine(Generic[RequestT]):
             meta["input_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:], strict=False)
             ]
-        if details.routing is not None:
+        if details.routing is not None and request.routing:
             meta["routed_experts"] = protocol.encode_routed_experts(details.routing)
         if details.sampling_mask is not None:
             kept_ids, kept_logprobs = details.sampling_mask
