@@ -304,6 +304,7 @@ class RolloutManager:
         except EnginesDown as e:
             await send_event(self.events, RolloutFailed(index, str(e), engines_down=True))
         except Exception as e:  # noqa: BLE001 - whatever fails a prompt, the trainer stops the run with its message
+            log.exception("rollout of prompt %d failed", index)  # the trainer says its first line; here, the whole
             await send_event(self.events, RolloutFailed(index, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
     def _params(self, index: int, n: int) -> SamplingParams:
