@@ -19,8 +19,8 @@ from tests.orchestrator.test_config import doc_pages, named_keys, readme_recipe_
 DOCS = REPO / "docs"
 README = REPO / "README.md"
 QUICKSTART = [
-    "bash tools/install.sh && bash recipes/qwen_moe_grpo.sh",
-    "bash tools/install.sh dev && python3 -m pytest",
+    "bash tools/install.sh sglang && bash recipes/qwen_moe_grpo.sh engines.server=sglang",
+    "bash tools/install.sh dev,sglang && python3 -m pytest",
 ]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
