@@ -414,10 +414,11 @@ def check(cfg: RunConfig) -> None:
         <= 0
         or e.health_failures < 1
         or e.max_restarts < 0
+        or (e.kv_tokens is not None and e.kv_tokens < 1)
     ):
         problems.append(
             "engines.request_timeout_s (null: derived), health_interval_s, down_timeout_s and restart_window_s must be "
-            "> 0, health_failures >= 1 and max_restarts >= 0"
+            "> 0, health_failures and kv_tokens (null: sized by the server) >= 1 and max_restarts >= 0"
         )
     problems += filter_problems(r)
     problems += reward_problems(cfg)

@@ -285,43 +285,15 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
         mc["num_hidden_layers"] * 2 * family.head_dim(mc) * engine_dtype * math.ceil(kv_heads / e.gpus_per_replica)
     )
     kv_budget = e.mem_fraction_static * device - engine_weights
-    kv_tokens = max(0, int(kv_budget // kv_per_token))
-    group_tokens = cfg.rollout.samples_per_prompt * cfg.rollout.max_new_tokens
+    kv_tokens = max(0, int(kv_budget // kv_per_token)) if e.kv_tokens is None else e.kv_tokens
     # Each sender (sends_weights: every pipeline stage's expert-parallel ranks) has a group with every engine GPU.
     senders = layout.pp * layout.ep if cfg.sync.method == "broadcast" and not colocated else 0
     communicators = senders * MAX_GROUPS_PER_ENGINE * COMMUNICATOR_BYTES
-    floor = group_tokens * kv_per_token  # the least KV cache a replica may hold: one group's completions
-    needed = engine_weights + floor + communicators
-    if e.urls:
-        pass  # engines running elsewhere: their memory is theirs
-    elif kv_budget <= 0:
-        problems.append(
-            f"an engine GPU holds {engine_weights / GIB:.1f} GiB of weights, more than engines.mem_fraction_static="
-            f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: raise engines.gpus_per_replica (tensor parallelism)"
+    if not e.urls:  # engines running elsewhere: their memory is theirs
+        problem = _engine_gpu_problem(
+            cfg, device_memory_gb, engine_weights, kv_per_token, kv_budget, kv_tokens, communicators, senders
         )
-    elif kv_tokens < group_tokens:
-        problems.append(
-            f"an engine replica's KV cache holds {kv_tokens:,} tokens, fewer than one group's completions "
-            f"({cfg.rollout.samples_per_prompt} x {cfg.rollout.max_new_tokens}): raise engines.gpus_per_replica "
-            "or engines.mem_fraction_static, or lower rollout.max_new_tokens"
-        )
-    elif needed > device:
-        problems.append(
-            f"an engine GPU needs {needed / GIB:.1f} GiB of {device_memory_gb:g} GiB: weights "
-            f"{engine_weights / GIB:.1f} GiB, the KV cache of one group's completions "
-            f"{floor / GIB:.1f} GiB and {_size(communicators)} of weight-sync "
-            f"communicators ({senders} senders x {MAX_GROUPS_PER_ENGINE} groups): raise "
-            "engines.gpus_per_replica, lower rollout.max_new_tokens, send from fewer ranks (trainer.ep, "
-            "trainer.pp) or set sync.method=disk"
-        )
-    elif communicators > (1 - e.mem_fraction_static) * device:
-        problems.append(
-            f"an engine GPU's {_size(communicators)} of weight-sync communicators ({senders} senders x "
-            f"{MAX_GROUPS_PER_ENGINE} groups) do not fit beside engines.mem_fraction_static="
-            f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: lower it to at most "
-            f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
-            f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk"
-        )
+        problems += [problem] if problem is not None else []
     reward_weights, reward_static = _reward_engine(cfg, reward_params, device, problems)
     colocation = None
     if colocated:
@@ -353,6 +325,60 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
         reward_weights,
         _reward_gpus(cfg),
     )
+
+
+def _engine_gpu_problem(
+    cfg,
+    device_memory_gb: float,
+    engine_weights: float,
+    kv_per_token: int,
+    kv_budget: float,
+    kv_tokens: int,
+    communicators: int,
+    senders: int,
+) -> str | None:
+    """Why an engine GPU of the job's own replicas cannot hold what it must (None: it can): its weights, at least one
+    group's KV cache, and the weight-sync communicators beside ``engines.mem_fraction_static``."""
+    e = cfg.engines
+    device = device_memory_gb * GIB
+    group_tokens = cfg.rollout.samples_per_prompt * cfg.rollout.max_new_tokens
+    floor = group_tokens * kv_per_token  # the least KV cache a replica may hold: one group's completions
+    needed = engine_weights + floor + communicators
+    if kv_budget <= 0:
+        return (
+            f"an engine GPU holds {engine_weights / GIB:.1f} GiB of weights, more than engines.mem_fraction_static="
+            f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: raise engines.gpus_per_replica (tensor parallelism)"
+        )
+    elif e.kv_tokens is not None and e.kv_tokens * kv_per_token > kv_budget:
+        return (
+            f"engines.kv_tokens={e.kv_tokens:,} takes {e.kv_tokens * kv_per_token / GIB:.1f} GiB of KV cache, more "
+            f"than the {kv_budget / GIB:.1f} GiB engines.mem_fraction_static leaves beside the weights: lower it, or "
+            "raise engines.gpus_per_replica or engines.mem_fraction_static"
+        )
+    elif kv_tokens < group_tokens:
+        return (
+            f"an engine replica's KV cache holds {kv_tokens:,} tokens, fewer than one group's completions "
+            f"({cfg.rollout.samples_per_prompt} x {cfg.rollout.max_new_tokens}): raise engines.gpus_per_replica, "
+            "engines.mem_fraction_static or engines.kv_tokens, or lower rollout.max_new_tokens"
+        )
+    elif needed > device:
+        return (
+            f"an engine GPU needs {needed / GIB:.1f} GiB of {device_memory_gb:g} GiB: weights "
+            f"{engine_weights / GIB:.1f} GiB, the KV cache of one group's completions "
+            f"{floor / GIB:.1f} GiB and {_size(communicators)} of weight-sync "
+            f"communicators ({senders} senders x {MAX_GROUPS_PER_ENGINE} groups): raise "
+            "engines.gpus_per_replica, lower rollout.max_new_tokens, send from fewer ranks (trainer.ep, "
+            "trainer.pp) or set sync.method=disk"
+        )
+    elif communicators > (1 - e.mem_fraction_static) * device:
+        return (
+            f"an engine GPU's {_size(communicators)} of weight-sync communicators ({senders} senders x "
+            f"{MAX_GROUPS_PER_ENGINE} groups) do not fit beside engines.mem_fraction_static="
+            f"{e.mem_fraction_static} of {device_memory_gb:g} GiB: lower it to at most "
+            f"{1 - communicators / device:.2f} (one group's KV cache fits down to "
+            f"{(engine_weights + floor) / device:.2f}), or set sync.method=disk"
+        )
+    return None
 
 
 def _reward_engine(cfg, reward_params: int, device: float, problems: list[str]) -> tuple[float, float]:

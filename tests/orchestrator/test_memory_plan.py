@@ -423,3 +423,16 @@ def test_reward_replicas_take_gpus_of_their_own_and_a_reward_model_too_large_for
     assert planned("reward.engines.server=sglang", "reward.engines.gpus_per_replica=2").problems == []
     given = planned("reward.engines.urls=[http://10.0.0.9:30000]")
     assert given.problems == [] and given.reward_gpus == 0 and "reward engine" not in given.table()
+
+
+def test_an_engines_kv_tokens_are_planned_as_given_and_refused_where_they_do_not_fit():
+    """engines.kv_tokens (SGLang's --max-total-tokens; on the CPU 16384 by default) is the KV cache the plan counts;
+    fewer than one group's completions, or more than mem_fraction_static leaves beside the weights, is refused naming
+    it."""
+    given = _tiny_plan({}, "engines.kv_tokens=4096")
+    assert given.engine_kv_tokens == 4096 and not given.problems and "KV cache for 4,096 tokens" in given.table()
+    assert _tiny_plan({}).engine_kv_tokens > 10**6  # sized from mem_fraction_static
+    (few,) = _tiny_plan({}, "engines.kv_tokens=100").problems
+    assert "fewer than one group's completions" in few and "engines.kv_tokens" in few
+    (many,) = _tiny_plan({}, "engines.kv_tokens=10000000000").problems
+    assert many.startswith("engines.kv_tokens=10,000,000,000 takes") and "GiB of KV cache" in many
