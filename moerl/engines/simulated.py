@@ -158,6 +158,7 @@ class SimulatedScheduler(Scheduler[SimulatedRequest]):
                 continue
             if request.target < 0:
                 self._plan(request)
+            request.prefilled = True
             if request.target == 0:
                 self._finish(request, {"type": "length", "length": 0})
                 continue

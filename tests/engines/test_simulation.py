@@ -294,15 +294,20 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
 
     answer = {}  # one answer of the simulated engine (its log-probs are random), given again to each client
 
-    async def fixed(_):
-        return web.Response(body=answer["body"], content_type="application/json")
+    async def fixed(request):
+        # n completions with kept sets come one a request (protocol.one_by_one): completion i to "<rid>-i"
+        body = await request.json()
+        if body["sampling_params"]["max_new_tokens"] == 0:  # the prompt's prefill
+            return web.json_response({"output_ids": [], "meta_info": {}})
+        completion = json.loads(answer["body"])[int(body["rid"].rsplit("-", 1)[1])]
+        return web.json_response(completion)
 
     async def keep(body: bytes) -> bytes:
         return body
 
     async def generations(client):
         return await client.generate(
-            PROMPT, params, return_routed_experts=True, routed_experts_start_len=2, return_sampling_mask=True
+            PROMPT, params, return_routed_experts=True, routed_experts_start_len=2, return_sampling_mask=True, rid="w"
         )
 
     async def go():

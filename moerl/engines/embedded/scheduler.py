@@ -50,6 +50,7 @@ class Request:
     routing: list[torch.Tensor] = field(default_factory=list)  # int32 [n, layers, topk] chunks, one row per fed token
     prompt_logprobs: torch.Tensor | None = None
     cached_tokens: int = 0  # of its prompt, reused from the prefix cache
+    prefilled: bool = False  # its prompt computed (or taken from the cache) once: an abort before is answered otherwise
     recomputed: bool = False  # prefilled again after a retract: its KV no longer matches the routing it keeps
     finish_reason: dict | None = None
     generator: torch.Generator | None = None
@@ -192,7 +193,7 @@ class Scheduler(Generic[RequestT]):
             return self._model().prefill(request.fed_tokens).kv
         cached, prefix = self.cached_prefix(request)
         prefill = self._model().prefill(request.input_ids, request.logprob_start_len, cached, prefix)
-        request.cached_tokens = cached
+        request.cached_tokens, request.prefilled = cached, True
         request.routing = [prefill.routing]
         if self.prefix_cache.takes(len(request.input_ids)):
             self.prefix_cache.insert(request.cache_namespace, request.input_ids, prefill.kv, prefill.routing)
@@ -283,7 +284,7 @@ class Scheduler(Generic[RequestT]):
         """Finish those of ``requests`` still queued or running with their partial output."""
         hits = [r for r in requests if r.finish_reason is None]
         for request in hits:  # one never prefilled is answered as SGLang answers it (server.meta_info)
-            self._finish(request, {"type": "abort", "message": message if request.routing else WAITING_ABORT})
+            self._finish(request, {"type": "abort", "message": message if request.prefilled else WAITING_ABORT})
         self.waiting = deque(r for r in self.waiting if r.finish_reason is None)
         self._drop_finished()
         return len(hits)

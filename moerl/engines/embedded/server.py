@@ -225,7 +225,7 @@ class EmbeddedEngine(Generic[RequestT]):
             "weight_version": spans[-1]["version"] if spans else self.scheduler.weight_version,
             "weight_versions": spans,
         }
-        if request.routing:  # prefilled: SGLang answers one aborted in its waiting queue without these
+        if request.prefilled:  # SGLang answers one aborted in its waiting queue without these
             meta["prompt_tokens"], meta["cached_tokens"] = len(request.input_ids), request.cached_tokens
         return meta
 
@@ -242,7 +242,7 @@ class EmbeddedEngine(Generic[RequestT]):
             meta["input_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:], strict=False)
             ]
-        if details.routing is not None and request.routing:
+        if details.routing is not None and request.prefilled:
             meta["routed_experts"] = protocol.encode_routed_experts(details.routing)
         if details.sampling_mask is not None:
             kept_ids, kept_logprobs = details.sampling_mask
