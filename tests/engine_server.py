@@ -107,3 +107,22 @@ def two_token_answer(body: dict, version: str, layers: int, topk: int, cached: i
             for i in range(body["sampling_params"]["n"])
         ]
     )
+
+
+def ask_sglang(python: str, asked: dict, scratch: Path) -> dict:
+    """What SGLang's own code makes of ``asked`` (check name -> its inputs, tests/engines/sglang_side.py): one run of
+    that script in SGLang's interpreter ``python``. Its output goes to a file in ``scratch``, not a pipe: a CPU tensor
+    handover's torch_shm_manager keeps an inherited pipe open."""
+    import json
+    import subprocess
+
+    with open(scratch / "sglang_side.json", "w+") as out:
+        subprocess.run(
+            [python, str(Path(__file__).parent / "engines" / "sglang_side.py")],
+            input=json.dumps(asked).encode(),
+            stdout=out,
+            check=True,
+            timeout=300,
+        )
+        out.seek(0)
+        return json.load(out)

@@ -132,12 +132,50 @@ def tensor_payload(payload: str) -> list:
     return [[name, str(t.dtype), t.float().flatten().tolist()] for name, t in rebuilt]
 
 
+def lora_adapters(adapters: dict[str, dict]) -> dict:
+    """:func:`lora_adapter` of each named adapter."""
+    return {name: lora_adapter(**inputs) for name, inputs in adapters.items()}
+
+
+def lora_adapter(adapter: str, model: str) -> dict:
+    """An adapter directory of the ``sglang`` format, read by SGLang's own adapter parsing (its config, names, q/k/v and
+    gate/up stacking, expert ids, the shared-outer detection) for the model at ``model``: its scale, each module's
+    factors (A, B) as SGLang holds them with the Hub modules they stack, and the expert modules it read shared-outer."""
+    import re
+
+    from safetensors.torch import load_file
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.lora.lora_config import LoRAConfig
+    from sglang.srt.lora.utils import get_normalized_target_modules, get_target_module_name
+    from transformers import AutoConfig
+
+    config = LoRAConfig(adapter)
+    read = LoRAAdapter("a", config, AutoConfig.from_pretrained(model), load_config=None, lora_backend=None)
+    read.initialize_weights_from_tensors(load_file(f"{adapter}/adapter_model.safetensors"))
+    stacks = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    targets = get_normalized_target_modules(config.target_modules)
+    modules, shared_outer = {}, []
+    for layer in read.layers:
+        for key, a in layer.weights.items():
+            if ".lora_A." not in key:
+                continue
+            b = layer.weights[key.replace(".lora_A.", ".lora_B.")]
+            module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+            target = get_target_module_name(module, targets)
+            if re.search(r"experts\.\d+\.", module) and a.dim() != 2:
+                shared_outer.append(module)
+            parts = [module.replace(target, leaf) for leaf in stacks.get(target, (target,))]
+            modules[module] = {"parts": parts, "a": a.float().tolist(), "b": b.float().tolist()}
+    return {"scaling": read.scaling, "modules": modules, "shared_outer": shared_outer}
+
+
 CHECKS = {
     "server_args": server_args,
     "bodies": bodies,
     "contract": contract,
     "codecs": codecs,
     "tensor": tensor_payload,
+    "lora": lora_adapters,
 }
 
 

@@ -33,6 +33,7 @@ from moerl.engines.protocol import (
 from moerl.engines.sglang import CPU_KV_TOKENS
 from moerl.models import ModelShape
 from moerl.models.tiny import save_tiny_hf
+from tests.engine_server import ask_sglang
 
 
 def _flag_value(args: list[str], flag: str) -> str:
@@ -245,8 +246,6 @@ LORA_SERVER = EnginePoolConfig(
 def sglang_read(sglang_python, models):
     """What SGLang's own code makes of moerl's flags, bodies, codecs and tensor payload: one run of
     tests/engines/sglang_side.py in SGLang's interpreter (its imports take seconds)."""
-    import json
-    import subprocess
     from dataclasses import replace
 
     from moerl.engines import tensor_ipc
@@ -264,17 +263,7 @@ def sglang_read(sglang_python, models):
         },
         "tensor": {"payload": payload},
     }
-    # Its stdout goes to a file, not a pipe: a CPU tensor handover's torch_shm_manager keeps an inherited pipe open.
-    with open(models["moe"].parent / "sglang_side.json", "w+") as out:
-        subprocess.run(
-            [sglang_python, str(Path(__file__).with_name("sglang_side.py"))],
-            input=json.dumps(asked).encode(),
-            stdout=out,
-            check=True,
-            timeout=300,
-        )
-        out.seek(0)
-        found = json.load(out)
+    found = ask_sglang(sglang_python, asked, models["moe"].parent)
     assert torch.multiprocessing.get_sharing_strategy() == strategy, "tensor_ipc restores the strategy it changed"
     return found
 
