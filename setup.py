@@ -40,15 +40,19 @@ setup(
         # The release moerl's wire contract and driver are tested against (moerl.engines.protocol.SGLANG_VERSION), in
         # this environment: for pip users on a GPU. tools/install.sh installs it into an environment of its own.
         "sglang": ["sglang==0.5.23", "sglang-router"],
-        # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed; openai: agent
-        # code written for its SDK drives an episode's endpoint; ruff, mypy and mkdocs: the gates of tools/check.sh
-        # (mkdocs also builds the site in tests/test_docs.py), pinned so that they judge alike everywhere.
+        # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed; openai, the
+        # OpenAI Agents SDK and LangChain: agent code written with each drives an episode's endpoint (pinned: the
+        # endpoint is held to what these releases send); ruff, mypy and mkdocs: the gates of tools/check.sh (mkdocs
+        # also builds the site in tests/test_docs.py), pinned so that they judge alike everywhere.
         "dev": [
             "pytest>=8",
             "pytest-timeout",
             "peft==0.21.2",
             "hypothesis>=6",
-            "openai>=1.40",
+            "openai==3.57.0",
+            "openai-agents==0.24.0",
+            "langchain-openai==1.7.4",
+            "langchain-core==1.8.3",
             "ruff==0.17.6",
             "mypy==2.4.1",
             "mkdocs==1.6.1",

@@ -37,3 +37,10 @@ class RolloutManagerLost(MoerlError):
 
 class LoRAError(MoerlError):
     """A LoRA setup or adapter that does not fit the model, the layout or its own description."""
+
+
+def leaves(error: BaseException) -> list[BaseException]:
+    """The exceptions ``error`` stands for: the leaves of the exception groups it nests (a task group's), or itself."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in leaves(e)]
+    return [error]

@@ -186,6 +186,7 @@ class EngineClient:
         return_routed_experts: bool = False,
         routed_experts_start_len: int = 0,
         return_sampling_mask: bool = False,
+        top_logprobs: int = 0,
         rid: str | None = None,
         lora_path: str | None = None,
         extra_key: str | None = None,
@@ -194,7 +195,8 @@ class EngineClient:
         """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica, or with an
         ``affinity`` key from the healthy replica that key hashes to (the same one for as long as the healthy set
         stays: an agent group's turns reuse its prompt's prefix there); ``extra_key``: the prefix-cache partition it may
-        reuse KV from (SGLang's; a policy version's, say). Raises
+        reuse KV from (SGLang's; a policy version's, say); ``top_logprobs``: each output token's most likely tokens to
+        return with their log-probs (SGLang's top_logprobs_num). Raises
         :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when
         the worker carrying it died (the replica is not blamed): either may be re-issued."""
         if isinstance(sampling_params, dict):
@@ -210,6 +212,8 @@ class EngineClient:
             fields.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start_len)
         if return_sampling_mask:
             fields.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
+        if top_logprobs:
+            fields.update(top_logprobs_num=top_logprobs)
         # Those not given stay unset, so the body leaves them out.
         optional = {"rid": rid, "lora_path": lora_path, "extra_key": extra_key}
         fields.update({name: value for name, value in optional.items() if value is not None})

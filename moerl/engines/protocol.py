@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, TypedDict, get_args
 
 import numpy as np
@@ -184,6 +184,8 @@ class GenerateReqInput(_NullMeansDefault):
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(default=0, ge=0)  # routing rows from this position
     return_sampling_mask: bool = False  # each output token's kept set (needs a finite top_k)
+    # with return_logprob: each output token's most likely tokens and their log-probs (as output_token_logprobs')
+    top_logprobs_num: int = Field(default=0, ge=0)
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     lora_path: str | None = None  # name of a loaded LoRA adapter
     stream: bool = False
@@ -292,6 +294,7 @@ class GenerateMetaInfo(TypedDict, total=False):
     output_token_sampling_mask: list[list[int]]  # each output token's kept ids, ascending
     output_token_sampling_mask_length: int
     output_token_sampling_logprobs: list  # selected: the token's log-prob over its kept set; support: the set's
+    output_top_logprobs: list  # per output token: [[logprob, token id, None], ...] most likely first (or null)
 
 
 class GenerateResponse(TypedDict, total=False):
@@ -637,6 +640,30 @@ class Completion:
     mask_offsets: np.ndarray | None = None  # int64 [T+1]
     mask_ids: np.ndarray | None = None  # int32
     sampling_logprobs: np.ndarray | None = None  # float32 [T] ("selected" mode)
+    top_ids: np.ndarray | None = None  # int32 [T, k]: each token's most likely tokens (top_logprobs_num), descending
+    top_logprobs: np.ndarray | None = None  # float32 [T, k], as ``logprobs``
+
+    def head(self, k: int, finish_reason: dict) -> Completion:
+        """This completion as if it had finished (``finish_reason``) after its first ``k`` output tokens: each
+        per-token array, the kept sets, the routing rows (which end at the last fed position) and the version spans
+        cut there."""
+        if not 1 <= k <= len(self.output_ids):
+            raise ValueError(f"a completion of {len(self.output_ids)} tokens cannot be cut after {k}")
+        offsets = None if self.mask_offsets is None else self.mask_offsets[: k + 1]
+        spans = [{**s, "end": min(s["end"], k)} for s in self.weight_versions if s["start"] < k]
+        return replace(
+            self,
+            output_ids=self.output_ids[:k],
+            finish_reason=finish_reason,
+            weight_versions=spans,
+            logprobs=None if self.logprobs is None else self.logprobs[:k],
+            routing=None if self.routing is None else self.routing[: self.prompt_len + k - 1 - self.routing_start],
+            mask_offsets=offsets,
+            mask_ids=None if self.mask_ids is None or offsets is None else self.mask_ids[: offsets[-1]],
+            sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[:k],
+            top_ids=None if self.top_ids is None else self.top_ids[:k],
+            top_logprobs=None if self.top_logprobs is None else self.top_logprobs[:k],
+        )
 
 
 def decode_generate(
@@ -674,6 +701,11 @@ def decode_generate(
         completion.routing = decode_routed_experts(
             meta["routed_experts"], shape.num_layers, shape.topk, shape.moe_layers, shape.num_experts
         )
+    if meta.get("output_top_logprobs"):
+        top = [entry or [] for entry in meta["output_top_logprobs"]]
+        k = min(len(entry) for entry in top)  # as many for each token (a vocabulary smaller than asked: all of it)
+        completion.top_logprobs = np.asarray([[lp for lp, _, _ in e[:k]] for e in top], np.float32).reshape(-1, k)
+        completion.top_ids = np.asarray([[t for _, t, _ in e[:k]] for e in top], np.int32).reshape(-1, k)
     if "output_token_sampling_mask" in meta:
         completion.mask_offsets, completion.mask_ids = decode_sampling_masks(meta["output_token_sampling_mask"])
         lps = meta.get("output_token_sampling_logprobs")

@@ -35,10 +35,11 @@ from moerl.episodes.tools import Tool, run_tool
 from moerl.errors import MoerlError
 from moerl.sample import Sample
 
-# What the rollout manager supplies: one completion (n=1) of ``input_ids`` with routing rows from the given position,
-# and the map of the engine's weight-version strings to policy versions (None: int(version)). Retries, regeneration
-# after aborts and prefix-cache keys are its business.
-Generate = Callable[[list[int], SamplingParams, int], Awaitable[tuple[Completion, dict[str, int] | None]]]
+# What the rollout manager supplies: one completion (n=1) of ``input_ids`` with routing rows from the given position
+# and each output token's given number of most likely alternatives (0: none), and the map of the engine's
+# weight-version strings to policy versions (None: int(version)). Retries, regeneration after aborts and prefix-cache
+# keys are its business.
+Generate = Callable[[list[int], SamplingParams, int, int], Awaitable[tuple[Completion, dict[str, int] | None]]]
 END_OF_TURN = "<|im_end|>"  # Qwen's: a chat turn stops on it
 
 
@@ -88,6 +89,9 @@ class Turn:
     prompt_tokens: int  # the request's input
     completion_tokens: int
     cached_tokens: int  # of the input, reused from the engine's prefix cache
+    logprobs: list[float] = field(default_factory=list)  # each output token's behaviour log-prob
+    # each output token's most likely tokens with their log-probs (as ``logprobs``), where the turn asked for them
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     message: dict[str, Any] | None = None  # a chat turn's parsed assistant message
 
 
@@ -194,19 +198,28 @@ class Episode:
         return message
 
     async def chat_turn(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, **sampling_overrides: Any
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        stop: Sequence[str] = (),
+        top_logprobs: int = 0,
+        **sampling_overrides: Any,
     ) -> Turn:
-        """As :meth:`chat`, the whole turn: its message, finish reason and token counts (what an OpenAI-compatible
-        endpoint answers). Calls made at once run one after the other (a history without an earlier reply forks)."""
+        """As :meth:`chat`, the whole turn: its message, finish reason, token counts and log-probs (what an
+        OpenAI-compatible endpoint answers). ``stop``: strings the turn ends at, as OpenAI's ``stop``: the output is cut
+        after the token that completes the first one found (those tokens stay the sample's actions, nothing after
+        them is), and the content ends before it; ``top_logprobs``: how many of each output token's most likely tokens
+        to return with their log-probs. Calls made at once run one after the other (a history without an earlier reply
+        forks)."""
         params = self._params(sampling_overrides, self.end_of_turn_ids)
         rendered = self._render(messages, tools)
         async with self._lock:
             self._check_open()
             stream = self._segment.stream()
             if rendered[: len(stream)] == stream:
-                turn = await self._turn(self._segment, rendered[len(stream) :], params)
+                turn = await self._turn(self._segment, rendered[len(stream) :], params, stop, top_logprobs)
             else:
-                turn = await self._turn(_Segment(rendered), [], params)
+                turn = await self._turn(_Segment(rendered), [], params, stop, top_logprobs)
         parsed = self.tool_parser(turn.text)
         calls = [
             {"id": f"call_{self.stats.tool_calls + i}", "type": "function", "function": call}
@@ -264,26 +277,41 @@ class Episode:
             params = SamplingParams.parse({**self.params.model_dump(), **overrides})
         except ProtocolError as e:
             raise EpisodeError(f"sampling overrides: {e}") from None
+        # A turn's cap may lower the run's (rollout.max_new_tokens), never raise it.
+        params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, self.params.max_new_tokens)})
         stops = list(dict.fromkeys([*(params.stop_token_ids or []), *stop_ids]))
         return params.model_copy(update={"stop_token_ids": stops or None})
 
-    async def _turn(self, seg: _Segment, context: list[int], params: SamplingParams) -> Turn:
-        """One engine request continuing ``seg`` (the current stream, or a fork's new one) after ``context``. Nothing
-        changes until its answer has been checked: a request that fails or is refused leaves the episode as it was."""
+    async def _turn(
+        self, seg: _Segment, context: list[int], params: SamplingParams, stop: Sequence[str] = (), top: int = 0
+    ) -> Turn:
+        """One engine request continuing ``seg`` (the current stream, or a fork's new one) after ``context``, cut at
+        the first of the ``stop`` strings, with ``top`` alternatives for each output token. Nothing changes until its
+        answer has been checked: a request that fails or is refused leaves the episode as it was."""
         start = seg.rows
         input_ids = seg.stream() + context
         if self.max_total_tokens is not None:
             room = self.max_total_tokens - len(input_ids)
-            if room <= 0:  # the context fills the budget: nothing is generated, the episode ends
-                self.finish_reason = "length"
+            if room <= 0:  # the context fills the budget: nothing is generated, the episode ends, truncated
+                self.finish_reason = self._segment.finish_reason = "length"
                 self.turns.append(turn := Turn([], "", "length", len(input_ids), 0, 0))
                 return turn
             params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
         if params.sampling_seed is not None:  # each turn draws its own, reproducibly
             params = params.model_copy(update={"sampling_seed": params.sampling_seed + self.stats.turns})
-        completion, versions = await self._generate(input_ids, params, start)
+        completion, versions = await self._generate(input_ids, params, start, top)
         self.stats.turns += 1
+        finish = completion.finish_reason.get("type", "")
+        if finish == "abort" and not len(completion.output_ids):
+            # Aborted before its first token (SGLang's waiting queue, a shutdown): it may carry nothing else either.
+            self.finish_reason = "abort"
+            self.turns.append(turn := Turn([], "", finish, len(input_ids), 0, completion.cached_tokens))
+            return turn
         per_token = self._check(completion, versions, start, len(input_ids))
+        text = self.tokenizer.decode(completion.output_ids.tolist(), skip_special_tokens=True)
+        if stop and (cut := self._stop_cut(completion.output_ids.tolist(), text, stop)) is not None:
+            kept, matched, text = cut
+            completion, per_token = completion.head(kept, {"type": "stop", "matched": matched}), per_token[:kept]
         if seg is not self._segment:
             if self._segment.actions:
                 self._closed.append(self._segment)
@@ -298,9 +326,33 @@ class Episode:
         elif self.max_total_tokens is not None and len(seg.prompt) + len(seg.response) >= self.max_total_tokens:
             self.finish_reason = "length"
         output = completion.output_ids.tolist()
-        text = self.tokenizer.decode(output, skip_special_tokens=True)
-        self.turns.append(turn := Turn(output, text, finish, len(input_ids), len(output), completion.cached_tokens))
+        assert completion.logprobs is not None, "checked"
+        turn = Turn(output, text, finish, len(input_ids), len(output), completion.cached_tokens)
+        turn.logprobs = completion.logprobs.tolist()
+        if top:
+            if completion.top_ids is None or completion.top_logprobs is None:
+                raise EpisodeError("the completion has no top log-probs: generate must ask for top_logprobs_num")
+            pairs = zip(completion.top_ids.tolist(), completion.top_logprobs.tolist(), strict=True)
+            turn.top_logprobs = [list(zip(ids, lps, strict=True)) for ids, lps in pairs]
+        self.turns.append(turn)
         return turn
+
+    def _stop_cut(self, output: list[int], text: str, stop: Sequence[str]) -> tuple[int, str, str] | None:
+        """Where ``output`` (decoded: ``text``) meets the first of ``stop``: the tokens through the one that completes
+        it, the string, and the text before it. None: it meets none."""
+        found = [(text.find(s), s) for s in stop if s and s in text]
+        if not found:
+            return None
+        at, matched = min(found)
+        # The shortest prefix whose text holds the string: a longer prefix's text extends a shorter one's.
+        lo, hi = 1, len(output)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if matched in self.tokenizer.decode(output[:mid], skip_special_tokens=True):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, matched, text[:at]
 
     def _check(self, c: Completion, versions: dict[str, int] | None, start: int, input_len: int) -> np.ndarray:
         """That ``c`` answers a request of ``input_len`` tokens with routing from ``start``, and has all the episode

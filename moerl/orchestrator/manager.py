@@ -43,7 +43,7 @@ from moerl.engines.protocol import Completion, SamplingParams
 from moerl.episodes.agents import SIMULATED, Agent, load_agent, load_tools, simulated_agent
 from moerl.episodes.endpoint import EpisodeEndpoint
 from moerl.episodes.episode import Episode
-from moerl.errors import EnginesDown
+from moerl.errors import EnginesDown, leaves
 from moerl.models import model_shape
 from moerl.orchestrator.config import RunConfig, load_config, request_timeout_real_s
 from moerl.orchestrator.messages import (
@@ -72,6 +72,8 @@ from moerl.tasks.rewards import Rewarder
 log = logging.getLogger("moerl.rollout")
 # a prompt whose generation worker dies more often than this stops the run: they keep dying
 WORKER_LOSSES_PER_PROMPT = 3
+# An episode whose agent failed after its token budget was spent: its samples are whole, and scored.
+TRUNCATED = "truncated"
 
 
 def sampling_seed(run_seed: int, index: int, attempt: int, *more: int) -> int:
@@ -371,9 +373,11 @@ class RolloutManager:
             async with asyncio.TaskGroup() as group:
                 runs = [group.create_task(self._run_agent(e)) for e in episodes]
         except* (PromptDropped, EnginesDown) as ended:
-            raise ended.exceptions[0] from None
+            raise min(leaves(ended), key=lambda e: not isinstance(e, EnginesDown)) from None  # the run's end first
         results = [run.result() for run in runs]
-        finished = [(e, reward) for e, (reward, failure) in zip(episodes, results, strict=True) if failure is None]
+        finished = [
+            (e, reward) for e, (reward, ending) in zip(episodes, results, strict=True) if ending in (None, TRUNCATED)
+        ]
         unscored = [e for e, reward in finished if reward is None]
         scores = iter(
             await self.rewarder.score([e.final_text for e in unscored], record["answer"], record["prompt"], scoring)
@@ -386,37 +390,61 @@ class RolloutManager:
         counts: Counter[str] = Counter({"episode/episodes": len(episodes)})
         for e in episodes:
             counts.update(e.stats.metrics())
-        counts.update(f"episode/failed_{failure}" for _, failure in results if failure is not None)
+        counts["episode/truncated"] = sum(e.finish_reason == "length" for e in episodes)
+        counts["episode/truncated_agent_failed"] = sum(ending == TRUNCATED for _, ending in results)
+        counts.update(f"episode/failed_{ending}" for _, ending in results if ending not in (None, TRUNCATED))
         return samples, dict(counts)
 
     async def _run_agent(self, episode: Episode) -> tuple[float | None, str | None]:
-        """The agent's reward for ``episode`` (None: the task's reward function scores it), or why it failed."""
+        """The agent's reward for ``episode`` (None: the task's reward function scores it) and how it ended: None
+        (it returned), TRUNCATED (it failed after the episode's token budget was spent: scored as it stands, since
+        its samples are whole), or why it failed (its samples are left out). What the agent raised is read through
+        any exception groups it nests: engines down (the run's end) and a dropped prompt (the group's) pass on,
+        wherever they surfaced, as does a cancellation of this task."""
         assert self.agent is not None and self.endpoint is not None  # an agentic run
         key = self.endpoint.open(episode)
+        raised: BaseException | None = None
         try:
             async with asyncio.timeout(self.r.episode_timeout_s) as deadline:
                 reward = await self.agent(episode, episode.record)
-        except (PromptDropped, EnginesDown):  # the group's or the run's end, not the episode's
-            raise
-        except TimeoutError:
-            if not deadline.expired():
-                return None, self._failed(episode, "agent_error", "the agent raised TimeoutError")
-            return None, self._failed(
-                episode, "timeout", f"past rollout.episode_timeout_s={self.r.episode_timeout_s:g}"
-            )
-        except Exception as e:  # noqa: BLE001 - an agent's failure ends its episode, not the run
-            return None, self._failed(episode, "agent_error", f"{type(e).__name__}: {e}")
+        except BaseException as e:  # noqa: BLE001 - classified below, by what it stands for
+            raised = e
         finally:
             self.endpoint.close_episode(key)
-        if (failure := self.endpoint.failures.pop(key, None)) is not None:
-            if isinstance(failure, PromptDropped | EnginesDown):
-                raise failure
-            return None, self._failed(episode, "agent_error", f"a call to its endpoint failed: {failure}")
-        if reward is not None and not isinstance(reward, int | float):
-            return None, self._failed(
-                episode, "agent_error", f"the agent returned {type(reward).__name__}, not a reward"
+        failure = self.endpoint.failures.pop(key, None)
+        found = [*([] if raised is None else leaves(raised)), *([] if failure is None else [failure])]
+        for ending in (EnginesDown, PromptDropped):  # the run's end, then the group's: not the episode's
+            for cause in found:
+                if isinstance(cause, ending):
+                    raise cause
+        if isinstance(raised, KeyboardInterrupt | SystemExit):
+            raise raised
+        task = asyncio.current_task()
+        if raised is not None and task is not None and task.cancelling():
+            raise raised if isinstance(raised, asyncio.CancelledError) else asyncio.CancelledError() from raised
+        if raised is None and failure is None:
+            if reward is not None and not isinstance(reward, int | float):
+                return None, self._failed(
+                    episode, "agent_error", f"the agent returned {type(reward).__name__}, not a reward"
+                )
+            return (None if reward is None else float(reward)), None
+        if deadline.expired():
+            reason, detail = "timeout", f"past rollout.episode_timeout_s={self.r.episode_timeout_s:g}"
+        elif failure is not None:
+            reason, detail = "agent_error", f"a call to its endpoint failed: {failure}"
+        else:
+            assert raised is not None
+            reason, detail = "agent_error", "; ".join(f"{type(leaf).__name__}: {leaf}" for leaf in leaves(raised))
+        if episode.finish_reason == "length" and failure is None:
+            log.info(
+                "episode %d of prompt %d is scored: its token budget was spent before its agent failed (%s): %s",
+                episode.index,
+                episode.group_id,
+                reason,
+                detail,
             )
-        return (None if reward is None else float(reward)), None
+            return None, TRUNCATED
+        return None, self._failed(episode, reason, detail)
 
     @staticmethod
     def _failed(episode: Episode, reason: str, detail: str) -> str:
@@ -424,7 +452,14 @@ class RolloutManager:
         return reason
 
     async def _turn(
-        self, index: int, tries: Tries, k: int, input_ids: list[int], params: SamplingParams, routing_start: int
+        self,
+        index: int,
+        tries: Tries,
+        k: int,
+        input_ids: list[int],
+        params: SamplingParams,
+        routing_start: int,
+        top_logprobs: int,
     ) -> tuple[Completion, dict[str, int] | None]:
         """One turn of episode ``k`` of prompt ``index``: what :class:`Episode` asks of the engines."""
         (completion,), adapter_version = await self._generate(
@@ -433,6 +468,7 @@ class RolloutManager:
             tries,
             params,
             routing_start=routing_start,
+            top_logprobs=top_logprobs,
             tag=f"p{index}-x{k}-l{len(input_ids)}",
             affinity=f"{self.salt}-p{index}",  # the group's episodes share its prompt's prefix on one replica
         )
@@ -445,6 +481,7 @@ class RolloutManager:
         tries: Tries,
         params: SamplingParams,
         routing_start: int = 0,
+        top_logprobs: int = 0,
         tag: str = "",
         affinity: str | None = None,
     ) -> tuple[list[Completion], int]:
@@ -479,6 +516,7 @@ class RolloutManager:
                     routed_experts_start_len=routing_start,
                     lora_path=adapter,
                     return_sampling_mask=self.cfg.trainer.replay.sampling_mask,
+                    top_logprobs=top_logprobs,
                     rid=f"{tag}-a{tries.attempt}-e{tries.engine_retries}-w{tries.workers_lost}",
                     # The prompt reuses only KV computed under the policy it is issued under: no request is issued
                     # during an update (Updating), and engines do not flush their prefix cache on an update while
@@ -546,13 +584,20 @@ class RolloutManager:
             await send_event(self.events, report)
 
 
+def configure_logging() -> None:
+    """moerl's own INFO lines; other libraries' warnings only (an agent's HTTP client logs each request at INFO)."""
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("moerl").setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moerl.orchestrator.manager", description="Rollout manager (started by the main job)."
     )
     p.add_argument("--spec", required=True, help="JSON written by the trainer: config, engines, sockets, data position")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     spec = ManagerSpec.read(args.spec)
     manager = RolloutManager(load_config(spec.config, []), spec)
     asyncio.run(manager.run())

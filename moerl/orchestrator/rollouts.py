@@ -453,10 +453,11 @@ def scoring_metrics(groups: list[Group]) -> dict[str, float]:
 
 
 def episode_metrics(groups: list[Group], env_token_fraction: float) -> dict[str, float]:
-    """An agentic step's episodes: turns per episode; tool calls, forks, tool failures, failed episodes, recomputed
-    routing positions and routing rows (received, and what full-sequence requests per turn would have received)
-    summed; and the share of the response that is environment, tool or template tokens (fed, not scored). None of it
-    for single-turn groups."""
+    """An agentic step's episodes: turns per episode; tool calls (and blocks that were not calls), forks, tool failures,
+    failed episodes, episodes ended at their token budget (and of those, the ones whose agent failed after: scored
+    anyway), recomputed routing positions and routing rows (received, and what full-sequence requests per turn would
+    have received) summed; and the share of the response that is environment, tool or template tokens (fed, not
+    scored). None of it for single-turn groups."""
     counts: Counter = Counter()
     for g in groups:
         counts.update(g.episodes or {})
@@ -467,9 +468,12 @@ def episode_metrics(groups: list[Group], env_token_fraction: float) -> dict[str,
     return {
         "episode/turns_mean": counts["episode/turns"] / max(episodes, 1),
         "episode/tool_calls": float(counts["episode/tool_calls"]),
+        "episode/malformed_tool_calls": float(counts["episode/malformed_tool_calls"]),
         "episode/forks": float(counts["episode/forks"]),
         "episode/tool_failures": float(counts["episode/tool_failures"]),
         "episode/failures": float(sum(failed.values())),
+        "episode/truncated": float(counts["episode/truncated"]),
+        "episode/truncated_agent_failed": float(counts["episode/truncated_agent_failed"]),
         "episode/env_token_fraction": env_token_fraction,
         "routing/recomputed_positions": float(counts["routing/recomputed_positions"]),
         "routing/rows_received": float(counts["routing/rows_received"]),

@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
 from moerl.engines.client import EngineClient
 from moerl.engines.protocol import Completion, SamplingParams
+from moerl.episodes import Episode, Tool
+from moerl.episodes.endpoint import EpisodeEndpoint
 from moerl.models import model_shape
 from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
 from tests.engine_server import serving_app
@@ -55,13 +59,14 @@ async def served(model_dir, prefix_cache_tokens: int | None = None):
 def engine_generate(client: EngineClient, calls: list[Call], sampling_mask: bool = True):
     """What the rollout manager gives an episode, reduced to one engine request per turn (no retries)."""
 
-    async def generate(input_ids, params, start):
+    async def generate(input_ids, params, start, top_logprobs):
         (completion,) = await client.generate(
             input_ids,
             params,
             return_routed_experts=True,
             routed_experts_start_len=start,
             return_sampling_mask=sampling_mask,
+            top_logprobs=top_logprobs,
         )
         calls.append(Call(list(input_ids), params, start, completion))
         return completion, None
@@ -81,8 +86,8 @@ def routing_of(fed: list[int], layers: int = 3, topk: int = 2, experts: int = 8)
 @dataclass
 class ScriptedEngine:
     """An engine whose model writes ``texts``, one per turn (the chat stop token appended where ``stop`` is given):
-    log-probs, kept sets and routing made up, laid out as the engine lays them out, with prefix-cache reuse of what
-    earlier requests fed."""
+    log-probs (and top log-probs where asked), kept sets and routing made up, laid out as the engine lays them out, with
+    prefix-cache reuse of what earlier requests fed."""
 
     tokenizer: object
     texts: list[str]
@@ -91,7 +96,7 @@ class ScriptedEngine:
     calls: list[Call] = field(default_factory=list)
     fed: list[list[int]] = field(default_factory=list)
 
-    async def __call__(self, input_ids, params, start):
+    async def __call__(self, input_ids, params, start, top_logprobs=0):
         script = self.tokenizer(self.texts[len(self.calls)], add_special_tokens=False)["input_ids"]
         if self.stop is not None:
             script.append(self.tokenizer.convert_tokens_to_ids(self.stop))
@@ -115,6 +120,11 @@ class ScriptedEngine:
             mask_ids=np.asarray([i for k in kept for i in k], np.int32),
             sampling_logprobs=np.full(n, -0.25, np.float32),
         )
+        if top_logprobs:  # the written token first, then the ids after it
+            completion.top_ids = (np.asarray(out, np.int32)[:, None] + np.arange(top_logprobs)) % 100
+            completion.top_logprobs = np.broadcast_to(
+                -0.5 - np.arange(top_logprobs, dtype=np.float32), (n, top_logprobs)
+            )
         self.calls.append(Call(list(input_ids), params, start, completion))
         self.fed.append(seq[:-1])
         return completion, None
@@ -140,3 +150,30 @@ def assert_only_seen(sample, calls: list[Call]) -> None:
         if seq[: len(turn)] == turn:  # a turn of this stream
             produced[len(c.input_ids) : len(turn)] = True
     assert np.array_equal(produced[sample.prompt_len :], sample.loss_mask.astype(bool))
+
+
+RUN_CAP = 120
+USER = [{"role": "user", "content": "What is 6 * 7?"}]
+
+
+@asynccontextmanager
+async def endpoint_of(engine: ScriptedEngine, tokenizer, tools: tuple[Tool, ...] = (), **kwargs: Any):
+    """An endpoint serving one episode of ``engine`` (its prompt :data:`USER`, the run's cap :data:`RUN_CAP` tokens a
+    turn), and the episode."""
+    prompt = tokenizer.apply_chat_template(USER, add_generation_prompt=True)["input_ids"]
+    params = SamplingParams(max_new_tokens=RUN_CAP, top_k=20)
+    episode = Episode(prompt, {}, engine, tokenizer, params, sampling_mask=True, tools=tools, **kwargs)
+    endpoint = EpisodeEndpoint("policy")
+    await endpoint.start()
+    endpoint.open(episode)
+    try:
+        yield episode
+    finally:
+        await endpoint.close()
+
+
+async def post(episode: Episode, body: dict) -> tuple[int, dict]:
+    """``body`` posted to ``episode``'s chat completions: the status and the JSON answer."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{episode.base_url}/chat/completions", json=body) as r:
+            return r.status, await r.json()

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 
 import numpy as np
+import pytest
 
 from moerl.engines.client import EngineClient
 from moerl.orchestrator.messages import Dropped, Generate, GroupDone, Served, Updating
@@ -38,6 +39,20 @@ async def serve_version(run, url: str, version: str) -> None:
     await run.order(Served(version, [url]))
 
 
+def agent_run_events(model, tmp_path, overrides: list[str], groups: int = 1, kinds: tuple = (GroupDone,)) -> list:
+    """The first ``groups`` events of ``kinds`` from a rollout manager run of :data:`AGENT_RUN` and ``overrides``, its
+    engine an embedded one serving ``model`` as weight version 1."""
+
+    async def go():
+        async with serving_app(engine_app(model)) as url:
+            async with manager_run(tmp_path, model, url, [*AGENT_RUN, *overrides]) as run:
+                await serve_version(run, url, "1")
+                await run.order(Generate(groups))
+                return [await run.next_event(*kinds) for _ in range(groups)]
+
+    return asyncio.run(go())
+
+
 def test_agent_code_written_for_the_openai_sdk_is_recorded_token_for_token(calc_model, tmp_path, monkeypatch):
     """The ``openai`` SDK drives each episode's endpoint through a tool exchange. The trained samples' actions are the
     engine's output ids turn by turn; the tool's answer and the template's tokens between turns are context (mask 0,
@@ -54,16 +69,8 @@ def test_agent_code_written_for_the_openai_sdk_is_recorded_token_for_token(calc_
 
     monkeypatch.setattr(EngineClient, "generate", recorded)
 
-    async def go():
-        async with serving_app(engine_app(calc_model)) as url:
-            overrides = [*AGENT_RUN, "rollout.agent=tests.episodes.agents:openai_calc_agent"]
-            overrides.append("rollout.samples_per_prompt=4")  # the warmed-up model calls the tool half the time
-            async with manager_run(tmp_path, calc_model, url, overrides) as run:
-                await serve_version(run, url, "1")
-                await run.order(Generate(1))
-                return await run.next_event(GroupDone)
-
-    done = asyncio.run(go())
+    overrides = ["rollout.agent=tests.episodes.agents:openai_calc_agent", "rollout.samples_per_prompt=4"]
+    (done,) = agent_run_events(calc_model, tmp_path, overrides)  # the warmed-up model calls the tool half the time
     assert done.episodes is not None and done.episodes["episode/episodes"] == 4
     assert done.episodes["episode/tool_calls"] >= 1 and done.episodes["episode/forks"] == 0
     assert sorted(s.episode for s in done.samples) == [0, 1, 2, 3]
@@ -90,22 +97,14 @@ def test_failing_agents_and_tools_fail_their_episodes_and_the_run_goes_on(calc_m
     raises and one past its timeout answer the model with the error and the episode goes on; a group whose every
     episode failed is dropped as episode_failure; the next group is generated as if nothing happened."""
 
-    async def go():
-        async with serving_app(engine_app(calc_model)) as url:
-            overrides = [
-                *AGENT_RUN,
-                "rollout.agent=tests.episodes.agents:failing_agent",
-                "rollout.tools=[tests.episodes.agents:BROKEN,tests.episodes.agents:HANGING]",
-                "rollout.samples_per_prompt=6",
-                "rollout.episode_timeout_s=2",
-                "task.shuffle=false",
-            ]
-            async with manager_run(tmp_path, calc_model, url, overrides) as run:
-                await serve_version(run, url, "1")
-                await run.order(Generate(3))
-                return [await run.next_event(GroupDone, Dropped) for _ in range(3)]
-
-    events = sorted(asyncio.run(go()), key=lambda e: e.index)
+    overrides = [
+        "rollout.agent=tests.episodes.agents:failing_agent",
+        "rollout.tools=[tests.episodes.agents:BROKEN,tests.episodes.agents:HANGING]",
+        "rollout.samples_per_prompt=6",
+        "rollout.episode_timeout_s=2",
+        "task.shuffle=false",
+    ]
+    events = sorted(agent_run_events(calc_model, tmp_path, overrides, 3, (GroupDone, Dropped)), key=lambda e: e.index)
     first, dropped, third = events
     assert isinstance(dropped, Dropped) and dropped.index == 1 and dropped.reason == "episode_failure"
     assert isinstance(first, GroupDone) and isinstance(third, GroupDone)
@@ -239,18 +238,48 @@ def test_a_groups_turns_go_to_the_replica_its_key_hashes_to(calc_model, tmp_path
     assert set().union(*replicas.values()) == urls  # six groups' keys reached both
 
 
-def test_engines_gone_in_an_agents_turn_stop_the_run_not_the_episode(calc_model, tmp_path):
+@pytest.mark.parametrize("agent", ["engines_gone_agent", "grouped_engines_gone_agent", "endpoint_engines_gone_agent"])
+def test_engines_gone_in_an_agents_turn_stop_the_run_not_the_episode(calc_model, tmp_path, monkeypatch, agent):
     """No healthy engine for engines.down_timeout_s is the run's end (checkpoint and stop), wherever it surfaces: an
-    agent's turn passes it on rather than failing one episode."""
+    agent's turn passes it on rather than failing one episode, whether the agent raises it bare, inside its own task
+    groups beside other failures, or meets it as its endpoint's 500 (the episode's turn found no engine)."""
+    from moerl.errors import EnginesDown
     from moerl.orchestrator.messages import RolloutFailed
 
-    async def go():
-        async with serving_app(engine_app(calc_model)) as url:
-            overrides = [*AGENT_RUN, "rollout.agent=tests.episodes.agents:engines_gone_agent"]
-            async with manager_run(tmp_path, calc_model, url, overrides) as run:
-                await serve_version(run, url, "1")
-                await run.order(Generate(1))
-                return await run.next_event(RolloutFailed, GroupDone, Dropped)
+    async def no_engine(*args, **kwargs):
+        raise EnginesDown("no engine replica has been healthy")
 
-    event = asyncio.run(go())
+    monkeypatch.setattr(agents.Episode, "chat_turn", no_engine)
+
+    overrides = [f"rollout.agent=tests.episodes.agents:{agent}"]
+    (event,) = agent_run_events(calc_model, tmp_path, overrides, kinds=(RolloutFailed, GroupDone, Dropped))
     assert type(event).__name__ == "RolloutFailed" and event.engines_down, event
+
+
+def test_an_agent_that_fails_after_its_budget_is_spent_loses_no_sample(calc_model, tmp_path):
+    """Every episode spends its token budget, then its agent raises: each is scored as it stands (truncated), none is
+    dropped, and the endings are counted."""
+
+    overrides = ["rollout.agent=tests.episodes.agents:spends_budget_then_raises_agent", "rollout.samples_per_prompt=3"]
+    (done,) = agent_run_events(calc_model, tmp_path, overrides)
+    assert sorted(s.episode for s in done.samples) == [0, 1, 2]
+    assert all(s.finish_reason == "length" for s in done.samples)
+    assert done.episodes["episode/truncated"] == done.episodes["episode/truncated_agent_failed"] == 3
+    assert not any(k.startswith("episode/failed_") for k in done.episodes)
+
+
+def test_the_rollout_managers_log_keeps_moerls_lines_and_not_an_agent_clients_requests():
+    import logging
+
+    from moerl.orchestrator.manager import configure_logging
+
+    before = logging.getLogger().level, logging.getLogger("moerl").level
+    try:
+        logging.getLogger().setLevel(logging.INFO)
+        configure_logging()
+        assert logging.getLogger("moerl.episodes.endpoint").isEnabledFor(logging.INFO)
+        assert not logging.getLogger("httpx").isEnabledFor(logging.INFO)  # the openai SDK's per-request lines
+        assert logging.getLogger("httpx").isEnabledFor(logging.WARNING)
+    finally:
+        logging.getLogger().setLevel(before[0])
+        logging.getLogger("moerl").setLevel(before[1])

@@ -107,10 +107,42 @@ def test_context_past_the_budget_ends_the_episode_without_a_request(tokenizer):
     assert sample.response_ids.tolist() == tokenizer("ok")["input_ids"]  # the context after the last action: left out
 
 
+def test_a_turn_aborted_before_its_first_token_ends_the_episode_with_what_it_had(tokenizer):
+    """An abort in the engine's waiting queue (or at its shutdown) answers no token and no log-probs, kept sets or
+    routing: the episode ends as aborted, its earlier turns intact, without calling the answer broken."""
+    import dataclasses
+
+    engine = ScriptedEngine(tokenizer, ["ok", "never"], stop=None)
+
+    async def aborted_second(input_ids, params, start, top_logprobs=0):
+        completion, versions = await engine(input_ids, params, start, top_logprobs)
+        if len(engine.calls) == 2:
+            empty = np.zeros(0, np.int32)
+            completion = dataclasses.replace(
+                completion,
+                output_ids=empty,
+                finish_reason={"type": "abort"},
+                logprobs=None,
+                routing=None,
+                mask_offsets=None,
+                mask_ids=None,
+                sampling_logprobs=None,
+                weight_versions=[],
+            )
+        return completion, versions
+
+    episode = Episode([5, 6, 7], {}, aborted_second, tokenizer, PARAMS, sampling_mask=True)
+    asyncio.run(episode.generate())
+    assert asyncio.run(episode.generate([8])) == []
+    assert episode.done and episode.finish_reason == "abort"
+    (sample,) = episode.samples(reward=0.0, temperature=1.0)
+    assert sample.response_ids.tolist() == tokenizer("ok")["input_ids"]
+
+
 def test_a_routing_patch_that_does_not_start_where_the_rows_end_is_refused(tokenizer):
     engine = ScriptedEngine(tokenizer, ["a", "b"], stop=None)
 
-    async def shifted(input_ids, params, start):
+    async def shifted(input_ids, params, start, top_logprobs=0):
         return await engine(input_ids, params, max(start - 1, 0))
 
     episode = Episode([5, 6, 7], {}, shifted, tokenizer, PARAMS)
@@ -133,10 +165,10 @@ def test_a_failed_request_leaves_the_episode_as_it_was(tokenizer):
     engine = ScriptedEngine(tokenizer, ["a", "b"], stop=None)
     failures = [RuntimeError("replica down")]
 
-    async def flaky(input_ids, params, start):
+    async def flaky(input_ids, params, start, top_logprobs=0):
         if failures:
             raise failures.pop()
-        return await engine(input_ids, params, start)
+        return await engine(input_ids, params, start, top_logprobs)
 
     episode = Episode([5, 6, 7], {}, flaky, tokenizer, PARAMS)
     with pytest.raises(RuntimeError):

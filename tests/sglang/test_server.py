@@ -31,7 +31,12 @@ CASES = [
     ("health", "GET", "/health", None),
     ("model info", "GET", "/model_info", None),
     ("server info", "GET", "/server_info", None),
-    ("greedy", "POST", "/generate", {**GREEDY, "return_logprob": True, "return_routed_experts": True}),
+    (
+        "greedy",
+        "POST",
+        "/generate",
+        {**GREEDY, "return_logprob": True, "return_routed_experts": True, "top_logprobs_num": 3},
+    ),
     ("kept sets", "POST", "/generate", {**GREEDY, "sampling_params": SAMPLED, "return_sampling_mask": True}),
     ("n = 2", "POST", "/generate", {**GREEDY, "sampling_params": {**SAMPLED, "n": 2}, "return_logprob": True}),
     (
@@ -191,6 +196,12 @@ def test_the_embedded_engine_answers_every_request_as_sglang_does(sglang_url, em
         assert theirs["output_ids"] == ours["output_ids"], name
         theirs, ours = P.decode_generate(theirs, shape), P.decode_generate(ours, shape)
         assert np.array_equal(theirs.routing, ours.routing) and np.allclose(theirs.logprobs, ours.logprobs, atol=1e-5)
+    (_, theirs), (_, ours) = answers["greedy"]
+    theirs, ours = P.decode_generate(theirs, shape), P.decode_generate(ours, shape)
+    assert theirs.top_ids.shape == (6, 3) and np.array_equal(theirs.top_ids, ours.top_ids)  # the greedy token first
+    assert np.array_equal(theirs.top_ids[:, 0], theirs.output_ids)
+    assert np.allclose(theirs.top_logprobs, ours.top_logprobs, atol=1e-5)
+    assert np.allclose(theirs.top_logprobs[:, 0], theirs.logprobs, atol=1e-6)
 
 
 def test_sglang_computes_transformers_tokens_log_probs_and_routing(sglang_url, model):

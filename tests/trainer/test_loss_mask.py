@@ -313,12 +313,15 @@ def test_staleness_and_rollout_metrics_count_the_model_tokens():
     single = stream(rng, 2, [(4, 0)])
     single.versions[:] = 5
     counts = {"episode/episodes": 2, "episode/turns": 3, "episode/tool_calls": 1, "episode/failed_timeout": 1}
+    counts |= {"episode/malformed_tool_calls": 2, "episode/truncated": 1, "episode/truncated_agent_failed": 1}
     group = Group(0, [turns.validate(), single.validate()], episodes=counts)
     assert group.oldest_version() == 3  # not the context's -1
     metrics = rollout_metrics([group])
     assert metrics["episode/env_token_fraction"] == 4 / 12
     assert metrics["episode/turns_mean"] == 1.5 and metrics["episode/tool_calls"] == 1
     assert metrics["episode/failures"] == metrics["episode/failed_timeout"] == 1
+    assert metrics["episode/malformed_tool_calls"] == 2
+    assert metrics["episode/truncated"] == metrics["episode/truncated_agent_failed"] == 1
     assert metrics["rollout/mixed_version_fraction"] == 0.5
     assert metrics["rollout/response_len_mean"] == 6.0  # the response, context included
     assert not any(k.startswith("episode/") for k in rollout_metrics([Group(1, [single])]))  # single-turn: none

@@ -20,13 +20,21 @@ class Draw:
     selected_logprob: float  # the same token's log-prob renormalised over the kept set
     kept_ids: torch.Tensor | None = None  # int64 [k], ascending (only when the request asked for masks)
     kept_logprobs: torch.Tensor | None = None  # float32 [k], renormalised over the kept set, aligned with kept_ids
+    # The most likely tokens and their log-probs (as ``logprob``), descending (only when the request asked for them)
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
 
 def sample_batch(
-    logits: torch.Tensor, params: list, generators: list[torch.Generator], want_kept: list[bool]
+    logits: torch.Tensor,
+    params: list,
+    generators: list[torch.Generator],
+    want_kept: list[bool],
+    want_top: list[int] | None = None,
 ) -> list[Draw]:
     """Draw one token per row of ``logits`` [B, V] under each row's own sampling ``params`` (resolved
-    :class:`~moerl.engines.protocol.SamplingParams`: greedy is top_k 1) and generator.
+    :class:`~moerl.engines.protocol.SamplingParams`: greedy is top_k 1) and generator; with each row's kept set where
+    ``want_kept``, and its ``want_top`` most likely tokens (SGLang's top_logprobs_num).
 
     Truncation follows SGLang's order: top-k, then top-p (the smallest prefix of the descending
     distribution whose mass reaches top_p; the token crossing the threshold is kept), then min-p
@@ -74,4 +82,7 @@ def sample_batch(
         for i, (b, n) in enumerate(zip(rows, counts[index].tolist(), strict=True)):
             ascending = ids[i, :n].argsort()
             draws[b].kept_ids, draws[b].kept_logprobs = ids[i, :n][ascending], lps[i, :n][ascending]
+    for b, k in enumerate(want_top or []):
+        if k:
+            draws[b].top_ids, draws[b].top_logprobs = order[b, :k].tolist(), sorted_logprobs[b, :k].tolist()
     return draws

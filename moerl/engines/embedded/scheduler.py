@@ -38,6 +38,7 @@ class Request:
     logprob_start_len: int | None = None  # prompt log-probs from here (None: none)
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
+    top_logprobs_num: int = 0  # each output token's most likely alternatives, with its log-prob
     lora: str | None = None  # adapter name
     stream: bool = False  # its client reads each token as it comes
     cache_namespace: Namespace = (None, None, None)  # which cached prefixes it may reuse (prefix_cache.Namespace)
@@ -206,7 +207,11 @@ class Scheduler(Generic[RequestT]):
             seed = request.params.sampling_seed
             request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         (draw,) = sample_batch(
-            prefill.last_logits[None], [request.params], [request.generator], [request.return_sampling_mask]
+            prefill.last_logits[None],
+            [request.params],
+            [request.generator],
+            [request.return_sampling_mask],
+            [request.top_logprobs_num],
         )
         self._accept(request, draw)
         return prefill.kv if request.finish_reason is None else None
@@ -232,7 +237,11 @@ class Scheduler(Generic[RequestT]):
             [r.output_ids[-1] for r in batch], [len(r.input_ids) + len(r.output_ids) - 1 for r in batch]
         )
         draws = sample_batch(
-            logits, [r.params for r in batch], _generators(batch), [r.return_sampling_mask for r in batch]
+            logits,
+            [r.params for r in batch],
+            _generators(batch),
+            [r.return_sampling_mask for r in batch],
+            [r.top_logprobs_num for r in batch],
         )
         for i, (request, draw) in enumerate(zip(batch, draws, strict=True)):  # one draw per row
             request.routing.append(routing[i : i + 1])

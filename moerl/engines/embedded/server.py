@@ -79,6 +79,7 @@ class TokenDetails:
     routing: np.ndarray | None = None  # int32 [positions, layers, top-k], from routed_experts_start_len
     # Each output token's kept set, and the log-probs over it that the request's sampling_logprobs_mode asks for.
     sampling_mask: tuple[list[list[int]], list] | None = None
+    top_logprobs: list[list[list]] | None = None  # each output token's most likely tokens: [log-prob, id, None]
 
 
 class EmbeddedEngine(Generic[RequestT]):
@@ -207,6 +208,7 @@ class EmbeddedEngine(Generic[RequestT]):
                     else None,
                     return_routed_experts=req.return_routed_experts,
                     return_sampling_mask=req.return_sampling_mask,
+                    top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,  # SGLang: logprobs' extra
                     lora=req.lora_path,
                     stream=req.stream,
                     on_update=on_update,
@@ -249,6 +251,8 @@ class EmbeddedEngine(Generic[RequestT]):
             meta["output_token_sampling_mask"] = kept_ids
             meta["output_token_sampling_mask_length"] = len(kept_ids)
             meta["output_token_sampling_logprobs"] = kept_logprobs
+        if details.top_logprobs is not None:
+            meta["output_top_logprobs"] = details.top_logprobs
         text = self.tokenizer.decode(output_ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
@@ -281,6 +285,11 @@ class EmbeddedEngine(Generic[RequestT]):
                 kept_ids.append(d.kept_ids.tolist())
                 kept_logprobs.append(d.selected_logprob if selected else d.kept_logprobs.tolist())
             details.sampling_mask = kept_ids, kept_logprobs
+        if req.return_logprob and req.top_logprobs_num:
+            details.top_logprobs = [
+                [[lp, token, None] for lp, token in zip(d.top_logprobs or [], d.top_ids or [], strict=True)]
+                for d in request.draws
+            ]
         return details
 
     # ---- memory occupation (colocated training) ------------------------------------------------
