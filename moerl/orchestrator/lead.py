@@ -21,7 +21,7 @@ from moerl.errors import MoerlError
 from moerl.orchestrator.components import RewardEngines, start_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
-from moerl.orchestrator.rollouts import Accounting, Group, RolloutEndpoint, rollout_metrics
+from moerl.orchestrator.rollouts import Accounting, Group, PromptState, RolloutEndpoint, rollout_metrics
 from moerl.weight_sync.base import SyncStats, WeightSync
 from moerl.weight_sync.tensor import TensorSync
 
@@ -60,7 +60,7 @@ class Lead:
         acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
         acct.dropped.update(state["accounting"].get("dropped", {}))
         for index in state["pending"]:
-            acct.set(index, "in_flight")
+            acct.set(index, PromptState.IN_FLIGHT)
         self.zmq = zmq.Context()
         self.rollouts = RolloutEndpoint(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
         self.reward_pool = reward.pool if reward is not None else None
@@ -170,8 +170,8 @@ class Lead:
         self.revive()
         states = self.rollouts.engines
         self.caught_up -= self.rollouts.take_left()  # lost it since (restarted, or found without it by a request)
-        back = sorted(url for url, state in states.items() if state == State.STALE.value and url not in self.caught_up)
-        if back and State.HEALTHY.value not in states.values():
+        back = sorted(url for url, state in states.items() if state == State.STALE and url not in self.caught_up)
+        if back and State.HEALTHY not in states.values():
             self.caught_up.update(back)
             self.back = back
             return back
@@ -251,7 +251,7 @@ class Lead:
             metrics["colocate/trainer_offloaded_bytes"] = float(self.sync.offloaded_bytes)  # rank 0's
         metrics.update(rollouts.take_scored().metrics())
         states = list(rollouts.engines.values())
-        metrics.update({f"engines/{state.value}": float(states.count(state.value)) for state in State})
+        metrics.update({f"engines/{state}": float(states.count(state)) for state in State})
         metrics["engines/restarts"] = float(sum(self.pool.restarts.values())) if self.pool is not None else 0.0
         if self.reward_pool is not None:
             metrics["reward_engines/restarts"] = float(sum(self.reward_pool.restarts.values()))
@@ -259,7 +259,7 @@ class Lead:
         self.writer.write(metrics)
         if self.bar is not None:
             self.bar.update(1)
-            down = len(states) - states.count(State.HEALTHY.value)
+            down = len(states) - states.count(State.HEALTHY)
             self.bar.set_postfix(
                 reward=f"{metrics['rollout/reward_mean']:.3f}",
                 agree=f"{metrics.get('routing/agreement', float('nan')):.3f}",

@@ -49,6 +49,7 @@ from moerl.orchestrator.config import RunConfig, load_config, request_timeout_re
 from moerl.orchestrator.messages import (
     ORDERS,
     Dropped,
+    DropReason,
     EnginesChanged,
     Generate,
     GroupDone,
@@ -65,7 +66,7 @@ from moerl.orchestrator.messages import (
 from moerl.sample import Sample
 from moerl.simulation import Profile
 from moerl.tasks import PromptStream
-from moerl.tasks.filters import FILTERED, load_filter
+from moerl.tasks.filters import load_filter
 from moerl.tasks.reward_models import COMBINES, RewardModel, Stats, load_named
 from moerl.tasks.rewards import Rewarder
 
@@ -274,18 +275,18 @@ class RolloutManager:
                     "prompt %d dropped (engine_failure) after %d re-issues: %s", index, self.r.engine_retries, e
                 )
                 await send_event(
-                    self.events, Dropped(index, "engine_failure", tries.engine_retries - 1, tries.workers_lost)
+                    self.events, Dropped(index, DropReason.ENGINE_FAILURE, tries.engine_retries - 1, tries.workers_lost)
                 )
                 return
             if not samples:  # every episode of the group failed
                 await send_event(
-                    self.events, Dropped(index, "episode_failure", tries.engine_retries, tries.workers_lost)
+                    self.events, Dropped(index, DropReason.EPISODE_FAILURE, tries.engine_retries, tries.workers_lost)
                 )
                 return
             if self.keep is not None and not self.keep(samples):
                 rewards = tuple(s.reward for s in samples)
                 await send_event(
-                    self.events, Dropped(index, FILTERED, tries.engine_retries, tries.workers_lost, rewards)
+                    self.events, Dropped(index, DropReason.FILTERED, tries.engine_retries, tries.workers_lost, rewards)
                 )
                 return
             await send_event(
@@ -578,7 +579,7 @@ class RolloutManager:
 
     async def _report(self) -> None:
         health = self.client.health
-        report = EnginesChanged({url: r.state.value for url, r in health.replicas.items()}, dict(health.losses))
+        report = EnginesChanged({url: r.state for url, r in health.replicas.items()}, dict(health.losses))
         if report != self.reported:
             self.reported = report
             await send_event(self.events, report)

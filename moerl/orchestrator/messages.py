@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import pickle
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
+from moerl.engines.health import State
 from moerl.sample import Sample
 
 
@@ -80,12 +82,18 @@ class GroupDone:
     scoring: dict[str, float] | None = None
 
 
+class DropReason(StrEnum):
+    """Why the rollout manager gave a prompt's group up (the accounting's prompts/dropped_<reason>)."""
+
+    ENGINE_FAILURE = "engine_failure"  # its replicas failed more than rollout.engine_retries times
+    EPISODE_FAILURE = "episode_failure"  # every episode of an agentic group failed (its agent raised or timed out)
+    FILTERED = "filtered"  # rollout.filter_groups turned it away
+
+
 @dataclass(frozen=True)
 class Dropped:
     index: int
-    # engine_failure: its replicas failed more than rollout.engine_retries times; episode_failure: every episode of an
-    # agentic group failed (its agent raised or timed out); filtered: rollout.filter_groups turned it away
-    reason: str
+    reason: DropReason
     engine_retries: int
     workers_lost: int = 0
     rewards: tuple[float, ...] = ()  # a filtered group's: what the policy scored, though nothing trains on it
@@ -93,7 +101,7 @@ class Dropped:
 
 @dataclass(frozen=True)
 class EnginesChanged:
-    states: dict[str, str]  # every replica's URL -> its health state (moerl.engines.health.State)
+    states: dict[str, State]  # every replica's URL -> its health state
     losses: dict[str, int]  # every replica's URL -> how many times it lost what the syncs left (ReplicaHealth.losses)
 
 

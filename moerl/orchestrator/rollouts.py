@@ -20,16 +20,19 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
+from moerl.engines.health import State
 from moerl.errors import EnginesDown, MoerlError, RolloutManagerLost
 from moerl.orchestrator.config import RolloutSection
 from moerl.orchestrator.messages import (
     Dropped,
+    DropReason,
     EnginesChanged,
     Event,
     Generate,
@@ -43,7 +46,7 @@ from moerl.orchestrator.messages import (
     receive_event,
 )
 from moerl.sample import Sample
-from moerl.tasks.filters import FILTERED, reward_varies
+from moerl.tasks.filters import reward_varies
 
 WAITING_POLL_S = 0.5  # how often pieces() calls its waiting hook while no group is ready
 
@@ -56,7 +59,25 @@ class FilterExhausted(MoerlError):
     """``rollout.filter_groups`` turned away more groups in one step than ``rollout.max_filtered_per_step``."""
 
 
-SURPLUS = "surplus"  # the accounting's reason for an oversampled group a step did not need
+class PromptState(StrEnum):
+    """Where a live prompt is: its group generating, ready for a step, or taken by the step being trained."""
+
+    IN_FLIGHT = "in_flight"
+    READY = "ready"
+    TAKEN = "taken"
+
+
+class Outcome(StrEnum):
+    """How a prompt left the accounting, besides a :class:`DropReason`: each counts in ``prompts/dropped`` but
+    TRAINED."""
+
+    TRAINED = "trained"
+    STALE = "stale"  # past rollout.max_staleness when its step took it
+    SURPLUS = "surplus"  # an oversampled group a step did not need
+    UNUSED_AT_STOP = "unused_at_stop"  # ready, and the run stopped
+    IN_FLIGHT_AT_STOP = "in_flight_at_stop"
+    READY_AT_STOP = "ready_at_stop"
+    TAKEN_AT_STOP = "taken_at_stop"
 
 
 @dataclass
@@ -105,14 +126,14 @@ class Accounting:
     issued: int = 0
     trained: int = 0
     dropped: Counter = field(default_factory=Counter)  # reason -> prompts
-    live: dict[int, str] = field(default_factory=dict)  # index -> in_flight | ready | taken
+    live: dict[int, PromptState] = field(default_factory=dict)
 
-    def set(self, index: int, state: str) -> None:
+    def set(self, index: int, state: PromptState) -> None:
         self.live[index] = state
 
-    def finish(self, index: int, outcome: str) -> None:
+    def finish(self, index: int, outcome: Outcome | DropReason) -> None:
         self.live.pop(index, None)
-        if outcome == "trained":
+        if outcome == Outcome.TRAINED:
             self.trained += 1
         else:
             self.dropped[outcome] += 1
@@ -123,9 +144,9 @@ class Accounting:
             "prompts/issued": self.issued,
             "prompts/trained": self.trained,
             "prompts/dropped": sum(self.dropped.values()),
-            "prompts/in_flight": states["in_flight"],
-            "prompts/ready": states["ready"],
-            "prompts/taken": states["taken"],
+            "prompts/in_flight": states[PromptState.IN_FLIGHT],
+            "prompts/ready": states[PromptState.READY],
+            "prompts/taken": states[PromptState.TAKEN],
         }
 
     def balanced(self) -> bool:
@@ -151,7 +172,7 @@ class RolloutEndpoint:
         self.waited_s = 0.0  # time spent blocked waiting for groups
         self.cpu_s = 0.0  # CPU time spent taking in the manager's events (unpickling the samples, accounting)
         self.cursor = cursor  # the next new prompt index: where a resumed run's data continues
-        self.engines: dict[str, str] = {}  # every replica's health state, as the manager last reported it
+        self.engines: dict[str, State] = {}  # every replica's health state, as the manager last reported it
         self.left: set[str] = set()  # replicas that lost what the syncs left there since the last take_left()
         self.losses: dict[str, int] = {}  # each replica's count of such losses, as the manager last reported it
         # engine_failure | worker_lost -> re-issues of the prompts ended since the last read
@@ -243,14 +264,14 @@ class RolloutEndpoint:
             if event.new:  # a resumed run's re-issued prompts were counted when first issued
                 self.acct.issued += 1
                 self.cursor = max(self.cursor, event.index + 1)
-            self.acct.set(event.index, "in_flight")
+            self.acct.set(event.index, PromptState.IN_FLIGHT)
         elif isinstance(event, GroupDone):
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
             self.scored.kept += 1
             self.scored.add(s.reward for s in event.samples)
             if event.index in self.surplus:
                 self.surplus.discard(event.index)
-                self.acct.finish(event.index, SURPLUS)
+                self.acct.finish(event.index, Outcome.SURPLUS)
                 return
             self.ready.append(
                 Group(
@@ -263,11 +284,11 @@ class RolloutEndpoint:
                     event.scoring,
                 )
             )
-            self.acct.set(event.index, "ready")
+            self.acct.set(event.index, PromptState.READY)
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
-            filtered = event.reason == FILTERED
+            filtered = event.reason == DropReason.FILTERED
             self.scored.filtered += filtered
             self.scored.add(event.rewards)
             if event.index in self.surplus:  # no step waits for it
@@ -289,7 +310,7 @@ class RolloutEndpoint:
         else:
             for index in event.cancelled:
                 if index in self.acct.live:
-                    self.acct.finish(index, "in_flight_at_stop")
+                    self.acct.finish(index, Outcome.IN_FLIGHT_AT_STOP)
             self._stopped = True
 
     def _receive(self, timeout_s: float | None) -> bool:
@@ -342,11 +363,11 @@ class RolloutEndpoint:
                 if self.mode == "async":
                     self.order(1)  # keep the engines' queue full while this one trains
                 if version - group.oldest_version() > self.cfg.max_staleness:
-                    self.acct.finish(group.index, "stale")
+                    self.acct.finish(group.index, Outcome.STALE)
                     if self.mode != "async":
                         self.order(1)
                     continue
-                self.acct.set(group.index, "taken")
+                self.acct.set(group.index, PromptState.TAKEN)
                 piece.append(group)
                 remaining -= 1
             if piece and (not whole or not remaining):
@@ -375,14 +396,14 @@ class RolloutEndpoint:
         if self.mode == "async":
             return
         for group in self.ready:
-            self.acct.finish(group.index, SURPLUS)
+            self.acct.finish(group.index, Outcome.SURPLUS)
         self.ready.clear()
-        self.surplus |= {index for index, state in self.acct.live.items() if state == "in_flight"}
+        self.surplus |= {index for index, state in self.acct.live.items() if state == PromptState.IN_FLIGHT}
         self.surplus_unissued = self.unissued
 
     def trained(self, groups: list[Group]) -> None:
         for g in groups:
-            self.acct.finish(g.index, "trained")
+            self.acct.finish(g.index, Outcome.TRAINED)
 
     def halt(self) -> None:
         """The run is stopping: nothing more is ordered, and a prompt that fails from now on ends live (at stop)."""
@@ -397,10 +418,10 @@ class RolloutEndpoint:
             while not self._stopped and time.monotonic() < deadline:
                 self._receive(1.0)
         for group in self.ready:
-            self.acct.finish(group.index, "unused_at_stop")
+            self.acct.finish(group.index, Outcome.UNUSED_AT_STOP)
         self.ready.clear()
         for index, state in list(self.acct.live.items()):
-            self.acct.finish(index, f"{state}_at_stop")
+            self.acct.finish(index, Outcome(f"{state}_at_stop"))
 
     def pending(self) -> list[int]:
         """Prompts issued but neither trained nor dropped: re-issued first by a resumed run."""

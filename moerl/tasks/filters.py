@@ -1,8 +1,8 @@
 """Dynamic sampling (DAPO): which scored groups a step trains on (``rollout.filter_groups``).
 
 A filter sees a group's samples once they are scored, before the group reaches the trainer, and says whether to train
-on it. A group it turns away is dropped as :data:`FILTERED` and another prompt is issued in its place, so a step still
-trains ``groups_per_step`` groups.
+on it. A group it turns away is dropped (``filtered``, in the accounting) and another prompt is issued in its place,
+so a step still trains ``groups_per_step`` groups.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from moerl.errors import ConfigError
 from moerl.sample import Sample
 
 GroupFilter = Callable[[list[Sample]], bool]  # a group's samples -> whether to train on it
-FILTERED = "filtered"  # the accounting's reason for a group a filter turned away
 
 
 def reward_varies(samples: list[Sample]) -> bool:

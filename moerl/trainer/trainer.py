@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import numpy as np
 import torch
@@ -71,6 +71,9 @@ from moerl.trainer.routing import (
 )
 
 LAG_BINS = 5  # version-lag histogram: 0, 1, 2, 3, >= 4
+# What megatron's RouterReplay does in a pass: replay the rollout's routing (R3), or under R2 record the old-policy
+# pass's routing for the training pass to replay.
+ReplayPass = Literal["R3", "R2-record", "R2-replay"]
 
 
 class _Placement(TypedDict):
@@ -328,7 +331,7 @@ class Trainer:
     def _extra_inputs(self, mb: MicroBatch, device: torch.device) -> dict:
         return {} if mb.cu_seqlens is None else mb.packed_inputs(device, thd=self.thd)
 
-    def _routing_context(self, mode: str | None, training: bool):
+    def _routing_context(self, mode: ReplayPass | None, training: bool):
         """A context for one forward of a micro-batch: sets its replay targets, or records native routing."""
         recomputed = training and self.cfg.recompute
 
@@ -353,13 +356,15 @@ class Trainer:
         return around
 
     def score(
-        self, batches: list[MicroBatch], into: str = "old", tracer: ReplayTracer | None = None
+        self, batches: list[MicroBatch], into: Literal["old", "ref"] = "old", tracer: ReplayTracer | None = None
     ) -> dict[str, np.ndarray] | None:
         """Forward-only pass with the current weights: fills each micro-batch's ``old`` (or ``ref``)
         log-probs; the ``old`` pass returns per-MoE-layer routing agreement when the batches carry rollout routing
         (else None). Under R2 the ``old`` pass records the routing the training pass then replays. ``tracer``: takes
         the experts used and the native ones."""
-        mode = {"off": None, "R2": "R2-record" if into == "old" else None, "R3": "R3"}[self.cfg.replay.routing]
+        mode: ReplayPass | None = {"off": None, "R2": "R2-record" if into == "old" else None, "R3": "R3"}[
+            self.cfg.replay.routing
+        ]
         set_action({None: None, "R2-record": RouterReplayAction.RECORD, "R3": RouterReplayAction.REPLAY_FORWARD}[mode])
 
         def keep(logits, mb):
@@ -397,12 +402,13 @@ class Trainer:
     def _reference_weights(self):
         """The initial weights in place of the current ones, for the reference pass: each parameter and its
         reference swap places on the device (one parameter of scratch), and swap back after."""
-        params = _trainable(self.model.module)
-        _swap(params, self.reference)
+        params, reference = _trainable(self.model.module), self.reference
+        assert reference is not None, "a reference pass is asked only of a trainer that keeps the reference"
+        _swap(params, reference)
         try:
             yield
         finally:
-            _swap(params, self.reference)
+            _swap(params, reference)
 
     def step(
         self,

@@ -297,21 +297,22 @@ def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads
     """The replicas a catch-up sync must reach again: each whose count of losses (restarted, dead, found serving
     something else) rose in any report since the last read, whatever its state shows (a restart passes through
     several, and a replica already stale can lose its policy again without changing state)."""
+    from moerl.engines.health import State
     from moerl.orchestrator.config import RolloutSection
     from moerl.orchestrator.messages import EnginesChanged
 
     buffer = RolloutEndpoint(zmq.Context.instance(), RolloutSection(), "async")
     try:
-        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 0, "b": 0}))
+        buffer._handle(EnginesChanged({"a": State.HEALTHY, "b": State.STALE}, {"a": 0, "b": 0}))
         for states, losses in (
-            ({"a": "restarting", "b": "stale"}, {"a": 1, "b": 0}),
-            ({"a": "healthy", "b": "stale"}, {"a": 1, "b": 0}),
+            ({"a": State.RESTARTING, "b": State.STALE}, {"a": 1, "b": 0}),
+            ({"a": State.HEALTHY, "b": State.STALE}, {"a": 1, "b": 0}),
         ):
             buffer._handle(EnginesChanged(states, losses))
         assert buffer.take_left() == {"a"} and buffer.take_left() == set()  # though the last report shows it healthy
         # restarted unseen, stale again
-        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 1, "b": 1}))
-        buffer._handle(EnginesChanged({"a": "healthy", "b": "stale"}, {"a": 1, "b": 1}))
+        buffer._handle(EnginesChanged({"a": State.HEALTHY, "b": State.STALE}, {"a": 1, "b": 1}))
+        buffer._handle(EnginesChanged({"a": State.HEALTHY, "b": State.STALE}, {"a": 1, "b": 1}))
         assert buffer.take_left() == {"b"}
     finally:
         buffer.close()

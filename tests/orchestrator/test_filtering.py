@@ -13,10 +13,10 @@ import zmq
 
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import load_config
-from moerl.orchestrator.messages import Dropped, Generate, GroupDone, Issued, Stop, Stopped, send_event
-from moerl.orchestrator.rollouts import SURPLUS, FilterExhausted, RolloutEndpoint
+from moerl.orchestrator.messages import Dropped, DropReason, Generate, GroupDone, Issued, Stop, Stopped, send_event
+from moerl.orchestrator.rollouts import FilterExhausted, Outcome, RolloutEndpoint
 from moerl.sample import Sample
-from moerl.tasks.filters import FILTERED, load_filter, reward_varies
+from moerl.tasks.filters import load_filter, reward_varies
 
 
 def sample(reward: float, index: int, version: int = 0) -> Sample:
@@ -35,7 +35,7 @@ def test_zero_variance_keeps_the_groups_whose_rewards_differ():
     assert not reward_varies([sample(1.0, 0), sample(1.0, 0)])
     assert load_filter("none") is None and load_filter("zero_variance") is reward_varies
     assert load_filter("moerl.tasks.filters:reward_varies") is reward_varies
-    for name, message in (("moerl.tasks.filters:FILTERED", "not a function"), ("nope", "package.module:attribute")):
+    for name, message in (("moerl.tasks.filters:FILTERS", "not a function"), ("nope", "package.module:attribute")):
         with pytest.raises(ConfigError, match=message):
             load_filter(name)
     with pytest.raises(ConfigError, match="oversample must be >= 0"):
@@ -65,7 +65,7 @@ class ScriptedManager:
                 index, self.cursor = self.cursor, self.cursor + 1
                 send_event(self.events, Issued(index, True))
                 if self.filtered(index):
-                    send_event(self.events, Dropped(index, FILTERED, 0, rewards=(1.0, 1.0)))
+                    send_event(self.events, Dropped(index, DropReason.FILTERED, 0, rewards=(1.0, 1.0)))
                 else:
                     samples = [sample(0.0, index, self.version), sample(1.0, index, self.version)]
                     send_event(self.events, GroupDone(index, samples, 0, 0.1))
@@ -103,7 +103,7 @@ def test_a_filtered_group_is_replaced_and_every_prompt_is_accounted(mode):
         trained = steps(endpoint, manager, 3, whole=mode == "sync")
         assert all(len(step) == 4 and not any(i % 3 == 1 for i in step) for step in trained)
         scored = endpoint.take_scored()
-        assert scored.filtered == scored.refills == endpoint.acct.dropped[FILTERED] > 0
+        assert scored.filtered == scored.refills == endpoint.acct.dropped[DropReason.FILTERED] > 0
         # the filtered groups' rewards (1, 1) count in what the policy scored; the kept ones' are (0, 1)
         metrics = scored.metrics()
         assert scored.rewards == 2 * (scored.kept + scored.filtered)
@@ -124,7 +124,7 @@ def test_oversampled_groups_a_step_does_not_need_are_dropped_as_surplus():
         trained = steps(endpoint, manager, 2, whole=True)
         assert trained == [[0, 1, 2, 3], [7, 8, 9, 10]]  # each step's first four: 4, 5, 6 were its surplus
         endpoint.stop()
-        assert endpoint.acct.dropped[SURPLUS] == 6 and endpoint.acct.balanced()
+        assert endpoint.acct.dropped[Outcome.SURPLUS] == 6 and endpoint.acct.balanced()
     finally:
         manager.close()
         endpoint.close()
@@ -170,7 +170,7 @@ class HandFed:
         self.send(*(GroupDone(i, [sample(0.0, i), sample(1.0, i)], 0, 0.1) for i in indices))
 
     def filtered(self, *indices: int) -> None:
-        self.send(*(Dropped(i, FILTERED, 0, rewards=(1.0, 1.0)) for i in indices))
+        self.send(*(Dropped(i, DropReason.FILTERED, 0, rewards=(1.0, 1.0)) for i in indices))
 
     def close(self) -> None:
         self.orders.close(linger=0)
@@ -224,7 +224,7 @@ def test_a_steps_filter_bound_counts_only_the_groups_it_collects_not_the_last_st
             list(endpoint.pieces(2, 4, whole=False))
         manager.send(Stopped([]))
         endpoint.stop()
-        assert endpoint.acct.dropped[FILTERED] == 6 and endpoint.acct.balanced()
+        assert endpoint.acct.dropped[DropReason.FILTERED] == 6 and endpoint.acct.balanced()
     finally:
         manager.close()
         endpoint.close()

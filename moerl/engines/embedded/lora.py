@@ -80,8 +80,11 @@ class AdapterSet:
     # ---- the forward pass ---------------------------------------------------------------------
     def _linear_hook(self, path: str):
         def hook(module, args, output):
-            factors = self.active.linear.get(path) if self.active is not None else None
-            return None if factors is None else output + _delta(args[0], factors, self.active.scale).to(output.dtype)
+            active = self.active
+            factors = active.linear.get(path) if active is not None else None
+            if active is None or factors is None:
+                return None
+            return output + _delta(args[0], factors, active.scale).to(output.dtype)
 
         return hook
 
