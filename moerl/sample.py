@@ -14,8 +14,9 @@ index (and one reward) within its group: GRPO counts the episode once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,6 +25,21 @@ from moerl.errors import MoerlError
 
 class SampleError(MoerlError):
     """A sample whose arrays do not fit together; the message names the field."""
+
+
+class EngineCompletion(Protocol):
+    """What :meth:`Sample.from_completion` reads of an engine's :class:`~moerl.engines.protocol.Completion` (a layer
+    above this one: not imported here)."""
+
+    output_ids: np.ndarray
+    finish_reason: dict
+    weight_versions: list[dict[str, Any]]
+    logprobs: np.ndarray | None
+    routing: np.ndarray | None
+    routing_start: int
+    mask_offsets: np.ndarray | None
+    mask_ids: np.ndarray | None
+    sampling_logprobs: np.ndarray | None
 
 
 @dataclass
@@ -145,8 +161,8 @@ class Sample:
     @classmethod
     def from_completion(
         cls,
-        completion,
-        prompt_ids,
+        completion: EngineCompletion,
+        prompt_ids: Sequence[int],
         *,
         temperature: float,
         reward: float = 0.0,

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def report(runs: dict[str, Path], args, shared: list[str], out: Path) -> None:
+def report(runs: dict[str, Path], args: argparse.Namespace, shared: list[str], out: Path) -> None:
     """OUT/ablation.md and OUT/ablation.png of the runs that finished."""
     if not runs:
         return

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,12 +28,16 @@ from moerl.weight_sync.lora import AdapterSync
 from moerl.weight_sync.tensor import TensorSync
 
 if TYPE_CHECKING:
-    from moerl.engines.pool import EnginePool
+    from moerl.engines.pool import EnginePool, EnginePoolConfig
+    from moerl.orchestrator.rollouts import RolloutEndpoint
+    from moerl.trainer.simulated import SimulatedTrainer
 
 log = logging.getLogger("moerl.train")
 
 
-def pool_config(e: EngineSection, model_path: str, server: str, log_dir: Path, gpu_offset: int, **more):
+def pool_config(
+    e: EngineSection, model_path: str, server: str, log_dir: Path, gpu_offset: int, **more: Any
+) -> EnginePoolConfig:
     """What an engine pool of the section ``e`` is started with: its replicas of ``model_path`` served by ``server``,
     from GPU ``gpu_offset`` on (``more``: the policy's own settings)."""
     from moerl.engines.pool import EnginePoolConfig
@@ -54,7 +58,9 @@ def pool_config(e: EngineSection, model_path: str, server: str, log_dir: Path, g
     )
 
 
-def start_engines(cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int):
+def start_engines(
+    cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int
+) -> tuple[list[str], EnginePool | None]:
     """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
     from moerl.engines.pool import EnginePool
     from moerl.engines.sglang import lora_target_modules
@@ -128,7 +134,7 @@ def start_manager(
     cfg_path: Path,
     hf: Path,
     urls: list[str],
-    rollouts,
+    rollouts: RolloutEndpoint,
     cursor: int,
     reissue: list[int],
     run_dir: Path,
@@ -158,7 +164,9 @@ def start_manager(
         )
 
 
-def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None):
+# Any: a SimulatedTrainer stands in for the Trainer through the calls a simulation makes; the two declare no shared
+# interface yet (the job's trainer protocol is still to write).
+def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None) -> Any:
     """The trainer of the Megatron checkpoint ``mcore``, or in a simulation the simulated one of the model at ``hf``."""
     profile = simulation_profile(cfg)
     if profile is None:
@@ -167,10 +175,11 @@ def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None):
     from moerl.trainer.simulated import SimulatedTrainer
 
     s = cfg.simulation
+    assert profile.trainer is not None, "simulation_profile refuses a profile without a trainer section"
     return SimulatedTrainer(hf, cfg.trainer, profile.trainer, s.trainer_gpus, s.time_scale, MODEL_DTYPES[profile.dtype])
 
 
-def full_weight_bytes(trainer) -> int:
+def full_weight_bytes(trainer: Trainer | SimulatedTrainer) -> int:
     from moerl.models import family_for
 
     family = family_for(trainer.hf_config)

@@ -65,7 +65,7 @@ class RunSection:
     # for hours (moerl.megatron.peers)
     peer_silence_s: float = 60.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choices(self, "run")
         if not self.peer_silence_s > 0:
             raise ConfigError(f"run.peer_silence_s must be > 0 (got {self.peer_silence_s})")
@@ -105,7 +105,7 @@ class EngineSection:
     max_restarts: int = 3
     restart_window_s: float = 3600.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choices(self, "engines")
 
 
@@ -116,7 +116,7 @@ RewardKind = Literal["discriminative", "generative"]
 class RewardEngineSection(EngineSection):
     """The reward model's replicas (``reward.engines``): as the policy's, without weight updates."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choices(self, "reward.engines")
 
 
@@ -136,7 +136,7 @@ class RewardSection:
     verdict: str = "last_number"
     judge_max_new_tokens: int = 32
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choices(self, "reward")
 
 
@@ -177,7 +177,7 @@ class RolloutSection:
     max_episode_tokens: int = 4096  # the most tokens an episode's stream may hold, prompt included
     episode_timeout_s: float = 600.0  # an agent past this ends its episode: a failed episode, not a failed run
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choices(self, "rollout")
 
     @property
@@ -201,7 +201,7 @@ class SyncSection:
     verify: bool = False
     verify_tolerance: float | None = None  # default: 1e-4 where engines and trainer compute in fp32, else 5e-2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choices(self, "sync")
 
 
@@ -253,7 +253,7 @@ _Yaml12Loader.add_implicit_resolver(
 )
 
 
-def read_yaml(text: str):
+def read_yaml(text: str) -> object:
     return yaml.load(text, Loader=_Yaml12Loader)
 
 
@@ -277,7 +277,7 @@ def _is_text(tp: typing.Any) -> bool:
     )
 
 
-def override_value(key: str, text: str):
+def override_value(key: str, text: str) -> object:
     """The value of ``key=text`` on the command line: a string or enum field's text as typed (``null`` is None
     where the field may be null; quoted text is read as YAML), anything else read as YAML 1.2."""
     tp = schema_type(key)

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import subprocess
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,7 @@ class Lead:
             self.reward_pool.kill(sorted(failed))
 
     @staticmethod
-    def _on_colocated_reward(urls: list[str], what: str, call) -> set[str]:
+    def _on_colocated_reward(urls: list[str], what: str, call: Callable[[EngineClient], Awaitable[None]]) -> set[str]:
         """``call(client)`` on each of these colocated reward replicas; those it succeeded on. One that fails is left
         as it is (revive restarts it if it died; a restarted replica holds its memory)."""
 

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from moerl.orchestrator.config import load_config, to_yaml
 from moerl.orchestrator.preflight import memory_plan, preflight, trainer_world_size
 
 
-def parse_args(argv: list[str] | None):
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="moerl train",
         description="GRPO on a Qwen MoE model: Megatron trainer + SGLang (or embedded) engines, with routing and "
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum, frame) -> None:
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     # Once: a second SIGTERM (torchrun's, then the rank's own once torchrun is gone) would cut the teardown short.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)

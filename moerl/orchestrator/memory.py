@@ -18,10 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moerl.engines.weight_group import MAX_GROUPS_PER_ENGINE
 from moerl.errors import ConfigError
 from moerl.models.family import ModelFamily, TensorRule
+
+if TYPE_CHECKING:
+    from moerl.layout import Layout
+    from moerl.orchestrator.config import RunConfig
+    from moerl.trainer.config import TrainerConfig
 
 GIB = 1 << 30
 USABLE = 0.9  # of a trainer GPU: the CUDA context, NCCL buffers and fragmentation take the rest
@@ -197,7 +203,7 @@ def _stage_params(
     return int(params), int(trained)
 
 
-def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_params: int = 0) -> MemoryPlan:
+def plan(cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float, reward_params: int = 0) -> MemoryPlan:
     """The plan for the job config ``cfg`` (a RunConfig) on ``world`` trainer ranks; ``reward_params``: the reward
     model's parameters (``reward.model``), served on GPUs of its own."""
     from moerl.layout import Layout
@@ -328,7 +334,7 @@ def plan(cfg, model_config: dict, world: int, device_memory_gb: float, reward_pa
 
 
 def _engine_gpu_problem(
-    cfg,
+    cfg: RunConfig,
     device_memory_gb: float,
     engine_weights: float,
     kv_per_token: int,
@@ -381,7 +387,7 @@ def _engine_gpu_problem(
     return None
 
 
-def _reward_engine(cfg, reward_params: int, device: float, problems: list[str]) -> tuple[float, float]:
+def _reward_engine(cfg: RunConfig, reward_params: int, device: float, problems: list[str]) -> tuple[float, float]:
     """A reward replica's weights and static memory per GPU; ``problems`` gains weights that do not fit. SGLang takes
     its static memory as a fraction of what is free when it starts: colocated, the reward replicas start beside the
     policy's engines and the trainer's resident part."""
@@ -401,7 +407,7 @@ def _reward_engine(cfg, reward_params: int, device: float, problems: list[str]) 
     return reward_weights, static
 
 
-def _reward_gpus(cfg) -> int:
+def _reward_gpus(cfg: RunConfig) -> int:
     """The GPUs of their own the job's reward replicas take: none given by URL, nor colocated."""
     w = cfg.reward.engines
     if not _reward_started(cfg) or cfg.run.placement == "colocated":
@@ -409,12 +415,12 @@ def _reward_gpus(cfg) -> int:
     return w.replicas * w.gpus_per_replica
 
 
-def _reward_started(cfg) -> bool:
+def _reward_started(cfg: RunConfig) -> bool:
     """Whether the job starts reward replicas of its own (``reward.model``, not given by URL)."""
     return cfg.reward.model is not None and not cfg.reward.engines.urls
 
 
-def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
+def _host_terms(cfg: RunConfig, terms: dict[str, float]) -> dict[str, float]:
     """What a trainer rank keeps in host memory, by what: with trainer.optim.cpu_offload the optimizer state throughout
     (taken out of ``terms``, the device's); colocated, while the engines run, the weights, the optimizer state and the
     KL reference (the gradients are freed), and ``terms`` gain what a released engine keeps on the GPU."""
@@ -428,13 +434,13 @@ def _host_terms(cfg, terms: dict[str, float]) -> dict[str, float]:
     return host
 
 
-def _colocated_reward(cfg) -> bool:
+def _colocated_reward(cfg: RunConfig) -> bool:
     """Whether the job starts reward replicas on the trainer's GPUs (colocated placement), released as the policy's
     engines are."""
     return _reward_started(cfg) and cfg.run.placement == "colocated"
 
 
-def _colocation_problems(cfg, c: Colocation, device: float) -> list[str]:
+def _colocation_problems(cfg: RunConfig, c: Colocation, device: float) -> list[str]:
     e = cfg.engines
     problems = []
     if e.replicas * e.gpus_per_replica > c.ranks:
@@ -463,7 +469,7 @@ def _colocation_problems(cfg, c: Colocation, device: float) -> list[str]:
     return problems
 
 
-def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
+def largest_micro_batch(cfg: RunConfig, mc: dict) -> MicroBatchShape:
     """The largest micro-batch ``cfg`` allows. The packer fills a micro-batch up to ``micro_batch_tokens`` (padding
     included), and a sample longer than that is a micro-batch of its own; rows are rounded up to a multiple of the TP
     size. A padded micro-batch's rows are at most the longest sample; a packed one is a single row."""
@@ -482,7 +488,7 @@ def largest_micro_batch(cfg, mc: dict) -> MicroBatchShape:
     )
 
 
-def longest_sample(cfg) -> tuple[int, str]:
+def longest_sample(cfg: RunConfig) -> tuple[int, str]:
     """The most tokens a sample may hold, and the config key that bounds it: an agent's episode holds at most
     ``rollout.max_episode_tokens``, its prompt included; a single turn, a prompt of PROMPT_TOKENS and
     ``rollout.max_new_tokens``."""
@@ -504,7 +510,7 @@ ATTENTION = {
 }
 
 
-def attention_kernel(cfg) -> str:
+def attention_kernel(cfg: RunConfig) -> str:
     """What computes the trainer's attention on a GPU (a key of :data:`ATTENTION`). megatron-core's local layers, built
     for LoRA (it adapts those only) and on a CUDA machine without a usable Transformer Engine (a plan made without CUDA
     takes full fine-tuning to run on Transformer Engine's layers, as the GPU path does), take a packed row's segments to
@@ -519,7 +525,7 @@ def attention_kernel(cfg) -> str:
     return "flex" if cfg.trainer.micro_batch_format == "packed" else "local"
 
 
-def _activations(mc: dict, t, layout, dtype_bytes: int, tokens: int) -> float:
+def _activations(mc: dict, t: TrainerConfig, layout: Layout, dtype_bytes: int, tokens: int) -> float:
     """One micro-batch of ``tokens`` tokens, kept for the backward pass (an estimate): per layer, megatron's ~34 bytes
     per hidden unit per token (split over TP by sequence parallelism) plus the routed experts' inputs and outputs for
     top-k of the tokens; or, with full recompute, each layer's input plus one layer at a time. 1F1B keeps up to ``pp``
@@ -532,7 +538,7 @@ def _activations(mc: dict, t, layout, dtype_bytes: int, tokens: int) -> float:
     return kept * min(layout.pp, 2)
 
 
-def _logits(mc: dict, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
+def _logits(mc: dict, layout: Layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
     """The fp32 logits' copies (:func:`largest_micro_batch`), each ``[tokens, V/tp]``, and, training in bf16, the
     output layer's fp32 copy of its weight and that copy's gradient (log-probs are taken in fp32)."""
     vocab = mc["vocab_size"] / layout.tp
@@ -540,13 +546,13 @@ def _logits(mc: dict, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
     return mb.logits_copies * mb.tokens * vocab * 4 + weight
 
 
-def _attention_layers(mc: dict, t, layout) -> int:
+def _attention_layers(mc: dict, t: TrainerConfig, layout: Layout) -> int:
     """The layers whose attention state one micro-batch keeps at once: every layer of the stage (1F1B: by up to two
     micro-batches, as for the activations) or, with full recompute, one layer at a time."""
     return 1 if t.recompute else mc["num_hidden_layers"] // layout.pp * min(layout.pp, 2)
 
 
-def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
+def _attention_scores(mc: dict, t: TrainerConfig, layout: Layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
     """megatron-core's local attention: per layer ``heads/tp x b x s x s`` scores, at most ``tokens x width`` per head
     (:data:`SCORE_BYTES`), kept by every layer of the stage (1F1B: by up to two micro-batches, as for the activations)
     or, with full recompute, by one layer at a time; and megatron-core's ``[s, s]`` causal masks
@@ -558,7 +564,7 @@ def _attention_scores(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape
     return scores * (per["buffer"] + per["kept"] * layers + per["transient"]) + masks
 
 
-def _flex_rows(mc: dict, t, layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
+def _flex_rows(mc: dict, t: TrainerConfig, layout: Layout, dtype_bytes: int, mb: MicroBatchShape) -> float:
     """What FlexAttention keeps for the backward beyond the activations: per layer the queries, keys, values and
     output as contiguous rows padded to :func:`~moerl.megatron.segments.flex_width`, and the fp32 log-sum-exp per
     head and position; kept as the scores are (:func:`_attention_scores`)."""
@@ -598,7 +604,7 @@ def _remedy(term: str, key: str) -> str:
     }[term]
 
 
-def device_memory_gb(cfg) -> float:
+def device_memory_gb(cfg: RunConfig) -> float:
     """``run.device_memory_gb``, else the visible GPU's memory, else 80 GB (an H100)."""
     if cfg.run.device_memory_gb:
         return cfg.run.device_memory_gb
@@ -607,11 +613,11 @@ def device_memory_gb(cfg) -> float:
     return torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
 
 
-def plan_for(cfg, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
+def plan_for(cfg: RunConfig, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
     return plan(cfg, model_config, world, device_memory_gb(cfg), reward_params)
 
 
-def check(cfg, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
+def check(cfg: RunConfig, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
     """The plan, or :class:`ConfigError` naming the term that does not fit and what to change."""
     result = plan_for(cfg, model_config, world, reward_params)
     if result.problems:

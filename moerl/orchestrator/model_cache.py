@@ -7,6 +7,7 @@ import hashlib
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from moerl.config import import_object
@@ -24,7 +25,7 @@ def _done(path: Path) -> bool:
     return (path / ".complete").is_file()
 
 
-def _build_once(target: Path, build) -> Path:
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     """``build(staging)`` into a staging directory renamed to ``target``: a crash never leaves a half model."""
     if _done(target):
         return target

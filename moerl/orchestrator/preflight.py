@@ -8,11 +8,17 @@ import asyncio
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import RunConfig, served_by, sglang_lora_problem
 from moerl.orchestrator.run_state import latest_checkpoint
 from moerl.tasks import DEMO, DEMO_REWARD_MODELS
+
+if TYPE_CHECKING:
+    from moerl.engines.protocol import ServerInfo
+    from moerl.orchestrator.memory import MemoryPlan
+    from moerl.simulation import Profile
 
 
 def trainer_world_size(cfg: RunConfig) -> int:
@@ -96,7 +102,7 @@ def preflight(cfg: RunConfig, world: int) -> None:
         print(memory_plan(cfg, world, checked=True).table(), file=sys.stderr)
 
 
-def simulation_profile(cfg: RunConfig):
+def simulation_profile(cfg: RunConfig) -> Profile | None:
     """The :class:`~moerl.simulation.Profile` of a simulation (one that times a trainer too), None for a real run."""
     from moerl.simulation import Profile
 
@@ -116,12 +122,12 @@ def simulation_profile(cfg: RunConfig):
     return profile
 
 
-def model_dir(cfg: RunConfig, profile) -> str | None:
+def model_dir(cfg: RunConfig, profile: Profile | None) -> str | None:
     """The HF directory given for the run (a simulation's profile may name one), None for the CPU demo's tiny model."""
     return cfg.model.path or (profile.model if profile is not None else None)
 
 
-def memory_plan(cfg: RunConfig, world: int, checked: bool):
+def memory_plan(cfg: RunConfig, world: int, checked: bool) -> MemoryPlan:
     """The memory plan (:mod:`moerl.orchestrator.memory`) of the configured model on ``world`` trainer ranks;
     ``checked``: a plan that does not fit raises :class:`ConfigError`."""
     from moerl.checkpoint.hf import HFReader, read_config
@@ -218,7 +224,7 @@ def check_engine_urls(
     from moerl.engines.client import EngineClient
     from moerl.engines.sglang import sglang_problem
 
-    async def health():
+    async def health() -> tuple[list[bool], list[ServerInfo]]:
         async with EngineClient(urls, retries=0) as client:
             up = await client.healthy()
             return up, (await client.server_info() if all(up) else [])

@@ -38,6 +38,7 @@ from moerl.orchestrator.messages import (
     Generate,
     GroupDone,
     Issued,
+    Order,
     Restarting,
     RolloutFailed,
     Served,
@@ -208,7 +209,7 @@ class RolloutEndpoint:
             )
         return True
 
-    def _send(self, order) -> None:
+    def _send(self, order: Order) -> None:
         # A PUSH socket blocks while no peer is connected: until the manager connects, and for good once it is gone.
         while not self._manager_gone():
             try:

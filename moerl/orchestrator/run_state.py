@@ -6,8 +6,14 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moerl.megatron.parallel import on_lead
+
+if TYPE_CHECKING:
+    from moerl.orchestrator.rollouts import RolloutEndpoint
+    from moerl.trainer.simulated import SimulatedTrainer
+    from moerl.trainer.trainer import Trainer
 
 RUN_STATE = "run_state.json"
 
@@ -17,7 +23,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda d: int(d.name.split("_")[1])) if done else None
 
 
-def save_checkpoint(trainer, rollouts, run_dir: Path) -> None:
+def save_checkpoint(trainer: Trainer | SimulatedTrainer, rollouts: RolloutEndpoint | None, run_dir: Path) -> None:
     """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
     out = run_dir / "checkpoints" / f"step_{trainer.version}"
     # the same version saved already (a stop in the step after it): its state is new
@@ -28,6 +34,7 @@ def save_checkpoint(trainer, rollouts, run_dir: Path) -> None:
         trainer.save(out)
 
     def run_state() -> None:
+        assert rollouts is not None, "rank 0 holds the rollouts"
         rollouts.drain()
         state = {
             "step": trainer.version,
