@@ -30,6 +30,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from moerl.env import skip_the_last_collection
+
+    skip_the_last_collection()  # its caller waits for it to end: a rank's launcher, an engine's pool
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = [f"  {name:<14}{help_}" for name, (_, help_) in COMMANDS.items()]

@@ -141,6 +141,19 @@ def group_left(pgid: int) -> list[int]:
     return left
 
 
+def skip_the_last_collection() -> None:
+    """Have this process leave out the garbage collection the interpreter makes as it exits: with torch (and
+    megatron-core, transformers) loaded it walks millions of objects for a second or more, which whatever waits for
+    the process to end (a job's teardown for its engines and rollout manager, torchrun for its ranks) waits through.
+    Done at exit (atexit), once the process's own cleanup is over: its atexit handlers and finalizers run as before,
+    memory goes back with the process, and what is freed by reference counting still is (files flushed, sockets
+    closed)."""
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)  # the objects alive then are left out of every later collection
+
+
 def exit_with(pid: int, every_s: float = 1.0) -> None:
     """Initializer of helper processes that nothing ends with ``pid`` (a forkserver's children, a multiprocessing
     Manager's server): end this process once ``pid`` is gone, polled from a daemon thread, so a killed owner leaves no
@@ -155,6 +168,24 @@ def exit_with(pid: int, every_s: float = 1.0) -> None:
                 os._exit(0)
 
     threading.Thread(target=watch, name=f"exit-with-{pid}", daemon=True).start()
+
+
+def exit_with_importing(pid: int, modules: tuple[str, ...]) -> None:
+    """:func:`exit_with` ``pid``, importing ``modules`` meanwhile from a daemon thread: a Manager's server whose first
+    request unpickles their types has them by then, instead of importing them (seconds, for torch's) while its client
+    waits. Its start does not wait for them, nor its owner's exit for the last collection of what they hold
+    (:func:`skip_the_last_collection`)."""
+    import importlib
+    import threading
+
+    exit_with(pid)
+    skip_the_last_collection()
+
+    def load() -> None:
+        for name in modules:
+            importlib.import_module(name)
+
+    threading.Thread(target=load, name="import-ahead", daemon=True).start()
 
 
 def end_with_launcher(grace_s: float = 60.0, every_s: float = 1.0) -> None:

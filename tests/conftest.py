@@ -67,6 +67,34 @@ def tiny_ckpts(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """A ``run.cache_dir`` for the session's jobs: the CPU demo's models (its warmed-up policy, its reward model) are
+    made in it once, by the first job or fixture that needs each, and each model converted to the Megatron layout
+    once (:mod:`moerl.orchestrator.model_cache`)."""
+    return tmp_path_factory.mktemp("moerl-cache")
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_cache):
+    """The CPU demo's warmed-up tiny policy (HF directory) in :func:`demo_cache`, as a run without model.path gets it,
+    converted there too."""
+    from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.model_cache import prepare_model
+
+    hf, _ = prepare_model(load_config(None, [f"run.cache_dir={demo_cache}"]))
+    return hf
+
+
+@pytest.fixture(scope="session")
+def demo_reward_model(demo_cache):
+    """The CPU demo's reward model (``reward.model=demo``; HF directory) in :func:`demo_cache`."""
+    from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.model_cache import prepare_reward_model
+
+    return prepare_reward_model(load_config(None, ["reward.model=demo", f"run.cache_dir={demo_cache}"]))
+
+
+@pytest.fixture(scope="session")
 def calc_model(tmp_path_factory):
     """A tiny Qwen3-MoE warmed up briefly on the calc task's tool format: it writes well-formed tool calls and ends its
     turns, though it uses the tool less often and less well than the demo's (what the episode tests need)."""

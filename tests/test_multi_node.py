@@ -24,16 +24,15 @@ WHY = unavailable()
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from moerl.tasks.tiny import save_warm_tiny_model
-
-    return save_warm_tiny_model(tmp_path_factory.mktemp("model") / "hf")
+def model(demo_model) -> Path:
+    """The demo's warmed-up tiny model."""
+    return demo_model
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """run.cache_dir for every run here: the model is converted to the Megatron layout once."""
-    return tmp_path_factory.mktemp("cache")
+def cache(demo_cache) -> Path:
+    """run.cache_dir for every run here: the model is converted to the Megatron layout once in the session."""
+    return demo_cache
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from moerl.checkpoint.mcore import (
     merge_layer_checkpoints,
     read_moerl_meta,
     save_sharded,
+    start_results_queue,
     write_moerl_meta,
 )
 from moerl.checkpoint.peft import (
@@ -107,6 +108,7 @@ def hf_to_mcore(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) 
     family.check(cfg)
     reader = HFReader(hf_dir)
     dtype = check_hf_tensors(reader, family, cfg)
+    start_results_queue()  # for the saves below: its imports run while the model is built
     with _staging_dir(out) as staging:
         model = _meta_model(cfg, dtype)
         params = dict(model.named_parameters())

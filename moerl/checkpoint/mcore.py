@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.models.gpt import GPTModel
 
 from moerl.checkpoint.hf import CheckpointError, read_config
-from moerl.env import die_with_parent, exit_with
+from moerl.env import die_with_parent, exit_with_importing
 from moerl.layout import Layout
 from moerl.megatron.model import build_model
 from moerl.megatron.parallel import init_distributed
@@ -90,13 +90,13 @@ def _writer_dies_with_saver() -> None:
 os.register_at_fork(after_in_child=_writer_dies_with_saver)
 
 
-def save_sharded(sharded: dict, ckpt_dir: str | Path, **options) -> None:
-    """``dist_checkpointing.save``, its helper processes tied to this one. megatron-core's writers report through a
-    queue that a multiprocessing Manager serves, spawned at the first save and kept for the process's life
-    (``filesystem_async._results_queue``); started there, it outlives a SIGKILLed trainer rank (found: one left behind
-    per killed rank, 270 MB each). Started here, it watches this process and ends with it. The writer processes each
-    save forks end with it too: killed mid-save, a rank would leave them blocked on a pipe nobody reads."""
-    global _saving
+def start_results_queue() -> None:
+    """The server of the queue megatron-core's checkpoint writers report through (``filesystem_async._results_queue``,
+    a multiprocessing Manager's, kept for the process's life), unless started already. Started by megatron-core at the
+    first save, it outlives a SIGKILLed trainer rank (found: one left behind per killed rank, 270 MB each); started
+    here, it watches this process and ends with it. It imports torch's checkpoint types, which the writers' results
+    unpickle into, as soon as it starts, not at the first save (seconds that every rank's first save waited): a job
+    starts it once its trainer is built, and that import runs while the engines start."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
@@ -106,8 +106,17 @@ def save_sharded(sharded: dict, ckpt_dir: str | Path, **options) -> None:
         manager = SyncManager(
             ctx=multiprocessing.get_context("spawn")
         )  # spawn, as megatron-core's: this process runs threads
-        manager.start(initializer=exit_with, initargs=(os.getpid(),))
+        manager.start(initializer=exit_with_importing, initargs=(os.getpid(), ("torch.distributed.checkpoint",)))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager
+
+
+def save_sharded(sharded: dict, ckpt_dir: str | Path, **options) -> None:
+    """``dist_checkpointing.save``, its helper processes tied to this one: the results queue's server
+    (:func:`start_results_queue`), and the writer processes each save forks: killed mid-save, a rank would leave them
+    blocked on a pipe nobody reads."""
+    global _saving
+
+    start_results_queue()
     _saving = True
     try:
         dist_checkpointing.save(sharded, str(ckpt_dir), **options)

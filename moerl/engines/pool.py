@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,9 @@ from moerl.env import child_env, die_with_parent, free_ports, group_left
 from moerl.models import is_classifier
 
 log = logging.getLogger("moerl.engines")
+# How often a start asks its replicas for /health: a replica is used this soon after it answers (a refused connection
+# or SGLang's 503 before its warm-up costs a few milliseconds).
+HEALTH_POLL_S = 0.2
 
 
 @dataclass
@@ -262,9 +265,16 @@ class EnginePool:
         With ``base_port=0`` each replica gets a port that is free when picked; a replica that finds it
         taken by the time it binds (its log says the address is in use) starts again on another port.
         """
+        self.launch()
+        return self.wait_started(timeout_s)
+
+    def launch(self, avoid: Iterable[int] = ()) -> None:
+        """The first half of :meth:`start`: every replica's server started, none waited for (something else, another
+        pool's start, can run while they load); :meth:`wait_started` is the rest. ``avoid``: ports handed out to
+        servers that may not have bound them yet (another pool's, launched too)."""
         try:
             if not self.cfg.base_port:
-                self.ports = free_ports(self.cfg.replicas)
+                self.ports = free_ports(self.cfg.replicas, avoid)
             # procs[i] is replica i's process, shared by the replicas it serves; a replica restarted gets one of its
             # own.
             per = self.cfg.replicas_per_process
@@ -272,6 +282,13 @@ class EnginePool:
             for first in range(0, len(self.ports), per):
                 ports = self.ports[first : first + per]
                 self.procs += [self._spawn_replicas(first, ports)] * len(ports)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_started(self, timeout_s: float = 900) -> list[str]:
+        """The rest of :meth:`start` after :meth:`launch`: until every replica answers (then the router); the URLs."""
+        try:
             self.wait_healthy(lambda: self.replica_urls, timeout_s)
             if self.cfg.router:
                 self.procs.append(
@@ -321,7 +338,7 @@ class EnginePool:
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {waiting}")
             if waiting:
-                time.sleep(1)
+                time.sleep(HEALTH_POLL_S)
 
     def kill(self, urls: list[str]) -> list[str]:
         """SIGKILL the servers of those of ``urls`` this pool started, for :meth:`revive` to start them again; those."""

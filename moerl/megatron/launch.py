@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 import traceback
-from multiprocessing import forkserver, reduction
+from multiprocessing import connection, forkserver, reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
 
@@ -138,12 +138,13 @@ def _run(fn, world_size: int, args: tuple, out: Path, timeout_s: float, use_cuda
             p.start()
     deadline = time.monotonic() + timeout_s
     # One failed rank leaves the others blocked in a collective: stop them all at once.
-    while any(p.is_alive() for p in procs):
+    while running := [p for p in procs if p.is_alive()]:
         if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
             for p in procs:
                 p.kill()
             break
-        time.sleep(0.2)
+        # until a rank ends (or the deadline)
+        connection.wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         p.join()
     results = []

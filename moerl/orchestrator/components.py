@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moerl.checkpoint.mcore import start_results_queue
 from moerl.dtypes import MODEL_DTYPES
 from moerl.dtypes import resolve as resolve_dtype
 from moerl.env import child_env, die_with_parent
@@ -59,9 +60,10 @@ def pool_config(
 
 
 def start_engines(
-    cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int
+    cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int, wait: bool = True
 ) -> tuple[list[str], EnginePool | None]:
-    """(URLs, pool or None): the configured engines, health-checked, or ones started here."""
+    """(URLs, pool or None): the configured engines, health-checked, or ones started here (``wait`` false: launched,
+    for the caller's ``pool.wait_started``)."""
     from moerl.engines.pool import EnginePool
     from moerl.engines.sglang import lora_target_modules
 
@@ -92,6 +94,9 @@ def start_engines(
 
         log.warning("engines.server=auto: %s; serving with moerl's embedded engine instead", sglang_problem())
     log.info("starting %d %s engine(s); logs in %s", e.replicas, server, run_dir / "logs")
+    if not wait:
+        pool.launch()
+        return pool.urls, pool
     return pool.start(e.start_timeout_s), pool
 
 
@@ -105,10 +110,14 @@ class RewardEngines:
     pool: EnginePool | None
 
 
-def start_reward_engines(cfg: RunConfig, run_dir: Path, local_trainer_ranks: int) -> RewardEngines | None:
+def start_reward_engines(
+    cfg: RunConfig, run_dir: Path, local_trainer_ranks: int, wait: bool = True, beside: EnginePool | None = None
+) -> RewardEngines | None:
     """The reward model's replicas (none without ``reward.model``): those given by URL, or ones started here on the
     GPUs after the trainer's and the policy engines' (colocated: on the trainer's, keeping their weights in host memory
-    while released). They log under ``logs/reward``."""
+    while released). They log under ``logs/reward``. ``wait`` false: launched, for the caller's
+    ``pool.wait_started``, on ports other than those of ``beside``'s replicas (the policy's, launched too: maybe not
+    bound yet)."""
     from moerl.engines.pool import EnginePool
     from moerl.orchestrator.model_cache import prepare_reward_model
 
@@ -127,6 +136,9 @@ def start_reward_engines(cfg: RunConfig, run_dir: Path, local_trainer_ranks: int
         pool_config(e, str(model), server, run_dir / "logs" / "reward", offset, weights_cpu_backup=colocated)
     )
     log.info("starting %d %s reward engine(s); logs in %s", e.replicas, server, run_dir / "logs" / "reward")
+    if not wait:
+        pool.launch(avoid=beside.ports if beside is not None else ())
+        return RewardEngines(model, pool.urls, pool)
     return RewardEngines(model, pool.start(e.start_timeout_s), pool)
 
 
@@ -171,7 +183,9 @@ def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None) -> Any:
     profile = simulation_profile(cfg)
     if profile is None:
         assert mcore is not None, "prepare_model makes a Megatron checkpoint for every run but a simulation"
-        return Trainer(mcore, cfg.trainer, lora=cfg.lora)
+        trainer = Trainer(mcore, cfg.trainer, lora=cfg.lora)
+        start_results_queue()  # for the checkpoints every run writes: its imports run while the engines start
+        return trainer
     from moerl.trainer.simulated import SimulatedTrainer
 
     s = cfg.simulation

@@ -164,8 +164,16 @@ class Job:
         def engines() -> list[str]:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            urls, self.pool = start_engines(cfg, self.hf, self.run_dir, local_ranks)
-            self.reward = start_reward_engines(cfg, self.run_dir, local_ranks)
+            # Separate placement: the reward model's replicas (on GPUs of their own) load while the policy's do;
+            # colocated, each pool starts once the one before holds its memory on the GPUs they share.
+            together = cfg.run.placement == "separate"
+            urls, self.pool = start_engines(cfg, self.hf, self.run_dir, local_ranks, wait=not together)
+            self.reward = start_reward_engines(cfg, self.run_dir, local_ranks, wait=not together, beside=self.pool)
+            if together:  # the teardown stops both, whichever fails
+                if self.pool is not None:
+                    self.pool.wait_started(cfg.engines.start_timeout_s)
+                if self.reward is not None and self.reward.pool is not None:
+                    self.reward.pool.wait_started(cfg.reward.engines.start_timeout_s)
             return urls
 
         urls = on_lead(engines, "starting the engines")

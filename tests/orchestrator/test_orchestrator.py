@@ -41,8 +41,9 @@ GROUPS = 4
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("moerl-cache")
+def cache(demo_cache):
+    """run.cache_dir: the demo's models made and converted once in the session."""
+    return demo_cache
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +65,14 @@ def long_tailed(random_model) -> list[str]:
 
 @pytest.fixture(scope="module")
 def engine_bound(random_model) -> list[str]:
-    """Overrides for the random tiny model on an engine that decodes one response at a time, each 96 tokens long, so it
-    is still generating when each weight update comes: every update met a rollout in flight in the runs tried, also with
-    a busy process taking a core. At a full batch of shorter responses the engine could have a step's groups back
-    before the update, and now and then no update met any."""
+    """Overrides for the random tiny model on an engine that decodes one response at a time, each 48 tokens long, so it
+    is still generating when each weight update comes: a step's 32 responses take it several times as long as the
+    trainer's step and update (96 tokens each did too: twice the time for no more margin that matters). At a full
+    batch of shorter responses the engine could have a step's groups back before the update, and now and then no
+    update met any."""
     return [
         f"model.path={random_model}",
-        "rollout.max_new_tokens=96",
+        "rollout.max_new_tokens=48",
         "rollout.stop_token_ids=[]",
         "engines.extra_args=[--max-running-requests,1]",
     ]

@@ -29,9 +29,10 @@ GROUPS = 4  # rollout.groups_per_step of tests.orchestrator.test_orchestrator.jo
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    """The Megatron checkpoint of the tiny model, converted once for every job here."""
-    return tmp_path_factory.mktemp("cache")
+def cache(demo_cache) -> Path:
+    """run.cache_dir: each model's Megatron checkpoint converted once in the session (the calc model's also by the
+    orchestrator's agent run)."""
+    return demo_cache
 
 
 def on_sglang(model: Path, *overrides: str) -> list[str]:

@@ -182,16 +182,17 @@ def test_a_paused_reward_replica_holds_its_scores_past_the_down_timeout_and_serv
         asyncio.run(go())
 
 
-def test_the_demo_reward_model_ranks_each_prompts_sum_above_every_other_answer(tmp_path):
+def test_the_demo_reward_model_ranks_each_prompts_sum_above_every_other_answer(demo_reward_model):
     """reward.model=demo: the tiny classifier, warmed up on the task's right and wrong answers, scores each prompt's
     sum above every other answer the tiny policy could give, and right answers above zero and wrong ones below: a
-    policy rewarded by it alone learns the task."""
+    policy rewarded by it alone learns the task. (Made once in the session by what reward.model=demo runs,
+    :func:`moerl.tasks.tiny.save_tiny_reward_model`.)"""
     from transformers import AutoModelForSequenceClassification
 
     from moerl.tasks.reward_models import RewardModel
-    from moerl.tasks.tiny import DIGITS, records, save_tiny_reward_model
+    from moerl.tasks.tiny import DIGITS, records
 
-    directory = save_tiny_reward_model(tmp_path / "model")
+    directory = demo_reward_model
     model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
     reading = RewardModel(["http://127.0.0.1:9"], directory, "discriminative")  # how the job reads a conversation
     for item in records():
