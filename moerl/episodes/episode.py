@@ -307,7 +307,7 @@ class Episode:
             self.finish_reason = "abort"
             self.turns.append(turn := Turn([], "", finish, len(input_ids), 0, completion.cached_tokens))
             return turn
-        per_token = self._check(completion, versions, start, len(input_ids))
+        per_token = self._check(completion, versions, start, len(input_ids), top)
         text = self.tokenizer.decode(completion.output_ids.tolist(), skip_special_tokens=True)
         if stop and (cut := self._stop_cut(completion.output_ids.tolist(), text, stop)) is not None:
             kept, matched, text = cut
@@ -330,8 +330,7 @@ class Episode:
         turn = Turn(output, text, finish, len(input_ids), len(output), completion.cached_tokens)
         turn.logprobs = completion.logprobs.tolist()
         if top:
-            if completion.top_ids is None or completion.top_logprobs is None:
-                raise EpisodeError("the completion has no top log-probs: generate must ask for top_logprobs_num")
+            assert completion.top_ids is not None and completion.top_logprobs is not None, "checked"
             pairs = zip(completion.top_ids.tolist(), completion.top_logprobs.tolist(), strict=True)
             turn.top_logprobs = [list(zip(ids, lps, strict=True)) for ids, lps in pairs]
         self.turns.append(turn)
@@ -354,7 +353,9 @@ class Episode:
                 lo = mid + 1
         return lo, matched, text[:at]
 
-    def _check(self, c: Completion, versions: dict[str, int] | None, start: int, input_len: int) -> np.ndarray:
+    def _check(
+        self, c: Completion, versions: dict[str, int] | None, start: int, input_len: int, top: int = 0
+    ) -> np.ndarray:
         """That ``c`` answers a request of ``input_len`` tokens with routing from ``start``, and has all the episode
         needs; its tokens' policy versions."""
         n = len(c.output_ids)
@@ -362,6 +363,8 @@ class Episode:
             raise EpisodeError(f"the engine answered for a {c.prompt_len}-token prompt, not {input_len}")
         if c.logprobs is None:
             raise EpisodeError("the completion has no output log-probs: generate must ask for return_logprob")
+        if top and (c.top_ids is None or c.top_logprobs is None):
+            raise EpisodeError("the completion has no top log-probs: generate must ask for top_logprobs_num")
         if self.sampling_mask and (c.mask_offsets is None or c.mask_ids is None or c.sampling_logprobs is None):
             raise EpisodeError("the completion has no kept sets: generate must ask for return_sampling_mask")
         if self.routing:
