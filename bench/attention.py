@@ -43,7 +43,7 @@ def main() -> None:
     from megatron.core.transformer.enums import AttnMaskType
 
     from moerl.layout import Layout
-    from moerl.megatron.attention import SegmentAttention
+    from moerl.megatron.attention import PackedSegments, SegmentAttention
     from moerl.megatron.parallel import init_distributed
     from moerl.megatron.segments import block_mask, dense_mask, segment_table
 
@@ -110,10 +110,10 @@ def main() -> None:
         table = segment_table(segments, exits[segments]).to(device)
         s = prompt + args.group * response
         packed = inputs(s, 1)
-        for way, mask in (("dense", dense_mask(table)), ("flex", table)):
+        for way, mask, params in (("dense", dense_mask(table), None), ("flex", None, PackedSegments(table))):
 
-            def shared(mask=mask, packed=packed):
-                attention(*packed, mask, attn_mask_type=AttnMaskType.causal).sum().backward()
+            def shared(mask=mask, params=params, packed=packed):
+                attention(*packed, mask, attn_mask_type=AttnMaskType.causal, packed_seq_params=params).sum().backward()
 
             build = None
             if way == "flex":

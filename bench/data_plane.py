@@ -134,7 +134,7 @@ def weight_sync(work: Path, repeats: int) -> tuple[list[str], int]:
         generate(hf, layers=2, experts=32, shard_gb=1.0)
     if not mcore.exists():
         subprocess.run(
-            [sys.executable, "-m", "moerl.checkpoint.cli", "hf-to-mcore", "--hf", str(hf), "--out", str(mcore)],
+            [sys.executable, "-m", "moerl.cli", "convert-ckpt", "hf-to-mcore", "--hf", str(hf), "--out", str(mcore)],
             check=True,
             cwd=REPO,
         )
@@ -191,15 +191,15 @@ def distribute_worker(layout: Layout, samples: list, moe_layers: int) -> dict:
     columns = list(range(stage * per, (stage + 1) * per))
     distributor = BatchDistributor(TrainerConfig(replay=ReplayConfig(routing="R3", sampling_mask=True)), columns)
     with PeakRSS() as rss:
-        piece = distributor.scatter(samples if dist.get_rank() == 0 else None)
+        instalment = distributor.scatter(samples if dist.get_rank() == 0 else None)
     needs = distributor.needs
     own = sum(
         s.routing.nbytes
         + (4 * (s.prompt_len + s.response_len) if needs.ids else 0)
         + (s.response_len * (4 + 8 + 4) + 4 * len(s.mask_ids) if needs.last else 0)
-        for s in piece.samples
+        for s in instalment.samples
     )
-    return {"received": piece.received, "own": own, "rss_growth": rss.growth}
+    return {"received": instalment.received, "own": own, "rss_growth": rss.growth}
 
 
 def with_kept_sets(samples: list, rng: np.random.Generator, vocab: int) -> list:
@@ -242,7 +242,7 @@ def distribution(samples_n: int) -> list[str]:
     lines += [
         "",
         'Rank 0 holds the batch and receives nothing; "received / own shard" is the worst other rank\'s bytes over the '
-        "arrays its stage reads of its own samples (the rest is the plan: six numbers per sample of the piece).",
+        "arrays its stage reads of its own samples (the rest is the plan: six numbers per sample of the instalment).",
         "",
     ]
     return lines

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-from moerl.engines.client import EngineClient  # noqa: E402
+from moerl.engines.client import EngineClient, Returns  # noqa: E402
 from moerl.engines.pool import EnginePool, EnginePoolConfig  # noqa: E402
 from moerl.models import model_shape  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
@@ -54,8 +54,7 @@ async def rounds(url: str, shape, args, workers: int) -> list[tuple[float, float
                 (completion,) = await client.generate(
                     list(range(1, 65)),
                     {**params, "sampling_seed": i},
-                    return_routed_experts=True,
-                    return_sampling_mask=True,
+                    Returns(routing_from=0, sampling_mask=True),
                 )
                 assert len(completion.output_ids) == args.tokens and completion.routing.shape[0] >= args.tokens
 

@@ -62,7 +62,7 @@ def rollouts(hf_dir: Path, prompts: int, samples: int, max_new_tokens: int) -> l
     import torch
     from transformers import AutoTokenizer
 
-    from moerl.engines.embedded.server import EmbeddedEngine
+    from moerl.engines.embedded.engine import EmbeddedEngine
     from moerl.engines.protocol import decode_generate
     from moerl.models import model_shape
     from moerl.sample import Sample

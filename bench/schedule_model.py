@@ -6,8 +6,8 @@ model of the same loop, seconds a run: the async depth's groups in flight (rollo
 default), each of a group's n responses drawn from the profile's length distribution, each replica's running requests
 decoding at the profile's per-request rate for their count, the trainer taking groups as they finish (one whose issue
 version lags its own by more than s is dropped as stale and another ordered, as the buffer does), training each as it
-is taken (the job's pieces), then the optimizer step and a sync that holds every replica. Prefill (a few ms a prompt
-here) and the orchestrator's own time are left out. A replica never reaches the profile's max_running_requests at
+is taken (the job's instalments), then the optimizer step and a sync that holds every replica. Prefill (a few ms a
+prompt here) and the orchestrator's own time are left out. A replica never reaches the profile's max_running_requests at
 these depths; the model stops with an error if one would.
 
 Policies (``--policies``):

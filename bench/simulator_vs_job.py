@@ -139,7 +139,7 @@ async def measure_engine(url: str, model: Path, prompt_ids: list[list[int]]) -> 
     """Decode tokens/s by running requests and prefill tokens/s of the engine at ``url`` (each from a request set of
     fixed length 1 and MAX_NEW_TOKENS, so the fixed costs cancel)."""
     from moerl.checkpoint.hf import read_config
-    from moerl.engines.client import EngineClient
+    from moerl.engines.client import EngineClient, Returns
     from moerl.engines.protocol import SamplingParams
     from moerl.models import model_shape
     from moerl.orchestrator.config import RolloutSection
@@ -156,8 +156,7 @@ async def measure_engine(url: str, model: Path, prompt_ids: list[list[int]]) -> 
                         SamplingParams(
                             temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=tokens, **params
                         ),
-                        return_routed_experts=True,
-                        return_sampling_mask=True,
+                        Returns(routing_from=0, sampling_mask=True),
                     )
                     for i in range(count)
                 )

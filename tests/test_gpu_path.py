@@ -207,7 +207,7 @@ def test_a_bf16_engine_applies_adapters_unmerged_in_fp32_on_the_models_device(tm
     as the trainer applies it, and the bf16 base weight is never written."""
     from safetensors.torch import save_file
 
-    from moerl.engines.embedded.server import EmbeddedEngine
+    from moerl.engines.embedded.engine import EmbeddedEngine
 
     hf = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "hf")
     config = json.loads((hf / "config.json").read_text())
@@ -531,10 +531,10 @@ def test_the_30b_recipe_fits_and_its_terms_add_up():
 
 
 def test_the_plan_counts_the_loss_inputs_of_a_step_kept_sets_included():
-    """The loss's inputs stay on a rank's device for a whole piece (a sync step is one): at most every response of the
-    step at max_new_tokens, over dense data parallelism, 73 bytes a token and 4 for each id of its kept set. At
-    32K-token responses the recipe's logits need TP4 (tests/orchestrator/test_memory_plan.py), on 32 ranks to keep
-    dense data parallelism 8."""
+    """The loss's inputs stay on a rank's device for a whole instalment (a sync step is one): at most every response of
+    the step at max_new_tokens, over dense data parallelism, 73 bytes a token and 4 for each id of its kept set. At
+    32K-token responses the recipe's logits need TP4 (tests/orchestrator/test_memory_plan.py), on 32 ranks to keep dense
+    data parallelism 8."""
     term = "loss inputs (a step, at most)"
     tokens = 32 * 8 * 32768 / 8  # the recipe's 32 x 8 responses over 32 ranks at TP4: 8 data-parallel ranks
     layout = ("rollout.max_new_tokens=32768", "trainer.tp=4", "run.trainer_ranks=32")

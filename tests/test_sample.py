@@ -47,7 +47,6 @@ def test_packing_fills_rows_up_to_the_budget():
 
 
 def test_a_packed_micro_batch_lays_samples_end_to_end_and_walls_them_off():
-    from moerl.megatron.segments import dense_mask
     from moerl.trainer.batch import build_micro_batch
 
     samples = [_sample([1, 2, 3], [4, 5], 0), _sample([6], [7, 8, 9], 1)]
@@ -66,7 +65,7 @@ def test_a_packed_micro_batch_lays_samples_end_to_end_and_walls_them_off():
 
     inputs = packed.packed_inputs(torch.device("cpu"), thd=False)
     assert inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
-    allowed = ~dense_mask(inputs["attention_mask"])[0, 0]
+    allowed = ~inputs["packed_seq_params"].dense_mask[0, 0]
     segment = [0, 0, 0, 0, 1, 1, 1, 2]
     expected = [[segment[q] == segment[k] and k <= q for k in range(8)] for q in range(8)]
     assert allowed.tolist() == expected

@@ -178,7 +178,7 @@ def replay_queue_depths(mcore_dir: str, trainer_cfg, samples: list) -> dict:
     return seen
 
 
-def scatter_piece(mcore_dir: str, trainer_cfg, samples: list, window: int | None = None) -> dict:
+def scatter_instalment(mcore_dir: str, trainer_cfg, samples: list, window: int | None = None) -> dict:
     """What this rank receives of ``samples`` (given on rank 0) and what it reads; ``window``: rank 0's staging
     window for the sends, if not the default."""
     from moerl.trainer import distribute
@@ -187,12 +187,12 @@ def scatter_piece(mcore_dir: str, trainer_cfg, samples: list, window: int | None
     if window is not None:
         distribute.SCATTER_WINDOW_BYTES = window
     trainer = Trainer(mcore_dir, trainer_cfg)
-    piece = trainer.batches.scatter(samples if torch.distributed.get_rank() == 0 else None)
+    instalment = trainer.batches.scatter(samples if torch.distributed.get_rank() == 0 else None)
     return {
         "needs": trainer.batches.needs,
-        "samples": piece.samples,
-        "received": piece.received,
-        "advantages": piece.advantages,
+        "samples": instalment.samples,
+        "received": instalment.received,
+        "advantages": instalment.advantages,
         "staged_peak": trainer.batches.staged_peak,
     }
 
@@ -441,7 +441,7 @@ def syncs_where_one_engine_refuses_a_bucket_the_other_took(
     return out
 
 
-def step_whole_and_in_pieces(mcore_dir: str, trainer_cfg, samples: list) -> dict:
+def step_whole_and_in_instalments(mcore_dir: str, trainer_cfg, samples: list) -> dict:
     """One step on the whole batch, and one (fresh trainer) on the same batch fed a group at a time: the
     metrics and the gradients each step applied."""
     from moerl.trainer.trainer import Trainer
@@ -802,7 +802,7 @@ def segment_attention_against_references(dtype_name: str) -> dict:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from moerl.megatron.attention import SegmentAttention
+    from moerl.megatron.attention import PackedSegments, SegmentAttention
     from moerl.megatron.parallel import init_distributed
     from moerl.megatron.segments import dense_mask, segment_table
 
@@ -823,19 +823,20 @@ def segment_attention_against_references(dtype_name: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     fused = torch.randn(full.shape[1], 1, groups, (heads // groups + 2) * dim, generator=gen).to(device, dtype)
     gaps: dict[str, list[float]] = {"flex_vs_dense": [], "kernel_vs_dense": [], "dense_vs_own": [], "grads": []}
+    flex_used = True
     for length in (full.shape[1], 200):  # all of it; the prompt and part of the first response
-        table = full[:, :length].clone()
+        segments = PackedSegments(full[:, :length].clone())
         mixed = fused[:length].clone().requires_grad_(device.type == "cuda")
         q, k, v = torch.split(mixed, [heads // groups * dim, dim, dim], dim=3)
         q = q.reshape(length, 1, heads, dim)
 
-        def run(mask, q=q, k=k, v=v, mixed=mixed):
-            out = attention(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
+        def run(mask, packed=None, q=q, k=k, v=v, mixed=mixed):
+            out = attention(q, k, v, mask, attn_mask_type=AttnMaskType.causal, packed_seq_params=packed)
             grad = torch.autograd.grad(out.float().square().sum(), mixed)[0] if out.requires_grad else None
             return out.detach().float(), grad
 
-        out, grad = run(table)
-        dense, dense_grad = run(dense_mask(table))
+        out, grad = run(None, segments)
+        dense, dense_grad = run(dense_mask(segments.table))
         real = min(length, 420)
         # each response as its own sequence after the prompt (the prompt's outputs are its own either way); the sample
         own = dense.clone()
@@ -847,7 +848,8 @@ def segment_attention_against_references(dtype_name: str) -> dict:
                 rows = torch.tensor(list(range(150 if first < 310 else 0)) + list(range(first, end)), device=device)
                 alone = attention(q[rows], k[rows], v[rows], None, attn_mask_type=AttnMaskType.causal).float()
                 own[first:end] = alone[-(end - first) :]
-            kernel = attention.flex(q, k, v, table).float()
+            flex_used &= "block_mask" in vars(segments)  # built by the forward, before flex() below
+            kernel = attention.flex(q, k, v, segments).float()
 
         def gap(a, b, real=real):
             return ((a[:real] - b[:real]).abs().max() / b[:real].abs().max()).item()
@@ -857,5 +859,4 @@ def segment_attention_against_references(dtype_name: str) -> dict:
         gaps["dense_vs_own"].append(gap(dense, own))
         if grad is not None:
             gaps["grads"].append(gap(grad, dense_grad))
-    flex_used = device.type == "cuda" and not isinstance(SegmentAttention._cached[1], torch.Tensor)
     return {"device": device.type, "flex_used": flex_used, **{name: max(v, default=0.0) for name, v in gaps.items()}}

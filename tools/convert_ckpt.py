@@ -3,7 +3,7 @@
 
 import sys
 
-from moerl.checkpoint.cli import main
+from moerl.cli.convert_ckpt import main
 
 if __name__ == "__main__":
     sys.exit(main())

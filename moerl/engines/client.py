@@ -1,13 +1,12 @@
 """One async client for every engine replica, SGLang or embedded: same routes, same decoding.
 
-Generation goes to the least-loaded healthy replica (fewest in flight; :mod:`moerl.engines.health`).
-Each completion is returned as soon as it finishes; a generation that fails in transport, answers
-5xx or runs past the client's deadline takes its replica out of rotation and raises
-:class:`ReplicaDown`, for the caller to re-issue elsewhere. On control routes transport failures and
-5xx answers are retried a bounded number of times where a second attempt is harmless (never a group
-join, a broadcast or an adapter load); a 4xx answer is the caller's mistake and raises at once with
-the engine's message. Every body is built with the route's
-type from :mod:`moerl.engines.protocol`.
+Generation, and any other request a caller routes by :meth:`EngineClient.on_replica`, goes to the least-loaded
+healthy replica (fewest in flight; :mod:`moerl.engines.health`). Each completion is returned as soon as it finishes; a
+request that fails in transport, answers 5xx or runs past the client's deadline takes its replica out of rotation and
+raises :class:`ReplicaDown`, for the caller to re-issue elsewhere (:meth:`EngineClient.until_served` does so itself).
+On control routes transport failures and 5xx answers are retried a bounded number of times where a second attempt is
+harmless (never a group join, a broadcast or an adapter load); a 4xx answer is the caller's mistake and raises at once
+with the engine's message. Every body is built with the route's type from :mod:`moerl.engines.protocol`.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ import logging
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
@@ -33,6 +33,7 @@ from moerl.errors import EnginesDown
 from moerl.models.family import ModelShape
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 # An answer that cannot be larger than this is read and decoded here (about 4 ms per MB): less than the round trip to a
 # generation worker costs. Larger ones (an 8K-token response of a 48-layer model is 25 MB) go to the workers.
@@ -58,6 +59,18 @@ class ReplicaDown(EngineError):
 
 class NoHealthyEngine(RuntimeError):
     """Every replica is out of rotation."""
+
+
+@dataclass(frozen=True)
+class Returns:
+    """What a /generate answer carries beside each token and its log-prob."""
+
+    routing_from: int | None = None  # each fed position's routed experts from this one on (None: no routing)
+    sampling_mask: bool = False  # each token's kept set (top-k/top-p), its log-prob renormalised over it
+    top_logprobs: int = 0  # each token's most likely tokens, with their log-probs
+
+
+TOKENS_ONLY = Returns()
 
 
 class EngineClient:
@@ -181,12 +194,8 @@ class EngineClient:
         self,
         input_ids: list[int],
         sampling_params: SamplingParams | dict[str, Any] | None = None,
+        returns: Returns = TOKENS_ONLY,
         *,
-        return_logprob: bool = True,
-        return_routed_experts: bool = False,
-        routed_experts_start_len: int = 0,
-        return_sampling_mask: bool = False,
-        top_logprobs: int = 0,
         rid: str | None = None,
         lora_path: str | None = None,
         extra_key: str | None = None,
@@ -194,9 +203,9 @@ class EngineClient:
     ) -> list[Completion]:
         """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica, or with an
         ``affinity`` key from the healthy replica that key hashes to (the same one for as long as the healthy set
-        stays: an agent group's turns reuse its prompt's prefix there); ``extra_key``: the prefix-cache partition it may
-        reuse KV from (SGLang's; a policy version's, say); ``top_logprobs``: each output token's most likely tokens to
-        return with their log-probs (SGLang's top_logprobs_num). Raises
+        stays: an agent group's turns reuse its prompt's prefix there); ``returns``: what the answer carries beside each
+        token and its log-prob; ``extra_key``: the prefix-cache partition it may reuse KV from (SGLang's; a policy
+        version's, say). Raises
         :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when
         the worker carrying it died (the replica is not blamed): either may be re-issued."""
         if isinstance(sampling_params, dict):
@@ -204,20 +213,54 @@ class EngineClient:
         fields: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_params or SamplingParams(),
-            "return_logprob": return_logprob,
+            "return_logprob": True,
         }
-        if return_routed_experts:
+        routing_start = returns.routing_from or 0
+        if returns.routing_from is not None:
             if self.shape is None:
-                raise ValueError("return_routed_experts needs EngineClient(shape=ModelShape...) to decode the routing")
-            fields.update(return_routed_experts=True, routed_experts_start_len=routed_experts_start_len)
-        if return_sampling_mask:
+                raise ValueError("routed experts need EngineClient(shape=ModelShape...) to decode the routing")
+            fields.update(return_routed_experts=True, routed_experts_start_len=routing_start)
+        if returns.sampling_mask:
             fields.update(return_sampling_mask=True, sampling_logprobs_mode="selected")
-        if top_logprobs:
-            fields.update(top_logprobs_num=top_logprobs)
+        if returns.top_logprobs:
+            fields.update(top_logprobs_num=returns.top_logprobs)
         # Those not given stay unset, so the body leaves them out.
         optional = {"rid": rid, "lora_path": lora_path, "extra_key": extra_key}
         fields.update({name: value for name, value in optional.items() if value is not None})
         request = P.GenerateReqInput(**fields)
+
+        async def on(url: str) -> list[Completion]:
+            epoch = self.health.epochs[url]
+            try:
+                if self._workers is not None and P.largest_answer_bytes(request, self.shape) > CARRY_ELSEWHERE_BYTES:
+                    completions = await self._workers.generate(url, request, routing_start)
+                else:
+                    completions = await self.generate_on(url, request, routing_start)
+            except EngineError as e:
+                said = str(e)
+                if lora_path is not None and e.status == 400 and P.ADAPTER_NEVER_LOADED in said and lora_path in said:
+                    reason = f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen"
+                    self.health.lost_policy(url, reason, epoch)
+                    raise ReplicaDown(url, said.removeprefix(f"{url}: "), e.status) from None
+                raise
+            versions = (span["version"] for c in completions for span in c.weight_versions)
+            if (stray := self.health.foreign_version(versions)) is not None:
+                reason = (
+                    f"answered under weight version {stray!r}, which no weight sync of this run left: it restarted "
+                    "unseen"
+                )
+                self.health.lost_policy(url, reason, epoch)
+                raise ReplicaDown(url, reason)
+            return completions
+
+        return await self.on_replica(on, affinity)
+
+    async def on_replica(self, call: Callable[[str], Awaitable[R]], affinity: str | None = None) -> R:
+        """``call(url)``, once, on the least-loaded healthy replica, or with an ``affinity`` key on the healthy replica
+        that key hashes to (the same one for as long as the healthy set stays). A failure of the replica's (transport,
+        5xx, deadline, an answer that cannot be read) takes it out of rotation and raises :class:`ReplicaDown`, for the
+        caller to ask again elsewhere, as does a :class:`ReplicaDown` of ``call``'s own (the replica's health told
+        already); a refusal (4xx) is raised as it came. :class:`NoHealthyEngine` where no replica is healthy."""
         usable = self.health.usable()
         if not usable:
             states = ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls)
@@ -226,18 +269,12 @@ class EngineClient:
             url = min(usable, key=self.in_flight.__getitem__)
         else:
             url = sorted(usable)[zlib.crc32(affinity.encode()) % len(usable)]
-        epoch = self.health.epochs[url]
         self.in_flight[url] += 1
-        try:  # not again here: the caller re-issues elsewhere
-            if self._workers is not None and P.largest_answer_bytes(request, self.shape) > CARRY_ELSEWHERE_BYTES:
-                completions = await self._workers.generate(url, request, routed_experts_start_len)
-            else:
-                completions = await self.generate_on(url, request, routed_experts_start_len)
+        try:
+            return await call(url)
+        except ReplicaDown:
+            raise
         except EngineError as e:
-            if lora_path is not None and e.status == 400 and P.ADAPTER_NEVER_LOADED in str(e) and lora_path in str(e):
-                reason = f"refused adapter {lora_path}, which a sync loaded there: it restarted unseen"
-                self.health.lost_policy(url, reason, epoch)
-                raise ReplicaDown(url, str(e).removeprefix(f"{url}: "), e.status) from None
             if e.status is not None and e.status < 500:
                 raise
             self.health.request_failed(url, str(e))
@@ -247,14 +284,25 @@ class EngineClient:
             raise ReplicaDown(url, str(e)) from None
         finally:
             self.in_flight[url] -= 1
-        versions = (span["version"] for c in completions for span in c.weight_versions)
-        if (stray := self.health.foreign_version(versions)) is not None:
-            reason = (
-                f"answered under weight version {stray!r}, which no weight sync of this run left: it restarted unseen"
-            )
-            self.health.lost_policy(url, reason, epoch)
-            raise ReplicaDown(url, reason)
-        return completions
+
+    async def until_served(
+        self,
+        call: Callable[[str], Awaitable[R]],
+        failed: Callable[[ReplicaDown], None],
+        down_timeout_s: float,
+        timeout_key: str,
+        poll_s: float,
+        meanwhile: Callable[[], Awaitable[bool]] | None = None,
+    ) -> R:
+        """``call(url)`` by :meth:`on_replica` until a replica serves it: each replica's failure is told to ``failed``
+        and the call is made again, on another replica or once one is healthy again. The last four arguments are
+        :meth:`until_usable`'s: :class:`EnginesDown` after ``down_timeout_s`` with none."""
+        while True:
+            await self.until_usable(down_timeout_s, timeout_key, poll_s, meanwhile)
+            try:
+                return await self.on_replica(call)
+            except ReplicaDown as e:
+                failed(e)
 
     async def classify_on(self, url: str, input_ids: list[list[int]]) -> list[list[float]]:
         """A reward model's scores of each input (SGLang's /classify), from the engine at ``url``."""

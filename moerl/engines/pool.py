@@ -25,7 +25,7 @@ from moerl.checkpoint.hf import read_config
 from moerl.engines import sglang
 from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
-from moerl.engines.sglang import lora_target_modules, sglang_problem
+from moerl.engines.sglang import sglang_problem
 from moerl.env import child_env, die_with_parent, free_ports, group_left
 from moerl.models import is_classifier
 
@@ -472,88 +472,3 @@ def route_address(host: str = "192.0.2.1") -> str | None:
             return socket.gethostbyname(socket.gethostname())
         except OSError:
             return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``moerl engines``: SGLang replicas on this node for a job whose trainer runs on other nodes."""
-    import argparse
-    import ipaddress
-    import socket
-
-    from moerl.megatron.lora_config import LoRAConfig
-
-    p = argparse.ArgumentParser(
-        prog="moerl engines",
-        description=(
-            "Start SGLang replicas on this node's GPUs with the flags moerl's RL loop needs (routed experts, sampling "
-            "masks, memory saver, LoRA), wait until each is healthy, print their URLs and keep them up until "
-            "interrupted. Give the URLs to the job: engines.urls=[...]."
-        ),
-    )
-    p.add_argument("--model", required=True, help="HF model directory (the one the job trains)")
-    p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--gpus-per-replica", type=int, default=1, help="tensor-parallel size of each replica")
-    p.add_argument("--base-port", type=int, default=30000, help="replica i serves on base-port + i")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--mem-fraction-static", type=float, default=0.8)
-    p.add_argument(
-        "--lora-max-rank", type=int, default=None, help="serve LoRA adapters up to this rank (the job's lora.rank)"
-    )
-    p.add_argument(
-        "--lora-targets",
-        nargs="+",
-        default=LoRAConfig().targets,
-        metavar="PATTERN",
-        help="the job's lora.targets (megatron module patterns; default: %(default)s): the replicas serve LoRA on "
-        "their Hub modules only",
-    )
-    p.add_argument("--log-dir", default="engine-logs")
-    p.add_argument(
-        "--server",
-        choices=["sglang", "embedded"],
-        default="sglang",
-        help="sglang, or moerl's embedded engine (the same HTTP API, one device or the CPU, no tensor parallelism)",
-    )
-    p.add_argument(
-        "--host",
-        default=None,
-        help="the address the replicas serve on and the job reaches them at (default: this node's address on its "
-        "default route)",
-    )
-    args = p.parse_args(argv)
-    problem = (sglang_problem() or sglang.served_wrong(args.model)) if args.server == "sglang" else None
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
-    host = args.host or route_address()
-    if host is None or (not args.host and ipaddress.ip_address(host).is_loopback):
-        print(
-            f"error: {socket.gethostname()} has no default route and resolves to a loopback address: pass --host, the "
-            "address the trainer nodes reach this node at",
-            file=sys.stderr,
-        )
-        return 2
-    pool = EnginePool(
-        EnginePoolConfig(
-            model_path=args.model,
-            server=args.server,
-            replicas=args.replicas,
-            gpus_per_replica=args.gpus_per_replica,
-            host=host,
-            base_port=args.base_port,
-            dtype=args.dtype,
-            log_dir=args.log_dir,
-            mem_fraction_static=args.mem_fraction_static,
-            lora_max_rank=args.lora_max_rank,
-            lora_target_modules=lora_target_modules(args.model, args.lora_targets) if args.lora_max_rank else None,
-        )
-    )
-    pool.start()
-    print("engines.urls=[" + ",".join(pool.replica_urls) + "]", flush=True)
-    stop = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # delivered to sigwait, not as KeyboardInterrupt
-    try:
-        signal.sigwait(stop)
-    finally:
-        pool.stop()
-    return 0

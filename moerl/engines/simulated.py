@@ -35,10 +35,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
+from moerl.engines.embedded.engine import EmbeddedEngine, TokenDetails
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import DENSE_LAYER, hub_tensor_view, moe_gates
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, Scheduler
-from moerl.engines.embedded.server import EmbeddedEngine, TokenDetails
 from moerl.engines.protocol import ProtocolError
 from moerl.simulation import EngineProfile, Profile
 

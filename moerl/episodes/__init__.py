@@ -6,7 +6,7 @@ holds built-in agents; :mod:`~moerl.episodes.parsing` parses assistant turns.
 """
 
 from moerl.episodes.agents import Agent, load_agent, load_tools, tool_agent
-from moerl.episodes.episode import Episode, EpisodeDone, EpisodeError, EpisodeStats, Generate, Turn
+from moerl.episodes.episode import Episode, EpisodeDone, EpisodeError, EpisodeSettings, EpisodeStats, Generate, Turn
 from moerl.episodes.parsing import ParsedTurn, parse_hermes
 from moerl.episodes.tools import CALCULATOR, Tool, ToolOutput, calculator, run_tool
 
@@ -16,6 +16,7 @@ __all__ = [
     "Episode",
     "EpisodeDone",
     "EpisodeError",
+    "EpisodeSettings",
     "EpisodeStats",
     "Generate",
     "ParsedTurn",

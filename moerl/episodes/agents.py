@@ -13,16 +13,30 @@ from typing import Any
 
 import numpy as np
 
-from moerl.config import import_object
 from moerl.episodes.episode import Episode
 from moerl.episodes.tools import CALCULATOR, Tool
 from moerl.errors import ConfigError
+from moerl.plugins import Registry
 from moerl.simulation import EpisodeProfile
 
 Agent = Callable[[Episode, Mapping[str, Any]], Awaitable[float | None]]
 MAX_TURNS = 8  # model turns of a tool_agent episode; a record's "max_turns" overrides it
 
 
+def _not_an_agent(agent: Any) -> str | None:
+    return None if inspect.iscoroutinefunction(agent) else "is not an async function (async def agent(episode, record))"
+
+
+def _not_a_tool(tool: Any) -> str | None:
+    return None if isinstance(tool, Tool) else f"is {type(tool).__name__}, not a moerl.episodes.tools.Tool"
+
+
+AGENTS: Registry[Agent] = Registry("rollout.agent", _not_an_agent)
+TOOLS: Registry[Tool] = Registry("rollout.tools", _not_a_tool)
+TOOLS.register(CALCULATOR.name)(CALCULATOR)
+
+
+@AGENTS.register("tool_agent")
 async def tool_agent(episode: Episode, record: Mapping[str, Any]) -> float | None:
     """Chat with the episode's tools: each turn's tool calls are run and answered, until a turn calls none, the
     episode ends (its token budget) or ``max_turns`` turns have run. The record's ``prompt`` is the user message
@@ -63,24 +77,14 @@ def simulated_agent(profile: EpisodeProfile, time_scale: float, seed: int) -> Ag
     return agent
 
 
-AGENTS: dict[str, Agent] = {"tool_agent": tool_agent}
-TOOLS: dict[str, Tool] = {CALCULATOR.name: CALCULATOR}
-
-
 def load_agent(name: str) -> Agent:
     """A built-in agent by name, or ``package.module:function`` (a coroutine function); :class:`ConfigError` if not."""
-    agent = AGENTS.get(name) or import_object(name, "rollout.agent")
-    if not inspect.iscoroutinefunction(agent):
-        raise ConfigError(f"rollout.agent={name!r} is not an async function (async def agent(episode, record))")
-    return agent
+    return AGENTS.load(name)
 
 
 def load_tools(names: list[str]) -> list[Tool]:
     """Built-in tools by name, or ``package.module:TOOL`` (a :class:`Tool`), with distinct names."""
-    tools = [TOOLS.get(name) or import_object(name, "rollout.tools") for name in names]
-    for name, tool in zip(names, tools, strict=True):
-        if not isinstance(tool, Tool):
-            raise ConfigError(f"rollout.tools: {name!r} is {type(tool).__name__}, not a moerl.episodes.tools.Tool")
+    tools = [TOOLS.load(name) for name in names]
     seen = [tool.name for tool in tools]
     if len(set(seen)) != len(seen):
         raise ConfigError(f"rollout.tools: two tools share a name ({', '.join(seen)})")

@@ -96,8 +96,9 @@ class Turn:
 
 
 @dataclass
-class _Segment:
-    """One linear stream: a sample once it holds an action. Per response token: the chunks of each array."""
+class _SampleDraft:
+    """One linear token stream, the sample it becomes once it holds an action: per response token, the chunks of each
+    array."""
 
     prompt: list[int]
     response: list[int] = field(default_factory=list)
@@ -117,6 +118,29 @@ class _Segment:
         return self.prompt + self.response
 
 
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """How an episode asks for its turns and reads them: the same for every episode of a run, but for the sampling
+    seed.
+
+    ``params``: each turn's sampling (n is 1; a set sampling_seed becomes seed + turn); ``routing`` / ``sampling_mask``:
+    whether the episode's ``generate`` asks for routing / kept sets (checked on each completion); ``tools``: what
+    :meth:`Episode.run_tools` runs; ``tool_parser``, ``chat_template_kwargs``: how a chat turn is parsed and a history
+    rendered; ``end_of_turn``: the token a chat turn stops on (where the tokenizer has it); ``max_total_tokens``: the
+    most tokens a stream may hold, prompt included (at most the engine's context length): a turn generates at most up
+    to it, and the episode ends once it is reached."""
+
+    tokenizer: Any
+    params: SamplingParams
+    routing: bool = True
+    sampling_mask: bool = False
+    tools: Sequence[Tool] = ()
+    tool_parser: Callable[[str], ParsedTurn] = parse_hermes
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    end_of_turn: str | None = END_OF_TURN
+    max_total_tokens: int | None = None
+
+
 class Episode:
     """One agent episode: its token stream (and forks), its turns, its stats; :meth:`samples` at the end."""
 
@@ -125,37 +149,26 @@ class Episode:
         prompt_ids: Sequence[int],
         record: Mapping[str, Any],
         generate: Generate,
-        tokenizer: Any,
-        params: SamplingParams,
+        settings: EpisodeSettings,
         *,
         group_id: int = 0,
         index: int = 0,
-        routing: bool = True,
-        sampling_mask: bool = False,
-        tools: Sequence[Tool] = (),
-        tool_parser: Callable[[str], ParsedTurn] = parse_hermes,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        end_of_turn: str | None = END_OF_TURN,
-        max_total_tokens: int | None = None,
     ):
-        """``params``: each turn's sampling (n is 1; a set sampling_seed becomes seed + turn); ``routing`` /
-        ``sampling_mask``: whether ``generate`` asks for routing / kept sets (checked on each completion);
-        ``end_of_turn``: the token a chat turn stops on (where the tokenizer has it); ``max_total_tokens``: the most
-        tokens a stream may hold, prompt included (at most the engine's context length): a turn generates at most up to
-        it, and the episode ends once it is reached."""
+        """Episode ``index`` of group ``group_id``: ``record``'s prompt, ``prompt_ids``, continued by ``generate``'s
+        turns as ``settings`` say."""
         if not prompt_ids:
             raise EpisodeError("an episode needs at least one prompt token")
         self.record = record
         self.group_id, self.index = group_id, index
-        self.tokenizer = tokenizer
-        self.params = params.model_copy(update={"n": 1})
-        self.routing, self.sampling_mask = routing, sampling_mask
-        self.tools = {tool.name: tool for tool in tools}
-        self.tool_parser = tool_parser
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        turn_end = tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn is not None else None
-        self.end_of_turn_ids = [turn_end] if isinstance(turn_end, int) and turn_end != tokenizer.unk_token_id else []
-        self.max_total_tokens = max_total_tokens
+        self.settings, self.tokenizer = settings, settings.tokenizer
+        self.params = settings.params.model_copy(update={"n": 1})
+        self.tools = {tool.name: tool for tool in settings.tools}
+        end = settings.end_of_turn
+        turn_end = self.tokenizer.convert_tokens_to_ids(end) if end is not None else None
+        self.end_of_turn_ids = (
+            [turn_end] if isinstance(turn_end, int) and turn_end != self.tokenizer.unk_token_id else []
+        )
+        self.max_total_tokens = settings.max_total_tokens
         self.stats = EpisodeStats()
         self.turns: list[Turn] = []
         self.final_text = ""  # the last turn's answer (chat: its content), for the task's reward function
@@ -163,8 +176,8 @@ class Episode:
         self.base_url: str | None = None  # the OpenAI-compatible endpoint serving this episode, where there is one
         self._generate = generate
         self._lock = asyncio.Lock()  # one turn at a time: each extends the stream the last one left
-        self._segment = _Segment(list(prompt_ids))
-        self._closed: list[_Segment] = []
+        self._draft = _SampleDraft(list(prompt_ids))
+        self._closed: list[_SampleDraft] = []
 
     # ---- turns ----------------------------------------------------------------------------------------------------
     @property
@@ -177,14 +190,14 @@ class Episode:
 
     def stream(self) -> list[int]:
         """The current sample's tokens: what the next turn feeds, before its new context."""
-        return self._segment.stream()
+        return self._draft.stream()
 
     async def generate(self, new_ids: Sequence[int] = (), **sampling_overrides: Any) -> list[int]:
         """Token level: append ``new_ids`` as context, generate one turn, append its output; the output ids."""
         params = self._params(sampling_overrides, [])
         async with self._lock:
             self._check_open()
-            turn = await self._turn(self._segment, list(new_ids), params)
+            turn = await self._turn(self._draft, list(new_ids), params)
         self.final_text = turn.text
         return turn.output_ids
 
@@ -215,12 +228,12 @@ class Episode:
         rendered = self._render(messages, tools)
         async with self._lock:
             self._check_open()
-            stream = self._segment.stream()
+            stream = self._draft.stream()
             if rendered[: len(stream)] == stream:
-                turn = await self._turn(self._segment, rendered[len(stream) :], params, stop, top_logprobs)
+                turn = await self._turn(self._draft, rendered[len(stream) :], params, stop, top_logprobs)
             else:
-                turn = await self._turn(_Segment(rendered), [], params, stop, top_logprobs)
-        parsed = self.tool_parser(turn.text)
+                turn = await self._turn(_SampleDraft(rendered), [], params, stop, top_logprobs)
+        parsed = self.settings.tool_parser(turn.text)
         calls = [
             {"id": f"call_{self.stats.tool_calls + i}", "type": "function", "function": call}
             for i, call in enumerate(parsed.tool_calls)
@@ -256,7 +269,7 @@ class Episode:
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
-                **self.chat_template_kwargs,
+                **self.settings.chat_template_kwargs,
             )
         )
 
@@ -283,17 +296,17 @@ class Episode:
         return params.model_copy(update={"stop_token_ids": stops or None})
 
     async def _turn(
-        self, seg: _Segment, context: list[int], params: SamplingParams, stop: Sequence[str] = (), top: int = 0
+        self, draft: _SampleDraft, context: list[int], params: SamplingParams, stop: Sequence[str] = (), top: int = 0
     ) -> Turn:
-        """One engine request continuing ``seg`` (the current stream, or a fork's new one) after ``context``, cut at
+        """One engine request continuing ``draft`` (the current sample's, or a fork's new one) after ``context``, cut at
         the first of the ``stop`` strings, with ``top`` alternatives for each output token. Nothing changes until its
         answer has been checked: a request that fails or is refused leaves the episode as it was."""
-        start = seg.rows
-        input_ids = seg.stream() + context
+        start = draft.rows
+        input_ids = draft.stream() + context
         if self.max_total_tokens is not None:
             room = self.max_total_tokens - len(input_ids)
             if room <= 0:  # the context fills the budget: nothing is generated, the episode ends, truncated
-                self.finish_reason = self._segment.finish_reason = "length"
+                self.finish_reason = self._draft.finish_reason = "length"
                 self.turns.append(turn := Turn([], "", "length", len(input_ids), 0, 0))
                 return turn
             params = params.model_copy(update={"max_new_tokens": min(params.max_new_tokens, room)})
@@ -312,18 +325,18 @@ class Episode:
         if stop and (cut := self._stop_cut(completion.output_ids.tolist(), text, stop)) is not None:
             kept, matched, text = cut
             completion, per_token = completion.head(kept, {"type": "stop", "matched": matched}), per_token[:kept]
-        if seg is not self._segment:
-            if self._segment.actions:
-                self._closed.append(self._segment)
+        if draft is not self._draft:
+            if self._draft.actions:
+                self._closed.append(self._draft)
                 self.stats.forks += 1
-            self._segment = seg  # a stream without actions is replaced: not a fork
+            self._draft = draft  # a stream without actions is replaced: not a fork
         self._append_context(context)
         self._append_output(completion, per_token, len(input_ids))
         finish = completion.finish_reason.get("type", "")
-        seg.finish_reason = finish
+        draft.finish_reason = finish
         if finish == "abort":
             self.finish_reason = "abort"
-        elif self.max_total_tokens is not None and len(seg.prompt) + len(seg.response) >= self.max_total_tokens:
+        elif self.max_total_tokens is not None and len(draft.prompt) + len(draft.response) >= self.max_total_tokens:
             self.finish_reason = "length"
         output = completion.output_ids.tolist()
         assert completion.logprobs is not None, "checked"
@@ -365,9 +378,11 @@ class Episode:
             raise EpisodeError("the completion has no output log-probs: generate must ask for return_logprob")
         if top and (c.top_ids is None or c.top_logprobs is None):
             raise EpisodeError("the completion has no top log-probs: generate must ask for top_logprobs_num")
-        if self.sampling_mask and (c.mask_offsets is None or c.mask_ids is None or c.sampling_logprobs is None):
+        if self.settings.sampling_mask and (
+            c.mask_offsets is None or c.mask_ids is None or c.sampling_logprobs is None
+        ):
             raise EpisodeError("the completion has no kept sets: generate must ask for return_sampling_mask")
-        if self.routing:
+        if self.settings.routing:
             if c.routing is None:
                 raise EpisodeError("the completion has no routing: generate must ask for return_routed_experts")
             if c.routing_start != start:
@@ -387,42 +402,42 @@ class Episode:
         return per_token
 
     def _append_context(self, ids: list[int]) -> None:
-        seg = self._segment
+        draft = self._draft
         self.stats.context_tokens += len(ids)
-        if not seg.actions:  # before the first action everything is prompt
-            seg.prompt.extend(ids)
+        if not draft.actions:  # before the first action everything is prompt
+            draft.prompt.extend(ids)
             return
         n = len(ids)
-        seg.response.extend(ids)
-        seg.loss_mask.extend([0] * n)
-        seg.logprobs.append(np.zeros(n, np.float32))
-        seg.selected.append(np.zeros(n, np.float32))
-        seg.versions.append(np.full(n, -1, np.int64))
-        seg.kept_lengths.append(np.zeros(n, np.int64))
+        draft.response.extend(ids)
+        draft.loss_mask.extend([0] * n)
+        draft.logprobs.append(np.zeros(n, np.float32))
+        draft.selected.append(np.zeros(n, np.float32))
+        draft.versions.append(np.full(n, -1, np.int64))
+        draft.kept_lengths.append(np.zeros(n, np.int64))
 
     def _append_output(self, c: Completion, versions: np.ndarray, input_len: int) -> None:
         """Append a checked completion's tokens (and their routing rows, from where the stream's end)."""
-        seg, n = self._segment, len(c.output_ids)
-        if self.routing:
+        draft, n = self._draft, len(c.output_ids)
+        if self.settings.routing:
             assert c.routing is not None, "checked"
-            if seg.rows:  # a later turn: what the engine did not reuse from its cache it computed again
-                self.stats.recomputed_positions += max(0, seg.rows - c.cached_tokens)
-            seg.routing.append(c.routing)
-            seg.routing_starts.append(seg.rows)
-            seg.rows = input_len + n - 1
+            if draft.rows:  # a later turn: what the engine did not reuse from its cache it computed again
+                self.stats.recomputed_positions += max(0, draft.rows - c.cached_tokens)
+            draft.routing.append(c.routing)
+            draft.routing_starts.append(draft.rows)
+            draft.rows = input_len + n - 1
             self.stats.routing_rows += len(c.routing)
-            self.stats.full_sequence_rows += seg.rows
-        if self.sampling_mask:
+            self.stats.full_sequence_rows += draft.rows
+        if self.settings.sampling_mask:
             assert c.mask_offsets is not None and c.mask_ids is not None and c.sampling_logprobs is not None, "checked"
-            seg.kept_lengths.append(np.diff(c.mask_offsets))
-            seg.kept_ids.append(c.mask_ids)
-            seg.selected.append(c.sampling_logprobs.astype(np.float32))
+            draft.kept_lengths.append(np.diff(c.mask_offsets))
+            draft.kept_ids.append(c.mask_ids)
+            draft.selected.append(c.sampling_logprobs.astype(np.float32))
         assert c.logprobs is not None, "checked"
-        seg.response.extend(c.output_ids.tolist())
-        seg.loss_mask.extend([1] * n)
-        seg.actions += n
-        seg.logprobs.append(c.logprobs.astype(np.float32))
-        seg.versions.append(versions)
+        draft.response.extend(c.output_ids.tolist())
+        draft.loss_mask.extend([1] * n)
+        draft.actions += n
+        draft.logprobs.append(c.logprobs.astype(np.float32))
+        draft.versions.append(versions)
         self.stats.model_tokens += n
 
     # ---- samples --------------------------------------------------------------------------------------------------
@@ -430,28 +445,28 @@ class Episode:
         """One validated sample per stream that holds an action (the original, then each fork), each with ``reward``,
         the group id and the episode index. Context after a stream's last action is left out (nothing follows it to
         learn)."""
-        return [self._sample(seg, reward, temperature) for seg in (*self._closed, self._segment) if seg.actions]
+        return [self._sample(draft, reward, temperature) for draft in (*self._closed, self._draft) if draft.actions]
 
-    def _sample(self, seg: _Segment, reward: float, temperature: float) -> Sample:
-        mask = np.asarray(seg.loss_mask, np.uint8)
+    def _sample(self, draft: _SampleDraft, reward: float, temperature: float) -> Sample:
+        mask = np.asarray(draft.loss_mask, np.uint8)
         r = int(np.flatnonzero(mask)[-1]) + 1
-        p = len(seg.prompt)
+        p = len(draft.prompt)
         offsets = kept_ids = selected = None
-        if self.sampling_mask:
+        if self.settings.sampling_mask:
             offsets = np.zeros(r + 1, np.int64)
-            np.cumsum(np.concatenate(seg.kept_lengths)[:r], out=offsets[1:])
-            kept_ids = np.concatenate(seg.kept_ids)[: offsets[-1]]
-            selected = np.concatenate(seg.selected)[:r]
+            np.cumsum(np.concatenate(draft.kept_lengths)[:r], out=offsets[1:])
+            kept_ids = np.concatenate(draft.kept_ids)[: offsets[-1]]
+            selected = np.concatenate(draft.selected)[:r]
         routing = starts = None
-        if self.routing:
-            routing = np.concatenate(seg.routing)[: p + r - 1]
+        if self.settings.routing:
+            routing = np.concatenate(draft.routing)[: p + r - 1]
             # the answers whose rows the sample keeps (context after its last action is left out)
-            starts = np.asarray([x for x in seg.routing_starts if x < p + r - 1], np.int64)
+            starts = np.asarray([x for x in draft.routing_starts if x < p + r - 1], np.int64)
         return Sample(
-            prompt_ids=np.asarray(seg.prompt, np.int32),
-            response_ids=np.asarray(seg.response[:r], np.int32),
-            behaviour_logprobs=np.concatenate(seg.logprobs)[:r],
-            versions=np.concatenate(seg.versions)[:r],
+            prompt_ids=np.asarray(draft.prompt, np.int32),
+            response_ids=np.asarray(draft.response[:r], np.int32),
+            behaviour_logprobs=np.concatenate(draft.logprobs)[:r],
+            versions=np.concatenate(draft.versions)[:r],
             loss_mask=mask[:r],
             temperature=temperature,
             selected_logprobs=selected,
@@ -462,5 +477,5 @@ class Episode:
             reward=float(reward),
             group_id=self.group_id,
             episode=self.index,
-            finish_reason=seg.finish_reason,
+            finish_reason=draft.finish_reason,
         ).validate()

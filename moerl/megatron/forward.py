@@ -70,8 +70,9 @@ def run_schedule(
     their mean. ``around_forward(item)``, if given, is a context manager entered around this stage's
     forward of the item (e.g. to set routing-replay targets and read what the routers recorded).
     ``extra_inputs(item, device)``, if given, returns model inputs replacing the defaults (positions
-    counted from each row's start, causal attention), e.g. a packed micro-batch's positions and masks; and
-    ``rope_positions``, where RoPE must rotate each position by another than its index (:func:`rope_at`).
+    counted from each row's start, causal attention), e.g. a packed micro-batch's positions and packed-sequence
+    parameters; and ``rope_positions``, where RoPE must rotate each position by another than its index
+    (:func:`rope_at`).
     """
     first = input_ids_of(microbatches[0])
     b, s = first.shape

@@ -22,10 +22,6 @@ def segment_table(enter: torch.Tensor, exit_: torch.Tensor) -> torch.Tensor:
     return torch.stack([enter, exit_]).to(torch.int64)
 
 
-def is_segment_table(mask: torch.Tensor | None) -> bool:
-    return mask is not None and mask.dim() == 2 and mask.shape[0] == 2 and mask.dtype == torch.int64
-
-
 def sees(table: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """Whether each ``query`` position attends to each ``key`` position (broadcast index tensors): causally, within
     its own segment and its ancestors'."""

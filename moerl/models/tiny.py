@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -220,22 +219,3 @@ def save_model(model, out: str | Path, max_shard_size: str | None = None) -> Non
 
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m moerl.models.tiny",
-        description="Write a tiny random Qwen MoE model (transformers' own classes) with a char-level tokenizer "
-        "as a HF directory, for demos and tests where no model can be downloaded.",
-    )
-    parser.add_argument("--arch", choices=ARCHITECTURES, default=ARCHITECTURES[0], help="model family")
-    parser.add_argument("--out", required=True, help="new directory to write")
-    parser.add_argument("--seed", type=int, default=0, help="weight seed")
-    args = parser.parse_args(argv)
-    if Path(args.out).exists():
-        parser.error(f"output directory {args.out} already exists; choose a new one")
-    print(f"wrote tiny {args.arch} to {save_tiny_hf(args.arch, args.out, seed=args.seed)}")
-
-
-if __name__ == "__main__":
-    main()

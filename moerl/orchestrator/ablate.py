@@ -11,7 +11,6 @@ are every run's. Every combination's config is checked before the first run star
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import os
@@ -76,87 +75,63 @@ def table(runs: dict[str, Path], keys: tuple[str, ...], last: int) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    shared = argv[argv.index("--") + 1 :] if "--" in argv else []
-    p = argparse.ArgumentParser(
-        prog="moerl ablate",
-        description=(
-            "Run the main job under a grid of overrides, one run after another with the same seeds and data; write a "
-            "comparison table (OUT/ablation.md) and the runs' curves on the same axes (OUT/ablation.png)."
-        ),
-        epilog="Overrides after -- go to every run (e.g. -- run.steps=10 run.mode=sync).",
-    )
-    p.add_argument(
-        "--out", required=True, help="a new directory: a run directory per combination, ablation.md, ablation.png"
-    )
-    p.add_argument(
-        "--grid", action="append", required=True, metavar="KEY=V1,V2", help="an axis of the grid (repeat for more)"
-    )
-    p.add_argument("--last", type=int, default=3, help="steps at the end of each run averaged in the table (default 3)")
-    p.add_argument("--keys", nargs="+", default=list(TABLE_KEYS), help="metrics in the table")
-    p.add_argument(
-        "--recipe", default=str(RECIPE), help="the job's launcher (default: this checkout's recipes/qwen_moe_grpo.sh)"
-    )
-    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    try:
-        out, recipe = Path(args.out), Path(args.recipe)
-        if not recipe.is_file():
-            raise AblationError(f"{recipe} does not exist: run from a moerl checkout, or give --recipe")
-        if out.exists() and any(out.iterdir()):
-            raise AblationError(f"{out} is not empty: give a new --out (an ablation's runs start from nothing)")
-        if args.last < 1:
-            raise AblationError("--last must be >= 1")
-        if any(o.startswith("run.dir=") for o in shared + args.grid):
-            raise AblationError("run.dir is set per run (OUT/<name>): leave it out of the overrides and the grid")
-        runs = {run_name(combo): combo for combo in combinations(args.grid)}
-        # The recipe runs $PYTHON: the same interpreter checks and runs every combination.
-        python = os.environ.get("PYTHON", sys.executable)
-        env = child_env(PYTHON=python)
-        config = [] if "--config" in shared else ["--config", str(recipe.with_suffix(".yaml"))]  # as the recipe does
-        for name, combo in runs.items():  # every configuration checked before any run: a typo costs seconds, not runs
-            check = subprocess.run(
-                [python, "-m", "moerl.cli", "train", "--check", *config, f"run.dir={out / name}", *shared, *combo],
-                env=env,
-                capture_output=True,
-                text=True,
+def ablate(out: Path, grid: list[str], shared: list[str], recipe: Path, last: int, keys: tuple[str, ...]) -> None:
+    """Run the recipe under every combination of ``grid`` (each with the overrides ``shared``) into ``out``, after
+    checking every combination's config; then ``report`` the runs that finished (those before a failed one too)."""
+    if not recipe.is_file():
+        raise AblationError(f"{recipe} does not exist: run from a moerl checkout, or give --recipe")
+    if out.exists() and any(out.iterdir()):
+        raise AblationError(f"{out} is not empty: give a new --out (an ablation's runs start from nothing)")
+    if last < 1:
+        raise AblationError("--last must be >= 1")
+    if any(o.startswith("run.dir=") for o in shared + grid):
+        raise AblationError("run.dir is set per run (OUT/<name>): leave it out of the overrides and the grid")
+    runs = {run_name(combo): combo for combo in combinations(grid)}
+    # The recipe runs $PYTHON: the same interpreter checks and runs every combination.
+    python = os.environ.get("PYTHON", sys.executable)
+    env = child_env(PYTHON=python)
+    config = [] if "--config" in shared else ["--config", str(recipe.with_suffix(".yaml"))]  # as the recipe does
+    for name, combo in runs.items():  # every configuration checked before any run: a typo costs seconds, not runs
+        check = subprocess.run(
+            [python, "-m", "moerl.cli", "train", "--check", *config, f"run.dir={out / name}", *shared, *combo],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        if check.returncode:
+            said = (check.stdout + check.stderr).strip().splitlines()
+            raise AblationError(
+                f"run {name}: {said[-1] if said else f'the config check failed (exit {check.returncode})'}"
             )
-            if check.returncode:
-                said = (check.stdout + check.stderr).strip().splitlines()
-                raise AblationError(
-                    f"run {name}: {said[-1] if said else f'the config check failed (exit {check.returncode})'}"
-                )
-        out.mkdir(parents=True, exist_ok=True)
-        done: dict[str, Path] = {}
-        for number, (name, combo) in enumerate(runs.items(), 1):
-            print(f"[{number}/{len(runs)}] {name}", flush=True)
-            with open(out / f"{name}.log", "w") as log:
-                ran = subprocess.run(
-                    ["bash", str(recipe), f"run.dir={out / name}", "run.progress=false", *shared, *combo],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            if ran.returncode:
-                report(done, args, shared, out)  # what did finish is not lost
-                raise AblationError(f"run {name} failed (exit {ran.returncode}); its log: {out / f'{name}.log'}")
-            done[name] = out / name
-    except AblationError as e:
-        print(f"error: {e}")
-        return 2
-    report(done, args, shared, out)
-    return 0
+    out.mkdir(parents=True, exist_ok=True)
+    done: dict[str, Path] = {}
+    for number, (name, combo) in enumerate(runs.items(), 1):
+        print(f"[{number}/{len(runs)}] {name}", flush=True)
+        with open(out / f"{name}.log", "w") as log:
+            ran = subprocess.run(
+                ["bash", str(recipe), f"run.dir={out / name}", "run.progress=false", *shared, *combo],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        if ran.returncode:
+            report(done, grid, shared, last, keys, out)  # what did finish is not lost
+            raise AblationError(f"run {name} failed (exit {ran.returncode}); its log: {out / f'{name}.log'}")
+        done[name] = out / name
+    report(done, grid, shared, last, keys, out)
 
 
-def report(runs: dict[str, Path], args: argparse.Namespace, shared: list[str], out: Path) -> None:
+def report(
+    runs: dict[str, Path], grid: list[str], shared: list[str], last: int, keys: tuple[str, ...], out: Path
+) -> None:
     """OUT/ablation.md and OUT/ablation.png of the runs that finished."""
     if not runs:
         return
     lines = [
-        f"Ablation of {', '.join(args.grid)}; every run: {' '.join(shared) or 'the recipe defaults'}; "
-        f"means over each run's last {args.last} steps",
+        f"Ablation of {', '.join(grid)}; every run: {' '.join(shared) or 'the recipe defaults'}; "
+        f"means over each run's last {last} steps",
         "",
-        *table(runs, tuple(args.keys), args.last),
+        *table(runs, keys, last),
     ]
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

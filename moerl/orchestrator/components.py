@@ -7,31 +7,26 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from moerl.checkpoint.mcore import start_results_queue
 from moerl.dtypes import MODEL_DTYPES
 from moerl.dtypes import resolve as resolve_dtype
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import EngineSection, RunConfig, served_by
 from moerl.orchestrator.messages import ManagerSpec
+from moerl.orchestrator.placement import Placement
 from moerl.orchestrator.preflight import simulation_profile
-from moerl.trainer.trainer import Trainer
-from moerl.weight_sync.base import WeightSync
-from moerl.weight_sync.broadcast import BroadcastSync
-from moerl.weight_sync.disk import DiskSync
-from moerl.weight_sync.lora import AdapterSync
-from moerl.weight_sync.tensor import TensorSync
 
 if TYPE_CHECKING:
     from moerl.engines.pool import EnginePool, EnginePoolConfig
-    from moerl.orchestrator.rollouts import RolloutEndpoint
-    from moerl.trainer.simulated import SimulatedTrainer
+    from moerl.orchestrator.rollouts import RolloutBuffer
+    from moerl.trainer.protocol import TrainerLike
+    from moerl.weight_sync.base import WeightSync
 
 log = logging.getLogger("moerl.train")
 
@@ -60,10 +55,10 @@ def pool_config(
 
 
 def start_engines(
-    cfg: RunConfig, hf: Path, run_dir: Path, local_trainer_ranks: int, wait: bool = True
+    cfg: RunConfig, placement: Placement, hf: Path, run_dir: Path, local_trainer_ranks: int, wait: bool = True
 ) -> tuple[list[str], EnginePool | None]:
-    """(URLs, pool or None): the configured engines, health-checked, or ones started here (``wait`` false: launched,
-    for the caller's ``pool.wait_started``)."""
+    """(URLs, pool or None): the configured engines, health-checked, or ones started here where ``placement`` puts
+    them (``wait`` false: launched, for the caller's ``pool.wait_started``)."""
     from moerl.engines.pool import EnginePool
     from moerl.engines.sglang import lora_target_modules
 
@@ -78,8 +73,7 @@ def start_engines(
             str(hf),
             server,
             run_dir / "logs",
-            # colocated: on the trainer's GPUs, from the first
-            local_trainer_ranks if cuda and cfg.run.placement == "separate" else 0,
+            placement.gpu_offset(local_trainer_ranks) if cuda else 0,
             lora_max_rank=cfg.lora.rank if cfg.lora.enabled else None,
             lora_target_modules=lora_target_modules(hf, cfg.lora.targets)
             if cfg.lora.enabled and server == "sglang"
@@ -110,14 +104,48 @@ class RewardEngines:
     pool: EnginePool | None
 
 
+@dataclass
+class Engines:
+    """Where the engines run, and on global rank 0 those it started or was given: the policy's URLs and the pool of
+    those the job started, and the reward model's (:func:`start_engines`, :func:`start_reward_engines`). Elsewhere,
+    and on rank 0 before they start, none."""
+
+    placement: Placement
+    urls: list[str] = field(default_factory=list)
+    pool: EnginePool | None = None
+    reward: RewardEngines | None = None
+
+    @property
+    def reward_pool(self) -> EnginePool | None:
+        return self.reward.pool if self.reward is not None else None
+
+    def wait_started(self, cfg: RunConfig) -> None:
+        """Until the pools launched answer."""
+        if self.pool is not None:
+            self.pool.wait_started(cfg.engines.start_timeout_s)
+        if self.reward_pool is not None:
+            self.reward_pool.wait_started(cfg.reward.engines.start_timeout_s)
+
+    def stop(self) -> None:
+        """The pools the job started."""
+        for pool in (self.pool, self.reward_pool):
+            if pool is not None:
+                pool.stop()
+
+
 def start_reward_engines(
-    cfg: RunConfig, run_dir: Path, local_trainer_ranks: int, wait: bool = True, beside: EnginePool | None = None
+    cfg: RunConfig,
+    placement: Placement,
+    run_dir: Path,
+    local_trainer_ranks: int,
+    wait: bool = True,
+    beside: EnginePool | None = None,
 ) -> RewardEngines | None:
-    """The reward model's replicas (none without ``reward.model``): those given by URL, or ones started here on the
-    GPUs after the trainer's and the policy engines' (colocated: on the trainer's, keeping their weights in host memory
-    while released). They log under ``logs/reward``. ``wait`` false: launched, for the caller's
-    ``pool.wait_started``, on ports other than those of ``beside``'s replicas (the policy's, launched too: maybe not
-    bound yet)."""
+    """The reward model's replicas (none without ``reward.model``): those given by URL, or ones started here where
+    ``placement`` puts them (separate: on the GPUs after the trainer's and the policy engines'; colocated: on the
+    trainer's, keeping their weights in host memory while released). They log under ``logs/reward``. ``wait`` false:
+    launched, for the caller's ``pool.wait_started``, on ports other than those of ``beside``'s replicas (the policy's,
+    launched too: maybe not bound yet)."""
     from moerl.engines.pool import EnginePool
     from moerl.orchestrator.model_cache import prepare_reward_model
 
@@ -130,10 +158,16 @@ def start_reward_engines(
     policy = cfg.engines
     policy_gpus = 0 if policy.urls else policy.replicas * policy.gpus_per_replica
     server = served_by(e)
-    colocated = cfg.run.placement == "colocated"  # on the trainer's GPUs, released while it trains
-    offset = local_trainer_ranks + policy_gpus if torch.cuda.is_available() and not colocated else 0
+    offset = placement.gpu_offset(local_trainer_ranks + policy_gpus) if torch.cuda.is_available() else 0
     pool = EnginePool(
-        pool_config(e, str(model), server, run_dir / "logs" / "reward", offset, weights_cpu_backup=colocated)
+        pool_config(
+            e,
+            str(model),
+            server,
+            run_dir / "logs" / "reward",
+            offset,
+            weights_cpu_backup=placement.reward_weights_on_host,
+        )
     )
     log.info("starting %d %s reward engine(s); logs in %s", e.replicas, server, run_dir / "logs" / "reward")
     if not wait:
@@ -146,7 +180,7 @@ def start_manager(
     cfg_path: Path,
     hf: Path,
     urls: list[str],
-    rollouts: RolloutEndpoint,
+    rollouts: RolloutBuffer,
     cursor: int,
     reissue: list[int],
     run_dir: Path,
@@ -167,7 +201,7 @@ def start_manager(
     # stops the manager in order and reads its last events; the manager dies with rank 0 if rank 0 dies first.
     with open(run_dir / "logs" / "rollout_manager.log", "a") as log_file:  # the child keeps its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "moerl.orchestrator.manager", "--spec", str(spec)],
+            [sys.executable, "-m", "moerl.cli.rollout_manager", "--spec", str(spec)],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=child_env(),
@@ -176,12 +210,13 @@ def start_manager(
         )
 
 
-# Any: a SimulatedTrainer stands in for the Trainer through the calls a simulation makes; the two declare no shared
-# interface yet (the job's trainer protocol is still to write).
-def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None) -> Any:
+def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None) -> TrainerLike:
     """The trainer of the Megatron checkpoint ``mcore``, or in a simulation the simulated one of the model at ``hf``."""
     profile = simulation_profile(cfg)
     if profile is None:
+        from moerl.checkpoint.mcore import start_results_queue
+        from moerl.trainer.trainer import Trainer
+
         assert mcore is not None, "prepare_model makes a Megatron checkpoint for every run but a simulation"
         trainer = Trainer(mcore, cfg.trainer, lora=cfg.lora)
         start_results_queue()  # for the checkpoints every run writes: its imports run while the engines start
@@ -193,7 +228,7 @@ def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None) -> Any:
     return SimulatedTrainer(hf, cfg.trainer, profile.trainer, s.trainer_gpus, s.time_scale, MODEL_DTYPES[profile.dtype])
 
 
-def full_weight_bytes(trainer: Trainer | SimulatedTrainer) -> int:
+def full_weight_bytes(trainer: TrainerLike) -> int:
     from moerl.models import family_for
 
     family = family_for(trainer.hf_config)
@@ -211,26 +246,25 @@ def verify_tolerance(cfg: RunConfig, engine_dtypes: list[str] | None = None) -> 
     return 1e-4 if resolve_dtype(cfg.trainer.dtype) == "float32" and all(d == "float32" for d in engines) else 5e-2
 
 
-def make_sync(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
-    """The configured weight-sync strategy; ``urls``: the engines, on global rank 0, None on the other ranks."""
-    sync = _sync_strategy(cfg, urls, hf, run_dir, hf_config)
+def make_sync(
+    cfg: RunConfig, strategy: str, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict
+) -> WeightSync:
+    """The weight sync of ``strategy`` (:meth:`Placement.sync_strategy`); ``urls``: the engines, on global rank 0, None
+    on the other ranks."""
+    sync = _sync_strategy(cfg, strategy, urls, hf, run_dir, hf_config)
     sync.down_timeout_s = cfg.engines.down_timeout_s
     return sync
 
 
-def sync_strategy(cfg: RunConfig) -> str:
-    """Which weight-sync strategy the run uses: tensor (colocated), adapters (LoRA), simulated, disk or broadcast."""
-    if cfg.run.placement == "colocated":  # refused with LoRA, a simulation and modes other than sync
-        return "tensor"
-    if cfg.lora.enabled:
-        return "adapters"
-    if cfg.simulation.profile is not None:
-        return "simulated"
-    return cfg.sync.method
+def _sync_strategy(
+    cfg: RunConfig, strategy: str, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict
+) -> WeightSync:
+    # Imported here: `moerl engines` builds its pool with this module, on nodes that need no trainer (megatron-core).
+    from moerl.weight_sync.broadcast import BroadcastSync
+    from moerl.weight_sync.disk import DiskSync
+    from moerl.weight_sync.lora import AdapterSync
+    from moerl.weight_sync.tensor import TensorSync
 
-
-def _sync_strategy(cfg: RunConfig, urls: list[str] | None, hf: Path, run_dir: Path, hf_config: dict) -> WeightSync:
-    strategy = sync_strategy(cfg)
     if strategy == "tensor":
         return TensorSync(urls, cfg.sync.bucket_mb << 20, cfg.engines.gpus_per_replica)
     if strategy == "adapters":

@@ -24,12 +24,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from moerl.config import check_choices, choices, literal_text
+from moerl.choices import check_choices, choices, literal_text
 from moerl.engines.protocol import MAX_N
 from moerl.errors import ConfigError, MoerlError
 from moerl.megatron.lora_config import LoRAConfig
+from moerl.rewards.judge import DEFAULT_JUDGE_PROMPT
 from moerl.tasks import TaskConfig
-from moerl.tasks.reward_models import DEFAULT_JUDGE_PROMPT
 from moerl.trainer.config import TrainerConfig
 
 Mode = Literal["sync", "periodic", "async"]
@@ -122,7 +122,7 @@ class RewardEngineSection(EngineSection):
 
 @dataclass
 class RewardSection:
-    """A reward model served by engines of its own (:mod:`moerl.tasks.reward_models`), scored as each group finishes;
+    """A reward model served by engines of its own (:mod:`moerl.rewards`), scored as each group finishes;
     its score and the task's reward make the reward by ``combine``."""
 
     model: str | None = None  # its HF directory; null: the task's reward alone
@@ -445,15 +445,16 @@ def filter_problems(r: RolloutSection) -> list[str]:
 
 def reward_problems(cfg: RunConfig) -> list[str]:
     """What a reward model needs: functions that load, and engines that can serve it."""
-    from moerl.tasks.reward_models import COMBINES, VERDICTS, load_named
+    from moerl.rewards.combine import COMBINATIONS
+    from moerl.rewards.judge import VERDICTS
 
     w = cfg.reward
     if w.model is None:
         return []
     problems = []
-    for value, built_in, key in ((w.combine, COMBINES, "reward.combine"), (w.verdict, VERDICTS, "reward.verdict")):
+    for registry, value in ((COMBINATIONS, w.combine), (VERDICTS, w.verdict)):
         try:
-            load_named(value, built_in, key)
+            registry.check(value)
         except ConfigError as err:
             problems.append(str(err))
     if w.kind == "generative":
@@ -475,9 +476,15 @@ def reward_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def starts_reward_engines(cfg: RunConfig) -> bool:
+    """Whether the job starts reward replicas of its own (``reward.model``, not given by URL)."""
+    return cfg.reward.model is not None and not cfg.reward.engines.urls
+
+
 def colocation_problems(cfg: RunConfig) -> list[str]:
-    """What colocated placement needs: turns (the engines generate only while the trainer does not), engines the job
-    starts on its own GPUs, and full weights to push (a released engine keeps no base weights for adapters)."""
+    """What colocated placement (:class:`~moerl.orchestrator.placement.Colocated`) needs: turns (the engines generate
+    only while the trainer does not), engines the job starts on its own GPUs, and full weights to push (a released
+    engine keeps no base weights for adapters)."""
     if cfg.run.placement != "colocated":
         return []
     problems = []

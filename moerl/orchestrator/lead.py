@@ -1,32 +1,39 @@
-"""What global rank 0 runs beside its trainer rank: the engines it started, the rollouts (the rollout manager's process
-and the endpoint to it), the catch-up syncs a step may need, and the metrics and progress bar. The other ranks hold
-none of it: the job (:mod:`moerl.orchestrator.job`) calls it where ``job.lead`` is not None."""
+"""What global rank 0 runs beside its trainer rank (:class:`Lead`): the engines it started, the rollouts (the rollout
+manager's process and the endpoint to it), the catch-up syncs a step may need, and the metrics and progress bar. The
+other ranks hold none of it: theirs is a :class:`Follower`, with the same methods doing nothing, so the job
+(:mod:`moerl.orchestrator.job`) calls either alike."""
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import json
 import logging
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from moerl.engines.client import EngineClient, EngineError
 from moerl.engines.health import State
-from moerl.engines.pool import EnginePool
 from moerl.errors import MoerlError
-from moerl.orchestrator.components import RewardEngines, start_manager
+from moerl.orchestrator.components import Engines, start_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
-from moerl.orchestrator.rollouts import Accounting, Group, PromptState, RolloutEndpoint, rollout_metrics
+from moerl.orchestrator.rollouts import Accounting, Group, PromptState, RolloutBuffer, rollout_metrics
+from moerl.sample import Sample
+from moerl.trainer.distribute import Interlude
 from moerl.weight_sync.base import SyncStats, WeightSync
-from moerl.weight_sync.tensor import TensorSync
 
 log = logging.getLogger("moerl.train")
+
+
+class Pause(enum.IntEnum):
+    """What every rank stops to do between two instalments of a step (an :class:`Interlude`'s kind)."""
+
+    CATCH_UP = 1  # no replica serves and one came back: push it the current policy, so the step can get its groups
+    STOP = 2  # no replica served for engines.down_timeout_s, or the rollout manager is gone: checkpoint, then stop
 
 
 @dataclass
@@ -40,42 +47,43 @@ class StepTimes:
 
 
 class Lead:
+    """Global rank 0's part of the job, once its engines started: the rollouts, the catch-ups and the metrics."""
+
     def __init__(
         self,
         cfg: RunConfig,
         run_dir: Path,
         hf: Path,
-        urls: list[str],
-        pool: EnginePool | None,
+        engines: Engines,
         sync: WeightSync,
         state: dict[str, Any],
         version: int,
-        reward: RewardEngines | None = None,
     ):
-        """``state``: a resumed run's (the data position, the prompts to issue again, the accounting); ``version``: the
-        trainer's policy version at start; ``reward``: the reward model's engines, and the pool of those the job
-        started."""
+        """``engines``: those the job started or was given, the reward model's too, and where they run; ``state``: a
+        resumed run's (the data position, the prompts to issue again, the accounting); ``version``: the trainer's policy
+        version at start."""
         from tqdm import tqdm
 
-        self.cfg, self.pool, self.sync = cfg, pool, sync
+        self.cfg, self.engines, self.sync = cfg, engines, sync
         acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
         acct.dropped.update(state["accounting"].get("dropped", {}))
         for index in state["pending"]:
             acct.set(index, PromptState.IN_FLIGHT)
         self.zmq = zmq.Context()
-        self.rollouts = RolloutEndpoint(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
-        self.reward_pool = reward.pool if reward is not None else None
-        # colocated: the reward replicas share the trainer's GPUs, and give back their memory while it trains
-        self.colocated_reward: list[str] = []
-        self.reward_released: set[str] = set()  # those the last sleep released, less those started again since
-        if reward is not None and reward.pool is not None and cfg.run.placement == "colocated":
-            self.colocated_reward = reward.urls
+        self.rollouts = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
         self.manager: subprocess.Popen | None = start_manager(
-            run_dir / "config.yaml", hf, urls, self.rollouts, state["cursor"], state["pending"], run_dir, reward
+            run_dir / "config.yaml",
+            hf,
+            engines.urls,
+            self.rollouts,
+            state["cursor"],
+            state["pending"],
+            run_dir,
+            engines.reward,
         )
         self.rollouts.watch(self.manager, run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.rollouts)
-        if pool is not None:
+        if engines.pool is not None:
             sync.while_down = self.revive
             sync.restart_engines = self.restart
         self.writer = MetricsWriter(run_dir, resume_after=version if cfg.run.resume != "false" else None)
@@ -92,13 +100,14 @@ class Lead:
     def revive(self) -> None:
         """The replicas whose process died are started again (stale until a sync reaches them, outside the broadcast's
         groups until it forms them again), and the reward model's."""
-        if self.reward_pool is not None:  # the manager's scoring finds them back by /health: they hold no policy
+        reward, pool = self.engines.reward_pool, self.engines.pool
+        if reward is not None:  # the manager's scoring finds them back by /health: they hold no policy
             w = self.cfg.reward.engines
-            self.reward_released -= set(self.reward_pool.revive(w.max_restarts, w.restart_window_s))
-        if self.pool is None:
+            self.engines.placement.started_again(reward.revive(w.max_restarts, w.restart_window_s))
+        if pool is None:
             return
         e = self.cfg.engines
-        restarted = self.pool.revive(e.max_restarts, e.restart_window_s)
+        restarted = pool.revive(e.max_restarts, e.restart_window_s)
         self.sync.started_again(restarted)
         self.rollouts.restarting(restarted)
 
@@ -106,57 +115,16 @@ class Lead:
         """Of these replicas, which the weight sync cannot use as they are (waiting in a failed broadcast for good, or
         holding all the weight groups they may), those the job started are killed and started again (now, or by a later
         revive once their processes have ended); those."""
-        if self.pool is None:
+        if self.engines.pool is None:
             return []
-        killed = self.pool.kill(urls)
+        killed = self.engines.pool.kill(urls)
         self.revive()
         return killed
 
-    def sleep_engines(self) -> None:
-        """Colocated, before the trainer's phase: the engines give back their memory. One that fails to is left as it
-        is (the update wakes, or passes over, what it finds)."""
-        assert isinstance(self.sync, TensorSync), "colocated placement syncs by TensorSync"
-        try:
-            self.sync.sleep()
-        except (MoerlError, EngineError) as e:
-            log.warning("colocated: the engines did not all release their memory before the trainer's phase: %s", e)
-        self.reward_released = self._on_colocated_reward(self.colocated_reward, "release their memory", _release_memory)
-
-    def wake_reward_engines(self) -> None:
-        """Colocated, once the policy's engines generate again: the reward replicas the sleep released take back their
-        memory (their weights from host memory: they take no updates) and score again. One started again since holds
-        its memory and serves already; SGLang's scheduler fails on a resume of what it did not release. One that fails
-        to wake is killed and started again: the manager's scoring waits on a paused replica, since it answers."""
-        woken = sorted(self.reward_released)
-        self.reward_released = set()
-        failed = set(woken) - self._on_colocated_reward(woken, "take back their memory", _take_back_memory)
-        if failed and self.reward_pool is not None:  # left paused or without its memory, it would never score again
-            log.warning("colocated: reward engine(s) %s killed, to be started again", ", ".join(sorted(failed)))
-            self.reward_pool.kill(sorted(failed))
-
-    @staticmethod
-    def _on_colocated_reward(urls: list[str], what: str, call: Callable[[EngineClient], Awaitable[None]]) -> set[str]:
-        """``call(client)`` on each of these colocated reward replicas; those it succeeded on. One that fails is left
-        as it is (revive restarts it if it died; a restarted replica holds its memory)."""
-
-        async def each(url: str) -> None:
-            async with EngineClient([url], timeout_s=REWARD_MEMORY_TIMEOUT_S, retries=0) as client:
-                await call(client)
-
-        async def every() -> list:
-            return await asyncio.gather(*(each(url) for url in urls), return_exceptions=True)
-
-        if not urls:
-            return set()
-        done = set()
-        for url, outcome in zip(urls, asyncio.run(every()), strict=True):
-            if isinstance(outcome, MoerlError | EngineError):
-                log.warning("colocated: reward engine %s did not %s: %s", url, what, outcome)
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            else:
-                done.add(url)
-        return done
+    # ---- the rollouts --------------------------------------------------------------------------
+    def order(self, groups: int) -> None:
+        """Ask the manager for ``groups`` more groups (async runs order ahead of the first step)."""
+        self.rollouts.order(groups)
 
     def start_step(self) -> float:
         """What the last update reached holds this version (the manager's view of it may lag by a probe); the rollouts'
@@ -164,6 +132,30 @@ class Lead:
         self.cpu.start_step()
         self.caught_up, self.catch_ups = set(self.sync.engines), 0
         return self.rollouts.waited_s
+
+    def instalments(self, version: int, taken: list[Group]) -> Iterator[list[Sample] | Interlude]:
+        """The step's samples an instalment at a time as the groups arrive (each instalment's groups added to
+        ``taken``), for the trainer to send each rank its part, or an interlude for every rank: a catch-up sync, or the
+        stop."""
+        cfg = self.cfg
+        try:
+            for instalment in self.rollouts.instalments(
+                version, cfg.rollout.groups_per_step, whole=cfg.run.mode == "sync", waiting=self.while_waiting
+            ):
+                if isinstance(instalment, Interlude):
+                    yield instalment
+                    continue
+                # the groups are in (a sync step's as one instalment): the trainer's turn
+                self.engines.placement.before_training(self.sync, self.engines.reward_pool)
+                instalment = sorted(instalment, key=lambda g: g.index)  # deterministic order within what has arrived
+                taken.extend(instalment)
+                yield [s for g in instalment for s in g.samples]
+        except MoerlError:  # the rollouts keep it (stop_error) for the stop
+            yield Interlude(Pause.STOP)
+
+    def while_waiting(self) -> Interlude | None:
+        """While the step waits for groups: a catch-up of the replicas back while none serves."""
+        return Interlude(Pause.CATCH_UP) if self.catch_up_needed() else None
 
     def catch_up_needed(self) -> list[str]:
         """While the step waits for groups: replicas that died are started again; when none serves and some are back
@@ -177,6 +169,10 @@ class Lead:
             self.back = back
             return back
         return []
+
+    def missed(self) -> None:
+        """A catch-up sync found none of :attr:`back` there: each is caught up once back again."""
+        self.caught_up -= set(self.back)
 
     def caught_up_with(self, stats: SyncStats | None, version: int) -> None:
         """A catch-up sync reached :attr:`sync`'s engines; those it missed, or that went since, are caught up once
@@ -203,6 +199,23 @@ class Lead:
         is new)."""
         weight_version, adapter = self.sync.served(version)
         self.rollouts.served(weight_version, self.sync.engines, adapter, version, also=catch_up and adapter is None)
+
+    def holding_policy(self) -> list[str]:
+        """The engines the last update reached that are still there."""
+        return self.sync.engines
+
+    def trained(self, taken: list[Group]) -> None:
+        """These groups were trained on: not to be issued again on resume."""
+        self.rollouts.trained(taken)
+
+    @property
+    def stop_error(self) -> MoerlError | None:
+        """Why the rollouts stopped the run, if they did."""
+        return self.rollouts.stop_error
+
+    def halt(self) -> None:
+        """The prompts waiting for an engine fail (the run stops)."""
+        self.rollouts.halt()
 
     # ---- metrics -------------------------------------------------------------------------------
     def record(
@@ -241,21 +254,14 @@ class Lead:
                 "prompts/dropped_engine_failure": float(rollouts.acct.dropped["engine_failure"]),
             }
         )
-        if isinstance(self.sync, TensorSync):
-            phases = {
-                "colocate/sleep_seconds": self.sync.sleep_seconds,
-                "colocate/wake_seconds": self.sync.wake_seconds,
-                "colocate/push_seconds": stats.seconds,
-            }
-            metrics.update(phases)
-            metrics["colocate/step_fraction"] = sum(phases.values()) / wall
-            metrics["colocate/trainer_offloaded_bytes"] = float(self.sync.offloaded_bytes)  # rank 0's
+        metrics.update(self.engines.placement.step_metrics(self.sync, stats, wall))
         metrics.update(rollouts.take_scored().metrics())
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state}": float(states.count(state)) for state in State})
-        metrics["engines/restarts"] = float(sum(self.pool.restarts.values())) if self.pool is not None else 0.0
-        if self.reward_pool is not None:
-            metrics["reward_engines/restarts"] = float(sum(self.reward_pool.restarts.values()))
+        pool, reward = self.engines.pool, self.engines.reward_pool
+        metrics["engines/restarts"] = float(sum(pool.restarts.values())) if pool is not None else 0.0
+        if reward is not None:
+            metrics["reward_engines/restarts"] = float(sum(reward.restarts.values()))
         metrics.update(self.cpu.step_metrics(wall))
         self.writer.write(metrics)
         if self.bar is not None:
@@ -270,7 +276,7 @@ class Lead:
 
     # ---- the end -------------------------------------------------------------------------------
     def close(self, run_dir: Path) -> dict:
-        """Stop the manager (every live prompt accounted for, written to accounting.json), the metrics and the engines;
+        """Stop the manager (every live prompt accounted for, written to accounting.json), the metrics and the sockets;
         the final accounting."""
         self.rollouts.stop()
         summary = {
@@ -288,28 +294,58 @@ class Lead:
         self.writer.close()
         if self.bar is not None:
             self.bar.close()
+        self.zmq.term()
         return summary
 
-    def stop_engines(self) -> None:
-        """After the weight sync has closed: the engines the job started, and the sockets' context."""
-        for pool in (self.pool, self.reward_pool):
-            if pool is not None:
-                pool.stop()
-        self.zmq.term()
 
+class Follower:
+    """A trainer rank other than global rank 0 (and rank 0 until its rollouts start): :class:`Lead`'s methods, doing
+    nothing. Its part of each step comes from rank 0, in the collectives every rank takes part in."""
 
-REWARD_MEMORY_TIMEOUT_S = 120.0  # a release or resume of a reward replica's memory
+    rollouts = None  # the run state's is rank 0's (save_checkpoint)
+    stop_error = None
+    back = None  # a catch-up sync reaches the engines rank 0 names
 
+    def order(self, groups: int) -> None:
+        pass
 
-async def _release_memory(client: EngineClient) -> None:
-    await client.pause("retract")
-    try:
-        await client.release_memory()
-    except (MoerlError, EngineError):
-        await client.resume()  # it serves on, holding its memory, rather than staying paused through the step
-        raise
+    def start_step(self) -> float:
+        return 0.0
 
+    def instalments(self, version: int, taken: list[Group]) -> None:
+        return None  # this rank's part of the step's samples comes from rank 0
 
-async def _take_back_memory(client: EngineClient) -> None:
-    await client.resume_memory()
-    await client.resume()
+    def before_the_sync(self) -> None:
+        pass
+
+    def serve(self, version: int, catch_up: bool = False) -> None:
+        pass
+
+    def holding_policy(self) -> None:
+        return None
+
+    def missed(self) -> None:
+        pass
+
+    def caught_up_with(self, stats: SyncStats | None, version: int) -> None:
+        pass
+
+    def trained(self, taken: list[Group]) -> None:
+        pass
+
+    def record(
+        self,
+        metrics: dict,
+        taken: list[Group],
+        stats: SyncStats,
+        times: StepTimes,
+        version: int,
+        full_weight_bytes: int,
+    ) -> None:
+        pass
+
+    def halt(self) -> None:
+        pass
+
+    def close(self, run_dir: Path) -> None:
+        return None

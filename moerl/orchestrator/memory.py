@@ -23,6 +23,14 @@ from typing import TYPE_CHECKING
 from moerl.engines.weight_group import MAX_GROUPS_PER_ENGINE
 from moerl.errors import ConfigError
 from moerl.models.family import ModelFamily, TensorRule
+from moerl.orchestrator.config import starts_reward_engines
+from moerl.orchestrator.placement import (
+    COMMUNICATOR_BYTES,
+    TRAINER_RESIDENT_BYTES,
+    Colocation,
+    Placement,
+    placement_of,
+)
 
 if TYPE_CHECKING:
     from moerl.layout import Layout
@@ -31,10 +39,10 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 USABLE = 0.9  # of a trainer GPU: the CUDA context, NCCL buffers and fragmentation take the rest
-# Per response token, the loss's inputs that a rank holds on its device for a whole piece (MicroBatch.loss_inputs_to;
-# a sync step is one piece): rows, cols, targets, seq, versions and the kept sets' offsets in int64; temperature,
-# weights, advantages, the engine's, the proximal and the reference log-probs in float32; routing_differs. Each kept id
-# adds 4 bytes (int32).
+# Per response token, the loss's inputs that a rank holds on its device for a whole instalment
+# (MicroBatch.loss_inputs_to; a sync step is one instalment): rows, cols, targets, seq, versions and the kept sets'
+# offsets in int64; temperature, weights, advantages, the engine's, the proximal and the reference log-probs in float32;
+# routing_differs. Each kept id adds 4 bytes (int32).
 LOSS_BYTES_PER_TOKEN = 6 * 8 + 6 * 4 + 1
 KEPT_ID_BYTES = 4
 # A prompt's length, which no key bounds (an engine takes any up to the model's context less max_new_tokens): the
@@ -50,20 +58,6 @@ SCORE_BYTES = {2: {"buffer": 2, "kept": 6, "transient": 6}, 4: {"buffer": 4, "ke
 # The [s, s] causal mask megatron-core builds per layer on a GPU when none is given (padded micro-batches): fp32 ones
 # and their triu (8 bytes an element, transient), cast to a bool mask that the layer keeps for its backward.
 CAUSAL_MASK_TRANSIENT_BYTES = 8
-# A broadcast weight sync's NCCL communicators, on each engine GPU and outside mem_fraction_static. Each is assumed to
-# hold NCCL's default buffers: NCCL_BUFFSIZE (4 MiB) per channel per peer, on up to 32 channels (NCCL_MAX_CTAS's
-# default; NVLink rings on H100s open that many), to its two ring neighbours: 256 MiB.
-NCCL_BUFFER_BYTES = 4 << 20
-NCCL_CHANNELS = 32
-NCCL_RING_PEERS = 2
-COMMUNICATOR_BYTES = NCCL_BUFFER_BYTES * NCCL_CHANNELS * NCCL_RING_PEERS
-# Colocated placement (assumed, not measured): what a released SGLang engine keeps on each of its GPUs (its CUDA
-# context, its own TP group's communicator, the memory saver's bookkeeping), and what a trainer rank keeps while the
-# engines run (its CUDA context, and NCCL communicators: megatron-core's, about eight groups of NCCL's default
-# buffers, and the weight handover's, which carries each bucket to the engines' GPUs; counted though they are suspended
-# where torch and NCCL can, which the plan cannot know before launch).
-RELEASED_ENGINE_BYTES = 2 * GIB
-TRAINER_RESIDENT_BYTES = GIB // 2 + 9 * COMMUNICATOR_BYTES
 TP_SPLIT = (".linear_qkv.", ".linear_proj.", ".linear_fc1.", ".linear_fc2.", "word_embeddings.", "output_layer.")
 
 
@@ -88,16 +82,6 @@ class MicroBatchShape:
     bound: str  # the config key that bounds it
     logits_copies: int
     attention: str  # the kernel the trainer's attention runs on a GPU: one of ATTENTION
-
-
-@dataclass
-class Colocation:
-    """Per GPU of a colocated node, the phases that take turns: the trainer's is :attr:`MemoryPlan.trainer`."""
-
-    engines: float  # the engines generate: their static memory (weights, KV cache) beside the trainer's resident part
-    push: float  # the handover: the trainer's weights, the engines' weights and one bucket, beside what stays resident
-    ranks: int  # trainer ranks on the node, each keeping MemoryPlan.host in host memory
-    reward_backup: float = 0.0  # the node's reward replicas' weights, copied into host memory (weights CPU backup)
 
 
 @dataclass
@@ -265,8 +249,8 @@ def plan(cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float
     terms["loss inputs (a step, at most)"] = step_tokens * (
         LOSS_BYTES_PER_TOKEN + KEPT_ID_BYTES * r.top_k * t.replay.sampling_mask
     )
-    colocated = cfg.run.placement == "colocated"
-    host = _host_terms(cfg, terms)
+    placement = placement_of(cfg)
+    host = _host_terms(cfg, placement, terms)
     device = device_memory_gb * GIB
     rank = RankMemory(params, trained, terms)
     problems: list[str] = []
@@ -292,31 +276,17 @@ def plan(cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float
     )
     kv_budget = e.mem_fraction_static * device - engine_weights
     kv_tokens = max(0, int(kv_budget // kv_per_token)) if e.kv_tokens is None else e.kv_tokens
-    # Each sender (sends_weights: every pipeline stage's expert-parallel ranks) has a group with every engine GPU.
-    senders = layout.pp * layout.ep if cfg.sync.method == "broadcast" and not colocated else 0
+    senders = placement.senders(cfg, layout)  # each has a group with every engine GPU
     communicators = senders * MAX_GROUPS_PER_ENGINE * COMMUNICATOR_BYTES
     if not e.urls:  # engines running elsewhere: their memory is theirs
         problem = _engine_gpu_problem(
             cfg, device_memory_gb, engine_weights, kv_per_token, kv_budget, kv_tokens, communicators, senders
         )
         problems += [problem] if problem is not None else []
-    reward_weights, reward_static = _reward_engine(cfg, reward_params, device, problems)
-    colocation = None
-    if colocated:
-        colocation = Colocation(
-            engines=e.mem_fraction_static * device + reward_static * _colocated_reward(cfg) + TRAINER_RESIDENT_BYTES,
-            push=terms["weights"]
-            + engine_weights
-            + (cfg.sync.bucket_mb << 20)
-            + RELEASED_ENGINE_BYTES * (1 + _colocated_reward(cfg))
-            + TRAINER_RESIDENT_BYTES,
-            ranks=world,
-            # each reward GPU's weights (a replica's over its GPUs), kept in host memory while released
-            reward_backup=reward_weights * cfg.reward.engines.replicas * cfg.reward.engines.gpus_per_replica
-            if _colocated_reward(cfg)
-            else 0.0,
-        )
-        problems += _colocation_problems(cfg, colocation, device)
+    reward_weights, reward_static = _reward_engine(cfg, placement, reward_params, device, problems)
+    colocation = placement.phases(cfg, terms["weights"], engine_weights, reward_weights, reward_static, world, device)
+    if colocation is not None:
+        problems += _colocation_problems(cfg, placement, colocation, device)
     return MemoryPlan(
         device,
         rank,
@@ -329,7 +299,7 @@ def plan(cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float
         colocation,
         host,
         reward_weights,
-        _reward_gpus(cfg),
+        placement.reward_gpus(cfg),
     )
 
 
@@ -387,16 +357,18 @@ def _engine_gpu_problem(
     return None
 
 
-def _reward_engine(cfg: RunConfig, reward_params: int, device: float, problems: list[str]) -> tuple[float, float]:
+def _reward_engine(
+    cfg: RunConfig, placement: Placement, reward_params: int, device: float, problems: list[str]
+) -> tuple[float, float]:
     """A reward replica's weights and static memory per GPU; ``problems`` gains weights that do not fit. SGLang takes
     its static memory as a fraction of what is free when it starts: colocated, the reward replicas start beside the
     policy's engines and the trainer's resident part."""
-    e, w = cfg.engines, cfg.reward.engines
+    w = cfg.reward.engines
     reward_weights = reward_params * (4 if w.dtype == "float32" else 2) / w.gpus_per_replica
-    colocated = _colocated_reward(cfg)
-    room = device - (e.mem_fraction_static * device + TRAINER_RESIDENT_BYTES if colocated else 0)
+    colocated = placement.reward_on_trainer_gpus(cfg)
+    room = placement.reward_room(cfg, device)
     static = w.mem_fraction_static * room
-    if _reward_started(cfg) and reward_weights > static:
+    if starts_reward_engines(cfg) and reward_weights > static:
         of = f"the {_size(room)} the policy's engines leave" if colocated else f"{device / GIB:g} GiB"
         problems.append(
             f"a reward engine GPU holds {reward_weights / GIB:.1f} GiB of weights, more than "
@@ -407,40 +379,17 @@ def _reward_engine(cfg: RunConfig, reward_params: int, device: float, problems: 
     return reward_weights, static
 
 
-def _reward_gpus(cfg: RunConfig) -> int:
-    """The GPUs of their own the job's reward replicas take: none given by URL, nor colocated."""
-    w = cfg.reward.engines
-    if not _reward_started(cfg) or cfg.run.placement == "colocated":
-        return 0
-    return w.replicas * w.gpus_per_replica
-
-
-def _reward_started(cfg: RunConfig) -> bool:
-    """Whether the job starts reward replicas of its own (``reward.model``, not given by URL)."""
-    return cfg.reward.model is not None and not cfg.reward.engines.urls
-
-
-def _host_terms(cfg: RunConfig, terms: dict[str, float]) -> dict[str, float]:
+def _host_terms(cfg: RunConfig, placement: Placement, terms: dict[str, float]) -> dict[str, float]:
     """What a trainer rank keeps in host memory, by what: with trainer.optim.cpu_offload the optimizer state throughout
-    (taken out of ``terms``, the device's); colocated, while the engines run, the weights, the optimizer state and the
-    KL reference (the gradients are freed), and ``terms`` gain what a released engine keeps on the GPU."""
+    (taken out of ``terms``, the device's), and what the placement moves (:meth:`Placement.trainer_terms`)."""
     host = {}
     if cfg.trainer.optim.cpu_offload:
         host["optimizer state"] = terms.pop("optimizer state")
-    if cfg.run.placement == "colocated":
-        host["weights"] = terms["weights"]
-        host.update({name: terms[name] for name in ("optimizer state", "KL reference") if name in terms})
-        terms["released engine (assumed)"] = RELEASED_ENGINE_BYTES * (1 + _colocated_reward(cfg))
+    placement.trainer_terms(cfg, terms, host)
     return host
 
 
-def _colocated_reward(cfg: RunConfig) -> bool:
-    """Whether the job starts reward replicas on the trainer's GPUs (colocated placement), released as the policy's
-    engines are."""
-    return _reward_started(cfg) and cfg.run.placement == "colocated"
-
-
-def _colocation_problems(cfg: RunConfig, c: Colocation, device: float) -> list[str]:
+def _colocation_problems(cfg: RunConfig, placement: Placement, c: Colocation, device: float) -> list[str]:
     e = cfg.engines
     problems = []
     if e.replicas * e.gpus_per_replica > c.ranks:
@@ -449,7 +398,7 @@ def _colocation_problems(cfg: RunConfig, c: Colocation, device: float) -> list[s
             "GPUs they share: lower engines.replicas or engines.gpus_per_replica"
         )
     w = cfg.reward.engines
-    if _colocated_reward(cfg) and w.replicas * w.gpus_per_replica > c.ranks:
+    if placement.reward_on_trainer_gpus(cfg) and w.replicas * w.gpus_per_replica > c.ranks:
         problems.append(
             f"colocated reward engines take {w.replicas} x {w.gpus_per_replica} GPUs, more than the {c.ranks} trainer "
             "ranks' GPUs they share: lower reward.engines.replicas or reward.engines.gpus_per_replica"

@@ -78,10 +78,12 @@ class Issued:
 
 @dataclass(frozen=True)
 class GroupDone:
+    """A prompt's group, generated and scored; rank 0 keeps it as it came (rollouts.Group) until a step trains it."""
+
     index: int
     samples: list[Sample]  # the prompt's completions, scored, per-token versions / routing / kept sets attached
-    retries: int  # regenerations after weight updates aborted it (rollout.partial=retry)
-    seconds: float  # from issue to scored
+    retries: int = 0  # regenerations after weight updates aborted it (rollout.partial=retry)
+    seconds: float = 0.0  # from issue to scored
     engine_retries: int = 0  # re-issues after its replica failed (transport error, deadline)
     workers_lost: int = 0  # re-issues after the generation worker carrying it died (not the replica's failure)
     # An agentic group: its episodes' counts summed (EpisodeStats.metrics: turns, tool calls, forks, ...), its episodes
@@ -89,6 +91,10 @@ class GroupDone:
     episodes: dict[str, float] | None = None
     # With a reward model: its requests, retries, seconds and score sum for the group (reward_engines/*)
     scoring: dict[str, float] | None = None
+
+    def oldest_version(self) -> int:
+        """Of the group's oldest model token: an episode's context was produced by no policy."""
+        return min(s.oldest_version for s in self.samples)
 
 
 class DropReason(StrEnum):

@@ -3,14 +3,13 @@ files, and ``moerl plot RUN_DIR [RUN_DIR ...]`` (PNG curves of the metrics; seve
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from moerl.orchestrator.rollouts import RolloutEndpoint
+    from moerl.orchestrator.rollouts import RolloutBuffer
 
 KEY_CURVES = (
     "rollout/reward_mean",
@@ -116,33 +115,13 @@ def plot(run_dirs: str | Path | list, out: str | Path | None = None, keys: tuple
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="moerl plot",
-        description=(
-            "Plot a run's metrics.jsonl as PNG curves; given several runs, draw them on the same axes (legend: each "
-            "run directory's name), e.g. the runs of an ablation."
-        ),
-    )
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (run.dir of the job)")
-    p.add_argument("--out", help="PNG path (default RUN_DIR/curves.png; several runs: compare.png beside the first)")
-    p.add_argument("--keys", nargs="+", help=f"metrics to plot (default: {' '.join(KEY_CURVES)})")
-    args = p.parse_args(argv)
-    try:
-        print(plot(args.run_dirs, args.out, tuple(args.keys) if args.keys else KEY_CURVES))
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}")
-        return 2
-    return 0
-
-
 class CpuMeter:
     """The orchestrator's own CPU cost per step, never scaled in a simulation: the rollout manager process's (the engine
     client, rewards, and the completions its generation workers hand it), its helper processes' (the generation
     workers: engine requests and decoding), and rank 0's rollout buffer's (taking in the finished groups). The manager's
     own is the figure that must stay well below the step: it is one process."""
 
-    def __init__(self, manager_pid: int, rollouts: RolloutEndpoint):
+    def __init__(self, manager_pid: int, rollouts: RolloutBuffer):
         import psutil
 
         self.manager, self.rollouts = psutil.Process(manager_pid), rollouts

@@ -10,12 +10,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from moerl.config import import_object
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
 from moerl.files import staged_dir
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.preflight import model_dir, simulation_profile
+from moerl.plugins import import_object
 from moerl.tasks import DEMO, DEMO_MODELS, DEMO_REWARD_MODELS
 
 log = logging.getLogger("moerl.train")
@@ -86,7 +86,8 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
             [
                 sys.executable,
                 "-m",
-                "moerl.checkpoint.cli",
+                "moerl.cli",
+                "convert-ckpt",
                 "hf-to-mcore",
                 "--hf",
                 str(hf),

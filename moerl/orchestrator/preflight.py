@@ -152,8 +152,8 @@ def memory_plan(cfg: RunConfig, world: int, checked: bool) -> MemoryPlan:
 
 def check_task(cfg: RunConfig) -> None:
     """The prompts load and the reward function resolves, before the rollout manager needs them."""
+    from moerl.rewards import Rewarder
     from moerl.tasks import DEMO_MODELS, load_records
-    from moerl.tasks.rewards import Rewarder
 
     if model_dir(cfg, simulation_profile(cfg)) is None and cfg.task.name not in DEMO_MODELS:
         raise ConfigError(

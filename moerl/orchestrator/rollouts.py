@@ -46,10 +46,9 @@ from moerl.orchestrator.messages import (
     Updating,
     receive_event,
 )
-from moerl.sample import Sample
 from moerl.tasks.filters import reward_varies
 
-WAITING_POLL_S = 0.5  # how often pieces() calls its waiting hook while no group is ready
+WAITING_POLL_S = 0.5  # how often instalments() calls its waiting hook while no group is ready
 
 
 class RolloutError(RuntimeError):
@@ -107,19 +106,8 @@ class Scored:
         }
 
 
-@dataclass
-class Group:
-    index: int
-    samples: list[Sample]
-    retries: int = 0
-    seconds: float = 0.0
-    engine_retries: int = 0
-    episodes: dict[str, float] | None = None  # an agentic group's episode counts (GroupDone.episodes)
-    scoring: dict[str, float] | None = None  # the reward model's counts for it (GroupDone.scoring)
-
-    def oldest_version(self) -> int:
-        """Of the group's oldest model token: an episode's context was produced by no policy."""
-        return min(s.oldest_version for s in self.samples)
+# A finished group as rank 0 holds it, from the manager's event until a step trains it: the event itself.
+Group = GroupDone
 
 
 @dataclass
@@ -157,8 +145,9 @@ class Accounting:
         return {"issued": self.issued, "trained": self.trained, "dropped": dict(self.dropped)}
 
 
-class RolloutEndpoint:
-    """What rank 0 holds of the rollouts: the manager's process and sockets, the ready groups, the accounting."""
+class RolloutBuffer:
+    """The bounded rollout buffer, as rank 0 holds it: the ready groups, the orders to the manager that fill it, the
+    accounting of every prompt."""
 
     def __init__(
         self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None, cursor: int = 0
@@ -274,17 +263,7 @@ class RolloutEndpoint:
                 self.surplus.discard(event.index)
                 self.acct.finish(event.index, Outcome.SURPLUS)
                 return
-            self.ready.append(
-                Group(
-                    event.index,
-                    event.samples,
-                    event.retries,
-                    event.seconds,
-                    event.engine_retries,
-                    event.episodes,
-                    event.scoring,
-                )
-            )
+            self.ready.append(event)
             self.acct.set(event.index, PromptState.READY)
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
@@ -328,19 +307,20 @@ class RolloutEndpoint:
             pass
 
     # ---- what the trainer takes ---------------------------------------------------------------
-    def pieces(
+    def instalments(
         self, version: int, groups: int, whole: bool, waiting: Callable[[], Any] | None = None
     ) -> Iterator[list[Group] | Any]:
-        """``groups`` groups fit for policy ``version``, as pieces the moment they are ready (``whole``:
-        one piece once all are ready). Stale groups are dropped (and re-ordered in async mode). While none is ready,
-        ``waiting()`` is called every :data:`WAITING_POLL_S`; what it returns, unless None, is yielded in between."""
+        """``groups`` groups fit for policy ``version``, as instalments the moment they are ready (``whole``:
+        one instalment once all are ready). Stale groups are dropped (and re-ordered in async mode). While none is
+        ready, ``waiting()`` is called every :data:`WAITING_POLL_S`; what it returns, unless None, is yielded in
+        between."""
         if self.mode != "async":
             self.order(groups + self.cfg.oversample)
         remaining = groups
         # The bound counts the groups turned away that this step orders again: a surplus one (the last step's, still in
         # flight or not yet read) holds no step up, whether the filter turned it away before this step or during it.
         refills_before = self.scored.refills
-        piece: list[Group] = []
+        instalment: list[Group] = []
         while remaining:
             if self.stop_error is not None:
                 raise self.stop_error
@@ -369,13 +349,13 @@ class RolloutEndpoint:
                         self.order(1)
                     continue
                 self.acct.set(group.index, PromptState.TAKEN)
-                piece.append(group)
+                instalment.append(group)
                 remaining -= 1
-            if piece and (not whole or not remaining):
+            if instalment and (not whole or not remaining):
                 if not remaining:
                     self._drop_surplus()
-                yield piece
-                piece = []
+                yield instalment
+                instalment = []
 
     def _check_filtered(self, refills_before: int, taken: int, groups: int) -> None:
         """Stop the run once the filter has turned away more than its bound of the groups this step collects (those

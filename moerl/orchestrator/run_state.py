@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING
 from moerl.megatron.parallel import on_lead
 
 if TYPE_CHECKING:
-    from moerl.orchestrator.rollouts import RolloutEndpoint
-    from moerl.trainer.simulated import SimulatedTrainer
-    from moerl.trainer.trainer import Trainer
+    from moerl.orchestrator.rollouts import RolloutBuffer
+    from moerl.trainer.protocol import TrainerLike
 
 RUN_STATE = "run_state.json"
 
@@ -23,7 +22,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return max(done, key=lambda d: int(d.name.split("_")[1])) if done else None
 
 
-def save_checkpoint(trainer: Trainer | SimulatedTrainer, rollouts: RolloutEndpoint | None, run_dir: Path) -> None:
+def save_checkpoint(trainer: TrainerLike, rollouts: RolloutBuffer | None, run_dir: Path) -> None:
     """The trainer (collective) and, from rank 0, the data position and every live prompt to re-issue."""
     out = run_dir / "checkpoints" / f"step_{trainer.version}"
     # the same version saved already (a stop in the step after it): its state is new

@@ -1,4 +1,4 @@
-"""Prompt datasets and their reward functions, named in config (the ``task`` section).
+"""Prompt datasets, named in config (the ``task`` section) with their reward functions (:mod:`moerl.rewards`).
 
 A task is a list of records ``{"prompt": str, "answer": ...}`` and a reward function. Built in:
 ``tiny`` (the CPU demo's addition task), ``calc`` (the CPU agent demo's: products to compute with a
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from moerl.config import ConfigError, check_choices
+from moerl.choices import ConfigError, check_choices
 
 DATA_DIR = Path(__file__).parent / "data"
 TaskName = Literal["tiny", "calc", "gsm8k", "file"]
@@ -43,7 +43,7 @@ class TaskConfig:
     path: str | None = None  # jsonl or parquet records (file; gsm8k: instead of the shipped sample)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
-    reward: str | None = None  # built-in (exact | math | tiny) or "package.module:function"; default: the task's own
+    reward: str | None = None  # built-in (moerl.rewards.rules) or "package.module:function"; default: the task's own
     reward_url: str | None = None  # a remote verifier instead: POST {prompt, response, answer} -> {"reward": float}
     group_reward: bool = False  # the reward function scores a whole group: f(responses, answer, prompt) -> list
     system_prompt: str | None = None  # with a chat template: the system message

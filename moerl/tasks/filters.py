@@ -11,26 +11,19 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moerl.config import import_object
-from moerl.errors import ConfigError
+from moerl.plugins import Registry, callable_problem
 from moerl.sample import Sample
 
 GroupFilter = Callable[[list[Sample]], bool]  # a group's samples -> whether to train on it
+FILTERS: Registry[GroupFilter] = Registry("rollout.filter_groups", callable_problem)
 
 
+@FILTERS.register("zero_variance")
 def reward_varies(samples: list[Sample]) -> bool:
     """Whether the group's rewards differ: where they do not, every GRPO advantage is zero and it teaches nothing."""
     return bool(np.ptp([s.reward for s in samples]) > 0)
 
 
-FILTERS: dict[str, GroupFilter] = {"zero_variance": reward_varies}
-
-
 def load_filter(name: str) -> GroupFilter | None:
     """``none`` (None), a built-in filter, or ``package.module:function``; :class:`ConfigError` if not one."""
-    if name == "none":
-        return None
-    keep = FILTERS.get(name) or import_object(name, "rollout.filter_groups")
-    if not callable(keep):
-        raise ConfigError(f"rollout.filter_groups={name!r} is {type(keep).__name__}, not a function of a group")
-    return keep
+    return None if name == "none" else FILTERS.load(name)

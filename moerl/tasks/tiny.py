@@ -80,8 +80,9 @@ def save_warm_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def reward_examples(rng: random.Random, k: int, tokenizer) -> list[tuple[list[int], float]]:
-    """``k`` conversations of the task, scored as a reward model reads them (:meth:`RewardModel.conversation_ids`):
-    half answered right (label 1), half with another sum (label 0)."""
+    """``k`` conversations of the task, scored as a reward model reads them
+    (:meth:`~moerl.rewards.model.Classifier.conversation_ids`): half answered right (label 1), half with another sum
+    (label 0)."""
     examples = []
     for item in rng.choices(records(), k=k):
         right = rng.random() < 0.5

@@ -86,7 +86,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 def carried(array: np.ndarray | None) -> np.ndarray:
     """One of a sample's optional arrays (kept sets, selected log-probs, routing) that the plan checked every sample of
-    the piece carries (:meth:`~moerl.trainer.distribute.BatchDistributor._plan`)."""
+    the instalment carries (:meth:`~moerl.trainer.distribute.BatchDistributor._plan`)."""
     assert array is not None, "a sample lacks an array that the plan found on every sample"
     return array
 
@@ -125,7 +125,7 @@ class MicroBatch:
     old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
     r2_targets: list[torch.Tensor] | None = None  # R2: routing recorded in the old-policy forward, per local router
-    sample_indices: list[int] | None = None  # each sample's index in the rank's piece
+    sample_indices: list[int] | None = None  # each sample's index in the rank's instalment
     # bool [T]: the old-policy pass's native experts differ from the rollout's somewhere
     routing_differs: torch.Tensor | None = None
     dummy: bool = False  # a zero-weight copy run only so every expert-parallel rank runs as many micro-batches
@@ -159,10 +159,13 @@ class MicroBatch:
 
     def packed_inputs(self, device: torch.device, thd: bool) -> dict:
         """Model inputs of the packed form: positions restarting at each sample (what follows a shared prefix
-        continuing from it), and either Transformer Engine's THD boundaries (``thd``) or the row's segment table for
-        :class:`~moerl.megatron.attention.SegmentAttention` (causal within each segment and to its ancestors, the
-        prefixes it follows). The padding tail is a segment of its own."""
+        continuing from it), and megatron-core's packed-sequence parameters: either Transformer Engine's THD
+        boundaries (``thd``) or the row's segment table for :class:`~moerl.megatron.attention.SegmentAttention`
+        (causal within each segment and to its ancestors, the prefixes it follows). The padding tail is a segment of
+        its own."""
         from megatron.core.packed_seq_params import PackedSeqParams
+
+        from moerl.megatron.attention import PackedSegments
 
         assert self.cu_seqlens is not None, "packed inputs of a padded micro-batch"
         width = self.input_ids.shape[1]
@@ -181,7 +184,6 @@ class MicroBatch:
             longest = int(lengths.max())
             return {
                 "position_ids": positions_t,
-                "attention_mask": None,
                 "packed_seq_params": PackedSeqParams(
                     qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
                 ),
@@ -189,7 +191,7 @@ class MicroBatch:
         # Built on the host: repeat_interleave on a GPU reads its output size back, a wait as long as a blocking copy.
         segments = np.repeat(np.arange(len(lengths)), lengths)
         table = segment_table(torch.from_numpy(segments), torch.from_numpy(exits[segments]))
-        inputs = {"position_ids": positions_t, "attention_mask": host_to_device(table, device)}
+        inputs = {"position_ids": positions_t, "packed_seq_params": PackedSegments(host_to_device(table, device))}
         if self.tree is not None:  # what follows a shared prefix rotated as in its own sequence, after the prefix
             inputs["rope_positions"] = positions_t[0]
         return inputs

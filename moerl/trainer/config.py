@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from moerl.config import check_choices
+from moerl.choices import check_choices
 from moerl.errors import ConfigError
 from moerl.trainer.objectives import LossConfig
 

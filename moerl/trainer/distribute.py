@@ -1,9 +1,9 @@
 """Batch distribution: global rank 0 holds the step's samples, and each rank receives only its own.
 
-Rank 0 plans each piece of a step: GRPO advantages and aggregation weights over the whole piece, and
+Rank 0 plans each instalment of a step: GRPO advantages and aggregation weights over the whole instalment, and
 the token-balanced data-parallel shards (:func:`~moerl.trainer.batch.shard_by_tokens`). Every rank
 receives the plan, a few numbers per sample (lengths, advantages, weights, temperatures, kept-set sizes, and
-for a piece holding agent episodes the actions of each sample), so all agree on the shards and on the micro-batch
+for an instalment holding agent episodes the actions of each sample), so all agree on the shards and on the micro-batch
 count without further talk. Then each rank receives, as one flat tensor, only its own shard and only what its
 pipeline stage reads: token ids on the first stage (its inputs) and the last (its targets); behaviour log-probs,
 versions and kept sets of the actions on the last, with the loss mask of each sample that has context (a byte per
@@ -14,9 +14,9 @@ TP group's first rank, which broadcasts them within the group. So a rank's host 
 proportional to its own tokens and layers, and nothing batch-sized goes to every rank; rank 0's device holds at
 most :data:`SCATTER_WINDOW_BYTES` of the others' payloads at a time.
 
-Between two pieces rank 0 may call an :class:`Interlude` instead: every rank stops to do the same collective thing
+Between two instalments rank 0 may call an :class:`Interlude` instead: every rank stops to do the same collective thing
 (the job's: a weight sync to an engine that came back while the step waited, a checkpoint before it stops), then the
-step goes on. The weights have not changed since the last update: the optimizer steps after the last piece.
+step goes on. The weights have not changed since the last update: the optimizer steps after the last instalment.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ ROUTING_DTYPES = (np.uint8, np.int16, np.int32)  # what the sample contract allo
 _PIECE, _END, _FAILED, _INTERLUDE = 1, 0, -1, 2  # header status
 _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature", "kept")
 # trainer.shared_prompt adds the prompt tokens each sample shares with the one before it (of its group: the group's
-# prompt, an episode's history before a fork), then a piece with context (agent episodes) each sample's action count
+# prompt, an episode's history before a fork), then an instalment with context (agent episodes) each sample's action
+# count
 _MASKS, _CONTEXT = 1, 2  # the header's flags: kept sets travel; the plan has the actions row
 _ALIGN = 8
 # Rank 0's payloads for the other ranks wait on its GPU (NCCL sends from there) at most this many bytes at a time,
@@ -53,12 +54,13 @@ _Field: TypeAlias = tuple[str, np.dtype, tuple[int, ...]]
 
 
 class BatchFailed(RuntimeError):
-    """Global rank 0 could not plan a piece of the batch; its own error says why."""
+    """Global rank 0 could not plan an instalment of the batch; its own error says why."""
 
 
 @dataclass(frozen=True)
 class Interlude:
-    """What rank 0's source yields in place of a piece for every rank to stop and do ``kind`` (the caller's code)."""
+    """What rank 0's source yields in place of an instalment for every rank to stop and do ``kind`` (the caller's
+    code)."""
 
     kind: int
 
@@ -74,20 +76,22 @@ class Needs:
 
 
 @dataclass
-class LocalPiece:
-    """One piece of a step as this rank trains on it."""
+class LocalInstalment:
+    """One instalment of a step as this rank trains on it."""
 
-    samples: list[Sample]  # this replica's shard in piece order; arrays its stage does not read are zeros made here
+    # this replica's shard in instalment order; arrays its stage does not read are zeros made here
+    samples: list[Sample]
     advantages: np.ndarray  # float64, per local sample
     weights: np.ndarray  # float64, per local sample: its part of the aggregation
     shard_lengths: list[list[int]]  # fed lengths of every replica's shard: all ranks agree on the micro-batch count
-    action_counts: np.ndarray  # of every sample of the piece: the step's normaliser counts them all
+    action_counts: np.ndarray  # of every sample of the instalment: the step's normaliser counts them all
     routing: bool  # the samples carry routing (this rank's columns only)
     received: int  # bytes this rank took in for it (plan and shard)
     originals: list[list[Sample]] | None = None  # global rank 0 only: each replica's shard as given, before the wire
     # trainer.shared_prompt: per replica's shard, the tokens each sample shares with the one before it there
     shard_shared: list[list[int]] | None = None
-    # global rank 0, trainer.shared_prompt: the piece's shared prefixes' positions whose routing differs between samples
+    # global rank 0, trainer.shared_prompt: the instalment's shared prefixes' positions whose routing differs between
+    # samples
     prompt_disagreements: int = 0
 
 
@@ -132,12 +136,13 @@ def _fields(
     return fields
 
 
-def _shared_prefixes(piece: list[Sample]) -> list[int]:
-    """Per sample of ``piece``: the tokens its prompt shares with the fed tokens of the sample before it, where both are
-    of one group (a group's prompt; an episode's history before a fork, and the episodes' common part); else 0."""
-    out = [0] * len(piece)
-    for i in range(1, len(piece)):
-        this, before = piece[i], piece[i - 1]
+def _shared_prefixes(instalment: list[Sample]) -> list[int]:
+    """Per sample of ``instalment``: the tokens its prompt shares with the fed tokens of the sample before it, where
+    both are of one group (a group's prompt; an episode's history before a fork, and the episodes' common part); else
+    0."""
+    out = [0] * len(instalment)
+    for i in range(1, len(instalment)):
+        this, before = instalment[i], instalment[i - 1]
         if this.group_id == before.group_id:
             fed = before.fed_ids()
             n = min(this.prompt_len, len(fed))
@@ -249,8 +254,8 @@ def _unpack(
 
 
 class BatchDistributor:
-    """Hands each trainer rank its own part of the step's pieces (see the module's docstring). Built once per
-    trainer on every rank (collective: rank 0 learns what each rank reads); :meth:`pieces` is collective too."""
+    """Hands each trainer rank its own part of the step's instalments (see the module's docstring). Built once per
+    trainer on every rank (collective: rank 0 learns what each rank reads); :meth:`instalments` is collective too."""
 
     def __init__(self, cfg: TrainerConfig, columns: list[int]):
         """``columns``: the rollout-routing column (MoE layer) of each of this rank's routers, in build order."""
@@ -277,30 +282,31 @@ class BatchDistributor:
         self.received = 0  # bytes taken in over this distributor's life
         self.staged_peak = 0  # global rank 0: the most bytes of other ranks' payloads it has held on the device at once
 
-    def pieces(
+    def instalments(
         self,
         source: Iterable[list[Sample] | Interlude] | None,
         interlude: Callable[[int], None] | None = None,
         arriving: Callable[[], None] | None = None,
-    ) -> Iterator[LocalPiece]:
-        """This rank's part of each piece ``source`` (read on rank 0 only: whole GRPO groups) yields, until it ends.
-        An :class:`Interlude` it yields instead runs ``interlude(kind)`` on every rank, all together. ``arriving()``
-        runs on every rank once a piece is announced, before its bytes travel (see :meth:`scatter`)."""
-        feed: Iterator[list[Sample] | Interlude] | None = None  # rank 0's pieces
+    ) -> Iterator[LocalInstalment]:
+        """This rank's part of each instalment ``source`` (read on rank 0 only: whole GRPO groups) yields, until it
+        ends. An :class:`Interlude` it yields instead runs ``interlude(kind)`` on every rank, all together.
+        ``arriving()`` runs on every rank once an instalment is announced, before its bytes travel (see
+        :meth:`scatter`)."""
+        feed: Iterator[list[Sample] | Interlude] | None = None  # rank 0's instalments
         if self.rank == 0:
-            assert source is not None, "global rank 0 reads the pieces"
+            assert source is not None, "global rank 0 reads the instalments"
             feed = iter(source)
-        piece: list[Sample] | Interlude | None = None
+        instalment: list[Sample] | Interlude | None = None
         while True:
             if feed is not None:
                 try:
-                    piece = next(feed, None)
-                    if isinstance(piece, Interlude) and interlude is None:
-                        raise ValueError(f"an interlude ({piece.kind}) in a step given no interlude to run")
+                    instalment = next(feed, None)
+                    if isinstance(instalment, Interlude) and interlude is None:
+                        raise ValueError(f"an interlude ({instalment.kind}) in a step given no interlude to run")
                 except BaseException:
                     self._header(_FAILED)
                     raise
-            local = self.scatter(piece, arriving)
+            local = self.scatter(instalment, arriving)
             if local is None:
                 return
             if isinstance(local, Interlude):
@@ -310,21 +316,21 @@ class BatchDistributor:
             yield local
 
     def scatter(
-        self, piece: list[Sample] | Interlude | None, arriving: Callable[[], None] | None = None
-    ) -> LocalPiece | Interlude | None:
-        """Collective: rank 0 plans ``piece`` (None: the end) and sends each rank its part; this rank's part, None at
-        the end (an interlude: itself, on every rank). ``arriving()`` runs on every rank once the piece is announced,
-        before the tensor-parallel groups pass it on (a colocated trainer's communicators come back then)."""
+        self, instalment: list[Sample] | Interlude | None, arriving: Callable[[], None] | None = None
+    ) -> LocalInstalment | Interlude | None:
+        """Collective: rank 0 plans ``instalment`` (None: the end) and sends each rank its part; this rank's part, None
+        at the end (an interlude: itself, on every rank). ``arriving()`` runs on every rank once the instalment is
+        announced, before the tensor-parallel groups pass it on (a colocated trainer's communicators come back then)."""
         if self.rank != 0:
             return self._receive(arriving)
-        if piece is None:
+        if instalment is None:
             self._header(_END)
             return None
-        if isinstance(piece, Interlude):
-            self._header(_INTERLUDE, piece.kind)
-            return piece
-        try:  # everything that can fail, before any rank is told a piece is coming
-            plan, routing, masks = self._plan(piece)
+        if isinstance(instalment, Interlude):
+            self._header(_INTERLUDE, instalment.kind)
+            return instalment
+        try:  # everything that can fail, before any rank is told an instalment is coming
+            plan, routing, masks = self._plan(instalment)
             lengths, shards = self._lengths(plan)
             # (fields, payload); tensor-parallel peers read the same: packed once
             packed: dict[Needs, tuple[list[_Field], np.ndarray]] = {}
@@ -334,12 +340,12 @@ class BatchDistributor:
                     prompt, response, kept, actions = lengths[:, shard]
                     skips = self._skips(plan, shard)
                     fields = _fields(needs, prompt, response, kept, actions, routing, masks, skips)
-                    packed[needs] = fields, _pack([piece[i] for i in shard], needs, fields, masks, skips)
+                    packed[needs] = fields, _pack([instalment[i] for i in shard], needs, fields, masks, skips)
             payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
             raise
-        self._header(_PIECE, len(piece), routing, masks, context=len(plan) > self.actions_row)
+        self._header(_PIECE, len(instalment), routing, masks, context=len(plan) > self.actions_row)
         if arriving is not None:
             arriving()
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
@@ -349,10 +355,11 @@ class BatchDistributor:
             request.wait()
         # Rank 0's own part is unpacked like everyone else's: every rank trains on what the wire format carries.
         local = self._local(plan, lengths, shards, packed[self.needs][0], payloads[0], routing, received=0)
-        local.originals = [[piece[i] for i in shard] for shard in shards]
+        local.originals = [[instalment[i] for i in shard] for shard in shards]
         if self.share_row is not None and routing is not None:  # a follower's own prefix routing stays here
             local.prompt_disagreements = sum(
-                prefix_disagreements([piece[i] for i in shard], self._skips(plan, shard).tolist()) for shard in shards
+                prefix_disagreements([instalment[i] for i in shard], self._skips(plan, shard).tolist())
+                for shard in shards
             )
         return local
 
@@ -373,29 +380,29 @@ class BatchDistributor:
             self.staged_peak = max(self.staged_peak, staged)
         return in_flight
 
-    def _plan(self, piece: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
+    def _plan(self, instalment: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
         """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel). The plan has the
         actions row only where some sample has context."""
-        if not piece:
-            raise ValueError("an empty piece of a batch")
-        if len(piece) < self.dp_size:
+        if not instalment:
+            raise ValueError("an empty instalment of a batch")
+        if len(instalment) < self.dp_size:
             raise ValueError(
-                f"{len(piece)} samples cannot feed {self.dp_size} data-parallel ranks: "
-                f"give each piece at least {self.dp_size}"
+                f"{len(instalment)} samples cannot feed {self.dp_size} data-parallel ranks: "
+                f"give each instalment at least {self.dp_size}"
             )
         replay, loss = self.cfg.replay, self.cfg.loss
         masks = replay.sampling_mask
         if masks:
-            missing = sum(s.selected_logprobs is None or s.mask_offsets is None for s in piece)
+            missing = sum(s.selected_logprobs is None or s.mask_offsets is None for s in instalment)
             if missing:
                 raise ValueError(
                     f"sampling-mask replay is on but {missing} sample(s) carry no kept sets or selected "
                     "log-probs (request return_sampling_mask with sampling_logprobs_mode='selected')"
                 )
-        with_routing = [s.routing is not None for s in piece]
+        with_routing = [s.routing is not None for s in instalment]
         routing = None
         if all(with_routing):  # R3 replays it; otherwise it measures agreement
-            rollout = [carried(s.routing) for s in piece]
+            rollout = [carried(s.routing) for s in instalment]
             dtypes = {r.dtype for r in rollout}
             if len(dtypes) != 1 or next(iter(dtypes)) not in ROUTING_DTYPES:
                 raise ValueError(
@@ -405,26 +412,26 @@ class BatchDistributor:
             routing = (next(iter(dtypes)), rollout[0].shape[2])
         elif replay.routing == "R3":
             raise ValueError(
-                f"routing replay R3 is on but {len(piece) - sum(with_routing)} sample(s) carry no routing "
+                f"routing replay R3 is on but {len(instalment) - sum(with_routing)} sample(s) carry no routing "
                 "(request return_routed_experts)"
             )
-        rewards, groups = np.array([s.reward for s in piece]), np.array([s.group_id for s in piece])
-        response = np.array([s.response_len for s in piece])
-        actions = np.array([s.action_count for s in piece])
+        rewards, groups = np.array([s.reward for s in instalment]), np.array([s.group_id for s in instalment])
+        response = np.array([s.response_len for s in instalment])
+        actions = np.array([s.action_count for s in instalment])
         advantages = objectives.grpo_advantages(
-            rewards, groups, loss.std_normalize, episodes=[s.episode for s in piece]
+            rewards, groups, loss.std_normalize, episodes=[s.episode for s in instalment]
         )
         rows = [
-            np.array([s.prompt_len for s in piece], dtype=np.float64),
+            np.array([s.prompt_len for s in instalment], dtype=np.float64),
             response.astype(np.float64),
             advantages.astype(np.float64),
             objectives.sample_weights(actions, loss.aggregation).astype(np.float64),
-            np.array([s.temperature for s in piece], dtype=np.float64),
-            np.array([len(carried(s.mask_ids)) if masks else 0 for s in piece], dtype=np.float64),
+            np.array([s.temperature for s in instalment], dtype=np.float64),
+            np.array([len(carried(s.mask_ids)) if masks else 0 for s in instalment], dtype=np.float64),
         ]
         if self.share_row is not None:
-            rows.append(np.array(_shared_prefixes(piece), dtype=np.float64))
-        if np.any(actions < response):  # single-turn pieces keep the plan's bytes as they were
+            rows.append(np.array(_shared_prefixes(instalment), dtype=np.float64))
+        if np.any(actions < response):  # single-turn instalments keep the plan's bytes as they were
             rows.append(actions.astype(np.float64))
         return np.stack(rows), routing, masks
 
@@ -438,7 +445,7 @@ class BatchDistributor:
         )
         dist.broadcast(header, 0)
 
-    def _receive(self, arriving: Callable[[], None] | None) -> LocalPiece | Interlude | None:
+    def _receive(self, arriving: Callable[[], None] | None) -> LocalInstalment | Interlude | None:
         header = torch.empty(5, dtype=torch.int64, device=collective_device())
         dist.broadcast(header, 0)
         status, n, code, topk, flags = header.tolist()
@@ -472,8 +479,8 @@ class BatchDistributor:
             dist.broadcast(payload, self.tp_first, group=self.tp_group)
 
     def _skips(self, plan: np.ndarray, shard: list[int]) -> np.ndarray:
-        """Per sample of ``shard``: the prompt tokens it shares with the sample before it in the piece, where that one
-        is the one before it in the shard too (it alone sends them); else 0."""
+        """Per sample of ``shard``: the prompt tokens it shares with the sample before it in the instalment, where that
+        one is the one before it in the shard too (it alone sends them); else 0."""
         skips = np.zeros(len(shard), dtype=np.int64)
         if self.share_row is not None and len(shard) > 1:
             after = np.diff(shard) == 1
@@ -504,13 +511,13 @@ class BatchDistributor:
         payload: np.ndarray,
         routing,
         received: int,
-    ) -> LocalPiece:
+    ) -> LocalInstalment:
         shard = shards[self.needs.dp_rank]
         prompt, response, _, actions = lengths
         skips = self._skips(plan, shard)
         samples = _unpack(payload, fields, prompt[shard], response[shard], plan[4, shard], actions[shard], skips)
         self.received += received
-        return LocalPiece(
+        return LocalInstalment(
             samples=samples,
             advantages=plan[2, shard],
             weights=plan[3, shard],

@@ -18,35 +18,61 @@ and trainer disagree on wildly, then weighs at most e^20 instead of making the l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 
-from moerl.config import ConfigError, check_choices
+from moerl.choices import ConfigError, check_choices
+from moerl.plugins import Registry, callable_problem
 
-PolicyLoss = Literal["ppo", "gspo", "cispo"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
-Correction = Literal["none", "tis", "seq_is", "geo_is", "icepop", "token_mask"]
 KLEstimator = Literal["k1", "k3"]
 LOG_RATIO_BOUND = 20.0  # |log r| before exp: e^20 is finite in fp32 even times any advantage
 SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence ratio is at most e^10
 K3_MAX = 10.0
 
+# (new, old, advantages, seq, num_seqs, cfg) -> per-token loss terms [T] and a per-token "clipped" indicator [T];
+# ``old`` comes detached.
+PolicyLoss = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, "LossConfig"], tuple[torch.Tensor, torch.Tensor]
+]
+# (log old/behaviour [T], detached, seq, num_seqs, cfg) -> per-token weight [T].
+Correction = Callable[[torch.Tensor, torch.Tensor, int, "LossConfig"], torch.Tensor]
+
+
+class Aggregation(Protocol):
+    """How the loss of the global batch is averaged: each sample's weight of its tokens, known alone (a batch consumed
+    in instalments weighs each instalment with these), and the divisor of the whole batch. ``lengths``: each sample's
+    actions (its response tokens less any context: only actions are scored)."""
+
+    def sample_weights(self, lengths: np.ndarray) -> np.ndarray: ...
+
+    def normalizer(self, lengths: np.ndarray, max_response_len: int | None) -> float: ...
+
+
+def _aggregation_problem(entry: Any) -> str | None:
+    has = all(callable(getattr(entry, name, None)) for name in ("sample_weights", "normalizer"))
+    return None if has else f"is {type(entry).__name__}, not an Aggregation (sample_weights and normalizer)"
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("trainer.loss.policy_loss", callable_problem)
+CORRECTIONS: Registry[Correction] = Registry("trainer.loss.correction", callable_problem)
+AGGREGATIONS: Registry[Aggregation] = Registry("trainer.loss.aggregation", _aggregation_problem)
+
 
 @dataclass
 class LossConfig:
-    policy_loss: PolicyLoss = "ppo"
+    policy_loss: str = "ppo"  # a name in POLICY_LOSSES, or package.module:function
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28
     dual_clip: float | None = 3.0  # for negative advantages, the loss is capped at -A * dual_clip (PPO only)
-    aggregation: Aggregation = "token_mean"  # seq_mean_token_sum_norm: Dr. GRPO
+    aggregation: str = "token_mean"  # seq_mean_token_sum_norm: Dr. GRPO; or package.module:object
     # Dr. GRPO's constant normaliser (the main job sets rollout.max_new_tokens; library default: the batch's longest)
     max_response_len: int | None = None
     std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
-    correction: Correction = "tis"  # behaviour -> proximal
+    correction: str = "tis"  # behaviour -> proximal; or package.module:function
     is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights
     # icepop weighs a token by k = old/behaviour inside [band_low, band_high] and zeroes it outside;
     # token_mask keeps the in-band tokens unweighted (rejection only, no correction).
@@ -58,6 +84,12 @@ class LossConfig:
 
     def __post_init__(self):
         check_choices(self, "loss")
+        for registry, name in (
+            (POLICY_LOSSES, self.policy_loss),
+            (CORRECTIONS, self.correction),
+            (AGGREGATIONS, self.aggregation),
+        ):
+            registry.check(name)
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ConfigError(
                 f"loss.clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
@@ -108,21 +140,46 @@ def aggregation_weights(lengths: np.ndarray, aggregation: str, max_response_len:
 
 
 def sample_weights(lengths: np.ndarray, aggregation: str) -> np.ndarray:
-    """The part of :func:`aggregation_weights` each sample knows alone; a batch consumed in pieces
-    (periodic mode) weighs each piece with these and divides the gradient by the normaliser at the end."""
-    lengths = np.asarray(lengths, dtype=np.float64)
-    return 1.0 / lengths if aggregation == "seq_mean_token_mean" else np.ones_like(lengths)
+    """The part of :func:`aggregation_weights` each sample knows alone; a batch consumed in instalments
+    (periodic mode) weighs each instalment with these and divides the gradient by the normaliser at the end."""
+    return AGGREGATIONS.load(aggregation).sample_weights(np.asarray(lengths, dtype=np.float64))
 
 
 def aggregation_normalizer(lengths: np.ndarray, aggregation: str, max_response_len: int | None = None) -> float:
-    """The global batch's divisor: its action tokens (token_mean), its samples (seq_mean_token_mean), or its
-    samples times a constant length (Dr. GRPO: no length bias)."""
-    lengths = np.asarray(lengths, dtype=np.float64)
-    if aggregation == "token_mean":
+    """The global batch's divisor."""
+    return AGGREGATIONS.load(aggregation).normalizer(np.asarray(lengths, dtype=np.float64), max_response_len)
+
+
+class _TokenMean:
+    """Every action token of the global batch weighs the same."""
+
+    def sample_weights(self, lengths: np.ndarray) -> np.ndarray:
+        return np.ones_like(lengths)
+
+    def normalizer(self, lengths: np.ndarray, max_response_len: int | None) -> float:
         return float(lengths.sum())
-    if aggregation == "seq_mean_token_mean":
+
+
+class _SeqMeanTokenMean:
+    """Each sample's mean over its tokens, averaged over the samples."""
+
+    def sample_weights(self, lengths: np.ndarray) -> np.ndarray:
+        return 1.0 / lengths
+
+    def normalizer(self, lengths: np.ndarray, max_response_len: int | None) -> float:
         return float(len(lengths))
-    return float(len(lengths) * (max_response_len or lengths.max()))
+
+
+class _SeqMeanTokenSumNorm(_TokenMean):
+    """Dr. GRPO: token sums over the samples times a constant length (no length bias)."""
+
+    def normalizer(self, lengths: np.ndarray, max_response_len: int | None) -> float:
+        return float(len(lengths) * (max_response_len or lengths.max()))
+
+
+AGGREGATIONS.register("token_mean")(_TokenMean())
+AGGREGATIONS.register("seq_mean_token_mean")(_SeqMeanTokenMean())
+AGGREGATIONS.register("seq_mean_token_sum_norm")(_SeqMeanTokenSumNorm())
 
 
 def _per_seq_sum(x: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -138,19 +195,47 @@ def correction(
     old: torch.Tensor, behaviour: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
 ) -> torch.Tensor:
     """Per-token weight for the behaviour -> proximal mismatch (a constant: no gradient)."""
-    log_w = (old - behaviour).detach()
-    if cfg.correction == "none":
-        return torch.ones_like(log_w)
-    if cfg.correction in ("tis", "icepop", "token_mask"):
-        w = safe_exp(log_w)
-        if cfg.correction == "tis":
-            return w.clamp(max=cfg.is_cap)
-        # IcePop (Ring-1T, arXiv 2510.18855): in-band tokens keep their correction k, the rest none at all.
-        in_band = (w >= cfg.band_low) & (w <= cfg.band_high)
-        return torch.where(in_band, w, 0.0) if cfg.correction == "icepop" else in_band.to(w.dtype)
-    per_seq = _per_seq_sum(log_w, seq, num_seqs)
-    if cfg.correction == "geo_is":
-        per_seq = per_seq / _per_seq_sum(torch.ones_like(log_w), seq, num_seqs)
+    return CORRECTIONS.load(cfg.correction)((old - behaviour).detach(), seq, num_seqs, cfg)
+
+
+@CORRECTIONS.register("none")
+def no_correction(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    return torch.ones_like(log_w)
+
+
+@CORRECTIONS.register("tis")
+def truncated_is(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    return safe_exp(log_w).clamp(max=cfg.is_cap)
+
+
+def _in_band(w: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    return (w >= cfg.band_low) & (w <= cfg.band_high)
+
+
+@CORRECTIONS.register("icepop")
+def icepop(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """IcePop (Ring-1T, arXiv 2510.18855): in-band tokens keep their correction k, the rest none at all."""
+    w = safe_exp(log_w)
+    return torch.where(_in_band(w, cfg), w, 0.0)
+
+
+@CORRECTIONS.register("token_mask")
+def token_mask(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """IcePop's band, kept tokens unweighted: rejection only."""
+    w = safe_exp(log_w)
+    return _in_band(w, cfg).to(w.dtype)
+
+
+@CORRECTIONS.register("seq_is")
+def sequence_is(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """The sequence's product of token ratios, truncated, on each of its tokens."""
+    return safe_exp(_per_seq_sum(log_w, seq, num_seqs)).clamp(max=cfg.is_cap)[seq]
+
+
+@CORRECTIONS.register("geo_is")
+def geometric_is(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """The geometric mean of the sequence's token ratios, truncated, on each of its tokens."""
+    per_seq = _per_seq_sum(log_w, seq, num_seqs) / _per_seq_sum(torch.ones_like(log_w), seq, num_seqs)
     return safe_exp(per_seq).clamp(max=cfg.is_cap)[seq]
 
 
@@ -158,32 +243,51 @@ def policy_terms(
     new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy-gradient loss terms [T] and a per-token "clipped" indicator [T]."""
-    old = old.detach()
-    log_ratio = new - old
-    low, high = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
-    if cfg.policy_loss == "cispo":
-        # CISPO: the clipped ratio is a constant weight on the REINFORCE term; no token loses its gradient.
-        ratio = safe_exp(log_ratio.detach())
-        weight = ratio.clamp(max=high)
-        return -advantages * weight * new, (ratio > high).float()
-    if cfg.policy_loss == "gspo":
-        # GSPO: the length-normalised sequence ratio, applied to every token of the sequence; its
-        # gradient flows through each token as exp(new_t - sg(new_t)).
-        lengths = _per_seq_sum(torch.ones_like(new), seq, num_seqs)
-        seq_log_ratio = (_per_seq_sum(log_ratio.detach(), seq, num_seqs) / lengths)[seq]
-        ratio = (seq_log_ratio + new - new.detach()).clamp(max=SEQ_LOG_RATIO_MAX).exp()
-    else:
-        ratio = safe_exp(log_ratio)
+    return POLICY_LOSSES.load(cfg.policy_loss)(new, old.detach(), advantages, seq, num_seqs, cfg)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(low, high)
-    terms = torch.maximum(unclipped, clipped)
-    was_clipped = (clipped > unclipped).float()
-    if cfg.policy_loss == "ppo" and cfg.dual_clip is not None:
+    clipped = -advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo(
+    new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate; with ``dual_clip``, a negative advantage's loss capped at -A * dual_clip."""
+    terms, was_clipped = _clipped_surrogate(safe_exp(new - old), advantages, cfg)
+    if cfg.dual_clip is not None:
         cap = -advantages * cfg.dual_clip
         dual = (advantages < 0) & (terms > cap)
         terms = torch.where(dual, cap, terms)
         was_clipped = torch.maximum(was_clipped, dual.float())
     return terms, was_clipped
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(
+    new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the length-normalised sequence ratio, applied to every token of the sequence; its gradient flows
+    through each token as exp(new_t - sg(new_t))."""
+    lengths = _per_seq_sum(torch.ones_like(new), seq, num_seqs)
+    seq_log_ratio = (_per_seq_sum((new - old).detach(), seq, num_seqs) / lengths)[seq]
+    ratio = (seq_log_ratio + new - new.detach()).clamp(max=SEQ_LOG_RATIO_MAX).exp()
+    return _clipped_surrogate(ratio, advantages, cfg)
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(
+    new: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: the clipped ratio is a constant weight on the REINFORCE term; no token loses its gradient."""
+    high = 1.0 + cfg.clip_high
+    ratio = safe_exp((new - old).detach())
+    return -advantages * ratio.clamp(max=high) * new, (ratio > high).float()
 
 
 def kl_terms(new: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:

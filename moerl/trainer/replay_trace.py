@@ -59,8 +59,8 @@ def step_dir(directory: str | Path, version: int) -> Path:
 
 
 def clear_step(directory: str | Path, version: int) -> None:
-    """Global rank 0, before it hands out the step's first piece (so before any rank can write): remove what an earlier
-    run, or an update that was skipped and kept the version, left for this version."""
+    """Global rank 0, before it hands out the step's first instalment (so before any rank can write): remove what an
+    earlier run, or an update that was skipped and kept the version, left for this version."""
     shutil.rmtree(step_dir(directory, version), ignore_errors=True)
     step_dir(directory, version).mkdir(parents=True)
 
@@ -329,27 +329,3 @@ def check_replay(run_dir: str | Path, keep: int = 1000) -> CheckReport:
         checker.step(step)
     report.native_agree = checker.agree[0] / checker.agree[1] if checker.agree[1] else float("nan")
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="moerl check-replay",
-        description=(
-            "Verify a run's replay trace (trainer.replay.trace_samples > 0): under R3 every router of every traced "
-            "sample used the rollout's experts at every layer and position, in the old-policy pass, the training "
-            "forward and any recompute; under R2 the training pass used the old-policy pass's. Exit 1 and list where "
-            "not."
-        ),
-    )
-    p.add_argument("run_dir", help="the run directory (or its replay_trace/)")
-    p.add_argument("--show", type=int, default=20, help="mismatches to list")
-    args = p.parse_args(argv)
-    try:
-        report = check_replay(args.run_dir)
-    except TraceError as e:
-        print(f"error: {e}")
-        return 2
-    print(report.summary(args.show))
-    return 0 if report.ok else 1

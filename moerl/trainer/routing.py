@@ -220,19 +220,19 @@ class RoutingProbe:
 
 class ReplayTracer:
     """This rank's part of the replay trace (:mod:`moerl.trainer.replay_trace`) of the first ``count`` samples of its
-    shard of a piece: what its routers used in each pass at the positions of its sequence chunk, beside the rollout's
-    experts as it received them and, on the first pipeline stage, the tokens it fed."""
+    shard of an instalment: what its routers used in each pass at the positions of its sequence chunk, beside the
+    rollout's experts as it received them and, on the first pipeline stage, the tokens it fed."""
 
-    def __init__(self, routers: LocalRouters, piece, batches: list, count: int):
+    def __init__(self, routers: LocalRouters, instalment, batches: list, count: int):
         self.routers, self.batches = routers, batches
         self.where: list[tuple[int, int, int]] = []  # per traced sample: micro-batch, row, column of its position 0
         self.samples: list[TracedSample] = []
         dp, first_stage = parallel_state.get_data_parallel_rank(), parallel_state.is_pipeline_first_stage()
         located = {i: (m, j) for m, mb in enumerate(batches) if not mb.dummy for j, i in enumerate(mb.sample_indices)}
         # the shard's first samples, wherever the micro-batches put them
-        for i in range(min(count, len(piece.samples))):
+        for i in range(min(count, len(instalment.samples))):
             m, j = located[i]
-            mb, sample = batches[m], piece.samples[i]
+            mb, sample = batches[m], instalment.samples[i]
             row, col = (0, int(mb.cu_seqlens[j])) if mb.cu_seqlens is not None else (j, 0)
             seen = routers.chunk(mb.input_ids.shape[1])
             start = min(max(0, seen.start - col), sample.fed_len)

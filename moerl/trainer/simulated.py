@@ -1,6 +1,6 @@
 """A simulated trainer: the job's trainer with time in place of a model, to run the job at production shape on CPU.
 
-A step takes the job's pieces through the real batch distribution (GRPO advantages, aggregation weights,
+A step takes the job's instalments through the real batch distribution (GRPO advantages, aggregation weights,
 token-balanced shards: global rank 0's real cost), then holds for the profile's time of their tokens on the GPUs it
 stands for, scaled like the engines' time; the optimizer step adds the profile's fixed cost. It reports what the real
 trainer reports of the batch (tokens, staleness), nothing of a model (no loss, mismatch or routing agreement). Its
@@ -27,12 +27,13 @@ from moerl.sample import Sample
 from moerl.simulation import TrainerProfile
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.distribute import BatchDistributor, Interlude
+from moerl.trainer.protocol import TrainerLike
 from moerl.trainer.trainer import LAG_BINS, staleness_metrics
 
 STATE = "simulated_trainer.json"
 
 
-class SimulatedTrainer:
+class SimulatedTrainer(TrainerLike):
     def __init__(
         self,
         hf_dir: str | Path,
@@ -59,15 +60,17 @@ class SimulatedTrainer:
         time.sleep(simulated_s / self.time_scale)
 
     def step(
-        self, samples: list[Sample] | Iterable[list[Sample] | Interlude], interlude: Callable[[int], None] | None = None
+        self,
+        samples: list[Sample] | Iterable[list[Sample] | Interlude] | None,
+        interlude: Callable[[int], None] | None = None,
     ) -> dict[str, float]:
-        """:meth:`Trainer.step <moerl.trainer.trainer.Trainer.step>`'s contract, each piece's tokens taking the
+        """:meth:`Trainer.step <moerl.trainer.trainer.Trainer.step>`'s contract, each instalment's tokens taking the
         profile's time."""
-        pieces = [samples] if isinstance(samples, list) else samples
+        instalments = [samples] if isinstance(samples, list) else samples
         lag_tokens, max_lag, tokens = np.zeros(LAG_BINS), float("-inf"), 0
-        for piece in self.batches.pieces(pieces, interlude):
-            self._spend(self.profile.seconds(sum(s.fed_len for s in piece.samples), self.gpus))
-            for sample in piece.samples:
+        for instalment in self.batches.instalments(instalments, interlude):
+            self._spend(self.profile.seconds(sum(s.fed_len for s in instalment.samples), self.gpus))
+            for sample in instalment.samples:
                 lag = self.version - sample.at_actions(sample.versions)  # context has no version
                 lag_tokens += np.bincount(np.clip(lag, 0, LAG_BINS - 1), minlength=LAG_BINS)
                 max_lag, tokens = max(max_lag, float(lag.max())), tokens + len(lag)

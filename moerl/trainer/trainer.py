@@ -58,9 +58,10 @@ from moerl.trainer.batch import (
     unit_length,
 )
 from moerl.trainer.config import TrainerConfig
-from moerl.trainer.distribute import BatchDistributor, Interlude, LocalPiece
+from moerl.trainer.distribute import BatchDistributor, Interlude, LocalInstalment
 from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
 from moerl.trainer.offload import StorageOffload
+from moerl.trainer.protocol import TrainerLike
 from moerl.trainer.routing import (
     LocalRouters,
     ReplayTracer,
@@ -83,7 +84,7 @@ class _Placement(TypedDict):
     device: torch.device
 
 
-class Trainer:
+class Trainer(TrainerLike):
     def __init__(self, ckpt_dir: str, cfg: TrainerConfig, lora: LoRAConfig | None = None):
         """The model of the Megatron checkpoint ``ckpt_dir``; with ``lora.enabled`` its weights are frozen
         and only per-module (per-expert) adapters train."""
@@ -204,7 +205,7 @@ class Trainer:
         """Collective: the device to colocated engines: the training state (:meth:`offload_training_state`), then the
         weights and the KL reference, to host memory, and megatron-core's NCCL communicators suspended
         (:class:`~moerl.megatron.parallel.IdleCommunicators`); the bytes off the device. The next step reloads it all
-        once its first piece arrives."""
+        once its first instalment arrives."""
         self._take_off_training_state()
         self.offloaded_weights.keep(itertools.chain(self.model.module.parameters(), self.reference or []))
         suspended = self.communicators.suspend() if self.communicators is not None else 0
@@ -265,22 +266,23 @@ class Trainer:
             self.offload()
 
     # ---- batch preparation -------------------------------------------------------------------
-    def micro_batches(self, piece: LocalPiece) -> list[MicroBatch]:
-        """This rank's micro-batches of ``piece`` (its part of whole GRPO groups, from :attr:`batches`).
+    def micro_batches(self, instalment: LocalInstalment) -> list[MicroBatch]:
+        """This rank's micro-batches of ``instalment`` (its part of whole GRPO groups, from :attr:`batches`).
 
         Token weights are each sample's own part of the aggregation (:func:`objectives.sample_weights`);
-        :meth:`step` divides by the whole batch's normaliser once every piece has been seen."""
+        :meth:`step` divides by the whole batch's normaliser once every instalment has been seen."""
         # Every rank knows every shard's lengths, so all agree on the micro-batch count without communicating.
         packed = self.cfg.micro_batch_format == "packed"
         group_by = pack_by_budget if packed else split_by_budget
         budget, multiple = self.cfg.micro_batch_tokens, self.layout.tp
-        shared = piece.shard_shared or [[0] * len(lengths) for lengths in piece.shard_lengths]
+        shared = instalment.shard_shared or [[0] * len(lengths) for lengths in instalment.shard_lengths]
         units = [
-            shared_units(tokens, lengths, budget) for tokens, lengths in zip(shared, piece.shard_lengths, strict=True)
+            shared_units(tokens, lengths, budget)
+            for tokens, lengths in zip(shared, instalment.shard_lengths, strict=True)
         ]
         split = [
             group_by([unit_length(u, tokens, lengths) for u in us], budget, multiple=multiple)
-            for us, tokens, lengths in zip(units, shared, piece.shard_lengths, strict=True)
+            for us, tokens, lengths in zip(units, shared, instalment.shard_lengths, strict=True)
         ]
         count = max(len(g) for g in split)
         # A micro-batch of units, split further where it must, never within a unit (a prompt shared once).
@@ -291,18 +293,18 @@ class Trainer:
         # what each sample shares with the one before it, where that one is fed before it in its unit
         mine_shared = shared[parallel_state.get_data_parallel_rank()]
         fed_after = {i: mine_shared[i] for members in mine for i in members[1:]}
-        samples = piece.samples
+        samples = instalment.samples
         # only the loss reads kept sets
         use_masks = self.cfg.replay.sampling_mask and parallel_state.is_pipeline_last_stage()
 
         def build(g: list[int], zero: bool = False) -> MicroBatch:
             return build_micro_batch(
                 [samples[i] for i in g],
-                [0.0 if zero else float(piece.advantages[i]) for i in g],
-                [0.0 if zero else float(piece.weights[i]) for i in g],
+                [0.0 if zero else float(instalment.advantages[i]) for i in g],
+                [0.0 if zero else float(instalment.weights[i]) for i in g],
                 multiple=self.layout.tp,
                 use_masks=use_masks,
-                routed_experts=self.routers.num_experts if piece.routing else None,
+                routed_experts=self.routers.num_experts if instalment.routing else None,
                 packed=packed,
                 shared=[fed_after.get(i, 0) if k else 0 for k, i in enumerate(g)],
             )
@@ -415,13 +417,13 @@ class Trainer:
         samples: list[Sample] | Iterable[list[Sample] | Interlude] | None,
         interlude: Callable[[int], None] | None = None,
     ) -> dict[str, float]:
-        """One optimizer step on a global batch: ``samples``, or an iterable of pieces of it (each whole
+        """One optimizer step on a global batch: ``samples``, or an iterable of instalments of it (each whole
         GRPO groups), read on global rank 0 only (pass None elsewhere), which sends each rank its part.
-        Each piece is scored and its gradient accumulated as soon as it arrives, so training overlaps
-        generation that is still producing later pieces; the gradient is normalised over the whole batch
+        Each instalment is scored and its gradient accumulated as soon as it arrives, so training overlaps
+        generation that is still producing later instalments; the gradient is normalised over the whole batch
         before the update. An :class:`~moerl.trainer.distribute.Interlude` in ``samples`` runs ``interlude(kind)`` on
-        every rank between two pieces (the weights are still the last update's)."""
-        pieces = [samples] if isinstance(samples, list) else samples
+        every rank between two instalments (the weights are still the last update's)."""
+        instalments = [samples] if isinstance(samples, list) else samples
         loss_cfg = self.cfg.loss
         mode = self.cfg.replay.routing
         # The step's tallies stay on the device of the logits until _metrics reads them once: a read per micro-batch
@@ -470,7 +472,7 @@ class Trainer:
                         "loss": loss.double(),
                         "tokens": torch.full((), float(mb.num_tokens), **tally),
                         "fed": torch.full((), float(mb.real_positions().sum()), **tally),
-                        "prompt_disagree": torch.zeros((), **tally),  # the piece's, added once on rank 0
+                        "prompt_disagree": torch.zeros((), **tally),  # the instalment's, added once on rank 0
                         "clipped": clipped.double().sum(),
                         "is_weight": is_weight.sum(),
                         "is_kept": (corr > 0).double().sum(),
@@ -491,18 +493,18 @@ class Trainer:
         if trace_dir is not None:
             on_lead(lambda: replay_trace.clear_step(trace_dir, self.version), "clearing the step's replay traces")
         # colocated engines have given the device back by the time a step's data comes
-        for number, piece in enumerate(self.batches.pieces(pieces, interlude, arriving=self.reload)):
+        for number, instalment in enumerate(self.batches.instalments(instalments, interlude, arriving=self.reload)):
             if number == 0:
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
-            lengths += piece.action_counts.tolist()
-            sums[_SUMS.index("prompt_disagree")] += piece.prompt_disagreements
-            batches = self.micro_batches(piece)
+            lengths += instalment.action_counts.tolist()
+            sums[_SUMS.index("prompt_disagree")] += instalment.prompt_disagreements
+            batches = self.micro_batches(instalment)
             tracer = None
-            if number == 0 and trace_dir is not None and piece.routing:
-                tracer = ReplayTracer(self.routers, piece, batches, replay.trace_samples)
-                if piece.originals is not None:
-                    replay_trace.write_source(trace_dir, self.version, piece.originals, replay.trace_samples)
+            if number == 0 and trace_dir is not None and instalment.routing:
+                tracer = ReplayTracer(self.routers, instalment, batches, replay.trace_samples)
+                if instalment.originals is not None:
+                    replay_trace.write_source(trace_dir, self.version, instalment.originals, replay.trace_samples)
             if self.reference is not None:
                 with self._reference_weights():
                     self.score(batches, into="ref")
@@ -525,7 +527,7 @@ class Trainer:
             finally:
                 set_action(None)
             if tracer is not None:
-                assert probe is not None, "a traced piece's training pass runs under a probe"
+                assert probe is not None, "a traced instalment's training pass runs under a probe"
                 tracer.record("train", probe.used)
                 tracer.record("train_native", probe.native)
                 if self.cfg.recompute:
@@ -767,17 +769,17 @@ _SUMS = ("loss", "tokens", "fed", "prompt_disagree", "clipped", "is_weight", "is
 _MAXES = ("is_weight", "ratio", "lag")
 
 
-def _pool_agreement(total: dict | None, piece: dict | None) -> dict | None:
+def _pool_agreement(total: dict | None, instalment: dict | None) -> dict | None:
     """Routing agreement over two sets of tokens, weighted by their token counts per layer; their expert loads added."""
-    if total is None or piece is None:
-        return total or piece
-    tokens = total["tokens"] + piece["tokens"]
-    share = lambda key: (total[key] * total["tokens"] + piece[key] * piece["tokens"]) / np.maximum(tokens, 1)
+    if total is None or instalment is None:
+        return total or instalment
+    tokens = total["tokens"] + instalment["tokens"]
+    share = lambda key: (total[key] * total["tokens"] + instalment[key] * instalment["tokens"]) / np.maximum(tokens, 1)
     return {
         "tokens": tokens,
         "native": share("native"),
         "used": share("used"),
-        **{key: total[key] + piece[key] for key in ("rollout_load", "native_load")},
+        **{key: total[key] + instalment[key] for key in ("rollout_load", "native_load")},
     }
 
 

@@ -8,10 +8,9 @@ the engines (``retract``: what waits holds no KV) and releases all their memory;
 trains, then takes its training state (optimizer, gradients) off the device; :meth:`update` resumes the engines'
 weights (uninitialised), pushes, takes the trainer's weights off too (:meth:`~moerl.trainer.trainer.Trainer.offload`),
 resumes the engines' KV cache and CUDA graphs, and continues them. So the push holds the trainer's weights, the
-engines' and a bucket. An update while the engines are awake (a catch-up between two pieces of a step, the first push
-of a resumed run) pauses and resumes them as any full sync, the trainer's state brought back for the push and taken
-off again.
-"""
+engines' and a bucket. An update while the engines are awake (a catch-up between two instalments of a step, the first
+push of a resumed run) pauses and resumes them as any full sync, the trainer's state brought back for the push and taken
+off again."""
 
 from __future__ import annotations
 

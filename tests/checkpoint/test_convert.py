@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from moerl.checkpoint import convert
-from moerl.checkpoint.cli import main as cli
 from moerl.checkpoint.convert import hf_to_mcore, mcore_to_hf
 from moerl.checkpoint.hf import CheckpointError, HFReader
+from moerl.cli.convert_ckpt import main as cli
 from moerl.errors import ConfigError
 from moerl.models.tiny import save_tiny_hf
 from tests.conftest import ARCHS

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moerl.engines.client import EngineClient, EngineError
+from moerl.engines.client import TOKENS_ONLY, EngineClient, EngineError, Returns
 from moerl.engines.protocol import ProtocolError
 from moerl.models import model_shape
 from moerl.models.tiny import save_tiny_hf
@@ -21,6 +21,8 @@ from tests.engine_server import running_server
 
 ARCH = "Qwen3MoeForCausalLM"
 PROMPTS = [[3, 17, 42, 99, 7], [11, 12, 13], [200, 5, 9, 31, 64, 2, 77, 18, 150], [60, 61]]
+
+ROUTING = Returns(routing_from=0)  # every fed position's routed experts
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +51,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def _generate_all(url, shape, params, **kwargs):
+async def _generate_all(url, shape, params, returns=TOKENS_ONLY):
     async with EngineClient([url], shape) as client:
-        return await asyncio.gather(*(client.generate(p, params, **kwargs) for p in PROMPTS))
+        return await asyncio.gather(*(client.generate(p, params, returns) for p in PROMPTS))
 
 
 def _recompute(model, prompt, output):
@@ -69,7 +71,7 @@ def _recompute(model, prompt, output):
 @pytest.mark.e2e
 def test_routing_equals_the_routing_of_a_full_rerun(server, shape, reference):
     params = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7}
-    results = run(_generate_all(server, shape, params, return_routed_experts=True))
+    results = run(_generate_all(server, shape, params, ROUTING))
     for prompt, (c,) in zip(PROMPTS, results, strict=True):
         _, routing = _recompute(reference, prompt, c.output_ids)
         assert c.routing.dtype == np.uint8
@@ -82,14 +84,11 @@ def test_routing_equals_the_routing_of_a_full_rerun(server, shape, reference):
 def test_routed_experts_start_len_drops_prompt_rows(server, shape):
     async def go():
         async with EngineClient([server], shape) as client:
-            full = await client.generate(
-                PROMPTS[2], {"max_new_tokens": 4, "sampling_seed": 1}, return_routed_experts=True
-            )
+            full = await client.generate(PROMPTS[2], {"max_new_tokens": 4, "sampling_seed": 1}, ROUTING)
             part = await client.generate(
                 PROMPTS[2],
                 {"max_new_tokens": 4, "sampling_seed": 1},
-                return_routed_experts=True,
-                routed_experts_start_len=5,
+                Returns(routing_from=5),
             )
             return full[0], part[0]
 
@@ -109,7 +108,7 @@ def test_routed_experts_start_len_drops_prompt_rows(server, shape):
 )
 def test_sampled_tokens_lie_in_their_kept_set_and_logprobs_match(server, shape, reference, params):
     params = {**params, "max_new_tokens": 10, "sampling_seed": 3, "ignore_eos": True}
-    results = run(_generate_all(server, shape, params, return_sampling_mask=True))
+    results = run(_generate_all(server, shape, params, Returns(sampling_mask=True)))
     temperature = params.get("temperature", 1.0)
     for prompt, (c,) in zip(PROMPTS, results, strict=True):
         logits, _ = _recompute(reference, prompt, c.output_ids)
@@ -161,7 +160,9 @@ def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(mod
     bytes as one held in memory, and no file stays open."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from moerl.engines.embedded import server as served
+    from moerl.engines.embedded import streaming
+    from moerl.engines.embedded.engine import EmbeddedEngine
+    from moerl.engines.embedded.server import build_app
 
     body = {
         "input_ids": PROMPTS[0],
@@ -177,18 +178,18 @@ def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(mod
         files.append(made := real_temporary_file())
         return made
 
-    real_temporary_file = served.tempfile.TemporaryFile
-    monkeypatch.setattr(served.tempfile, "TemporaryFile", temporary_file)
+    real_temporary_file = streaming.tempfile.TemporaryFile
+    monkeypatch.setattr(streaming.tempfile, "TemporaryFile", temporary_file)
 
     async def answer() -> bytes:
-        async with TestClient(TestServer(served.build_app(served.EmbeddedEngine(str(models[0]))))) as client:
+        async with TestClient(TestServer(build_app(EmbeddedEngine(str(models[0]))))) as client:
             resp = await client.post("/generate", json=body)
             assert resp.status == 200
             return await resp.read()
 
     held = run(answer())
     assert not files
-    monkeypatch.setattr(served, "SPILL_BYTES", 0)
+    monkeypatch.setattr(streaming, "SPILL_BYTES", 0)
     spilled = run(answer())
     assert len(files) == 2  # the last of the three to finish is sent at once
     assert all(f.closed for f in files)
@@ -294,7 +295,7 @@ def test_a_prompt_reuses_only_its_own_keys_kv_and_never_kv_from_before_an_update
 
     async def go():
         async with EngineClient([url], shape) as client:
-            ask = lambda params, key: client.generate(LONG_PROMPT, params, return_routed_experts=True, extra_key=key)  # noqa: E731
+            ask = lambda params, key: client.generate(LONG_PROMPT, params, ROUTING, extra_key=key)  # noqa: E731
             first, again, elsewhere = await ask(group, "v0"), await ask(group, "v0"), await ask(one, "other")
             await client.pause("in_place")
             await client.update_weights_from_disk(str(models[1]), weight_version="v1", flush_cache=False)
@@ -334,9 +335,9 @@ def test_a_finished_completion_is_reused_by_the_prompt_that_extends_it(models, s
 
     async def go():
         async with EngineClient([url], shape) as client:
-            (turn,) = await client.generate(LONG_PROMPT, params, return_routed_experts=True, extra_key="k")
+            (turn,) = await client.generate(LONG_PROMPT, params, ROUTING, extra_key="k")
             follow = LONG_PROMPT + turn.output_ids.tolist() + [21, 22, 23]
-            (next_turn,) = await client.generate(follow, params, return_routed_experts=True, extra_key="k")
+            (next_turn,) = await client.generate(follow, params, ROUTING, extra_key="k")
             return turn, follow, next_turn
 
     with running_server(models[0], tmp_path) as url:

@@ -26,7 +26,8 @@ def resident() -> int:
 
 
 def test_released_memory_is_given_back_and_the_pushed_weights_are_served_bitwise(large_model):
-    from moerl.engines.embedded.server import EmbeddedEngine, build_app
+    from moerl.engines.embedded.engine import EmbeddedEngine
+    from moerl.engines.embedded.server import build_app
 
     engine = EmbeddedEngine(str(large_model))
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -91,7 +92,8 @@ def test_weights_handed_over_in_shared_memory_are_served_bitwise(small_model):
     """/update_weights_from_tensor, the colocated push: flattened buckets in shared memory, after the weights were
     released and resumed (uninitialised), serve what was pushed; a push of other values serves those."""
     from moerl.engines import tensor_ipc
-    from moerl.engines.embedded.server import EmbeddedEngine, build_app
+    from moerl.engines.embedded.engine import EmbeddedEngine
+    from moerl.engines.embedded.server import build_app
 
     engine = EmbeddedEngine(str(small_model))
     named = engine.read_model_dir(str(small_model))
@@ -169,7 +171,8 @@ def test_a_bad_tensor_payload_is_refused_naming_it_and_changes_nothing(small_mod
     import torch
 
     from moerl.engines import tensor_ipc
-    from moerl.engines.embedded.server import EmbeddedEngine, build_app
+    from moerl.engines.embedded.engine import EmbeddedEngine
+    from moerl.engines.embedded.server import build_app
 
     engine = EmbeddedEngine(str(small_model))
     name, norm = next((n, t) for n, t in engine.read_model_dir(str(small_model)) if n == "model.norm.weight")

@@ -711,7 +711,7 @@ def test_any_corrupted_body_on_any_route_is_refused_and_changes_nothing(server, 
 def test_a_request_that_fails_alone_fails_alone(models):
     """One request breaking inside the engine (here its prefill) ends with an abort naming the error;
     the requests around it finish normally and the engine keeps serving."""
-    from moerl.engines.embedded.server import EmbeddedEngine
+    from moerl.engines.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(str(models["base"]), device="cpu")
     prefill = engine.runner.prefill

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.engines.client import EngineClient
+from moerl.engines.client import EngineClient, Returns
 from moerl.engines.pool import EnginePool, EnginePoolConfig, router_args, server_args
 from moerl.engines.protocol import (
     GenerateReqInput,
@@ -317,14 +317,12 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.generate(
             [1, 2],
             {"max_new_tokens": 1, "top_k": 5, "n": 1},
-            return_routed_experts=True,
-            routed_experts_start_len=1,
-            return_sampling_mask=True,
+            Returns(routing_from=1, sampling_mask=True),
             rid="r",
             lora_path="a",
         )
         await client.generate(  # n > 1 with kept sets: a prefill, then one request a completion
-            [1, 2], {"max_new_tokens": 1, "top_k": 5, "n": 2}, return_sampling_mask=True, rid="g", extra_key="k"
+            [1, 2], {"max_new_tokens": 1, "top_k": 5, "n": 2}, Returns(sampling_mask=True), rid="g", extra_key="k"
         )
         await client.generate(
             [1, 2], {"temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "stop_token_ids": [3], "ignore_eos": False}

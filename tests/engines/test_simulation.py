@@ -193,7 +193,8 @@ def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models
     hundreds of them would cost the engines seconds of CPU and gigabytes for nobody."""
     import aiohttp
 
-    from moerl.engines.embedded.server import DISCONNECT_POLL_S, build_app
+    from moerl.engines.embedded.server import build_app
+    from moerl.engines.embedded.streaming import DISCONNECT_POLL_S
     from moerl.engines.simulated import SimulatedEngine
 
     engine = SimulatedEngine(Profile.load(PROFILE), str(models["base"]))
@@ -228,13 +229,14 @@ def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkey
 
     import aiohttp
 
-    from moerl.engines.embedded import server as served
+    from moerl.engines.embedded import streaming
+    from moerl.engines.embedded.server import build_app
     from moerl.engines.simulated import SimulatedEngine
 
     engine = SimulatedEngine(Profile.load(PROFILE), str(models["base"]))
-    monkeypatch.setattr(served, "SPILL_BYTES", 0)
+    monkeypatch.setattr(streaming, "SPILL_BYTES", 0)
     spilled, holders, checked = [], [], []
-    real_spill, real_response = served._Spilled.__init__, engine.response
+    real_spill, real_response = streaming._Spilled.__init__, engine.response
 
     def spill(self, data: bytes) -> None:
         spilled.append(data)
@@ -247,7 +249,7 @@ def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkey
         checked.append(len(spilled))
         return real_response(r, req)
 
-    monkeypatch.setattr(served._Spilled, "__init__", spill)
+    monkeypatch.setattr(streaming._Spilled, "__init__", spill)
     engine.response = response
     n = 4
     body = {
@@ -257,7 +259,7 @@ def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkey
     }
 
     async def ask() -> list:
-        async with serving_app(served.build_app(engine)) as url, aiohttp.ClientSession() as session:
+        async with serving_app(build_app(engine)) as url, aiohttp.ClientSession() as session:
             async with session.post(url + "/generate", json=body) as resp:
                 assert resp.status == 200
                 return await resp.json()
@@ -279,7 +281,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
 
     from moerl.engines import client as client_module
     from moerl.engines import protocol as P
-    from moerl.engines.client import EngineClient, EngineError, ReplicaDown
+    from moerl.engines.client import EngineClient, EngineError, ReplicaDown, Returns
     from moerl.engines.generation_workers import WorkerLost
     from moerl.engines.health import State
     from moerl.models import model_shape
@@ -306,9 +308,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
         return body
 
     async def generations(client):
-        return await client.generate(
-            PROMPT, params, return_routed_experts=True, routed_experts_start_len=2, return_sampling_mask=True, rid="w"
-        )
+        return await client.generate(PROMPT, params, Returns(routing_from=2, sampling_mask=True), rid="w")
 
     async def go():
         async with (
@@ -358,7 +358,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
 
             there.in_flight.update({server: 1_000, bad: 0})  # the next generation goes to the broken replica
             with pytest.raises(ReplicaDown, match="not JSON"):
-                await there.generate(PROMPT, {"max_new_tokens": 4}, return_routed_experts=True)
+                await there.generate(PROMPT, {"max_new_tokens": 4}, Returns(routing_from=0))
 
             async with EngineClient([server], shape=shape, workers=1) as stuck:
                 await stuck.generate(PROMPT, {"max_new_tokens": 2})  # its worker started and serving

@@ -12,9 +12,9 @@ import aiohttp
 import numpy as np
 import pytest
 
-from moerl.engines.client import EngineClient
+from moerl.engines.client import EngineClient, Returns
 from moerl.engines.protocol import Completion, SamplingParams
-from moerl.episodes import Episode, Tool
+from moerl.episodes import Episode, EpisodeSettings, Tool
 from moerl.episodes.endpoint import EpisodeEndpoint
 from moerl.models import model_shape
 from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
@@ -47,7 +47,8 @@ class Call:
 @asynccontextmanager
 async def served(model_dir, prefix_cache_tokens: int | None = None):
     """An embedded engine serving ``model_dir`` on loopback in this event loop, and a client of it."""
-    from moerl.engines.embedded.server import EmbeddedEngine, build_app
+    from moerl.engines.embedded.engine import EmbeddedEngine
+    from moerl.engines.embedded.server import build_app
 
     kwargs = {} if prefix_cache_tokens is None else {"prefix_cache_tokens": prefix_cache_tokens}
     shape = model_shape(json.loads((model_dir / "config.json").read_text()))
@@ -63,10 +64,7 @@ def engine_generate(client: EngineClient, calls: list[Call], sampling_mask: bool
         (completion,) = await client.generate(
             input_ids,
             params,
-            return_routed_experts=True,
-            routed_experts_start_len=start,
-            return_sampling_mask=sampling_mask,
-            top_logprobs=top_logprobs,
+            Returns(start, sampling_mask, top_logprobs),
         )
         calls.append(Call(list(input_ids), params, start, completion))
         return completion, None
@@ -162,7 +160,7 @@ async def endpoint_of(engine: ScriptedEngine, tokenizer, tools: tuple[Tool, ...]
     turn), and the episode."""
     prompt = tokenizer.apply_chat_template(USER, add_generation_prompt=True)["input_ids"]
     params = SamplingParams(max_new_tokens=RUN_CAP, top_k=20)
-    episode = Episode(prompt, {}, engine, tokenizer, params, sampling_mask=True, tools=tools, **kwargs)
+    episode = Episode(prompt, {}, engine, EpisodeSettings(tokenizer, params, sampling_mask=True, tools=tools, **kwargs))
     endpoint = EpisodeEndpoint("policy")
     await endpoint.start()
     endpoint.open(episode)

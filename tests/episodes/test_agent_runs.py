@@ -26,7 +26,8 @@ AGENT_RUN = [
 
 
 def engine_app(model_dir):
-    from moerl.engines.embedded.server import EmbeddedEngine, build_app
+    from moerl.engines.embedded.engine import EmbeddedEngine
+    from moerl.engines.embedded.server import build_app
 
     return build_app(EmbeddedEngine(str(model_dir)))
 
@@ -64,7 +65,7 @@ def test_agent_code_written_for_the_openai_sdk_is_recorded_token_for_token(calc_
     async def recorded(self, input_ids, *args, **kwargs):
         completions = await generate(self, input_ids, *args, **kwargs)
         episode = int(kwargs["rid"].split("-")[1].removeprefix("x"))  # the manager's rid: p{prompt}-x{episode}-...
-        turns.setdefault(episode, []).append((list(input_ids), kwargs["routed_experts_start_len"], completions[0]))
+        turns.setdefault(episode, []).append((list(input_ids), args[1].routing_from, completions[0]))
         return completions
 
     monkeypatch.setattr(EngineClient, "generate", recorded)
@@ -166,7 +167,7 @@ def test_under_retry_an_update_regenerates_only_the_turn_it_interrupted(calc_mod
 
     async def second_turns_aborted_once(self, input_ids, *args, **kwargs):
         (completion,) = await generate(self, input_ids, *args, **kwargs)
-        rid, start = kwargs["rid"], kwargs["routed_experts_start_len"]
+        rid, start = kwargs["rid"], args[1].routing_from
         requests.append((rid, start))
         episode = rid.split("-l")[0]  # the manager's rid: p{prompt}-x{episode}-l{input length}-...
         if start and episode not in aborted:  # the weight update's abort, as the engine answers it
@@ -271,7 +272,7 @@ def test_an_agent_that_fails_after_its_budget_is_spent_loses_no_sample(calc_mode
 def test_the_rollout_managers_log_keeps_moerls_lines_and_not_an_agent_clients_requests():
     import logging
 
-    from moerl.orchestrator.manager import configure_logging
+    from moerl.cli.rollout_manager import configure_logging
 
     before = logging.getLogger().level, logging.getLogger("moerl").level
     try:

@@ -1,4 +1,4 @@
-"""Agents and tools named in config: built-in names or ``package.module:attribute``, refused with the key named."""
+"""Agents and tools named in config: built-in names or ``package.module:name``, refused with the key named."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ def test_built_in_and_imported_agents_and_tools_load():
 @pytest.mark.parametrize(
     ("load", "name", "message"),
     [
-        (load_agent, "no_such_agent", "rollout.agent='no_such_agent': expected 'package.module:attribute'"),
+        (
+            load_agent,
+            "no_such_agent",
+            "rollout.agent='no_such_agent': expected one of tool_agent or 'package.module:name'",
+        ),
         (load_agent, "moerl.episodes.tools:calculator", "is not an async function"),
         (load_tools, ["moerl.episodes.tools:calculator"], "not a moerl.episodes.tools.Tool"),
         (load_tools, ["calculator", "moerl.episodes.tools:CALCULATOR"], "two tools share a name"),

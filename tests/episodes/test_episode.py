@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moerl.engines.protocol import SamplingParams
-from moerl.episodes import CALCULATOR, Episode, EpisodeDone, EpisodeError, tool_agent
+from moerl.episodes import CALCULATOR, Episode, EpisodeDone, EpisodeError, EpisodeSettings, tool_agent
 from tests.episodes.conftest import ScriptedEngine, assert_only_seen, routing_of
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
@@ -20,7 +20,9 @@ PARAMS = SamplingParams(max_new_tokens=100, top_k=20)
 def episode_of(engine: ScriptedEngine, tokenizer, **kwargs) -> Episode:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": RECORD["prompt"]}], add_generation_prompt=True)
     kwargs.setdefault("sampling_mask", True)
-    return Episode(prompt["input_ids"], RECORD, engine, tokenizer, PARAMS, tools=[CALCULATOR], **kwargs)
+    return Episode(
+        prompt["input_ids"], RECORD, engine, EpisodeSettings(tokenizer, PARAMS, tools=[CALCULATOR], **kwargs)
+    )
 
 
 def test_tool_exchange_trains_the_model_turns_and_feeds_the_tool_output_as_context(tokenizer):
@@ -99,7 +101,7 @@ def test_the_token_budget_ends_the_episode_cleanly(tokenizer):
 
 def test_context_past_the_budget_ends_the_episode_without_a_request(tokenizer):
     engine = ScriptedEngine(tokenizer, ["ok"], stop=None)
-    episode = Episode([5, 6, 7], {}, engine, tokenizer, PARAMS, max_total_tokens=10)
+    episode = Episode([5, 6, 7], {}, engine, EpisodeSettings(tokenizer, PARAMS, max_total_tokens=10))
     assert asyncio.run(episode.generate()) == tokenizer("ok")["input_ids"]
     assert asyncio.run(episode.generate([8] * 5)) == []
     assert episode.done and len(engine.calls) == 1
@@ -131,7 +133,7 @@ def test_a_turn_aborted_before_its_first_token_ends_the_episode_with_what_it_had
             )
         return completion, versions
 
-    episode = Episode([5, 6, 7], {}, aborted_second, tokenizer, PARAMS, sampling_mask=True)
+    episode = Episode([5, 6, 7], {}, aborted_second, EpisodeSettings(tokenizer, PARAMS, sampling_mask=True))
     asyncio.run(episode.generate())
     assert asyncio.run(episode.generate([8])) == []
     assert episode.done and episode.finish_reason == "abort"
@@ -145,14 +147,14 @@ def test_a_routing_patch_that_does_not_start_where_the_rows_end_is_refused(token
     async def shifted(input_ids, params, start, top_logprobs=0):
         return await engine(input_ids, params, max(start - 1, 0))
 
-    episode = Episode([5, 6, 7], {}, shifted, tokenizer, PARAMS)
+    episode = Episode([5, 6, 7], {}, shifted, EpisodeSettings(tokenizer, PARAMS))
     asyncio.run(episode.generate())
     with pytest.raises(EpisodeError, match="starts at position 2, but the stream's rows end at 3"):
         asyncio.run(episode.generate([8]))
 
 
 def test_a_turn_at_another_temperature_or_several_completions_is_refused(tokenizer):
-    episode = Episode([5, 6, 7], {}, ScriptedEngine(tokenizer, ["a"]), tokenizer, PARAMS)
+    episode = Episode([5, 6, 7], {}, ScriptedEngine(tokenizer, ["a"]), EpisodeSettings(tokenizer, PARAMS))
     with pytest.raises(EpisodeError, match="temperature"):
         asyncio.run(episode.generate(temperature=0.5))
     with pytest.raises(EpisodeError, match="n must be 1"):
@@ -170,7 +172,7 @@ def test_a_failed_request_leaves_the_episode_as_it_was(tokenizer):
             raise failures.pop()
         return await engine(input_ids, params, start, top_logprobs)
 
-    episode = Episode([5, 6, 7], {}, flaky, tokenizer, PARAMS)
+    episode = Episode([5, 6, 7], {}, flaky, EpisodeSettings(tokenizer, PARAMS))
     with pytest.raises(RuntimeError):
         asyncio.run(episode.generate([8, 9]))
     assert episode.stream() == [5, 6, 7] and episode.stats.context_tokens == 0

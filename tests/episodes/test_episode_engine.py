@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moerl.engines.protocol import SamplingParams
-from moerl.episodes import Episode
+from moerl.episodes import Episode, EpisodeSettings
 from tests.episodes.conftest import assert_only_seen, engine_generate, served
 
 PROMPT = [3, 17, 42, 99, 7, 11, 12]
@@ -34,9 +34,8 @@ def test_token_level_turns_keep_the_engine_tokens_and_each_routing_row_once(mode
     async def go():
         async with served(models[0]) as client:
             await client.set_weight_version("3")
-            episode = Episode(
-                PROMPT, {}, engine_generate(client, calls), tokenizer, PARAMS, group_id=4, index=2, sampling_mask=True
-            )
+            settings = EpisodeSettings(tokenizer, PARAMS, sampling_mask=True)
+            episode = Episode(PROMPT, {}, engine_generate(client, calls), settings, group_id=4, index=2)
             first = await episode.generate()
             second = await episode.generate(CONTEXT)
             return episode, first, second
@@ -82,7 +81,9 @@ def test_recomputed_prefix_keeps_the_routing_its_tokens_were_sampled_under(model
     async def go():
         async with served(models[0]) as client:
             await client.set_weight_version("1")
-            episode = Episode(PROMPT, {}, engine_generate(client, calls), tokenizer, PARAMS, sampling_mask=True)
+            episode = Episode(
+                PROMPT, {}, engine_generate(client, calls), EpisodeSettings(tokenizer, PARAMS, sampling_mask=True)
+            )
             await episode.generate()
             await client.update_weights_from_disk(str(models[1]), weight_version="2", flush_cache=True)
             await episode.generate(CONTEXT)
@@ -112,7 +113,9 @@ def test_a_history_rendered_otherwise_forks_and_the_fork_is_trained_on_what_the_
         async with served(models[0]) as client:
             await client.set_weight_version("0")
             prompt = tokenizer.apply_chat_template([user], add_generation_prompt=True)["input_ids"]
-            episode = Episode(prompt, {}, engine_generate(client, calls, sampling_mask=False), tokenizer, PARAMS)
+            episode = Episode(
+                prompt, {}, engine_generate(client, calls, sampling_mask=False), EpisodeSettings(tokenizer, PARAMS)
+            )
             reply = await episode.chat([user])
             # The client keeps its own version of the reply (as a harness that rewrites the history would).
             history = [user, {**reply, "content": "Hello there."}, {"role": "user", "content": "Again."}]

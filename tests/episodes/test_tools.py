@@ -10,7 +10,7 @@ import time
 import pytest
 
 from moerl.engines.protocol import SamplingParams
-from moerl.episodes import CALCULATOR, Episode, Tool, calculator, run_tool
+from moerl.episodes import CALCULATOR, Episode, EpisodeSettings, Tool, calculator, run_tool
 from tests.episodes.conftest import ScriptedEngine
 
 NO_ARGS = {"type": "object", "properties": {}}
@@ -44,7 +44,9 @@ def call(name: str, arguments: str = "{}", id: str = "call_0") -> dict:
 
 
 def test_failing_and_hanging_tools_answer_with_their_error_and_count_as_failures(tokenizer):
-    episode = Episode([5, 6], {}, ScriptedEngine(tokenizer, []), tokenizer, SamplingParams(), tools=TOOLS)
+    episode = Episode(
+        [5, 6], {}, ScriptedEngine(tokenizer, []), EpisodeSettings(tokenizer, SamplingParams(), tools=TOOLS)
+    )
     calls = [
         call("calculator", json.dumps({"expression": "6 * 7"}), "a"),
         call("broken", id="b"),

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moerl.checkpoint.cli import main as convert_main
 from moerl.checkpoint.convert import hf_to_mcore
 from moerl.checkpoint.peft import export_adapter, peft_would_drop, save_adapter
+from moerl.cli.convert_ckpt import main as convert_main
+from moerl.engines.embedded.engine import EmbeddedEngine
 from moerl.engines.embedded.lora import AdapterConfig, AdapterSet
-from moerl.engines.embedded.server import EmbeddedEngine
 from moerl.engines.sglang import lora_target_modules
 from moerl.errors import LoRAError
 from moerl.megatron.launch import run_ranks

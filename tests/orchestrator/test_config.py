@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moerl.config import choice_fields
+from moerl.choices import choice_fields
 from moerl.env import child_env
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import RunConfig, load_config, schema_type
@@ -36,7 +36,7 @@ def _get(cfg, key: str):
 
 def test_the_config_declares_its_enums():
     keys = {key for key, _ in choice_fields(RunConfig)}
-    assert {"run.mode", "trainer.replay.routing", "trainer.loss.correction", "sync.method", "task.name"} <= keys
+    assert {"run.mode", "run.placement", "trainer.replay.routing", "sync.method", "task.name"} <= keys
 
 
 @pytest.mark.parametrize("key, value", ENUM_VALUES, ids=[f"{k}={v}" for k, v in ENUM_VALUES])

@@ -22,7 +22,7 @@ from moerl.errors import EnginesDown
 from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
 from moerl.orchestrator.components import start_manager
 from moerl.orchestrator.config import load_config, to_yaml
-from moerl.orchestrator.rollouts import RolloutEndpoint
+from moerl.orchestrator.rollouts import RolloutBuffer
 
 GROUPS = 8
 
@@ -62,7 +62,7 @@ def rollouts(model: Path, run_dir: Path, replicas: int, *overrides: str):
         )
     )
     ctx = zmq.Context()
-    buffer = RolloutEndpoint(ctx, cfg.rollout, "sync")
+    buffer = RolloutBuffer(ctx, cfg.rollout, "sync")
     manager = None
     try:
         urls = pool.start()
@@ -84,9 +84,9 @@ async def serve_version_0(urls: list[str]) -> None:
         await client.set_weight_version("0")
 
 
-def take(buffer: RolloutEndpoint, groups: int) -> list:
+def take(buffer: RolloutBuffer, groups: int) -> list:
     """``groups`` finished groups (sync mode orders them)."""
-    return [group for piece in buffer.pieces(0, groups, whole=False) for group in piece]
+    return [group for instalment in buffer.instalments(0, groups, whole=False) for group in instalment]
 
 
 def signal_replica(pool: EnginePool, replica: int, sig: int) -> None:
@@ -301,7 +301,7 @@ def test_the_trainer_learns_every_replica_that_lost_its_policy_between_two_reads
     from moerl.orchestrator.config import RolloutSection
     from moerl.orchestrator.messages import EnginesChanged
 
-    buffer = RolloutEndpoint(zmq.Context.instance(), RolloutSection(), "async")
+    buffer = RolloutBuffer(zmq.Context.instance(), RolloutSection(), "async")
     try:
         buffer._handle(EnginesChanged({"a": State.HEALTHY, "b": State.STALE}, {"a": 0, "b": 0}))
         for states, losses in (
@@ -324,6 +324,7 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
     the catch-up loaded there, and one the sync passed over is already out of rotation."""
     from moerl.engines.client import EngineClient
     from moerl.engines.health import ReplicaHealth, State
+    from moerl.orchestrator.adapters import Adapters
     from moerl.orchestrator.manager import RolloutManager
     from moerl.orchestrator.messages import Served
 
@@ -334,7 +335,7 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
             self.health = ReplicaHealth(["a", "b"])
 
         async def probe(self, url):
-            seen.append((manager.adapter, manager.client.health.usable()))
+            seen.append((manager.adapters.current, manager.client.health.usable()))
             await asyncio.sleep(0)
             return True, "default"
 
@@ -342,16 +343,12 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
             unloaded.append(name)
 
     async def report():
-        seen.append((manager.adapter, manager.client.health.usable()))
+        seen.append((manager.adapters.current, manager.client.health.usable()))
 
     manager = RolloutManager.__new__(RolloutManager)  # the order handling alone: no engines, tokenizer or sockets
-    manager.client, manager.adapter, manager.users, manager.retired, manager._report = (
-        Client(),
-        ("v2", 2),
-        {},
-        set(),
-        report,
-    )
+    manager.client, manager._report = Client(), report
+    manager.adapters = Adapters(manager.client)
+    manager.adapters.current = ("v2", 2)
     health = manager.client.health
     health.sync_reached(None, ["a", "b"])
 

@@ -284,7 +284,8 @@ def test_the_30b_recipe_at_32k_responses_is_refused_for_its_logits_and_fits_at_t
 def test_the_weight_sync_communicators_are_an_engine_term():
     """Each sender (the recipe's 8 expert-parallel ranks of its one stage) forms a group with every engine GPU, again
     after each failed push: 8 x (1 + 3) communicators of 256 MiB, outside mem_fraction_static."""
-    from moerl.orchestrator.memory import COMMUNICATOR_BYTES, MAX_GROUPS_PER_ENGINE
+    from moerl.orchestrator.memory import MAX_GROUPS_PER_ENGINE
+    from moerl.orchestrator.placement import COMMUNICATOR_BYTES
 
     assert COMMUNICATOR_BYTES == 256 << 20 and MAX_GROUPS_PER_ENGINE == 4
     plan = _plan()
@@ -356,6 +357,7 @@ def test_colocated_reward_replicas_share_the_trainers_gpus_and_are_released_as_t
 
     from moerl.orchestrator import memory
     from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.placement import RELEASED_ENGINE_BYTES
     from moerl.orchestrator.preflight import trainer_world_size
 
     def plan(*overrides: str) -> memory.MemoryPlan:
@@ -369,8 +371,8 @@ def test_colocated_reward_replicas_share_the_trainers_gpus_and_are_released_as_t
     # SGLang's fraction is of what is free when it starts: beside the policy's engines and the trainer's resident part
     left = alone.device_bytes - alone.colocated.engines
     assert beside.colocated.engines == pytest.approx(alone.colocated.engines + 0.5 * left)
-    assert beside.colocated.push == alone.colocated.push + memory.RELEASED_ENGINE_BYTES
-    assert beside.trainer.terms["released engine (assumed)"] == 2 * memory.RELEASED_ENGINE_BYTES
+    assert beside.colocated.push == alone.colocated.push + RELEASED_ENGINE_BYTES
+    assert beside.trainer.terms["released engine (assumed)"] == 2 * RELEASED_ENGINE_BYTES
     assert "reward engine: weights 2.8 GiB a GPU, on the trainer's GPUs, released while it trains" in beside.table()
     # every reward GPU's weights wait in host memory while released (--enable-weights-cpu-backup)
     w = load_config(None, ["reward.model=/models/rm"]).reward.engines

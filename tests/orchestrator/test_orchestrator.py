@@ -446,7 +446,7 @@ def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_er
 
     def kill_manager():
         (manager,) = [
-            p for p in psutil.Process(proc.pid).children(recursive=True) if "moerl.orchestrator.manager" in p.cmdline()
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "moerl.cli.rollout_manager" in p.cmdline()
         ]
         manager.kill()
 
@@ -564,7 +564,7 @@ def test_a_trainer_rank_killed_while_its_state_is_offloaded_leaves_no_process_be
         assert sorted(ranks) == [0, 1]
         children = [p for p in family if p.ppid() == ranks[0].pid]
         assert any(_is_engine(p) for p in children) and any(
-            "moerl.orchestrator.manager" in p.cmdline() for p in children
+            "moerl.cli.rollout_manager" in p.cmdline() for p in children
         )
         ranks[1].kill()
         assert proc.wait(timeout=120) != 0
@@ -808,17 +808,16 @@ def test_a_catch_up_of_full_weights_leaves_the_others_in_rotation_and_forgets_wh
 
 def test_a_reward_replica_that_fails_to_wake_is_killed_and_one_that_fails_to_release_serves_on():
     """Colocated reward replicas: one whose wake fails would stay paused or without its memory, and the manager's
-    scoring waits on a paused replica that answers, so the Lead kills it for revive to start it again; one whose
+    scoring waits on a paused replica that answers, so the placement kills it for revive to start it again; one whose
     release fails after its pause is continued, serving on with its memory, rather than left paused for the step."""
     from moerl.engines.client import EngineError
-    from moerl.orchestrator.lead import Lead, _release_memory
+    from moerl.orchestrator.placement import Colocated, _release_memory
 
     killed = []
-    lead = Lead.__new__(Lead)  # rank 0's part, without the processes it starts
-    lead.reward_pool = SimpleNamespace(kill=lambda urls: killed.extend(urls) or urls)
-    lead.reward_released = {"http://127.0.0.1:9"}  # nothing listens on the discard port: its resume fails
-    lead.wake_reward_engines()
-    assert killed == ["http://127.0.0.1:9"] and lead.reward_released == set()
+    colocated = Colocated()
+    colocated.released = {"http://127.0.0.1:9"}  # nothing listens on the discard port: its resume fails
+    colocated.before_generation(SimpleNamespace(kill=lambda urls: killed.extend(urls) or urls))
+    assert killed == ["http://127.0.0.1:9"] and colocated.released == set()
 
     calls = []
 
@@ -839,7 +838,7 @@ def test_a_reward_replica_that_fails_to_wake_is_killed_and_one_that_fails_to_rel
 
 
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
-    from moerl.orchestrator.metrics import main as plot_main
+    from moerl.cli.plot import main as plot_main
 
     for name, slope in (("R3", 0.1), ("off", 0.05)):
         (tmp_path / name).mkdir()

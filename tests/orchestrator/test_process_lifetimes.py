@@ -123,7 +123,7 @@ cli.main(["train"])
 def test_a_second_sigterm_leaves_the_teardown_running():
     """torchrun's SIGTERM, then the rank's own once torchrun is gone: the first starts the teardown, the second must
     not cut it short."""
-    from moerl.orchestrator.main import _exit_on_sigterm
+    from moerl.cli.train import _exit_on_sigterm
 
     before = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

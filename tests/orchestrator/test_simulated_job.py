@@ -129,7 +129,7 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
         try:
             for p in psutil.process_iter(["cmdline"]):
                 command = " ".join(p.info["cmdline"] or [])
-                if "moerl.orchestrator.manager" in command and str(tmp_path) in command:
+                if "moerl.cli.rollout_manager" in command and str(tmp_path) in command:
                     return [
                         w
                         for child in p.children()

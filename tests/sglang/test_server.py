@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moerl.engines import protocol as P
-from moerl.engines.client import EngineClient
+from moerl.engines.client import EngineClient, Returns
 from moerl.models import model_shape
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.usefixtures("sglang_python")]
@@ -214,7 +214,7 @@ def test_sglang_computes_transformers_tokens_log_probs_and_routing(sglang_url, m
 
     async def go():
         async with EngineClient([sglang_url], shape=shape) as client:
-            return await client.generate(PROMPT, {"temperature": 0, "max_new_tokens": 12}, return_routed_experts=True)
+            return await client.generate(PROMPT, {"temperature": 0, "max_new_tokens": 12}, Returns(routing_from=0))
 
     (completion,) = asyncio.run(go())
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
@@ -244,7 +244,7 @@ def test_n_completions_with_kept_sets_are_asked_one_by_one_and_share_their_promp
             whole = await _ask(session, sglang_url, "POST", "/generate", body)
         async with EngineClient([sglang_url], shape=shape) as client:
             return whole, await client.generate(
-                PROMPT, params, return_routed_experts=True, return_sampling_mask=True, rid="group"
+                PROMPT, params, Returns(routing_from=0, sampling_mask=True), rid="group"
             )
 
     (status, answer), completions = asyncio.run(go())

@@ -40,16 +40,17 @@ def test_a_discriminative_models_scores_are_a_direct_forwards_and_combine_with_t
 
     from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app
     from moerl.engines.embedded.runner import own_weights
+    from moerl.rewards import Rewarder
+    from moerl.rewards.combine import rule_times_model
+    from moerl.rewards.model import Classifier, Replicas, Stats
     from moerl.tasks import TaskConfig
-    from moerl.tasks.reward_models import RewardModel, Stats, rule_times_model
-    from moerl.tasks.rewards import Rewarder
 
     model = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
     own_weights(model)  # aligned, as the engine's are: the CPU's matmuls round unaligned operands otherwise
 
     async def go():
         async with serving_app(build_classifier_app(ClassifierEngine(str(classifier)))) as url:
-            reward_model = RewardModel([url], classifier, "discriminative")
+            reward_model = Classifier(classifier, Replicas([url]))
             ids = [reward_model.conversation_ids(PROMPT, r) for r in RESPONSES]
             with torch.no_grad():
                 expected = [model(torch.tensor([i])).logits[0, 0].item() for i in ids]
@@ -79,7 +80,8 @@ def test_a_judges_scores_are_its_greedy_answers_read_by_the_verdict(judge, tmp_p
     from transformers import AutoModelForCausalLM
 
     from moerl.engines.embedded.runner import own_weights
-    from moerl.tasks.reward_models import RewardModel
+    from moerl.rewards.judge import Judge, Judging
+    from moerl.rewards.model import Replicas
     from tests.engine_server import running_server
 
     model = AutoModelForCausalLM.from_pretrained(judge).eval()
@@ -88,7 +90,7 @@ def test_a_judges_scores_are_its_greedy_answers_read_by_the_verdict(judge, tmp_p
     with running_server(judge, tmp_path / "logs") as url:
 
         async def go():
-            reward_model = RewardModel([url], judge, "generative", template, f"{__name__}:char_sum", max_new_tokens=6)
+            reward_model = Judge(judge, Replicas([url]), Judging(template, f"{__name__}:char_sum", max_new_tokens=6))
             scores = await reward_model.score(PROMPT, RESPONSES, ANSWER)
             ids = [reward_model.judge_ids(PROMPT, r, ANSWER) for r in RESPONSES]
             await reward_model.close()
@@ -115,13 +117,13 @@ def test_a_reward_replica_that_dies_costs_a_retry_and_one_started_again_scores_w
     the one a live replica gives. Then the only replica left dies: the scores wait for it, started again, and are
     the same once it answers; with none back for reward.engines.down_timeout_s the run stops with one error."""
     from moerl.errors import EnginesDown
-    from moerl.tasks.reward_models import RewardModel, Stats
+    from moerl.rewards.model import Classifier, Replicas, Stats
 
     with running_pool(classifier, tmp_path / "logs", 2) as pool:
         first, second = pool.urls
 
         async def go():
-            reward_model = RewardModel(pool.urls, classifier, "discriminative", health_interval_s=0.2)
+            reward_model = Classifier(classifier, Replicas(pool.urls, health_interval_s=0.2))
             try:
                 before = await reward_model.score(PROMPT, RESPONSES, ANSWER)
                 os.killpg(pool.procs[0].pid, signal.SIGKILL)
@@ -142,7 +144,7 @@ def test_a_reward_replica_that_dies_costs_a_retry_and_one_started_again_scores_w
                 for proc in pool.procs:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-                reward_model.down_timeout_s = 1.0
+                reward_model.replicas.down_timeout_s = 1.0
                 gone = "no engine replica has been healthy for reward.engines.down_timeout_s=1 s"
                 with pytest.raises(EnginesDown, match=gone):
                     await reward_model.score(PROMPT, RESPONSES, ANSWER)
@@ -157,13 +159,13 @@ def test_a_paused_reward_replica_holds_its_scores_past_the_down_timeout_and_serv
     and /health fails while paused (as SGLang's does), yet the replica answers /model_info: it is paused, not down, so
     the score waits past reward.engines.down_timeout_s and is the live replica's once generation continues."""
     from moerl.engines.client import EngineClient
-    from moerl.tasks.reward_models import RewardModel, Stats
+    from moerl.rewards.model import Classifier, Replicas, Stats
 
     with running_pool(classifier, tmp_path / "logs", 1) as pool:
 
         async def go():
-            reward_model = RewardModel(
-                pool.urls, classifier, "discriminative", timeout_s=0.5, down_timeout_s=1.0, health_interval_s=0.2
+            reward_model = Classifier(
+                classifier, Replicas(pool.urls, timeout_s=0.5, down_timeout_s=1.0, health_interval_s=0.2)
             )
             try:
                 before = await reward_model.score(PROMPT, RESPONSES, ANSWER)
@@ -189,12 +191,12 @@ def test_the_demo_reward_model_ranks_each_prompts_sum_above_every_other_answer(d
     :func:`moerl.tasks.tiny.save_tiny_reward_model`.)"""
     from transformers import AutoModelForSequenceClassification
 
-    from moerl.tasks.reward_models import RewardModel
+    from moerl.rewards.model import Classifier, Replicas
     from moerl.tasks.tiny import DIGITS, records
 
     directory = demo_reward_model
     model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
-    reading = RewardModel(["http://127.0.0.1:9"], directory, "discriminative")  # how the job reads a conversation
+    reading = Classifier(directory, Replicas(["http://127.0.0.1:9"]))  # how the job reads a conversation
     for item in records():
         answers = [str(s) for s in range(2 * DIGITS - 1)]
         with torch.no_grad():

@@ -22,10 +22,11 @@ from moerl.orchestrator.messages import (
     event_frames,
     send_event,
 )
-from moerl.orchestrator.rollouts import RolloutEndpoint, RolloutError
+from moerl.orchestrator.rollouts import RolloutBuffer, RolloutError
+from moerl.rewards import Rewarder
+from moerl.rewards.rules import math
 from moerl.sample import Sample
 from moerl.tasks import PromptStream, TaskConfig, read_records
-from moerl.tasks.rewards import Rewarder, math
 
 
 def test_math_reward_checks_the_final_answer_with_math_verify():
@@ -161,7 +162,7 @@ def group_event(index: int, versions: list[int]) -> GroupDone:
 @pytest.fixture
 def wired():
     ctx = zmq.Context()
-    buffer = RolloutEndpoint(ctx, RolloutSection(groups_per_step=2, max_staleness=1), "async")
+    buffer = RolloutBuffer(ctx, RolloutSection(groups_per_step=2, max_staleness=1), "async")
     manager_in, manager_out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     manager_in.connect(buffer.orders_address)
     manager_out.connect(buffer.events_address)
@@ -179,13 +180,13 @@ def test_buffer_drops_stale_groups_refills_and_accounts_for_every_prompt(wired):
     send_event(events, group_event(0, [3, 3]))  # version 3 at trainer version 5: too old
     send_event(events, group_event(1, [4, 5]))  # oldest token 1 version behind: kept
     send_event(events, group_event(2, [5, 5]))
-    pieces = list(buffer.pieces(version=5, groups=2, whole=False))
-    taken = [g.index for piece in pieces for g in piece]
+    instalments = list(buffer.instalments(version=5, groups=2, whole=False))
+    taken = [g.index for instalment in instalments for g in instalment]
     assert taken == [1, 2]
     assert [orders.recv_pyobj() for _ in range(3)] == [Generate(1)] * 3  # one more group for each taken or dropped
     counts = buffer.acct.counts()
     assert counts["prompts/dropped"] == 1 and counts["prompts/in_flight"] == 1 and counts["prompts/taken"] == 2
-    buffer.trained([g for piece in pieces for g in piece])
+    buffer.trained([g for instalment in instalments for g in instalment])
     assert buffer.acct.trained == 2 and buffer.pending() == [3] and buffer.acct.balanced()
     assert buffer.cursor == 4  # where a resumed run continues
     send_event(events, Issued(3, new=False))  # re-issued after a resume: counted once
@@ -212,8 +213,8 @@ def test_a_groups_arrays_cross_out_of_band_and_arrive_whole_and_writable(wired):
     assert len(frames[0]) < 4096 and sum(len(memoryview(f)) for f in frames[1:]) > routing.nbytes * 1000
     send_event(events, Issued(0, new=True))
     send_event(events, event)
-    (piece,) = buffer.pieces(version=0, groups=1, whole=True)
-    (group,) = piece
+    (instalment,) = buffer.instalments(version=0, groups=1, whole=True)
+    (group,) = instalment
     for sent, got in zip(event.samples, group.samples, strict=True):
         for name in ("prompt_ids", "response_ids", "behaviour_logprobs", "versions", "routing"):
             a, b = getattr(sent, name), getattr(got, name)
@@ -224,4 +225,4 @@ def test_a_failed_rollout_stops_the_run_with_its_message(wired):
     buffer, _, events = wired
     send_event(events, RolloutFailed(7, "EngineError: http://e:1: /generate refused (400): bad top_k"))
     with pytest.raises(RolloutError, match="prompt 7 failed: EngineError.*bad top_k"):
-        next(buffer.pieces(version=0, groups=1, whole=True))
+        next(buffer.instalments(version=0, groups=1, whole=True))

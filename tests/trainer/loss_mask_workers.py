@@ -12,10 +12,10 @@ def action_logprobs_and_step(mcore_dir: str, trainer_cfg, samples: list) -> dict
     from moerl.trainer.trainer import Trainer
 
     trainer = Trainer(mcore_dir, trainer_cfg)
-    piece = trainer.batches.scatter(samples)
-    batches = trainer.micro_batches(piece)
+    instalment = trainer.batches.scatter(samples)
+    batches = trainer.micro_batches(instalment)
     trainer.score(batches)
-    logprobs: list = [None] * len(piece.samples)
+    logprobs: list = [None] * len(instalment.samples)
     for mb in batches:
         if mb.dummy or mb.old is None:  # old: scored on the last stage only
             continue
@@ -24,9 +24,9 @@ def action_logprobs_and_step(mcore_dir: str, trainer_cfg, samples: list) -> dict
             logprobs[i] = mb.old[mb.seq == j].cpu()
     return {
         "last": trainer.batches.needs.last,
-        "samples": piece.samples,
-        "advantages": piece.advantages,
-        "action_counts": piece.action_counts,
+        "samples": instalment.samples,
+        "advantages": instalment.advantages,
+        "action_counts": instalment.action_counts,
         "logprobs": logprobs,
         "metrics": trainer.step(samples),
         "grads": full_tensors(trainer.model.module, grads=True),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import typing
 
 import numpy as np
 import pytest
@@ -110,6 +109,10 @@ def test_kl_estimators():
 def test_bad_loss_config_names_the_field():
     with pytest.raises(ConfigError, match="loss.policy_loss='grpo'"):
         LossConfig(policy_loss="grpo")
+    with pytest.raises(ConfigError, match="loss.correction='math:pi' is float, not a function"):
+        LossConfig(correction="math:pi")
+    with pytest.raises(ConfigError, match="loss.aggregation='math:floor' is builtin_function_or_method, not an Agg"):
+        LossConfig(aggregation="math:floor")
     with pytest.raises(ConfigError, match="loss.dual_clip"):
         LossConfig(dual_clip=0.5)
     with pytest.raises(ConfigError, match="loss.band_low"):
@@ -133,7 +136,7 @@ EXTREME = [50.0, -50.0, 0.0, 50.0, -50.0]  # log-ratios of badly stale or mismat
 ADV = [1.0, 1.0, 0.0, -1.0, -1.0]
 
 
-@pytest.mark.parametrize("policy_loss", typing.get_args(objectives.PolicyLoss))
+@pytest.mark.parametrize("policy_loss", objectives.POLICY_LOSSES.names)
 def test_extreme_policy_ratios_give_finite_losses_and_gradients(policy_loss):
     cfg = LossConfig(policy_loss=policy_loss, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     new = T(EXTREME, requires_grad=True)
@@ -153,7 +156,7 @@ def test_extreme_policy_ratios_give_finite_losses_and_gradients(policy_loss):
     assert e20 > 1e8  # the bound itself stays finite in fp32
 
 
-@pytest.mark.parametrize("kind", typing.get_args(objectives.Correction))
+@pytest.mark.parametrize("kind", objectives.CORRECTIONS.names)
 def test_extreme_behaviour_ratios_give_finite_corrections(kind):
     old = T(EXTREME)
     w = objectives.correction(old, torch.zeros(5), T([0, 0, 1, 2, 2]), 3, LossConfig(correction=kind))
@@ -175,3 +178,14 @@ def test_extreme_kl_is_clamped_like_verl():
 def test_tis_truncates_at_the_cap():
     w = objectives.correction(T([0.0, 0.0]), T([-1.0, -0.2]), T([0, 0]), 1, LossConfig(correction="tis", is_cap=2.0))
     np.testing.assert_allclose(w.numpy(), [2.0, math.exp(0.2)], rtol=1e-6)
+
+
+def halved_tis(log_w, seq, num_seqs, cfg):
+    """A user's correction, loaded by name as a plugin is."""
+    return objectives.truncated_is(log_w, seq, num_seqs, cfg) / 2
+
+
+def test_a_plugin_objective_is_loaded_by_its_module_path():
+    cfg = LossConfig(correction=f"{__name__}:halved_tis", is_cap=2.0)
+    w = objectives.correction(T([0.0, 0.0]), T([-1.0, -0.2]), T([0, 0]), 1, cfg)
+    np.testing.assert_allclose(w.numpy(), [1.0, math.exp(0.2) / 2], rtol=1e-6)

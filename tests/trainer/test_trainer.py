@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from moerl.engines.embedded.server import EmbeddedEngine
+from moerl.engines.embedded.engine import EmbeddedEngine
 from moerl.engines.protocol import decode_generate
 from moerl.megatron.launch import run_ranks
 from moerl.models import model_shape
@@ -219,11 +219,11 @@ def test_a_shared_prompt_crosses_the_data_plane_once_per_replica(tiny_ckpts, fp3
     """trainer.shared_prompt at PP2xDP2 (EP2): a group's samples go to one replica, and only its first sample's prompt
     (ids, routing) is sent: the others take it on arrival. Every rank's samples are those sent, whole, and the ranks
     take in fewer bytes than unshared."""
-    from tests.workers import scatter_piece
+    from tests.workers import scatter_instalment
 
     mcore, layout = str(tiny_ckpts[ARCH][1]), {"pp": 2, "ep": 2}
-    unshared = run_ranks(scatter_piece, 4, mcore, config("R3", **layout, **PACKED), fp32_samples)
-    shared = run_ranks(scatter_piece, 4, mcore, config("R3", **layout, **SHARED), fp32_samples)
+    unshared = run_ranks(scatter_instalment, 4, mcore, config("R3", **layout, **PACKED), fp32_samples)
+    shared = run_ranks(scatter_instalment, 4, mcore, config("R3", **layout, **SHARED), fp32_samples)
     for out in shared:
         needs = out["needs"]
         for got in out["samples"]:
@@ -256,9 +256,9 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
     own shard's arrays plus the plan. Rank 0 stages the payloads it sends all at once within its window (these are
     small), and one at a time when the window holds none whole (PP4's)."""
     from moerl.trainer.batch import shard_by_tokens
-    from tests.workers import scatter_piece
+    from tests.workers import scatter_instalment
 
-    ranks = run_ranks(scatter_piece, 4, str(tiny_ckpts[ARCH][1]), config("R3", **layout), fp32_samples, window)
+    ranks = run_ranks(scatter_instalment, 4, str(tiny_ckpts[ARCH][1]), config("R3", **layout), fp32_samples, window)
     replicas = 4 // (layout["pp"] * layout.get("tp", 1))
     shards = shard_by_tokens([s.fed_len for s in fp32_samples], replicas)
     plan_bytes = 5 * 8 + len(fp32_samples) * 6 * 8  # header, and six numbers per sample
@@ -589,17 +589,17 @@ def test_a_trainer_saved_at_ep2_resumes_at_another_layout(tiny_ckpts, fp32_sampl
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("aggregation, budget", [("token_mean", 48), ("seq_mean_token_sum_norm", 1)])
-def test_a_batch_fed_in_pieces_steps_like_the_whole_batch(tiny_ckpts, fp32_samples, aggregation, budget):
+def test_a_batch_fed_in_instalments_steps_like_the_whole_batch(tiny_ckpts, fp32_samples, aggregation, budget):
     """budget=1: one sample per micro-batch, so the two EP ranks' shards (balanced by tokens, not by
     count) need different numbers of micro-batches; the trainer evens them out or the all-to-all hangs."""
     from moerl.trainer.objectives import LossConfig
-    from tests.workers import step_whole_and_in_pieces
+    from tests.workers import step_whole_and_in_instalments
 
     _, mcore = tiny_ckpts["Qwen3MoeForCausalLM"]
     cfg = config("R3", lr=1e-2, ep=2)
     cfg.loss = LossConfig(aggregation=aggregation)
     cfg.micro_batch_tokens = budget
-    out = run_ranks(step_whole_and_in_pieces, 2, str(mcore), cfg, fp32_samples)[0]
+    out = run_ranks(step_whole_and_in_instalments, 2, str(mcore), cfg, fp32_samples)[0]
     for key in ("train/loss", "train/grad_norm", "routing/agreement", "mismatch/k3_kl", "train/tokens"):
         assert out["got"][key] == pytest.approx(out["expected"][key], rel=1e-5, abs=1e-7), key
     for name, grad in out["expected_grads"].items():

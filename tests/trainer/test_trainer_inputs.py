@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from moerl.megatron.launch import run_ranks
-from moerl.megatron.segments import dense_mask
 from moerl.sample import Sample
 from moerl.trainer.batch import build_micro_batch
 
@@ -245,7 +244,8 @@ def test_a_shared_prompt_is_fed_once_each_response_seeing_it_and_itself_at_its_o
     assert batch.targets.tolist() == [t for s in samples for t in s.response_ids.tolist()]
     inputs = batch.packed_inputs(torch.device("cpu"), thd=False)
     assert inputs["rope_positions"].tolist() == [0, 1, 2, 3, 4, 5, 3, 4, 0, 1, 2, 3]
-    sees = ~dense_mask(inputs["attention_mask"])[0, 0]
+    assert inputs["packed_seq_params"].max_seqlen_q == 12  # what megatron-core sizes RoPE's table by
+    sees = ~inputs["packed_seq_params"].dense_mask[0, 0]
     assert sees[7].nonzero().flatten().tolist() == [0, 1, 2, 6, 7]  # the second response: the prompt and itself
     assert sees[5].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
     assert sees[11].nonzero().flatten().tolist() == [8, 9, 10, 11]  # the sample of its own sees only itself
@@ -290,7 +290,7 @@ def test_forks_of_an_episode_are_fed_as_a_tree_each_prefix_once():
         assert batch.input_ids[row, at].tolist() == s.fed_ids().tolist()
     inputs = batch.packed_inputs(torch.device("cpu"), thd=False)
     assert inputs["rope_positions"].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 6, 4, 5, 4]
-    sees = ~dense_mask(inputs["attention_mask"])[0, 0]
+    sees = ~inputs["packed_seq_params"].dense_mask[0, 0]
     assert sees[8].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 8]  # not the first's tail
     assert sees[10].nonzero().flatten().tolist() == [0, 1, 2, 3, 9, 10]
     assert sees[11].nonzero().flatten().tolist() == [0, 1, 2, 3, 11]  # not its sibling's

@@ -19,9 +19,11 @@ from aiohttp import web
 from transformers import AutoModelForSequenceClassification, PreTrainedModel
 
 from moerl.engines import protocol
+from moerl.engines.embedded.engine import MemoryOccupation, load_tokenizer
+from moerl.engines.embedded.engine import server_info as server_info_of
 from moerl.engines.embedded.runner import own_weights
-from moerl.engines.embedded.server import MemoryOccupation, _dumps, _errors, _ok, _parse, load_tokenizer
-from moerl.engines.embedded.server import server_info as server_info_of
+from moerl.engines.embedded.server import _errors, _ok, _parse
+from moerl.engines.embedded.streaming import dumps
 from moerl.engines.protocol import ProtocolError
 
 log = logging.getLogger("moerl.serve")
@@ -117,7 +119,7 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
     async def classify(request: web.Request) -> web.Response:
         req = await _parse(request, protocol.ClassifyReqInput)
         answers = await engine.classify(req)
-        return web.json_response(answers if req.batched else answers[0], dumps=_dumps)
+        return web.json_response(answers if req.batched else answers[0], dumps=dumps)
 
     async def health(request: web.Request) -> web.Response:
         # As SGLang's, whose /health runs a request through the scheduler: not while paused.
@@ -131,10 +133,10 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
             "tokenizer_path": engine.model_dir if engine.tokenizer is not None else None,
             "is_generation": False,
         }
-        return web.json_response(info, dumps=_dumps)
+        return web.json_response(info, dumps=dumps)
 
     async def server_info(request: web.Request) -> web.Response:
-        return web.json_response(server_info_of(engine.engine_name, engine.model), dumps=_dumps)
+        return web.json_response(server_info_of(engine.engine_name, engine.model), dumps=dumps)
 
     async def pause(request: web.Request) -> web.Response:
         req = await _parse(request, protocol.PauseGenerationReqInput)

@@ -1,4 +1,4 @@
-"""``tools/convert_ckpt.py``: HF <-> Megatron checkpoint conversion and verification."""
+"""``moerl convert-ckpt`` (and ``tools/convert_ckpt.py``): HF <-> Megatron checkpoint conversion and verification."""
 
 from __future__ import annotations
 
@@ -166,7 +166,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -105,7 +105,3 @@ def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     # Once: a second SIGTERM (torchrun's, then the rank's own once torchrun is gone) would cut the teardown short.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -15,8 +15,9 @@ from moerl.checkpoint.hf import read_config
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
 from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app
+from moerl.engines.embedded.engine import EmbeddedEngine
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS
-from moerl.engines.embedded.server import EmbeddedEngine, build_app
+from moerl.engines.embedded.server import build_app
 from moerl.engines.simulated import SimulatedEngine
 from moerl.errors import ConfigError, MoerlError
 from moerl.models import is_classifier

@@ -8,7 +8,6 @@ whole tree of sections under full dotted keys, and tests enumerate every such fi
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import typing
 from typing import Any
 
@@ -20,7 +19,6 @@ __all__ = [
     "choice_fields",
     "choice_problems",
     "choices",
-    "import_object",
     "literal_text",
 ]
 
@@ -85,15 +83,3 @@ def check_choices(section: Any, prefix: str) -> None:
     problems = choice_problems(type(section), section, prefix)
     if problems:
         raise ConfigError("; ".join(problems))
-
-
-def import_object(name: str, key: str) -> Any:
-    """The object ``name`` (``package.module:attribute``) names, for the config key ``key``; one error naming the key
-    where it cannot be loaded."""
-    module, sep, attr = name.partition(":")
-    if not sep or not module or not attr:
-        raise ConfigError(f"{key}={name!r}: expected 'package.module:attribute'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{key}={name!r} cannot be loaded: {e}") from None
