@@ -87,6 +87,18 @@ class Nodes:
             "ip", "netns", "exec", name, "unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *args,
         ]  # fmt: skip
 
+    def entered(self, node: int, args: list[str]) -> list[str]:
+        """``args`` as run on node ``node`` for a daemon that needs the host's /sys: :meth:`command` enters through
+        ``ip netns exec``, which mounts a /sys of the namespace's own without the cgroup mounts slurmd needs, so this
+        enters the network namespace with ``nsenter`` and bind-mounts the node's hosts file in a mount namespace of its
+        own (the host's /etc/hosts untouched)."""
+        name, host = self.names[node - 1], self.hostnames[node - 1]
+        script = f'mount --bind /etc/netns/{name}/hosts /etc/hosts && hostname {host} && exec "$@"'
+        return [
+            "nsenter", f"--net=/run/netns/{name}", "unshare", "--uts", "--mount", "--propagation", "slave",
+            "sh", "-c", script, "sh", *args,
+        ]  # fmt: skip
+
     def popen(self, node: int, args: list[str], **kwargs) -> subprocess.Popen:
         """Start ``args`` on node ``node`` in a session of its own (killed with everything else at :meth:`close`)."""
         proc = subprocess.Popen(self.command(node, args), start_new_session=True, **kwargs)

@@ -6,6 +6,7 @@
 # one: $MOERL_SGLANG_VENV, default ~/.cache/moerl/sglang-<version>; the job finds it there (moerl.engines.sglang). On a
 # machine without a GPU that is torch's CUDA build (which runs on a CPU) and the pinned server requirements of
 # tools/sglang-cpu-requirements.txt, about 6.7 GB; with a GPU, SGLang with all of its own requirements.
+# The extra "slurm" installs Slurm and munge from the distribution (Debian's slurm-wlm; root) for tests/slurm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -22,7 +23,13 @@ extras=()
 sglang=0
 IFS=',' read -ra asked <<< "${1:-}"
 for extra in "${asked[@]}"; do
-  if [ "$extra" = sglang ]; then sglang=1; elif [ -n "$extra" ]; then extras+=("$extra"); fi
+  if [ "$extra" = sglang ]; then
+    sglang=1
+  elif [ "$extra" = slurm ]; then  # Slurm and munge for tests/slurm's local cluster (as root, from the distribution)
+    command -v slurmctld >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >&2
+  elif [ -n "$extra" ]; then
+    extras+=("$extra")
+  fi
 done
 spec="."
 if [ "${#extras[@]}" -gt 0 ]; then spec=".[$(IFS=,; echo "${extras[*]}")]"; fi

@@ -35,10 +35,14 @@ from moerl.orchestrator.model_cache import prepare_model
 from moerl.orchestrator.placement import placement_of
 from moerl.orchestrator.preflight import check_layout, preflight
 from moerl.orchestrator.rollouts import Group
-from moerl.orchestrator.run_state import RUN_STATE, latest_checkpoint, save_checkpoint
+from moerl.orchestrator.run_state import RUN_STATE, STOP_REQUEST, latest_checkpoint, save_checkpoint
 from moerl.weight_sync.base import WeightSync
 
 log = logging.getLogger("moerl.train")
+
+
+class StoppedAsRequested(Exception):
+    """Raised on every rank, after the checkpoint, to leave the step where the stop was asked for."""
 
 
 class Job:
@@ -75,6 +79,10 @@ class Job:
                 self.lead.order(self.cfg.rollout.outstanding)
             while self.trainer.version < self.cfg.run.steps:
                 self.step()
+                if self.trainer.version < self.cfg.run.steps and self.stop_requested():
+                    self.stop_as_requested()
+            self.placement.at_end(self.trainer)
+        except StoppedAsRequested:
             self.placement.at_end(self.trainer)
         except Exception as e:
             # One rank's failure makes torchrun stop the others, maybe this one in its teardown: said now, not after it.
@@ -195,6 +203,8 @@ class Job:
         """Collective, between two instalments of a step; the weights are still the last update's."""
         if kind == Pause.STOP:
             self.stop_with_checkpoint(self.lead.stop_error)
+        if kind == Pause.STOP_REQUESTED:
+            self.stop_as_requested()
         sync = self.weight_sync
         try:
             stats = sync.update(self.trainer, only=self.lead.back)
@@ -224,6 +234,26 @@ class Job:
         self.lead.halt()  # the other prompts waiting for an engine fail too, while the checkpoint is written
         save_checkpoint(self.trainer, self.lead.rollouts, self.run_dir)
         return self.run_dir / "checkpoints" / f"step_{self.trainer.version}"
+
+    def stop_requested(self) -> bool:
+        """Collective: whether global rank 0 found run.dir/stop_requested."""
+        box = [self.lead.stop_requested()]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
+    def stop_as_requested(self) -> None:
+        """Collective: the checkpoint, the request taken away (a resumed run does not stop at once), then the run ends
+        as if it had reached its last step."""
+        checkpoint = self.checkpoint_now()
+        on_lead(lambda: (self.run_dir / STOP_REQUEST).unlink(missing_ok=True), "taking the stop request away")
+        if self.rank == 0:
+            log.warning(
+                "stopped at step %d as %s asked: checkpoint %s written; run.resume=true continues from it",
+                self.trainer.version,
+                self.run_dir / STOP_REQUEST,
+                checkpoint,
+            )
+        raise StoppedAsRequested
 
     def serve_policy(self, catch_up: bool = False) -> None:
         """Rank 0 tells the manager what the engines serve now (:meth:`Lead.serve`)."""

@@ -22,6 +22,7 @@ from moerl.orchestrator.components import Engines, start_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
 from moerl.orchestrator.rollouts import Accounting, Group, PromptState, RolloutBuffer, rollout_metrics
+from moerl.orchestrator.run_state import STOP_REQUEST
 from moerl.sample import Sample
 from moerl.trainer.distribute import Interlude
 from moerl.weight_sync.base import SyncStats, WeightSync
@@ -34,6 +35,7 @@ class Pause(enum.IntEnum):
 
     CATCH_UP = 1  # no replica serves and one came back: push it the current policy, so the step can get its groups
     STOP = 2  # no replica served for engines.down_timeout_s, or the rollout manager is gone: checkpoint, then stop
+    STOP_REQUESTED = 3  # run.dir/stop_requested appeared (run_state.STOP_REQUEST): checkpoint, then end the run
 
 
 @dataclass
@@ -64,7 +66,7 @@ class Lead:
         version at start."""
         from tqdm import tqdm
 
-        self.cfg, self.engines, self.sync = cfg, engines, sync
+        self.cfg, self.run_dir, self.engines, self.sync = cfg, run_dir, engines, sync
         acct = Accounting(issued=state["accounting"].get("issued", 0), trained=state["accounting"].get("trained", 0))
         acct.dropped.update(state["accounting"].get("dropped", {}))
         for index in state["pending"]:
@@ -154,8 +156,15 @@ class Lead:
             yield Interlude(Pause.STOP)
 
     def while_waiting(self) -> Interlude | None:
-        """While the step waits for groups: a catch-up of the replicas back while none serves."""
+        """While the step waits for groups: the stop asked for, or a catch-up of the replicas back while none
+        serves."""
+        if self.stop_requested():
+            return Interlude(Pause.STOP_REQUESTED)
         return Interlude(Pause.CATCH_UP) if self.catch_up_needed() else None
+
+    def stop_requested(self) -> bool:
+        """Whether run.dir/stop_requested asks the run to checkpoint and stop."""
+        return (self.run_dir / STOP_REQUEST).exists()
 
     def catch_up_needed(self) -> list[str]:
         """While the step waits for groups: replicas that died are started again; when none serves and some are back
@@ -346,6 +355,9 @@ class Follower:
 
     def halt(self) -> None:
         pass
+
+    def stop_requested(self) -> bool:
+        return False
 
     def close(self, run_dir: Path) -> None:
         return None

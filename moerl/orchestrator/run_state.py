@@ -15,6 +15,9 @@ if TYPE_CHECKING:
     from moerl.trainer.protocol import TrainerLike
 
 RUN_STATE = "run_state.json"
+# A file in run.dir that asks the run to checkpoint at its next safe point and stop (a scheduler's warning of
+# preemption, or a user's): between two steps, or while a step waits for groups.
+STOP_REQUEST = "stop_requested"
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

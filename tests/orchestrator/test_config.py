@@ -119,7 +119,7 @@ def named_keys() -> dict[str, set[str]]:
     """key -> where it is named: ``key=value`` anywhere in docs, recipes and moerl's strings, and every
     backticked key in the markdown."""
     found: dict[str, set[str]] = {}
-    texts = {p: p.read_text() for p in [*doc_pages(), *REPO.glob("recipes/*")]}
+    texts = {p: p.read_text() for p in [*doc_pages(), *REPO.glob("recipes/**/*")] if p.is_file()}
     texts.update(
         {
             p: _python_strings(p)

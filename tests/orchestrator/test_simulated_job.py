@@ -15,6 +15,7 @@ import torch
 
 from moerl.env import child_env
 from moerl.orchestrator.metrics import read_metrics
+from moerl.orchestrator.run_state import STOP_REQUEST
 from moerl.simulation import Profile
 from moerl.weight_sync.simulated import write_hollow_safetensors
 from tests import DATA, REPO
@@ -97,12 +98,20 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
             assert 0 < r["routing/rows_received"] < r["routing/rows_full_sequence"]
     engines = sorted(p.name for p in (tmp_path / "logs").glob("simulated-*.log"))
     assert engines == ["simulated-0.log", "simulated-2.log"]  # replicas 0 and 1 in one process, 2 in another
-    if mode == "sync":  # the run state and the simulated trainer's checkpoint resume the run where it stopped
-        out = simulate(model, tmp_path, f"run.mode={mode}", f"run.steps={steps + 1}", "run.resume=true")
+    if mode == "sync":
+        # A stop asked for (a scheduler's warning of preemption): the run checkpoints at its next safe point, in the
+        # first step or after it, and ends; resumed, it completes with no prompt lost or trained twice.
+        (tmp_path / STOP_REQUEST).touch()
+        out = simulate(model, tmp_path, f"run.mode={mode}", f"run.steps={steps + 2}", "run.resume=true")
+        assert out.returncode == 0 and "stopped at step" in out.stderr, out.stderr[-4000:]
+        assert not (tmp_path / STOP_REQUEST).exists()
+        assert len(read_metrics(tmp_path)) < steps + 2
+        # the run state and the simulated trainer's checkpoint resume the run where it stopped
+        out = simulate(model, tmp_path, f"run.mode={mode}", f"run.steps={steps + 2}", "run.resume=true")
         assert out.returncode == 0, out.stderr[-4000:]
-        assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, steps + 2))
+        assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, steps + 3))
         acct = json.loads((tmp_path / "accounting.json").read_text())
-        assert acct["balanced"] and acct["trained"] == (steps + 1) * GROUPS
+        assert acct["balanced"] and acct["trained"] == (steps + 2) * GROUPS
 
 
 @pytest.mark.e2e

@@ -1,0 +1,1 @@
+"""The main job under Slurm (recipes/slurm/), on a local cluster in network namespaces (tests/slurm_cluster.py)."""
