@@ -20,7 +20,7 @@ DOCS = REPO / "docs"
 README = REPO / "README.md"
 QUICKSTART = [
     "bash tools/install.sh sglang && bash recipes/qwen_moe_grpo.sh engines.server=sglang",
-    "bash tools/install.sh dev,sglang && python3 -m pytest",
+    "bash tools/install.sh dev,sglang,slurm && python3 -m pytest",
 ]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
