@@ -137,8 +137,7 @@ class Generation:
                 continue  # the last healthy replica left between the wait and the request: wait again
             except WorkerLost as e:  # not the engine's failure: re-issued without counting against its engine retries
                 self._count_worker_lost(index, e, tries)
-                await self.adapters.unload_if_retired(adapter)
-                continue
+                completions = None
             except ReplicaDown as e:
                 await self.report()
                 if self.same_answer.failed(e.url, e.status, e.message):
@@ -150,12 +149,14 @@ class Generation:
                 if tries.engine_retries > r.engine_retries:
                     raise PromptDropped(str(e)) from None
                 log.warning("prompt %d re-issued (%d of %d): %s", index, tries.engine_retries, r.engine_retries, e)
-                await self.adapters.unload_if_retired(adapter)
-                continue  # the same seed, on another replica
+                completions = None
             finally:
                 self.adapters.release(adapter)
-            self.same_answer.served()
+            # this request no longer uses its adapter, whether it was answered or is asked again
             await self.adapters.unload_if_retired(adapter)
+            if completions is None:
+                continue  # the same seed, on another replica (or the same, once its worker is replaced)
+            self.same_answer.served()
             aborted = any(c.finish_reason.get("type") == "abort" for c in completions)
             if not (aborted and r.partial == "retry"):
                 return completions, adapter_version

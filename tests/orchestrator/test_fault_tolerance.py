@@ -366,6 +366,50 @@ def test_a_sync_changes_the_rotation_and_the_adapter_before_any_request_can_read
     assert seen == [(("v3", 3), ["a"])] and health.state("b") is State.STALE and unloaded == ["v2", "v2.1"]
 
 
+def test_a_retired_adapter_is_unloaded_once_the_last_request_using_it_fails_and_is_asked_again():
+    """A sync names a new adapter while a request still uses the old one; that request's replica fails, and it is asked
+    again under the new one. The old adapter, which no request uses any more, is unloaded then, not at a later
+    request's end."""
+    from types import SimpleNamespace
+
+    from moerl.engines.client import ReplicaDown
+    from moerl.orchestrator.adapters import Adapters
+    from moerl.orchestrator.generation import Generation, Tries
+
+    unloaded: list[str] = []
+    used: list[str | None] = []
+
+    class Client:
+        urls = ["a", "b"]
+        health = SimpleNamespace(served="1")
+
+        async def until_usable(self, *args) -> None:
+            pass
+
+        async def generate(self, ids, params, returns, *, lora_path=None, **kwargs):
+            used.append(lora_path)
+            if len(used) == 1:  # a sync names v2 while this request runs on v1, then its replica fails
+                adapters.serve("v2", 2)
+                raise ReplicaDown("a", "connection reset")
+            return [SimpleNamespace(finish_reason={"type": "stop"})]
+
+        async def unload_lora(self, name: str) -> None:
+            unloaded.append(name)
+
+    async def report() -> None:
+        pass
+
+    cfg = load_config(None, ["lora.enabled=true"])
+    client = Client()
+    adapters = Adapters(client)
+    adapters.serve("v1", 1)
+    generation = Generation(cfg, client, adapters, asyncio.Event(), report, "salt", [])
+    generation.serving.set()
+    completions, version = asyncio.run(generation(0, [1, 2, 3], Tries(), generation.params(0, 1)))
+    assert used == ["v1", "v2"] and version == 2 and len(completions) == 1
+    assert unloaded == ["v1"] and adapters.users == {"v1": 0, "v2": 0}
+
+
 def test_a_probe_answer_that_predates_a_sync_does_not_undo_it():
     """The manager's probe of a restarted replica is still waiting when a catch-up sync reaches it and the sync's own
     probe brings it back; the late answer (what it held before the sync) must not make it stale again."""
