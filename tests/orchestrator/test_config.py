@@ -18,6 +18,7 @@ from moerl.choices import choice_fields
 from moerl.env import child_env
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import RunConfig, load_config, schema_type
+from moerl.trainer.objectives import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES
 from tests import DATA, REPO
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
@@ -25,7 +26,9 @@ SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
 NEEDS = {("task.name", "file"): ["task.path=prompts.jsonl"], ("run.placement", "colocated"): ["run.mode=sync"]}
 
 
-ENUM_VALUES = [(key, value) for key, options in choice_fields(RunConfig) for value in options]
+ENUM_VALUES = [(key, value) for key, options in choice_fields(RunConfig) for value in options] + [
+    (registry.key, name) for registry in (POLICY_LOSSES, CORRECTIONS, AGGREGATIONS) for name in registry.names
+]  # the objectives' choices: their registries' built-ins
 
 
 def _get(cfg, key: str):
