@@ -227,7 +227,32 @@ class EngineClient:
         # Those not given stay unset, so the body leaves them out.
         optional = {"rid": rid, "lora_path": lora_path, "extra_key": extra_key}
         fields.update({name: value for name, value in optional.items() if value is not None})
-        request = P.GenerateReqInput(**fields)
+        return await self._served(P.GenerateReqInput(**fields), routing_start, affinity)
+
+    async def token_logprobs(
+        self, input_ids: list[int], start: int, top: int = 0, affinity: str | None = None
+    ) -> Completion:
+        """The served model's log-prob of each of ``input_ids[start:]`` given the tokens before it (the completion's
+        ``input_logprobs``, float32 [len - start]: a teacher's scoring of a student's tokens), with the ``top`` most
+        likely tokens in each one's place (``input_top_ids`` and ``input_top_logprobs``), computing no new token. Served
+        as :meth:`generate` is (``affinity`` the same); the KV of the first ``start - 1`` tokens may come from the
+        prefix cache. A completion aborted (a pause that aborts, say) may have no ``input_logprobs``."""
+        if not 1 <= start <= len(input_ids):
+            raise ValueError(f"start={start}: the tokens scored start in [1, {len(input_ids)}] (the first has none)")
+        request = P.GenerateReqInput(
+            input_ids=list(input_ids),
+            sampling_params=SamplingParams(max_new_tokens=0),
+            return_logprob=True,
+            logprob_start_len=start - 1,  # SGLang answers the token there null: the scored ones follow it
+            top_logprobs_num=top,
+        )
+        (completion,) = await self._served(request, 0, affinity)
+        return completion
+
+    async def _served(self, request: P.GenerateReqInput, routing_start: int, affinity: str | None) -> list[Completion]:
+        """``request``'s completions, by :meth:`on_replica`: read in a generation worker where the answer may be large,
+        and the replica taken out of rotation where it has lost the adapter or the weights the run gave it."""
+        lora_path = request.lora_path
 
         async def on(url: str) -> list[Completion]:
             epoch = self.health.epochs[url]
@@ -313,9 +338,10 @@ class EngineClient:
         """One /generate on ``url``, read and decoded in this process; no retry, no health accounting."""
 
         prompt_len = len(request.input_ids) if request.input_ids is not None else None
+        scored = P.scored_ids(request)
 
         async def decode(body: bytes) -> list[Completion]:
-            return P.decode_generate_body(body, self.shape, routing_start, prompt_len)
+            return P.decode_generate_body(body, self.shape, routing_start, prompt_len, scored)
 
         if (split := P.one_by_one(request)) is None:
             return await self._call(url, P.GENERATE, request, retries=0, parse=decode)
@@ -527,11 +553,13 @@ class EngineClient:
             lora_path=lora_path,
             sampling_params=SamplingParams(max_new_tokens=1, temperature=1.0),
         )
-        answers = await self._everywhere(P.GENERATE, request)
-        return [
-            np.asarray([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]], dtype=np.float32)
-            for a in answers
-        ]
+        scored = P.scored_ids(request)
+        logprobs = []
+        for answer in await self._everywhere(P.GENERATE, request):
+            completion = P.decode_generate(answer, None, scored=scored)
+            assert completion.input_logprobs is not None, "decoding refuses a finished answer without them"
+            logprobs.append(completion.input_logprobs)
+        return logprobs
 
     async def weight_checksums(self) -> list[str | None]:
         """Each engine's checksum over all its weights, None where it has no /weights_checker."""

@@ -180,11 +180,13 @@ class GenerateReqInput(_NullMeansDefault):
     # n > 1: the embedded engine names completion i "<rid>-<i>" and aborts them all by rid (SGLang: neither)
     rid: str | None = None
     return_logprob: bool = False
-    logprob_start_len: int = Field(default=-1, ge=-1)  # prompt log-probs from this position (-1: none)
+    # Prompt log-probs from this position (-1: none); the token there gets null, as it always does in SGLang 0.5.23.
+    logprob_start_len: int = Field(default=-1, ge=-1)
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(default=0, ge=0)  # routing rows from this position
     return_sampling_mask: bool = False  # each output token's kept set (needs a finite top_k)
-    # with return_logprob: each output token's most likely tokens and their log-probs (as output_token_logprobs')
+    # with return_logprob: each output token's most likely tokens and their log-probs (as output_token_logprobs'), and
+    # each prompt token's from logprob_start_len (as input_token_logprobs')
     top_logprobs_num: int = Field(default=0, ge=0)
     sampling_logprobs_mode: Literal["selected", "support"] = "selected"
     lora_path: str | None = None  # name of a loaded LoRA adapter
@@ -289,12 +291,15 @@ class GenerateMetaInfo(TypedDict, total=False):
     weight_version: str  # of the last output token
     weight_versions: list[dict]  # spans {version, start, end} (end exclusive) over output positions
     output_token_logprobs: list[list]  # [logprob, token id, None]: temperature-scaled, before truncation
-    input_token_logprobs: list[list]  # [logprob | None, token id, None] from logprob_start_len
+    # [logprob | None, token id, None] for each prompt token from logprob_start_len (empty without one): the first null,
+    # the log-prob of each other given those before it, never temperature-scaled
+    input_token_logprobs: list[list]
     routed_experts: str  # base64 of int32 [positions, num_hidden_layers, topk] (dense layers -1)
     output_token_sampling_mask: list[list[int]]  # each output token's kept ids, ascending
     output_token_sampling_mask_length: int
     output_token_sampling_logprobs: list  # selected: the token's log-prob over its kept set; support: the set's
     output_top_logprobs: list  # per output token: [[logprob, token id, None], ...] most likely first (or null)
+    input_top_logprobs: list  # as output_top_logprobs, for input_token_logprobs' tokens: the first null
 
 
 class GenerateResponse(TypedDict, total=False):
@@ -567,11 +572,13 @@ def encode_routed_experts(routing: np.ndarray) -> str:
 
 def largest_answer_bytes(req: GenerateReqInput, shape: ModelShape | None) -> int:
     """About the most bytes a /generate answer to ``req`` can take on the wire: every completion at its token cap, each
-    position's routing (int32 base64 over every layer) and each output token's log-prob entry and kept set. What a
-    client needs to choose where to read an answer before it is asked for."""
+    position's routing (int32 base64 over every layer), log-prob entry (an input token's or an output token's) and most
+    likely tokens' entries, and each output token's kept set. What a client needs to choose where to read an answer
+    before it is asked for."""
     params = req.sampling_params
     prompt = len(req.input_ids) if req.input_ids is not None else len(req.text or "")
-    per_token = 64  # an output id, its text and its [log-prob, id, null] entry, as JSON
+    top = req.top_logprobs_num if req.return_logprob else 0
+    per_token = 64 + 40 * top  # an id, its text, its [log-prob, id, null] entry and its top ones', as JSON
     if req.return_routed_experts and shape is not None:
         per_token += math.ceil(shape.num_layers * shape.topk * 4 * 4 / 3)
     if req.return_sampling_mask:
@@ -642,6 +649,11 @@ class Completion:
     sampling_logprobs: np.ndarray | None = None  # float32 [T] ("selected" mode)
     top_ids: np.ndarray | None = None  # int32 [T, k]: each token's most likely tokens (top_logprobs_num), descending
     top_logprobs: np.ndarray | None = None  # float32 [T, k], as ``logprobs``
+    # The prompt's tokens after logprob_start_len: the log-prob of each given those before it (float32 [P], never
+    # temperature-scaled), and the most likely tokens in its place (top_logprobs_num), as ``top_ids``/``top_logprobs``.
+    input_logprobs: np.ndarray | None = None
+    input_top_ids: np.ndarray | None = None  # int32 [P, k]
+    input_top_logprobs: np.ndarray | None = None  # float32 [P, k]
 
     def head(self, k: int, finish_reason: dict) -> Completion:
         """This completion as if it had finished (``finish_reason``) after its first ``k`` output tokens: each
@@ -666,11 +678,23 @@ class Completion:
         )
 
 
+def scored_ids(req: GenerateReqInput) -> list[int] | None:
+    """The prompt tokens whose log-probs ``req`` asks for (from logprob_start_len), where its prompt is ids."""
+    if req.input_ids is None or not req.return_logprob or req.logprob_start_len < 0:
+        return None
+    return req.input_ids[req.logprob_start_len :]
+
+
 def decode_generate(
-    response: GenerateResponse, shape: ModelShape | None, routing_start: int = 0, prompt_len: int | None = None
+    response: GenerateResponse,
+    shape: ModelShape | None,
+    routing_start: int = 0,
+    prompt_len: int | None = None,
+    scored: list[int] | None = None,
 ) -> Completion:
     """One completion of a /generate answer; ``prompt_len``: the prompt's length where the request knows it (SGLang
-    answers a request aborted in its waiting queue without ``prompt_tokens``)."""
+    answers a request aborted in its waiting queue without ``prompt_tokens``); ``scored``: the tokens whose log-probs
+    the request asked for (:func:`scored_ids`), which the answer must name."""
     meta = response["meta_info"]
     finish_reason = meta["finish_reason"]
     if finish_reason is None:  # only a streamed chunk of a completion still running has none
@@ -702,10 +726,20 @@ def decode_generate(
             meta["routed_experts"], shape.num_layers, shape.topk, shape.moe_layers, shape.num_experts
         )
     if meta.get("output_top_logprobs"):
-        top = [entry or [] for entry in meta["output_top_logprobs"]]
-        k = min(len(entry) for entry in top)  # as many for each token (a vocabulary smaller than asked: all of it)
-        completion.top_logprobs = np.asarray([[lp for lp, _, _ in e[:k]] for e in top], np.float32).reshape(-1, k)
-        completion.top_ids = np.asarray([[t for _, t, _ in e[:k]] for e in top], np.int32).reshape(-1, k)
+        completion.top_logprobs, completion.top_ids = _top_entries([e or [] for e in meta["output_top_logprobs"]])
+    if meta.get("input_token_logprobs"):  # empty where the request asked for none
+        completion.input_logprobs = _input_logprobs(meta["id"], meta["input_token_logprobs"], scored)
+    elif scored is not None and finish_reason.get("type") != "abort":
+        raise BrokenAnswer(f"/generate answered completion {meta['id']!r} without the input log-probs asked for")
+    if meta.get("input_top_logprobs"):
+        first, *top = meta["input_top_logprobs"]
+        scored_here = completion.input_logprobs
+        if first is not None or None in top or scored_here is None or len(top) != len(scored_here):
+            raise BrokenAnswer(
+                f"/generate answered completion {meta['id']!r} with input_top_logprobs that are not one entry per "
+                "input_token_logprobs entry, null for the first alone"
+            )
+        completion.input_top_logprobs, completion.input_top_ids = _top_entries(top)
     if "output_token_sampling_mask" in meta:
         completion.mask_offsets, completion.mask_ids = decode_sampling_masks(meta["output_token_sampling_mask"])
         lps = meta.get("output_token_sampling_logprobs")
@@ -714,14 +748,54 @@ def decode_generate(
     return completion
 
 
+def _top_entries(top: list[list]) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's most likely tokens ``[[log-prob, id, None], ...]`` as log-probs float32 [T, k] and ids int32 [T, k],
+    as many for each token (a vocabulary smaller than asked: all of it)."""
+    k = min((len(entry) for entry in top), default=0)
+    logprobs = np.asarray([[lp for lp, _, _ in e[:k]] for e in top], np.float32).reshape(len(top), k)
+    return logprobs, np.asarray([[t for _, t, _ in e[:k]] for e in top], np.int32).reshape(len(top), k)
+
+
+def _input_logprobs(rid: str, entries: list[list], scored: list[int] | None) -> np.ndarray:
+    """``input_token_logprobs`` but the first entry as float32, once they are what SGLang answers: the first null (it
+    never computes the log-prob of the token at logprob_start_len), the others numbers, each naming its prompt token."""
+    ids = [t for _, t, _ in entries]
+    # SGLang 0.5.23 names every id from its vocab_size - 1 on 0 (a clip meant for image tokens' hashes): the
+    # vocabulary's last token comes back as 0.
+    if scored is not None and (
+        len(ids) != len(scored) or any(t not in (s, 0) for t, s in zip(ids, scored, strict=True))
+    ):
+        raise BrokenAnswer(
+            f"/generate answered completion {rid!r} with input_token_logprobs for tokens {ids[:8]}... ({len(ids)}), "
+            f"not the prompt's from logprob_start_len {scored[:8]}... ({len(scored)})"
+        )
+    if entries[0][0] is not None:
+        raise BrokenAnswer(
+            f"/generate answered completion {rid!r} with a first input_token_logprobs entry that is not null (SGLang "
+            "never computes it)"
+        )
+    logprobs = [lp for lp, _, _ in entries[1:]]
+    if None in logprobs:  # SGLang writes a NaN as null
+        raise BrokenAnswer(
+            f"/generate answered completion {rid!r} with an input log-prob that is not a number (null) after the "
+            "first: the engine computes NaN (broken or uninitialised weights?)"
+        )
+    return np.asarray(logprobs, dtype=np.float32)
+
+
 def decode_generate_body(
-    body: bytes, shape: ModelShape | None, routing_start: int = 0, prompt_len: int | None = None
+    body: bytes,
+    shape: ModelShape | None,
+    routing_start: int = 0,
+    prompt_len: int | None = None,
+    scored: list[int] | None = None,
 ) -> list[Completion]:
-    """A /generate answer's raw body, parsed and decoded (``prompt_len``: see :func:`decode_generate`): the part of a
+    """A /generate answer's raw body, parsed and decoded (the rest: see :func:`decode_generate`): the part of a
     rollout's cost that grows with its tokens (an 8K-token response of a 48-layer top-8 model is 19 MB of JSON, 75 ms
     to decode), so a client may run it in another process."""
     try:
         out = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # not the exception itself: it holds the whole body
         raise BrokenAnswer(f"/generate answered with {len(body)} bytes that are not JSON: {e}") from None
-    return [decode_generate(r, shape, routing_start, prompt_len) for r in (out if isinstance(out, list) else [out])]
+    answers = out if isinstance(out, list) else [out]
+    return [decode_generate(r, shape, routing_start, prompt_len, scored) for r in answers]

@@ -264,9 +264,9 @@ class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
             truncated = 0 < params.top_k < self.model.config.vocab_size or params.top_p < 1 or params.min_p > 0
             full = selected + (np.log(rng.uniform(0.5, 1.0, n)) if truncated else 0.0)
             start = len(request.input_ids) if request.logprob_start_len is None else request.logprob_start_len
-            prompt = (-rng.exponential(2.0, len(request.input_ids) - start)).tolist()
-            if start == 0:
-                prompt[0] = None  # the first prompt token has no log-prob
+            prompt: list[float | None] = (-rng.exponential(2.0, len(request.input_ids) - start)).tolist()
+            if prompt:
+                prompt[0] = None  # SGLang computes none for the token at logprob_start_len
             details.logprobs = full.tolist(), prompt
         if req.return_routed_experts:
             details.routing = self._routing(max(len(request.input_ids) + n - 1 - req.routed_experts_start_len, 0))

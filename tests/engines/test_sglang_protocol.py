@@ -305,6 +305,7 @@ def _captured_bodies() -> list[tuple[str, dict]]:
                         "finish_reason": {"type": "length"},
                         "routed_experts": encode_routed_experts(np.zeros((2, 2, 2), np.int32)),
                         "output_token_sampling_mask": [[1]],
+                        "input_token_logprobs": [[None, 1, None], [-0.5, 2, None]],
                     },
                 }
                 return await parse(json.dumps(answer).encode()) if parse is not None else answer
@@ -327,6 +328,7 @@ def _captured_bodies() -> list[tuple[str, dict]]:
         await client.generate(
             [1, 2], {"temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "stop_token_ids": [3], "ignore_eos": False}
         )
+        await client.token_logprobs([1, 2], 1, top=2)
         await client.pause("in_place")
         await client.resume()
         await client.abort("r")

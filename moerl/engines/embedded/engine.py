@@ -40,12 +40,14 @@ class TokenDetails:
     Each engine makes them its own way (:meth:`EmbeddedEngine.token_details`); the answer is built from them alike."""
 
     versions: list[str]  # each output token's weight version
-    # The output tokens' log-probs, and the prompt's from logprob_start_len (None: the first prompt token's).
+    # The output tokens' log-probs, and the prompt's from logprob_start_len (the first None: SGLang computes none).
     logprobs: tuple[list[float], list[float | None]] | None = None
     routing: np.ndarray | None = None  # int32 [positions, layers, top-k], from routed_experts_start_len
     # Each output token's kept set, and the log-probs over it that the request's sampling_logprobs_mode asks for.
     sampling_mask: tuple[list[list[int]], list] | None = None
     top_logprobs: list[list[list]] | None = None  # each output token's most likely tokens: [log-prob, id, None]
+    # The same in place of each prompt token from logprob_start_len, the first None (as its log-prob)
+    input_top_logprobs: list[list[list] | None] | None = None
 
 
 class EmbeddedEngine(Generic[RequestT]):
@@ -219,6 +221,8 @@ class EmbeddedEngine(Generic[RequestT]):
             meta["output_token_sampling_logprobs"] = kept_logprobs
         if details.top_logprobs is not None:
             meta["output_top_logprobs"] = details.top_logprobs
+        if details.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = details.input_top_logprobs
         text = self.tokenizer.decode(output_ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
 
@@ -230,7 +234,7 @@ class EmbeddedEngine(Generic[RequestT]):
                 []
                 if request.prompt_logprobs is None
                 else [
-                    None if lp != lp else float(lp)  # the first prompt token has no log-prob
+                    None if lp != lp else float(lp)  # the first has no log-prob
                     for lp in request.prompt_logprobs.tolist()
                 ]
             )
@@ -256,6 +260,14 @@ class EmbeddedEngine(Generic[RequestT]):
                 [[lp, token, None] for lp, token in zip(d.top_logprobs or [], d.top_ids or [], strict=True)]
                 for d in request.draws
             ]
+            # none without logprob_start_len, as SGLang's; nor before the prefill
+            details.input_top_logprobs = [] if request.prompt_top is None else [None]
+            if request.prompt_top is not None:
+                values, ids = (t.tolist() for t in request.prompt_top)
+                details.input_top_logprobs += [
+                    [[lp, token, None] for lp, token in zip(row_logprobs, row_ids, strict=True)]
+                    for row_logprobs, row_ids in zip(values, ids, strict=True)
+                ]
         return details
 
     # ---- memory occupation (colocated training) ------------------------------------------------

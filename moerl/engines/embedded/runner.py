@@ -22,8 +22,12 @@ DENSE_LAYER = -1  # routing placeholder for layers without a router (as SGLang-J
 class PrefillResult:
     last_logits: torch.Tensor  # [V]
     routing: torch.Tensor  # int32 [p, num_layers, topk]
-    prompt_logprobs: torch.Tensor | None  # [p - start] log p(token_i | prefix), first entry NaN when start == 0
+    # [p - start] log p(token_i | prefix) from logprob_start, the first NaN: SGLang computes none for the token there
+    prompt_logprobs: torch.Tensor | None
     kv: KV  # per layer [1, kv_heads, p, head_dim]
+    # The most likely tokens in place of each prompt token after logprob_start: log-probs [p - start - 1, k] descending
+    # and their ids
+    prompt_top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def own_weights(model: torch.nn.Module) -> None:
@@ -86,9 +90,11 @@ class ModelRunner:
         logprob_start: int | None = None,
         cached: int = 0,
         prefix: CachedPrefix | None = None,
+        top: int = 0,
     ) -> PrefillResult:
         """Prefill ``token_ids``, of which the first ``cached`` come from ``prefix`` (their KV and routing as it holds
-        them); prompt log-probs from ``logprob_start`` need the logits before it, so ``cached < logprob_start``."""
+        them); prompt log-probs from ``logprob_start`` (with each position's ``top`` most likely tokens) need the logits
+        from there on, so ``cached <= logprob_start``."""
         ids = torch.tensor([token_ids], device=self.device)
         if cached:
             assert prefix is not None and prefix.routing is not None, "cached tokens come from a prefix the model made"
@@ -101,21 +107,23 @@ class ModelRunner:
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=0 if logprob_start is not None else 1,
+            logits_to_keep=len(token_ids) - logprob_start if logprob_start is not None else 1,
         )
-        logits = out.logits[0]
-        prompt_logprobs = None
+        logits = out.logits[0]  # of positions logprob_start (or the last) on
+        prompt_logprobs = prompt_top = None
         if logprob_start is not None:
-            logprobs = torch.full((len(token_ids),), float("nan"), device=self.device)  # the first token has none
-            logprobs[cached + 1 :] = (
-                torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, cached + 1 :, None]).squeeze(1)
-            )
-            prompt_logprobs = logprobs[logprob_start:].cpu()
+            assert cached <= logprob_start, "the logits from logprob_start on are computed"
+            logprobs = torch.log_softmax(logits[:-1].float(), dim=-1)  # of each token after logprob_start
+            nan = torch.full((1,), float("nan"), device=self.device)
+            prompt_logprobs = torch.cat([nan, logprobs.gather(1, ids[0, logprob_start + 1 :, None]).squeeze(1)]).cpu()
+            if top:
+                values, top_ids = logprobs.topk(min(top, logprobs.shape[-1]), dim=-1)
+                prompt_top = values.cpu(), top_ids.cpu()
         kv = _cache_kv(cache)
         routing = self._routing(len(token_ids) - cached)
         if cached_routing is not None:
             routing = torch.cat([cached_routing, routing])
-        return PrefillResult(logits[-1], routing, prompt_logprobs, kv)
+        return PrefillResult(logits[-1], routing, prompt_logprobs, kv, prompt_top)
 
     def _batch(self) -> tuple[KV, torch.Tensor]:
         """The batch cache and its mask, while requests run."""

@@ -38,7 +38,8 @@ class Request:
     logprob_start_len: int | None = None  # prompt log-probs from here (None: none)
     return_routed_experts: bool = False
     return_sampling_mask: bool = False
-    top_logprobs_num: int = 0  # each output token's most likely alternatives, with its log-prob
+    # each output token's most likely alternatives, with its log-prob (and each prompt token's after logprob_start_len)
+    top_logprobs_num: int = 0
     lora: str | None = None  # adapter name
     stream: bool = False  # its client reads each token as it comes
     cache_namespace: Namespace = (None, None, None)  # which cached prefixes it may reuse (prefix_cache.Namespace)
@@ -50,6 +51,7 @@ class Request:
     versions: list[str] = field(default_factory=list)  # weight version that produced each output token
     routing: list[torch.Tensor] = field(default_factory=list)  # int32 [n, layers, topk] chunks, one row per fed token
     prompt_logprobs: torch.Tensor | None = None
+    prompt_top: tuple[torch.Tensor, torch.Tensor] | None = None  # runner.PrefillResult's
     cached_tokens: int = 0  # of its prompt, reused from the prefix cache
     prefilled: bool = False  # its prompt computed (or taken from the cache) once: an abort before is answered otherwise
     recomputed: bool = False  # prefilled again after a retract: its KV no longer matches the routing it keeps
@@ -193,12 +195,13 @@ class Scheduler(Generic[RequestT]):
             request.recomputed = True
             return self._model().prefill(request.fed_tokens).kv
         cached, prefix = self.cached_prefix(request)
-        prefill = self._model().prefill(request.input_ids, request.logprob_start_len, cached, prefix)
+        top = request.top_logprobs_num if request.logprob_start_len is not None else 0
+        prefill = self._model().prefill(request.input_ids, request.logprob_start_len, cached, prefix, top)
         request.cached_tokens, request.prefilled = cached, True
         request.routing = [prefill.routing]
         if self.prefix_cache.takes(len(request.input_ids)):
             self.prefix_cache.insert(request.cache_namespace, request.input_ids, prefill.kv, prefill.routing)
-        request.prompt_logprobs = prefill.prompt_logprobs
+        request.prompt_logprobs, request.prompt_top = prefill.prompt_logprobs, prefill.prompt_top
         if request.params.max_new_tokens == 0:
             self._finish(request, {"type": "length", "length": 0})
             return None
@@ -250,10 +253,11 @@ class Scheduler(Generic[RequestT]):
 
     def cached_prefix(self, request: Request) -> tuple[int, CachedPrefix | None]:
         """How much of a new request's prompt the prefix cache holds, as SGLang matches it: the last prompt token is
-        always computed (its logits sample the first output), and so is every position whose log-prob was asked for."""
+        always computed (its logits sample the first output), and so is every position from logprob_start_len on (its
+        logits give the next token's log-prob; the token there has none)."""
         limit = len(request.input_ids) - 1
         if request.logprob_start_len is not None:
-            limit = min(limit, request.logprob_start_len - 1)
+            limit = min(limit, request.logprob_start_len)
         return self.prefix_cache.match(request.cache_namespace, request.input_ids, limit)
 
     def _drop_finished(self) -> None:
