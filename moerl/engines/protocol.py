@@ -298,7 +298,9 @@ class GenerateMetaInfo(TypedDict, total=False):
     output_token_sampling_mask: list[list[int]]  # each output token's kept ids, ascending
     output_token_sampling_mask_length: int
     output_token_sampling_logprobs: list  # selected: the token's log-prob over its kept set; support: the set's
-    output_top_logprobs: list  # per output token: [[logprob, token id, None], ...] most likely first (or null)
+    # per output token: [[logprob, token id, None], ...] most likely first (or null); and for a request of no new token,
+    # one: the next token's, untempered
+    output_top_logprobs: list
     input_top_logprobs: list  # as output_top_logprobs, for input_token_logprobs' tokens: the first null
 
 
@@ -725,8 +727,9 @@ def decode_generate(
         completion.routing = decode_routed_experts(
             meta["routed_experts"], shape.num_layers, shape.topk, shape.moe_layers, shape.num_experts
         )
-    if meta.get("output_top_logprobs"):
-        completion.top_logprobs, completion.top_ids = _top_entries([e or [] for e in meta["output_top_logprobs"]])
+    # One per output token: SGLang 0.5.23 answers a request for none with the next token's, which nothing samples.
+    if top := (meta.get("output_top_logprobs") or [])[: len(completion.output_ids)]:
+        completion.top_logprobs, completion.top_ids = _top_entries([entry or [] for entry in top])
     if meta.get("input_token_logprobs"):  # empty where the request asked for none
         completion.input_logprobs = _input_logprobs(meta["id"], meta["input_token_logprobs"], scored)
     elif scored is not None and finish_reason.get("type") != "abort":

@@ -122,6 +122,10 @@ def test_an_answer_as_sglang_gives_it_decodes():
     assert P.decode_generate(_answer([*GOOD[:2], [-0.5, 0, None]]), None, scored=SCORED).input_logprobs.shape == (2,)
     # the last prompt token alone: nothing scored
     assert P.decode_generate(_answer([[None, 9, None]]), None, scored=SCORED[2:]).input_logprobs.shape == (0,)
+    # SGLang 0.5.23 answers a request of no new token with the next token's most likely: not an output token's
+    answer = _answer(GOOD)
+    answer["meta_info"]["output_top_logprobs"] = [GOOD_TOP[1]]
+    assert P.decode_generate(answer, None, scored=SCORED).top_ids is None
     # aborted before its prefill: none
     assert P.decode_generate(_answer([], finish="abort"), None, scored=SCORED).input_logprobs is None
 

@@ -20,6 +20,15 @@ pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.usefixtures("sgla
 
 PROMPT = [3, 17, 42, 99, 7, 23, 5, 61]
 GREEDY = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+SCORED = [*PROMPT, 11, 255, 18, 150]  # a response after the prompt, the vocabulary's last id (255) in it
+# A teacher's scoring of a response: no new tokens, the log-prob of each token after the prompt's last and the top 3.
+SCORING = {
+    "input_ids": SCORED,
+    "sampling_params": {"max_new_tokens": 0},
+    "return_logprob": True,
+    "logprob_start_len": len(PROMPT) - 1,
+    "top_logprobs_num": 3,
+}
 SAMPLED = {"max_new_tokens": 4, "top_k": 16, "temperature": 1.0}
 # What moerl reads of a /generate answer's meta_info (protocol.decode_generate), by what the request asked for.
 META_READ = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_versions"}
@@ -46,6 +55,15 @@ CASES = [
         {**GREEDY, "sampling_params": {**SAMPLED, "n": 2}, "return_sampling_mask": True},
     ),
     ("prefill only", "POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 0}}),
+    ("scoring", "POST", "/generate", SCORING),
+    ("scoring again", "POST", "/generate", SCORING),
+    ("scoring from the first token", "POST", "/generate", {**SCORING, "logprob_start_len": 0}),
+    (
+        "log-probs inside the prompt",
+        "POST",
+        "/generate",
+        {**GREEDY, "return_logprob": True, "logprob_start_len": 3, "top_logprobs_num": 2},
+    ),
     (
         "kept sets, no top_k",
         "POST",
@@ -202,6 +220,28 @@ def test_the_embedded_engine_answers_every_request_as_sglang_does(sglang_url, em
     assert np.array_equal(theirs.top_ids[:, 0], theirs.output_ids)
     assert np.allclose(theirs.top_logprobs, ours.top_logprobs, atol=1e-5)
     assert np.allclose(theirs.top_logprobs[:, 0], theirs.logprobs, atol=1e-6)
+    # Input log-probs: entries alike (one per token from logprob_start_len, the first null), the same values, as much of
+    # the prompt reused from the prefix cache (up to logprob_start_len).
+    for name in ("scoring", "scoring again", "scoring from the first token", "log-probs inside the prompt"):
+        body = next(case[3] for case in CASES if case[0] == name)
+        scored = P.scored_ids(P.GenerateReqInput.parse(body))
+        (_, theirs), (_, ours) = answers[name]
+        for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs"):
+            assert _skeleton(theirs["meta_info"][key]) == _skeleton(ours["meta_info"][key]), (name, key)
+        # SGLang 0.5.23 names ids from its vocab_size - 1 on 0 (docs/engines.md); the embedded engine, the token
+        assert [t for _, t, _ in ours["meta_info"]["input_token_logprobs"]] == scored
+        assert [t for _, t, _ in theirs["meta_info"]["input_token_logprobs"]] == [0 if t == 255 else t for t in scored]
+        assert theirs["meta_info"]["cached_tokens"] == ours["meta_info"]["cached_tokens"], name
+        theirs, ours = P.decode_generate(theirs, shape, scored=scored), P.decode_generate(ours, shape, scored=scored)
+        assert np.allclose(theirs.input_logprobs, ours.input_logprobs, atol=1e-5), name
+        assert np.array_equal(theirs.input_top_ids, ours.input_top_ids), name
+        assert np.allclose(theirs.input_top_logprobs, ours.input_top_logprobs, atol=1e-5), name
+    assert answers["scoring again"][0][1]["meta_info"]["cached_tokens"] == SCORING["logprob_start_len"]
+
+
+def _skeleton(value):
+    """An answer's part with each number replaced by its type: its nesting, lengths and nulls."""
+    return [_skeleton(v) for v in value] if isinstance(value, list) else type(value).__name__
 
 
 def test_sglang_computes_transformers_tokens_log_probs_and_routing(sglang_url, model):
@@ -229,6 +269,32 @@ def test_sglang_computes_transformers_tokens_log_probs_and_routing(sglang_url, m
     for j, router_logits in enumerate(out.router_logits):  # one per MoE layer, [positions, experts]
         top = torch.topk(router_logits[: len(ids) - 1], shape.topk, -1).indices.sort(-1).values.numpy()
         assert np.array_equal(np.sort(completion.routing[:, j], -1), top), f"MoE layer {j}"
+
+
+def test_sglang_scores_tokens_as_transformers(sglang_url, model):
+    """A teacher's scoring call on SGLang, fp32: the log-prob of each token after the prompt and the top 3 in its place
+    are a transformers forward's within 1e-5, from the prompt's end (asked twice: the second reuses the prompt's KV)
+    and from the first token."""
+    from transformers import AutoModelForCausalLM
+
+    starts = (len(PROMPT), len(PROMPT), 1)
+
+    async def go():
+        async with EngineClient([sglang_url]) as client:
+            return [await client.token_logprobs(SCORED, start, top=3) for start in starts]
+
+    completions = asyncio.run(go())
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(torch.tensor([SCORED])).logits[0, :-1].float(), -1)
+    for start, completion in zip(starts, completions, strict=True):
+        rows = logprobs[start - 1 :]  # of each token from start on
+        expected = rows.gather(1, torch.tensor(SCORED[start:])[:, None]).squeeze(1).numpy()
+        assert np.allclose(completion.input_logprobs, expected, atol=1e-5), start
+        top = rows.topk(3, -1)
+        assert np.array_equal(completion.input_top_ids, top.indices.numpy()), start
+        assert np.allclose(completion.input_top_logprobs, top.values.numpy(), atol=1e-5), start
+    assert completions[1].cached_tokens == len(PROMPT) - 1
 
 
 def test_n_completions_with_kept_sets_are_asked_one_by_one_and_share_their_prompts_routing(sglang_url, model):

@@ -259,7 +259,7 @@ class EmbeddedEngine(Generic[RequestT]):
             details.top_logprobs = [
                 [[lp, token, None] for lp, token in zip(d.top_logprobs or [], d.top_ids or [], strict=True)]
                 for d in request.draws
-            ]
+            ] + ([] if request.next_top is None else [request.next_top])
             # none without logprob_start_len, as SGLang's; nor before the prefill
             details.input_top_logprobs = [] if request.prompt_top is None else [None]
             if request.prompt_top is not None:

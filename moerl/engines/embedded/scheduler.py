@@ -52,6 +52,8 @@ class Request:
     routing: list[torch.Tensor] = field(default_factory=list)  # int32 [n, layers, topk] chunks, one row per fed token
     prompt_logprobs: torch.Tensor | None = None
     prompt_top: tuple[torch.Tensor, torch.Tensor] | None = None  # runner.PrefillResult's
+    # Of a request for no new token: the most likely next tokens, [log-prob, id, None] (top_logprobs_num of them)
+    next_top: list[list] | None = None
     cached_tokens: int = 0  # of its prompt, reused from the prefix cache
     prefilled: bool = False  # its prompt computed (or taken from the cache) once: an abort before is answered otherwise
     recomputed: bool = False  # prefilled again after a retract: its KV no longer matches the routing it keeps
@@ -203,6 +205,10 @@ class Scheduler(Generic[RequestT]):
             self.prefix_cache.insert(request.cache_namespace, request.input_ids, prefill.kv, prefill.routing)
         request.prompt_logprobs, request.prompt_top = prefill.prompt_logprobs, prefill.prompt_top
         if request.params.max_new_tokens == 0:
+            if request.top_logprobs_num:  # SGLang 0.5.23 answers them (untempered) though it samples no token
+                logprobs = torch.log_softmax(prefill.last_logits.float(), -1)
+                values, ids = logprobs.topk(min(request.top_logprobs_num, len(logprobs)))
+                request.next_top = [[lp, token, None] for lp, token in zip(values.tolist(), ids.tolist(), strict=True)]
             self._finish(request, {"type": "length", "length": 0})
             return None
         if request.generator is None:
