@@ -10,6 +10,11 @@ and template tokens), all of it the response. ``loss_mask`` tells the model's to
 from the context, which is fed like the prompt; per-token arrays keep a row for every response token, filled at
 context (log-probs 0.0, version -1, an empty kept set). An episode forked into several samples shares one ``episode``
 index (and one reward) within its group: GRPO counts the episode once.
+
+With a teacher (on-policy distillation), each response token also carries the teacher's log-prob of it given every
+token before it (the history the student saw at that turn), at temperature 1: over the whole vocabulary, renormalised
+over the token's kept set where there is one, and, where a top-k term is asked for, the teacher's top-k ids and their
+log-probs. Context rows hold 0.0 (ids 0), as the behaviour log-probs do.
 """
 
 from __future__ import annotations
@@ -67,6 +72,11 @@ class Sample:
     # episode's turns: each asks only for the rows it lacks, so they rise from 0). None: one answer, from 0.
     # `moerl check-replay` reads them: an answer that starts within rows an earlier one gave overwrote them.
     routing_starts: np.ndarray | None = None
+    teacher_logprobs: np.ndarray | None = None  # float32 [R]: the teacher's, full vocabulary (None: no teacher)
+    # float32 [R]: the teacher's, renormalised over each action's kept set (as selected_logprobs is the engine's)
+    teacher_selected_logprobs: np.ndarray | None = None
+    teacher_top_ids: np.ndarray | None = None  # int32 [R, k]: the teacher's k most likely ids at each response token
+    teacher_top_logprobs: np.ndarray | None = None  # float32 [R, k]: their log-probs (full vocabulary)
 
     @property
     def prompt_len(self) -> int:
@@ -108,10 +118,18 @@ class Sample:
         p, r = self.prompt_len, self.response_len
         if p < 1 or r < 1:
             raise SampleError(f"a sample needs >= 1 prompt and >= 1 response token, got P={p}, R={r}")
-        for name in ("behaviour_logprobs", "versions", "selected_logprobs", "loss_mask"):
+        for name in (
+            "behaviour_logprobs",
+            "versions",
+            "selected_logprobs",
+            "loss_mask",
+            "teacher_logprobs",
+            "teacher_selected_logprobs",
+        ):
             value = getattr(self, name)
             if value is not None and value.shape != (r,):
                 raise SampleError(f"{name} has shape {value.shape}, expected ({r},) (one per response token)")
+        self._validate_teacher_top()
         if self.episode is not None and self.episode < 0:
             raise SampleError(f"episode must be >= 0 (or None: an episode of its own), got {self.episode}")
         actions = self._validated_actions()
@@ -127,6 +145,19 @@ class Sample:
         if self.mask_offsets is not None and self.mask_ids is not None:  # both or neither: checked above
             self._validate_kept_sets(self.mask_offsets, self.mask_ids, actions)
         return self
+
+    def _validate_teacher_top(self) -> None:
+        ids, logprobs = self.teacher_top_ids, self.teacher_top_logprobs
+        if (ids is None) != (logprobs is None):
+            raise SampleError("teacher_top_ids and teacher_top_logprobs come together")
+        if ids is not None and logprobs is not None:
+            if ids.ndim != 2 or ids.shape[0] != self.response_len or ids.shape != logprobs.shape or ids.shape[1] < 1:
+                raise SampleError(
+                    f"teacher_top_ids {ids.shape} and teacher_top_logprobs {logprobs.shape} must both be "
+                    f"({self.response_len}, k), k >= 1"
+                )
+        if self.teacher_logprobs is None and (ids is not None or self.teacher_selected_logprobs is not None):
+            raise SampleError("a teacher's top-k or kept-set log-probs come with its teacher_logprobs")
 
     def _validated_actions(self) -> np.ndarray:
         """:attr:`actions`, once the loss mask and the versions agree with it."""

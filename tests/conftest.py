@@ -88,10 +88,11 @@ def demo_model(demo_cache):
 @pytest.fixture(scope="session")
 def demo_reward_model(demo_cache):
     """The CPU demo's reward model (``reward.model=demo``; HF directory) in :func:`demo_cache`."""
-    from moerl.orchestrator.config import load_config
-    from moerl.orchestrator.model_cache import prepare_reward_model
+    from moerl.orchestrator.config import load_config, scorers
+    from moerl.orchestrator.model_cache import prepare_scorer_model
 
-    return prepare_reward_model(load_config(None, ["reward.model=demo", f"run.cache_dir={demo_cache}"]))
+    cfg = load_config(None, ["reward.model=demo", f"run.cache_dir={demo_cache}"])
+    return prepare_scorer_model(cfg, scorers(cfg)[0])
 
 
 @pytest.fixture(scope="session")

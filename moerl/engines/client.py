@@ -237,16 +237,7 @@ class EngineClient:
         likely tokens in each one's place (``input_top_ids`` and ``input_top_logprobs``), computing no new token. Served
         as :meth:`generate` is (``affinity`` the same); the KV of the first ``start - 1`` tokens may come from the
         prefix cache. A completion aborted (a pause that aborts, say) may have no ``input_logprobs``."""
-        if not 1 <= start <= len(input_ids):
-            raise ValueError(f"start={start}: the tokens scored start in [1, {len(input_ids)}] (the first has none)")
-        request = P.GenerateReqInput(
-            input_ids=list(input_ids),
-            sampling_params=SamplingParams(max_new_tokens=0),
-            return_logprob=True,
-            logprob_start_len=start - 1,  # SGLang answers the token there null: the scored ones follow it
-            top_logprobs_num=top,
-        )
-        (completion,) = await self._served(request, 0, affinity)
+        (completion,) = await self._served(scoring_request(input_ids, start, top), 0, affinity)
         return completion
 
     async def _served(self, request: P.GenerateReqInput, routing_start: int, affinity: str | None) -> list[Completion]:
@@ -318,14 +309,16 @@ class EngineClient:
         timeout_key: str,
         poll_s: float,
         meanwhile: Callable[[], Awaitable[bool]] | None = None,
+        affinity: str | None = None,
     ) -> R:
-        """``call(url)`` by :meth:`on_replica` until a replica serves it: each replica's failure is told to ``failed``
-        and the call is made again, on another replica or once one is healthy again. The last four arguments are
-        :meth:`until_usable`'s: :class:`EnginesDown` after ``down_timeout_s`` with none."""
+        """``call(url)`` by :meth:`on_replica` (``affinity`` its) until a replica serves it: each replica's failure is
+        told to ``failed`` and the call is made again, on another replica or once one is healthy again. The four
+        arguments before ``affinity`` are :meth:`until_usable`'s: :class:`EnginesDown` after ``down_timeout_s`` with
+        none."""
         while True:
             await self.until_usable(down_timeout_s, timeout_key, poll_s, meanwhile)
             try:
-                return await self.on_replica(call)
+                return await self.on_replica(call, affinity)
             except ReplicaDown as e:
                 failed(e)
 
@@ -665,6 +658,20 @@ class EngineClient:
         """Whether each engine answers (``paused``: while this client has generation paused, whether its server
         does)."""
         return list(await asyncio.gather(*(self._healthy(u, paused) for u in self.urls)))
+
+
+def scoring_request(input_ids: list[int], start: int, top: int = 0) -> P.GenerateReqInput:
+    """The request :meth:`EngineClient.token_logprobs` makes: the log-prob of each of ``input_ids[start:]`` given those
+    before it, and the ``top`` most likely tokens in its place, computing no new token."""
+    if not 1 <= start <= len(input_ids):
+        raise ValueError(f"start={start}: the tokens scored start in [1, {len(input_ids)}] (the first has none)")
+    return P.GenerateReqInput(
+        input_ids=list(input_ids),
+        sampling_params=SamplingParams(max_new_tokens=0),
+        return_logprob=True,
+        logprob_start_len=start - 1,  # SGLang answers the token there null: the scored ones follow it
+        top_logprobs_num=top,
+    )
 
 
 def health(urls: list[str]) -> list[bool]:

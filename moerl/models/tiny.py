@@ -77,10 +77,10 @@ def _tiny(architecture: str, **overrides):
     return model_cls, config
 
 
-def tiny_param_count(architecture: str) -> int:
-    """How many parameters :func:`save_tiny_hf` saves for ``architecture`` (a classifier's ``score.bias`` included,
-    see :func:`save_model`), counted without making its weights."""
-    model_cls, config = _tiny(architecture)
+def tiny_param_count(architecture: str, **overrides) -> int:
+    """How many parameters :func:`save_tiny_hf` saves for ``architecture`` (its config changed by ``overrides``; a
+    classifier's ``score.bias`` included, see :func:`save_model`), counted without making its weights."""
+    model_cls, config = _tiny(architecture, **overrides)
     with torch.device("meta"):
         count = sum(p.numel() for p in model_cls(config).parameters())
     return count + (config.num_labels if architecture.endswith("ForSequenceClassification") else 0)

@@ -17,8 +17,8 @@ from moerl.dtypes import MODEL_DTYPES
 from moerl.dtypes import resolve as resolve_dtype
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
-from moerl.orchestrator.config import EngineSection, RunConfig, served_by
-from moerl.orchestrator.messages import ManagerSpec
+from moerl.orchestrator.config import EngineSection, RunConfig, Scorer, scorers, served_by
+from moerl.orchestrator.messages import ManagerSpec, ServedModel
 from moerl.orchestrator.placement import Placement
 from moerl.orchestrator.preflight import simulation_profile
 
@@ -95,10 +95,11 @@ def start_engines(
 
 
 @dataclass
-class RewardEngines:
-    """The reward model's replicas: its HF directory (for its tokenizer), their URLs, and the pool of those the job
-    started (None: given by URL)."""
+class ScorerEngines:
+    """A scorer's replicas (the reward model's, the teacher's): its section, its HF directory (for its tokenizer), their
+    URLs, and the pool of those the job started (None: given by URL)."""
 
+    scorer: Scorer
     model: Path
     urls: list[str]
     pool: EnginePool | None
@@ -107,73 +108,67 @@ class RewardEngines:
 @dataclass
 class Engines:
     """Where the engines run, and on global rank 0 those it started or was given: the policy's URLs and the pool of
-    those the job started, and the reward model's (:func:`start_engines`, :func:`start_reward_engines`). Elsewhere,
-    and on rank 0 before they start, none."""
+    those the job started, and each scorer's by its section (:func:`start_engines`, :func:`start_scorer_engines`).
+    Elsewhere, and on rank 0 before they start, none."""
 
     placement: Placement
     urls: list[str] = field(default_factory=list)
     pool: EnginePool | None = None
-    reward: RewardEngines | None = None
+    scorers: dict[str, ScorerEngines] = field(default_factory=dict)
 
     @property
-    def reward_pool(self) -> EnginePool | None:
-        return self.reward.pool if self.reward is not None else None
+    def scorer_pools(self) -> dict[str, EnginePool]:
+        """The scorers' pools the job started, by section."""
+        return {key: s.pool for key, s in self.scorers.items() if s.pool is not None}
 
     def wait_started(self, cfg: RunConfig) -> None:
         """Until the pools launched answer."""
         if self.pool is not None:
             self.pool.wait_started(cfg.engines.start_timeout_s)
-        if self.reward_pool is not None:
-            self.reward_pool.wait_started(cfg.reward.engines.start_timeout_s)
+        for served in self.scorers.values():
+            if served.pool is not None:
+                served.pool.wait_started(served.scorer.engines.start_timeout_s)
 
     def stop(self) -> None:
         """The pools the job started."""
-        for pool in (self.pool, self.reward_pool):
+        for pool in (self.pool, *self.scorer_pools.values()):
             if pool is not None:
                 pool.stop()
 
 
-def start_reward_engines(
-    cfg: RunConfig,
-    placement: Placement,
-    run_dir: Path,
-    local_trainer_ranks: int,
-    wait: bool = True,
-    beside: EnginePool | None = None,
-) -> RewardEngines | None:
-    """The reward model's replicas (none without ``reward.model``): those given by URL, or ones started here where
-    ``placement`` puts them (separate: on the GPUs after the trainer's and the policy engines'; colocated: on the
-    trainer's, keeping their weights in host memory while released). They log under ``logs/reward``. ``wait`` false:
-    launched, for the caller's ``pool.wait_started``, on ports other than those of ``beside``'s replicas (the policy's,
-    launched too: maybe not bound yet)."""
+def start_scorer_engines(
+    cfg: RunConfig, placement: Placement, run_dir: Path, local_trainer_ranks: int, wait: bool, engines: Engines
+) -> None:
+    """Each scorer's replicas (:func:`~moerl.orchestrator.config.scorers`) into ``engines.scorers``: those given by URL,
+    or ones started here where ``placement`` puts them (separate: on the GPUs after the trainer's, the policy engines'
+    and the scorers' before them; colocated: on the trainer's, keeping their weights in host memory while released).
+    Each logs under ``logs/<section>``. ``wait`` false: launched, for the caller's ``wait_started``, on ports other than
+    those of the pools launched before (maybe not bound yet)."""
     from moerl.engines.pool import EnginePool
-    from moerl.orchestrator.model_cache import prepare_reward_model
+    from moerl.orchestrator.model_cache import prepare_scorer_model
 
-    model = prepare_reward_model(cfg)
-    if model is None:
-        return None
-    e = cfg.reward.engines
-    if e.urls:  # health-checked by the preflight
-        return RewardEngines(model, list(e.urls), None)
     policy = cfg.engines
-    policy_gpus = 0 if policy.urls else policy.replicas * policy.gpus_per_replica
-    server = served_by(e)
-    offset = placement.gpu_offset(local_trainer_ranks + policy_gpus) if torch.cuda.is_available() else 0
-    pool = EnginePool(
-        pool_config(
-            e,
-            str(model),
-            server,
-            run_dir / "logs" / "reward",
-            offset,
-            weights_cpu_backup=placement.reward_weights_on_host,
+    taken = local_trainer_ranks + (0 if policy.urls else policy.replicas * policy.gpus_per_replica)
+    for scorer in scorers(cfg):
+        model = prepare_scorer_model(cfg, scorer)
+        e = scorer.engines
+        if not scorer.started:  # health-checked by the preflight
+            engines.scorers[scorer.key] = ScorerEngines(scorer, model, list(e.urls), None)
+            continue
+        server = served_by(e)
+        offset = placement.gpu_offset(taken) if torch.cuda.is_available() else 0
+        taken += e.replicas * e.gpus_per_replica
+        log_dir = run_dir / "logs" / scorer.key
+        pool = EnginePool(
+            pool_config(e, str(model), server, log_dir, offset, weights_cpu_backup=placement.scorer_weights_on_host)
         )
-    )
-    log.info("starting %d %s reward engine(s); logs in %s", e.replicas, server, run_dir / "logs" / "reward")
-    if not wait:
-        pool.launch(avoid=beside.ports if beside is not None else ())
-        return RewardEngines(model, pool.urls, pool)
-    return RewardEngines(model, pool.start(e.start_timeout_s), pool)
+        log.info("starting %d %s %s engine(s); logs in %s", e.replicas, server, scorer.key, log_dir)
+        if wait:
+            engines.scorers[scorer.key] = ScorerEngines(scorer, model, pool.start(e.start_timeout_s), pool)
+            continue
+        before = [p for p in (engines.pool, *engines.scorer_pools.values()) if p is not None]
+        pool.launch(avoid=[port for p in before for port in p.ports])
+        engines.scorers[scorer.key] = ScorerEngines(scorer, model, pool.urls, pool)
 
 
 def start_manager(
@@ -184,14 +179,14 @@ def start_manager(
     cursor: int,
     reissue: list[int],
     run_dir: Path,
-    reward: RewardEngines | None = None,
+    scorer_engines: dict[str, ScorerEngines] | None = None,
 ) -> subprocess.Popen:
+    given = scorer_engines or {}
     spec = ManagerSpec(
         config=str(cfg_path),
         hf_dir=str(hf),
         urls=urls,
-        reward_model=str(reward.model) if reward is not None else None,
-        reward_urls=reward.urls if reward is not None else [],
+        scorers={key: ServedModel(str(s.model), s.urls) for key, s in given.items()},
         orders=rollouts.orders_address,
         events=rollouts.events_address,
         cursor=cursor,

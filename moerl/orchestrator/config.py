@@ -141,6 +141,24 @@ class RewardSection:
 
 
 @dataclass
+class TeacherEngineSection(EngineSection):
+    """The teacher's replicas (``teacher.engines``): as the policy's, without weight updates."""
+
+    def __post_init__(self) -> None:
+        check_choices(self, "teacher.engines")
+
+
+@dataclass
+class TeacherSection:
+    """On-policy distillation's teacher (:mod:`moerl.rewards.teacher`), served by engines of its own: it scores every
+    token the student sampled, given the tokens before it, as each group finishes; ``trainer.loss.distill`` says how
+    the student learns from that."""
+
+    model: str | None = None  # its HF directory (the student's tokenizer); demo: the task's tiny one; null: none
+    engines: TeacherEngineSection = field(default_factory=TeacherEngineSection)
+
+
+@dataclass
 class RolloutSection:
     groups_per_step: int = 8  # prompts (GRPO groups) per optimizer step
     samples_per_prompt: int = 8  # group size n
@@ -225,6 +243,7 @@ class RunConfig:
     sync: SyncSection = field(default_factory=SyncSection)
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: RewardSection = field(default_factory=RewardSection)
+    teacher: TeacherSection = field(default_factory=TeacherSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # per-expert adapters; enabled: base frozen, adapters synced alone
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -422,6 +441,7 @@ def check(cfg: RunConfig) -> None:
         )
     problems += filter_problems(r)
     problems += reward_problems(cfg)
+    problems += teacher_problems(cfg)
     problems += colocation_problems(cfg)
     problems += episode_problems(cfg)
     problems += simulation_problems(cfg)
@@ -476,9 +496,58 @@ def reward_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def starts_reward_engines(cfg: RunConfig) -> bool:
-    """Whether the job starts reward replicas of its own (``reward.model``, not given by URL)."""
-    return cfg.reward.model is not None and not cfg.reward.engines.urls
+def teacher_problems(cfg: RunConfig) -> list[str]:
+    """What distillation needs: a teacher and a loss that learns from it, each with the other, and engines that can
+    serve the teacher."""
+    t, distill = cfg.teacher, cfg.trainer.loss.distill
+    if t.model is None:
+        return (
+            [
+                "trainer.loss.distill: distillation learns from a teacher; set teacher.model (or distill.coef=0 and "
+                "distill.top_k=0)"
+            ]
+            if distill.enabled
+            else []
+        )
+    problems = []
+    if not distill.enabled:
+        problems.append(
+            f"teacher.model={t.model}: a teacher is for distillation; set trainer.loss.distill.coef > 0 (or "
+            "distill.top_k > 0), or leave teacher.model null"
+        )
+    if cfg.simulation.profile is not None:
+        problems.append("teacher.model in a simulation: simulated engines serve no teacher")
+    if served_by(t.engines) == "embedded" and t.engines.gpus_per_replica != 1 and not t.engines.urls:
+        problems.append(
+            f"teacher.engines.gpus_per_replica={t.engines.gpus_per_replica}: the embedded engine serves on one device"
+        )
+    return problems
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """A model served beside the policy that scores its samples and takes no weight update: the reward model
+    (``reward``) or the teacher (``teacher``), by the config section it comes from."""
+
+    key: str  # the section: reward | teacher
+    model: str  # as configured (a directory, or demo)
+    engines: EngineSection
+
+    @property
+    def started(self) -> bool:
+        """Whether the job starts its replicas (not given by URL)."""
+        return not self.engines.urls
+
+
+def scorers(cfg: RunConfig) -> list[Scorer]:
+    """The run's scorers, reward model first: the order their pools start in and take GPUs in."""
+    sections = (("reward", cfg.reward.model, cfg.reward.engines), ("teacher", cfg.teacher.model, cfg.teacher.engines))
+    return [Scorer(key, model, engines) for key, model, engines in sections if model is not None]
+
+
+def started_scorers(cfg: RunConfig) -> list[Scorer]:
+    """The scorers whose replicas the job starts."""
+    return [s for s in scorers(cfg) if s.started]
 
 
 def colocation_problems(cfg: RunConfig) -> list[str]:

@@ -25,7 +25,7 @@ from moerl.orchestrator.components import (
     make_sync,
     make_trainer,
     start_engines,
-    start_reward_engines,
+    start_scorer_engines,
     sync_address,
     verify_tolerance,
 )
@@ -152,7 +152,7 @@ class Job:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
             e, together = self.engines, placement.pools_load_together
             e.urls, e.pool = start_engines(cfg, placement, self.hf, self.run_dir, local_ranks, wait=not together)
-            e.reward = start_reward_engines(cfg, placement, self.run_dir, local_ranks, wait=not together, beside=e.pool)
+            start_scorer_engines(cfg, placement, self.run_dir, local_ranks, not together, e)
             if together:  # the teardown stops both, whichever fails
                 e.wait_started(cfg)
             return e.urls
@@ -183,7 +183,7 @@ class Job:
         try:
             stats = sync.update(trainer)
             self.serve_policy()
-            self.placement.before_generation(self.engines.reward_pool)
+            self.placement.before_generation(list(self.engines.scorer_pools.values()))
             end = time.perf_counter()
             metrics.update(self.verify())
         except EnginesDown as e:

@@ -61,7 +61,7 @@ class Lead:
         state: dict[str, Any],
         version: int,
     ):
-        """``engines``: those the job started or was given, the reward model's too, and where they run; ``state``: a
+        """``engines``: those the job started or was given, the scorers' too, and where they run; ``state``: a
         resumed run's (the data position, the prompts to issue again, the accounting); ``version``: the trainer's policy
         version at start."""
         from tqdm import tqdm
@@ -81,7 +81,7 @@ class Lead:
             state["cursor"],
             state["pending"],
             run_dir,
-            engines.reward,
+            engines.scorers,
         )
         self.rollouts.watch(self.manager, run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.rollouts)
@@ -101,11 +101,12 @@ class Lead:
     # ---- engines -------------------------------------------------------------------------------
     def revive(self) -> None:
         """The replicas whose process died are started again (stale until a sync reaches them, outside the broadcast's
-        groups until it forms them again), and the reward model's."""
-        reward, pool = self.engines.reward_pool, self.engines.pool
-        if reward is not None:  # the manager's scoring finds them back by /health: they hold no policy
-            w = self.cfg.reward.engines
-            self.engines.placement.started_again(reward.revive(w.max_restarts, w.restart_window_s))
+        groups until it forms them again), and the scorers'."""
+        pool = self.engines.pool
+        for served in self.engines.scorers.values():  # the manager's scoring finds them back by /health: no policy
+            if served.pool is not None:
+                w = served.scorer.engines
+                self.engines.placement.started_again(served.pool.revive(w.max_restarts, w.restart_window_s))
         if pool is None:
             return
         e = self.cfg.engines
@@ -148,7 +149,7 @@ class Lead:
                     yield instalment
                     continue
                 # the groups are in (a sync step's as one instalment): the trainer's turn
-                self.engines.placement.before_training(self.sync, self.engines.reward_pool)
+                self.engines.placement.before_training(self.sync, list(self.engines.scorer_pools.values()))
                 instalment = sorted(instalment, key=lambda g: g.index)  # deterministic order within what has arrived
                 taken.extend(instalment)
                 yield [s for g in instalment for s in g.samples]
@@ -267,10 +268,10 @@ class Lead:
         metrics.update(rollouts.take_scored().metrics())
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state}": float(states.count(state)) for state in State})
-        pool, reward = self.engines.pool, self.engines.reward_pool
+        pool = self.engines.pool
         metrics["engines/restarts"] = float(sum(pool.restarts.values())) if pool is not None else 0.0
-        if reward is not None:
-            metrics["reward_engines/restarts"] = float(sum(reward.restarts.values()))
+        for key, served in self.engines.scorer_pools.items():
+            metrics[f"{key}_engines/restarts"] = float(sum(served.restarts.values()))
         metrics.update(self.cpu.step_metrics(wall))
         self.writer.write(metrics)
         if self.bar is not None:

@@ -37,7 +37,7 @@ from moerl.episodes.agents import SIMULATED, Agent, load_agent, load_tools, simu
 from moerl.episodes.endpoint import EpisodeEndpoint
 from moerl.models import model_shape
 from moerl.orchestrator.adapters import Adapters
-from moerl.orchestrator.config import RunConfig, request_timeout_real_s
+from moerl.orchestrator.config import EngineSection, RunConfig, request_timeout_real_s
 from moerl.orchestrator.generation import Generation
 from moerl.orchestrator.groups import AgentEpisodes, GroupAgent, GroupRunner, SingleTurn
 from moerl.orchestrator.messages import (
@@ -48,6 +48,7 @@ from moerl.orchestrator.messages import (
     ManagerSpec,
     Restarting,
     Served,
+    ServedModel,
     Stopped,
     Updating,
     checked,
@@ -57,6 +58,7 @@ from moerl.rewards import Rewarder
 from moerl.rewards.combine import COMBINATIONS, Combination
 from moerl.rewards.judge import Judge, Judging
 from moerl.rewards.model import Classifier, Replicas, RewardModel
+from moerl.rewards.teacher import Teacher
 from moerl.simulation import Profile
 from moerl.tasks import PromptStream
 from moerl.tasks.filters import load_filter
@@ -64,28 +66,44 @@ from moerl.tasks.filters import load_filter
 log = logging.getLogger("moerl.rollout")
 
 
-def reward_model(
-    cfg: RunConfig, model_dir: str | None, urls: list[str]
-) -> tuple[RewardModel | None, Combination | None]:
-    """The run's reward model (its HF directory ``model_dir``) on its engines ``urls``, and how its score combines with
-    the task's reward (None, None without one)."""
-    w = cfg.reward
-    if model_dir is None:
-        return None, None
-    e = w.engines
-    replicas = Replicas(
+def replicas_of(e: EngineSection, urls: list[str]) -> Replicas:
+    """A scorer's replicas at ``urls``, outlasting failures as its section ``e`` says."""
+    return Replicas(
         urls,
         timeout_s=e.request_timeout_s or 600.0,
         down_timeout_s=e.down_timeout_s,
         health_interval_s=e.health_interval_s,
         failures_to_dead=e.health_failures,
     )
+
+
+def reward_model(cfg: RunConfig, served: ServedModel | None) -> tuple[RewardModel | None, Combination | None]:
+    """The run's reward model on its engines (``served``), and how its score combines with the task's reward (None,
+    None without one)."""
+    w = cfg.reward
+    if served is None:
+        return None, None
+    replicas = replicas_of(w.engines, served.urls)
     model = (
-        Judge(model_dir, replicas, Judging(w.judge_prompt, w.verdict, w.judge_max_new_tokens))
+        Judge(served.model, replicas, Judging(w.judge_prompt, w.verdict, w.judge_max_new_tokens))
         if w.kind == "generative"
-        else Classifier(model_dir, replicas)
+        else Classifier(served.model, replicas)
     )
     return model, COMBINATIONS.load(w.combine)
+
+
+def teacher(cfg: RunConfig, served: ServedModel | None) -> Teacher | None:
+    """The run's teacher on its engines (``served``; None without one)."""
+    if served is None:
+        return None
+    distill = cfg.trainer.loss.distill
+    return Teacher(
+        served.model,
+        replicas_of(cfg.teacher.engines, served.urls),
+        top_k=distill.top_k,
+        kept_sets=cfg.trainer.replay.sampling_mask,
+        kept_top=cfg.rollout.top_k,
+    )
 
 
 class RolloutManager:
@@ -130,13 +148,14 @@ class RolloutManager:
         else:
             self.endpoint = EpisodeEndpoint(Path(hf_dir).name)
             group_agent = AgentEpisodes(self.generation, agent, self.endpoint, tokenizer, load_tools(self.r.tools))
-        rewarder = Rewarder(cfg.task, *reward_model(cfg, spec.reward_model, spec.reward_urls))
+        rewarder = Rewarder(cfg.task, *reward_model(cfg, spec.scorers.get("reward")))
         self.groups = GroupRunner(
             self.r.engine_retries,
             PromptStream(cfg.task, tokenizer),
             group_agent,
             rewarder,
             load_filter(self.r.filter_groups),
+            teacher(cfg, spec.scorers.get("teacher")),
         )
 
     def _agent(self) -> Agent | None:
@@ -185,7 +204,7 @@ class RolloutManager:
                 await self.client.abort(quietly=True)  # engines stop generating what nobody will read
             await send_event(self.events, Stopped(cancelled))
             await self.client.close()
-            await self.groups.rewarder.close()
+            await self.groups.close()
             if self.endpoint is not None:
                 await self.endpoint.close()
             self.commands.close(linger=0)

@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING
 from moerl.engines.weight_group import MAX_GROUPS_PER_ENGINE
 from moerl.errors import ConfigError
 from moerl.models.family import ModelFamily, TensorRule
-from moerl.orchestrator.config import starts_reward_engines
+from moerl.orchestrator.config import started_scorers
 from moerl.orchestrator.placement import (
     COMMUNICATOR_BYTES,
     TRAINER_RESIDENT_BYTES,
     Colocation,
     Placement,
+    ScorerMemory,
     placement_of,
 )
 
@@ -96,8 +97,8 @@ class MemoryPlan:
     communicators: float = 0.0  # bytes of those groups' communicators per engine GPU, as many as it may hold
     colocated: Colocation | None = None
     host: dict[str, float] = field(default_factory=dict)  # bytes a trainer rank keeps in host memory, by what
-    reward_weights: float = 0.0  # bytes per reward engine GPU (reward.model)
-    reward_gpus: int = 0  # the GPUs the job's reward replicas take, beside the trainer's and the policy engines'
+    scorers: list[ScorerMemory] = field(default_factory=list)  # the scorers whose replicas the job starts
+    scorer_gpus: int = 0  # the GPUs those take, beside the trainer's and the policy engines'
 
     def table(self) -> str:
         mb = self.micro_batch
@@ -120,16 +121,13 @@ class MemoryPlan:
                 f"    weight-sync communicators {_size(self.communicators)}, outside mem_fraction_static: "
                 f"{self.senders} sender(s) x {MAX_GROUPS_PER_ENGINE} groups x {COMMUNICATOR_BYTES >> 20} MiB"
             )
-        if self.reward_gpus:
-            lines.append(
-                f"  reward engine GPU: weights {_size(self.reward_weights)}; {self.reward_gpus} GPU(s) of their own, "
-                "beside the trainer's and the engines'"
+        for s in self.scorers:
+            where = (
+                f"{s.gpus} GPU(s) of their own, beside the trainer's and the engines'"
+                if self.colocated is None
+                else "on the trainer's GPUs, released while it trains (its weights kept in host memory)"
             )
-        elif self.reward_weights and self.colocated is not None:
-            lines.append(
-                f"  reward engine: weights {_size(self.reward_weights)} a GPU, on the trainer's GPUs, released while "
-                "it trains (its weights kept in host memory)"
-            )
+            lines.append(f"  {s.scorer.key} engine GPU: weights {_size(s.weights)}, static {_size(s.static)}; {where}")
         if self.host:
             lines.append("  a trainer rank's host memory:")
             lines += [f"    {name:<30}{_size(value):>12}" for name, value in self.host.items()]
@@ -141,8 +139,8 @@ class MemoryPlan:
                 f"    {'engines generate':<30}{_size(c.engines):>12}  (mem_fraction_static, and the trainer's "
                 f"{_size(TRAINER_RESIDENT_BYTES)} resident: CUDA context, NCCL, assumed)",
                 f"    {'weight handover':<30}{_size(c.push):>12}  (trainer and engine weights, a bucket, resident)",
-                f"  host memory per node: {_size(sum(self.host.values()) * c.ranks + c.reward_backup)} ({c.ranks} ranks"
-                + (f", and {_size(c.reward_backup)} of the reward replicas' weights)" if c.reward_backup else ")"),
+                f"  host memory per node: {_size(sum(self.host.values()) * c.ranks + c.scorer_backup)} ({c.ranks} ranks"
+                + (f", and {_size(c.scorer_backup)} of the scorer replicas' weights)" if c.scorer_backup else ")"),
             ]
         return "\n".join(lines)
 
@@ -187,9 +185,11 @@ def _stage_params(
     return int(params), int(trained)
 
 
-def plan(cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float, reward_params: int = 0) -> MemoryPlan:
-    """The plan for the job config ``cfg`` (a RunConfig) on ``world`` trainer ranks; ``reward_params``: the reward
-    model's parameters (``reward.model``), served on GPUs of its own."""
+def plan(
+    cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float, scorer_params: dict[str, int] | None = None
+) -> MemoryPlan:
+    """The plan for the job config ``cfg`` (a RunConfig) on ``world`` trainer ranks; ``scorer_params``: the parameters
+    of each scorer's model by its section (``reward``, ``teacher``: :func:`~moerl.orchestrator.config.scorers`)."""
     from moerl.layout import Layout
     from moerl.models import family_for
 
@@ -283,8 +283,8 @@ def plan(cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float
             cfg, device_memory_gb, engine_weights, kv_per_token, kv_budget, kv_tokens, communicators, senders
         )
         problems += [problem] if problem is not None else []
-    reward_weights, reward_static = _reward_engine(cfg, placement, reward_params, device, problems)
-    colocation = placement.phases(cfg, terms["weights"], engine_weights, reward_weights, reward_static, world, device)
+    scorers = _scorer_engines(cfg, placement, scorer_params or {}, device, problems)
+    colocation = placement.phases(cfg, terms["weights"], engine_weights, scorers, world, device)
     if colocation is not None:
         problems += _colocation_problems(cfg, placement, colocation, device)
     return MemoryPlan(
@@ -298,8 +298,8 @@ def plan(cfg: RunConfig, model_config: dict, world: int, device_memory_gb: float
         communicators,
         colocation,
         host,
-        reward_weights,
-        placement.reward_gpus(cfg),
+        scorers,
+        placement.scorer_gpus(cfg),
     )
 
 
@@ -357,26 +357,29 @@ def _engine_gpu_problem(
     return None
 
 
-def _reward_engine(
-    cfg: RunConfig, placement: Placement, reward_params: int, device: float, problems: list[str]
-) -> tuple[float, float]:
-    """A reward replica's weights and static memory per GPU; ``problems`` gains weights that do not fit. SGLang takes
-    its static memory as a fraction of what is free when it starts: colocated, the reward replicas start beside the
-    policy's engines and the trainer's resident part."""
-    w = cfg.reward.engines
-    reward_weights = reward_params * (4 if w.dtype == "float32" else 2) / w.gpus_per_replica
-    colocated = placement.reward_on_trainer_gpus(cfg)
-    room = placement.reward_room(cfg, device)
-    static = w.mem_fraction_static * room
-    if starts_reward_engines(cfg) and reward_weights > static:
-        of = f"the {_size(room)} the policy's engines leave" if colocated else f"{device / GIB:g} GiB"
-        problems.append(
-            f"a reward engine GPU holds {reward_weights / GIB:.1f} GiB of weights, more than "
-            f"reward.engines.mem_fraction_static={w.mem_fraction_static} of {of}: raise "
-            "reward.engines.gpus_per_replica (tensor parallelism)"
-            + (" or reward.engines.mem_fraction_static" if colocated else "")
-        )
-    return reward_weights, static
+def _scorer_engines(
+    cfg: RunConfig, placement: Placement, params: dict[str, int], device: float, problems: list[str]
+) -> list[ScorerMemory]:
+    """Each started scorer's replica weights and static memory per GPU; ``problems`` gains weights that do not fit.
+    SGLang takes its static memory as a fraction of what is free when it starts: colocated, the scorers' replicas start
+    one pool after another beside the policy's engines and the trainer's resident part."""
+    out: list[ScorerMemory] = []
+    for scorer in started_scorers(cfg):
+        e = scorer.engines
+        weights = params.get(scorer.key, 0) * (4 if e.dtype == "float32" else 2) / e.gpus_per_replica
+        room = placement.scorer_room(cfg, device, sum(s.static for s in out))
+        static = e.mem_fraction_static * room
+        if weights > static:
+            colocated = placement.scorers_on_trainer_gpus(cfg)
+            of = f"the {_size(room)} the engines started before it leave" if colocated else f"{device / GIB:g} GiB"
+            problems.append(
+                f"a {scorer.key} engine GPU holds {weights / GIB:.1f} GiB of weights, more than "
+                f"{scorer.key}.engines.mem_fraction_static={e.mem_fraction_static} of {of}: raise "
+                f"{scorer.key}.engines.gpus_per_replica (tensor parallelism)"
+                + (f" or {scorer.key}.engines.mem_fraction_static" if colocated else "")
+            )
+        out.append(ScorerMemory(scorer, weights, static))
+    return out
 
 
 def _host_terms(cfg: RunConfig, placement: Placement, terms: dict[str, float]) -> dict[str, float]:
@@ -397,12 +400,13 @@ def _colocation_problems(cfg: RunConfig, placement: Placement, c: Colocation, de
             f"colocated engines take {e.replicas} x {e.gpus_per_replica} GPUs, more than the {c.ranks} trainer ranks' "
             "GPUs they share: lower engines.replicas or engines.gpus_per_replica"
         )
-    w = cfg.reward.engines
-    if placement.reward_on_trainer_gpus(cfg) and w.replicas * w.gpus_per_replica > c.ranks:
-        problems.append(
-            f"colocated reward engines take {w.replicas} x {w.gpus_per_replica} GPUs, more than the {c.ranks} trainer "
-            "ranks' GPUs they share: lower reward.engines.replicas or reward.engines.gpus_per_replica"
-        )
+    for scorer in started_scorers(cfg) if placement.scorers_on_trainer_gpus(cfg) else []:
+        w, key = scorer.engines, scorer.key
+        if w.replicas * w.gpus_per_replica > c.ranks:
+            problems.append(
+                f"colocated {key} engines take {w.replicas} x {w.gpus_per_replica} GPUs, more than the {c.ranks} "
+                f"trainer ranks' GPUs they share: lower {key}.engines.replicas or {key}.engines.gpus_per_replica"
+            )
     if c.engines > device:
         problems.append(
             f"colocated engines' static memory (engines.mem_fraction_static={e.mem_fraction_static}) and the trainer's "
@@ -562,13 +566,13 @@ def device_memory_gb(cfg: RunConfig) -> float:
     return torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 80.0
 
 
-def plan_for(cfg: RunConfig, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
-    return plan(cfg, model_config, world, device_memory_gb(cfg), reward_params)
+def plan_for(cfg: RunConfig, model_config: dict, world: int, scorer_params: dict[str, int] | None = None) -> MemoryPlan:
+    return plan(cfg, model_config, world, device_memory_gb(cfg), scorer_params)
 
 
-def check(cfg: RunConfig, model_config: dict, world: int, reward_params: int = 0) -> MemoryPlan:
+def check(cfg: RunConfig, model_config: dict, world: int, scorer_params: dict[str, int] | None = None) -> MemoryPlan:
     """The plan, or :class:`ConfigError` naming the term that does not fit and what to change."""
-    result = plan_for(cfg, model_config, world, reward_params)
+    result = plan_for(cfg, model_config, world, scorer_params)
     if result.problems:
         raise ConfigError("memory plan: " + "; ".join(result.problems))
     return result

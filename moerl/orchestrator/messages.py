@@ -89,7 +89,7 @@ class GroupDone:
     # An agentic group: its episodes' counts summed (EpisodeStats.metrics: turns, tool calls, forks, ...), its episodes
     # and the failed ones by reason (episode/failed_<reason>). None: a single-turn group.
     episodes: dict[str, float] | None = None
-    # With a reward model: its requests, retries, seconds and score sum for the group (reward_engines/*)
+    # With a reward model or a teacher: their requests, retries, seconds and sums for the group (<scorer>_engines/*)
     scoring: dict[str, float] | None = None
 
     def oldest_version(self) -> int:
@@ -175,6 +175,14 @@ def receive_event(socket: zmq.Socket[bytes]) -> Event:
 
 # ---- the manager's spec file ---------------------------------------------------------------------
 @dataclass(frozen=True)
+class ServedModel:
+    """A scorer's model as the manager reaches it: its HF directory (resolved) and its engines."""
+
+    model: str
+    urls: list[str]
+
+
+@dataclass(frozen=True)
 class ManagerSpec:
     """What the trainer tells the manager process it starts (``--spec``, a JSON file in the run directory)."""
 
@@ -185,8 +193,8 @@ class ManagerSpec:
     events: str  # ZMQ address it pushes events to
     cursor: int  # the next new prompt index
     reissue: list[int]  # prompts to issue before new ones (a resumed run's pending ones)
-    reward_model: str | None = None  # the reward model's HF directory (reward.model resolved), if any
-    reward_urls: list[str] = field(default_factory=list)  # its engines
+    # the scorers (moerl.orchestrator.config.scorers) by section: reward, teacher
+    scorers: dict[str, ServedModel] = field(default_factory=dict)
 
     def write(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=1))
@@ -194,4 +202,6 @@ class ManagerSpec:
 
     @classmethod
     def read(cls, path: str | Path) -> ManagerSpec:
-        return cls(**json.loads(Path(path).read_text()))
+        fields = json.loads(Path(path).read_text())
+        fields["scorers"] = {key: ServedModel(**served) for key, served in fields.get("scorers", {}).items()}
+        return cls(**fields)

@@ -13,10 +13,10 @@ from pathlib import Path
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
 from moerl.files import staged_dir
-from moerl.orchestrator.config import RunConfig
-from moerl.orchestrator.preflight import model_dir, simulation_profile
+from moerl.orchestrator.config import RunConfig, Scorer
+from moerl.orchestrator.preflight import check_tokenizers, model_dir, simulation_profile
 from moerl.plugins import import_object
-from moerl.tasks import DEMO, DEMO_MODELS, DEMO_REWARD_MODELS
+from moerl.tasks import DEMO, DEMO_MODELS, DEMO_REWARD_MODELS, DEMO_TEACHERS
 
 log = logging.getLogger("moerl.train")
 
@@ -46,26 +46,35 @@ def _demo_model(cache: Path, name: str, builder: str) -> Path:
     return _build_once(cache / name / "hf", build) / "model"
 
 
-def prepare_reward_model(cfg: RunConfig) -> Path | None:
-    """The reward model's HF directory (``reward.model``; ``demo``: the task's tiny one, made once), None without."""
-    if cfg.reward.model is None:
-        return None
-    if cfg.reward.model == DEMO:  # the preflight checked that the task has one
-        return _demo_model(Path(cfg.run.cache_dir).expanduser(), *DEMO_REWARD_MODELS[cfg.task.name])
-    return Path(cfg.reward.model)
+def prepare_scorer_model(cfg: RunConfig, scorer: Scorer) -> Path:
+    """A scorer's HF directory (its ``model``; ``demo``: the task's tiny one, made once). A teacher's tokenizer is the
+    student's (:func:`~moerl.orchestrator.preflight.check_tokenizers`), checked here too where a demo model is made
+    after the preflight."""
+    if scorer.model != DEMO:
+        return Path(scorer.model)
+    demos = (
+        DEMO_REWARD_MODELS if scorer.key == "reward" else DEMO_TEACHERS
+    )  # the preflight checked that the task has one
+    made = _demo_model(Path(cfg.run.cache_dir).expanduser(), *demos[cfg.task.name])
+    if scorer.key == "teacher":
+        check_tokenizers(policy_hf(cfg), made)
+    return made
+
+
+def policy_hf(cfg: RunConfig) -> Path:
+    """The HF directory of the model to train (the demo's: made once)."""
+    given = model_dir(cfg, simulation_profile(cfg))
+    if given is None:
+        return _demo_model(Path(cfg.run.cache_dir).expanduser(), *DEMO_MODELS[cfg.task.name])
+    return Path(given)
 
 
 def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
     """(HF directory, Megatron checkpoint) of the model to train, made once and cached; a simulation has no
     checkpoint."""
     cache = Path(cfg.run.cache_dir).expanduser()
-    profile = simulation_profile(cfg)
-    given = model_dir(cfg, profile)
-    if given is None:
-        hf = _demo_model(cache, *DEMO_MODELS[cfg.task.name])
-    else:
-        hf = Path(given)
-    if profile is not None:
+    hf = policy_hf(cfg)
+    if cfg.simulation.profile is not None:
         return hf, None
     if cfg.model.mcore:
         mcore = Path(cfg.model.mcore)

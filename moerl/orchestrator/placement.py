@@ -2,10 +2,10 @@
 
 :class:`Separate`: the engines on GPUs of their own, after the trainer's on a node; the weights reach them by the
 run's sync method. :class:`Colocated`: the engines on the trainer's own GPUs, taking turns with it. The trainer's state
-leaves the device before the engines start and after each step; the engines (and the reward replicas the job started)
-give back their memory once a step's groups are in and take it back before the next generation; the weights are handed
-over on the machine (:class:`~moerl.weight_sync.tensor.TensorSync`). The job builds one placement
-(:func:`placement_of`) and calls its hooks at every phase, whichever it is; the memory plan
+leaves the device before the engines start and after each step; the engines (and the scorers' replicas the job started:
+the reward model's, the teacher's) give back their memory once a step's groups are in and take it back before the next
+generation; the weights are handed over on the machine (:class:`~moerl.weight_sync.tensor.TensorSync`). The job builds
+one placement (:func:`placement_of`) and calls its hooks at every phase, whichever it is; the memory plan
 (:mod:`moerl.orchestrator.memory`) takes its terms from it. What colocation refuses is checked with the rest of the
 config, when it loads (:func:`~moerl.orchestrator.config.colocation_problems`).
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moerl.errors import MoerlError
-from moerl.orchestrator.config import starts_reward_engines
+from moerl.orchestrator.config import started_scorers
 
 # The engines' client and the weight sync are imported where a job uses them: the memory plan, made by the launcher's
 # check before torchrun, imports this module.
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moerl.engines.client import EngineClient
     from moerl.engines.pool import EnginePool
     from moerl.layout import Layout
-    from moerl.orchestrator.config import RunConfig
+    from moerl.orchestrator.config import RunConfig, Scorer
     from moerl.trainer.protocol import TrainerLike
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.base import SyncStats, WeightSync
@@ -51,7 +51,21 @@ COMMUNICATOR_BYTES = NCCL_BUFFER_BYTES * NCCL_CHANNELS * NCCL_RING_PEERS
 # plan cannot know before launch).
 RELEASED_ENGINE_BYTES = 2 << 30
 TRAINER_RESIDENT_BYTES = (1 << 29) + 9 * COMMUNICATOR_BYTES
-REWARD_MEMORY_TIMEOUT_S = 120.0  # a release or resume of a reward replica's memory
+SCORER_MEMORY_TIMEOUT_S = 120.0  # a release or resume of a scorer replica's memory
+
+
+@dataclass
+class ScorerMemory:
+    """A scorer's replicas the job starts, per GPU (:func:`~moerl.orchestrator.config.scorers`)."""
+
+    scorer: Scorer
+    weights: float  # bytes of weights on each of its GPUs
+    static: float  # the static memory SGLang takes on each: a fraction of what is free when it starts
+
+    @property
+    def gpus(self) -> int:
+        e = self.scorer.engines
+        return e.replicas * e.gpus_per_replica
 
 
 @dataclass
@@ -61,19 +75,19 @@ class Colocation:
     engines: float  # the engines generate: their static memory (weights, KV cache) beside the trainer's resident part
     push: float  # the handover: the trainer's weights, the engines' weights and one bucket, beside what stays resident
     ranks: int  # trainer ranks on the node, each keeping MemoryPlan.host in host memory
-    reward_backup: float = 0.0  # the node's reward replicas' weights, copied into host memory (weights CPU backup)
+    scorer_backup: float = 0.0  # the node's scorer replicas' weights, copied into host memory (weights CPU backup)
 
 
 class Placement:
     """Where the engines run, as the hooks each phase of the job calls: on every rank around the trainer's phase, on
-    global rank 0 around the engines' (given the weight sync and the pool of reward replicas the job started, if any),
-    and the memory plan's terms. A hook that does nothing here does nothing for :class:`Separate`."""
+    global rank 0 around the engines' (given the weight sync and the pools of scorer replicas the job started), and the
+    memory plan's terms. A hook that does nothing here does nothing for :class:`Separate`."""
 
-    # Whether the reward replicas and the policy's load at once (GPUs of their own), or each pool once the one before
+    # Whether the scorers' replicas and the policy's load at once (GPUs of their own), or each pool once the one before
     # holds its memory (GPUs they share, where SGLang sizes its static memory from what is free when it starts).
     pools_load_together: bool
-    # Whether the reward replicas the job starts keep their weights in host memory while they give back the GPU's.
-    reward_weights_on_host: bool
+    # Whether the scorers' replicas the job starts keep their weights in host memory while they give back the GPU's.
+    scorer_weights_on_host: bool
 
     # ---- the engines' GPUs and weight sync -----------------------------------------------------
     def gpu_offset(self, taken: int) -> int:
@@ -97,14 +111,14 @@ class Placement:
         """After the last step, before the process group ends."""
 
     # ---- around the engines' phase: on global rank 0, which holds them (elsewhere none is released) ----
-    def before_training(self, sync: WeightSync, reward: EnginePool | None) -> None:
+    def before_training(self, sync: WeightSync, scorers: list[EnginePool]) -> None:
         """The step's groups are in: the trainer's turn."""
 
-    def before_generation(self, reward: EnginePool | None) -> None:
+    def before_generation(self, scorers: list[EnginePool]) -> None:
         """The engines serve the new policy: the next generation's turn."""
 
-    def started_again(self, reward_urls: list[str]) -> None:
-        """These reward replicas were started again (holding their memory)."""
+    def started_again(self, scorer_urls: list[str]) -> None:
+        """These scorer replicas were started again (holding their memory)."""
 
     def step_metrics(self, sync: WeightSync, stats: SyncStats, wall: float) -> dict[str, float]:
         """What the placement adds to a step's metrics; ``wall``: the step's seconds."""
@@ -119,17 +133,18 @@ class Placement:
     def trainer_terms(self, cfg: RunConfig, terms: dict[str, float], host: dict[str, float]) -> None:
         """What a trainer rank holds by placement: ``terms`` on its device, ``host`` in host memory."""
 
-    def reward_on_trainer_gpus(self, cfg: RunConfig) -> bool:
-        """Whether reward replicas the job starts share the trainer's GPUs."""
+    def scorers_on_trainer_gpus(self, cfg: RunConfig) -> bool:
+        """Whether the scorers' replicas the job starts share the trainer's GPUs."""
         raise NotImplementedError
 
-    def reward_gpus(self, cfg: RunConfig) -> int:
-        """The GPUs of their own the reward replicas the job starts take, beside the trainer's and the policy
+    def scorer_gpus(self, cfg: RunConfig) -> int:
+        """The GPUs of their own the scorers' replicas the job starts take, beside the trainer's and the policy
         engines'."""
         raise NotImplementedError
 
-    def reward_room(self, cfg: RunConfig, device: float) -> float:
-        """The memory of a reward engine GPU that SGLang takes its static fraction of: what is free when it starts."""
+    def scorer_room(self, cfg: RunConfig, device: float, before: float) -> float:
+        """The memory of a scorer engine GPU that SGLang takes its static fraction of: what is free when it starts,
+        where the scorers started before it took ``before`` of it if they share its GPUs."""
         return device
 
     def phases(
@@ -137,13 +152,12 @@ class Placement:
         cfg: RunConfig,
         trainer_weights: float,
         engine_weights: float,
-        reward_weights: float,
-        reward_static: float,
+        scorers: list[ScorerMemory],
         world: int,
         device: float,
     ) -> Colocation | None:
         """Per GPU, the phases that take turns on the trainer's GPUs (None: the trainer has them to itself), from a
-        trainer rank's weights and each engine GPU's and each reward engine GPU's weights and static memory."""
+        trainer rank's weights, each engine GPU's and each scorer's."""
         return None
 
 
@@ -151,7 +165,7 @@ class Separate(Placement):
     """The engines on GPUs of their own, after the trainer's on a node; they generate while the trainer trains."""
 
     pools_load_together = True
-    reward_weights_on_host = False
+    scorer_weights_on_host = False
 
     def gpu_offset(self, taken: int) -> int:
         return taken
@@ -167,24 +181,23 @@ class Separate(Placement):
         # every pipeline stage's expert-parallel ranks send (sends_weights)
         return layout.pp * layout.ep if cfg.sync.method == "broadcast" else 0
 
-    def reward_on_trainer_gpus(self, cfg: RunConfig) -> bool:
+    def scorers_on_trainer_gpus(self, cfg: RunConfig) -> bool:
         return False
 
-    def reward_gpus(self, cfg: RunConfig) -> int:
-        w = cfg.reward.engines
-        return w.replicas * w.gpus_per_replica if starts_reward_engines(cfg) else 0
+    def scorer_gpus(self, cfg: RunConfig) -> int:
+        return sum(s.engines.replicas * s.engines.gpus_per_replica for s in started_scorers(cfg))
 
 
 class Colocated(Placement):
-    """The engines, and the reward replicas the job starts, on the trainer's own GPUs from the first, taking turns with
-    the trainer: refused with LoRA, a simulation, engines given by URL and modes other than sync
+    """The engines, and the scorers' replicas the job starts, on the trainer's own GPUs from the first, taking turns
+    with the trainer: refused with LoRA, a simulation, engines given by URL and modes other than sync
     (:func:`~moerl.orchestrator.config.colocation_problems`)."""
 
     pools_load_together = False
-    reward_weights_on_host = True  # no push brings a reward model's weights back
+    scorer_weights_on_host = True  # no push brings a scorer's weights back
 
     def __init__(self) -> None:
-        self.released: set[str] = set()  # rank 0: reward replicas the last sleep released, less those started since
+        self.released: set[str] = set()  # rank 0: scorer replicas the last sleep released, less those started since
 
     def gpu_offset(self, taken: int) -> int:
         return 0
@@ -203,8 +216,8 @@ class Colocated(Placement):
         _real(trainer).resume_communicators()  # none left suspended when the process group ends
 
     # ---- global rank 0, around the engines' phase ----------------------------------------------
-    def before_training(self, sync: WeightSync, reward: EnginePool | None) -> None:
-        """The engines give back their memory, and the reward replicas theirs. One that fails to is left as it is (the
+    def before_training(self, sync: WeightSync, scorers: list[EnginePool]) -> None:
+        """The engines give back their memory, and the scorers' replicas theirs. One that fails to is left as it is (the
         update wakes, or passes over, what it finds)."""
         from moerl.engines.client import EngineError
 
@@ -212,23 +225,24 @@ class Colocated(Placement):
             _handover(sync).sleep()
         except (MoerlError, EngineError) as e:
             log.warning("colocated: the engines did not all release their memory before the trainer's phase: %s", e)
-        urls = reward.urls if reward is not None else []
-        self.released = _on_reward_replicas(urls, "release their memory", _release_memory)
+        urls = [url for pool in scorers for url in pool.urls]
+        self.released = _on_scorer_replicas(urls, "release their memory", _release_memory)
 
-    def before_generation(self, reward: EnginePool | None) -> None:
-        """The reward replicas the sleep released take back their memory (their weights from host memory: they take no
+    def before_generation(self, scorers: list[EnginePool]) -> None:
+        """The scorer replicas the sleep released take back their memory (their weights from host memory: they take no
         updates) and score again. One started again since holds its memory and serves already; SGLang's scheduler
         fails on a resume of what it did not release. One that fails to wake is killed and started again: the
         manager's scoring waits on a paused replica, since it answers."""
         woken = sorted(self.released)
         self.released = set()
-        failed = set(woken) - _on_reward_replicas(woken, "take back their memory", _take_back_memory)
-        if failed and reward is not None:  # left paused or without its memory, it would never score again
-            log.warning("colocated: reward engine(s) %s killed, to be started again", ", ".join(sorted(failed)))
-            reward.kill(sorted(failed))
+        failed = set(woken) - _on_scorer_replicas(woken, "take back their memory", _take_back_memory)
+        for pool in scorers:  # left paused or without its memory, it would never score again
+            if dead := sorted(failed & set(pool.urls)):
+                log.warning("colocated: scorer engine(s) %s killed, to be started again", ", ".join(dead))
+                pool.kill(dead)
 
-    def started_again(self, reward_urls: list[str]) -> None:
-        self.released -= set(reward_urls)
+    def started_again(self, scorer_urls: list[str]) -> None:
+        self.released -= set(scorer_urls)
 
     def step_metrics(self, sync: WeightSync, stats: SyncStats, wall: float) -> dict[str, float]:
         handover = _handover(sync)
@@ -252,40 +266,35 @@ class Colocated(Placement):
         gradients are freed); on the device, what a released engine keeps."""
         host["weights"] = terms["weights"]
         host.update({name: terms[name] for name in ("optimizer state", "KL reference") if name in terms})
-        terms["released engine (assumed)"] = RELEASED_ENGINE_BYTES * (1 + self.reward_on_trainer_gpus(cfg))
+        terms["released engine (assumed)"] = RELEASED_ENGINE_BYTES * (1 + len(started_scorers(cfg)))
 
-    def reward_on_trainer_gpus(self, cfg: RunConfig) -> bool:
-        return starts_reward_engines(cfg)
+    def scorers_on_trainer_gpus(self, cfg: RunConfig) -> bool:
+        return bool(started_scorers(cfg))
 
-    def reward_gpus(self, cfg: RunConfig) -> int:
+    def scorer_gpus(self, cfg: RunConfig) -> int:
         return 0
 
-    def reward_room(self, cfg: RunConfig, device: float) -> float:
-        """The reward replicas start beside the policy's engines and the trainer's resident part."""
-        return device - (cfg.engines.mem_fraction_static * device + TRAINER_RESIDENT_BYTES)
+    def scorer_room(self, cfg: RunConfig, device: float, before: float) -> float:
+        """A scorer's replicas start beside the policy's engines, the trainer's resident part and the scorers started
+        before them."""
+        return device - (cfg.engines.mem_fraction_static * device + TRAINER_RESIDENT_BYTES + before)
 
     def phases(
         self,
         cfg: RunConfig,
         trainer_weights: float,
         engine_weights: float,
-        reward_weights: float,
-        reward_static: float,
+        scorers: list[ScorerMemory],
         world: int,
         device: float,
     ) -> Colocation:
-        beside = self.reward_on_trainer_gpus(cfg)
-        w = cfg.reward.engines
+        released = RELEASED_ENGINE_BYTES * (1 + len(scorers))
         return Colocation(
-            engines=cfg.engines.mem_fraction_static * device + reward_static * beside + TRAINER_RESIDENT_BYTES,
-            push=trainer_weights
-            + engine_weights
-            + (cfg.sync.bucket_mb << 20)
-            + RELEASED_ENGINE_BYTES * (1 + beside)
-            + TRAINER_RESIDENT_BYTES,
+            engines=cfg.engines.mem_fraction_static * device + sum(s.static for s in scorers) + TRAINER_RESIDENT_BYTES,
+            push=trainer_weights + engine_weights + (cfg.sync.bucket_mb << 20) + released + TRAINER_RESIDENT_BYTES,
             ranks=world,
-            # each reward GPU's weights (a replica's over its GPUs), kept in host memory while released
-            reward_backup=reward_weights * w.replicas * w.gpus_per_replica if beside else 0.0,
+            # each scorer GPU's weights (a replica's over its GPUs), kept in host memory while released
+            scorer_backup=sum(s.weights * s.gpus for s in scorers),
         )
 
 
@@ -301,13 +310,13 @@ def _handover(sync: WeightSync) -> TensorSync:
     return sync
 
 
-def _on_reward_replicas(urls: list[str], what: str, call: Callable[[EngineClient], Awaitable[None]]) -> set[str]:
-    """``call(client)`` on each of these colocated reward replicas; those it succeeded on. One that fails is left as it
+def _on_scorer_replicas(urls: list[str], what: str, call: Callable[[EngineClient], Awaitable[None]]) -> set[str]:
+    """``call(client)`` on each of these colocated scorer replicas; those it succeeded on. One that fails is left as it
     is (revive restarts it if it died; a restarted replica holds its memory)."""
     from moerl.engines.client import EngineClient, EngineError
 
     async def each(url: str) -> None:
-        async with EngineClient([url], timeout_s=REWARD_MEMORY_TIMEOUT_S, retries=0) as client:
+        async with EngineClient([url], timeout_s=SCORER_MEMORY_TIMEOUT_S, retries=0) as client:
             await call(client)
 
     async def every() -> list:
@@ -318,7 +327,7 @@ def _on_reward_replicas(urls: list[str], what: str, call: Callable[[EngineClient
     done = set()
     for url, outcome in zip(urls, asyncio.run(every()), strict=True):
         if isinstance(outcome, MoerlError | EngineError):
-            log.warning("colocated: reward engine %s did not %s: %s", url, what, outcome)
+            log.warning("colocated: scorer engine %s did not %s: %s", url, what, outcome)
         elif isinstance(outcome, BaseException):
             raise outcome
         else:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moerl.errors import ConfigError
-from moerl.orchestrator.config import RunConfig, served_by, sglang_lora_problem
+from moerl.orchestrator.config import RunConfig, Scorer, scorers, served_by, sglang_lora_problem
 from moerl.orchestrator.run_state import latest_checkpoint
-from moerl.tasks import DEMO, DEMO_REWARD_MODELS
+from moerl.tasks import DEMO, DEMO_REWARD_MODELS, DEMO_TEACHERS
 
 if TYPE_CHECKING:
     from moerl.engines.protocol import ServerInfo
@@ -92,6 +92,7 @@ def preflight(cfg: RunConfig, world: int) -> None:
         check_served_right(cfg.model.path, "model.path", "engines.server=embedded")
     check_task(cfg)
     check_reward(cfg)
+    check_teacher(cfg)
     profile = simulation_profile(cfg)
     if (model_path := model_dir(cfg, profile)) is not None:
         hf = Path(model_path)
@@ -130,7 +131,7 @@ def model_dir(cfg: RunConfig, profile: Profile | None) -> str | None:
 def memory_plan(cfg: RunConfig, world: int, checked: bool) -> MemoryPlan:
     """The memory plan (:mod:`moerl.orchestrator.memory`) of the configured model on ``world`` trainer ranks;
     ``checked``: a plan that does not fit raises :class:`ConfigError`."""
-    from moerl.checkpoint.hf import HFReader, read_config
+    from moerl.checkpoint.hf import read_config
     from moerl.orchestrator import memory
 
     if cfg.model.path is None:
@@ -139,15 +140,25 @@ def memory_plan(cfg: RunConfig, world: int, checked: bool) -> MemoryPlan:
         model_config = dict(TINY_QWEN3, **ALL_SPARSE, architectures=["Qwen3MoeForCausalLM"])
     else:
         model_config = read_config(cfg.model.path)
-    reward_params = 0
-    if cfg.reward.model == DEMO:  # made with the engines, after this plan
-        from moerl.models.tiny import tiny_param_count
+    return (memory.check if checked else memory.plan_for)(cfg, model_config, world, scorer_params(cfg))
 
-        reward_params = tiny_param_count("Qwen3ForSequenceClassification")
-    elif cfg.reward.model is not None:
-        reader = HFReader(cfg.reward.model)
-        reward_params = sum(math.prod(reader.shape(name)) for name in reader.names())
-    return (memory.check if checked else memory.plan_for)(cfg, model_config, world, reward_params)
+
+def scorer_params(cfg: RunConfig) -> dict[str, int]:
+    """Each scorer's parameters, by section (a demo's counted from its config: made with the engines, after the
+    plan)."""
+    from moerl.checkpoint.hf import HFReader
+    from moerl.models.tiny import ALL_SPARSE, tiny_param_count
+
+    demos = {"reward": ("Qwen3ForSequenceClassification", {}), "teacher": ("Qwen3MoeForCausalLM", ALL_SPARSE)}
+    params = {}
+    for scorer in scorers(cfg):
+        if scorer.model == DEMO:
+            architecture, overrides = demos[scorer.key]
+            params[scorer.key] = tiny_param_count(architecture, **overrides)
+        else:
+            reader = HFReader(scorer.model)
+            params[scorer.key] = sum(math.prod(reader.shape(name)) for name in reader.names())
+    return params
 
 
 def check_task(cfg: RunConfig) -> None:
@@ -165,24 +176,12 @@ def check_task(cfg: RunConfig) -> None:
 
 def check_reward(cfg: RunConfig) -> None:
     """The reward model is a model directory of the configured kind, and its engines given by URL answer."""
-    from moerl.checkpoint.hf import CheckpointError, read_config
     from moerl.models import is_classifier, unserved_classifier
 
     w = cfg.reward
     if w.model is None:
         return
-    if w.model == DEMO:
-        if cfg.task.name not in DEMO_REWARD_MODELS:
-            raise ConfigError(
-                f"reward.model=demo: task.name={cfg.task.name} has no demo reward model (those that have one: "
-                f"{', '.join(DEMO_REWARD_MODELS)}); set reward.model to a model directory"
-            )
-        architectures = ["Qwen3ForSequenceClassification"]
-    else:
-        try:
-            architectures = read_config(w.model).get("architectures") or []
-        except CheckpointError as e:
-            raise ConfigError(f"reward.model: {e}") from None
+    architectures = _scorer_architectures(cfg, "reward", DEMO_REWARD_MODELS, "Qwen3ForSequenceClassification")
     if problem := unserved_classifier(architectures):
         raise ConfigError(f"reward.model={w.model}: {problem}")
     classifier = is_classifier(architectures)
@@ -192,11 +191,91 @@ def check_reward(cfg: RunConfig) -> None:
             f"({', '.join(architectures) or 'no architectures named'}), and reward.kind={w.kind}: set "
             f"reward.kind={'discriminative' if classifier else 'generative'}"
         )
-    given = None if w.model == DEMO else w.model  # the demo's is made later, as SGLang serves it
-    if w.engines.urls:
-        check_engine_urls(w.engines.urls, key="reward.engines.urls", served=given)
-    elif served_by(w.engines) == "sglang" and given is not None:
-        check_served_right(given, "reward.model", "reward.engines.server=embedded")
+    _check_scorer_engines(cfg, "reward")
+
+
+def check_teacher(cfg: RunConfig) -> None:
+    """The teacher is a generative model with the student's tokenizer (where both are given: a demo's is checked once
+    made, before the engines start), and its engines given by URL answer."""
+    from moerl.models import is_classifier
+
+    t = cfg.teacher
+    if t.model is None:
+        return
+    architectures = _scorer_architectures(cfg, "teacher", DEMO_TEACHERS, "Qwen3MoeForCausalLM")
+    if is_classifier(architectures):
+        raise ConfigError(
+            f"teacher.model={t.model} is a sequence-classification model ({', '.join(architectures)}): a teacher "
+            "scores tokens, so it is a causal language model"
+        )
+    if t.model != DEMO and (student := model_dir(cfg, simulation_profile(cfg))) is not None:
+        check_tokenizers(Path(student), Path(t.model))
+    _check_scorer_engines(cfg, "teacher")
+
+
+def _scorer(cfg: RunConfig, key: str) -> Scorer:
+    (scorer,) = (s for s in scorers(cfg) if s.key == key)
+    return scorer
+
+
+def _scorer_architectures(cfg: RunConfig, key: str, demos: dict, demo_architecture: str) -> list[str]:
+    """The architectures the scorer of section ``key`` names (``demo``: the task's, from ``demos``, of
+    ``demo_architecture``)."""
+    from moerl.checkpoint.hf import CheckpointError, read_config
+
+    scorer = _scorer(cfg, key)
+    if scorer.model == DEMO:
+        if cfg.task.name not in demos:
+            raise ConfigError(
+                f"{key}.model=demo: task.name={cfg.task.name} has no demo {key} model (those that have one: "
+                f"{', '.join(demos)}); set {key}.model to a model directory"
+            )
+        return [demo_architecture]
+    try:
+        return read_config(scorer.model).get("architectures") or []
+    except CheckpointError as e:
+        raise ConfigError(f"{key}.model: {e}") from None
+
+
+def _check_scorer_engines(cfg: RunConfig, key: str) -> None:
+    """The scorer's engines given by URL answer, and SGLang serves its model right (a demo's is made later, as SGLang
+    serves it)."""
+    scorer = _scorer(cfg, key)
+    given = None if scorer.model == DEMO else scorer.model
+    if scorer.engines.urls:
+        check_engine_urls(scorer.engines.urls, key=f"{key}.engines.urls", served=given)
+    elif served_by(scorer.engines) == "sglang" and given is not None:
+        check_served_right(given, f"{key}.model", f"{key}.engines.server=embedded")
+
+
+def check_tokenizers(student: Path, teacher: Path) -> None:
+    """The teacher reads the student's token ids as the student does: the same id for every token, and a logit for
+    each of them. A teacher with another tokenizer would score other text than the student wrote."""
+    from transformers import AutoTokenizer
+
+    from moerl.checkpoint.hf import read_config
+
+    ours, theirs = (AutoTokenizer.from_pretrained(d) for d in (student, teacher))
+    mine, other = ours.get_vocab(), theirs.get_vocab()
+    differ = sorted((i, t) for t, i in mine.items() if other.get(t) != i)
+    extra = sorted(set(other) - set(mine))
+    if differ or extra:
+        what = (
+            f"{len(differ)} of the student's {len(mine)} tokens have another id there or none (first: {differ[0][1]!r},"
+            f" id {differ[0][0]} in the student's, {other.get(differ[0][1])} in the teacher's)"
+            if differ
+            else f"it has {len(extra)} tokens the student's lacks (first: {extra[0]!r})"
+        )
+        raise ConfigError(
+            f"teacher.model={teacher}: its tokenizer is not the student's ({student}): {what}; the teacher scores the "
+            "student's token ids, so both must share one tokenizer: distill from a teacher of the student's family"
+        )
+    vocab = int(read_config(teacher).get("vocab_size") or 0)
+    if vocab < len(ours):
+        raise ConfigError(
+            f"teacher.model={teacher}: its vocab_size={vocab} has no logit for the student's ids at and past it (the "
+            f"tokenizer has {len(ours)}); it cannot score every token the student may sample"
+        )
 
 
 def check_served_right(model: str | Path, key: str, instead: str) -> None:

@@ -439,19 +439,35 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
 
 def scoring_metrics(groups: list[Group]) -> dict[str, float]:
     """With a reward model: the requests its replicas took for the step's groups, those asked again after a replica
-    failed, the mean seconds a group's scoring took, and the mean model score and task reward of a scored response."""
+    failed, the mean seconds a group's scoring took, and the mean model score and task reward of a scored response.
+    With a teacher: its requests and retries alike, the seconds its scoring of the step's groups took (summed over the
+    groups, which it scores as each finishes, overlapping generation) and their share of the groups' seconds from issue
+    to scored, and where kept sets are renormalised the share of the actions whose kept set its top ids covered
+    (``distill/kept_set_exact``) and the mean bound of the renormalisation's error (``distill/kept_set_gap``)."""
     counts: Counter = Counter()
     for g in groups:
         counts.update(g.scoring or {})
-    if not any(g.scoring is not None for g in groups):
-        return {}
-    return {
-        "reward_engines/requests": float(counts["reward_engines/requests"]),
-        "reward_engines/retries": float(counts["reward_engines/retries"]),
-        "reward_engines/group_seconds_mean": counts["reward_engines/seconds"] / len(groups),
-        "reward_engines/score_mean": counts["reward_engines/score_sum"] / max(counts["reward_engines/scored"], 1),
-        "reward_engines/rule_mean": counts["reward_engines/rule_sum"] / max(counts["reward_engines/scored"], 1),
-    }
+    metrics: dict[str, float] = {}
+    if "reward_engines/requests" in counts:
+        metrics |= {
+            "reward_engines/requests": float(counts["reward_engines/requests"]),
+            "reward_engines/retries": float(counts["reward_engines/retries"]),
+            "reward_engines/group_seconds_mean": counts["reward_engines/seconds"] / len(groups),
+            "reward_engines/score_mean": counts["reward_engines/score_sum"] / max(counts["reward_engines/scored"], 1),
+            "reward_engines/rule_mean": counts["reward_engines/rule_sum"] / max(counts["reward_engines/scored"], 1),
+        }
+    if "teacher_engines/requests" in counts:
+        metrics |= {
+            "teacher_engines/requests": float(counts["teacher_engines/requests"]),
+            "teacher_engines/retries": float(counts["teacher_engines/retries"]),
+            "distill/teacher_seconds": float(counts["teacher_engines/seconds"]),
+            "distill/teacher_share": counts["teacher_engines/seconds"] / max(sum(g.seconds for g in groups), 1e-9),
+        }
+        if "teacher_engines/kept_set_exact" in counts:
+            actions = max(counts["teacher_engines/actions"], 1)
+            metrics["distill/kept_set_exact"] = counts["teacher_engines/kept_set_exact"] / actions
+            metrics["distill/kept_set_gap"] = counts["teacher_engines/kept_set_gap"] / actions
+    return metrics
 
 
 def episode_metrics(groups: list[Group], env_token_fraction: float) -> dict[str, float]:

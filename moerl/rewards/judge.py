@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from moerl.engines.protocol import GenerateReqInput, SamplingParams
 from moerl.plugins import Registry, callable_problem
-from moerl.rewards.model import Replicas, RewardModel, RewardModelError, Stats
+from moerl.rewards.model import Replicas, RewardModel, ScorerError, Stats
 
 Verdict = Callable[[str], float]
 VERDICTS: Registry[Verdict] = Registry("reward.verdict", callable_problem)
@@ -92,6 +92,6 @@ class Judge(RewardModel):
             try:
                 return float(self.verdict(text))
             except (ValueError, TypeError) as e:
-                raise RewardModelError(f"reward.verdict could not read the judge's answer: {e}") from None
+                raise ScorerError(f"reward.verdict could not read the judge's answer: {e}") from None
 
         return judge

@@ -23,7 +23,7 @@ from moerl.engines.client import EngineClient, EngineError, ReplicaDown
 from moerl.engines.health import Probes
 
 log = logging.getLogger("moerl.reward")
-Stats = defaultdict[str, float]  # reward_engines/* counts and seconds, summed over calls
+Stats = defaultdict[str, float]  # <scorer>_engines/* counts and seconds, summed over calls
 R = TypeVar("R")
 
 
@@ -38,19 +38,55 @@ class Replicas:
     failures_to_dead: int = 3  # failed probes in a row that make one dead
 
 
-class RewardModel(ABC):
-    """The reward replicas serving the model at ``model_dir`` (its tokenizer and chat template read here)."""
+class ServedScorer:
+    """A scorer's replicas serving the model at ``model_dir`` (its tokenizer read here): the reward model's or the
+    teacher's (``key``, the config section, which names their metrics ``<key>_engines/*`` and timeout key)."""
 
-    def __init__(self, model_dir: str | Path, replicas: Replicas):
+    def __init__(self, model_dir: str | Path, replicas: Replicas, key: str):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.replicas = replicas
+        self.replicas, self.key = replicas, key
         self.client = EngineClient(
             replicas.urls, timeout_s=replicas.timeout_s, retries=0, failures_to_dead=replicas.failures_to_dead
         )
         # shared by every score that waits: a replica that answers is back (it holds no policy to be stale in)
         self.probes = Probes(self.client, replicas.health_interval_s)
+
+    async def _ask(self, call: Callable[[str], Awaitable[R]], counts: Stats, affinity: str | None = None) -> R:
+        """``call(url)`` on a replica (``affinity`` as :meth:`EngineClient.on_replica` takes it), until one serves
+        it."""
+        prefix = f"{self.key}_engines"
+
+        def failed(error: ReplicaDown) -> None:
+            counts[f"{prefix}/requests"] += 1
+            counts[f"{prefix}/retries"] += 1
+            log.warning("%s engine %s failed a request (asked again): %s", self.key, error.url, error)
+
+        counts[f"{prefix}/requests"] += 1
+        r = self.replicas
+        try:
+            return await self.client.until_served(
+                call,
+                failed,
+                r.down_timeout_s,
+                f"{self.key}.engines.down_timeout_s",
+                r.health_interval_s,
+                self.probes,
+                affinity,
+            )
+        except EngineError as e:  # a refusal (4xx): a replica's failures are asked again
+            raise ScorerError(f"the {self.key} engine refused the request: {e}") from None
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+class RewardModel(ServedScorer, ABC):
+    """The reward replicas serving the model at ``model_dir`` (its tokenizer and chat template read here)."""
+
+    def __init__(self, model_dir: str | Path, replicas: Replicas):
+        super().__init__(model_dir, replicas, "reward")
 
     async def score(self, prompt: str, responses: list[str], answer: Any, stats: Stats | None = None) -> list[float]:
         """One score per response, in order; ``stats`` counts the requests, the retries, the seconds and the responses
@@ -70,26 +106,6 @@ class RewardModel(ABC):
     @abstractmethod
     async def _scores(self, prompt: str, responses: list[str], answer: Any, counts: Stats) -> list[float]:
         """What :meth:`score` returns, each request made by :meth:`_ask`."""
-
-    async def _ask(self, call: Callable[[str], Awaitable[R]], counts: Stats) -> R:
-        """``call(url)`` on a replica, until one serves it."""
-
-        def failed(error: ReplicaDown) -> None:
-            counts["reward_engines/requests"] += 1
-            counts["reward_engines/retries"] += 1
-            log.warning("reward engine %s failed a request (asked again): %s", error.url, error)
-
-        counts["reward_engines/requests"] += 1
-        r = self.replicas
-        try:
-            return await self.client.until_served(
-                call, failed, r.down_timeout_s, "reward.engines.down_timeout_s", r.health_interval_s, self.probes
-            )
-        except EngineError as e:  # a refusal (4xx): a replica's failures are asked again
-            raise RewardModelError(f"the reward engine refused the request: {e}") from None
-
-    async def close(self) -> None:
-        await self.client.close()
 
 
 class Classifier(RewardModel):
@@ -113,5 +129,5 @@ class Classifier(RewardModel):
         return await self._ask(classify, counts)
 
 
-class RewardModelError(RuntimeError):
-    """The reward engines refused a request, or a judge's answer has no verdict: not a replica's failure."""
+class ScorerError(RuntimeError):
+    """A scorer's engines refused a request, or a judge's answer has no verdict: not a replica's failure."""

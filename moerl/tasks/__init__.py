@@ -35,6 +35,11 @@ DEMO = "demo"  # reward.model's value for the task's demo reward model
 DEMO_REWARD_MODELS: dict[TaskName, tuple[str, str]] = {
     "tiny": ("tiny-qwen3-reward-addition-v2", "moerl.tasks.tiny:save_tiny_reward_model"),
 }
+# The CPU demos' teachers (teacher.model=demo): the demo model's architecture and tokenizer, trained longer on right
+# answers only, so that it is better at the task than the student it teaches.
+DEMO_TEACHERS: dict[TaskName, tuple[str, str]] = {
+    "tiny": ("tiny-qwen3-moe-addition-teacher-v1", "moerl.tasks.tiny:save_tiny_teacher"),
+}
 
 
 @dataclass

@@ -79,6 +79,17 @@ def save_warm_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     return _save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm_up, out_dir, seed, **ALL_SPARSE)
 
 
+def save_tiny_teacher(out_dir: str | Path, seed: int = 1) -> Path:
+    """The demo model's architecture and tokenizer trained four times as long on right answers only: a teacher better
+    at the task than the student (``teacher.model=demo``), with weights of its own (another seed)."""
+    from transformers import AutoModelForCausalLM
+
+    def warm(model, tokenizer, seed: int) -> None:
+        warm_up(model, tokenizer, steps=600, correct_fraction=1.0, seed=seed)
+
+    return _save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm, out_dir, seed, **ALL_SPARSE)
+
+
 def reward_examples(rng: random.Random, k: int, tokenizer) -> list[tuple[list[int], float]]:
     """``k`` conversations of the task, scored as a reward model reads them
     (:meth:`~moerl.rewards.model.Classifier.conversation_ids`): half answered right (label 1), half with another sum

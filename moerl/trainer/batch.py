@@ -85,8 +85,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def carried(array: np.ndarray | None) -> np.ndarray:
-    """One of a sample's optional arrays (kept sets, selected log-probs, routing) that the plan checked every sample of
-    the instalment carries (:meth:`~moerl.trainer.distribute.BatchDistributor._plan`)."""
+    """One of a sample's optional arrays (kept sets, selected log-probs, routing, a teacher's) that the plan checked
+    every sample of the instalment carries (:meth:`~moerl.trainer.distribute.BatchDistributor._plan`)."""
     assert array is not None, "a sample lacks an array that the plan found on every sample"
     return array
 
@@ -103,6 +103,9 @@ _LOSS_INPUTS = (
     "versions",
     "mask_offsets",
     "mask_ids",
+    "teacher",
+    "teacher_top_ids",
+    "teacher_top_logprobs",
 )
 
 
@@ -121,6 +124,10 @@ class MicroBatch:
     fed_lengths: list[int]
     mask_offsets: torch.Tensor | None = None  # int64 [T+1]: kept sets, CSR over the T tokens
     mask_ids: torch.Tensor | None = None  # int32
+    # distillation: float32 [T], the teacher's log-prob of each action (over its kept set with masks)
+    teacher: torch.Tensor | None = None
+    teacher_top_ids: torch.Tensor | None = None  # int32 [T, k]: the teacher's k most likely ids at each action
+    teacher_top_logprobs: torch.Tensor | None = None  # float32 [T, k]: their log-probs (full vocabulary)
     routing: np.ndarray | None = None  # [b, s, local routers, topk] rollout routing of this rank's MoE layers, padded
     old: torch.Tensor | None = None  # float32 [T]: proximal log-probs, filled by the trainer
     ref: torch.Tensor | None = None  # float32 [T]: reference-model log-probs, when a KL term is on
@@ -308,6 +315,7 @@ def build_micro_batch(
     routed_experts: int | None,
     packed: bool = False,
     shared: list[int] | None = None,
+    teacher_top_k: int | None = None,
 ) -> MicroBatch:
     """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
     sequence parallelism). ``use_masks``: every sample carries kept sets; ``routed_experts``: every sample carries
@@ -317,7 +325,9 @@ def build_micro_batch(
     prompt it shares with the sample before it (a group's prompt, an episode's history before a fork; 0: none).
     Shared prefixes are fed once (:func:`prefix_tree`); what follows each attends to it and to itself at the positions
     it had in its own sequence. A shared position takes the routing of the first sample that fed it (the data plane
-    sends no other: :func:`prefix_disagreements`)."""
+    sends no other: :func:`prefix_disagreements`). ``teacher_top_k``: every sample carries a teacher's log-probs (over
+    the kept sets with ``use_masks``), and, when > 0, at least this many of its top-k columns, of which the first
+    ``teacher_top_k`` are taken; None: no teacher."""
     fed_lengths = [s.fed_len for s in samples]
     # Each sample's fed tokens as (row, column) positions of the micro-batch; the packed form's segments and tree.
     if packed:
@@ -379,6 +389,16 @@ def build_micro_batch(
             start += int(carried(s.mask_offsets)[-1])
         batch.mask_offsets = cat(offsets)
         batch.mask_ids = cat([s.mask_ids for s in samples], torch.int32)  # kept sets are the bulk of the loss's inputs
+    if teacher_top_k is not None:
+        teacher = [s.teacher_selected_logprobs if use_masks else s.teacher_logprobs for s in samples]
+        batch.teacher = cat([s.at_actions(carried(t)) for s, t in zip(samples, teacher, strict=True)], torch.float32)
+        if teacher_top_k:
+            batch.teacher_top_ids = cat(
+                [s.at_actions(carried(s.teacher_top_ids)[:, :teacher_top_k]) for s in samples], torch.int32
+            )
+            batch.teacher_top_logprobs = cat(
+                [s.at_actions(carried(s.teacher_top_logprobs)[:, :teacher_top_k]) for s in samples], torch.float32
+            )
     if routed_experts is not None:
         some = samples[0].routing
         assert some is not None, "routed_experts: every sample carries routing"

@@ -7,8 +7,9 @@ for an instalment holding agent episodes the actions of each sample), so all agr
 count without further talk. Then each rank receives, as one flat tensor, only its own shard and only what its
 pipeline stage reads: token ids on the first stage (its inputs) and the last (its targets); behaviour log-probs,
 versions and kept sets of the actions on the last, with the loss mask of each sample that has context (a byte per
-response token; single-turn samples send none); routing on every stage that has MoE layers, only those layers'
-columns.
+response token; single-turn samples send none) and, with distillation on, the teacher's log-prob of each action (over
+its kept set where kept sets travel) and its first ``top_k`` top-k ids and log-probs; routing on every stage that has
+MoE layers, only those layers' columns.
 Tensor-parallel peers of a replica receive the same samples: rank 0 sends them once, point to point, to the
 TP group's first rank, which broadcasts them within the group. So a rank's host memory for routing is
 proportional to its own tokens and layers, and nothing batch-sized goes to every rank; rank 0's device holds at
@@ -43,7 +44,10 @@ _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature"
 # trainer.shared_prompt adds the prompt tokens each sample shares with the one before it (of its group: the group's
 # prompt, an episode's history before a fork), then an instalment with context (agent episodes) each sample's action
 # count
-_MASKS, _CONTEXT = 1, 2  # the header's flags: kept sets travel; the plan has the actions row
+# the header's flags: kept sets travel; the plan has the actions row; the teacher's log-probs travel (its top-k
+# columns, maybe 0, in the header's last slot)
+_MASKS, _CONTEXT, _TEACHER = 1, 2, 4
+_HEADER = 6  # status, n (or an interlude's kind), routing dtype code, routing topk, flags, the teacher's top-k
 _ALIGN = 8
 # Rank 0's payloads for the other ranks wait on its GPU (NCCL sends from there) at most this many bytes at a time,
 # one payload larger than it alone: a step's whole batch staged at once (GBs at 32K-token responses) would not fit
@@ -112,9 +116,11 @@ def _fields(
     routing: tuple | None,
     masks: bool,
     skips: np.ndarray,
+    teacher: int | None = None,
 ) -> list[_Field]:
     """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths;
-    ``skips``: the prompt tokens each shares with the sample before it, whose ids and routing it does not send."""
+    ``skips``: the prompt tokens each shares with the sample before it, whose ids and routing it does not send;
+    ``teacher``: the teacher's top-k columns that travel with its log-probs (None: no teacher)."""
     fields: list[_Field] = []
     sent = prompt - skips  # prompt tokens sent per sample
     if needs.ids:
@@ -126,6 +132,13 @@ def _fields(
             fields += [
                 ("kept_counts", np.dtype(np.int32), (tokens,)),
                 ("kept_ids", np.dtype(np.int32), (int(kept.sum()),)),
+            ]
+        if teacher is not None:
+            fields.append(("teacher", np.dtype(np.float32), (tokens,)))
+        if teacher:
+            fields += [
+                ("teacher_top_ids", np.dtype(np.int32), (tokens, teacher)),
+                ("teacher_top_logprobs", np.dtype(np.float32), (tokens, teacher)),
             ]
         context = actions < response
         if context.any():
@@ -175,6 +188,12 @@ def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool
             parts = [s.at_actions(np.diff(carried(s.mask_offsets))) for s in samples]
         elif name == "kept_ids":
             parts = [carried(s.mask_ids) for s in samples]
+        elif name == "teacher":
+            parts = [
+                s.at_actions(carried(s.teacher_selected_logprobs if masks else s.teacher_logprobs)) for s in samples
+            ]
+        elif name in ("teacher_top_ids", "teacher_top_logprobs"):  # the first k columns of what a sample holds
+            parts = [s.at_actions(carried(getattr(s, name))[:, : shape[1]]) for s in samples]
         elif name == "loss_mask":  # the samples with context (as _fields counts them)
             parts = [carried(s.loss_mask) for s in samples if s.action_count < s.response_len]
         else:
@@ -185,10 +204,11 @@ def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool
 
 
 def _spread(values: np.ndarray, loss_mask: np.ndarray | None, fill: float) -> np.ndarray:
-    """Per-action ``values`` at their response tokens, ``fill`` at context (what the sample contract holds there)."""
+    """Per-action ``values`` (rows) at their response tokens, ``fill`` at context (what the sample contract holds
+    there)."""
     if loss_mask is None:
         return values
-    out = np.full(len(loss_mask), fill, dtype=values.dtype)
+    out = np.full((len(loss_mask), *values.shape[1:]), fill, dtype=values.dtype)
     out[loss_mask.astype(bool)] = values
     return out
 
@@ -249,6 +269,13 @@ def _unpack(
             sample.selected_logprobs = behaviour
             sample.mask_offsets = np.concatenate([[0], np.cumsum(counts)])
             sample.mask_ids = arrays["kept_ids"][kept_at[actions_at[i]] : kept_at[actions_at[i + 1]]]
+        if "teacher" in arrays:  # over the kept sets where they travel, as the behaviour log-probs are
+            sample.teacher_logprobs = _spread(arrays["teacher"][acted], loss_mask, 0.0)
+            if kept_at is not None:
+                sample.teacher_selected_logprobs = sample.teacher_logprobs
+        if "teacher_top_ids" in arrays:
+            sample.teacher_top_ids = _spread(arrays["teacher_top_ids"][acted], loss_mask, 0)
+            sample.teacher_top_logprobs = _spread(arrays["teacher_top_logprobs"][acted], loss_mask, 0.0)
         samples.append(sample)
     return samples
 
@@ -330,7 +357,7 @@ class BatchDistributor:
             self._header(_INTERLUDE, instalment.kind)
             return instalment
         try:  # everything that can fail, before any rank is told an instalment is coming
-            plan, routing, masks = self._plan(instalment)
+            plan, routing, masks, teacher = self._plan(instalment)
             lengths, shards = self._lengths(plan)
             # (fields, payload); tensor-parallel peers read the same: packed once
             packed: dict[Needs, tuple[list[_Field], np.ndarray]] = {}
@@ -339,13 +366,13 @@ class BatchDistributor:
                     shard = shards[needs.dp_rank]
                     prompt, response, kept, actions = lengths[:, shard]
                     skips = self._skips(plan, shard)
-                    fields = _fields(needs, prompt, response, kept, actions, routing, masks, skips)
+                    fields = _fields(needs, prompt, response, kept, actions, routing, masks, skips, teacher)
                     packed[needs] = fields, _pack([instalment[i] for i in shard], needs, fields, masks, skips)
             payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
             raise
-        self._header(_PIECE, len(instalment), routing, masks, context=len(plan) > self.actions_row)
+        self._header(_PIECE, len(instalment), routing, masks, context=len(plan) > self.actions_row, teacher=teacher)
         if arriving is not None:
             arriving()
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
@@ -380,9 +407,10 @@ class BatchDistributor:
             self.staged_peak = max(self.staged_peak, staged)
         return in_flight
 
-    def _plan(self, instalment: list[Sample]) -> tuple[np.ndarray, tuple | None, bool]:
-        """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel). The plan has the
-        actions row only where some sample has context."""
+    def _plan(self, instalment: list[Sample]) -> tuple[np.ndarray, tuple | None, bool, int | None]:
+        """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel, the teacher's top-k
+        columns that travel with its log-probs or None: no teacher). The plan has the actions row only where some
+        sample has context."""
         if not instalment:
             raise ValueError("an empty instalment of a batch")
         if len(instalment) < self.dp_size:
@@ -399,6 +427,7 @@ class BatchDistributor:
                     f"sampling-mask replay is on but {missing} sample(s) carry no kept sets or selected "
                     "log-probs (request return_sampling_mask with sampling_logprobs_mode='selected')"
                 )
+        teacher = self._teacher(instalment, masks)
         with_routing = [s.routing is not None for s in instalment]
         routing = None
         if all(with_routing):  # R3 replays it; otherwise it measures agreement
@@ -433,22 +462,52 @@ class BatchDistributor:
             rows.append(np.array(_shared_prefixes(instalment), dtype=np.float64))
         if np.any(actions < response):  # single-turn instalments keep the plan's bytes as they were
             rows.append(actions.astype(np.float64))
-        return np.stack(rows), routing, masks
+        return np.stack(rows), routing, masks, teacher
+
+    def _teacher(self, instalment: list[Sample], masks: bool) -> int | None:
+        """The teacher's top-k columns that travel with its log-probs (0: none), where distillation is on (else None),
+        once every sample is found to carry what the loss reads of the teacher."""
+        distill = self.cfg.loss.distill
+        if not distill.enabled:
+            return None
+        k = distill.top_k
+        missing = {
+            "teacher_logprobs": sum(s.teacher_logprobs is None for s in instalment),
+            # with masks the loss's old log-probs are over the kept sets: so must the teacher's be
+            "teacher_selected_logprobs": sum(s.teacher_selected_logprobs is None for s in instalment) if masks else 0,
+            f"teacher_top_ids with >= {k} columns": (
+                sum(s.teacher_top_ids is None or s.teacher_top_ids.shape[1] < k for s in instalment) if k else 0
+            ),
+        }
+        lacking = [f"{n} sample(s) carry no {what}" for what, n in missing.items() if n]
+        if lacking:
+            raise ValueError(
+                f"distillation is on (trainer.loss.distill) but {'; '.join(lacking)} (the teacher scores every sample)"
+            )
+        return k
 
     def _header(
-        self, status: int, n: int = 0, routing: tuple | None = None, masks: bool = False, context: bool = False
+        self,
+        status: int,
+        n: int = 0,
+        routing: tuple | None = None,
+        masks: bool = False,
+        context: bool = False,
+        teacher: int | None = None,
     ) -> None:
         code = -1 if routing is None else [np.dtype(d) for d in ROUTING_DTYPES].index(np.dtype(routing[0]))
-        flags = _MASKS * masks | _CONTEXT * context
+        flags = _MASKS * masks | _CONTEXT * context | _TEACHER * (teacher is not None)
         header = torch.tensor(
-            [status, n, code, routing[1] if routing else 0, flags], dtype=torch.int64, device=collective_device()
+            [status, n, code, routing[1] if routing else 0, flags, teacher or 0],
+            dtype=torch.int64,
+            device=collective_device(),
         )
         dist.broadcast(header, 0)
 
     def _receive(self, arriving: Callable[[], None] | None) -> LocalInstalment | Interlude | None:
-        header = torch.empty(5, dtype=torch.int64, device=collective_device())
+        header = torch.empty(_HEADER, dtype=torch.int64, device=collective_device())
         dist.broadcast(header, 0)
-        status, n, code, topk, flags = header.tolist()
+        status, n, code, topk, flags, teacher_k = header.tolist()
         if status == _END:
             return None
         if status == _INTERLUDE:
@@ -465,7 +524,8 @@ class BatchDistributor:
         lengths, shards = self._lengths(plan)
         prompt, response, kept, actions = lengths[:, shards[self.needs.dp_rank]]
         skips = self._skips(plan, shards[self.needs.dp_rank])
-        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS), skips)
+        teacher = teacher_k if flags & _TEACHER else None
+        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS), skips, teacher)
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
         if self.rank == self.tp_first:
             dist.recv(payload, 0)

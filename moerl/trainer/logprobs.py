@@ -1,4 +1,5 @@
-"""Log-probs and entropy on vocab-parallel logits, full-vocabulary or renormalised over kept sets.
+"""Log-probs and entropy on vocab-parallel logits, full-vocabulary (of the targets, or of any ids per row) or
+renormalised over kept sets.
 
 Each TP rank holds logits ``[T, V/tp]`` for its vocabulary shard. Reductions across the shards go
 through megatron-core's ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity
@@ -34,18 +35,25 @@ def _max(x: torch.Tensor) -> torch.Tensor:
 
 
 def _target_logits(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int) -> torch.Tensor:
-    local = targets - vocab_start
+    """``logits[t, targets[t, j]]`` [T, k] at global ids, each from the shard that holds it."""
+    local = targets.long() - vocab_start
     inside = (local >= 0) & (local < logits.shape[1])
-    picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1)
+    picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1))
     return _sum(torch.where(inside, picked, torch.zeros_like(picked)))
+
+
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) over the whole vocabulary at ``ids`` [T, k] (global ids, any k per row: a teacher's top-k),
+    [T, k]. ``logits`` [T, V/tp]."""
+    _, rank = _tp()
+    shift = _max(logits.max(dim=1).values)
+    sumexp = _sum((logits - shift[:, None]).exp().sum(dim=1))
+    return _target_logits(logits, ids, rank * logits.shape[1]) - shift[:, None] - sumexp.log()[:, None]
 
 
 def full_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[targets] over the whole vocabulary. ``logits`` [T, V/tp], ``targets`` [T] global ids."""
-    _, rank = _tp()
-    shift = _max(logits.max(dim=1).values)
-    sumexp = _sum((logits - shift[:, None]).exp().sum(dim=1))
-    return _target_logits(logits, targets, rank * logits.shape[1]) - shift - sumexp.log()
+    return logprobs_at(logits, targets[:, None])[:, 0]
 
 
 def masked_logprobs(
@@ -72,7 +80,7 @@ def masked_logprobs(
     sumexp = _sum(
         torch.zeros(rows_total, dtype=logits.dtype, device=logits.device).index_add(0, rows, (kept - shift[rows]).exp())
     )
-    return _target_logits(logits, targets, rank * shard) - shift - sumexp.log()
+    return _target_logits(logits, targets[:, None], rank * shard)[:, 0] - shift - sumexp.log()
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

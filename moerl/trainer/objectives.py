@@ -14,12 +14,17 @@ rollouts is old/behaviour.
 Every ratio is formed from a log-ratio clamped to [-20, 20] (GSPO's sequence log-ratio to at most 10,
 the k3 estimate to at most 10), as verl does: a token sampled many versions ago, or one the engine
 and trainer disagree on wildly, then weighs at most e^20 instead of making the loss inf or NaN.
+
+On-policy distillation adds a fourth, the teacher's log-prob of each action (:class:`DistillConfig`): its k1 reverse
+KL to the proximal policy joins the advantage (:func:`distill_advantages`), so clipping, the corrections and the
+aggregation treat it as the reward's; and a top-k term compares the two policies over the teacher's most likely ids
+(:func:`topk_reverse_kl`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -63,6 +68,38 @@ AGGREGATIONS: Registry[Aggregation] = Registry("trainer.loss.aggregation", _aggr
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation from a teacher whose log-probs the samples carry (``trainer.loss.distill.*``)."""
+
+    # k1 reverse KL as a per-token advantage: A_t = reward_weight * A + coef * (log p_teacher - log p_old)
+    coef: float = 0.0
+    reward_weight: float = 1.0  # weight of the task's GRPO advantage (0: pure distillation)
+    # KL(student || teacher) over the teacher's top_k ids at each action, renormalised there, times top_k_coef
+    top_k: int = 0
+    top_k_coef: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        """The samples must carry the teacher's log-probs (and, with top_k, its top-k)."""
+        return self.coef > 0 or self.top_k > 0
+
+    def __post_init__(self):
+        for name in ("coef", "reward_weight", "top_k", "top_k_coef"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"loss.distill.{name} must be >= 0, got {getattr(self, name)}")
+        if (self.top_k > 0) != (self.top_k_coef > 0):
+            raise ConfigError(
+                f"loss.distill.top_k and top_k_coef come together (both > 0 or both 0), got {self.top_k}, "
+                f"{self.top_k_coef}"
+            )
+        if self.reward_weight == 0 and not self.enabled:
+            raise ConfigError(
+                "loss.distill.reward_weight=0 leaves nothing to learn from without a teacher: set distill.coef or "
+                "distill.top_k (with top_k_coef) > 0"
+            )
+
+
+@dataclass
 class LossConfig:
     policy_loss: str = "ppo"  # a name in POLICY_LOSSES, or package.module:function
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
@@ -81,6 +118,7 @@ class LossConfig:
     kl_coef: float = 0.0  # reference KL penalty (0: no reference model)
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
         check_choices(self, "loss")
@@ -298,3 +336,26 @@ def kl_terms(new: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tens
         return -log_r
     log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return (log_r.exp() - log_r - 1.0).clamp(max=K3_MAX)
+
+
+def distill_advantages(
+    advantages: torch.Tensor, old: torch.Tensor, teacher: torch.Tensor | None, cfg: DistillConfig
+) -> torch.Tensor:
+    """Per-token advantages [T]: ``reward_weight * A + coef * (teacher - old)``, the k1 estimate of the reverse KL
+    to the teacher (slime's OPD, A - coef * (log p_student - log p_teacher)), the log-ratio clamped to
+    +-LOG_RATIO_BOUND (a teacher all but excluding a token). A constant: no gradient. ``teacher`` None: the reward's
+    alone."""
+    out = cfg.reward_weight * advantages
+    if teacher is not None and cfg.coef:
+        out = out + cfg.coef * (teacher - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return out.detach()
+
+
+def topk_reverse_kl(student_top_logprobs: torch.Tensor, teacher_top_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(q_s || q_t) [T] per token, where q_s and q_t are the student's and the teacher's distributions
+    renormalised over the same k ids ([T, k] log-probs each, any normaliser: it cancels). The gradient flows through
+    the student's; each log-ratio is clamped to +-LOG_RATIO_BOUND, finite where the teacher gives an id almost
+    nothing."""
+    log_qs = torch.log_softmax(student_top_logprobs, dim=-1)
+    log_qt = torch.log_softmax(teacher_top_logprobs.detach(), dim=-1)
+    return (log_qs.exp() * (log_qs - log_qt).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).sum(-1)

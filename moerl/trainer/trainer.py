@@ -4,7 +4,9 @@ One ``step`` of a global batch of samples: GRPO advantages and aggregation weigh
 batch; this data-parallel rank's share, balanced by tokens; micro-batches under a token budget; a
 forward-only pass scoring the proximal ("old") policy; a forward-backward pass of the objective; and
 an optimizer step. Both passes route as configured (off / R2 / R3) and score over the kept sets when
-sampling-mask replay is on, so the actions are scored under the function that sampled them.
+sampling-mask replay is on, so the actions are scored under the function that sampled them. With on-policy
+distillation (``trainer.loss.distill``) the teacher's log-probs the samples carry join the objective
+(:func:`~moerl.trainer.objectives.distill_advantages`, :func:`~moerl.trainer.objectives.topk_reverse_kl`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from moerl.trainer.batch import (
 )
 from moerl.trainer.config import TrainerConfig
 from moerl.trainer.distribute import BatchDistributor, Interlude, LocalInstalment
-from moerl.trainer.logprobs import entropy, full_logprobs, masked_logprobs
+from moerl.trainer.logprobs import entropy, full_logprobs, logprobs_at, masked_logprobs
 from moerl.trainer.offload import StorageOffload
 from moerl.trainer.protocol import TrainerLike
 from moerl.trainer.routing import (
@@ -294,8 +296,11 @@ class Trainer(TrainerLike):
         mine_shared = shared[parallel_state.get_data_parallel_rank()]
         fed_after = {i: mine_shared[i] for members in mine for i in members[1:]}
         samples = instalment.samples
-        # only the loss reads kept sets
-        use_masks = self.cfg.replay.sampling_mask and parallel_state.is_pipeline_last_stage()
+        # only the loss reads kept sets, and a teacher's log-probs
+        last = parallel_state.is_pipeline_last_stage()
+        use_masks = self.cfg.replay.sampling_mask and last
+        distill = self.cfg.loss.distill
+        teacher_top_k = distill.top_k if distill.enabled and last else None
 
         def build(g: list[int], zero: bool = False) -> MicroBatch:
             return build_micro_batch(
@@ -307,6 +312,7 @@ class Trainer(TrainerLike):
                 routed_experts=self.routers.num_experts if instalment.routing else None,
                 packed=packed,
                 shared=[fed_after.get(i, 0) if k else 0 for k, i in enumerate(g)],
+                teacher_top_k=teacher_top_k,
             )
 
         batches = [build(g) for g in groups]
@@ -425,6 +431,7 @@ class Trainer(TrainerLike):
         every rank between two instalments (the weights are still the last update's)."""
         instalments = [samples] if isinstance(samples, list) else samples
         loss_cfg = self.cfg.loss
+        distill = loss_cfg.distill
         mode = self.cfg.replay.routing
         # The step's tallies stay on the device of the logits until _metrics reads them once: a read per micro-batch
         # would make the host wait for each forward before it could launch the backward.
@@ -439,8 +446,11 @@ class Trainer(TrainerLike):
 
         def loss_fn(logits, mb: MicroBatch):
             new, rows = self._scores(logits, mb)
-            old, behaviour, seq, adv, w = mb.old, mb.behaviour, mb.seq, mb.advantages, mb.weights
+            old, behaviour, seq, w = mb.old, mb.behaviour, mb.seq, mb.weights
             assert old is not None, "the old-policy pass (score) fills every micro-batch's old log-probs"
+            assert mb.teacher is not None or not distill.enabled, "distillation: the plan checked every teacher"
+            # the teacher's reverse KL joins the reward's advantage, to be clipped, corrected and aggregated as it is
+            adv = objectives.distill_advantages(mb.advantages, old, mb.teacher, distill)
             terms, clipped = objectives.policy_terms(new, old, adv, seq, mb.num_seqs, loss_cfg)
             corr = objectives.correction(old, behaviour, seq, mb.num_seqs, loss_cfg)
             per_token = corr * terms
@@ -453,6 +463,9 @@ class Trainer(TrainerLike):
             )
             if loss_cfg.kl_coef:
                 per_token = per_token + loss_cfg.kl_coef * kl
+            topk_kl = _topk_kl(rows, mb)
+            if topk_kl is not None:
+                per_token = per_token + distill.top_k_coef * topk_kl
             loss = (w * per_token).sum()
             if count and not mb.dummy:
                 with torch.no_grad():
@@ -467,18 +480,23 @@ class Trainer(TrainerLike):
                         else torch.zeros_like(lag, dtype=torch.bool)
                     )
                     ones = torch.ones_like(delta)
+                    zero = torch.zeros((), **tally)
                     split.index_add_(0, (lag > 0).long() * 2 + differs.long(), torch.stack([ones, delta.abs(), k3], -1))
                     values = {
                         "loss": loss.double(),
                         "tokens": torch.full((), float(mb.num_tokens), **tally),
                         "fed": torch.full((), float(mb.real_positions().sum()), **tally),
-                        "prompt_disagree": torch.zeros((), **tally),  # the instalment's, added once on rank 0
+                        "prompt_disagree": zero,  # the instalment's, added once on rank 0
                         "clipped": clipped.double().sum(),
                         "is_weight": is_weight.sum(),
                         "is_kept": (corr > 0).double().sum(),
                         "ratio": ratio.sum(),
-                        "entropy": ent.double().sum() if ent is not None else torch.zeros((), **tally),
+                        "entropy": ent.double().sum() if ent is not None else zero,
                         "ref_kl": kl.double().sum(),
+                        # the k1 estimate of the reverse KL to the teacher, and the teacher's log-prob of the actions
+                        "distill_kl": (old - mb.teacher).double().sum() if mb.teacher is not None else zero,
+                        "teacher_logprob": mb.teacher.double().sum() if mb.teacher is not None else zero,
+                        "topk_kl": topk_kl.double().sum() if topk_kl is not None else zero,
                     }
                     sums.add_(torch.stack([values[name] for name in _SUMS]))
                     torch.maximum(maxes, torch.stack([is_weight.max(), ratio.max(), lag.max().double()]), out=maxes)
@@ -528,16 +546,7 @@ class Trainer(TrainerLike):
                 set_action(None)
             if tracer is not None:
                 assert probe is not None, "a traced instalment's training pass runs under a probe"
-                tracer.record("train", probe.used)
-                tracer.record("train_native", probe.native)
-                if self.cfg.recompute:
-                    tracer.record("recompute", probe.recomputed)
-                tracer.write(
-                    replay.trace_dir,
-                    self.version,
-                    mode,
-                    ["score", "train"] + (["recompute"] if self.cfg.recompute else []),
-                )
+                self._write_trace(tracer, probe)
         if not lengths:
             raise ValueError("Trainer.step got an empty batch")
         finalize_model_grads([self.model])
@@ -551,6 +560,19 @@ class Trainer(TrainerLike):
             self.scheduler.step(increment=1)
             self.version += 1
         return self._metrics(sums, maxes, lag_hist, split, agreement, grad_norm, ok)
+
+    def _write_trace(self, tracer: ReplayTracer, probe: RoutingProbe) -> None:
+        """The replay trace of an instalment, once its training pass (under ``probe``) is done."""
+        tracer.record("train", probe.used)
+        tracer.record("train_native", probe.native)
+        if self.cfg.recompute:
+            tracer.record("recompute", probe.recomputed)
+        tracer.write(
+            self.cfg.replay.trace_dir,
+            self.version,
+            self.cfg.replay.routing,
+            ["score", "train"] + (["recompute"] if self.cfg.recompute else []),
+        )
 
     def _metrics(self, sums, maxes, lag_hist, split, agreement, grad_norm, ok) -> dict[str, float]:
         packed = torch.cat([sums, lag_hist, split.flatten()])
@@ -581,6 +603,11 @@ class Trainer(TrainerLike):
         }
         if self.cfg.loss.entropy_coef:
             out["train/entropy"] = s["entropy"] / tokens
+        if self.cfg.loss.distill.enabled:
+            out["distill/reverse_kl"] = s["distill_kl"] / tokens
+            out["distill/teacher_logprob_mean"] = s["teacher_logprob"] / tokens
+            if self.cfg.loss.distill.top_k:
+                out["distill/topk_kl"] = s["topk_kl"] / tokens
         if self.cfg.shared_prompt:  # fed once, they take the first sample's routing
             out["routing/shared_prompt_disagreements"] = s["prompt_disagree"]
         out.update(mismatch_split_metrics(split.numpy(), routing=agreement is not None))
@@ -765,8 +792,30 @@ def mismatch_split_metrics(split: np.ndarray, routing: bool) -> dict[str, float]
 # Cell of a token in the mismatch split: 2 * (version lag > 0) + (native routing differs from the rollout's somewhere).
 MISMATCH_CELLS = ("lag0_routing_agree", "lag0_routing_differ", "lagged_routing_agree", "lagged_routing_differ")
 MISMATCH_STATS = ("tokens", "abs_delta", "k3")
-_SUMS = ("loss", "tokens", "fed", "prompt_disagree", "clipped", "is_weight", "is_kept", "ratio", "entropy", "ref_kl")
+_SUMS = (
+    "loss",
+    "tokens",
+    "fed",
+    "prompt_disagree",
+    "clipped",
+    "is_weight",
+    "is_kept",
+    "ratio",
+    "entropy",
+    "ref_kl",
+    "distill_kl",
+    "teacher_logprob",
+    "topk_kl",
+)
 _MAXES = ("is_weight", "ratio", "lag")
+
+
+def _topk_kl(rows: torch.Tensor, mb: MicroBatch) -> torch.Tensor | None:
+    """The reverse KL [T] to the teacher over its top-k ids at each action, where the micro-batch carries them (the
+    training pass's temperature-scaled ``rows`` [T, V/tp] give the student's, with gradient); else None."""
+    if mb.teacher_top_ids is None or mb.teacher_top_logprobs is None:
+        return None
+    return objectives.topk_reverse_kl(logprobs_at(rows, mb.teacher_top_ids), mb.teacher_top_logprobs)
 
 
 def _pool_agreement(total: dict | None, instalment: dict | None) -> dict | None:

@@ -363,27 +363,45 @@ def test_colocated_reward_replicas_share_the_trainers_gpus_and_are_released_as_t
     def plan(*overrides: str) -> memory.MemoryPlan:
         cfg = load_config(REPO / ONE_NODE, [f"model.path={QWEN3_30B}", "engines.urls=[]", *overrides])
         mc = json.loads((QWEN3_30B / "config.json").read_text())
-        return memory.plan(cfg, mc, trainer_world_size(cfg), 80.0, reward_params=1_500_000_000)
+        return memory.plan(cfg, mc, trainer_world_size(cfg), 80.0, {"reward": 1_500_000_000, "teacher": 10**9})
 
     alone, beside = _plan(config=ONE_NODE), plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.5")
-    assert beside.reward_gpus == 0 and beside.reward_weights == 3e9 and not beside.problems
+    (scorer,) = beside.scorers
+    assert beside.scorer_gpus == 0 and scorer.weights == 3e9 and not beside.problems
     assert beside.colocated is not None and alone.colocated is not None
     # SGLang's fraction is of what is free when it starts: beside the policy's engines and the trainer's resident part
     left = alone.device_bytes - alone.colocated.engines
     assert beside.colocated.engines == pytest.approx(alone.colocated.engines + 0.5 * left)
     assert beside.colocated.push == alone.colocated.push + RELEASED_ENGINE_BYTES
     assert beside.trainer.terms["released engine (assumed)"] == 2 * RELEASED_ENGINE_BYTES
-    assert "reward engine: weights 2.8 GiB a GPU, on the trainer's GPUs, released while it trains" in beside.table()
+    assert "reward engine GPU: weights 2.8 GiB, static" in beside.table()
+    assert "on the trainer's GPUs, released while it trains" in beside.table()
     # every reward GPU's weights wait in host memory while released (--enable-weights-cpu-backup)
     w = load_config(None, ["reward.model=/models/rm"]).reward.engines
-    assert beside.colocated.reward_backup == 3e9 * w.replicas * w.gpus_per_replica
-    assert alone.colocated.reward_backup == 0
-    node = sum(beside.host.values()) * beside.colocated.ranks + beside.colocated.reward_backup
+    assert beside.colocated.scorer_backup == 3e9 * w.replicas * w.gpus_per_replica
+    assert alone.colocated.scorer_backup == 0
+    node = sum(beside.host.values()) * beside.colocated.ranks + beside.colocated.scorer_backup
     assert f"host memory per node: {node / 2**30:.1f} GiB (8 ranks, and " in beside.table()
     (scant,) = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.1").problems
-    assert f"more than reward.engines.mem_fraction_static=0.1 of the {left / GIB:.1f} GiB the policy's engines" in scant
+    assert f"more than reward.engines.mem_fraction_static=0.1 of the {left / GIB:.1f} GiB the engines started" in scant
     crowded = plan("reward.model=/models/rm", "reward.engines.mem_fraction_static=0.5", "reward.engines.replicas=9")
     assert any("colocated reward engines take 9 x 1 GPUs, more than the 8" in p for p in crowded.problems)
+    # a teacher starts after the reward model's replicas, in what they leave, and is released and backed up alike
+    both = plan(
+        "reward.model=/models/rm",
+        "reward.engines.mem_fraction_static=0.5",
+        "teacher.model=/models/teacher",
+        "teacher.engines.mem_fraction_static=0.5",
+        "trainer.loss.distill.coef=1",
+    )
+    reward, teacher = both.scorers
+    assert (reward.scorer.key, teacher.scorer.key) == ("reward", "teacher") and not both.problems
+    assert teacher.weights == 2e9 and teacher.static == pytest.approx(0.5 * (left - reward.static))
+    assert both.colocated is not None and both.colocated.engines == pytest.approx(
+        alone.colocated.engines + reward.static + teacher.static
+    )
+    assert both.trainer.terms["released engine (assumed)"] == 3 * RELEASED_ENGINE_BYTES
+    assert both.colocated.scorer_backup == 3e9 + 2e9
 
 
 def test_bf16_moments_shrink_the_optimizer_state_to_two_thirds():
@@ -408,15 +426,18 @@ def test_reward_replicas_take_gpus_of_their_own_and_a_reward_model_too_large_for
     cfg = load_config(None, [f"reward.model={reward}", "reward.engines.replicas=2", "reward.engines.dtype=float32"])
     plan = memory_plan(cfg, 1, checked=True)
     params = sum(t.numel() for t in load_file(reward / "model.safetensors").values())
-    assert plan.reward_gpus == 2 and plan.reward_weights == 4 * params
-    assert f"reward engine GPU: weights {plan.reward_weights / (1 << 20):.1f} MiB; 2 GPU(s)" in plan.table()
+    (scorer,) = plan.scorers
+    assert plan.scorer_gpus == 2 and scorer.weights == 4 * params
+    assert f"reward engine GPU: weights {scorer.weights / (1 << 20):.1f} MiB, static" in plan.table()
+    assert "2 GPU(s) of their own" in plan.table()
     demo = memory_plan(load_config(None, ["reward.model=demo", "reward.engines.dtype=float32"]), 1, checked=True)
-    assert demo.reward_weights == 4 * params  # reward.model=demo is made after the plan: counted from its config
+    assert demo.scorers[0].weights == 4 * params  # reward.model=demo is made after the plan: counted from its config
 
     policy = dict(TINY_QWEN3, architectures=["Qwen3MoeForCausalLM"])
 
     def planned(*overrides: str) -> memory.MemoryPlan:  # an 8B reward model in bf16 on 16 GiB GPUs
-        return memory.plan(load_config(None, [f"reward.model={reward}", *overrides]), policy, 1, 16.0, 8 << 30)
+        cfg = load_config(None, [f"reward.model={reward}", *overrides])
+        return memory.plan(cfg, policy, 1, 16.0, {"reward": 8 << 30})
 
     assert planned().problems == [
         "a reward engine GPU holds 16.0 GiB of weights, more than reward.engines.mem_fraction_static=0.7 of 16 GiB: "
@@ -424,7 +445,7 @@ def test_reward_replicas_take_gpus_of_their_own_and_a_reward_model_too_large_for
     ]
     assert planned("reward.engines.server=sglang", "reward.engines.gpus_per_replica=2").problems == []
     given = planned("reward.engines.urls=[http://10.0.0.9:30000]")
-    assert given.problems == [] and given.reward_gpus == 0 and "reward engine" not in given.table()
+    assert given.problems == [] and given.scorer_gpus == 0 and "reward engine" not in given.table()
 
 
 def test_an_engines_kv_tokens_are_planned_as_given_and_refused_where_they_do_not_fit():

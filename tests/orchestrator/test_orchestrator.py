@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -813,11 +814,16 @@ def test_a_reward_replica_that_fails_to_wake_is_killed_and_one_that_fails_to_rel
     from moerl.engines.client import EngineError
     from moerl.orchestrator.placement import Colocated, _release_memory
 
-    killed = []
+    killed: dict[str, list[str]] = {"reward": [], "teacher": []}
+
+    def pool(key: str, url: str) -> SimpleNamespace:
+        return SimpleNamespace(urls=[url], kill=lambda urls: killed[key].extend(urls) or urls)
+
     colocated = Colocated()
     colocated.released = {"http://127.0.0.1:9"}  # nothing listens on the discard port: its resume fails
-    colocated.before_generation(SimpleNamespace(kill=lambda urls: killed.extend(urls) or urls))
-    assert killed == ["http://127.0.0.1:9"] and colocated.released == set()
+    # a teacher's replica, not released, is left alone: each pool kills its own replicas only
+    colocated.before_generation([pool("reward", "http://127.0.0.1:9"), pool("teacher", "http://127.0.0.1:7")])
+    assert killed == {"reward": ["http://127.0.0.1:9"], "teacher": []} and colocated.released == set()
 
     calls = []
 
@@ -1085,6 +1091,46 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
     assert acct["balanced"] and acct["dropped"] == {} and acct["trained"] == 4 * GROUPS
 
 
+def kill_after_the_first_step(proc: subprocess.Popen, run_dir: Path, model: str) -> list[dict]:
+    """SIGKILL the engines serving the model whose directory names ``model`` once the job's first step is in, and the
+    metrics rows of the job, ended well."""
+
+    def serving() -> list[psutil.Process]:
+        return [p for p in engines_of(proc) if model in " ".join(p.cmdline())]
+
+    wait_while_running(proc, lambda: len(rows_so_far(run_dir)) >= 1 and bool(serving()), "the first step")
+    for engine in serving():
+        os.killpg(engine.pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    return read_metrics(run_dir)
+
+
+@pytest.mark.e2e
+def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_comes_back(cache, tmp_path):
+    """teacher.model=demo (the demo model trained longer, made once) on an embedded engine of its own scores every
+    sample as its group finishes; the student trains on pure distillation (reward weight 0: k1 as the advantage and a
+    top-4 KL) under R3 and kept-set replay, asynchronously. Its replica SIGKILLed after the first step is started again;
+    no group is dropped, each sample is scored once (a request each, besides those asked again), and the run ends."""
+    run_dir = tmp_path / "run"
+    proc = start_job(
+        cache, run_dir, "run.mode=async", "run.steps=3", "teacher.model=demo", "trainer.loss.distill.coef=1",
+        "trainer.loss.distill.reward_weight=0", "trainer.loss.distill.top_k=4", "trainer.loss.distill.top_k_coef=0.5",
+    )  # fmt: skip
+
+    rows = kill_after_the_first_step(proc, run_dir, "addition-teacher")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["teacher_engines/restarts"] == 1
+    for r in rows:
+        assert r["teacher_engines/requests"] - r["teacher_engines/retries"] == r["rollout/samples"]
+        assert r["distill/teacher_logprob_mean"] < 0 and r["distill/topk_kl"] >= 0
+        assert math.isfinite(r["distill/reverse_kl"]) and 0 <= r["distill/kept_set_exact"] <= 1
+        assert 0 <= r["distill/kept_set_gap"] < math.inf
+        assert r["distill/teacher_seconds"] > 0 and 0 < r["distill/teacher_share"] < 1
+    acct = accounting(run_dir)
+    # async: the groups generated ahead of the last step are left unused at the stop, none dropped otherwise
+    assert acct["balanced"] and set(acct["dropped"]) <= {"unused_at_stop"} and acct["trained"] == 3 * GROUPS
+
+
 @pytest.mark.e2e
 def test_a_reward_model_scores_every_group_on_colocated_replicas_released_each_step_and_one_killed_comes_back(
     cache, tmp_path
@@ -1100,15 +1146,7 @@ def test_a_reward_model_scores_every_group_on_colocated_replicas_released_each_s
         "reward.combine=rule_plus_model",
     )  # fmt: skip
 
-    def reward_engines() -> list[psutil.Process]:
-        return [p for p in engines_of(proc) if "tiny-qwen3-reward-addition" in " ".join(p.cmdline())]
-
-    wait_while_running(proc, lambda: len(rows_so_far(run_dir)) >= 1 and bool(reward_engines()), "the first step")
-    for engine in reward_engines():
-        os.killpg(engine.pid, signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-4000:]
-    rows = read_metrics(run_dir)
+    rows = kill_after_the_first_step(proc, run_dir, "tiny-qwen3-reward-addition")
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["reward_engines/restarts"] == 1
     for r in rows:
         assert r["reward_engines/requests"] - r["reward_engines/retries"] == GROUPS

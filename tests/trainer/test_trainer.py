@@ -261,7 +261,7 @@ def test_each_rank_receives_only_its_own_shard_and_what_its_stage_reads(tiny_ckp
     ranks = run_ranks(scatter_instalment, 4, str(tiny_ckpts[ARCH][1]), config("R3", **layout), fp32_samples, window)
     replicas = 4 // (layout["pp"] * layout.get("tp", 1))
     shards = shard_by_tokens([s.fed_len for s in fp32_samples], replicas)
-    plan_bytes = 5 * 8 + len(fp32_samples) * 6 * 8  # header, and six numbers per sample
+    plan_bytes = 6 * 8 + len(fp32_samples) * 6 * 8  # header, and six numbers per sample
     assert {out["needs"].dp_rank for out in ranks} == set(range(replicas))
     columns = {2: [(0,), (1, 2)], 4: [(0,), (), (1,), (2,)]}[layout["pp"]]
     for rank, out in enumerate(ranks):

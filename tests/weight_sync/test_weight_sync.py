@@ -289,7 +289,7 @@ def test_replicas_the_job_starts_again_are_new_processes_to_the_next_push(tmp_pa
 
     told = []
     lead = SimpleNamespace(
-        engines=SimpleNamespace(pool=SimpleNamespace(revive=lambda most, window: ["http://b"]), reward_pool=None),
+        engines=SimpleNamespace(pool=SimpleNamespace(revive=lambda most, window: ["http://b"]), scorers={}),
         cfg=SimpleNamespace(engines=SimpleNamespace(max_restarts=3, restart_window_s=3600.0)),
         rollouts=SimpleNamespace(restarting=told.append),
         sync=DiskSync(None, tmp_path, tmp_path),
