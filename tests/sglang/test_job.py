@@ -4,7 +4,8 @@ prompt accounted for.
 
 - async, the broadcast over gloo, rollouts continued in place across updates, a server SIGKILLed and started again;
 - async, through disk, rollouts aborted by an update and regenerated, rewarded by a reward model over /classify;
-- colocated: released, handed over in shared memory within a weight-update session, resumed;
+- colocated: released, handed over in shared memory within a weight-update session, resumed; a colocated SGLang
+  teacher scores every sample for on-policy distillation, released and resumed with the engines;
 - an agent's episodes over several turns, routing kept across turns (``moerl check-replay``).
 """
 
@@ -122,19 +123,38 @@ def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_a_rewar
     assert accounting(tmp_path / "run")["balanced"]
 
 
-def test_colocated_releases_hands_over_and_resumes(cache, model, tmp_path):
+def test_colocated_releases_hands_over_and_resumes_and_distils_from_a_colocated_teacher(cache, model, tmp_path):
+    from moerl.models.tiny import ALL_SPARSE, save_tiny_hf
+
+    teacher = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "teacher", seed=4, **ALL_SPARSE)
     steps = 3
-    out = job(cache, tmp_path, *on_sglang(model, "run.mode=sync", f"run.steps={steps}", "run.placement=colocated"))
+    out = job(
+        cache,
+        tmp_path / "run",
+        *on_sglang(model, "run.mode=sync", f"run.steps={steps}", "run.placement=colocated"),
+        f"teacher.model={teacher}",
+        "teacher.engines.server=sglang",
+        "trainer.loss.distill.coef=1",
+        "trainer.loss.distill.top_k=4",
+        "trainer.loss.distill.top_k_coef=0.5",
+    )
     assert out.returncode == 0, out.stderr[-6000:]
-    rows = read_metrics(tmp_path)
+    rows = read_metrics(tmp_path / "run")
     replayed_and_verified(rows, steps)
     for r in rows:
         assert r["colocate/push_seconds"] > 0 and r["colocate/trainer_offloaded_bytes"] > 0, r
         assert r["routing/agreement"] == 1.0 and r["mismatch/k3_kl"] < 1e-6, r  # on-policy, fp32: every step
-    log = next((tmp_path / "logs").glob("sglang-*.log")).read_text()
+        # SGLang's teacher scored every sample once; another random model is far from the student
+        assert r["teacher_engines/requests"] - r["teacher_engines/retries"] == r["rollout/samples"], r
+        assert r["distill/reverse_kl"] > 0.1 and r["distill/teacher_logprob_mean"] < 0 and r["distill/topk_kl"] > 0, r
+    log = next((tmp_path / "run" / "logs").glob("sglang-*.log")).read_text()
     for route in ("/release_memory_occupation", "/begin_weight_update", "/update_weights_from_tensor"):
         assert f'POST {route} HTTP/1.1" 200' in log, route
     assert 'POST /update_weights_from_tensor HTTP/1.1" 4' not in log
+    # the teacher's replica gives back its memory for each trainer's phase and takes it back after, every call a 200
+    teacher_log = next((tmp_path / "run" / "logs" / "teacher").glob("sglang-*.log")).read_text()
+    for route in ("/release_memory_occupation", "/resume_memory_occupation"):
+        assert teacher_log.count(f'POST {route} HTTP/1.1" 200') == steps, route
 
 
 def test_an_agents_episodes_keep_their_routing_across_turns(cache, calc_model, tmp_path):
