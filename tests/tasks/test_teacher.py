@@ -124,6 +124,38 @@ def gap_bound(sample: Sample, forward: torch.Tensor, j: int) -> float:
     return float(torch.log1p(unlisted / known))
 
 
+def test_a_teacher_that_is_the_student_scores_each_token_as_it_was_sampled(teacher_dir, tmp_path):
+    """The student's own engine as its teacher: on completions it sampled at temperature 1 with kept sets (top-k 8),
+    the teacher's log-probs are the behaviour log-probs and, renormalised over the kept sets (which its top 8 ids cover
+    exactly), the selected ones: the reverse KL the trainer takes is 0."""
+    from moerl.engines.client import EngineClient, Returns
+    from moerl.engines.protocol import SamplingParams
+    from moerl.rewards.model import Replicas, Stats
+    from moerl.rewards.teacher import Teacher
+
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, top_k=8, sampling_seed=3, ignore_eos=True)
+    with running_pool(teacher_dir, tmp_path / "logs", 1) as pool:
+
+        async def go() -> tuple[list[Sample], Stats]:
+            async with EngineClient(pool.urls) as client:
+                completions = await client.generate(PROMPT, params, Returns(sampling_mask=True))
+            samples = [Sample.from_completion(c, PROMPT, temperature=1.0, versions={"default": 0}) for c in completions]
+            teacher = Teacher(teacher_dir, Replicas(pool.urls), top_k=0, kept_sets=True, kept_top=8)
+            stats = Stats(float)
+            try:
+                await teacher.score(samples, "teacher-p0", stats)
+            finally:
+                await teacher.close()
+            return samples, stats
+
+        samples, stats = asyncio.run(go())
+    for s in samples:
+        np.testing.assert_allclose(s.teacher_logprobs, s.behaviour_logprobs, atol=1e-5)
+        np.testing.assert_allclose(s.teacher_selected_logprobs, s.selected_logprobs, atol=1e-5)
+    assert stats["teacher_engines/kept_set_exact"] == stats["teacher_engines/actions"] == 4 * 8
+    assert stats["teacher_engines/kept_set_gap"] == 0
+
+
 def test_a_teacher_replica_that_dies_costs_a_retry_and_one_started_again_scores_what_waited(
     teacher_dir, forward, tmp_path
 ):
