@@ -434,8 +434,9 @@ def largest_micro_batch(cfg: RunConfig, mc: dict) -> MicroBatchShape:
     # The logits copies at their peak (the loss's forward; its backward holds as many): the output layer's [s, b, V/tp],
     # GPTModel's transposed contiguous copy, the response rows gathered and their division by the temperature
     # (Trainer._scores). full_logprobs adds the shifted rows' exp, entropy() three more [T, V/tp]: the shifted rows,
-    # their exp and the product. Every copy is counted at the micro-batch's size: a response fills all but its prompt.
-    copies = 3 + (not t.replay.sampling_mask) + 3 * bool(t.loss.entropy_coef)
+    # their exp and the product; a distillation's top-k term (logprobs_at) one, its shifted rows' exp. Every copy is
+    # counted at the micro-batch's size: a response fills all but its prompt.
+    copies = 3 + (not t.replay.sampling_mask) + 3 * bool(t.loss.entropy_coef) + bool(t.loss.distill.top_k)
     return MicroBatchShape(
         tokens, tokens if t.micro_batch_format == "packed" else longest, longest, bound, copies, attention_kernel(cfg)
     )

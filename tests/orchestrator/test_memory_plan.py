@@ -50,10 +50,10 @@ LOGITS_MODEL = dict(
 ROWS, WIDTH = 2, 256  # the measured micro-batch: two responses of 256 tokens after a one-token prompt
 
 
-def logits_peaks(cases: list[tuple[bool, bool]]) -> list[int]:
-    """On a rank: per (sampling_mask, entropy) case, the peak bytes of the trainer's logits path in bf16, from the
-    hidden states onwards: megatron-core's output layer (fp32, as the trainer sets it) and GPTModel's post-processing,
-    the trainer's scores of the response tokens, the loss and its backward."""
+def logits_peaks(cases: list[tuple[bool, bool, bool]]) -> list[int]:
+    """On a rank: per (sampling_mask, entropy, a distillation's top-k term) case, the peak bytes of the trainer's logits
+    path in bf16, from the hidden states onwards: megatron-core's output layer (fp32, as the trainer sets it) and
+    GPTModel's post-processing, the trainer's scores of the response tokens, the loss and its backward."""
     from types import SimpleNamespace
 
     from moerl.layout import Layout
@@ -63,7 +63,7 @@ def logits_peaks(cases: list[tuple[bool, bool]]) -> list[int]:
     from moerl.sample import Sample
     from moerl.trainer.batch import build_micro_batch
     from moerl.trainer.logprobs import entropy
-    from moerl.trainer.trainer import Trainer, _fp32_output_layer
+    from moerl.trainer.trainer import Trainer, _fp32_output_layer, _topk_kl
 
     init_distributed(Layout())
     config = dict(TINY_QWEN3, **LOGITS_MODEL, architectures=["Qwen3MoeForCausalLM"])
@@ -72,7 +72,7 @@ def logits_peaks(cases: list[tuple[bool, bool]]) -> list[int]:
     model.train()
     rng = np.random.default_rng(0)
     vocab, peaks = LOGITS_MODEL["vocab_size"], []
-    for sampling_mask, with_entropy in cases:
+    for sampling_mask, with_entropy, top_k in cases:
         samples = []
         for _ in range(ROWS):
             ids = rng.integers(0, vocab, WIDTH).astype(np.int32)
@@ -87,10 +87,20 @@ def logits_peaks(cases: list[tuple[bool, bool]]) -> list[int]:
                     selected_logprobs=zeros,
                     mask_offsets=np.arange(WIDTH + 1, dtype=np.int64) * 2,
                     mask_ids=kept,
+                    teacher_logprobs=zeros,
+                    teacher_selected_logprobs=zeros,
+                    teacher_top_ids=rng.integers(0, vocab, (WIDTH, 4)).astype(np.int32),
+                    teacher_top_logprobs=np.full((WIDTH, 4), -1.0, np.float32),
                 )
             )
         mb = build_micro_batch(
-            samples, [1.0] * ROWS, [1.0] * ROWS, multiple=1, use_masks=sampling_mask, routed_experts=None
+            samples,
+            [1.0] * ROWS,
+            [1.0] * ROWS,
+            multiple=1,
+            use_masks=sampling_mask,
+            routed_experts=None,
+            teacher_top_k=4 if top_k else None,
         )
         trainer = SimpleNamespace(cfg=SimpleNamespace(replay=SimpleNamespace(sampling_mask=sampling_mask)))
         hidden = torch.randn(WIDTH, ROWS, LOGITS_MODEL["hidden_size"], dtype=torch.bfloat16, requires_grad=True)
@@ -100,6 +110,8 @@ def logits_peaks(cases: list[tuple[bool, bool]]) -> list[int]:
             loss = (mb.weights * new).sum()
             if with_entropy:
                 loss = loss - (mb.weights * entropy(rows)).sum()
+            if top_k:
+                loss = loss + (mb.weights * _topk_kl(rows, mb)).sum()
             del logits, new, rows  # as the schedule lets go of them: only autograd holds them now
             loss.backward()
         peaks.append(counted.peak)
@@ -154,7 +166,13 @@ def _tiny_plan(model: dict, *overrides: str):
     return memory.plan(cfg, dict(TINY_QWEN3, **model, architectures=["Qwen3MoeForCausalLM"]), 1, 80.0)
 
 
-LOGITS_CASES = [(True, False), (False, False), (True, True), (False, True)]
+LOGITS_CASES = [
+    (True, False, False),
+    (False, False, False),
+    (True, True, False),
+    (False, True, False),
+    (True, False, True),
+]
 
 
 @pytest.fixture(scope="module")
@@ -163,21 +181,22 @@ def measured_logits() -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sampling_mask, with_entropy", LOGITS_CASES)
-def test_the_logits_term_is_what_the_logits_path_allocates(measured_logits, sampling_mask, with_entropy):
+@pytest.mark.parametrize("sampling_mask, with_entropy, top_k", LOGITS_CASES)
+def test_the_logits_term_is_what_the_logits_path_allocates(measured_logits, sampling_mask, with_entropy, top_k):
     """3 fp32 copies of [tokens, V/tp] over the kept sets (the output layer's, GPTModel's transposed one, the response
-    rows divided by their temperature), 4 over the full vocabulary, 3 more with the entropy; within 5% of the peak the
-    path reaches (the plan also counts the output layer's fp32 weight copy's gradient, made once the logits are
-    gone)."""
+    rows divided by their temperature), 4 over the full vocabulary, 3 more with the entropy, 1 more with a
+    distillation's top-k term; within 5% of the peak the path reaches (the plan also counts the output layer's fp32
+    weight copy's gradient, made once the logits are gone)."""
     plan = _tiny_plan(
         LOGITS_MODEL,
         f"trainer.micro_batch_tokens={ROWS * WIDTH}",
         f"trainer.replay.sampling_mask={str(sampling_mask).lower()}",
         f"trainer.loss.entropy_coef={0.01 * with_entropy}",
+        *(["teacher.model=demo", "trainer.loss.distill.top_k=4", "trainer.loss.distill.top_k_coef=1"] if top_k else []),
     )
     assert plan.micro_batch.tokens == ROWS * WIDTH  # the sample is capped by the context, 256
-    assert plan.micro_batch.logits_copies == 3 + (not sampling_mask) + 3 * with_entropy
-    measured = measured_logits[(sampling_mask, with_entropy)]
+    assert plan.micro_batch.logits_copies == 3 + (not sampling_mask) + 3 * with_entropy + top_k
+    measured = measured_logits[(sampling_mask, with_entropy, top_k)]
     assert measured <= plan.trainer.terms["logits (fp32)"] <= 1.05 * measured
 
 
