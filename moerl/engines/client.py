@@ -82,11 +82,12 @@ class EngineClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         failures_to_dead: int = 3,
-        workers: int = 0,
+        workers: int | GenerationWorkers = 0,
     ):
         """``timeout_s``: each request's deadline; ``failures_to_dead``: see :class:`ReplicaHealth`; ``workers``:
         processes that carry the generations whose answers may exceed :data:`CARRY_ELSEWHERE_BYTES`, their HTTP and
-        decoding (:mod:`~moerl.engines.generation_workers`; 0: this one carries all)."""
+        decoding (:mod:`~moerl.engines.generation_workers`; 0: this one carries all), or another client's, shared
+        (:attr:`workers`: a scorer's beside the policy's; that client closes them)."""
         self.urls = [u.rstrip("/") for u in urls]
         if not self.urls:
             raise ValueError("EngineClient needs at least one engine URL")
@@ -99,13 +100,13 @@ class EngineClient:
         self._session: aiohttp.ClientSession | None = None
         # Bodies read and decoded at once (each can be tens of MB): the rest wait in the engines' sockets, not here.
         self._parsing = asyncio.Semaphore(2)
-        self._workers = (
-            GenerationWorkers(
-                workers, functools.partial(EngineClient, self.urls, shape, timeout_s, retries=0), timeout_s
-            )
-            if workers > 0
-            else None
-        )
+        self._owns_workers = isinstance(workers, int)
+        self.workers: GenerationWorkers | None = None
+        if isinstance(workers, GenerationWorkers):
+            self.workers = workers
+        elif workers > 0:
+            make_client = functools.partial(EngineClient, self.urls, shape, timeout_s, retries=0)
+            self.workers = GenerationWorkers(workers, make_client, timeout_s)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -117,12 +118,12 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
-        if self._workers is not None:
-            self._workers.close()
+        if self.workers is not None and self._owns_workers:
+            self.workers.close()
 
     def worker_pids(self) -> list[int]:
         """The generation workers' processes, to count their CPU (bench/engine_client_cpu.py)."""
-        return self._workers.pids() if self._workers is not None else []
+        return self.workers.pids() if self.workers is not None else []
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -248,10 +249,7 @@ class EngineClient:
         async def on(url: str) -> list[Completion]:
             epoch = self.health.epochs[url]
             try:
-                if self._workers is not None and P.largest_answer_bytes(request, self.shape) > CARRY_ELSEWHERE_BYTES:
-                    completions = await self._workers.generate(url, request, routing_start)
-                else:
-                    completions = await self.generate_on(url, request, routing_start)
+                completions = await self.read_on(url, request, routing_start)
             except EngineError as e:
                 said = str(e)
                 if lora_path is not None and e.status == 400 and P.ADAPTER_NEVER_LOADED in said and lora_path in said:
@@ -326,6 +324,14 @@ class EngineClient:
         """A reward model's scores of each input (SGLang's /classify), from the engine at ``url``."""
         answers = await self._call(url, P.CLASSIFY, P.ClassifyReqInput(input_ids=input_ids))
         return [answer["embedding"] for answer in answers]
+
+    async def read_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
+        """One /generate on ``url``, carried by a generation worker where its answer may be large (past
+        :data:`CARRY_ELSEWHERE_BYTES`), else read and decoded here; no retry, no health accounting. Raises
+        :class:`~moerl.engines.generation_workers.WorkerLost` when the worker carrying it died."""
+        if self.workers is not None and P.largest_answer_bytes(request, self.shape) > CARRY_ELSEWHERE_BYTES:
+            return await self.workers.generate(url, request, routing_start)
+        return await self.generate_on(url, request, routing_start)
 
     async def generate_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
         """One /generate on ``url``, read and decoded in this process; no retry, no health accounting."""

@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from moerl.engines.client import EngineClient
+from moerl.engines.generation_workers import GenerationWorkers
 from moerl.episodes.agents import SIMULATED, Agent, load_agent, load_tools, simulated_agent
 from moerl.episodes.endpoint import EpisodeEndpoint
 from moerl.models import model_shape
@@ -92,8 +93,9 @@ def reward_model(cfg: RunConfig, served: ServedModel | None) -> tuple[RewardMode
     return model, COMBINATIONS.load(w.combine)
 
 
-def teacher(cfg: RunConfig, served: ServedModel | None) -> Teacher | None:
-    """The run's teacher on its engines (``served``; None without one)."""
+def teacher(cfg: RunConfig, served: ServedModel | None, workers: GenerationWorkers | None) -> Teacher | None:
+    """The run's teacher on its engines (``served``; None without one), its large answers carried by ``workers`` (the
+    policy client's)."""
     if served is None:
         return None
     distill = cfg.trainer.loss.distill
@@ -103,6 +105,7 @@ def teacher(cfg: RunConfig, served: ServedModel | None) -> Teacher | None:
         top_k=distill.top_k,
         kept_sets=cfg.trainer.replay.sampling_mask,
         kept_top=cfg.rollout.top_k,
+        workers=workers,
     )
 
 
@@ -155,7 +158,7 @@ class RolloutManager:
             group_agent,
             rewarder,
             load_filter(self.r.filter_groups),
-            teacher(cfg, spec.scorers.get("teacher")),
+            teacher(cfg, spec.scorers.get("teacher"), self.client.workers),
         )
 
     def _agent(self) -> Agent | None:

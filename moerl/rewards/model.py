@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from moerl.engines.client import EngineClient, EngineError, ReplicaDown
+from moerl.engines.generation_workers import GenerationWorkers
 from moerl.engines.health import Probes
 
 log = logging.getLogger("moerl.reward")
@@ -42,13 +43,18 @@ class ServedScorer:
     """A scorer's replicas serving the model at ``model_dir`` (its tokenizer read here): the reward model's or the
     teacher's (``key``, the config section, which names their metrics ``<key>_engines/*`` and timeout key)."""
 
-    def __init__(self, model_dir: str | Path, replicas: Replicas, key: str):
+    def __init__(self, model_dir: str | Path, replicas: Replicas, key: str, workers: GenerationWorkers | None = None):
+        """``workers``: generation workers (the policy client's) that carry the requests whose answers may be large."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.replicas, self.key = replicas, key
         self.client = EngineClient(
-            replicas.urls, timeout_s=replicas.timeout_s, retries=0, failures_to_dead=replicas.failures_to_dead
+            replicas.urls,
+            timeout_s=replicas.timeout_s,
+            retries=0,
+            failures_to_dead=replicas.failures_to_dead,
+            workers=workers or 0,
         )
         # shared by every score that waits: a replica that answers is back (it holds no policy to be stale in)
         self.probes = Probes(self.client, replicas.health_interval_s)

@@ -22,6 +22,7 @@ mean over the actions; SGLang cannot be asked for each position's own ids).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -29,18 +30,31 @@ from pathlib import Path
 import numpy as np
 
 from moerl.engines.client import scoring_request
+from moerl.engines.generation_workers import GenerationWorkers, WorkerLost
 from moerl.engines.protocol import Completion
 from moerl.rewards.model import Replicas, ScorerError, ServedScorer, Stats
 from moerl.sample import Sample
+
+log = logging.getLogger("moerl.reward")
+WORKER_LOSSES = 3  # generation workers lost under one request before its group fails
 
 
 class Teacher(ServedScorer):
     """The teacher's replicas. ``top_k``: the top ids kept per token for the trainer's top-k term (0: none);
     ``kept_sets``: the teacher's log-probs are renormalised over the actions' kept sets too, from its ``kept_top``
-    most likely ids per token."""
+    most likely ids per token; ``workers``: generation workers that read and decode the answers that may be large (a
+    long response's top ids, as JSON), so that the rollout manager's loop does not."""
 
-    def __init__(self, model_dir: str | Path, replicas: Replicas, top_k: int, kept_sets: bool, kept_top: int):
-        super().__init__(model_dir, replicas, "teacher")
+    def __init__(
+        self,
+        model_dir: str | Path,
+        replicas: Replicas,
+        top_k: int,
+        kept_sets: bool,
+        kept_top: int,
+        workers: GenerationWorkers | None = None,
+    ):
+        super().__init__(model_dir, replicas, "teacher", workers)
         self.top_k, self.kept_sets = top_k, kept_sets
         self.asked = max(top_k, kept_top if kept_sets else 0)  # top ids asked for per token
 
@@ -60,10 +74,20 @@ class Teacher(ServedScorer):
         request = scoring_request(ids, sample.prompt_len, self.asked)
 
         async def call(url: str) -> Completion:
-            (completion,) = await self.client.generate_on(url, request, 0)
+            (completion,) = await self.client.read_on(url, request, 0)
             return completion
 
-        completion = await self._ask(call, counts, affinity=group)
+        for lost in range(WORKER_LOSSES + 1):
+            try:
+                completion = await self._ask(call, counts, affinity=group)
+                break
+            except WorkerLost as e:  # not the replica's failure: asked again, a bounded number of times
+                if lost == WORKER_LOSSES:
+                    raise ScorerError(
+                        f"the generation workers carrying a teacher request died {lost + 1} times: {e}"
+                    ) from None
+                counts["teacher_engines/workers_lost"] += 1
+                log.warning("a generation worker carrying a teacher request died (asked again): %s", e)
         logprobs = completion.input_logprobs
         if logprobs is None or logprobs.shape != (sample.response_len,):
             raise ScorerError(

@@ -362,7 +362,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
 
             async with EngineClient([server], shape=shape, workers=1) as stuck:
                 await stuck.generate(PROMPT, {"max_new_tokens": 2})  # its worker started and serving
-                stuck._workers.deadline_s = (
+                stuck.workers.deadline_s = (
                     2.0  # in place of the client's 600 s and the grace: one this test can wait for
                 )
                 running = asyncio.ensure_future(stuck.generate(PROMPT, long))
@@ -371,7 +371,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
                 os.kill(pid, signal.SIGSTOP)  # neither answers nor dies
                 with pytest.raises(WorkerLost, match="no answer in 2 s; killed"):
                     await running
-                stuck._workers.deadline_s = 600.0  # a new worker takes longer than 2 s to start
+                stuck.workers.deadline_s = 600.0  # a new worker takes longer than 2 s to start
                 await stuck.generate(PROMPT, {"max_new_tokens": 2})  # and serves
                 running = asyncio.ensure_future(stuck.generate(PROMPT, long))
                 await asyncio.sleep(0.5)

@@ -124,6 +124,44 @@ def gap_bound(sample: Sample, forward: torch.Tensor, j: int) -> float:
     return float(torch.log1p(unlisted / known))
 
 
+def test_a_teachers_large_answers_are_read_by_the_policy_clients_generation_workers(
+    teacher_dir, forward, tmp_path, monkeypatch
+):
+    """Every answer counted large: the teacher's requests go through the generation workers it shares with the policy's
+    client (a long response's top ids are tens of MB of JSON, not for the manager's loop), with the same log-probs as a
+    forward's; closing the teacher leaves the shared workers to their owner."""
+    import psutil
+
+    from moerl.engines import client as client_module
+    from moerl.engines.client import EngineClient
+    from moerl.rewards.model import Replicas, Stats
+    from moerl.rewards.teacher import Teacher
+
+    monkeypatch.setattr(client_module, "CARRY_ELSEWHERE_BYTES", 0)
+    direct = forward.gather(1, torch.tensor(RESPONSE)[:, None]).squeeze(1).numpy()
+    with running_pool(teacher_dir, tmp_path / "logs", 1) as pool:
+
+        async def go() -> tuple[Sample, list[int], bool]:
+            policy = EngineClient(pool.urls, workers=1)
+            teacher = Teacher(
+                teacher_dir, Replicas(pool.urls), top_k=TOP_K, kept_sets=False, kept_top=0, workers=policy.workers
+            )
+            sample = _sample(forward, None)
+            try:
+                await teacher.score([sample], "teacher-p0", Stats(float))
+            finally:
+                await teacher.close()
+            carriers = policy.worker_pids()
+            alive = all(psutil.pid_exists(pid) for pid in carriers)
+            await policy.close()
+            return sample, carriers, alive
+
+        sample, carriers, alive = asyncio.run(go())
+    assert len(carriers) == 1 and alive  # the worker carried it, and outlived the teacher's close
+    np.testing.assert_allclose(sample.teacher_logprobs, direct, atol=1e-5)
+    assert np.array_equal(sample.teacher_top_ids, forward.topk(TOP_K, -1).indices.numpy())
+
+
 def test_a_teacher_that_is_the_student_scores_each_token_as_it_was_sampled(teacher_dir, tmp_path):
     """The student's own engine as its teacher: on completions it sampled at temperature 1 with kept sets (top-k 8),
     the teacher's log-probs are the behaviour log-probs and, renormalised over the kept sets (which its top 8 ids cover
