@@ -100,7 +100,6 @@ def teacher(cfg: RunConfig, served: ServedModel | None, workers: GenerationWorke
         return None
     distill = cfg.trainer.loss.distill
     return Teacher(
-        served.model,
         replicas_of(cfg.teacher.engines, served.urls),
         top_k=distill.top_k,
         kept_sets=cfg.trainer.replay.sampling_mask,

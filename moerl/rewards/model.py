@@ -40,14 +40,11 @@ class Replicas:
 
 
 class ServedScorer:
-    """A scorer's replicas serving the model at ``model_dir`` (its tokenizer read here): the reward model's or the
-    teacher's (``key``, the config section, which names their metrics ``<key>_engines/*`` and timeout key)."""
+    """A scorer's replicas: the reward model's or the teacher's (``key``, the config section, which names their metrics
+    ``<key>_engines/*`` and timeout key)."""
 
-    def __init__(self, model_dir: str | Path, replicas: Replicas, key: str, workers: GenerationWorkers | None = None):
+    def __init__(self, replicas: Replicas, key: str, workers: GenerationWorkers | None = None):
         """``workers``: generation workers (the policy client's) that carry the requests whose answers may be large."""
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.replicas, self.key = replicas, key
         self.client = EngineClient(
             replicas.urls,
@@ -92,7 +89,10 @@ class RewardModel(ServedScorer, ABC):
     """The reward replicas serving the model at ``model_dir`` (its tokenizer and chat template read here)."""
 
     def __init__(self, model_dir: str | Path, replicas: Replicas):
-        super().__init__(model_dir, replicas, "reward")
+        from transformers import AutoTokenizer
+
+        super().__init__(replicas, "reward")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     async def score(self, prompt: str, responses: list[str], answer: Any, stats: Stats | None = None) -> list[float]:
         """One score per response, in order; ``stats`` counts the requests, the retries, the seconds and the responses

@@ -25,7 +25,6 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
@@ -46,15 +45,9 @@ class Teacher(ServedScorer):
     long response's top ids, as JSON), so that the rollout manager's loop does not."""
 
     def __init__(
-        self,
-        model_dir: str | Path,
-        replicas: Replicas,
-        top_k: int,
-        kept_sets: bool,
-        kept_top: int,
-        workers: GenerationWorkers | None = None,
+        self, replicas: Replicas, top_k: int, kept_sets: bool, kept_top: int, workers: GenerationWorkers | None = None
     ):
-        super().__init__(model_dir, replicas, "teacher", workers)
+        super().__init__(replicas, "teacher", workers)
         self.top_k, self.kept_sets = top_k, kept_sets
         self.asked = max(top_k, kept_top if kept_sets else 0)  # top ids asked for per token
 

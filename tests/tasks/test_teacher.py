@@ -80,7 +80,7 @@ def test_the_teachers_log_probs_are_a_forwards_renormalised_over_kept_sets_and_l
     with running_pool(teacher_dir, tmp_path / "logs", 1) as pool:
 
         async def go() -> Stats:
-            teacher = Teacher(teacher_dir, Replicas(pool.urls), top_k=TOP_K, kept_sets=True, kept_top=KEPT_TOP)
+            teacher = Teacher(Replicas(pool.urls), top_k=TOP_K, kept_sets=True, kept_top=KEPT_TOP)
             stats = Stats(float)
             try:
                 await teacher.score(samples, "teacher-p0", stats)
@@ -143,9 +143,7 @@ def test_a_teachers_large_answers_are_read_by_the_policy_clients_generation_work
 
         async def go() -> tuple[Sample, list[int], bool]:
             policy = EngineClient(pool.urls, workers=1)
-            teacher = Teacher(
-                teacher_dir, Replicas(pool.urls), top_k=TOP_K, kept_sets=False, kept_top=0, workers=policy.workers
-            )
+            teacher = Teacher(Replicas(pool.urls), top_k=TOP_K, kept_sets=False, kept_top=0, workers=policy.workers)
             sample = _sample(forward, None)
             try:
                 await teacher.score([sample], "teacher-p0", Stats(float))
@@ -178,7 +176,7 @@ def test_a_teacher_that_is_the_student_scores_each_token_as_it_was_sampled(teach
             async with EngineClient(pool.urls) as client:
                 completions = await client.generate(PROMPT, params, Returns(sampling_mask=True))
             samples = [Sample.from_completion(c, PROMPT, temperature=1.0, versions={"default": 0}) for c in completions]
-            teacher = Teacher(teacher_dir, Replicas(pool.urls), top_k=0, kept_sets=True, kept_top=8)
+            teacher = Teacher(Replicas(pool.urls), top_k=0, kept_sets=True, kept_top=8)
             stats = Stats(float)
             try:
                 await teacher.score(samples, "teacher-p0", stats)
@@ -206,7 +204,7 @@ def test_a_teacher_replica_that_dies_costs_a_retry_and_one_started_again_scores_
     with running_pool(teacher_dir, tmp_path / "logs", 2) as pool:
 
         async def go():
-            teacher = Teacher(teacher_dir, Replicas(pool.urls, health_interval_s=0.2), 0, False, 0)
+            teacher = Teacher(Replicas(pool.urls, health_interval_s=0.2), 0, False, 0)
             try:
                 before = _sample(forward, None)
                 await teacher.score([before], "teacher-p0", Stats(float))
