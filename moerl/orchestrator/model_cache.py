@@ -16,7 +16,7 @@ from moerl.files import staged_dir
 from moerl.orchestrator.config import RunConfig, Scorer
 from moerl.orchestrator.preflight import check_tokenizers, model_dir, simulation_profile
 from moerl.plugins import import_object
-from moerl.tasks import DEMO, DEMO_MODELS, DEMO_REWARD_MODELS, DEMO_TEACHERS
+from moerl.tasks import DEMO, DEMO_MODELS, DEMO_SCORERS
 
 log = logging.getLogger("moerl.train")
 
@@ -52,9 +52,7 @@ def prepare_scorer_model(cfg: RunConfig, scorer: Scorer) -> Path:
     after the preflight."""
     if scorer.model != DEMO:
         return Path(scorer.model)
-    demos = (
-        DEMO_REWARD_MODELS if scorer.key == "reward" else DEMO_TEACHERS
-    )  # the preflight checked that the task has one
+    demos = DEMO_SCORERS[scorer.key].models  # the preflight checked that the task has one
     made = _demo_model(Path(cfg.run.cache_dir).expanduser(), *demos[cfg.task.name])
     if scorer.key == "teacher":
         check_tokenizers(policy_hf(cfg), made)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import RunConfig, Scorer, scorers, served_by, sglang_lora_problem
 from moerl.orchestrator.run_state import latest_checkpoint
-from moerl.tasks import DEMO, DEMO_REWARD_MODELS, DEMO_TEACHERS
+from moerl.tasks import DEMO, DEMO_SCORERS
 
 if TYPE_CHECKING:
     from moerl.engines.protocol import ServerInfo
@@ -149,12 +149,11 @@ def scorer_params(cfg: RunConfig) -> dict[str, int]:
     from moerl.checkpoint.hf import HFReader
     from moerl.models.tiny import ALL_SPARSE, tiny_param_count
 
-    demos = {"reward": ("Qwen3ForSequenceClassification", {}), "teacher": ("Qwen3MoeForCausalLM", ALL_SPARSE)}
     params = {}
     for scorer in scorers(cfg):
         if scorer.model == DEMO:
-            architecture, overrides = demos[scorer.key]
-            params[scorer.key] = tiny_param_count(architecture, **overrides)
+            demo = DEMO_SCORERS[scorer.key]
+            params[scorer.key] = tiny_param_count(demo.architecture, **(ALL_SPARSE if demo.all_sparse else {}))
         else:
             reader = HFReader(scorer.model)
             params[scorer.key] = sum(math.prod(reader.shape(name)) for name in reader.names())
@@ -181,7 +180,7 @@ def check_reward(cfg: RunConfig) -> None:
     w = cfg.reward
     if w.model is None:
         return
-    architectures = _scorer_architectures(cfg, "reward", DEMO_REWARD_MODELS, "Qwen3ForSequenceClassification")
+    architectures = _scorer_architectures(cfg, "reward")
     if problem := unserved_classifier(architectures):
         raise ConfigError(f"reward.model={w.model}: {problem}")
     classifier = is_classifier(architectures)
@@ -202,7 +201,7 @@ def check_teacher(cfg: RunConfig) -> None:
     t = cfg.teacher
     if t.model is None:
         return
-    architectures = _scorer_architectures(cfg, "teacher", DEMO_TEACHERS, "Qwen3MoeForCausalLM")
+    architectures = _scorer_architectures(cfg, "teacher")
     if is_classifier(architectures):
         raise ConfigError(
             f"teacher.model={t.model} is a sequence-classification model ({', '.join(architectures)}): a teacher "
@@ -218,19 +217,19 @@ def _scorer(cfg: RunConfig, key: str) -> Scorer:
     return scorer
 
 
-def _scorer_architectures(cfg: RunConfig, key: str, demos: dict, demo_architecture: str) -> list[str]:
-    """The architectures the scorer of section ``key`` names (``demo``: the task's, from ``demos``, of
-    ``demo_architecture``)."""
+def _scorer_architectures(cfg: RunConfig, key: str) -> list[str]:
+    """The architectures the scorer of section ``key`` names (``demo``: its demo models', :data:`DEMO_SCORERS`)."""
     from moerl.checkpoint.hf import CheckpointError, read_config
 
     scorer = _scorer(cfg, key)
     if scorer.model == DEMO:
-        if cfg.task.name not in demos:
+        demo = DEMO_SCORERS[key]
+        if cfg.task.name not in demo.models:
             raise ConfigError(
                 f"{key}.model=demo: task.name={cfg.task.name} has no demo {key} model (those that have one: "
-                f"{', '.join(demos)}); set {key}.model to a model directory"
+                f"{', '.join(demo.models)}); set {key}.model to a model directory"
             )
-        return [demo_architecture]
+        return [demo.architecture]
     try:
         return read_config(scorer.model).get("architectures") or []
     except CheckpointError as e:

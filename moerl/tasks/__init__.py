@@ -29,16 +29,34 @@ DEMO_MODELS: dict[TaskName, tuple[str, str]] = {
     "tiny": ("tiny-qwen3-moe-addition-v2", "moerl.tasks.tiny:save_warm_tiny_model"),
     "calc": ("tiny-qwen3-moe-calc-v3", "moerl.tasks.calc:save_warm_calc_model"),
 }
-DEMO = "demo"  # reward.model's value for the task's demo reward model
-# The CPU demos' reward models (reward.model=demo): a tiny sequence-classifier warmed up on the task's right and wrong
-# answers, made once, as the demo models are.
-DEMO_REWARD_MODELS: dict[TaskName, tuple[str, str]] = {
-    "tiny": ("tiny-qwen3-reward-addition-v2", "moerl.tasks.tiny:save_tiny_reward_model"),
-}
-# The CPU demos' teachers (teacher.model=demo): the demo model's architecture and tokenizer, trained longer on right
-# answers only, so that it is better at the task than the student it teaches.
-DEMO_TEACHERS: dict[TaskName, tuple[str, str]] = {
-    "tiny": ("tiny-qwen3-moe-addition-teacher-v1", "moerl.tasks.tiny:save_tiny_teacher"),
+DEMO = "demo"  # a scorer's model (reward.model, teacher.model): the task's demo one
+
+
+@dataclass(frozen=True)
+class DemoScorers:
+    """A scorer section's CPU demo models (``<section>.model=demo``), made once and cached as the demo models are: by
+    task, (its directory in run.cache_dir, what builds it), all of one architecture, built with every layer sparse
+    (``moerl.models.tiny.ALL_SPARSE``, as the demo policy is) or not."""
+
+    models: dict[TaskName, tuple[str, str]]
+    architecture: str
+    all_sparse: bool
+
+
+DEMO_SCORERS: dict[str, DemoScorers] = {
+    # a tiny sequence classifier warmed up on the task's right and wrong answers
+    "reward": DemoScorers(
+        {"tiny": ("tiny-qwen3-reward-addition-v2", "moerl.tasks.tiny:save_tiny_reward_model")},
+        "Qwen3ForSequenceClassification",
+        all_sparse=False,
+    ),
+    # the demo model's architecture and tokenizer, trained longer on right answers only, so that it is better at the
+    # task than the student it teaches
+    "teacher": DemoScorers(
+        {"tiny": ("tiny-qwen3-moe-addition-teacher-v1", "moerl.tasks.tiny:save_tiny_teacher")},
+        "Qwen3MoeForCausalLM",
+        all_sparse=True,
+    ),
 }
 
 
