@@ -48,15 +48,16 @@ def _demo_model(cache: Path, name: str, builder: str) -> Path:
 
 def prepare_scorer_model(cfg: RunConfig, scorer: Scorer) -> Path:
     """A scorer's HF directory (its ``model``; ``demo``: the task's tiny one, made once). A teacher's tokenizer is the
-    student's (:func:`~moerl.orchestrator.preflight.check_tokenizers`), checked here too where a demo model is made
-    after the preflight."""
-    if scorer.model != DEMO:
-        return Path(scorer.model)
-    demos = DEMO_SCORERS[scorer.key].models  # the preflight checked that the task has one
-    made = _demo_model(Path(cfg.run.cache_dir).expanduser(), *demos[cfg.task.name])
+    student's (:func:`~moerl.orchestrator.preflight.check_tokenizers`), checked here, before its engines start, where
+    both models exist: the preflight checks it earlier only where both are given (a demo is made after it)."""
+    if scorer.model == DEMO:
+        demos = DEMO_SCORERS[scorer.key].models  # the preflight checked that the task has one
+        model = _demo_model(Path(cfg.run.cache_dir).expanduser(), *demos[cfg.task.name])
+    else:
+        model = Path(scorer.model)
     if scorer.key == "teacher":
-        check_tokenizers(policy_hf(cfg), made)
-    return made
+        check_tokenizers(policy_hf(cfg), model)
+    return model
 
 
 def policy_hf(cfg: RunConfig) -> Path:

@@ -256,11 +256,13 @@ def test_renormalising_over_a_kept_set_is_exact_where_the_top_ids_cover_it():
     assert gap[2] == pytest.approx(np.logaddexp(-2.0, -2.0) - -2.0)
 
 
-def test_a_teacher_with_another_tokenizer_or_without_a_distillation_loss_is_refused(teacher_dir, tmp_path):
+def test_a_teacher_with_another_tokenizer_or_without_a_distillation_loss_is_refused(teacher_dir, demo_cache, tmp_path):
     """The teacher scores the student's token ids: a tokenizer that maps a token to another id is refused naming the
-    token; a teacher without trainer.loss.distill, or the loss without a teacher, is refused naming the other key."""
+    token, given models or the demo student's (once made, before the teacher's engines start); a teacher without
+    trainer.loss.distill, or the loss without a teacher, is refused naming the other key."""
     from moerl.errors import ConfigError
-    from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.config import load_config, scorers
+    from moerl.orchestrator.model_cache import prepare_scorer_model
     from moerl.orchestrator.preflight import check_tokenizers
 
     student = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "student")
@@ -273,6 +275,11 @@ def test_a_teacher_with_another_tokenizer_or_without_a_distillation_loss_is_refu
     (other / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ConfigError, match=r"its tokenizer is not the student's .* 2 of the student's \d+ tokens .*'a'"):
         check_tokenizers(student, other)
+    demo_student = load_config(
+        None, [f"run.cache_dir={demo_cache}", f"teacher.model={other}", "trainer.loss.distill.coef=1"]
+    )
+    with pytest.raises(ConfigError, match=r"its tokenizer is not the student's .* 2 of the student's \d+ tokens .*'a'"):
+        prepare_scorer_model(demo_student, scorers(demo_student)[0])
     with pytest.raises(ConfigError, match="set trainer.loss.distill.coef > 0"):
         load_config(None, [f"teacher.model={teacher_dir}"])
     with pytest.raises(ConfigError, match="distillation learns from a teacher; set teacher.model"):
