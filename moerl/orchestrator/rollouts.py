@@ -440,9 +440,9 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
 def scoring_metrics(groups: list[Group]) -> dict[str, float]:
     """With a reward model: the requests its replicas took for the step's groups, those asked again after a replica
     failed, the mean seconds a group's scoring took, and the mean model score and task reward of a scored response.
-    With a teacher: its requests and retries alike, the seconds its scoring of the step's groups took (summed over the
-    groups, which it scores as each finishes, overlapping generation) and their share of the groups' seconds from issue
-    to scored, and where kept sets are renormalised the share of the actions whose kept set its top ids covered
+    With a teacher: its requests and retries alike, the generation workers lost under its requests, the seconds its
+    scoring of the step's groups took (summed over the groups, which it scores as each finishes, overlapping generation)
+    and their share of the groups' seconds from issue to scored, and where kept sets are renormalised the share of the actions whose kept set its top ids covered
     (``distill/kept_set_exact``) and the mean bound of the renormalisation's error (``distill/kept_set_gap``)."""
     counts: Counter = Counter()
     for g in groups:
@@ -460,6 +460,7 @@ def scoring_metrics(groups: list[Group]) -> dict[str, float]:
         metrics |= {
             "teacher_engines/requests": float(counts["teacher_engines/requests"]),
             "teacher_engines/retries": float(counts["teacher_engines/retries"]),
+            "teacher_engines/workers_lost": float(counts["teacher_engines/workers_lost"]),
             "distill/teacher_seconds": float(counts["teacher_engines/seconds"]),
             "distill/teacher_share": counts["teacher_engines/seconds"] / max(sum(g.seconds for g in groups), 1e-9),
         }

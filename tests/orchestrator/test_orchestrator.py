@@ -1122,6 +1122,7 @@ def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_c
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1]["teacher_engines/restarts"] == 1
     for r in rows:
         assert r["teacher_engines/requests"] - r["teacher_engines/retries"] == r["rollout/samples"]
+        assert r["teacher_engines/workers_lost"] == 0
         assert r["distill/teacher_logprob_mean"] < 0 and r["distill/topk_kl"] >= 0
         assert math.isfinite(r["distill/reverse_kl"]) and 0 <= r["distill/kept_set_exact"] <= 1
         assert 0 <= r["distill/kept_set_gap"] < math.inf
