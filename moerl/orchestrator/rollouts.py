@@ -442,8 +442,9 @@ def scoring_metrics(groups: list[Group]) -> dict[str, float]:
     failed, the mean seconds a group's scoring took, and the mean model score and task reward of a scored response.
     With a teacher: its requests and retries alike, the generation workers lost under its requests, the seconds its
     scoring of the step's groups took (summed over the groups, which it scores as each finishes, overlapping generation)
-    and their share of the groups' seconds from issue to scored, and where kept sets are renormalised the share of the actions whose kept set its top ids covered
-    (``distill/kept_set_exact``) and the mean bound of the renormalisation's error (``distill/kept_set_gap``)."""
+    and their share of the groups' seconds from issue to scored, and where kept sets are renormalised the share of the
+    actions whose kept set its top ids covered (``distill/kept_set_exact``) and the mean bound of the renormalisation's
+    error (``distill/kept_set_gap``)."""
     counts: Counter = Counter()
     for g in groups:
         counts.update(g.scoring or {})
