@@ -157,7 +157,7 @@ def start_scorer_engines(
             continue
         server = served_by(e)
         offset = placement.gpu_offset(taken) if torch.cuda.is_available() else 0
-        taken += e.replicas * e.gpus_per_replica
+        taken += scorer.gpus
         log_dir = run_dir / "logs" / scorer.key
         pool = EnginePool(
             pool_config(e, str(model), server, log_dir, offset, weights_cpu_backup=placement.scorer_weights_on_host)

@@ -442,6 +442,7 @@ def check(cfg: RunConfig) -> None:
     problems += filter_problems(r)
     problems += reward_problems(cfg)
     problems += teacher_problems(cfg)
+    problems += scorer_engine_problems(cfg)
     problems += colocation_problems(cfg)
     problems += episode_problems(cfg)
     problems += simulation_problems(cfg)
@@ -488,11 +489,6 @@ def reward_problems(cfg: RunConfig) -> list[str]:
         problems.append("reward.judge_max_new_tokens must be >= 1")
     if cfg.simulation.profile is not None:
         problems.append("reward.model in a simulation: simulated engines serve no reward model")
-    server = served_by(w.engines)
-    if server == "embedded" and w.engines.gpus_per_replica != 1 and not w.engines.urls:
-        problems.append(
-            f"reward.engines.gpus_per_replica={w.engines.gpus_per_replica}: the embedded engine serves on one device"
-        )
     return problems
 
 
@@ -517,11 +513,16 @@ def teacher_problems(cfg: RunConfig) -> list[str]:
         )
     if cfg.simulation.profile is not None:
         problems.append("teacher.model in a simulation: simulated engines serve no teacher")
-    if served_by(t.engines) == "embedded" and t.engines.gpus_per_replica != 1 and not t.engines.urls:
-        problems.append(
-            f"teacher.engines.gpus_per_replica={t.engines.gpus_per_replica}: the embedded engine serves on one device"
-        )
     return problems
+
+
+def scorer_engine_problems(cfg: RunConfig) -> list[str]:
+    """What the scorers' replicas the job starts need of their server: the embedded engine serves on one device."""
+    return [
+        f"{s.key}.engines.gpus_per_replica={s.engines.gpus_per_replica}: the embedded engine serves on one device"
+        for s in started_scorers(cfg)
+        if served_by(s.engines) == "embedded" and s.engines.gpus_per_replica != 1
+    ]
 
 
 @dataclass(frozen=True)
@@ -537,6 +538,11 @@ class Scorer:
     def started(self) -> bool:
         """Whether the job starts its replicas (not given by URL)."""
         return not self.engines.urls
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs its replicas take."""
+        return self.engines.replicas * self.engines.gpus_per_replica
 
 
 def scorers(cfg: RunConfig) -> list[Scorer]:

@@ -123,7 +123,7 @@ class MemoryPlan:
             )
         for s in self.scorers:
             where = (
-                f"{s.gpus} GPU(s) of their own, beside the trainer's and the engines'"
+                f"{s.scorer.gpus} GPU(s) of their own, beside the trainer's and the engines'"
                 if self.colocated is None
                 else "on the trainer's GPUs, released while it trains (its weights kept in host memory)"
             )
@@ -402,7 +402,7 @@ def _colocation_problems(cfg: RunConfig, placement: Placement, c: Colocation, de
         )
     for scorer in started_scorers(cfg) if placement.scorers_on_trainer_gpus(cfg) else []:
         w, key = scorer.engines, scorer.key
-        if w.replicas * w.gpus_per_replica > c.ranks:
+        if scorer.gpus > c.ranks:
             problems.append(
                 f"colocated {key} engines take {w.replicas} x {w.gpus_per_replica} GPUs, more than the {c.ranks} "
                 f"trainer ranks' GPUs they share: lower {key}.engines.replicas or {key}.engines.gpus_per_replica"

@@ -62,11 +62,6 @@ class ScorerMemory:
     weights: float  # bytes of weights on each of its GPUs
     static: float  # the static memory SGLang takes on each: a fraction of what is free when it starts
 
-    @property
-    def gpus(self) -> int:
-        e = self.scorer.engines
-        return e.replicas * e.gpus_per_replica
-
 
 @dataclass
 class Colocation:
@@ -185,7 +180,7 @@ class Separate(Placement):
         return False
 
     def scorer_gpus(self, cfg: RunConfig) -> int:
-        return sum(s.engines.replicas * s.engines.gpus_per_replica for s in started_scorers(cfg))
+        return sum(s.gpus for s in started_scorers(cfg))
 
 
 class Colocated(Placement):
@@ -294,7 +289,7 @@ class Colocated(Placement):
             push=trainer_weights + engine_weights + (cfg.sync.bucket_mb << 20) + released + TRAINER_RESIDENT_BYTES,
             ranks=world,
             # each scorer GPU's weights (a replica's over its GPUs), kept in host memory while released
-            scorer_backup=sum(s.weights * s.gpus for s in scorers),
+            scorer_backup=sum(s.weights * s.scorer.gpus for s in scorers),
         )
 
 

@@ -284,3 +284,11 @@ def test_a_teacher_with_another_tokenizer_or_without_a_distillation_loss_is_refu
         load_config(None, [f"teacher.model={teacher_dir}"])
     with pytest.raises(ConfigError, match="distillation learns from a teacher; set teacher.model"):
         load_config(None, ["trainer.loss.distill.coef=1"])
+    with pytest.raises(
+        ConfigError, match="teacher.engines.gpus_per_replica=2: the embedded engine serves on one device"
+    ):
+        load_config(
+            None,
+            [f"teacher.model={teacher_dir}", "trainer.loss.distill.coef=1"]
+            + ["teacher.engines.server=embedded", "teacher.engines.gpus_per_replica=2"],
+        )
