@@ -15,6 +15,11 @@ With a teacher (on-policy distillation), each response token also carries the te
 token before it (the history the student saw at that turn), at temperature 1: over the whole vocabulary, renormalised
 over the token's kept set where there is one, and, where a top-k term is asked for, the teacher's top-k ids and their
 log-probs. Context rows hold 0.0 (ids 0), as the behaviour log-probs do.
+
+With process rewards, a response is cut into steps (an episode's turns, or a single-turn response's text at a
+separator: :mod:`moerl.rewards.process`): ``step_ends`` holds where each step ends (exclusive response positions,
+rising, the last at ``R``; every step holds at least one action), ``step_rewards`` each step's score. A step is its
+tokens from the last step's end, so context before a turn belongs to that turn's step; only actions are scored.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ class Sample:
     teacher_selected_logprobs: np.ndarray | None = None
     teacher_top_ids: np.ndarray | None = None  # int32 [R, k]: the teacher's k most likely ids at each response token
     teacher_top_logprobs: np.ndarray | None = None  # float32 [R, k]: their log-probs (full vocabulary)
+    step_ends: np.ndarray | None = None  # int64 [S]: where each step ends (None: the response is one step)
+    step_rewards: np.ndarray | None = None  # float32 [S]: each step's score (None: no step scores)
 
     @property
     def prompt_len(self) -> int:
@@ -130,6 +137,7 @@ class Sample:
             if value is not None and value.shape != (r,):
                 raise SampleError(f"{name} has shape {value.shape}, expected ({r},) (one per response token)")
         self._validate_teacher_top()
+        self._validate_steps()
         if self.episode is not None and self.episode < 0:
             raise SampleError(f"episode must be >= 0 (or None: an episode of its own), got {self.episode}")
         actions = self._validated_actions()
@@ -158,6 +166,36 @@ class Sample:
                 )
         if self.teacher_logprobs is None and (ids is not None or self.teacher_selected_logprobs is not None):
             raise SampleError("a teacher's top-k or kept-set log-probs come with its teacher_logprobs")
+
+    @property
+    def steps(self) -> np.ndarray:
+        """int64 [S]: :attr:`step_ends`, or the whole response as one step."""
+        return np.array([self.response_len], dtype=np.int64) if self.step_ends is None else self.step_ends
+
+    def step_of_actions(self) -> np.ndarray:
+        """int64 [actions]: the step each action belongs to."""
+        return self.at_actions(np.searchsorted(self.steps, np.arange(self.response_len), side="right"))
+
+    def _validate_steps(self) -> None:
+        ends, rewards = self.step_ends, self.step_rewards
+        if ends is not None:
+            if (
+                ends.ndim != 1
+                or not len(ends)
+                or ends[-1] != self.response_len
+                or np.any(np.diff(ends) <= 0)
+                or ends[0] < 1
+            ):
+                raise SampleError(
+                    f"step_ends must rise strictly from >= 1 to the response's length {self.response_len}, got "
+                    f"{ends.tolist()[:8]}"
+                )
+            starts = np.concatenate([[0], ends[:-1]])
+            acted = np.add.reduceat(self.actions.astype(np.int64), starts)
+            if np.any(acted == 0):
+                raise SampleError(f"step {int(np.argmin(acted))} holds no action (a step is scored at its actions)")
+        if rewards is not None and rewards.shape != (len(self.steps),):
+            raise SampleError(f"step_rewards has shape {rewards.shape}, expected ({len(self.steps)},) (one per step)")
 
     def _validated_actions(self) -> np.ndarray:
         """:attr:`actions`, once the loss mask and the versions agree with it."""

@@ -125,3 +125,16 @@ def hub_grads(hf_model) -> dict[str, torch.Tensor]:
         else:
             grads[name] = g
     return grads
+
+
+def assert_hf_grads(grads: dict[str, torch.Tensor], hf_model) -> None:
+    """Megatron-named ``grads`` (a trainer's step) are ``hf_model``'s own gradients, mapped by moerl's TensorRules."""
+    from moerl.models import family_for
+
+    family = family_for(hf_model.config.to_dict())
+    cfg = family.normalize(hf_model.config.to_dict())
+    hub = hub_grads(hf_model)
+    expected = {r.mcore: family.to_mcore(r, [hub[n] for n in r.hf], cfg) for r in family.all_rules(cfg)}
+    assert set(grads) == set(expected)
+    for name, g in expected.items():
+        assert (grads[name] - g).norm() <= 1e-4 * g.norm() + 1e-7, name

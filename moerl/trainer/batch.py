@@ -11,6 +11,7 @@ packed order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,7 +119,7 @@ class MicroBatch:
     seq: torch.Tensor  # int64 [T]: sample index within the micro-batch
     temperature: torch.Tensor  # float32 [T]: the sampling temperature of the token's sample
     weights: torch.Tensor  # float32 [T]: aggregation weight over the global batch
-    advantages: torch.Tensor  # float32 [T]
+    advantages: torch.Tensor  # float32 [T]: each action's (its sample's outcome advantage, or its own: process credit)
     behaviour: torch.Tensor  # float32 [T]: engine log-probs (full vocab, or over the kept set with masks)
     versions: torch.Tensor  # int64 [T]
     fed_lengths: list[int]
@@ -308,7 +309,7 @@ def prefix_tree(fed_lengths: list[int], shared: list[int]) -> tuple[list[_Segmen
 
 def build_micro_batch(
     samples: list[Sample],
-    advantages: list[float],
+    advantages: Sequence[float | np.ndarray],
     weights: list[float],
     multiple: int,
     use_masks: bool,
@@ -318,7 +319,8 @@ def build_micro_batch(
     teacher_top_k: int | None = None,
 ) -> MicroBatch:
     """One padded (or ``packed``) micro-batch; ``s`` is a multiple of ``multiple`` (the TP size, for
-    sequence parallelism). ``use_masks``: every sample carries kept sets; ``routed_experts``: every sample carries
+    sequence parallelism). ``advantages``: each sample's, one value for all its actions or (process credit) float32
+    [actions], one per action. ``use_masks``: every sample carries kept sets; ``routed_experts``: every sample carries
     routing, and the model has this many routed experts, over which the padding's routing is spread
     (:func:`padding_routing`); None: no routing (checked where the batch is planned,
     :class:`~moerl.trainer.distribute.BatchDistributor`). ``shared`` (packed only): per sample, the tokens of its
@@ -360,7 +362,7 @@ def build_micro_batch(
         seq.append(np.full(t, b))
         temps.append(np.full(t, s.temperature, dtype=np.float32))
         w.append(np.full(t, weights[b], dtype=np.float32))
-        adv.append(np.full(t, advantages[b], dtype=np.float32))
+        adv.append(np.broadcast_to(np.asarray(advantages[b], dtype=np.float32), (t,)))
     cat = lambda parts, dtype=torch.long: torch.from_numpy(np.concatenate(parts)).to(dtype)
     if use_masks:
         behaviour = cat([s.at_actions(carried(s.selected_logprobs)) for s in samples], torch.float32)

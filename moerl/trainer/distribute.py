@@ -8,8 +8,10 @@ count without further talk. Then each rank receives, as one flat tensor, only it
 pipeline stage reads: token ids on the first stage (its inputs) and the last (its targets); behaviour log-probs,
 versions and kept sets of the actions on the last, with the loss mask of each sample that has context (a byte per
 response token; single-turn samples send none) and, with distillation on, the teacher's log-prob of each action (over
-its kept set where kept sets travel) and its first ``top_k`` top-k ids and log-probs; routing on every stage that has
-MoE layers, only those layers' columns.
+its kept set where kept sets travel) and its first ``top_k`` top-k ids and log-probs, and, with process credit on
+(``trainer.loss.credit``), each action's advantage, which rank 0 computes from the step rewards
+(:func:`~moerl.trainer.objectives.process_advantages`; the plan keeps each sample's outcome advantage); routing on every
+stage that has MoE layers, only those layers' columns. An outcome-only run sends no per-action advantages.
 Tensor-parallel peers of a replica receive the same samples: rank 0 sends them once, point to point, to the
 TP group's first rank, which broadcasts them within the group. So a rank's host memory for routing is
 proportional to its own tokens and layers, and nothing batch-sized goes to every rank; rank 0's device holds at
@@ -45,8 +47,8 @@ _PLAN_ROWS = ("prompt_len", "response_len", "advantage", "weight", "temperature"
 # prompt, an episode's history before a fork), then an instalment with context (agent episodes) each sample's action
 # count
 # the header's flags: kept sets travel; the plan has the actions row; the teacher's log-probs travel (its top-k
-# columns, maybe 0, in the header's last slot)
-_MASKS, _CONTEXT, _TEACHER = 1, 2, 4
+# columns, maybe 0, in the header's last slot); each action's advantage travels (process credit)
+_MASKS, _CONTEXT, _TEACHER, _PROCESS = 1, 2, 4, 8
 _HEADER = 6  # status, n (or an interlude's kind), routing dtype code, routing topk, flags, the teacher's top-k
 _ALIGN = 8
 # Rank 0's payloads for the other ranks wait on its GPU (NCCL sends from there) at most this many bytes at a time,
@@ -85,7 +87,7 @@ class LocalInstalment:
 
     # this replica's shard in instalment order; arrays its stage does not read are zeros made here
     samples: list[Sample]
-    advantages: np.ndarray  # float64, per local sample
+    advantages: np.ndarray  # float64, per local sample: its outcome advantage
     weights: np.ndarray  # float64, per local sample: its part of the aggregation
     shard_lengths: list[list[int]]  # fed lengths of every replica's shard: all ranks agree on the micro-batch count
     action_counts: np.ndarray  # of every sample of the instalment: the step's normaliser counts them all
@@ -97,6 +99,13 @@ class LocalInstalment:
     # global rank 0, trainer.shared_prompt: the instalment's shared prefixes' positions whose routing differs between
     # samples
     prompt_disagreements: int = 0
+    # process credit, last stage: per local sample, float32 [actions], each action's advantage (None: each sample's
+    # advantage holds for all its actions)
+    token_advantages: list[np.ndarray] | None = None
+
+    def advantage(self, i: int) -> float | np.ndarray:
+        """Local sample ``i``'s advantage: per action where those travel, else its one value."""
+        return float(self.advantages[i]) if self.token_advantages is None else self.token_advantages[i]
 
 
 def _finish(tensor: torch.Tensor, request: dist.Work) -> int:
@@ -117,10 +126,12 @@ def _fields(
     masks: bool,
     skips: np.ndarray,
     teacher: int | None = None,
+    process: bool = False,
 ) -> list[_Field]:
     """``(name, dtype, shape)`` of each array a rank with ``needs`` receives for the samples of these lengths;
     ``skips``: the prompt tokens each shares with the sample before it, whose ids and routing it does not send;
-    ``teacher``: the teacher's top-k columns that travel with its log-probs (None: no teacher)."""
+    ``teacher``: the teacher's top-k columns that travel with its log-probs (None: no teacher); ``process``: each
+    action's advantage travels."""
     fields: list[_Field] = []
     sent = prompt - skips  # prompt tokens sent per sample
     if needs.ids:
@@ -140,6 +151,8 @@ def _fields(
                 ("teacher_top_ids", np.dtype(np.int32), (tokens, teacher)),
                 ("teacher_top_logprobs", np.dtype(np.float32), (tokens, teacher)),
             ]
+        if process:
+            fields.append(("advantages", np.dtype(np.float32), (tokens,)))
         context = actions < response
         if context.any():
             fields.append(("loss_mask", np.dtype(np.uint8), (int(response[context].sum()),)))
@@ -173,7 +186,16 @@ def _spans(fields: list[_Field]) -> tuple[list[tuple[int, int]], int]:
     return spans, offset
 
 
-def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool, skips: np.ndarray) -> np.ndarray:
+def _pack(
+    samples: list[Sample],
+    needs: Needs,
+    fields: list[_Field],
+    masks: bool,
+    skips: np.ndarray,
+    advantages: list[np.ndarray] | None = None,
+) -> np.ndarray:
+    """The payload of ``fields`` for ``samples``; ``advantages``: each sample's per-action advantages, where they
+    travel."""
     spans, total = _spans(fields)
     buffer = np.zeros(total, dtype=np.uint8)
     skip = skips.tolist()  # a shared prefix's tokens, sent once
@@ -194,6 +216,9 @@ def _pack(samples: list[Sample], needs: Needs, fields: list[_Field], masks: bool
             ]
         elif name in ("teacher_top_ids", "teacher_top_logprobs"):  # the first k columns of what a sample holds
             parts = [s.at_actions(carried(getattr(s, name))[:, : shape[1]]) for s in samples]
+        elif name == "advantages":
+            assert advantages is not None, "the advantages field travels only with per-action advantages"
+            parts = advantages
         elif name == "loss_mask":  # the samples with context (as _fields counts them)
             parts = [carried(s.loss_mask) for s in samples if s.action_count < s.response_len]
         else:
@@ -213,6 +238,24 @@ def _spread(values: np.ndarray, loss_mask: np.ndarray | None, fill: float) -> np
     return out
 
 
+def _arrays(buffer: np.ndarray, fields: list[_Field]) -> dict[str, np.ndarray]:
+    """Each field of a payload, by name: views into ``buffer``."""
+    spans, _ = _spans(fields)
+    return {
+        name: buffer[start:end].view(dtype).reshape(shape)
+        for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True)  # a span per field
+    }
+
+
+def _token_advantages(buffer: np.ndarray, fields: list[_Field], actions: np.ndarray) -> list[np.ndarray] | None:
+    """Per sample of a payload, its actions' advantages (``actions``: each one's count), where they travel; else
+    None."""
+    arrays = _arrays(buffer, fields)
+    if "advantages" not in arrays:
+        return None
+    return np.split(arrays["advantages"], np.cumsum(actions)[:-1])
+
+
 def _unpack(
     buffer: np.ndarray,
     fields: list[_Field],
@@ -223,11 +266,7 @@ def _unpack(
     skips: np.ndarray,
 ) -> list[Sample]:
     """The samples of a payload; each takes its first ``skips`` prompt tokens (ids, routing) from the one before it."""
-    spans, _ = _spans(fields)
-    arrays = {
-        name: buffer[start:end].view(dtype).reshape(shape)
-        for (name, dtype, shape), (start, end) in zip(fields, spans, strict=True)  # a span per field
-    }
+    arrays = _arrays(buffer, fields)
     sent = prompt - skips
     ids_at = np.concatenate([[0], np.cumsum(sent + response)])
     actions_at = np.concatenate([[0], np.cumsum(actions)])
@@ -357,7 +396,7 @@ class BatchDistributor:
             self._header(_INTERLUDE, instalment.kind)
             return instalment
         try:  # everything that can fail, before any rank is told an instalment is coming
-            plan, routing, masks, teacher = self._plan(instalment)
+            plan, routing, masks, teacher, process = self._plan(instalment)
             lengths, shards = self._lengths(plan)
             # (fields, payload); tensor-parallel peers read the same: packed once
             packed: dict[Needs, tuple[list[_Field], np.ndarray]] = {}
@@ -366,13 +405,27 @@ class BatchDistributor:
                     shard = shards[needs.dp_rank]
                     prompt, response, kept, actions = lengths[:, shard]
                     skips = self._skips(plan, shard)
-                    fields = _fields(needs, prompt, response, kept, actions, routing, masks, skips, teacher)
-                    packed[needs] = fields, _pack([instalment[i] for i in shard], needs, fields, masks, skips)
+                    fields = _fields(
+                        needs, prompt, response, kept, actions, routing, masks, skips, teacher, process is not None
+                    )
+                    advantages = None if process is None else [process[i] for i in shard]
+                    packed[needs] = (
+                        fields,
+                        _pack([instalment[i] for i in shard], needs, fields, masks, skips, advantages),
+                    )
             payloads = [packed[needs][1] for needs in self.everyone]
         except BaseException:
             self._header(_FAILED)
             raise
-        self._header(_PIECE, len(instalment), routing, masks, context=len(plan) > self.actions_row, teacher=teacher)
+        self._header(
+            _PIECE,
+            len(instalment),
+            routing,
+            masks,
+            context=len(plan) > self.actions_row,
+            teacher=teacher,
+            process=process is not None,
+        )
         if arriving is not None:
             arriving()
         dist.broadcast(torch.from_numpy(plan).to(collective_device()), 0)
@@ -407,10 +460,12 @@ class BatchDistributor:
             self.staged_peak = max(self.staged_peak, staged)
         return in_flight
 
-    def _plan(self, instalment: list[Sample]) -> tuple[np.ndarray, tuple | None, bool, int | None]:
+    def _plan(
+        self, instalment: list[Sample]
+    ) -> tuple[np.ndarray, tuple | None, bool, int | None, list[np.ndarray] | None]:
         """(the plan [rows, n] float64, routing (dtype, topk) or None, whether kept sets travel, the teacher's top-k
-        columns that travel with its log-probs or None: no teacher). The plan has the actions row only where some
-        sample has context."""
+        columns that travel with its log-probs or None: no teacher, each sample's per-action advantages or None: no
+        process credit). The plan has the actions row only where some sample has context."""
         if not instalment:
             raise ValueError("an empty instalment of a batch")
         if len(instalment) < self.dp_size:
@@ -450,6 +505,8 @@ class BatchDistributor:
         advantages = objectives.grpo_advantages(
             rewards, groups, loss.std_normalize, episodes=[s.episode for s in instalment]
         )
+        # process credit: each action's own advantage, from the outcome's and the step rewards; to the last stage
+        process = objectives.process_advantages(instalment, advantages, loss) if loss.credit.process else None
         rows = [
             np.array([s.prompt_len for s in instalment], dtype=np.float64),
             response.astype(np.float64),
@@ -462,7 +519,7 @@ class BatchDistributor:
             rows.append(np.array(_shared_prefixes(instalment), dtype=np.float64))
         if np.any(actions < response):  # single-turn instalments keep the plan's bytes as they were
             rows.append(actions.astype(np.float64))
-        return np.stack(rows), routing, masks, teacher
+        return np.stack(rows), routing, masks, teacher, process
 
     def _teacher(self, instalment: list[Sample], masks: bool) -> int | None:
         """The teacher's top-k columns that travel with its log-probs (0: none), where distillation is on (else None),
@@ -494,9 +551,10 @@ class BatchDistributor:
         masks: bool = False,
         context: bool = False,
         teacher: int | None = None,
+        process: bool = False,
     ) -> None:
         code = -1 if routing is None else [np.dtype(d) for d in ROUTING_DTYPES].index(np.dtype(routing[0]))
-        flags = _MASKS * masks | _CONTEXT * context | _TEACHER * (teacher is not None)
+        flags = _MASKS * masks | _CONTEXT * context | _TEACHER * (teacher is not None) | _PROCESS * process
         header = torch.tensor(
             [status, n, code, routing[1] if routing else 0, flags, teacher or 0],
             dtype=torch.int64,
@@ -525,7 +583,18 @@ class BatchDistributor:
         prompt, response, kept, actions = lengths[:, shards[self.needs.dp_rank]]
         skips = self._skips(plan, shards[self.needs.dp_rank])
         teacher = teacher_k if flags & _TEACHER else None
-        fields = _fields(self.needs, prompt, response, kept, actions, routing, bool(flags & _MASKS), skips, teacher)
+        fields = _fields(
+            self.needs,
+            prompt,
+            response,
+            kept,
+            actions,
+            routing,
+            bool(flags & _MASKS),
+            skips,
+            teacher,
+            bool(flags & _PROCESS),
+        )
         payload = torch.empty(_spans(fields)[1], dtype=torch.uint8, device=collective_device())
         if self.rank == self.tp_first:
             dist.recv(payload, 0)
@@ -586,4 +655,5 @@ class BatchDistributor:
             action_counts=actions,
             routing=routing is not None,
             received=received,
+            token_advantages=_token_advantages(payload, fields, actions[shard]),
         )

@@ -19,6 +19,11 @@ On-policy distillation adds a fourth, the teacher's log-prob of each action (:cl
 KL to the proximal policy joins the advantage (:func:`distill_advantages`), so clipping, the corrections and the
 aggregation treat it as the reward's; and a top-k term compares the two policies over the teacher's most likely ids
 (:func:`topk_reverse_kl`).
+
+Process rewards (:class:`CreditConfig`) score each step of a response: a credit rule maps a sample's group-normalised
+step rewards to each step's value, added (weighted) to the outcome advantage at that step's actions
+(:func:`process_advantages`), so the advantage varies along the response; the rest of the loss reads it per token as
+it reads the outcome's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 
 from moerl.choices import ConfigError, check_choices
 from moerl.plugins import Registry, callable_problem
+from moerl.sample import Sample
 
 KLEstimator = Literal["k1", "k3"]
 LOG_RATIO_BOUND = 20.0  # |log r| before exp: e^20 is finite in fp32 even times any advantage
@@ -45,6 +51,9 @@ PolicyLoss = Callable[
 ]
 # (log old/behaviour [T], detached, seq, num_seqs, cfg) -> per-token weight [T].
 Correction = Callable[[torch.Tensor, torch.Tensor, int, "LossConfig"], torch.Tensor]
+# One sample's group-normalised step rewards, float64 [S] -> each step's value [S] (added to the outcome advantage at
+# the step's actions).
+CreditRule = Callable[[np.ndarray], np.ndarray]
 
 
 class Aggregation(Protocol):
@@ -65,6 +74,7 @@ def _aggregation_problem(entry: Any) -> str | None:
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("trainer.loss.policy_loss", callable_problem)
 CORRECTIONS: Registry[Correction] = Registry("trainer.loss.correction", callable_problem)
 AGGREGATIONS: Registry[Aggregation] = Registry("trainer.loss.aggregation", _aggregation_problem)
+CREDITS: Registry[CreditRule] = Registry("trainer.loss.credit.rule", callable_problem)
 
 
 @dataclass
@@ -100,6 +110,26 @@ class DistillConfig:
 
 
 @dataclass
+class CreditConfig:
+    """How step rewards (process rewards) join the outcome advantage (``trainer.loss.credit.*``)."""
+
+    # a name in CREDITS ("outcome": the outcome advantage alone; "sum", "min": process credit), or
+    # package.module:function
+    rule: str = "outcome"
+    weight: float = 1.0  # the process term's weight beside the outcome advantage
+
+    @property
+    def process(self) -> bool:
+        """The samples must carry step rewards, and each action takes its own advantage."""
+        return self.rule != "outcome"
+
+    def __post_init__(self):
+        CREDITS.check(self.rule)
+        if not self.weight >= 0:
+            raise ConfigError(f"trainer.loss.credit.weight must be >= 0, got {self.weight}")
+
+
+@dataclass
 class LossConfig:
     policy_loss: str = "ppo"  # a name in POLICY_LOSSES, or package.module:function
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
@@ -119,6 +149,7 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     distill: DistillConfig = field(default_factory=DistillConfig)
+    credit: CreditConfig = field(default_factory=CreditConfig)
 
     def __post_init__(self):
         check_choices(self, "loss")
@@ -169,6 +200,72 @@ def grpo_advantages(
         advantages = centred / (episode_rewards.std() + eps) if std_normalize else centred
         out[members] = advantages[np.searchsorted(heads, owner)]
     return out.astype(np.float32)
+
+
+@CREDITS.register("outcome")
+def outcome_credit(step_values: np.ndarray) -> np.ndarray:
+    """No process term: each action takes its sample's outcome advantage."""
+    return np.zeros_like(step_values)
+
+
+@CREDITS.register("sum")
+def sum_credit(step_values: np.ndarray) -> np.ndarray:
+    """DeepSeekMath's process supervision (arXiv 2402.03300, 4.1.3): a step's value is the sum of its own and every
+    later step's normalised reward (a return with no discount)."""
+    return np.cumsum(step_values[::-1])[::-1]
+
+
+@CREDITS.register("min")
+def min_credit(step_values: np.ndarray) -> np.ndarray:
+    """PURE's min-form credit (arXiv 2504.15275): a step's value is the worst normalised reward of its own and every
+    later step. A sum rewards many steps that each score well, which a policy learns to hack; the minimum does not."""
+    return np.minimum.accumulate(step_values[::-1])[::-1]
+
+
+def process_advantages(samples: Sequence[Sample], outcome: np.ndarray, cfg: LossConfig) -> list[np.ndarray]:
+    """Per sample, float32 [actions]: its ``outcome`` advantage plus ``credit.weight`` times its action's step value.
+    Step rewards are normalised over every step of every sample of the group (its population std, plus 1e-6, divides
+    them with ``std_normalize``), then the credit rule gives each step's value; the "outcome" rule reads no step
+    rewards."""
+    credit = cfg.credit
+    rule = CREDITS.load(credit.rule)
+    if credit.process:
+        lacking = [i for i, s in enumerate(samples) if s.step_rewards is None]
+        if lacking:
+            raise ValueError(
+                f"{len(lacking)} sample(s) carry no step rewards (at {lacking[:8]}, of groups "
+                f"{sorted({samples[i].group_id for i in lacking})[:8]}): "
+                f"trainer.loss.credit.rule={credit.rule} needs step rewards (a process reward model "
+                "reward.process.model, a reward function returning step scores, or an environment scoring turns)"
+            )
+        steps = _normalised_step_rewards(samples, cfg.std_normalize)
+    else:
+        steps = [np.zeros(len(s.steps)) for s in samples]
+    out = []
+    for s, advantage, normalised in zip(samples, np.asarray(outcome, dtype=np.float64), steps, strict=True):
+        values = np.asarray(rule(normalised), dtype=np.float64)
+        if values.shape != normalised.shape:
+            raise ValueError(
+                f"trainer.loss.credit.rule={credit.rule} gave shape {values.shape} for {len(normalised)} steps "
+                "(one value per step)"
+            )
+        out.append((advantage + credit.weight * values[s.step_of_actions()]).astype(np.float32))
+    return out
+
+
+def _normalised_step_rewards(samples: Sequence[Sample], std_normalize: bool, eps: float = 1e-6) -> list[np.ndarray]:
+    """Each sample's step rewards (float64), centred on the mean over all its group's steps and, with
+    ``std_normalize``, divided by their population std (plus ``eps``): DeepSeekMath's normalisation."""
+    rewards = [np.asarray(s.step_rewards, dtype=np.float64) for s in samples]
+    groups = np.array([s.group_id for s in samples])
+    out: list[np.ndarray] = [np.empty(0)] * len(samples)
+    for g in np.unique(groups):
+        members = np.flatnonzero(groups == g).tolist()
+        pooled = np.concatenate([rewards[i] for i in members])
+        scale = pooled.std() + eps if std_normalize else 1.0
+        for i in members:
+            out[i] = (rewards[i] - pooled.mean()) / scale
+    return out
 
 
 def aggregation_weights(lengths: np.ndarray, aggregation: str, max_response_len: int | None = None) -> np.ndarray:
@@ -344,7 +441,7 @@ def distill_advantages(
     """Per-token advantages [T]: ``reward_weight * A + coef * (teacher - old)``, the k1 estimate of the reverse KL
     to the teacher (slime's OPD, A - coef * (log p_student - log p_teacher)), the log-ratio clamped to
     +-LOG_RATIO_BOUND (a teacher all but excluding a token). A constant: no gradient. ``teacher`` None: the reward's
-    alone."""
+    alone. ``advantages`` is per token: the outcome's, or with process credit each action's own."""
     out = cfg.reward_weight * advantages
     if teacher is not None and cfg.coef:
         out = out + cfg.coef * (teacher - old).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)

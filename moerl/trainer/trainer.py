@@ -6,7 +6,9 @@ forward-only pass scoring the proximal ("old") policy; a forward-backward pass o
 an optimizer step. Both passes route as configured (off / R2 / R3) and score over the kept sets when
 sampling-mask replay is on, so the actions are scored under the function that sampled them. With on-policy
 distillation (``trainer.loss.distill``) the teacher's log-probs the samples carry join the objective
-(:func:`~moerl.trainer.objectives.distill_advantages`, :func:`~moerl.trainer.objectives.topk_reverse_kl`).
+(:func:`~moerl.trainer.objectives.distill_advantages`, :func:`~moerl.trainer.objectives.topk_reverse_kl`). With
+process credit (``trainer.loss.credit``) each action takes its own advantage, computed on global rank 0
+(:func:`~moerl.trainer.objectives.process_advantages`) and carried to the loss's stage.
 """
 
 from __future__ import annotations
@@ -305,7 +307,7 @@ class Trainer(TrainerLike):
         def build(g: list[int], zero: bool = False) -> MicroBatch:
             return build_micro_batch(
                 [samples[i] for i in g],
-                [0.0 if zero else float(instalment.advantages[i]) for i in g],
+                [0.0 if zero else instalment.advantage(i) for i in g],
                 [0.0 if zero else float(instalment.weights[i]) for i in g],
                 multiple=self.layout.tp,
                 use_masks=use_masks,

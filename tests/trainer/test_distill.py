@@ -365,8 +365,7 @@ def test_pure_distillation_trains_on_the_teacher_while_every_reward_is_equal(tin
     """reward_weight 0, every reward equal (GRPO's advantage 0), a teacher off the student by known noise: at ratio 1
     the loss is coef times the k1 reverse KL, which is minus the noise's mean, and the gradient is transformers' of
     -coef * (teacher - student) * log p over the actions, token-mean."""
-    from moerl.models import family_for
-    from tests.conftest import hub_grads
+    from tests.conftest import assert_hf_grads
     from tests.trainer.distill_workers import step_with_teacher
 
     hf_dir, mcore_dir = tiny_ckpts[ARCH]
@@ -397,11 +396,4 @@ def test_pure_distillation_trains_on_the_teacher_while_every_reward_is_equal(tin
         advantage = coef * (torch.from_numpy(s.teacher_logprobs) - student.detach())
         loss = loss - (advantage * student)[actions].sum() / count
     loss.backward()
-    family = family_for(model.config.to_dict())
-    hf_cfg = family.normalize(model.config.to_dict())
-    hub = hub_grads(model)
-    expected = {r.mcore: family.to_mcore(r, [hub[n] for n in r.hf], hf_cfg) for r in family.all_rules(hf_cfg)}
-    grads = out["grads"]
-    assert set(grads) == set(expected)
-    for name, g in expected.items():
-        assert (grads[name] - g).norm() <= 1e-4 * g.norm() + 1e-7, name
+    assert_hf_grads(out["grads"], model)
