@@ -14,13 +14,13 @@ from aiohttp import web
 from moerl.checkpoint.hf import read_config
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
-from moerl.engines.embedded.classifier import ClassifierEngine, build_classifier_app
+from moerl.engines.embedded.classifier import ClassifierEngine, ProcessRewardEngine, build_classifier_app
 from moerl.engines.embedded.engine import EmbeddedEngine
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS
 from moerl.engines.embedded.server import build_app
 from moerl.engines.simulated import SimulatedEngine
 from moerl.errors import ConfigError, MoerlError
-from moerl.models import is_classifier
+from moerl.models import is_classifier, is_process_reward_model
 from moerl.simulation import Profile
 
 log = logging.getLogger("moerl.serve")
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         help="local HF model directory (with --simulate: its config and tokenizer, in place of the profile's); a "
-        "sequence-classification model is served as a reward model, at /classify",
+        "sequence-classification model is served as a reward model, at /classify; a token-classification one as a "
+        "process reward model, at /step_scores",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -91,7 +92,8 @@ def _app(engine: Served) -> web.Application:
 
 
 def _engines(args: argparse.Namespace) -> list[Served]:
-    """One engine per port served: a model that generates, a simulated one, or a reward model."""
+    """One engine per port served: a model that generates, a simulated one, a reward model or a process reward
+    model."""
     if args.ports and not args.simulate:
         raise ConfigError(
             "--ports serves several simulated replicas: it needs --simulate (a model's engine serves on --port)"
@@ -112,9 +114,13 @@ def _engines(args: argparse.Namespace) -> list[Served]:
             SimulatedEngine(profile, model, args.time_scale, args.sampling_mask_max_tokens, args.prefix_cache_tokens)
             for _ in args.ports or [args.port]
         ]
-    if is_classifier(read_config(model).get("architectures") or []):
+    architectures = read_config(model).get("architectures") or []
+    if is_classifier(architectures):
         # a reward model: /classify
         return [ClassifierEngine(model, MODEL_DTYPES[args.dtype], args.device, args.enable_weights_cpu_backup)]
+    if is_process_reward_model(architectures):
+        # a process reward model: /step_scores
+        return [ProcessRewardEngine(model, MODEL_DTYPES[args.dtype], args.device, args.enable_weights_cpu_backup)]
     return [
         EmbeddedEngine(
             model,

@@ -325,6 +325,13 @@ class EngineClient:
         answers = await self._call(url, P.CLASSIFY, P.ClassifyReqInput(input_ids=input_ids))
         return [answer["embedding"] for answer in answers]
 
+    async def step_scores_on(self, url: str, input_ids: list[list[int]], step_token_id: int) -> list[list[float]]:
+        """A process reward model's score of each step of each input (moerl's /step_scores: at each ``step_token_id``
+        of the input, in order, p(label 1)), from the embedded engine at ``url``."""
+        request = P.StepScoresReqInput(input_ids=input_ids, step_token_id=step_token_id)
+        answers = await self._call(url, P.STEP_SCORES, request)
+        return [answer["scores"] for answer in answers]
+
     async def read_on(self, url: str, request: P.GenerateReqInput, routing_start: int) -> list[Completion]:
         """One /generate on ``url``, carried by a generation worker where its answer may be large (past
         :data:`CARRY_ELSEWHERE_BYTES`), else read and decoded here; no retry, no health accounting. Raises

@@ -27,7 +27,7 @@ from moerl.engines.client import health
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from moerl.engines.sglang import sglang_problem
 from moerl.env import child_env, die_with_parent, free_ports, group_left
-from moerl.models import is_classifier
+from moerl.models import SGLANG_PRM_GAP, is_classifier, is_process_reward_model
 
 log = logging.getLogger("moerl.engines")
 # How often a start asks its replicas for /health: a replica is used this soon after it answers (a refused connection
@@ -67,8 +67,11 @@ class EnginePoolConfig:
 
 def server_args(cfg: EnginePoolConfig, port: int, cuda: bool = True) -> list[str]:
     """``sglang.launch_server`` arguments of the replica serving on ``port``, on GPUs or (``cuda`` false) the CPU. A
-    sequence classifier is served at /classify; a MoE model returns its routing."""
+    sequence classifier is served at /classify; a MoE model returns its routing. Never a process reward model, which
+    config refuses on SGLang (:data:`~moerl.models.SGLANG_PRM_GAP`): a ValueError here."""
     model = read_config(cfg.model_path)
+    if is_process_reward_model(model.get("architectures") or []):
+        raise ValueError(f"{cfg.model_path} is a process reward model: {SGLANG_PRM_GAP}")
     args = [
         "--model-path",
         cfg.model_path,

@@ -5,7 +5,8 @@ out of range is refused with the field named), and its answer's shape. The embed
 these types, the client builds its bodies with them, and tests check them against SGLang's own types.
 Field names, defaults and encodings are SGLang's (``sglang/srt/managers/io_struct.py``,
 ``sglang/srt/sampling/sampling_params.py``); what depends on the served model (ids inside the vocabulary,
-the context length) is checked by :func:`check_generate`.
+the context length) is checked by :func:`check_generate`. One route is moerl's own, served by its embedded engine
+only: ``/step_scores``, a process reward model's per-step scores (SGLang has no per-token head).
 """
 
 from __future__ import annotations
@@ -461,6 +462,29 @@ class ClassifyResponse(TypedDict):
     meta_info: dict[str, Any]  # id, prompt_tokens
 
 
+class StepScoresReqInput(WireModel):
+    """/step_scores, moerl's own route (SGLang 0.5.23 serves no per-token head): a process reward model's score of each
+    step of each input, in the Qwen2.5-Math-PRM convention. Each step of a response ends with ``step_token_id`` (the
+    step separator, e.g. ``<extra_0>``); the answer, one per input, is :class:`StepScoresResponse`."""
+
+    input_ids: list[list[int]]
+    step_token_id: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _inputs(self) -> StepScoresReqInput:
+        if not 1 <= len(self.input_ids) <= MAX_N:
+            raise ValueError(f"a batch holds 1 to {MAX_N} inputs, not {len(self.input_ids)}")
+        if empty := [i for i, ids in enumerate(self.input_ids) if not ids]:
+            raise ValueError(f"input_ids[{empty[0]}] is empty")
+        return self
+
+
+class StepScoresResponse(TypedDict):
+    # At each position of the input holding step_token_id, in order: p(label 1), the softmax over the head's 2 labels
+    # (a 1-label head: the sigmoid of its logit). An input without a step token: [].
+    scores: list[float]
+
+
 class GetWeightsByNameReqInput(WireModel):
     name: str = Field(min_length=1)
     truncate_size: int = Field(default=100, ge=1)
@@ -539,6 +563,7 @@ class Route:
 
 GENERATE = Route("/generate", "POST")
 CLASSIFY = Route("/classify", "POST")
+STEP_SCORES = Route("/step_scores", "POST")  # moerl's own: the embedded engine serving a process reward model
 HEALTH = Route("/health", "GET")
 MODEL_INFO = Route("/model_info", "GET")
 SERVER_INFO = Route("/server_info", "GET")

@@ -62,14 +62,30 @@ def unserved_classifier(architectures: list[str]) -> str | None:
     return f"{named[0]} is not among the sequence classifiers SGLang serves at /classify ({served})"
 
 
+def is_process_reward_model(architectures: list[str]) -> bool:
+    """Whether a model of these architectures is a process reward model: transformers' own token classifier
+    (``*ForTokenClassification``, 1 or 2 labels), scoring each step of a response at its step separator. moerl's
+    embedded engine serves it at ``/step_scores``; SGLang cannot (:data:`SGLANG_PRM_GAP`)."""
+    return any(a.endswith("ForTokenClassification") for a in architectures)
+
+
+# Why a process reward model is not served on SGLang, in one line for config's refusal to quote.
+SGLANG_PRM_GAP = (
+    "SGLang 0.5.23 serves no per-token head: its reward models pool one score per sequence (last, CLS or mean token); "
+    "a process reward model is served by moerl's embedded engine (reward.process.engines.server=embedded)"
+)
+
+
 __all__ = [
     "CLASSIFIERS",
     "FAMILIES",
+    "SGLANG_PRM_GAP",
     "ModelFamily",
     "ModelShape",
     "TensorRule",
     "family_for",
     "is_classifier",
+    "is_process_reward_model",
     "model_shape",
     "unserved_classifier",
 ]

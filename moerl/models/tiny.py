@@ -53,6 +53,10 @@ TINY_QWEN3_REWARD: dict[str, object] = dict(
     num_labels=1,
 )
 
+# A process reward model: the reward model's body with a head on every token, 2 labels (Qwen2.5-Math-PRM's: the score
+# of a step is p(label 1) at its separator). transformers' token classifier head has a bias (token_classification_bias).
+TINY_QWEN3_PRM: dict[str, object] = TINY_QWEN3_REWARD | {"num_labels": 2}
+
 
 def _tiny(architecture: str, **overrides):
     """The transformers class of ``architecture`` and its tiny config."""
@@ -61,6 +65,7 @@ def _tiny(architecture: str, **overrides):
         Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForSequenceClassification,
+        Qwen3ForTokenClassification,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -70,6 +75,8 @@ def _tiny(architecture: str, **overrides):
         "Qwen2MoeForCausalLM": (Qwen2MoeConfig, Qwen2MoeForCausalLM, TINY_QWEN2),
         # a reward model: one score a sequence, from its last token
         "Qwen3ForSequenceClassification": (Qwen3Config, Qwen3ForSequenceClassification, TINY_QWEN3_REWARD),
+        # a process reward model: a score at every token, read at each step's separator
+        "Qwen3ForTokenClassification": (Qwen3Config, Qwen3ForTokenClassification, TINY_QWEN3_PRM),
     }
     config_cls, model_cls, base = classes[architecture]
     config = config_cls(**{**base, **overrides})
@@ -79,7 +86,8 @@ def _tiny(architecture: str, **overrides):
 
 def tiny_param_count(architecture: str, **overrides) -> int:
     """How many parameters :func:`save_tiny_hf` saves for ``architecture`` (its config changed by ``overrides``; a
-    classifier's ``score.bias`` included, see :func:`save_model`), counted without making its weights."""
+    sequence classifier's ``score.bias`` included, see :func:`save_model`; a token classifier's is a parameter of its
+    own), counted without making its weights."""
     model_cls, config = _tiny(architecture, **overrides)
     with torch.device("meta"):
         count = sum(p.numel() for p in model_cls(config).parameters())
@@ -207,7 +215,8 @@ def save_tiny_hf(
 
 def save_model(model, out: str | Path, max_shard_size: str | None = None) -> None:
     """``model.save_pretrained(out)``; a sequence classifier's score head gets a zero ``score.bias`` in the
-    checkpoint, which transformers' head lacks and ignores, and SGLang's has (left random without it)."""
+    checkpoint, which transformers' head lacks and ignores, and SGLang's has (left random without it). A token
+    classifier's head has its bias in transformers already, saved as is."""
     model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if model.config.architectures[0].endswith("ForSequenceClassification"):
         from safetensors.torch import load_file, save_file
