@@ -113,6 +113,8 @@ class _SampleDraft:
     rows: int = 0  # routing rows so far: positions [0, rows)
     actions: int = 0  # model tokens in the response
     finish_reason: str = ""  # the engine's, of its last turn
+    step_ends: list[int] = field(default_factory=list)  # where each turn's output ends in the response: its steps
+    step_scores: list[float] = field(default_factory=list)  # each step's score from the environment (0.0: none given)
 
     def stream(self) -> list[int]:
         return self.prompt + self.response
@@ -178,6 +180,7 @@ class Episode:
         self._lock = asyncio.Lock()  # one turn at a time: each extends the stream the last one left
         self._draft = _SampleDraft(list(prompt_ids))
         self._closed: list[_SampleDraft] = []
+        self._turn_scored = False  # score_turn was called: the samples carry step scores
 
     # ---- turns ----------------------------------------------------------------------------------------------------
     @property
@@ -191,6 +194,16 @@ class Episode:
     def stream(self) -> list[int]:
         """The current sample's tokens: what the next turn feeds, before its new context."""
         return self._draft.stream()
+
+    def score_turn(self, score: float) -> None:
+        """The environment's score of the last turn that generated tokens (a tool call that failed, a sub-goal
+        reached): that turn's step reward (process rewards, :mod:`moerl.rewards.process`). Turns never scored count
+        0.0 once any turn of the episode is; a turn scored again takes the new score."""
+        draft = next((d for d in (self._draft, *reversed(self._closed)) if d.step_ends), None)
+        if draft is None:
+            raise EpisodeError("score_turn before any turn generated a token: there is no turn to score")
+        draft.step_scores[-1] = float(score)
+        self._turn_scored = True
 
     async def generate(self, new_ids: Sequence[int] = (), **sampling_overrides: Any) -> list[int]:
         """Token level: append ``new_ids`` as context, generate one turn, append its output; the output ids."""
@@ -436,6 +449,9 @@ class Episode:
         draft.response.extend(c.output_ids.tolist())
         draft.loss_mask.extend([1] * n)
         draft.actions += n
+        if n:
+            draft.step_ends.append(len(draft.response))
+            draft.step_scores.append(0.0)
         draft.logprobs.append(c.logprobs.astype(np.float32))
         draft.versions.append(versions)
         self.stats.model_tokens += n
@@ -443,8 +459,8 @@ class Episode:
     # ---- samples --------------------------------------------------------------------------------------------------
     def samples(self, reward: float, temperature: float) -> list[Sample]:
         """One validated sample per stream that holds an action (the original, then each fork), each with ``reward``,
-        the group id and the episode index. Context after a stream's last action is left out (nothing follows it to
-        learn)."""
+        the group id and the episode index, its turns as its steps (and their scores, where the environment gave any).
+        Context after a stream's last action is left out (nothing follows it to learn)."""
         return [self._sample(draft, reward, temperature) for draft in (*self._closed, self._draft) if draft.actions]
 
     def _sample(self, draft: _SampleDraft, reward: float, temperature: float) -> Sample:
@@ -478,4 +494,6 @@ class Episode:
             group_id=self.group_id,
             episode=self.index,
             finish_reason=draft.finish_reason,
+            step_ends=np.asarray(draft.step_ends, np.int64),
+            step_rewards=np.asarray(draft.step_scores, np.float32) if self._turn_scored else None,
         ).validate()

@@ -121,6 +121,29 @@ class RewardEngineSection(EngineSection):
 
 
 @dataclass
+class ProcessEngineSection(EngineSection):
+    """The process reward model's replicas (``reward.process.engines``): moerl's embedded engine serves them (SGLang
+    0.5.23 serves no per-token head)."""
+
+    server: Server = "embedded"
+
+    def __post_init__(self) -> None:
+        check_choices(self, "reward.process.engines")
+
+
+@dataclass
+class ProcessSection:
+    """Process rewards (:mod:`moerl.rewards.process`): how a single-turn response is cut into steps (an episode's
+    are its turns), and a process reward model served by engines of its own that scores every step;
+    ``trainer.loss.credit`` says how step scores become token advantages."""
+
+    separator: str = "\n\n"  # a step of a single-turn response ends at each one
+    model: str | None = None  # its HF directory (a *ForTokenClassification); demo: the task's tiny one; null: none
+    engines: ProcessEngineSection = field(default_factory=ProcessEngineSection)
+    step_token: str = "<extra_0>"  # what the model reads after each step: one token of its tokenizer
+
+
+@dataclass
 class RewardSection:
     """A reward model served by engines of its own (:mod:`moerl.rewards`), scored as each group finishes;
     its score and the task's reward make the reward by ``combine``."""
@@ -135,6 +158,7 @@ class RewardSection:
     judge_prompt: str = DEFAULT_JUDGE_PROMPT
     verdict: str = "last_number"
     judge_max_new_tokens: int = 32
+    process: ProcessSection = field(default_factory=ProcessSection)
 
     def __post_init__(self) -> None:
         check_choices(self, "reward")
@@ -442,6 +466,7 @@ def check(cfg: RunConfig) -> None:
     problems += filter_problems(r)
     problems += reward_problems(cfg)
     problems += teacher_problems(cfg)
+    problems += process_problems(cfg)
     problems += scorer_engine_problems(cfg)
     problems += colocation_problems(cfg)
     problems += episode_problems(cfg)
@@ -516,6 +541,23 @@ def teacher_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def process_problems(cfg: RunConfig) -> list[str]:
+    """What process rewards need: a separator, and engines that can serve the process reward model."""
+    from moerl.models import SGLANG_PRM_GAP
+
+    w = cfg.reward.process
+    problems = [] if w.separator else ["reward.process.separator is empty: a step needs something to end it"]
+    if w.model is None:
+        return problems
+    if not w.step_token:
+        problems.append("reward.process.step_token is empty: the model reads one token after each step")
+    if served_by(w.engines) == "sglang":
+        problems.append(f"reward.process.engines.server=sglang: {SGLANG_PRM_GAP}")
+    if cfg.simulation.profile is not None:
+        problems.append("reward.process.model in a simulation: simulated engines serve no process reward model")
+    return problems
+
+
 def scorer_engine_problems(cfg: RunConfig) -> list[str]:
     """What the scorers' replicas the job starts need of their server: the embedded engine serves on one device."""
     return [
@@ -528,9 +570,10 @@ def scorer_engine_problems(cfg: RunConfig) -> list[str]:
 @dataclass(frozen=True)
 class Scorer:
     """A model served beside the policy that scores its samples and takes no weight update: the reward model
-    (``reward``) or the teacher (``teacher``), by the config section it comes from."""
+    (``reward``), the process reward model (``reward.process``) or the teacher (``teacher``), by the config section it
+    comes from."""
 
-    key: str  # the section: reward | teacher
+    key: str  # the section: reward | reward.process | teacher
     model: str  # as configured (a directory, or demo)
     engines: EngineSection
 
@@ -547,7 +590,12 @@ class Scorer:
 
 def scorers(cfg: RunConfig) -> list[Scorer]:
     """The run's scorers, reward model first: the order their pools start in and take GPUs in."""
-    sections = (("reward", cfg.reward.model, cfg.reward.engines), ("teacher", cfg.teacher.model, cfg.teacher.engines))
+    w = cfg.reward
+    sections = (
+        ("reward", w.model, w.engines),
+        ("reward.process", w.process.model, w.process.engines),
+        ("teacher", cfg.teacher.model, cfg.teacher.engines),
+    )
     return [Scorer(key, model, engines) for key, model, engines in sections if model is not None]
 
 

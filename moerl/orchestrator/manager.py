@@ -28,6 +28,7 @@ import logging
 import uuid
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -59,6 +60,7 @@ from moerl.rewards import Rewarder
 from moerl.rewards.combine import COMBINATIONS, Combination
 from moerl.rewards.judge import Judge, Judging
 from moerl.rewards.model import Classifier, Replicas, RewardModel
+from moerl.rewards.process import ProcessRewardModel, ProcessRewards, StepCutter
 from moerl.rewards.teacher import Teacher
 from moerl.simulation import Profile
 from moerl.tasks import PromptStream
@@ -106,6 +108,17 @@ def teacher(cfg: RunConfig, served: ServedModel | None, workers: GenerationWorke
         kept_top=cfg.rollout.top_k,
         workers=workers,
     )
+
+
+def process_rewards(cfg: RunConfig, served: ServedModel | None, tokenizer: Any) -> ProcessRewards:
+    """The run's steps (cut at ``reward.process.separator`` with the policy's ``tokenizer``) and its process reward
+    model on its engines (``served``; None without one)."""
+    w = cfg.reward.process
+    cutter = StepCutter(tokenizer, w.separator)
+    model = None
+    if served is not None:
+        model = ProcessRewardModel(served.model, replicas_of(w.engines, served.urls), w.step_token, cutter)
+    return ProcessRewards(cutter, model, cut_all=cfg.trainer.loss.credit.process)
 
 
 class RolloutManager:
@@ -158,6 +171,7 @@ class RolloutManager:
             rewarder,
             load_filter(self.r.filter_groups),
             teacher(cfg, spec.scorers.get("teacher"), self.client.workers),
+            process_rewards(cfg, spec.scorers.get("reward.process"), tokenizer),
         )
 
     def _agent(self) -> Agent | None:

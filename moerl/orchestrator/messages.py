@@ -89,7 +89,8 @@ class GroupDone:
     # An agentic group: its episodes' counts summed (EpisodeStats.metrics: turns, tool calls, forks, ...), its episodes
     # and the failed ones by reason (episode/failed_<reason>). None: a single-turn group.
     episodes: dict[str, float] | None = None
-    # With a reward model or a teacher: their requests, retries, seconds and sums for the group (<scorer>_engines/*)
+    # With a reward model, a process reward model or a teacher: their requests, retries, seconds and sums for the group
+    # (<scorer>_engines/*)
     scoring: dict[str, float] | None = None
 
     def oldest_version(self) -> int:

@@ -92,6 +92,7 @@ def preflight(cfg: RunConfig, world: int) -> None:
         check_served_right(cfg.model.path, "model.path", "engines.server=embedded")
     check_task(cfg)
     check_reward(cfg)
+    check_process(cfg)
     check_teacher(cfg)
     profile = simulation_profile(cfg)
     if (model_path := model_dir(cfg, profile)) is not None:
@@ -191,6 +192,23 @@ def check_reward(cfg: RunConfig) -> None:
             f"reward.kind={'discriminative' if classifier else 'generative'}"
         )
     _check_scorer_engines(cfg, "reward")
+
+
+def check_process(cfg: RunConfig) -> None:
+    """The process reward model has a per-token head (the embedded engine serves ``*ForTokenClassification``), and its
+    engines given by URL answer."""
+    from moerl.models import is_process_reward_model
+
+    w = cfg.reward.process
+    if w.model is None:
+        return
+    architectures = _scorer_architectures(cfg, "reward.process")
+    if not is_process_reward_model(architectures):
+        raise ConfigError(
+            f"reward.process.model={w.model} is {', '.join(architectures) or 'no named architecture'}: a process "
+            "reward model scores each step at its step token, a token-classification head (*ForTokenClassification)"
+        )
+    _check_scorer_engines(cfg, "reward.process")
 
 
 def check_teacher(cfg: RunConfig) -> None:

@@ -46,6 +46,7 @@ from moerl.orchestrator.messages import (
     Updating,
     receive_event,
 )
+from moerl.sample import Sample
 from moerl.tasks.filters import reward_varies
 
 WAITING_POLL_S = 0.5  # how often instalments() calls its waiting hook while no group is ready
@@ -434,7 +435,26 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
         }
         | episode_metrics(groups, float((lengths - actions).sum() / lengths.sum()))
         | scoring_metrics(groups)
+        | process_metrics(samples)
     )
+
+
+def process_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Where the samples carry step scores (:mod:`moerl.rewards.process`): steps per sample, the mean step score, and
+    the correlation of each step's score with its sample's outcome reward (Pearson's, over the step's steps; left out
+    where either is constant)."""
+    scored = [(s.step_rewards, s.reward) for s in samples if s.step_rewards is not None]
+    if not scored:
+        return {}
+    steps = np.concatenate([rewards for rewards, _ in scored]).astype(np.float64)
+    outcomes = np.concatenate([np.full(len(rewards), outcome) for rewards, outcome in scored])
+    metrics = {
+        "process/steps_mean": len(steps) / len(scored),
+        "process/step_reward_mean": float(steps.mean()),
+    }
+    if steps.std() > 0 and outcomes.std() > 0:
+        metrics["process/outcome_correlation"] = float(np.corrcoef(steps, outcomes)[0, 1])
+    return metrics
 
 
 def scoring_metrics(groups: list[Group]) -> dict[str, float]:
@@ -444,7 +464,8 @@ def scoring_metrics(groups: list[Group]) -> dict[str, float]:
     scoring of the step's groups took (summed over the groups, which it scores as each finishes, overlapping generation)
     and their share of the groups' seconds from issue to scored, and where kept sets are renormalised the share of the
     actions whose kept set its top ids covered (``distill/kept_set_exact``) and the mean bound of the renormalisation's
-    error (``distill/kept_set_gap``)."""
+    error (``distill/kept_set_gap``). With a process reward model: its requests and retries alike, its seconds per step
+    scored and their share of the groups' seconds."""
     counts: Counter = Counter()
     for g in groups:
         counts.update(g.scoring or {})
@@ -469,6 +490,13 @@ def scoring_metrics(groups: list[Group]) -> dict[str, float]:
             actions = max(counts["teacher_engines/actions"], 1)
             metrics["distill/kept_set_exact"] = counts["teacher_engines/kept_set_exact"] / actions
             metrics["distill/kept_set_gap"] = counts["teacher_engines/kept_set_gap"] / actions
+    if "process_engines/requests" in counts:
+        metrics |= {
+            "process_engines/requests": float(counts["process_engines/requests"]),
+            "process_engines/retries": float(counts["process_engines/retries"]),
+            "process/prm_seconds_per_step": counts["process_engines/seconds"] / max(counts["process_engines/steps"], 1),
+            "process/prm_share": counts["process_engines/seconds"] / max(sum(g.seconds for g in groups), 1e-9),
+        }
     return metrics
 
 

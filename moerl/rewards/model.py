@@ -59,7 +59,7 @@ class ServedScorer:
     async def _ask(self, call: Callable[[str], Awaitable[R]], counts: Stats, affinity: str | None = None) -> R:
         """``call(url)`` on a replica (``affinity`` as :meth:`EngineClient.on_replica` takes it), until one serves
         it."""
-        prefix = f"{self.key}_engines"
+        prefix = f"{self.key.rsplit('.', 1)[-1]}_engines"  # reward.process: process_engines
 
         def failed(error: ReplicaDown) -> None:
             counts[f"{prefix}/requests"] += 1

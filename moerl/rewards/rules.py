@@ -1,7 +1,8 @@
 """The task's reward functions (``task.reward``): the built-in ones, registered here, or ``package.module:function``.
 
 A reward function is ``f(response, answer, prompt) -> float``, plain or ``async``; with ``task.group_reward`` it scores
-a whole group at once, ``f(responses, answer, prompt) -> list[float]``.
+a whole group at once, ``f(responses, answer, prompt) -> list[float]``. In place of a float it may return a
+:class:`~moerl.rewards.score.Score`: the outcome and a score per step of the response (process rewards).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from moerl.plugins import Registry, callable_problem
+from moerl.rewards.score import Score
 
 REWARDS: Registry[Callable[..., Any]] = Registry("task.reward", callable_problem)
 
@@ -48,3 +50,18 @@ def calc(response: str, answer: Any, prompt: str = "") -> float:
     from moerl.tasks.calc import reward
 
     return reward(response, answer, prompt)
+
+
+@REWARDS.register("sums")
+def sums(response: str, answer: Any, prompt: str = "") -> float:
+    from moerl.tasks.sums import reward
+
+    return reward(response, answer, prompt)
+
+
+@REWARDS.register("sums_steps")
+def sums_steps(response: str, answer: Any, prompt: str = "") -> Score:
+    """The sums task's outcome and each step's exact score (a rule's process reward)."""
+    from moerl.tasks.sums import step_reward
+
+    return step_reward(response, answer, prompt)

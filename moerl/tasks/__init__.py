@@ -2,8 +2,9 @@
 
 A task is a list of records ``{"prompt": str, "answer": ...}`` and a reward function. Built in:
 ``tiny`` (the CPU demo's addition task), ``calc`` (the CPU agent demo's: products to compute with a
-calculator tool), ``gsm8k`` (grade-school math checked by math-verify; a small sample ships, point
-``path`` at the full set), and ``file`` (local jsonl or parquet, with the reward named in config).
+calculator tool), ``sums`` (the CPU process-reward demo's: running sums written a step a line), ``gsm8k``
+(grade-school math checked by math-verify; a small sample ships, point ``path`` at the full set), and ``file`` (local
+jsonl or parquet, with the reward named in config).
 Prompts are served in a seeded order that reshuffles every epoch, addressed by a global index, so a
 run can be resumed from a position and in-flight prompts re-issued exactly.
 """
@@ -20,14 +21,15 @@ import numpy as np
 from moerl.choices import ConfigError, check_choices
 
 DATA_DIR = Path(__file__).parent / "data"
-TaskName = Literal["tiny", "calc", "gsm8k", "file"]
+TaskName = Literal["tiny", "calc", "sums", "gsm8k", "file"]
 # task -> its default reward
-TASKS: dict[TaskName, str] = {"tiny": "tiny", "calc": "calc", "gsm8k": "math", "file": "exact"}
+TASKS: dict[TaskName, str] = {"tiny": "tiny", "calc": "calc", "sums": "sums", "gsm8k": "math", "file": "exact"}
 # The CPU demos' tiny models (run without model.path), each warmed up on its task's format once and cached:
 # task -> (its directory in run.cache_dir, what builds it)
 DEMO_MODELS: dict[TaskName, tuple[str, str]] = {
     "tiny": ("tiny-qwen3-moe-addition-v2", "moerl.tasks.tiny:save_warm_tiny_model"),
     "calc": ("tiny-qwen3-moe-calc-v3", "moerl.tasks.calc:save_warm_calc_model"),
+    "sums": ("tiny-qwen3-moe-sums-v1", "moerl.tasks.sums:save_warm_sums_model"),
 }
 DEMO = "demo"  # a scorer's model (reward.model, teacher.model): the task's demo one
 
@@ -48,6 +50,12 @@ DEMO_SCORERS: dict[str, DemoScorers] = {
     "reward": DemoScorers(
         {"tiny": ("tiny-qwen3-reward-addition-v2", "moerl.tasks.tiny:save_tiny_reward_model")},
         "Qwen3ForSequenceClassification",
+        all_sparse=False,
+    ),
+    # a tiny token classifier trained on the task's right and wrong steps, each followed by its step token
+    "reward.process": DemoScorers(
+        {"sums": ("tiny-qwen3-prm-sums-v2", "moerl.tasks.sums:save_tiny_prm")},
+        "Qwen3ForTokenClassification",
         all_sparse=False,
     ),
     # the demo model's architecture and tokenizer, trained longer on right answers only, so that it is better at the
@@ -122,6 +130,10 @@ def load_records(cfg: TaskConfig) -> list[dict[str, Any]]:
         from moerl.tasks import calc
 
         return calc.records()
+    if cfg.name == "sums":
+        from moerl.tasks import sums
+
+        return sums.records()
     path = cfg.path or DATA_DIR / "gsm8k_sample.jsonl"  # gsm8k without a path: the shipped sample
     return read_records(path, cfg.prompt_key, cfg.answer_key)
 

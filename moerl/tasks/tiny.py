@@ -10,6 +10,7 @@ reward starts low but above zero, and what RL then improves is correctness, not 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,17 +31,29 @@ def reward(response: str, answer: str, prompt: str = "") -> float:
 
 def warm_up(model, tokenizer, steps: int = 150, correct_fraction: float = 0.3, seed: int = 0, lr: float = 3e-3) -> None:
     """Supervised format training: each example's answer is right with ``correct_fraction``, else a random sum."""
-    rng = random.Random(seed)
     items = records()
+
+    def answer(rng: random.Random, item: dict) -> str:
+        return item["answer"] if rng.random() < correct_fraction else str(rng.randrange(2 * DIGITS - 1))
+
+    fit_answers(model, tokenizer, items, answer, steps, seed, lr)
+
+
+def fit_answers(
+    model, tokenizer, items: list[dict], answer: Callable[[random.Random, dict], str], steps: int, seed: int, lr: float
+) -> None:
+    """Supervised training on ``answer(rng, item)`` after each of ``items``' prompts and the end token, 32 a step, the
+    loss on the answers alone: a demo model's format warm-up."""
+    rng = random.Random(seed)
     eos = tokenizer.eos_token_id
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
         batch = []
         for item in rng.choices(items, k=32):
-            answer = item["answer"] if rng.random() < correct_fraction else str(rng.randrange(2 * DIGITS - 1))
+            text = answer(rng, item)
             prompt = tokenizer(item["prompt"], add_special_tokens=False)["input_ids"]
-            full = prompt + tokenizer(answer, add_special_tokens=False)["input_ids"] + [eos]
+            full = prompt + tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
             batch.append((full, len(prompt)))
         width = max(len(f) for f, _ in batch)
         ids = torch.full((len(batch), width), eos)
@@ -76,7 +89,7 @@ def save_warm_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     """A tiny Qwen3-MoE with its tokenizer, warmed up on the task's format, as a HF directory."""
     from transformers import AutoModelForCausalLM
 
-    return _save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm_up, out_dir, seed, **ALL_SPARSE)
+    return save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm_up, out_dir, seed, **ALL_SPARSE)
 
 
 def save_tiny_teacher(out_dir: str | Path, seed: int = 1) -> Path:
@@ -87,7 +100,7 @@ def save_tiny_teacher(out_dir: str | Path, seed: int = 1) -> Path:
     def warm(model, tokenizer, seed: int) -> None:
         warm_up(model, tokenizer, steps=600, correct_fraction=1.0, seed=seed)
 
-    return _save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm, out_dir, seed, **ALL_SPARSE)
+    return save_warmed("Qwen3MoeForCausalLM", AutoModelForCausalLM, warm, out_dir, seed, **ALL_SPARSE)
 
 
 def reward_examples(rng: random.Random, k: int, tokenizer) -> list[tuple[list[int], float]]:
@@ -129,12 +142,12 @@ def save_tiny_reward_model(out_dir: str | Path, seed: int = 0) -> Path:
     wrong ones, as a HF directory: the CPU demo's reward model (``reward.model=demo``)."""
     from transformers import AutoModelForSequenceClassification
 
-    return _save_warmed(
+    return save_warmed(
         "Qwen3ForSequenceClassification", AutoModelForSequenceClassification, warm_up_reward_model, out_dir, seed
     )
 
 
-def _save_warmed(architecture: str, auto_class, warm, out_dir: str | Path, seed: int, **overrides) -> Path:
+def save_warmed(architecture: str, auto_class, warm, out_dir: str | Path, seed: int, **overrides) -> Path:
     """A tiny model of ``architecture`` (its config changed by ``overrides``) saved to ``out_dir``, loaded by
     ``auto_class``, ``warm(model, tokenizer, seed=seed)`` and saved again."""
     from transformers import AutoTokenizer

@@ -250,3 +250,44 @@ def test_moerl_serve_serves_a_process_reward_model_by_its_architecture(prm_dir, 
                 return await client.step_scores_on(url, inputs, step_id)
 
         assert asyncio.run(go()) == expected
+
+
+def test_a_groups_steps_are_scored_by_the_process_reward_model_as_a_direct_forward_scores_them(prm_dir, engine):
+    """moerl.rewards.process end to end: each sample's response cut at its separator, its steps' texts read by the
+    process reward model as the Qwen2.5-Math-PRM convention lays them out (the prompt, then each step and its step
+    token, through the chat template), one request for the group; each step's score is the direct forward's."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from moerl.engines.embedded.classifier import build_classifier_app
+    from moerl.rewards.model import Replicas, Stats
+    from moerl.rewards.process import ProcessRewardModel, ProcessRewards, StepCutter
+    from moerl.sample import Sample
+
+    policy = AutoTokenizer.from_pretrained(prm_dir)  # the tiny tokenizer (the step token aside)
+    responses = ["4\n6\n6", "11\n3", "7"]  # 3 steps, 2, 1 (a response its budget cut, without a separator)
+    samples = []
+    for text in responses:
+        ids = np.array(policy(text, add_special_tokens=False)["input_ids"] + [policy.eos_token_id], np.int32)
+        samples.append(Sample(ids[:1], ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int64)))
+    cutter = StepCutter(policy, "\n")
+
+    async def go():
+        async with serving_app(build_classifier_app(engine)) as url:
+            model = ProcessRewardModel(prm_dir, Replicas([url]), STEP, cutter)
+            process = ProcessRewards(cutter, model, cut_all=False)
+            for sample in samples:
+                process.attach([sample], None, "task.reward=sums")
+            stats = Stats(float)
+            await process.score(samples, "1+3+2+0=", stats)
+            inputs = [model.input_ids("1+3+2+0=", cutter.texts(s)) for s in samples]
+            await process.close()
+            return inputs, stats
+
+    inputs, stats = asyncio.run(go())
+    assert [s.step_ends.tolist() for s in samples] == [[2, 4, 6], [3, 5], [2]]
+    assert [cutter.texts(s) for s in samples] == [["4", "6", "6"], ["11", "3"], ["7"]]
+    expected = _direct(prm_dir, inputs, AutoTokenizer.from_pretrained(prm_dir).convert_tokens_to_ids(STEP))
+    for sample, direct in zip(samples, expected, strict=True):
+        np.testing.assert_allclose(sample.step_rewards, direct.numpy(), rtol=0, atol=1e-6)
+    assert stats["process_engines/requests"] == 1 and stats["process_engines/steps"] == 6

@@ -212,3 +212,31 @@ def test_chats_sent_at_once_run_in_turn_and_a_branch_forks(tokenizer):
     assert a.prompt_ids.tolist() == b.prompt_ids.tolist()
     for sample in (a, b):
         assert_only_seen(sample, engine.calls)
+
+
+def test_an_episodes_turns_are_its_steps_and_its_environment_scores_them(tokenizer):
+    engine = ScriptedEngine(tokenizer, ["first", "second", "third"])
+    episode = episode_of(engine, tokenizer)
+    context = tokenizer("ctx", add_special_tokens=False)["input_ids"]
+    with pytest.raises(EpisodeError, match="no turn to score"):
+        episode.score_turn(1.0)
+
+    async def run():
+        await episode.generate()
+        episode.score_turn(0.5)
+        await episode.generate(context)
+        await episode.generate()  # no context between two turns: each is a step still
+        episode.score_turn(2.0)
+        episode.score_turn(-1.0)  # scored again: the new score
+
+    asyncio.run(run())
+    (sample,) = episode.samples(reward=1.0, temperature=1.0)
+    first, second, third = (len(c.completion.output_ids) for c in engine.calls)
+    ends = [first, first + len(context) + second, first + len(context) + second + third]
+    assert sample.step_ends.tolist() == ends == [*ends[:2], sample.response_len]
+    assert sample.step_rewards.tolist() == [0.5, 0.0, -1.0]  # the turn never scored counts 0
+    assert sample.step_of_actions().tolist() == [0] * first + [1] * second + [2] * third
+    unscored = episode_of(ScriptedEngine(tokenizer, ["only"]), tokenizer)
+    asyncio.run(unscored.generate())
+    (sample,) = unscored.samples(reward=1.0, temperature=1.0)
+    assert sample.step_ends.tolist() == [sample.response_len] and sample.step_rewards is None

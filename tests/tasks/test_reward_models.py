@@ -56,7 +56,7 @@ def test_a_discriminative_models_scores_are_a_direct_forwards_and_combine_with_t
                 expected = [model(torch.tensor([i])).logits[0, 0].item() for i in ids]
             stats = Stats(float)
             rewarder = Rewarder(TaskConfig(reward="exact"), reward_model, rule_times_model)
-            rewards = await rewarder.score(RESPONSES, ANSWER, PROMPT, stats)
+            rewards = [s.outcome for s in await rewarder.score(RESPONSES, ANSWER, PROMPT, stats)]
             await rewarder.close()
             return ids, expected, rewards, stats
 

@@ -25,6 +25,7 @@ from moerl.orchestrator.messages import (
 from moerl.orchestrator.rollouts import RolloutBuffer, RolloutError
 from moerl.rewards import Rewarder
 from moerl.rewards.rules import math
+from moerl.rewards.score import Score
 from moerl.sample import Sample
 from moerl.tasks import PromptStream, TaskConfig, read_records
 
@@ -42,9 +43,8 @@ def test_gsm8k_sample_ships_and_scores_its_own_answers():
     rewarder = Rewarder(TaskConfig(name="gsm8k"))
     record = stream.record(0)
     final = record["answer"].rsplit("####", 1)[1].strip()
-    assert asyncio.run(
-        rewarder.score([f"... so \\boxed{{{final}}}", "no idea"], record["answer"], record["prompt"])
-    ) == [1.0, 0.0]
+    scores = asyncio.run(rewarder.score([f"... so \\boxed{{{final}}}", "no idea"], record["answer"], record["prompt"]))
+    assert [s.outcome for s in scores] == [1.0, 0.0]
 
 
 def test_prompt_stream_is_seeded_reshuffled_per_epoch_and_addressable(tmp_path):
@@ -106,7 +106,9 @@ def rank_group(responses, answer, prompt=""):
 
 
 def test_named_sync_async_and_group_rewards():
-    score = lambda cfg, responses: asyncio.run(Rewarder(cfg).score(responses, "ab", "p"))  # noqa: E731
+    def score(cfg, responses):
+        return [s.outcome for s in asyncio.run(Rewarder(cfg).score(responses, "ab", "p"))]
+
     assert score(TaskConfig(name="tiny", reward="tests.tasks.test_tasks:length_reward"), ["a", "abc"]) == [1.0, 3.0]
     assert score(TaskConfig(name="tiny", reward="tests.tasks.test_tasks:async_reward"), ["ab", "x"]) == [1.0, 0.0]
     assert score(
@@ -139,7 +141,7 @@ def test_remote_verifier_is_called_per_response():
                 await rewarder.close()
 
     rewards, seen = asyncio.run(main())
-    assert rewards == [1.0, 0.0]
+    assert rewards == [Score(1.0), Score(0.0)]
     assert sorted(s["response"] for s in seen) == ["7", "8"] and all(s["prompt"] == "3+4=" for s in seen)
 
 
