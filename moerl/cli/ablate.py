@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
         "--grid", action="append", required=True, metavar="KEY=V1,V2", help="an axis of the grid (repeat for more)"
     )
     p.add_argument("--last", type=int, default=3, help="steps at the end of each run averaged in the table (default 3)")
-    p.add_argument("--keys", nargs="+", default=list(TABLE_KEYS), help="metrics in the table")
+    p.add_argument(
+        "--keys", nargs="+", default=list(TABLE_KEYS), help="metrics in the table (KEY:std: its std over the steps)"
+    )
     p.add_argument(
         "--recipe", default=str(RECIPE), help="the job's launcher (default: this checkout's recipes/qwen_moe_grpo.sh)"
     )

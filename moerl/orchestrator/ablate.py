@@ -63,14 +63,17 @@ def run_name(combo: list[str]) -> str:
 
 
 def table(runs: dict[str, Path], keys: tuple[str, ...], last: int) -> list[str]:
-    """Per run, each metric's mean over its last ``last`` steps (NaN steps left out; "n/a" where there is none)."""
+    """Per run, each metric's mean over its last ``last`` steps (NaN steps left out; "n/a" where there is none); a key
+    ending in ``:std``, the metric's standard deviation over them instead (``train/grad_norm:std``: how much the
+    gradient varies from step to step)."""
     lines = [f"| run | steps | {' | '.join(keys)} |", "|---|---|" + "---|" * len(keys)]
     for name, run_dir in runs.items():
         rows = read_metrics(run_dir)[-last:]
         cells = []
         for key in keys:
-            values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
-            cells.append(f"{np.mean(values):.4g}" if values else "n/a")
+            metric, _, stat = key.partition(":")
+            values = [r[metric] for r in rows if isinstance(r.get(metric), (int, float)) and not math.isnan(r[metric])]
+            cells.append(f"{(np.std if stat == 'std' else np.mean)(values):.4g}" if values else "n/a")
         lines.append(f"| {name} | {rows[-1]['step'] if rows else 0} | {' | '.join(cells)} |")
     return lines
 

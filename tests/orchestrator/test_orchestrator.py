@@ -881,9 +881,11 @@ def test_an_ablation_grid_is_every_combination_the_first_axis_slowest_and_each_r
 
 
 @pytest.mark.e2e
-def test_an_ablation_runs_its_grid_with_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
-    """End to end on two axes, the second with one value (the product itself is the test above): each run gets its
-    combination's overrides, the same first batch, its row in the table and its curve in the overlay."""
+def test_an_ablation_of_credit_rules_runs_each_on_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
+    """End to end, the process-reward demo (the sums task, each step scored by its tiny process reward model on an
+    embedded engine of its own) under each credit rule, the grid's product being the test above: each run gets its
+    rule, the same first batch, its steps scored, its row in the table (a standard deviation column too) and its curve
+    in the overlay."""
     from omegaconf import OmegaConf
 
     out = tmp_path / "ablation"
@@ -900,8 +902,14 @@ def test_an_ablation_runs_its_grid_with_the_same_seeds_and_writes_the_table_and_
                 str(out),
                 "--last",
                 "2",
+                "--keys",
+                "rollout/reward_mean",
+                "process/step_reward_mean",
+                "train/grad_norm:std",
                 *grids,
                 "--",
+                "--config",
+                str(REPO / "recipes" / "qwen_moe_process.yaml"),
                 f"run.cache_dir={cache}",
                 "run.mode=sync",
                 "run.steps=2",
@@ -914,23 +922,28 @@ def test_an_ablation_runs_its_grid_with_the_same_seeds_and_writes_the_table_and_
             cwd=REPO,
         )
 
-    bad = ablate("trainer.replay.routing=off,R4")
+    bad = ablate("trainer.loss.credit.rule=outcome,nope")
     assert (
-        bad.returncode == 2 and "routing-R4" in bad.stdout and "R4" in bad.stdout.splitlines()[-1] and not out.exists()
+        bad.returncode == 2 and "rule-nope" in bad.stdout and "nope" in bad.stdout.splitlines()[-1] and not out.exists()
     )
-    done = ablate("trainer.replay.routing=off,R3", "trainer.replay.sampling_mask=false")
+    done = ablate("trainer.loss.credit.rule=outcome,sum,min")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    names = ["routing-off+sampling_mask-false", "routing-R3+sampling_mask-false"]
+    names = ["rule-outcome", "rule-sum", "rule-min"]
     first_rewards = set()
     for name in names:
         rows = read_metrics(out / name)
         assert [r["step"] for r in rows] == [1, 2]
-        first_rewards.add(rows[0]["rollout/reward_mean"])
-        replay = OmegaConf.load(out / name / "config.yaml").trainer.replay
-        assert name == f"routing-{replay.routing}+sampling_mask-{str(replay.sampling_mask).lower()}"
-    assert len(first_rewards) == 1  # the same seeds and data: every run's first batch is the same rollouts
+        first_rewards.add((rows[0]["rollout/reward_mean"], rows[0]["process/step_reward_mean"]))
+        for row in rows:  # every response cut into its lines, each scored by the process reward model
+            assert row["process/steps_mean"] >= 1 and 0 <= row["process/step_reward_mean"] <= 1
+            assert row["process_engines/requests"] == 2 and row["process_engines/retries"] == 0
+        assert name == f"rule-{OmegaConf.load(out / name / 'config.yaml').trainer.loss.credit.rule}"
+    assert (
+        len(first_rewards) == 1
+    )  # the same seeds and data: every run's first batch is the same rollouts, scored alike
     table = (out / "ablation.md").read_text().splitlines()
     assert [line.split(" | ")[0].lstrip("| ") for line in table[4:]] == names
+    assert all(float(line.rstrip(" |").rsplit(" | ", 1)[1]) >= 0 for line in table[4:])  # the std of the grad norm
     assert (out / "ablation.png").stat().st_size > 10_000
 
 

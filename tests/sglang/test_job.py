@@ -97,10 +97,20 @@ def test_async_over_the_broadcast_survives_its_sglang_server_killed(cache, model
     assert report.ok, report.summary()
 
 
-def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_a_reward_model(cache, model, tmp_path):
+def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_reward_and_process_models(
+    cache, model, tmp_path
+):
+    """SGLang's policy and reward model; beside them a process reward model on the embedded engine (SGLang serves no
+    per-token head), whose step scores the trainer assigns as min-form credit."""
+    from transformers import AutoTokenizer
+
     from moerl.models.tiny import save_tiny_hf
 
     reward = save_tiny_hf("Qwen3ForSequenceClassification", tmp_path / "reward-model")
+    prm = save_tiny_hf("Qwen3ForTokenClassification", tmp_path / "process-reward-model")
+    tokenizer = AutoTokenizer.from_pretrained(prm)
+    tokenizer.add_tokens(["<extra_0>"])
+    tokenizer.save_pretrained(prm)
     steps = 3
     out = job(
         cache,
@@ -111,6 +121,8 @@ def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_a_rewar
         "engines.extra_args=[--max-running-requests,2]",  # a step's rollouts are still running when its update comes
         f"reward.model={reward}",
         "reward.engines.server=sglang",
+        f"reward.process.model={prm}",
+        "trainer.loss.credit.rule=min",
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-6000:]
@@ -120,6 +132,9 @@ def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_a_rewar
     assert all(r["rollout/mixed_version_fraction"] == 0 for r in rows)
     assert all(r["reward_engines/requests"] > 0 for r in rows)
     assert len({round(r["rollout/reward_mean"], 6) for r in rows}) > 1  # the reward model's scores
+    for r in rows:  # every group's steps scored once, in one request to the process reward model
+        assert r["process_engines/requests"] - r["process_engines/retries"] == GROUPS, r
+        assert r["process/steps_mean"] >= 1 and 0 < r["process/step_reward_mean"] < 1, r
     assert accounting(tmp_path / "run")["balanced"]
 
 
