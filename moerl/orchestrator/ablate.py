@@ -87,6 +87,8 @@ def ablate(out: Path, grid: list[str], shared: list[str], recipe: Path, last: in
         raise AblationError(f"{out} is not empty: give a new --out (an ablation's runs start from nothing)")
     if last < 1:
         raise AblationError("--last must be >= 1")
+    if odd := [k for k in keys if k.partition(":")[2] not in ("", "std")]:
+        raise AblationError(f"--keys {' '.join(odd)}: a key is a metric, or a metric and :std (its standard deviation)")
     if any(o.startswith("run.dir=") for o in shared + grid):
         raise AblationError("run.dir is set per run (OUT/<name>): leave it out of the overrides and the grid")
     runs = {run_name(combo): combo for combo in combinations(grid)}

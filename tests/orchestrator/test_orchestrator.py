@@ -880,6 +880,14 @@ def test_an_ablation_grid_is_every_combination_the_first_axis_slowest_and_each_r
             combinations(bad)
 
 
+def test_an_ablation_table_key_is_a_metric_or_a_metric_and_its_std(tmp_path):
+    from moerl.orchestrator.ablate import RECIPE, AblationError, ablate
+
+    with pytest.raises(AblationError, match=r"--keys train/grad_norm:var: a key is a metric, or a metric and :std"):
+        ablate(tmp_path / "out", ["run.seed=0,1"], [], RECIPE, 3, ("train/grad_norm:std", "train/grad_norm:var"))
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.e2e
 def test_an_ablation_of_credit_rules_runs_each_on_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
     """End to end, the process-reward demo (the sums task, each step scored by its tiny process reward model on an
