@@ -302,7 +302,8 @@ class GroupRunner:
         for x in responses:
             score = next(scores) if x.reward is None else Score(x.reward)  # Rewarder.score: one per text
             made = x.samples(score.outcome)
-            if self.process is not None:
-                self.process.attach(made, score.steps, self.rewarder.where)
+            if self.process is not None and self.process.cuts(score.steps):
+                # decoding long responses to cut them: off the event loop
+                await asyncio.to_thread(self.process.attach, made, score.steps, self.rewarder.where)
             samples += made
         return samples

@@ -118,7 +118,7 @@ def process_rewards(cfg: RunConfig, served: ServedModel | None, tokenizer: Any) 
     model = None
     if served is not None:
         model = ProcessRewardModel(served.model, replicas_of(w.engines, served.urls), w.step_token, cutter)
-    return ProcessRewards(cutter, model, cut_all=cfg.trainer.loss.credit.process)
+    return ProcessRewards(cutter, model, credit=cfg.trainer.loss.credit.process)
 
 
 class RolloutManager:

@@ -176,12 +176,17 @@ def check_task(cfg: RunConfig) -> None:
 
 def check_reward(cfg: RunConfig) -> None:
     """The reward model is a model directory of the configured kind, and its engines given by URL answer."""
-    from moerl.models import is_classifier, unserved_classifier
+    from moerl.models import is_classifier, is_process_reward_model, unserved_classifier
 
     w = cfg.reward
     if w.model is None:
         return
     architectures = _scorer_architectures(cfg, "reward")
+    if is_process_reward_model(architectures):
+        raise ConfigError(
+            f"reward.model={w.model} is a process reward model ({', '.join(architectures)}), one score a step: "
+            "serve it as reward.process.model"
+        )
     if problem := unserved_classifier(architectures):
         raise ConfigError(f"reward.model={w.model}: {problem}")
     classifier = is_classifier(architectures)
@@ -208,22 +213,40 @@ def check_process(cfg: RunConfig) -> None:
             f"reward.process.model={w.model} is {', '.join(architectures) or 'no named architecture'}: a process "
             "reward model scores each step at its step token, a token-classification head (*ForTokenClassification)"
         )
+    if w.model != DEMO:  # a demo is made later, and checked where it is loaded
+        from transformers import AutoTokenizer
+
+        from moerl.checkpoint.hf import read_config
+
+        config = read_config(w.model)
+        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        if labels not in (1, 2):
+            raise ConfigError(
+                f"reward.process.model={w.model} has {labels} labels: a process reward model's head has 2 (p(correct) "
+                "of their softmax) or 1 (its sigmoid)"
+            )
+        ids = AutoTokenizer.from_pretrained(w.model)(w.step_token, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise ConfigError(
+                f"reward.process.step_token={w.step_token!r} is {len(ids)} tokens in {w.model}'s tokenizer; it must be "
+                "one: name the token its training put after each step"
+            )
     _check_scorer_engines(cfg, "reward.process")
 
 
 def check_teacher(cfg: RunConfig) -> None:
     """The teacher is a generative model with the student's tokenizer (where both are given: a demo's is checked once
     made, before the engines start), and its engines given by URL answer."""
-    from moerl.models import is_classifier
+    from moerl.models import is_classifier, is_process_reward_model
 
     t = cfg.teacher
     if t.model is None:
         return
     architectures = _scorer_architectures(cfg, "teacher")
-    if is_classifier(architectures):
+    if is_classifier(architectures) or is_process_reward_model(architectures):
         raise ConfigError(
-            f"teacher.model={t.model} is a sequence-classification model ({', '.join(architectures)}): a teacher "
-            "scores tokens, so it is a causal language model"
+            f"teacher.model={t.model} is a classifier ({', '.join(architectures)}): a teacher scores tokens, so it is "
+            "a causal language model"
         )
     if t.model != DEMO and (student := model_dir(cfg, simulation_profile(cfg))) is not None:
         check_tokenizers(Path(student), Path(t.model))

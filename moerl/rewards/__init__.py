@@ -60,7 +60,7 @@ class Rewarder:
         """The task's reward of each response."""
         if self.verifier is not None:
             verifier = self.verifier
-            return [Score(x) for x in await asyncio.gather(*(verifier.reward(r, answer, prompt) for r in responses))]
+            return list(await asyncio.gather(*(verifier.reward(r, answer, prompt) for r in responses)))
         fn = self.fn
         assert fn is not None, "a reward function is loaded wherever no verifier URL is given"
         if self.cfg.group_reward:

@@ -3,13 +3,13 @@
 Steps. An agent episode's steps are its turns (:class:`~moerl.episodes.episode.Episode` records where each ends); a
 single-turn response is cut at a separator (``reward.process.separator``, e.g. a blank line) by :class:`StepCutter`.
 The cut is made on the response's tokens, each decoded alone and their texts laid end to end: a step ends after the
-token where a separator occurrence ends (inside a token too: ``".\\n\\n"`` as one token ends its step; text a token
-holds after a separator stays in the step before), and a piece with nothing but separators and whitespace (a doubled
-separator, the end token after the last separator) joins the step before it (the first, the one after).
-:func:`~moerl.rewards.score.text_steps` cuts a text the same way, so a reward function that scores steps
-(:class:`~moerl.rewards.score.Score`) can count them as moerl does. A response cut by its token budget ends in a step
-of its own, scored as it stands. A character split across tokens (the bytes of one UTF-8 character) is not seen by
-the cut: a separator must be made of characters that tokens hold whole (ASCII, or a token of its own).
+token where a separator occurrence ends (inside a token too: ``".\\n\\n"`` as one token ends its step), or before it
+where that token holds text after the separator (``"\\n\\nSo"`` starts the next step), and a piece with nothing but
+separators and whitespace (a doubled separator, the end token after the last separator) joins the step before it (the
+first, the one after). :func:`~moerl.rewards.score.text_steps` cuts a text into as many steps, so a reward function
+that scores steps (:class:`~moerl.rewards.score.Score`) counts what moerl counts. A response cut by its token budget
+ends in a step of its own, scored as it stands. A character split across tokens (the bytes of one UTF-8 character) is
+not seen by the cut: a separator must be made of characters that tokens hold whole (ASCII, or a token of its own).
 
 Scores come from the task's reward function (a :class:`~moerl.rewards.score.Score` with one per step), the
 environment of an episode (:meth:`~moerl.episodes.episode.Episode.score_turn`), or a served process reward model
@@ -24,6 +24,7 @@ moerl's embedded engine serves it (``/step_scores``; docs/engines.md).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -63,10 +64,13 @@ class StepCutter:
         cuts: list[int] = []
         at = text.find(sep)
         while at >= 0:
-            token = int(np.searchsorted(char_end, at + len(sep)))  # the token holding the occurrence's last character
-            if not cuts or cuts[-1] < token + 1:
-                cuts.append(token + 1)
-            at = text.find(sep, at + len(sep))
+            end = at + len(sep)
+            token = int(np.searchsorted(char_end, end))  # the token holding the occurrence's last character
+            # a token that holds text after the separator starts the next step; else the step ends after it
+            cut = token if text[end : char_end[token]].strip() else token + 1
+            if cut > (cuts[-1] if cuts else 0):
+                cuts.append(cut)
+            at = text.find(sep, end)
         ends = [e for e in cuts if e < len(ids)] + [len(ids)]
         kept: list[int] = []
         start = 0
@@ -113,20 +117,33 @@ class ProcessRewardModel(ServedScorer):
 
     def input_ids(self, prompt: str, steps: list[str]) -> list[int]:
         """What the model reads: the prompt as the user's turn and the steps, each followed by the step token, as the
-        assistant's, through its chat template (without one: the texts joined)."""
-        answer = "".join(step + self.step_token for step in steps)
+        assistant's, through its chat template (without one: the texts joined). The step token is placed by its id
+        (text around it is tokenised apart, so it never merges with a neighbour), once after each step: where the
+        prompt or a step holds its text, that text is left out."""
+        token = self.step_token
+        prompt, steps = prompt.replace(token, ""), [step.replace(token, "") for step in steps]
+        answer = "".join(step + token for step in steps)
         if self.tokenizer.chat_template:
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-            return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
-        return list(self.tokenizer(prompt + answer, add_special_tokens=False)["input_ids"])
+            text = str(self.tokenizer.apply_chat_template(messages, tokenize=False))  # one conversation: one text
+        else:
+            text = prompt + answer
+        ids: list[int] = []
+        for k, piece in enumerate(text.split(token)):
+            ids += ([self.step_token_id] if k else []) + self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
 
     async def score(self, samples: list[Sample], prompt: str, stats: Stats) -> list[np.ndarray]:
         """float32 [S] per sample: each step's score; ``stats``: the requests, retries, seconds and steps scored
         (``process_engines/*``)."""
         start = time.perf_counter()
         counts: Stats = defaultdict(float)
-        texts = [self.cutter.texts(s) for s in samples]
-        ids = [self.input_ids(prompt, t) for t in texts]
+
+        def inputs() -> tuple[list[list[str]], list[list[int]]]:
+            texts = [self.cutter.texts(s) for s in samples]
+            return texts, [self.input_ids(prompt, t) for t in texts]
+
+        texts, ids = await asyncio.to_thread(inputs)  # decoding and tokenising long responses: off the event loop
 
         async def ask(url: str) -> list[list[float]]:
             return await self.client.step_scores_on(url, ids, self.step_token_id)
@@ -146,33 +163,48 @@ class ProcessRewardModel(ServedScorer):
 
 
 class ProcessRewards:
-    """A group's steps and their scores: each single-turn sample cut by ``cutter`` (always, with ``cut_all``: the
-    trainer's credit reads steps; else where its reward function scored steps), the reward function's step scores
-    attached, and ``model``'s added (None: no process reward model)."""
+    """A group's steps and their scores: each single-turn sample cut by ``cutter`` (always, where the trainer's credit
+    reads steps, ``credit``, or ``model`` scores them; else where its reward function scored steps), the reward
+    function's step scores attached, and ``model``'s added (None: no process reward model)."""
 
-    def __init__(self, cutter: StepCutter, model: ProcessRewardModel | None, cut_all: bool):
-        self.cutter, self.model, self.cut_all = cutter, model, cut_all or model is not None
+    def __init__(self, cutter: StepCutter, model: ProcessRewardModel | None, credit: bool):
+        self.cutter, self.model, self.credit = cutter, model, credit
+
+    def cuts(self, steps: Sequence[float] | None) -> bool:
+        """Whether anything reads a response's steps: the trainer's credit, a model, or its reward function's
+        ``steps``."""
+        return self.credit or self.model is not None or steps is not None
 
     def attach(self, samples: list[Sample], steps: Sequence[float] | None, where: str) -> None:
         """One response's ``samples`` take their steps, and ``steps`` (its reward function's step scores, None: none)
-        where given; ``where`` names the reward function in errors."""
-        if steps is not None and any(s.loss_mask is not None for s in samples):
+        where given; ``where`` names the reward function in errors. Where the credit reads step scores and no model
+        gives them, an episode's turns its environment never scored count 0, and a single-turn response without
+        scores is refused."""
+        if steps is not None and any(s.episode is not None for s in samples):
             raise ScorerError(
                 f"{where} scored the steps of an agent episode: an episode's steps are its turns, scored by its "
                 "environment (Episode.score_turn); a reward function scores single-turn responses' steps"
             )
+        if not self.cuts(steps):
+            return
         for sample in samples:
-            if sample.loss_mask is not None or not (self.cut_all or steps is not None):
-                continue  # an episode's turns are its steps already
-            sample.step_ends = self.cutter.ends(sample.response_ids)
-            if steps is not None:
-                if len(steps) != len(sample.step_ends):
+            if sample.episode is None:
+                sample.step_ends = self.cutter.ends(sample.response_ids)
+                if steps is not None:
+                    if len(steps) != len(sample.step_ends):
+                        raise ScorerError(
+                            f"{where} returned {len(steps)} step scores for a response of {len(sample.step_ends)} "
+                            f"steps (reward.process.separator={self.cutter.separator!r}; "
+                            "moerl.rewards.score.text_steps cuts a text as moerl does)"
+                        )
+                    sample.step_rewards = np.asarray(steps, dtype=np.float32)
+            if self.credit and self.model is None and sample.step_rewards is None:
+                if sample.episode is None:
                     raise ScorerError(
-                        f"{where} returned {len(steps)} step scores for a response of {len(sample.step_ends)} steps "
-                        f"(reward.process.separator={self.cutter.separator!r}; moerl.rewards.process.text_steps cuts "
-                        "a text as moerl does)"
+                        f"{where} gave a response no step scores, and trainer.loss.credit reads them: return a Score "
+                        "with steps for every response, or serve a process reward model (reward.process.model)"
                     )
-                sample.step_rewards = np.asarray(steps, dtype=np.float32)
+                sample.step_rewards = np.zeros(len(sample.steps), dtype=np.float32)  # no turn scored
             sample.validate()
 
     async def score(self, samples: list[Sample], prompt: str, stats: Stats) -> None:

@@ -1,9 +1,12 @@
 """A remote verifier (``task.reward_url``) in place of a reward function: ``POST {prompt, response, answer}`` answered
-with ``{"reward": float}``."""
+with ``{"reward": float}``, and where it scores the response's steps too, ``"steps": [float, ...]`` (process rewards:
+:class:`~moerl.rewards.score.Score`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from moerl.rewards.score import Score
 
 if TYPE_CHECKING:
     import aiohttp
@@ -14,7 +17,7 @@ class Verifier:
         self.url = url
         self._session: aiohttp.ClientSession | None = None  # made at the first call, in its event loop
 
-    async def reward(self, response: str, answer: Any, prompt: str) -> float:
+    async def reward(self, response: str, answer: Any, prompt: str) -> Score:
         import aiohttp
 
         if self._session is None:
@@ -26,7 +29,7 @@ class Verifier:
             answered = await resp.json()
         if not isinstance(answered, dict) or "reward" not in answered:
             raise RuntimeError(f'reward verifier {self.url} answered {answered!r}; expected {{"reward": float}}')
-        return float(answered["reward"])
+        return Score.of(Score(answered["reward"], answered.get("steps")), f"reward verifier {self.url}")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Score:
@@ -19,13 +21,23 @@ class Score:
     @classmethod
     def of(cls, value: Any, where: str) -> Score:
         """What a reward function returned as a :class:`Score` (a number: the outcome alone); ``where`` names the
-        function in the error."""
-        if isinstance(value, Score):
-            return Score(float(value.outcome), None if value.steps is None else [float(x) for x in value.steps])
+        function in the errors: an outcome that is no number, step scores that are not one finite number each."""
+        outcome, steps = (value.outcome, value.steps) if isinstance(value, Score) else (value, None)
         try:
-            return Score(float(value))
+            outcome = float(outcome)
         except (TypeError, ValueError):
             raise TypeError(f"{where} returned {type(value).__name__}, not a number or a Score") from None
+        if steps is None:
+            return Score(outcome)
+        try:
+            scores = np.asarray(steps, dtype=np.float64)
+        except (TypeError, ValueError):
+            scores = np.empty((0, 0))
+        if scores.ndim != 1 or isinstance(steps, str | bytes):
+            raise TypeError(f"{where} returned steps={steps!r}: one number per step, in order")
+        if not np.isfinite(scores).all():
+            raise ValueError(f"{where} returned a step score that is not finite: {scores.tolist()}")
+        return Score(outcome, scores.tolist())
 
 
 def text_steps(text: str, separator: str) -> list[str]:

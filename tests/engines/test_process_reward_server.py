@@ -275,16 +275,22 @@ def test_a_groups_steps_are_scored_by_the_process_reward_model_as_a_direct_forwa
     async def go():
         async with serving_app(build_classifier_app(engine)) as url:
             model = ProcessRewardModel(prm_dir, Replicas([url]), STEP, cutter)
-            process = ProcessRewards(cutter, model, cut_all=False)
+            process = ProcessRewards(cutter, model, credit=False)
             for sample in samples:
                 process.attach([sample], None, "task.reward=sums")
             stats = Stats(float)
             await process.score(samples, "1+3+2+0=", stats)
             inputs = [model.input_ids("1+3+2+0=", cutter.texts(s)) for s in samples]
+            # the step token's text in a prompt or a step is left out: it stands after each step, once
+            stray = model.input_ids("1+3<extra_0>", ["4<extra_0>", "6"])
             await process.close()
-            return inputs, stats
+            return inputs, stray, stats
 
-    inputs, stats = asyncio.run(go())
+    inputs, stray, stats = asyncio.run(go())
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n{}<|im_end|>\n"
+    assert policy.decode(inputs[0]) == chat.format("1+3+2+0=", "4<extra_0>6<extra_0>6<extra_0>")
+    assert policy.decode(stray) == chat.format("1+3", "4<extra_0>6<extra_0>")
+    assert inputs[0].count(policy.convert_tokens_to_ids(STEP)) == 3
     assert [s.step_ends.tolist() for s in samples] == [[2, 4, 6], [3, 5], [2]]
     assert [cutter.texts(s) for s in samples] == [["4", "6", "6"], ["11", "3"], ["7"]]
     expected = _direct(prm_dir, inputs, AutoTokenizer.from_pretrained(prm_dir).convert_tokens_to_ids(STEP))

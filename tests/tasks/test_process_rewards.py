@@ -37,8 +37,10 @@ VOCAB = Vocabulary(["<eos>", "Add", " 3", ".", "\n\n", ".\n\n", "\n\nSo", " 7", 
     [
         # a separator token of its own ends its step; the end token after the last separator joins the step before
         (["Add", " 3", "\n\n", "Add", " 7", "\n\n", "<eos>"], [3, 7]),
-        # a separator inside a token, at its end (".\n\n") or before text it holds ("\n\nSo": that text stays before)
-        (["Add", ".\n\n", "Done", "\n\nSo", " 7", "."], [2, 4, 6]),
+        # a separator inside a token, at its end (".\n\n": the step ends after it) or before text it holds ("\n\nSo":
+        # the next step starts with it)
+        (["Add", ".\n\n", "Done", "\n\nSo", " 7", "."], [2, 3, 6]),
+        (["Add", "\n\nSo"], [1, 2]),
         # doubled separators (one token, and two tokens) make no empty step; a leading one joins the first step
         (["\n\n", "Add", "\n\n\n\n", "Done", "\n\n", "\n\n", "ab"], [3, 6, 7]),
         # a response cut by its token budget: its last step ends at the last token, without a separator
@@ -56,9 +58,8 @@ def test_a_response_is_cut_into_steps_at_its_separator(tokens, ends):
     sample.step_ends = cutter.ends(ids)
     texts = cutter.texts(sample.validate())
     assert len(texts) == len(ends)
-    # a reward function cutting the text counts the steps moerl cut (a token holding text after a separator aside)
-    if "\n\nSo" not in tokens:
-        assert text_steps("".join(VOCAB.batch_decode([[i] for i in ids])), "\n\n") == texts or ends == [2]
+    # a reward function cutting the text counts the steps moerl cut
+    assert len(text_steps("".join(VOCAB.batch_decode([[i] for i in ids])), "\n\n")) == len(ends)
 
 
 def test_text_steps_drops_empty_pieces_and_keeps_a_text_without_separators_whole():
@@ -76,7 +77,7 @@ def _single_turn(tokens: list[str], reward: float = 1.0, group: int = 0) -> Samp
 
 
 def test_a_reward_functions_step_scores_attach_to_the_steps_it_counted():
-    rewards = ProcessRewards(StepCutter(VOCAB, "\n\n"), None, cut_all=False)
+    rewards = ProcessRewards(StepCutter(VOCAB, "\n\n"), None, credit=False)
     plain = _single_turn(["Add", "\n\n", "Done"])
     rewards.attach([plain], None, "task.reward=f")  # outcome-only credit, no step scores: not cut
     assert plain.step_ends is None and plain.step_rewards is None
@@ -86,13 +87,20 @@ def test_a_reward_functions_step_scores_attach_to_the_steps_it_counted():
     with pytest.raises(ScorerError, match=r"task.reward=f returned 3 step scores for a response of 2 steps"):
         rewards.attach([_single_turn(["Add", "\n\n", "Done"])], [1.0, 1.0, 1.0], "task.reward=f")
     episode = _single_turn(["Add", "\n\n", "Done"])
-    episode.loss_mask = np.array([1, 0, 1], np.uint8)
+    episode.episode = 0
     with pytest.raises(ScorerError, match="steps are its turns"):
         rewards.attach([episode], [1.0], "task.reward=f")
-    every = ProcessRewards(StepCutter(VOCAB, "\n\n"), None, cut_all=True)
+    credit = ProcessRewards(StepCutter(VOCAB, "\n\n"), None, credit=True)
     cut = _single_turn(["Add", "\n\n", "Done"])
-    every.attach([cut], None, "task.reward=f")  # the trainer's credit reads steps: every response is cut
-    assert cut.step_ends.tolist() == [2, 3] and cut.step_rewards is None
+    credit.attach([cut], [0.0, 1.0], "task.reward=f")  # the trainer's credit reads steps: every response is cut
+    assert cut.step_ends.tolist() == [2, 3] and cut.step_rewards.tolist() == [0.0, 1.0]
+    with pytest.raises(ScorerError, match=r"task.reward=f gave a response no step scores, and trainer.loss.credit"):
+        credit.attach([_single_turn(["Add", "\n\n", "Done"])], None, "task.reward=f")
+    # an episode's turns its environment never scored count 0 (an environment scores the turns it has a word for)
+    episode = _single_turn(["Add", "\n\n", "Done"])
+    episode.episode, episode.step_ends = 0, np.array([2, 3])
+    credit.attach([episode], None, "task.reward=f")
+    assert episode.step_ends.tolist() == [2, 3] and episode.step_rewards.tolist() == [0.0, 0.0]
 
 
 def test_the_sums_task_scores_its_outcome_and_each_running_sum():
@@ -129,3 +137,77 @@ def test_a_process_reward_model_is_refused_on_sglang_with_the_reason():
     cfg.reward.process.separator = ""
     with pytest.raises(ConfigError, match="reward.process.separator is empty"):
         check(cfg)
+
+
+def test_a_reward_functions_step_scores_are_numbers_one_a_step_or_it_is_named():
+    assert Score.of(Score(1, (0, 1)), "f") == Score(1.0, [0.0, 1.0]) and Score.of(np.float32(2), "f") == Score(2.0)
+    assert Score.of(Score(1, np.array([0.5])), "f") == Score(1.0, [0.5])
+    for bad, error, said in (
+        (Score(1.0, 0.5), TypeError, "returned steps=0.5: one number per step"),
+        (Score(1.0, "ab"), TypeError, "returned steps='ab'"),
+        (Score(1.0, [[1.0]]), TypeError, "one number per step"),
+        (Score(1.0, [1.0, float("nan")]), ValueError, "returned a step score that is not finite"),
+        ("x", TypeError, "returned str, not a number or a Score"),
+    ):
+        with pytest.raises(error, match=f"task.reward=f {said}" if said.startswith("returned") else said):
+            Score.of(bad, "task.reward=f")
+
+
+def test_group_and_remote_rewards_may_score_steps_too():
+    import asyncio
+
+    from aiohttp import web
+
+    from moerl.rewards import Rewarder
+    from moerl.tasks import TaskConfig
+    from tests.engine_server import serving
+
+    group = TaskConfig(name="sums", reward="tests.tasks.test_process_rewards:group_steps", group_reward=True)
+    scores = asyncio.run(Rewarder(group).score(["1\n3\n6", "2"], "6", "0+1+2+3="))
+    assert scores == [Score(1.0, [1.0, 1.0, 1.0]), Score(0.0, [0.0])]
+
+    async def remote():
+        async def verify(request):
+            body = await request.json()
+            return web.json_response({"reward": 1.0, "steps": [0.5] * len(text_steps(body["response"], "\n"))})
+
+        async with serving({("POST", "/verify"): verify}) as url:
+            rewarder = Rewarder(TaskConfig(name="sums", reward_url=f"{url}/verify"))
+            try:
+                return await rewarder.score(["1\n3", "6"], "6", "0+1+2+3=")
+            finally:
+                await rewarder.close()
+
+    assert asyncio.run(remote()) == [Score(1.0, [0.5, 0.5]), Score(1.0, [0.5])]
+
+
+def group_steps(responses, answer, prompt=""):
+    return [sums.step_reward(r, answer, prompt) for r in responses]
+
+
+def test_the_preflight_refuses_a_process_reward_model_it_cannot_serve_and_one_in_the_wrong_section(tmp_path):
+    from moerl.models.tiny import save_tiny_hf
+    from moerl.orchestrator.preflight import check_process, check_reward, check_teacher
+
+    prm = save_tiny_hf("Qwen3ForTokenClassification", tmp_path / "prm")  # its tokenizer has no <extra_0>
+    cfg = RunConfig()
+    cfg.reward.process.model = str(prm)
+    with pytest.raises(ConfigError, match=r"step_token='<extra_0>' is 9 tokens in .*prm's tokenizer; it must be one"):
+        check_process(cfg)
+    cfg.reward.process.step_token = "\n"  # one token of the tiny tokenizer
+    check_process(cfg)
+    cfg.reward.process.model = str(save_tiny_hf("Qwen3ForTokenClassification", tmp_path / "three", num_labels=3))
+    with pytest.raises(ConfigError, match="has 3 labels: a process reward model's head has 2"):
+        check_process(cfg)
+    cfg.reward.process.model = str(save_tiny_hf("Qwen3ForSequenceClassification", tmp_path / "classifier"))
+    with pytest.raises(ConfigError, match=r"token-classification head \(\*ForTokenClassification\)"):
+        check_process(cfg)
+    cfg = RunConfig()
+    cfg.reward.model = str(prm)
+    with pytest.raises(ConfigError, match="is a process reward model .* serve it as reward.process.model"):
+        check_reward(cfg)
+    cfg = RunConfig()
+    cfg.teacher.model = str(prm)
+    cfg.trainer.loss.distill.coef = 0.1
+    with pytest.raises(ConfigError, match="is a classifier .*: a teacher scores tokens"):
+        check_teacher(cfg)
