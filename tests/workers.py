@@ -197,6 +197,20 @@ def scatter_instalment(mcore_dir: str, trainer_cfg, samples: list, window: int |
     }
 
 
+def refusal(batches, lacking: list) -> str:
+    """What ``batches`` (a BatchDistributor) says of an instalment rank 0 must refuse, ``lacking`` (read on rank 0):
+    rank 0's error, "told" on every other rank."""
+    from moerl.trainer.distribute import BatchFailed
+
+    try:
+        batches.scatter(lacking if torch.distributed.get_rank() == 0 else None)
+    except ValueError as e:
+        return str(e)
+    except BatchFailed:
+        return "told"
+    raise AssertionError("the instalment was not refused")
+
+
 def parallel_state_counts() -> bool:
     """Whether this rank contributes once to a sum over the batch: the last stage, TP rank 0."""
     from megatron.core import parallel_state

@@ -7,7 +7,7 @@ import os
 import torch
 
 from moerl.layout import Layout
-from tests.workers import full_tensors
+from tests.workers import full_tensors, refusal
 
 
 def step_with_teacher(mcore_dir: str, trainer_cfg, samples: list) -> dict:
@@ -23,18 +23,12 @@ def scatter_with_and_without_teacher(trainer_cfg, lacking: list, samples: list, 
     """A bare distributor (no model) at ``pp`` stages: what rank 0's plan of ``lacking`` says (every rank is told it
     failed), then what this rank receives of ``samples``."""
     from moerl.megatron.parallel import init_distributed
-    from moerl.trainer.distribute import BatchDistributor, BatchFailed, LocalInstalment
+    from moerl.trainer.distribute import BatchDistributor, LocalInstalment
 
     init_distributed(Layout(pp=pp))
     batches = BatchDistributor(trainer_cfg, columns=[])
     rank0 = torch.distributed.get_rank() == 0
-    out: dict = {"needs": batches.needs}
-    try:
-        batches.scatter(lacking if rank0 else None)
-    except ValueError as e:
-        out["refused"] = str(e)
-    except BatchFailed:
-        out["refused"] = "told"
+    out: dict = {"needs": batches.needs, "refused": refusal(batches, lacking)}
     local = batches.scatter(samples if rank0 else None)
     assert isinstance(local, LocalInstalment), "rank 0 sent an instalment"
     out["samples"], out["received"] = local.samples, local.received

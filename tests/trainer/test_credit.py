@@ -273,7 +273,8 @@ def scatter_outcome_and_process(outcome_cfg, process_cfg, lacking: list, samples
     from megatron.core import parallel_state
 
     from moerl.megatron.parallel import init_distributed
-    from moerl.trainer.distribute import BatchDistributor, BatchFailed, LocalInstalment
+    from moerl.trainer.distribute import BatchDistributor, LocalInstalment
+    from tests.workers import refusal
 
     init_distributed(layout)
     rank0 = torch.distributed.get_rank() == 0
@@ -282,12 +283,7 @@ def scatter_outcome_and_process(outcome_cfg, process_cfg, lacking: list, samples
         batches = BatchDistributor(cfg, columns=[])
         out["needs"] = batches.needs
         if name == "process":
-            try:
-                batches.scatter(lacking if rank0 else None)
-            except ValueError as e:
-                out["refused"] = str(e)
-            except BatchFailed:
-                out["refused"] = "told"
+            out["refused"] = refusal(batches, lacking)
         local = batches.scatter(samples if rank0 else None)
         assert isinstance(local, LocalInstalment), "rank 0 sent an instalment"
         out[name] = {
