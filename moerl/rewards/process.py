@@ -71,21 +71,15 @@ class StepCutter:
             if cut > (cuts[-1] if cuts else 0):
                 cuts.append(cut)
             at = text.find(sep, end)
-        ends = [e for e in cuts if e < len(ids)] + [len(ids)]
         kept: list[int] = []
         start = 0
-        for end in ends:  # a piece with no content joins the step before it (the first one, the one after)
-            piece = text[(char_end[start - 1] if start else 0) : char_end[end - 1]]
-            if _content(piece, sep) or not kept:
+        for end in [e for e in cuts if e < len(ids)] + [len(ids)]:
+            if _content(text[(char_end[start - 1] if start else 0) : char_end[end - 1]], sep):
                 kept.append(end)
-            else:
+            elif kept:  # a piece with no content joins the step before it (the first one, the one after)
                 kept[-1] = end
             start = end
-        if len(kept) > 1:
-            first = text[: char_end[kept[0] - 1]]
-            if not _content(first, sep):
-                kept.pop(0)
-        return np.asarray(kept, dtype=np.int64)
+        return np.asarray(kept or [len(ids)], dtype=np.int64)
 
     def texts(self, sample: Sample) -> list[str]:
         """Each step's text without its separators (the actions' tokens only: an episode's context is left out)."""

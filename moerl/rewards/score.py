@@ -32,8 +32,8 @@ class Score:
         try:
             scores = np.asarray(steps, dtype=np.float64)
         except (TypeError, ValueError):
-            scores = np.empty((0, 0))
-        if scores.ndim != 1 or isinstance(steps, str | bytes):
+            scores = None
+        if scores is None or scores.ndim != 1:
             raise TypeError(f"{where} returned steps={steps!r}: one number per step, in order")
         if not np.isfinite(scores).all():
             raise ValueError(f"{where} returned a step score that is not finite: {scores.tolist()}")
