@@ -15,6 +15,10 @@ Every ratio is formed from a log-ratio clamped to [-20, 20] (GSPO's sequence log
 the k3 estimate to at most 10), as verl does: a token sampled many versions ago, or one the engine
 and trainer disagree on wildly, then weighs at most e^20 instead of making the loss inf or NaN.
 
+The sequence-level corrections (``seq_is``, ``geo_is``, ``seq_mask``, ``geo_mask``, ``k3_mask``) weigh every token of
+a sample alike; a rejected sample weighs 0 but stays in the aggregation's divisor (as slime's rejection keeps its
+denominators), and ``veto_below`` rejects any sample holding one token the proximal policy all but excludes.
+
 On-policy distillation adds a fourth, the teacher's log-prob of each action (:class:`DistillConfig`): its k1 reverse
 KL to the proximal policy joins the advantage (:func:`distill_advantages`), so clipping, the corrections and the
 aggregation treat it as the reward's; and a top-k term compares the two policies over the teacher's most likely ids
@@ -28,6 +32,7 @@ it reads the outcome's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -40,6 +45,8 @@ from moerl.plugins import Registry, callable_problem
 from moerl.sample import Sample
 
 KLEstimator = Literal["k1", "k3"]
+# The built-in corrections that weigh each token alone (``veto_below``, a sequence's rejection, is refused with these).
+TOKEN_CORRECTIONS = ("none", "tis", "icepop", "token_mask")
 LOG_RATIO_BOUND = 20.0  # |log r| before exp: e^20 is finite in fp32 even times any advantage
 SEQ_LOG_RATIO_MAX = 10.0  # GSPO's sequence ratio is at most e^10
 K3_MAX = 10.0
@@ -140,11 +147,18 @@ class LossConfig:
     max_response_len: int | None = None
     std_normalize: bool = True  # GRPO advantages divided by the group's std (off: Dr. GRPO)
     correction: str = "tis"  # behaviour -> proximal; or package.module:function
-    is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is) weights
+    is_cap: float = 2.0  # truncation of token (tis) and sequence (seq_is, geo_is, seq_mask) weights
     # icepop weighs a token by k = old/behaviour inside [band_low, band_high] and zeroes it outside;
-    # token_mask keeps the in-band tokens unweighted (rejection only, no correction).
+    # token_mask keeps the in-band tokens unweighted (rejection only, no correction);
+    # seq_mask rejects a sample whose product of k lies outside, the kept ones weighted by it (truncated at is_cap).
     band_low: float = 0.5
     band_high: float = 2.0
+    # geo_mask keeps (unweighted) a sample whose geometric mean of k lies in [geo_band_low, geo_band_high]
+    geo_band_low: float = 0.999
+    geo_band_high: float = 1.001
+    k3_bound: float = 0.01  # k3_mask rejects a sample whose mean k3 (k - log k - 1) exceeds it
+    # sequence-level corrections: a sample holding any token with k < veto_below weighs 0 (null: no veto)
+    veto_below: float | None = None
     kl_coef: float = 0.0  # reference KL penalty (0: no reference model)
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
@@ -165,8 +179,20 @@ class LossConfig:
             )
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"loss.dual_clip must be > 1 (or null), got {self.dual_clip}")
-        if not 0 <= self.band_low < self.band_high:
-            raise ConfigError(f"loss.band_low must be >= 0 and below band_high, got {self.band_low}, {self.band_high}")
+        for low, high in (("band_low", "band_high"), ("geo_band_low", "geo_band_high")):
+            if not 0 <= getattr(self, low) < getattr(self, high):
+                raise ConfigError(
+                    f"loss.{low} must be >= 0 and below {high}, got {getattr(self, low)}, {getattr(self, high)}"
+                )
+        if not self.k3_bound > 0:
+            raise ConfigError(f"loss.k3_bound must be > 0, got {self.k3_bound}")
+        if self.veto_below is not None and not 0 < self.veto_below < 1:
+            raise ConfigError(f"loss.veto_below must be in (0, 1) (or null), got {self.veto_below}")
+        if self.veto_below is not None and self.correction in TOKEN_CORRECTIONS:
+            raise ConfigError(
+                f"loss.veto_below applies to the sequence-level corrections (seq_is, geo_is, seq_mask, geo_mask, "
+                f"k3_mask), not correction={self.correction!r}"
+            )
 
 
 def grpo_advantages(
@@ -321,6 +347,16 @@ def _per_seq_sum(x: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Ten
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add(0, seq, x)
 
 
+def _per_seq_mean(x: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    return _per_seq_sum(x, seq, num_seqs) / _per_seq_sum(torch.ones_like(x), seq, num_seqs)
+
+
+def _k3(log_r: torch.Tensor) -> torch.Tensor:
+    """k3 = r - log r - 1 >= 0 per token, log r clamped to +-LOG_RATIO_BOUND (expm1: exact for small log r)."""
+    log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.expm1(log_r) - log_r
+
+
 def safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
     """A ratio from its log, the log clamped to +-LOG_RATIO_BOUND so it stays finite."""
     return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
@@ -343,35 +379,82 @@ def truncated_is(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: Los
     return safe_exp(log_w).clamp(max=cfg.is_cap)
 
 
-def _in_band(w: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    return (w >= cfg.band_low) & (w <= cfg.band_high)
+def _in_band(w: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """Where ``w`` lies in [low, high], edges included."""
+    return (w >= low) & (w <= high)
 
 
 @CORRECTIONS.register("icepop")
 def icepop(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
     """IcePop (Ring-1T, arXiv 2510.18855): in-band tokens keep their correction k, the rest none at all."""
     w = safe_exp(log_w)
-    return torch.where(_in_band(w, cfg), w, 0.0)
+    return torch.where(_in_band(w, cfg.band_low, cfg.band_high), w, 0.0)
 
 
 @CORRECTIONS.register("token_mask")
 def token_mask(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
     """IcePop's band, kept tokens unweighted: rejection only."""
     w = safe_exp(log_w)
-    return _in_band(w, cfg).to(w.dtype)
+    return _in_band(w, cfg.band_low, cfg.band_high).to(w.dtype)
+
+
+def on_tokens(
+    per_seq: torch.Tensor, log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig
+) -> torch.Tensor:
+    """Each sample's weight [S] on each of its tokens [T], a sample with a token k < ``cfg.veto_below`` weighing 0
+    (slime's veto): what every sequence-level correction returns."""
+    if cfg.veto_below is not None:
+        vetoed = _per_seq_sum((log_w < math.log(cfg.veto_below)).to(log_w.dtype), seq, num_seqs) > 0
+        per_seq = torch.where(vetoed, 0.0, per_seq)
+    return per_seq[seq]
+
+
+def _seq_ratio(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Each sample's product of token ratios k [S]."""
+    return safe_exp(_per_seq_sum(log_w, seq, num_seqs))
+
+
+def _geo_ratio(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Each sample's geometric mean of token ratios k [S]."""
+    return safe_exp(_per_seq_mean(log_w, seq, num_seqs))
 
 
 @CORRECTIONS.register("seq_is")
 def sequence_is(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
     """The sequence's product of token ratios, truncated, on each of its tokens."""
-    return safe_exp(_per_seq_sum(log_w, seq, num_seqs)).clamp(max=cfg.is_cap)[seq]
+    return on_tokens(_seq_ratio(log_w, seq, num_seqs).clamp(max=cfg.is_cap), log_w, seq, num_seqs, cfg)
 
 
 @CORRECTIONS.register("geo_is")
 def geometric_is(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
     """The geometric mean of the sequence's token ratios, truncated, on each of its tokens."""
-    per_seq = _per_seq_sum(log_w, seq, num_seqs) / _per_seq_sum(torch.ones_like(log_w), seq, num_seqs)
-    return safe_exp(per_seq).clamp(max=cfg.is_cap)[seq]
+    return on_tokens(_geo_ratio(log_w, seq, num_seqs).clamp(max=cfg.is_cap), log_w, seq, num_seqs, cfg)
+
+
+@CORRECTIONS.register("seq_mask")
+def sequence_mask(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """Seq-MIS (verl's preset; slime's sequence-level TIS with sequence-level rejection): a sequence whose product of
+    ratios lies in [band_low, band_high] weighs that product truncated at is_cap, any other sequence 0."""
+    w = _seq_ratio(log_w, seq, num_seqs)
+    return on_tokens(
+        torch.where(_in_band(w, cfg.band_low, cfg.band_high), w.clamp(max=cfg.is_cap), 0.0), log_w, seq, num_seqs, cfg
+    )
+
+
+@CORRECTIONS.register("geo_mask")
+def geometric_mask(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """Geo-RS (verl's preset; slime's geometric rejection): a sequence whose geometric mean of ratios lies in
+    [geo_band_low, geo_band_high] weighs 1, any other 0 (rejection only)."""
+    w = _geo_ratio(log_w, seq, num_seqs)
+    return on_tokens(_in_band(w, cfg.geo_band_low, cfg.geo_band_high).to(w.dtype), log_w, seq, num_seqs, cfg)
+
+
+@CORRECTIONS.register("k3_mask")
+def k3_mask(log_w: torch.Tensor, seq: torch.Tensor, num_seqs: int, cfg: LossConfig) -> torch.Tensor:
+    """K3-RS (verl's preset): a sequence whose mean k3 = k - log k - 1 (the k3 estimate of KL(behaviour || proximal))
+    is at most k3_bound weighs 1, any other 0 (rejection only)."""
+    within = _per_seq_mean(_k3(log_w), seq, num_seqs) <= cfg.k3_bound
+    return on_tokens(within.to(log_w.dtype), log_w, seq, num_seqs, cfg)
 
 
 def policy_terms(
@@ -409,8 +492,7 @@ def gspo(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GSPO: the length-normalised sequence ratio, applied to every token of the sequence; its gradient flows
     through each token as exp(new_t - sg(new_t))."""
-    lengths = _per_seq_sum(torch.ones_like(new), seq, num_seqs)
-    seq_log_ratio = (_per_seq_sum((new - old).detach(), seq, num_seqs) / lengths)[seq]
+    seq_log_ratio = _per_seq_mean((new - old).detach(), seq, num_seqs)[seq]
     ratio = (seq_log_ratio + new - new.detach()).clamp(max=SEQ_LOG_RATIO_MAX).exp()
     return _clipped_surrogate(ratio, advantages, cfg)
 
@@ -431,8 +513,7 @@ def kl_terms(new: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tens
     log_r = ref.detach() - new
     if estimator == "k1":
         return -log_r
-    log_r = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return (log_r.exp() - log_r - 1.0).clamp(max=K3_MAX)
+    return _k3(log_r).clamp(max=K3_MAX)
 
 
 def distill_advantages(
