@@ -7,7 +7,7 @@ import torch
 # Floating-point dtypes a model is held in, by the name configs and checkpoint metadata write.
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What a weight-broadcast bucket may carry (SGLang's names: torch's, without the "torch." prefix).
-WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8")
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8", "float8_e4m3fn")
 
 
 def resolve(name: str) -> str:

@@ -18,6 +18,7 @@ LAYERS = [
         "moerl.env",
         "moerl.choices",
         "moerl.dtypes",
+        "moerl.fp8",
         "moerl.files",
         "moerl.layout",
         "moerl.plugins",

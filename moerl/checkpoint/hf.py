@@ -1,7 +1,9 @@
 """Hugging Face checkpoint directories: lazy tensor reads and sharded safetensors writes.
 
 Reads open each safetensors file memory-mapped and copy out one tensor at a time, so a converter that
-walks a model layer by layer holds about one layer in memory, whatever the model size.
+walks a model layer by layer holds about one layer in memory, whatever the model size. A directory may be a block-wise
+FP8 checkpoint (:data:`moerl.fp8.QUANTIZATION_CONFIG` in its config; :func:`save_fp8` writes one): each quantized Hub
+tensor is then float8_e4m3fn beside its fp32 ``<name>_scale_inv``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moerl import fp8
 from moerl.errors import MoerlError
-from moerl.models import ModelFamily
+from moerl.files import staged_dir
+from moerl.models import ModelFamily, family_for
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -33,7 +37,13 @@ CARRIED_FILES = (
 )
 
 
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
 
 
 class CheckpointError(MoerlError):
@@ -101,7 +111,12 @@ class HFReader:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self._handle(name).get_slice(name).get_dtype()]
+        stored = self._handle(name).get_slice(name).get_dtype()
+        if stored not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{self.directory}: tensor {name} is {stored}; moerl reads {', '.join(_SAFETENSORS_DTYPES)}"
+            )
+        return _SAFETENSORS_DTYPES[stored]
 
     def get(self, name: str) -> torch.Tensor:
         try:
@@ -134,32 +149,97 @@ def _open(path: Path):
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def fp8_checkpoint(cfg: dict) -> bool:
+    """Whether the config (a ``config.json`` as a dict) is of a block-wise FP8 checkpoint: a ``quantization_config`` of
+    :data:`moerl.fp8.QUANTIZATION_CONFIG`'s kind (False: none). Any other quantization is refused: moerl serves and
+    writes that one alone."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return False
+    wanted = fp8.QUANTIZATION_CONFIG
+    if not (
+        isinstance(qc, dict)
+        and qc.get("quant_method") == wanted["quant_method"]
+        and list(qc.get("weight_block_size") or []) == wanted["weight_block_size"]
+        and qc.get("activation_scheme", wanted["activation_scheme"]) == wanted["activation_scheme"]
+        and qc.get("fmt", wanted["fmt"]) == wanted["fmt"]
+    ):
+        raise CheckpointError(
+            f"quantization_config {qc} is not supported: moerl serves only block-wise FP8 checkpoints, whose "
+            f"quantization_config is {wanted} (write one with moerl.checkpoint.hf.save_fp8)"
+        )
+    return True
+
+
+def fp8_names(names: list[str]) -> list[str]:
+    """Hub tensor ``names`` as an FP8 checkpoint holds them: each quantized one followed by its scales."""
+    return [n for name in names for n in ((name, fp8.scale_name(name)) if fp8.is_quantized(name) else (name,))]
+
+
 def check_hf_tensors(reader: HFReader, family: ModelFamily, cfg: dict) -> torch.dtype:
     """Every tensor the model (of ``family``, its normalised config ``cfg``) needs is
-    present with the right shape, and none would be dropped.
+    present with the right shape, and none would be dropped. Where ``cfg`` says FP8 (:func:`fp8_checkpoint`), each
+    quantized tensor is float8_e4m3fn beside its fp32 scales.
 
-    Reads only safetensors headers. Returns the checkpoint dtype (one for all tensors)."""
+    Reads only safetensors headers. Returns the checkpoint dtype (one for all tensors; of an FP8 checkpoint, of those
+    not quantized)."""
+    quantized = fp8_checkpoint(cfg)
     expected = family.hub_shapes(cfg)
+    scales = (
+        {fp8.scale_name(n): fp8.scale_shape(s) for n, s in expected.items() if fp8.is_quantized(n)} if quantized else {}
+    )
     present = reader.names()
     problems = []
     missing = sorted(set(expected) - present)
     if missing:
         problems.append(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
-    extra = present - set(expected)
+    missing_scales = sorted(set(scales) - present)
+    if missing_scales:
+        problems.append(
+            f"{len(missing_scales)} FP8 scales missing, e.g. {missing_scales[:3]}"
+            + (
+                ""
+                if len(missing_scales) < len(scales)
+                else " (none at all: not an FP8 checkpoint; save_fp8 writes one)"
+            )
+        )
+    extra = present - set(expected) - set(scales)
     if cfg.get("tie_word_embeddings"):
         extra.discard("lm_head.weight")  # some writers save the tied copy too
     if extra:
-        problems.append(f"{len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}")
+        hint = ""
+        if not quantized and any(n.endswith(fp8.SCALE_SUFFIX) for n in extra):
+            hint = " (FP8 scales: an FP8 checkpoint, for a model whose config has no quantization_config)"
+        problems.append(f"{len(extra)} tensors the model does not use, e.g. {sorted(extra)[:3]}{hint}")
     wrong = [
         f"{n}: {reader.shape(n)} != expected {tuple(s)}"
-        for n, s in expected.items()
+        for n, s in (expected | scales).items()
         if n in present and reader.shape(n) != tuple(s)
     ]
     if wrong:
         problems.append(f"{len(wrong)} tensors with wrong shapes, e.g. {wrong[:3]}")
     if problems:
         raise CheckpointError(f"{reader.directory}: " + "; ".join(problems))
-    dtypes = {reader.dtype(n) for n in expected}
+    if quantized:
+        not_fp8 = [f"{n} ({reader.dtype(n)})" for n in expected if fp8.is_quantized(n) and reader.dtype(n) != fp8.FP8]
+        not_fp32 = [f"{n} ({reader.dtype(n)})" for n in scales if reader.dtype(n) != torch.float32]
+        wrong_dtypes = [f"{len(not_fp8)} quantized tensors are not FP8, e.g. {', '.join(not_fp8[:3])}"] * bool(not_fp8)
+        wrong_dtypes += [f"{len(not_fp32)} scales are not float32, e.g. {', '.join(not_fp32[:3])}"] * bool(not_fp32)
+        if wrong_dtypes:
+            raise CheckpointError(
+                f"{reader.directory}: an FP8 checkpoint holds each quantized tensor in float8_e4m3fn and its scales in "
+                "float32; " + "; ".join(wrong_dtypes)
+            )
+    dtypes = {reader.dtype(n) for n in expected if not (quantized and fp8.is_quantized(n))}
+    if fp8.FP8 in dtypes:
+        raise CheckpointError(
+            f"{reader.directory}: holds float8_e4m3fn tensors, yet "
+            + (
+                "only the decoder layers' linear projections are quantized in an FP8 checkpoint"
+                if quantized
+                else "its config.json has no quantization_config (an FP8 checkpoint names it)"
+            )
+        )
     if len(dtypes) != 1:
         raise CheckpointError(
             f"{reader.directory}: tensors of mixed dtypes {sorted(map(str, dtypes))}; the Megatron model has one "
@@ -214,3 +294,37 @@ def copy_carried_files(src: str | Path, dst: str | Path) -> list[str]:
             shutil.copy2(Path(src) / name, Path(dst) / name)
             copied.append(name)
     return copied
+
+
+def save_fp8(src: str | Path, dst: str | Path, max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """The HF model directory ``src`` as a block-wise FP8 checkpoint in the new directory ``dst``, which SGLang (and the
+    embedded engine) serve in FP8: each quantized Hub tensor (:func:`moerl.fp8.is_quantized`) as
+    :func:`moerl.fp8.quantize` makes it, float8_e4m3fn and its fp32 ``<name>_scale_inv``; the others as they are;
+    config.json with :data:`moerl.fp8.QUANTIZATION_CONFIG`; the tokenizer and generation files copied. Streams one
+    tensor at a time, and appears whole or not at all."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise CheckpointError(f"output directory {dst} already exists; choose a new path or remove it")
+    raw = read_config(src)
+    if fp8_checkpoint(raw):
+        raise CheckpointError(f"{src} is an FP8 checkpoint already (its config.json has a quantization_config)")
+    family = family_for(raw)
+    cfg = family.normalize(raw)
+    reader = HFReader(src)
+    check_hf_tensors(reader, family, cfg)
+    with staged_dir(dst) as staging:
+        writer = HFWriter(staging, max_shard_bytes)
+        for name in family.hub_shapes(cfg):
+            tensor = reader.get(name)
+            if fp8.is_quantized(name):
+                q, scale = fp8.quantize(tensor)
+                writer.add(name, q)
+                writer.add(fp8.scale_name(name), scale)
+            else:
+                writer.add(name, tensor)
+        writer.close()
+        copy_carried_files(src, staging)
+        (staging / "config.json").write_text(
+            json.dumps(raw | {"quantization_config": dict(fp8.QUANTIZATION_CONFIG)}, indent=2) + "\n"
+        )
+    return dst

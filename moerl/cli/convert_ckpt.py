@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from moerl.checkpoint.peft import FORMATS
 from moerl.errors import MoerlError
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="a LoRA-trained checkpoint: write the full model with the adapters merged into its weights",
     )
     _adapter_options(p)
+
+    p = sub.add_parser(
+        "hf-to-fp8",
+        help="HF directory -> the same model as a block-wise FP8 checkpoint, which SGLang engines serve in FP8 "
+        "(engines given by URL under engines.quantization=fp8)",
+    )
+    p.add_argument("--hf", required=True, help="HF model directory")
+    p.add_argument("--out", required=True, help="new directory for the FP8 model (must not exist)")
 
     p = sub.add_parser("check-adapter", help="check an adapter directory against the LoRA checkpoint it came from")
     p.add_argument("--mcore", required=True, help="the LoRA-trained Megatron checkpoint")
@@ -140,6 +149,14 @@ def main(argv: list[str] | None = None) -> int:
                 merge_lora=args.merge_lora,
             )
             print(f"wrote HF model {out}")
+        elif args.command == "hf-to-fp8":
+            from moerl.checkpoint.hf import save_fp8
+
+            if Path(args.out).exists():
+                print(f"error: --out {args.out} exists; give a new directory", file=sys.stderr)
+                return 2
+            save_fp8(Path(args.hf), Path(args.out))
+            print(f"wrote FP8 model {args.out}")
         elif args.command == "check-adapter":
             from moerl.checkpoint.convert import check_adapter_dir
 

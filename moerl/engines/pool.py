@@ -24,6 +24,7 @@ from pathlib import Path
 from moerl.checkpoint.hf import read_config
 from moerl.engines import sglang
 from moerl.engines.client import health
+from moerl.engines.delta import LOAD_FORMAT
 from moerl.engines.protocol import DEFAULT_SAMPLING_MASK_MAX_TOKENS
 from moerl.engines.sglang import sglang_problem
 from moerl.env import child_env, die_with_parent, free_ports, group_left
@@ -91,6 +92,8 @@ def server_args(cfg: EnginePoolConfig, port: int, cuda: bool = True) -> list[str
     else:
         # Keep Sampling Mask: the top-k/top-p kept set of each sampled token.
         args += ["--sampling-mask-max-tokens", str(cfg.sampling_mask_max_tokens)]
+        # moerl's loader of delta pushes (sync.delta); registering it imports nothing until a push names it
+        args += ["--custom-weight-loader", LOAD_FORMAT]
     if "num_experts_per_tok" in model:
         # Keep Routing: every token's routed experts come back with the completion (a dense model has none, and
         # SGLang's capturer fails at start for it).
@@ -256,8 +259,8 @@ class EnginePool:
         gpus = self._gpus(first)
         cuda = _has_cuda()
         env = child_env(**({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
-        if self.cfg.server == "sglang" and not cuda:
-            env.update(sglang.cpu_env())
+        if self.cfg.server == "sglang":
+            env.update(sglang.server_env(cuda))
         return self._spawn(
             [self.python, *launch_args(self.cfg, ports, cuda)], env, f"{self.cfg.server}-{first}", append=restart
         )

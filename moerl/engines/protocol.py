@@ -44,7 +44,7 @@ GREEDY_BELOW = 1e-6  # SGLang samples greedily (temperature 1, top_k 1) below th
 MAX_N = 1024  # completions of one prompt per request (SGLang sets no bound; one request must not flood the engine)
 INT64 = (-(2**63), 2**63 - 1)
 # moerl.dtypes.WIRE_DTYPES as a type: a type checker reads a Literal's values only where they are written out.
-WireDtype = Literal["float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8"]
+WireDtype = Literal["float32", "bfloat16", "float16", "float64", "int64", "int32", "int8", "uint8", "float8_e4m3fn"]
 assert get_args(WireDtype) == WIRE_DTYPES, "WireDtype must list moerl.dtypes.WIRE_DTYPES, in its order"
 
 
@@ -416,8 +416,10 @@ class UpdateWeightsFromTensorReqInput(WireModel):
     on the CPU; one entry per TP rank of the engine (SGLang: rank r reads entry r only)."""
 
     serialized_named_tensors: list[str] = Field(min_length=1)
-    # None: a list of (Hub name, tensor) pairs; flattened_bucket: one uint8 tensor and each tensor's span in it.
-    load_format: Literal["flattened_bucket"] | None = None
+    # None: a list of (Hub name, tensor) pairs; flattened_bucket: one uint8 tensor and each tensor's span in it;
+    # moerl's delta loader (moerl.engines.delta.LOAD_FORMAT, which SGLang must be started with as a custom weight
+    # loader): a list of pairs, each tensor whole under its name or a delta of it (moerl.engines.delta's encoding).
+    load_format: Literal["flattened_bucket", "moerl.engines.delta.apply_delta"] | None = None
     flush_cache: bool = True  # refused while requests run (an in_place pause): send false then
     abort_all_requests: bool = False
     weight_version: str | None = None

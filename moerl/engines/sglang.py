@@ -9,6 +9,7 @@ openai and many more) are not the trainer's, and on a CPU it needs a CUDA build 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import subprocess
 import sys
@@ -77,11 +78,29 @@ def sglang_problem(installed: str | None = None) -> str | None:
     return f"sglang {installed} is older than {SGLANG_VERSION}, whose HTTP API moerl speaks" if too_old else None
 
 
-def cpu_env() -> dict[str, str]:
-    """The environment variables an SGLang server on the CPU starts with: SGLang's CPU engine, and moerl's CPU support
-    ahead of anything else on its PYTHONPATH."""
-    path = os.pathsep.join(p for p in (str(CPU_SUPPORT), os.environ.get("PYTHONPATH", "")) if p)
-    return {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": path}
+def server_env(cuda: bool) -> dict[str, str]:
+    """The environment variables an SGLang server starts with: on its PYTHONPATH moerl itself (for moerl's weight
+    loader, :data:`~moerl.engines.delta.LOAD_FORMAT`) and on the CPU moerl's CPU support ahead of it, with SGLang's CPU
+    engine."""
+    paths = [str(moerl_alone()), os.environ.get("PYTHONPATH", "")]
+    if cuda:
+        return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    return {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join(p for p in [str(CPU_SUPPORT), *paths] if p)}
+
+
+def moerl_alone() -> Path:
+    """A directory holding nothing but a link to this moerl package, for an SGLang server's PYTHONPATH: moerl's own
+    parent may be this environment's site-packages, whose torch would shadow the server's."""
+    package = Path(__file__).resolve().parents[1]
+    home = environment().parent / f"moerl-path-{hashlib.sha1(str(package).encode()).hexdigest()[:12]}"
+    link = home / "moerl"
+    if not (link.is_symlink() and link.resolve() == package):
+        home.mkdir(parents=True, exist_ok=True)
+        staged = home / f".moerl-{os.getpid()}"
+        staged.unlink(missing_ok=True)
+        staged.symlink_to(package, target_is_directory=True)
+        staged.replace(link)  # atomic: a server starting meanwhile sees the old link or the new one
+    return home
 
 
 def cpu_args(kv_tokens: int | None) -> list[str]:

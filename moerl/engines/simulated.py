@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moerl.dtypes import MODEL_DTYPES
 from moerl.engines import protocol
+from moerl.engines.delta import Delta
 from moerl.engines.embedded.engine import EmbeddedEngine, TokenDetails
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.runner import DENSE_LAYER, hub_tensor_view, moe_gates
@@ -319,10 +320,12 @@ class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
             for name, shape in self.family.hub_shapes(self.hub_config).items()
         ]
 
-    def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor | Delta]]) -> None:
         """A disk update takes its bytes' time at the profile's rate, counted from when it began, so the headers' checks
         (real CPU here, for every replica of the process) do not add to it; a broadcast's bytes already came."""
-        from_disk = sum(src.numel() * src.element_size() for _, src in pairs if src.is_meta)
+        from_disk = sum(
+            src.numel() * src.element_size() for _, src in pairs if isinstance(src, torch.Tensor) and src.is_meta
+        )
         due = from_disk / (self.profile.engine.weight_update_gb_per_s * 1e9) / self.time_scale
         time.sleep(max(due - (time.monotonic() - self._disk_update_began), 0.0))
 

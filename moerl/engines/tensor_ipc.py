@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import contextlib
 import io
 import os
@@ -140,6 +141,11 @@ def _allowed() -> dict[tuple[str, str], Any]:
         # SGLang's own bucket metadata (a client that imports SGLang sends it): a dataclass of the same attributes.
         ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): types.SimpleNamespace,
         ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+        # a tensor whose bytes travel in the payload (moerl.engines.delta.inline_payload): its storage torch.save'd,
+        # opened here as weights only
+        ("torch._utils", "_rebuild_tensor_v3"): torch._utils._rebuild_tensor_v3,
+        ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+        ("collections", "OrderedDict"): collections.OrderedDict,
         ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
     }
     for name in ("rebuild_tensor", "rebuild_typed_storage", "rebuild_storage_filename", "rebuild_storage_empty"):
@@ -148,6 +154,10 @@ def _allowed() -> dict[tuple[str, str], Any]:
         if isinstance(getattr(torch, name), torch.dtype):
             allowed["torch", name] = getattr(torch, name)
     return allowed
+
+
+def _storage_from_bytes(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class _Unpickler(pickle.Unpickler):

@@ -13,7 +13,7 @@ import hashlib
 import socket
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic
@@ -22,10 +22,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from moerl.checkpoint.hf import HFReader, check_hf_tensors, read_config
+from moerl.checkpoint.hf import HFReader, check_hf_tensors, fp8_checkpoint, fp8_names, read_config
 from moerl.engines import protocol
+from moerl.engines.delta import Delta, apply_to
+from moerl.engines.embedded.fp8 import FP8Adapters, FP8Model
 from moerl.engines.embedded.lora import AdapterSet
-from moerl.engines.embedded.runner import ModelRunner, hub_tensor_targets, hub_tensor_view
+from moerl.engines.embedded.runner import ModelRunner, engine_device, hub_tensor_targets, hub_tensor_view
 from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Request, RequestT, Scheduler
 from moerl.engines.protocol import ProtocolError
 from moerl.engines.weight_group import bucket_layout, join_weight_group, unflatten_bucket, weight_store
@@ -56,6 +58,7 @@ class EmbeddedEngine(Generic[RequestT]):
 
     engine_name = "moerl-embedded"  # /server_info's engine
     request_type: type[RequestT]  # what make_requests queues
+    fp8: FP8Model | None = None  # set where the model directory is an FP8 checkpoint (:mod:`.fp8`)
 
     def __init__(
         self: EmbeddedEngine[Request],
@@ -68,7 +71,9 @@ class EmbeddedEngine(Generic[RequestT]):
         weights_cpu_backup: bool = False,
     ):
         self.request_type = Request
-        self.runner = ModelRunner(model_dir, dtype, device)
+        if fp8_checkpoint(read_config(model_dir)):  # served in FP8, as SGLang serves such a directory
+            self.fp8 = FP8Model.load(model_dir, dtype, engine_device(device))
+        self.runner = ModelRunner(model_dir, dtype, device, None if self.fp8 is None else self.fp8.model)
         self._serve(
             model_dir,
             self.runner.model,
@@ -99,7 +104,9 @@ class EmbeddedEngine(Generic[RequestT]):
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         max_length = getattr(config, "max_position_embeddings", 1 << 30)
-        self.scheduler = scheduler(AdapterSet(model, self.family), eos_ids, max_length)
+        self.scheduler = scheduler(
+            (AdapterSet if self.fp8 is None else FP8Adapters)(model, self.family), eos_ids, max_length
+        )
         self.limits = protocol.EngineLimits(config.vocab_size, self.scheduler.max_length, sampling_mask_max_tokens)
         self.memory = MemoryOccupation(model, weights_cpu_backup)
         self.weight_groups: dict[str, object] = {}
@@ -304,10 +311,12 @@ class EmbeddedEngine(Generic[RequestT]):
         """Every Hub tensor of the served model from the HF directory ``path``, all read before any is used:
         a directory that is not this model (missing, extra or misshapen tensors, a damaged file) is refused."""
         reader, _ = self.model_dir_reader(path)
-        return [(name, reader.get(name)) for rule in self.family.all_rules(self.hub_config) for name in rule.hf]
+        names = [name for rule in self.family.all_rules(self.hub_config) for name in rule.hf]
+        return [(name, reader.get(name)) for name in (names if self.fp8 is None else fp8_names(names))]
 
     def model_dir_reader(self, path: str) -> tuple[HFReader, torch.dtype]:
-        """A reader of the HF directory ``path`` and its dtype, once its headers say it is the served model."""
+        """A reader of the HF directory ``path`` and its dtype, once its headers say it is the served model (an FP8
+        checkpoint where the engine serves FP8)."""
         directory = Path(path)
         if not directory.is_dir():
             raise ProtocolError(f"model_path {path!r} is not a directory")
@@ -323,37 +332,59 @@ class EmbeddedEngine(Generic[RequestT]):
             )
 
     def apply_weights(
-        self, named: list[tuple[str, torch.Tensor]], version: str | None, abort_all: bool, flush: bool
+        self, named: Sequence[tuple[str, torch.Tensor | Delta]], version: str | None, abort_all: bool, flush: bool
     ) -> None:
-        """On the engine thread: write ``named`` (Hub names) into the model, all checked first."""
+        """On the engine thread: write ``named`` (Hub names; each tensor whole, or a delta of it) into the model, all
+        checked first."""
         sched = self.scheduler
         self.check_weights_held("weights not updated")
-        pairs = hub_tensor_targets(self.family, self.model, named)
+        # a delta is checked as the tensor it changes: its shape and dtype
+        stand_ins = [
+            (name, torch.empty(item.shape, dtype=item.values.dtype, device="meta") if isinstance(item, Delta) else item)
+            for name, item in named
+        ]
+        pairs = self.weight_targets(stand_ins)
         self.check_flush(flush, abort_all, "weights not updated")
         if abort_all:
             sched.abort(message="weights updated")
-        self.write_weights(pairs)
+        self.write_weights([(dst, item) for (dst, _), (_, item) in zip(pairs, named, strict=True)])
+        if self.fp8 is not None:  # the bucket written: what the model computes with follows
+            self.fp8.dequantize_written(name for name, _ in named)
         if flush:  # checked above: nothing runs
             sched.prefix_cache.clear()
         if version is not None:
             sched.weight_version = version
 
-    def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def weight_targets(self, named: list[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination, source) for each Hub-named tensor (an FP8 engine's: weights and scales), all checked before
+        anything is written."""
+        if self.fp8 is not None:
+            return self.fp8.targets(named)
+        return hub_tensor_targets(self.family, self.model, named)
+
+    def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor | Delta]]) -> None:
         with torch.no_grad():
             for dst, src in pairs:
-                dst.copy_(src)
+                if isinstance(src, Delta):
+                    apply_to(dst, src)
+                else:
+                    dst.copy_(src)
 
     def weight_values(self, name: str, truncate_size: int) -> list | None:
         """The first ``truncate_size`` rows of the Hub tensor ``name`` as served (None: not a weight of the model)."""
         self.check_weights_held("no weights to read")
+        if self.fp8 is not None and (held := self.fp8.values(name, truncate_size)) is not None:
+            return held  # an FP8 weight (its values as floats) or its scales
         view = hub_tensor_view(self.family, dict(self.model.named_parameters()), name)
         return None if view is None else view[:truncate_size].float().cpu().tolist()
 
     def checksum(self) -> str:
-        """SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes."""
+        """SGLang's CPU hash: sha256 of each tensor's bytes, then of the names and hashes (an FP8 engine's: of its FP8
+        weights and their scales)."""
         self.check_weights_held("no weights to hash")
         digest = hashlib.sha256()
-        for name, param in sorted(self.model.named_parameters()):
+        tensors = self.model.named_parameters() if self.fp8 is None else self.fp8.hashed_tensors()
+        for name, param in sorted(tensors, key=lambda item: item[0]):
             data = param.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data  # its bytes, uncopied
             tensor = hashlib.sha256(data).hexdigest()[:16]
             digest.update(name.encode())
@@ -390,7 +421,8 @@ class EmbeddedEngine(Generic[RequestT]):
             for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)
         ]
         for _, tensor in named:
-            dist.broadcast(tensor, 0, group)
+            # gloo has no float8 type: an FP8 weight comes as its bytes (the same bytes over NCCL)
+            dist.broadcast(tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor, 0, group)
         return named
 
     # ---- info --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from moerl.engines.embedded.prefix_cache import KV, CachedPrefix
 from moerl.engines.protocol import ProtocolError
+from moerl.fp8 import FP8, SCALE_SUFFIX
 from moerl.models import ModelFamily
 
 DENSE_LAYER = -1  # routing placeholder for layers without a router (as SGLang-JAX documents)
@@ -41,6 +42,11 @@ def own_weights(model: torch.nn.Module) -> None:
                 param.data = param.data.clone()
 
 
+def engine_device(device: str | None) -> torch.device:
+    """Where an engine computes: ``device``, else CUDA where there is one."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
 class ModelRunner:
     """Runs prefill for one request and decode steps for the running batch.
 
@@ -49,9 +55,18 @@ class ModelRunner:
     enter the cache, so where a key sits in the cache does not change what it means.
     """
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | None = None):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | None = None,
+        model: PreTrainedModel | None = None,
+    ):
+        """Serve the HF directory ``model_dir``'s model in ``dtype``, or ``model`` (made of it elsewhere: an FP8
+        checkpoint's, :class:`~moerl.engines.embedded.fp8.FP8Model`)."""
+        self.device = engine_device(device)
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         # transformers wraps PreTrainedModel.to with functools.wraps, whose type takes the bound self for an argument.
         self.model: PreTrainedModel = model.to(self.device).eval()  # type: ignore[arg-type]
         own_weights(self.model)
@@ -232,15 +247,41 @@ def hub_tensor_targets(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination view, source) for each Hub-named tensor, all checked before anything is written."""
     params = dict(model.named_parameters())
-    pairs, problems = [], []
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    problems: list[str] = []
     for name, tensor in named:
         dst = hub_tensor_view(family, params, name)
         if dst is None:
-            problems.append(f"{name}: not a weight of the served model")
-        elif tuple(dst.shape) != tuple(tensor.shape):
-            problems.append(f"{name}: shape {tuple(tensor.shape)} != served {tuple(dst.shape)}")
+            fp8 = " (FP8 scales: this engine serves unquantized weights)" if name.endswith(SCALE_SUFFIX) else ""
+            problems.append(f"{name}: not a weight of the served model{fp8}")
+        elif tensor.dtype == FP8:
+            problems.append(
+                f"{name}: float8_e4m3fn, and this engine serves unquantized weights (an FP8 policy is served from an "
+                "FP8 checkpoint: engines.quantization=fp8)"
+            )
         else:
-            pairs.append((dst, tensor))
+            add_target(name, dst, tensor, pairs, problems)
+    return checked(pairs, problems)
+
+
+def add_target(
+    name: str,
+    dst: torch.Tensor,
+    tensor: torch.Tensor,
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    problems: list[str],
+) -> None:
+    """``(dst, tensor)`` to ``pairs`` where their shapes agree, else the mismatch to ``problems``."""
+    if tuple(dst.shape) != tuple(tensor.shape):
+        problems.append(f"{name}: shape {tuple(tensor.shape)} != served {tuple(dst.shape)}")
+    else:
+        pairs.append((dst, tensor))
+
+
+def checked(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], problems: list[str]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``pairs``, unless there are ``problems``: then the whole update is refused, naming the first few."""
     if problems:
         raise ProtocolError("weight update refused, nothing was changed: " + "; ".join(problems[:5]))
     return pairs

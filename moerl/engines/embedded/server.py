@@ -17,8 +17,8 @@ import torch
 from aiohttp import web
 
 from moerl.engines import protocol
+from moerl.engines.delta import LOAD_FORMAT, decode
 from moerl.engines.embedded.engine import EmbeddedEngine, refused_path, server_info
-from moerl.engines.embedded.runner import hub_tensor_targets
 from moerl.engines.embedded.scheduler import RequestT
 from moerl.engines.embedded.streaming import Generation, dumps
 from moerl.engines.protocol import ProtocolError
@@ -232,7 +232,7 @@ class EngineServer(Generic[RequestT]):
             (n, torch.empty(s, dtype=getattr(torch, d), device="meta"))
             for n, d, s in zip(req.names, req.dtypes, req.shapes, strict=True)
         ]
-        hub_tensor_targets(engine.family, engine.model, shapes)
+        engine.weight_targets(shapes)
         if req.load_format == "flattened_bucket":
             bucket_layout(req.dtypes, req.shapes)
         group = engine.weight_groups.get(req.group_name)
@@ -265,6 +265,11 @@ class EngineServer(Generic[RequestT]):
                 "(SGLang: one per TP rank)"
             )
         named = await self.in_pool("tensor", load_payload, req.serialized_named_tensors[0], req.load_format)
+        if req.load_format == LOAD_FORMAT:  # moerl's delta pushes: tensors whole or their changed elements
+            try:
+                named = decode(named)
+            except ValueError as e:
+                raise ProtocolError(f"serialized_named_tensors[0]: {e}") from None
         await self.on_engine(
             lambda: engine.apply_weights(named, req.weight_version, req.abort_all_requests, req.flush_cache)
         )
