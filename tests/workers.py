@@ -300,6 +300,30 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     return {**mine, **_served_next_to_trained(sync, trainer, urls, stats)}
 
 
+def push_deltas(mcore_dir: str, trainer_cfg, samples: list, urls: list[str], quantization: str = "none") -> dict:
+    """Delta pushes (DeltaSync) to engines that start from the trainer's checkpoint: two trainer steps, each followed
+    by a push; then, as if the first engine were started again, a third push. Each push's stats, and after the last
+    each engine's copy of every tensor read back next to the trainer's."""
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.delta import DeltaSync
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    rank0 = torch.distributed.get_rank() == 0
+    sync = DeltaSync(urls if rank0 else None, bucket_bytes=64 << 10)
+    sync.quantization = quantization
+    sync.connect()
+    sync.start(trainer, engines_hold_it=True)
+    pushes = []
+    for _ in range(2):
+        trainer.step(samples)
+        pushes.append(sync.update(trainer))
+    if rank0:
+        sync.started_again(urls[:1])
+    trainer.step(samples)
+    pushes.append(sync.update(trainer))
+    return {"pushes": pushes, **_served_next_to_trained(sync, trainer, urls, pushes[-1])}
+
+
 def train_then_hand_over(mcore_dir: str, trainer_cfg, samples: list, urls: list[str]) -> dict:
     """One trainer step, then a colocated push (TensorSync) to the engines at ``urls``, one per rank's GPU: the
     handles each rank made, those rank 0 posted (by GPU, per bucket), and each engine's copy of every tensor read back
@@ -336,13 +360,18 @@ def train_then_hand_over(mcore_dir: str, trainer_cfg, samples: list, urls: list[
 
 
 def _served_next_to_trained(sync, trainer, urls: list[str], stats) -> dict:
-    """Collective: on rank 0, the trainer's Hub tensors, each engine's copy of them, the engines' versions and the
-    update's ``stats``; nothing elsewhere. Closes ``sync``."""
+    """Collective: on rank 0, the trainer's Hub tensors (as the engines hold them: quantized for FP8 ones), each
+    engine's copy of them, the engines' versions and the update's ``stats``; nothing elsewhere. Closes ``sync``."""
     from moerl.weight_sync.export import hf_named_tensors
     from tests.engine_server import weights_by_name
 
     with trainer.on_device():  # a colocated push leaves it off: copies, as the offload after frees what they view
-        trained = [(name, t.clone()) for name, t in hf_named_tensors(Gather(trainer.model.module), trainer.hf_config)]
+        trained = [
+            (name, t.clone())
+            for name, t in hf_named_tensors(
+                Gather(trainer.model.module), trainer.hf_config, getattr(sync, "quantization", "none")
+            )
+        ]
     if sync.link is None:
         sync.close()
         return {}
@@ -874,3 +903,47 @@ def segment_attention_against_references(dtype_name: str) -> dict:
         if grad is not None:
             gaps["grads"].append(gap(grad, dense_grad))
     return {"device": device.type, "flex_used": flex_used, **{name: max(v, default=0.0) for name, v in gaps.items()}}
+
+
+def verify_fp8_engines(mcore_dir: str, trainer_cfg, samples: list, urls: list[str], strategy: str) -> dict:
+    """FP8 engines started from the trainer's checkpoint (its FP8 copy): a trainer step, an FP8 push (``strategy``:
+    delta, a whole gather's; broadcast, a per-sender one's; tensor, colocated, whose probe is taken at the push), then
+    sync.verify at fp32's tolerance; the trainer's unquantized log-probs of the probe next to the FP8 reference; then a
+    second step without a push (tensor: nor a probe taken at one), the engines told its version, and what verify
+    raises on each rank."""
+    from moerl.trainer.trainer import Trainer
+    from moerl.weight_sync.base import probe_ids, probe_logprobs
+    from moerl.weight_sync.broadcast import BroadcastSync
+    from moerl.weight_sync.delta import DeltaSync
+    from moerl.weight_sync.tensor import TensorSync
+
+    trainer = Trainer(mcore_dir, trainer_cfg)
+    rank0 = torch.distributed.get_rank() == 0
+    mine = urls if rank0 else None
+    sync = {
+        "delta": lambda: DeltaSync(mine, bucket_bytes=64 << 10),
+        "broadcast": lambda: BroadcastSync(mine, "127.0.0.1", "gloo", bucket_bytes=64 << 10),
+        "tensor": lambda: TensorSync(mine, bucket_bytes=64 << 10),
+    }[strategy]()
+    sync.quantization = "fp8"
+    sync.connect()
+    sync.start(trainer, engines_hold_it=True)
+    trainer.step(samples)
+    sync.update(trainer)
+    ids = probe_ids(trainer.hf_config["vocab_size"])
+    worst = sync.verify(trainer, 1e-4)
+    reference = sync.trainer_probe(trainer, ids)
+    with trainer.weights_on_device():  # a colocated push leaves them off
+        plain = probe_logprobs(trainer.model.module, ids)
+    trainer.step(samples)  # a policy the engines do not hold, under the version they are told
+    if isinstance(sync, TensorSync):
+        sync.probe = None
+    if sync.link is not None:
+        sync.link.run(sync.link.client.set_weight_version(str(trainer.version)))
+    stale = None
+    try:
+        sync.verify(trainer, 1e-4)
+    except Exception as e:  # noqa: BLE001 - what each rank raises
+        stale = (type(e).__name__, str(e))
+    sync.close()
+    return {"worst": worst, "reference": reference, "plain": plain, "stale": stale}

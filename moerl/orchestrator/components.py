@@ -19,6 +19,7 @@ from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
 from moerl.orchestrator.config import EngineSection, RunConfig, Scorer, scorers, served_by
 from moerl.orchestrator.messages import ManagerSpec, ServedModel
+from moerl.orchestrator.model_cache import engine_model
 from moerl.orchestrator.placement import Placement
 from moerl.orchestrator.preflight import simulation_profile
 
@@ -70,7 +71,7 @@ def start_engines(
     pool = EnginePool(
         pool_config(
             e,
-            str(hf),
+            str(engine_model(cfg, hf)),
             server,
             run_dir / "logs",
             placement.gpu_offset(local_trainer_ranks) if cuda else 0,
@@ -231,14 +232,16 @@ def full_weight_bytes(trainer: TrainerLike) -> int:
 
 
 def verify_tolerance(cfg: RunConfig, engine_dtypes: list[str] | None = None) -> float:
-    """sync.verify's bound on the mean |log-prob delta| of the probe: tight where engine and trainer both
-    compute in fp32 (only summation order differs), loose where either rounds to bf16. ``engine_dtypes``: what the
-    engines given by URL report they compute in (their configured dtype is not this job's to set; SGLang's "auto" is
-    never fp32)."""
+    """sync.verify's bound on the mean |log-prob delta| of the probe: tight where engine and reference both compute in
+    fp32 (only summation order differs), loose where either rounds to bf16. The reference is the trainer's forward,
+    or with FP8 engines an FP8 forward of the pushed tensors in the engines' own dtype
+    (:mod:`moerl.weight_sync.fp8_probe`), whatever the trainer's. ``engine_dtypes``: what the engines given by URL
+    report they compute in (their configured dtype is not this job's to set; SGLang's "auto" is never fp32)."""
     if cfg.sync.verify_tolerance is not None:
         return cfg.sync.verify_tolerance
     engines = engine_dtypes if engine_dtypes is not None else [resolve_dtype(cfg.engines.dtype)]
-    return 1e-4 if resolve_dtype(cfg.trainer.dtype) == "float32" and all(d == "float32" for d in engines) else 5e-2
+    reference_fp32 = cfg.engines.quantization == "fp8" or resolve_dtype(cfg.trainer.dtype) == "float32"
+    return 1e-4 if reference_fp32 and all(d == "float32" for d in engines) else 5e-2
 
 
 def make_sync(
@@ -246,8 +249,12 @@ def make_sync(
 ) -> WeightSync:
     """The weight sync of ``strategy`` (:meth:`Placement.sync_strategy`); ``urls``: the engines, on global rank 0, None
     on the other ranks."""
+    from moerl.weight_sync.base import FullWeightSync
+
     sync = _sync_strategy(cfg, strategy, urls, hf, run_dir, hf_config)
     sync.down_timeout_s = cfg.engines.down_timeout_s
+    if isinstance(sync, FullWeightSync):
+        sync.quantization = cfg.engines.quantization
     return sync
 
 
@@ -278,8 +285,15 @@ def _sync_strategy(
         from moerl.weight_sync.simulated import SimulatedSync
 
         return SimulatedSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
+    if cfg.sync.delta:  # the configuration allows it with separate placement's full weights only
+        from moerl.weight_sync.delta import DeltaSync
+
+        return DeltaSync(urls, cfg.sync.bucket_mb << 20, pause=pause, flush_cache=flush)
     if strategy == "disk":
-        return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
+        # the engines' own directory's config and tokenizer beside each version: an FP8 one names its quantization
+        return DiskSync(
+            urls, run_dir / "weights", engine_model(cfg, hf) if urls is not None else hf, pause=pause, flush_cache=flush
+        )
     return BroadcastSync(
         urls,
         sync_address(cfg),

@@ -38,6 +38,7 @@ Partial = Literal["in_place", "retry"]
 Server = Literal["auto", "sglang", "embedded"]
 # auto: bfloat16 with CUDA, float32 without; else MODEL_DTYPES
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
+Quantization = Literal["none", "fp8"]
 SyncMethod = Literal["broadcast", "disk"]
 Resume = Literal["false", "true", "auto"]
 
@@ -104,6 +105,19 @@ class EngineSection:
     # restart within restart_window_s (a crash loop): then it is given up on. Engines given by URL are polled back in.
     max_restarts: int = 3
     restart_window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        check_choices(self, "engines")
+
+
+@dataclass
+class PolicyEngineSection(EngineSection):
+    """The policy's replicas (``engines``), which the trainer's pushes reach."""
+
+    # fp8: they serve the policy in block-wise FP8 (moerl.fp8: 128x128 weight blocks, per-token-group activations),
+    # started from an FP8 copy of the checkpoint made once into run.cache_dir, every push quantized by the trainer, so
+    # that they hold exactly what it computed
+    quantization: Quantization = "none"
 
     def __post_init__(self) -> None:
         check_choices(self, "engines")
@@ -241,7 +255,13 @@ class SyncSection:
     # After each update: every engine reports the new version, engines agree on their weight checksums, and
     # each one's log-probs of a fixed probe are within verify_tolerance (mean |delta|) of the trainer's.
     verify: bool = False
-    verify_tolerance: float | None = None  # default: 1e-4 where engines and trainer compute in fp32, else 5e-2
+    # default: 1e-4 where engines and trainer (FP8 engines: the engines alone) compute in fp32, else 5e-2
+    verify_tolerance: float | None = None
+    # Each push sends, per tensor, only the elements whose bits changed since the version the engines hold (positions
+    # and values, or a bitmask and values, whichever is smaller; the tensor whole where over half changed), through
+    # /update_weights_from_tensor and moerl's weight loader in the engine (moerl.engines.delta), in place of
+    # sync.method's transport. Global rank 0 keeps the pushed policy in host memory to compare against.
+    delta: bool = False
 
     def __post_init__(self) -> None:
         check_choices(self, "sync")
@@ -262,7 +282,7 @@ class SimulationSection:
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
-    engines: EngineSection = field(default_factory=EngineSection)
+    engines: PolicyEngineSection = field(default_factory=PolicyEngineSection)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     sync: SyncSection = field(default_factory=SyncSection)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -471,6 +491,7 @@ def check(cfg: RunConfig) -> None:
     problems += colocation_problems(cfg)
     problems += episode_problems(cfg)
     problems += simulation_problems(cfg)
+    problems += push_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
 
@@ -673,6 +694,31 @@ def simulation_problems(cfg: RunConfig) -> list[str]:
         )
     if cfg.trainer.replay.trace_samples:
         problems.append("trainer.replay.trace_samples: the simulated trainer runs no routers to trace; set it to 0")
+    return problems
+
+
+def push_problems(cfg: RunConfig) -> list[str]:
+    """What FP8 engines (``engines.quantization``) and delta pushes (``sync.delta``) need: full weights of the
+    policy pushed to engines of their own."""
+    problems = []
+    fp8, delta = cfg.engines.quantization == "fp8", cfg.sync.delta
+    for wanted, key in ((fp8, "engines.quantization=fp8"), (delta, "sync.delta=true")):
+        if not wanted:
+            continue
+        if cfg.lora.enabled:
+            problems.append(f"{key} pushes full weights: lora.enabled pushes adapters only; set lora.enabled=false")
+        if cfg.simulation.profile is not None:
+            problems.append(f"{key}: simulated engines hold no weights; leave it out of a simulation")
+    if delta and cfg.run.placement == "colocated":
+        problems.append(
+            "sync.delta=true: colocated engines take the weights from the trainer's own GPUs (no bytes cross a "
+            "network); set sync.delta=false"
+        )
+    if delta and cfg.sync.method != "broadcast":
+        problems.append(
+            f"sync.delta=true sends every push through /update_weights_from_tensor; sync.method={cfg.sync.method} "
+            "would not be used: leave sync.method=broadcast"
+        )
     return problems
 
 

@@ -265,6 +265,7 @@ class Lead:
             }
         )
         metrics.update(self.engines.placement.step_metrics(self.sync, stats, wall))
+        metrics.update(stats.strategy_metrics())
         metrics.update(rollouts.take_scored().metrics())
         states = list(rollouts.engines.values())
         metrics.update({f"engines/{state}": float(states.count(state)) for state in State})

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from moerl import fp8
 from moerl.engines.weight_group import MAX_GROUPS_PER_ENGINE
 from moerl.errors import ConfigError
 from moerl.models.family import ModelFamily, TensorRule
@@ -268,8 +269,17 @@ def plan(
 
     e = cfg.engines
     engine_dtype = 4 if e.dtype == "float32" else 2
-    total = family.hub_numel(mc)
-    engine_weights = total * engine_dtype / e.gpus_per_replica
+    # what a replica holds, and what a push sends: FP8 engines hold a byte per quantized weight and its block scales
+    pushed = (
+        fp8.hub_bytes(family.hub_shapes(mc), engine_dtype)
+        if e.quantization == "fp8"
+        else family.hub_numel(mc) * engine_dtype
+    )
+    engine_weights = pushed / e.gpus_per_replica
+    if e.quantization == "fp8" and (problem := fp8.check_shards(family.hub_shapes(mc), e.gpus_per_replica)):
+        problems.append(f"engines.quantization=fp8 with engines.gpus_per_replica={e.gpus_per_replica}: {problem}")
+    if cfg.sync.delta:  # the pushed policy, which the next push is compared against
+        host["delta pushes' last policy (global rank 0 only)"] = pushed
     kv_heads = mc["num_key_value_heads"]
     kv_per_token = (
         mc["num_hidden_layers"] * 2 * family.head_dim(mc) * engine_dtype * math.ceil(kv_heads / e.gpus_per_replica)

@@ -82,11 +82,6 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
                 f"model.mcore={mcore} does not exist; leave it null to convert model.path once into run.cache_dir"
             )
         return hf, mcore
-    fingerprint = hashlib.sha1(str(hf.resolve()).encode() + (hf / "config.json").read_bytes()).hexdigest()[:12]
-    for f in sorted(hf.glob("*.safetensors")):
-        fingerprint = hashlib.sha1(
-            (fingerprint + f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}").encode()
-        ).hexdigest()[:12]
 
     def convert(staging: Path) -> None:
         log.info("converting %s to the Megatron layout (tools/convert_ckpt.py hf-to-mcore)", hf)
@@ -107,4 +102,28 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
             preexec_fn=die_with_parent,
         )
 
-    return hf, _build_once(cache / "mcore" / fingerprint, convert) / "ckpt"
+    return hf, _build_once(cache / "mcore" / _fingerprint(hf), convert) / "ckpt"
+
+
+def _fingerprint(hf: Path) -> str:
+    """A key of the HF directory ``hf``: its path, config and weight files' names, sizes and times."""
+    fingerprint = hashlib.sha1(str(hf.resolve()).encode() + (hf / "config.json").read_bytes()).hexdigest()[:12]
+    for f in sorted(hf.glob("*.safetensors")):
+        fingerprint = hashlib.sha1(
+            (fingerprint + f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}").encode()
+        ).hexdigest()[:12]
+    return fingerprint
+
+
+def engine_model(cfg: RunConfig, hf: Path) -> Path:
+    """The HF directory the policy's engines start from: ``hf``, or with ``engines.quantization=fp8`` its FP8 copy
+    (:func:`~moerl.checkpoint.hf.save_fp8`), made once into ``run.cache_dir``."""
+    if cfg.engines.quantization == "none":
+        return hf
+    from moerl.checkpoint.hf import save_fp8
+
+    def quantize(staging: Path) -> None:
+        log.info("writing an FP8 copy of %s for the engines (once)", hf)
+        save_fp8(hf, staging / "model")
+
+    return _build_once(Path(cfg.run.cache_dir).expanduser() / "fp8" / _fingerprint(hf), quantize) / "model"

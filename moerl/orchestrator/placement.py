@@ -174,7 +174,7 @@ class Separate(Placement):
 
     def senders(self, cfg: RunConfig, layout: Layout) -> int:
         # every pipeline stage's expert-parallel ranks send (sends_weights)
-        return layout.pp * layout.ep if cfg.sync.method == "broadcast" else 0
+        return layout.pp * layout.ep if cfg.sync.method == "broadcast" and not cfg.sync.delta else 0
 
     def scorers_on_trainer_gpus(self, cfg: RunConfig) -> bool:
         return False

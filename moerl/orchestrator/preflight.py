@@ -88,8 +88,17 @@ def preflight(cfg: RunConfig, world: int) -> None:
 
         if problem := sglang_problem():
             raise ConfigError(f"engines.server=sglang: {problem}; or set engines.server=embedded")
-    if not cfg.engines.urls and served_by(cfg.engines, cfg.simulation) == "sglang" and cfg.model.path is not None:
-        check_served_right(cfg.model.path, "model.path", "engines.server=embedded")
+    if not cfg.engines.urls and served_by(cfg.engines, cfg.simulation) == "sglang":
+        if cfg.model.path is not None:
+            check_served_right(cfg.model.path, "model.path", "engines.server=embedded")
+        import torch
+
+        if cfg.engines.quantization == "fp8" and not torch.cuda.is_available():
+            raise ConfigError(
+                "engines.quantization=fp8 with engines.server=sglang on the CPU: SGLang's CPU build computes FP8 "
+                "with Intel AMX kernels that moerl's CPU support does not stand in for; use engines.server=embedded, "
+                "which emulates the same FP8 arithmetic on the CPU"
+            )
     check_task(cfg)
     check_reward(cfg)
     check_process(cfg)

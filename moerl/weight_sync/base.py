@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moerl.dtypes import MODEL_DTYPES
+from moerl.dtypes import resolve as resolve_dtype
 from moerl.engines.client import EngineClient, EngineError
 from moerl.errors import EnginesDown
 from moerl.megatron.forward import forward_logits
@@ -46,6 +48,10 @@ class SyncStats:
         self.buckets += 1
         self.tensors += len(bucket)
         self.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def strategy_metrics(self) -> dict[str, float]:
+        """What a strategy's own stats add to a step's metrics (the fields above are recorded for all)."""
+        return {}
 
 
 class EngineLink:
@@ -332,6 +338,9 @@ class FullWeightSync(WeightSync):
         super().__init__(urls, name)
         self.pause, self.flush_cache = pause, flush_cache
         self.gather: Gather | None = None  # made at the first push (collective), kept for the model's life
+        # fp8: the engines serve the policy in FP8 (engines.quantization), and each push quantizes for them
+        self.quantization = "none"
+        self.probe_gather: Gather | None = None  # FP8 engines' verify, where the push's gather is not a whole one
 
     def start(self, trainer, engines_hold_it: bool) -> None:
         if not engines_hold_it:
@@ -370,6 +379,36 @@ class FullWeightSync(WeightSync):
     def served(self, version: int) -> tuple[str | None, str | None]:
         return str(version), None
 
+    def trainer_probe(self, trainer, ids: list[int]) -> np.ndarray:
+        """Collective: the log-probs of the probe ``ids`` the engines must reproduce. With FP8 engines, those an FP8
+        engine computes from exactly the tensors a push sends (quantized as it quantizes them), in the dtype the engines
+        compute in, streamed a layer at a time on global rank 0 (:mod:`moerl.weight_sync.fp8_probe`): not the trainer's
+        unquantized log-probs, which differ from any FP8 engine's by its rounding."""
+        if self.quantization != "fp8":
+            return super().trainer_probe(trainer, ids)
+        from moerl.weight_sync.fp8_probe import fp8_probe_logprobs  # transformers' model code: verify's alone
+
+        if self.gather is not None and not self.gather.per_sender:
+            gather = self.gather  # a push's whole gather
+        else:  # none yet, or a sender's share: a whole one of the probe's own, made once (collective)
+            if self.probe_gather is None:
+                self.probe_gather = Gather(trainer.model.module)
+            gather = self.probe_gather
+        return fp8_probe_logprobs(gather, trainer.hf_config, ids, self.engine_dtype)
+
+    def engine_dtype(self) -> torch.dtype:
+        """Global rank 0: the dtype the chosen engines compute in, as their /server_info reports it (SGLang's ``auto``:
+        bfloat16); where they differ, the first of them that is not float32 (every engine is checked against one
+        reference, by float32's tolerance only where all compute in float32). With none of them answering, what
+        ``auto`` means here: verify then checks no engine."""
+        try:
+            infos = self.on_engines(lambda client: client.server_info(), EngineCall.REPEATED_ON_CHOSEN)
+        except (EngineError, EnginesDown):
+            infos = []
+        reported = [str(info.get("dtype", "auto")) for info in infos] or [resolve_dtype("auto")]
+        dtypes = [_ENGINE_DTYPES.get(name, torch.bfloat16) for name in reported]
+        return next((d for d in dtypes if d != torch.float32), torch.float32)
+
     def push_policy(self, trainer) -> SyncStats | None:
         """Collective: ``trainer``'s weights to the engines under its version; the stats on rank 0, None elsewhere."""
         return self.push_model(trainer.model.module, trainer.hf_config, str(trainer.version))
@@ -377,6 +416,10 @@ class FullWeightSync(WeightSync):
     @abstractmethod
     def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
         """Collective: ``model``'s weights to the engines under ``version``; the stats on rank 0, None elsewhere."""
+
+
+# What an engine's /server_info may say it computes in (SGLang's --dtype choices; "auto" is never float32 there).
+_ENGINE_DTYPES = MODEL_DTYPES | {"half": torch.float16, "float": torch.float32, "auto": torch.bfloat16}
 
 
 class WeightSyncError(RuntimeError):

@@ -307,7 +307,7 @@ class BroadcastSync(FullWeightSync):
         failed: Exception | None = None
         self.bucket_lost = self._announced_lost = False
         pending: deque[tuple[str, torch.Tensor]] = deque()  # this sender's tensors not yet sent
-        layers = hf_layers(self.gather, hf_config)  # every rank iterates: the gathers are collective
+        layers = hf_layers(self.gather, hf_config, self.quantization)  # every rank iterates: the gathers are collective
         for layer in itertools.chain(layers, [None]):
             last = layer is None
             if layer is not None and not stopped and self.sender is not None:

@@ -47,7 +47,8 @@ class DiskSync(FullWeightSync):
         """Collective: every weight gathered on rank 0 (:class:`~moerl.megatron.weights.Gather`), which writes them."""
         if self.gather is None:
             self.gather = Gather(model)
-        named = hf_named_tensors(self.gather, hf_config)  # every rank iterates: the gathers are collective
+        # every rank iterates: the gathers are collective
+        named = hf_named_tensors(self.gather, hf_config, self.quantization)
         if self.link is None:
             for _ in named:
                 pass

@@ -13,20 +13,22 @@ from collections.abc import Iterator
 
 import torch
 
+from moerl.fp8 import quantize_named
 from moerl.megatron.weights import Gather
 from moerl.models import family_for
 from moerl.models.family import in_layer
 
 
-def hf_named_tensors(gather: Gather, hf_config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_named_tensors(gather: Gather, hf_config: dict, quantization: str = "none") -> Iterator[tuple[str, torch.Tensor]]:
     """``(hub_name, tensor)`` for every tensor of the HF checkpoint, in the model dtype, on rank 0's device; on
     every other rank nothing (but iterate it to the end there too: the gathers are collective). With a
-    ``per_sender`` gather: on each rank that sends, its own share (a stage's dense tensors, an EP rank's experts)."""
-    for layer in hf_layers(gather, hf_config):
+    ``per_sender`` gather: on each rank that sends, its own share (a stage's dense tensors, an EP rank's experts).
+    ``quantization`` fp8: as FP8 engines hold them (:func:`moerl.fp8.quantize_named`)."""
+    for layer in hf_layers(gather, hf_config, quantization):
         yield from layer
 
 
-def hf_layers(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def hf_layers(gather: Gather, hf_config: dict, quantization: str = "none") -> Iterator[list[tuple[str, torch.Tensor]]]:
     """:func:`hf_named_tensors` a weight layer at a time (the non-layer tensors, then each decoder layer): the same
     number of layers on every rank, each empty where the rank holds none of it, so that ranks can act together between
     them."""
@@ -46,5 +48,7 @@ def hf_layers(gather: Gather, hf_config: dict) -> Iterator[list[tuple[str, torch
                     continue
                 named += zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg), strict=True)  # one per Hub name
         del full
+        if quantization == "fp8":
+            named = list(quantize_named(named))
         yield named
         del named  # before the next layer is gathered: one held at a time, not two

@@ -31,7 +31,7 @@ from moerl.engines.tensor_ipc import flattened_bucket, serialize, shareable_allo
 from moerl.errors import ConfigError, EnginesDown
 from moerl.megatron.parallel import collective_device
 from moerl.megatron.weights import Gather
-from moerl.weight_sync.base import EngineCall, FullWeightSync, SyncStats, probe_ids, probe_logprobs
+from moerl.weight_sync.base import EngineCall, FullWeightSync, SyncStats, probe_ids
 from moerl.weight_sync.broadcast import buckets, drained, whole_buckets
 from moerl.weight_sync.export import hf_layers
 
@@ -113,14 +113,14 @@ class TensorSync(FullWeightSync):
             self.agreed(error=failed)
             if trainer.communicators is not None and self.handover is not None:  # idle until the next push
                 trainer.communicators.include(self.handover.group)
-            self.probe = probe_logprobs(trainer.model.module, probe_ids(trainer.hf_config["vocab_size"]))
+            self.probe = super().trainer_probe(trainer, probe_ids(trainer.hf_config["vocab_size"]))  # FP8's too
         self.offloaded_bytes = trainer.offload()
         return stats
 
     def trainer_probe(self, trainer, ids: list[int]) -> np.ndarray:
         if self.probe is None:  # no push yet: the engines started from the trainer's checkpoint
             with trainer.weights_on_device():
-                self.probe = probe_logprobs(trainer.model.module, ids)
+                self.probe = super().trainer_probe(trainer, ids)
         return self.probe
 
     def push_model(self, model, hf_config: dict, version: str) -> SyncStats | None:
@@ -145,7 +145,8 @@ class TensorSync(FullWeightSync):
             except Exception as e:  # noqa: BLE001 - rank 0's, raised once every gather is done
                 failure = e
         pending: deque[tuple[str, torch.Tensor]] = deque()  # rank 0: tensors not yet handed over
-        for layer in itertools.chain(hf_layers(self.gather, hf_config), [None]):  # the gathers are collective
+        layers = hf_layers(self.gather, hf_config, self.quantization)  # every rank iterates: the gathers are collective
+        for layer in itertools.chain(layers, [None]):
             if layer is not None and failure is None:
                 pending += layer  # a layer is empty but on rank 0
             # whole buckets; the last, unfilled, waits for the next layer unless the layers are over

@@ -445,6 +445,11 @@ def test_models_sglang_would_serve_wrong_are_named_before_launch(tmp_path, monke
         with pytest.raises(ConfigError, match=named) as refused:
             preflight.preflight(load_config(None, [f"run.dir={tmp_path / 'run'}", *overrides]), 2)
         assert "served_wrong" not in str(refused.value) and "engines.server=embedded" in str(refused.value)
+    with pytest.raises(ConfigError, match="Intel AMX kernels") as refused:  # SGLang's CPU FP8: not on this machine kind
+        preflight.preflight(
+            load_config(None, [f"run.dir={tmp_path / 'run'}", "engines.server=sglang", "engines.quantization=fp8"]), 2
+        )
+    assert "engines.server=embedded" in str(refused.value)
     mistral = tmp_path / "mistral"
     mistral.mkdir()
     (mistral / "config.json").write_text(json.dumps({"architectures": ["MistralForSequenceClassification"]}))

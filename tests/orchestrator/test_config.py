@@ -280,3 +280,22 @@ def test_a_shared_prompt_is_refused_outside_packed_micro_batches_and_with_the_re
             ],
         )
     assert load_config(None, ["trainer.shared_prompt=true", "trainer.micro_batch_format=packed"]).trainer.shared_prompt
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["engines.quantization=fp8", "lora.enabled=true", "sync.method=disk"], "engines.quantization=fp8 pushes full"),
+        (["sync.delta=true", "lora.enabled=true", "sync.method=disk"], "sync.delta=true pushes full weights"),
+        (["sync.delta=true", "run.placement=colocated", "run.mode=sync"], "colocated engines take the weights"),
+        (["sync.delta=true", "sync.method=disk"], "sync.method=disk would not be used"),
+        (
+            ["sync.delta=true", f"simulation.profile={DATA / 'simulation' / 'tiny.yaml'}"],
+            "sync.delta=true: simulated engines hold no weights",
+        ),
+    ],
+)
+def test_fp8_engines_and_delta_pushes_are_refused_where_no_full_policy_is_pushed(overrides, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config(None, overrides)
+    assert load_config(None, ["engines.quantization=fp8", "sync.delta=true"]).sync.delta

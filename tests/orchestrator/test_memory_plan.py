@@ -478,3 +478,24 @@ def test_an_engines_kv_tokens_are_planned_as_given_and_refused_where_they_do_not
     assert "fewer than one group's completions" in few and "engines.kv_tokens" in few
     (many,) = _tiny_plan({}, "engines.kv_tokens=10000000000").problems
     assert many.startswith("engines.kv_tokens=10,000,000,000 takes") and "GiB of KV cache" in many
+
+
+def test_fp8_engines_hold_about_half_the_weights_and_their_tp_shares_must_be_whole_blocks():
+    """Qwen3-30B-A3B in FP8: a byte per projection weight and a 4-byte scale per 128 x 128 block; the router, norms,
+    embeddings and lm_head stay bf16. A replica of tp 4 would split the experts' 768 columns into 192: refused."""
+    bf16, fp8 = _plan(), _plan("engines.quantization=fp8")
+    assert 0.5 < fp8.engine_weights / bf16.engine_weights < 0.53
+    assert fp8.engine_kv_tokens > bf16.engine_kv_tokens  # the memory given back holds KV cache
+    wide = _plan("engines.quantization=fp8", "engines.gpus_per_replica=4")
+    assert any(
+        "engines.quantization=fp8 with engines.gpus_per_replica=4" in p and "experts.0.gate_proj" in p
+        for p in wide.problems
+    )
+    assert not _plan("engines.quantization=fp8", "engines.gpus_per_replica=2").problems
+
+
+def test_delta_pushes_keep_the_pushed_policy_on_global_rank_0s_host_and_form_no_groups():
+    plan = _plan("sync.delta=true")
+    assert plan.senders == 0 and plan.communicators == 0
+    # the whole policy as pushed (the recipe's replicas are TP 2: an engine GPU holds half)
+    assert plan.host["delta pushes' last policy (global rank 0 only)"] == pytest.approx(2 * plan.engine_weights)

@@ -6,7 +6,8 @@ prompt accounted for.
 - async, through disk, rollouts aborted by an update and regenerated, rewarded by a reward model over /classify;
 - colocated: released, handed over in shared memory within a weight-update session, resumed; a colocated SGLang
   teacher scores every sample for on-policy distillation, released and resumed with the engines;
-- an agent's episodes over several turns, routing kept across turns (``moerl check-replay``).
+- an agent's episodes over several turns, routing kept across turns (``moerl check-replay``), the weights pushed as
+  deltas through moerl's weight loader in SGLang (``sync.delta``).
 """
 
 from __future__ import annotations
@@ -177,14 +178,16 @@ def test_an_agents_episodes_keep_their_routing_across_turns(cache, calc_model, t
     out = job(
         cache,
         tmp_path,
-        *on_sglang(calc_model, "run.mode=async", f"run.steps={steps}"),
+        *on_sglang(calc_model, "run.mode=async", f"run.steps={steps}", "sync.delta=true"),
         "--config",
         str(REPO / "recipes" / "qwen_moe_agent.yaml"),
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-6000:]
     rows = read_metrics(tmp_path)
-    replayed_and_verified(rows, steps)
+    replayed_and_verified(rows, steps)  # verified: the deltas leave SGLang holding the trainer's weights
+    # each push a delta of the last (in fp32 nearly every element moves a step: most tensors go whole within it)
+    assert all(r["sync/whole"] == 0.0 and r["sync/changed_fraction"] > 0 for r in rows), rows
     assert max(r["episode/turns_mean"] for r in rows) > 1 and sum(r["episode/tool_calls"] for r in rows) > 0
     report = check_replay(tmp_path)
     assert report.ok and report.steps == steps, report.summary()

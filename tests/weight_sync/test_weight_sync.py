@@ -524,3 +524,41 @@ def test_a_sleep_that_fails_on_one_engine_leaves_those_it_released_asleep_for_th
     assert asked("ok", "/resume_memory_occupation") == [{"tags": ["weights"]}, {"tags": ["kv_cache", "cuda_graph"]}]
     assert asked("refuses", "/resume_memory_occupation") == []
     assert asked("ok", "/continue_generation") and asked("refuses", "/continue_generation")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_delta_pushes_leave_the_engines_holding_bitwise_what_a_full_push_would(tiny_ckpts, tmp_path, quantization):
+    """The trainer's fp32 step moves nearly every weight, but only some of their values in the engines' bf16 (and fewer
+    of their FP8 ones): each push sends those alone, and the engines end holding every tensor as a full push leaves it
+    (the trainer's, cast to bf16; an FP8 weight as moerl.fp8 quantizes it). An engine that may be a new process gets
+    every tensor whole."""
+    from moerl.checkpoint.hf import save_fp8
+    from moerl.engines.pool import EnginePool, EnginePoolConfig
+    from moerl.trainer.config import OptimConfig, TrainerConfig
+    from tests.trainer.test_trainer import rollout
+    from tests.workers import push_deltas
+
+    hf_dir, mcore_dir = tiny_ckpts["Qwen3MoeForCausalLM"]
+    samples = rollout(hf_dir, torch.float32)
+    served_dir = save_fp8(hf_dir, tmp_path / "fp8") if quantization == "fp8" else hf_dir
+    cfg = TrainerConfig(optim=OptimConfig(lr=1e-4), ep=2)
+    engines = EnginePoolConfig(
+        model_path=str(served_dir), server="embedded", base_port=0, dtype="bfloat16", replicas=2, log_dir=str(tmp_path)
+    )
+    with EnginePool(engines) as pool:
+        ranks = run_ranks(push_deltas, 2, str(mcore_dir), cfg, samples, pool.urls, quantization)
+    out = ranks[0]
+    first, second, after_restart = out["pushes"]
+    for push in (first, second):
+        assert not push.whole and 0 < push.changed < push.elements / 2
+        assert 0 < push.bytes < push.full_bytes / 2  # positions or masks and values, not the tensors
+    assert after_restart.whole and after_restart.changed == after_restart.elements
+    assert after_restart.bytes == after_restart.full_bytes
+    assert out["versions"] == ["3", "3"]
+    names = {name for name, _ in out["trained"]}
+    assert any(name.endswith("_scale_inv") for name in names) == (quantization == "fp8")
+    for name, tensor in out["trained"]:
+        held = tensor if tensor.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv") else tensor.bfloat16()
+        for served in out["served"][name]:
+            assert torch.equal(torch.tensor(served, dtype=torch.float32).to(held.dtype), held), name
