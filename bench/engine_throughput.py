@@ -61,18 +61,14 @@ def run_generate_loop(model, requests, batch_size: int, pad_id: int) -> float:
 
 
 def run_engine(model_dir: Path, requests, batch_size: int, routing_and_masks: bool) -> float:
-    from moerl.checkpoint.hf import read_config
-    from moerl.engines.embedded.runner import ModelRunner
-    from moerl.engines.embedded.scheduler import Request, Scheduler
+    """Seconds for the embedded engine's scheduler to serve ``requests`` from ``model_dir`` (an FP8 checkpoint: served
+    in FP8)."""
+    from moerl.engines.embedded.engine import EmbeddedEngine
+    from moerl.engines.embedded.scheduler import Request
     from moerl.engines.protocol import SamplingParams
-    from moerl.models import family_for
 
-    scheduler = Scheduler(
-        ModelRunner(model_dir, device="cpu"),
-        family_for(read_config(model_dir)),
-        eos_token_ids=set(),
-        max_running=batch_size,
-    )
+    engine = EmbeddedEngine(str(model_dir), device="cpu", max_running=batch_size, prefix_cache_tokens=0)
+    scheduler = engine.scheduler
     scheduler.start()
     done = threading.Semaphore(0)
     bar = tqdm(total=len(requests), desc="embedded engine", leave=False)
@@ -120,6 +116,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from moerl.checkpoint.hf import save_fp8
     from moerl.models.tiny import save_tiny_hf
 
     overrides = {
@@ -141,6 +138,8 @@ def main() -> None:
         baseline = run_generate_loop(model, requests, args.batch_size, model.config.pad_token_id)
         plain = run_engine(model_dir, requests, args.batch_size, False)
         rl = run_engine(model_dir, requests, args.batch_size, True)
+        # the same weights in FP8, emulated on the CPU (engines.quantization=fp8): slower here, never faster
+        quantized = run_engine(save_fp8(model_dir, Path(tmp) / "fp8"), requests, args.batch_size, True)
 
     lengths = np.array([length for _, length in requests])
     params = sum(p.numel() for p in model.parameters())
@@ -160,6 +159,7 @@ def main() -> None:
         ("model.generate, fixed batches", baseline),
         ("embedded engine", plain),
         ("embedded engine + routing + sampling masks", rl),
+        ("the same, FP8 emulated (engines.quantization=fp8)", quantized),
     ]:
         print(f"| {name} | {seconds:.1f} | {tokens / seconds:.0f} | {baseline / seconds:.2f} |")
 
