@@ -56,13 +56,20 @@ def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return padded.unflatten(1, (-1, BLOCK)).unflatten(0, (-1, BLOCK)), rows, cols
 
 
+def _fp8_max(like: torch.Tensor) -> torch.Tensor:
+    """448 as a tensor: CUDA divides by a Python number as a multiplication by its inverse, which rounds otherwise
+    than the CPU's division, so a scale computed at engine start (CPU) and at a push (the trainer's GPU) would differ
+    in its last bit."""
+    return torch.tensor(FP8_MAX, dtype=torch.float32, device=like.device)
+
+
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale_inv)`` of a 2-D weight: float8_e4m3fn of its shape, and fp32 per 128 x 128 block. Computed in fp32,
     so the same weight gives the same bytes on any device."""
     if weight.dim() != 2:
         raise ValueError(f"FP8 block quantization takes a 2-D weight, not shape {tuple(weight.shape)}")
     blocks, rows, cols = _blocks(weight.detach().float())
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / FP8_MAX
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / _fp8_max(blocks)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.flatten(2).flatten(0, 1)[:rows, :cols].contiguous(), scale
 
@@ -79,7 +86,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     absmax / 448 into float8_e4m3fn and back (SGLang's per_token_group_quant_fp8, dequantized)."""
     cols = x.shape[-1]
     groups = torch.nn.functional.pad(x.float(), (0, -cols % BLOCK)).unflatten(-1, (-1, BLOCK))
-    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-10) / _fp8_max(groups)
     q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return (q.float() * scale).flatten(-2)[..., :cols].to(x.dtype)
 

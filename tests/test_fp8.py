@@ -109,3 +109,17 @@ def test_tensor_parallel_shares_must_be_whole_blocks():
     assert fp8.check_shards(shapes, 2) is None  # 384 = 3 blocks a rank
     problem = fp8.check_shards(shapes, 4)  # 192: a block and a half
     assert problem is not None and "down_proj" in problem and "128" in problem
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_quantizes_to_the_same_bytes_as_the_cpu():
+    """The engines start from an FP8 copy made on the CPU, and the trainer quantizes its pushes on its GPU: one weight
+    must give one FP8 tensor and one scale, bit for bit, or unchanged blocks differ between a delta and a full push."""
+    torch.manual_seed(0)
+    weight = torch.randn(384, 640) * torch.logspace(-3, 1, 640)
+    q, scale = fp8.quantize(weight)
+    q_gpu, scale_gpu = fp8.quantize(weight.cuda())
+    assert torch.equal(scale_gpu.cpu(), scale)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q.view(torch.uint8))
+    x = torch.randn(5, 300)
+    assert torch.equal(fp8.quantize_activations(x.cuda()).cpu(), fp8.quantize_activations(x))

@@ -300,16 +300,18 @@ def train_then_sync(mcore_dir: str, trainer_cfg, samples: list, urls: list[str])
     return {**mine, **_served_next_to_trained(sync, trainer, urls, stats)}
 
 
-def push_deltas(mcore_dir: str, trainer_cfg, samples: list, urls: list[str], quantization: str = "none") -> dict:
-    """Delta pushes (DeltaSync) to engines that start from the trainer's checkpoint: two trainer steps, each followed
-    by a push; then, as if the first engine were started again, a third push. Each push's stats, and after the last
-    each engine's copy of every tensor read back next to the trainer's."""
+def push_deltas(
+    mcore_dir: str, trainer_cfg, samples: list, urls: list[str], served_dir: str, quantization: str
+) -> dict:
+    """Delta pushes (DeltaSync) to engines that start from ``served_dir`` (the trainer's checkpoint, or its FP8 copy):
+    two trainer steps, each followed by a push; then, as if the first engine were started again, a third push. Each
+    push's stats, and after the last each engine's copy of every tensor read back next to the trainer's."""
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.delta import DeltaSync
 
     trainer = Trainer(mcore_dir, trainer_cfg)
     rank0 = torch.distributed.get_rank() == 0
-    sync = DeltaSync(urls if rank0 else None, bucket_bytes=64 << 10)
+    sync = DeltaSync(urls if rank0 else None, served_dir if rank0 else None, bucket_bytes=64 << 10)
     sync.quantization = quantization
     sync.connect()
     sync.start(trainer, engines_hold_it=True)
@@ -914,18 +916,16 @@ def verify_fp8_engines(mcore_dir: str, trainer_cfg, samples: list, urls: list[st
     from moerl.trainer.trainer import Trainer
     from moerl.weight_sync.base import probe_ids, probe_logprobs
     from moerl.weight_sync.broadcast import BroadcastSync
-    from moerl.weight_sync.delta import DeltaSync
     from moerl.weight_sync.tensor import TensorSync
 
     trainer = Trainer(mcore_dir, trainer_cfg)
     rank0 = torch.distributed.get_rank() == 0
     mine = urls if rank0 else None
     sync = {
-        "delta": lambda: DeltaSync(mine, bucket_bytes=64 << 10),
         "broadcast": lambda: BroadcastSync(mine, "127.0.0.1", "gloo", bucket_bytes=64 << 10),
         "tensor": lambda: TensorSync(mine, bucket_bytes=64 << 10),
     }[strategy]()
-    sync.quantization = "fp8"
+    sync.quantization, sync.verifying = "fp8", True
     sync.connect()
     sync.start(trainer, engines_hold_it=True)
     trainer.step(samples)

@@ -254,7 +254,7 @@ def make_sync(
     sync = _sync_strategy(cfg, strategy, urls, hf, run_dir, hf_config)
     sync.down_timeout_s = cfg.engines.down_timeout_s
     if isinstance(sync, FullWeightSync):
-        sync.quantization = cfg.engines.quantization
+        sync.quantization, sync.verifying = cfg.engines.quantization, cfg.sync.verify
     return sync
 
 
@@ -288,12 +288,11 @@ def _sync_strategy(
     if cfg.sync.delta:  # the configuration allows it with separate placement's full weights only
         from moerl.weight_sync.delta import DeltaSync
 
-        return DeltaSync(urls, cfg.sync.bucket_mb << 20, pause=pause, flush_cache=flush)
-    if strategy == "disk":
-        # the engines' own directory's config and tokenizer beside each version: an FP8 one names its quantization
-        return DiskSync(
-            urls, run_dir / "weights", engine_model(cfg, hf) if urls is not None else hf, pause=pause, flush_cache=flush
+        return DeltaSync(
+            urls, engine_model(cfg, hf) if urls is not None else None, cfg.sync.bucket_mb << 20, pause, flush
         )
+    if strategy == "disk":
+        return DiskSync(urls, run_dir / "weights", hf, pause=pause, flush_cache=flush)
     return BroadcastSync(
         urls,
         sync_address(cfg),

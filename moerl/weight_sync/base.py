@@ -340,6 +340,7 @@ class FullWeightSync(WeightSync):
         self.gather: Gather | None = None  # made at the first push (collective), kept for the model's life
         # fp8: the engines serve the policy in FP8 (engines.quantization), and each push quantizes for them
         self.quantization = "none"
+        self.verifying = False  # the job verifies each update (sync.verify): a strategy may prepare for it at the push
         self.probe_gather: Gather | None = None  # FP8 engines' verify, where the push's gather is not a whole one
 
     def start(self, trainer, engines_hold_it: bool) -> None:
@@ -406,7 +407,7 @@ class FullWeightSync(WeightSync):
         except (EngineError, EnginesDown):
             infos = []
         reported = [str(info.get("dtype", "auto")) for info in infos] or [resolve_dtype("auto")]
-        dtypes = [_ENGINE_DTYPES.get(name, torch.bfloat16) for name in reported]
+        dtypes = [reported_dtype(name) or torch.bfloat16 for name in reported]  # SGLang's auto is never float32
         return next((d for d in dtypes if d != torch.float32), torch.float32)
 
     def push_policy(self, trainer) -> SyncStats | None:
@@ -418,8 +419,10 @@ class FullWeightSync(WeightSync):
         """Collective: ``model``'s weights to the engines under ``version``; the stats on rank 0, None elsewhere."""
 
 
-# What an engine's /server_info may say it computes in (SGLang's --dtype choices; "auto" is never float32 there).
-_ENGINE_DTYPES = MODEL_DTYPES | {"half": torch.float16, "float": torch.float32, "auto": torch.bfloat16}
+def reported_dtype(name: str) -> torch.dtype | None:
+    """The dtype an engine's /server_info says it computes in (SGLang's --dtype choices); None for ``auto``, which
+    SGLang resolves from the checkpoint."""
+    return (MODEL_DTYPES | {"half": torch.float16, "float": torch.float32}).get(name)
 
 
 class WeightSyncError(RuntimeError):

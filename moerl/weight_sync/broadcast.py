@@ -28,7 +28,8 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -61,17 +62,24 @@ def group_ranks(tp_sizes: list[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Consecutive groups of tensors of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket: list[tuple[str, torch.Tensor]] = []
+T = TypeVar("T")
+
+
+def _pair_bytes(pair: tuple[str, torch.Tensor]) -> int:
+    return pair[1].nbytes
+
+
+def buckets(items: Iterable[T], bucket_bytes: int, nbytes: Callable[[Any], int] = _pair_bytes) -> Iterator[list[T]]:
+    """Consecutive groups of ``items`` (by default ``(name, tensor)`` pairs; ``nbytes``: an item's size) of at most
+    ``bucket_bytes`` (a larger item goes alone)."""
+    bucket: list[T] = []
     size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
+    for item in items:
+        if bucket and size + nbytes(item) > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
+        bucket.append(item)
+        size += nbytes(item)
     if bucket:
         yield bucket
 

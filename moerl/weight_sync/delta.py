@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from moerl.checkpoint.hf import HFReader
 from moerl.engines.delta import LOAD_FORMAT, encode, inline_payload
-from moerl.errors import EnginesDown
+from moerl.errors import ConfigError, EnginesDown
 from moerl.fp8 import FP8, SCALE_SUFFIX
 from moerl.megatron.weights import Gather
-from moerl.weight_sync.base import EngineCall, FullWeightSync, SyncStats
+from moerl.weight_sync.base import EngineCall, FullWeightSync, SyncStats, reported_dtype
 from moerl.weight_sync.broadcast import buckets
 from moerl.weight_sync.export import hf_layers
 
@@ -52,13 +55,16 @@ class DeltaSync(FullWeightSync):
     def __init__(
         self,
         urls: list[str] | None,
+        served_dir: str | Path | None,
         bucket_bytes: int = 512 << 20,
         pause: str = "abort",
         flush_cache: bool = True,
     ):
-        """``urls``: the engines, on global rank 0 (None elsewhere); ``pause``, ``flush_cache``: see
+        """``urls``: the engines, on global rank 0 (None elsewhere); ``served_dir``: the HF directory they start from,
+        on rank 0 (what they hold before the first push); ``pause``, ``flush_cache``: see
         :class:`~moerl.weight_sync.base.FullWeightSync`."""
         super().__init__(urls, "moerl-delta-sync", pause, flush_cache)
+        self.served_dir = served_dir
         self.bucket_bytes = bucket_bytes
         self.last: dict[str, torch.Tensor] = {}  # rank 0: the last push on the host, by Hub name
         self.version: str | None = None  # rank 0: its version
@@ -69,26 +75,38 @@ class DeltaSync(FullWeightSync):
         self.served_dtype: torch.dtype | None = None
 
     def connect(self) -> None:
-        if self.link is not None:
-            client = self.link.client
-            infos = self.link.run(client.server_info())
-            self.tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in zip(client.urls, infos, strict=True)}
-            dtypes = {str(info.get("dtype", "auto")) for info in infos}
-            served = getattr(torch, dtypes.pop(), None) if len(dtypes) == 1 else None
-            self.served_dtype = served if isinstance(served, torch.dtype) and served.is_floating_point else None
+        """Rank 0: each engine's tensor-parallel size and the dtype they compute in; an SGLang server without moerl's
+        loader (one given by URL, started by hand) is refused, since it would die on the first push."""
+        if self.link is None:
+            return
+        client = self.link.client
+        infos = self.link.run(client.server_info())
+        for url, info in zip(client.urls, infos, strict=True):
+            loaders = info.get("custom_weight_loader")
+            if loaders is not None and LOAD_FORMAT not in loaders:
+                raise ConfigError(
+                    f"sync.delta=true: {url} was started without moerl's weight loader; start it with "
+                    f"--custom-weight-loader {LOAD_FORMAT} and moerl importable (moerl engines does both), or set "
+                    "sync.delta=false"
+                )
+        self.tp_sizes = {url: int(info.get("tp_size", 1)) for url, info in zip(client.urls, infos, strict=True)}
+        dtypes = {reported_dtype(str(info.get("dtype", "auto"))) for info in infos}
+        self.served_dtype = dtypes.pop() if len(dtypes) == 1 else None
 
     def start(self, trainer, engines_hold_it: bool) -> None:
-        """Engines started from the trainer's checkpoint hold its weights: those are the first push's baseline, read
-        once here (collective); any other start pushes every tensor."""
+        """Engines started here hold the directory they started from: read on rank 0 as they hold it, it is the first
+        push's baseline (the trainer's weights may round otherwise into the engines' dtype); any other start pushes
+        every tensor."""
         if not engines_hold_it:
             self.push_policy(trainer)
             return
-        for layer in self.layers(trainer.model.module, trainer.hf_config):
-            for name, tensor in layer:
-                self.last[name] = self.as_served(name, tensor)
-        if self.link is not None:
-            self.link.run(self.link.client.set_weight_version(str(trainer.version)))
-            self.version, self.holders = str(trainer.version), set(self.link.client.urls)
+        if self.link is None:
+            return
+        assert self.served_dir is not None, "rank 0 is given the engines' directory"
+        reader = HFReader(self.served_dir)
+        self.last = {name: self.as_served(name, reader.get(name)) for name in sorted(reader.names())}
+        self.link.run(self.link.client.set_weight_version(str(trainer.version)))
+        self.version, self.holders = str(trainer.version), set(self.link.client.urls)
 
     def layers(self, model, hf_config: dict):
         """Collective: the policy's Hub tensors as the engines hold them, a weight layer at a time, on rank 0."""
@@ -117,18 +135,18 @@ class DeltaSync(FullWeightSync):
         for layer in layers:  # to the end, whatever fails: the gathers are collective
             if failure is not None:
                 continue
-            wire: list[tuple[str, torch.Tensor]] = []
+            encodings: list[list[tuple[str, torch.Tensor]]] = []
             for name, tensor in layer:
                 current = self.as_served(name, tensor)
                 encoding = encode(name, None if stats.whole else self.last.get(name), current)
                 stats.elements += encoding.numel
                 stats.changed += encoding.changed
                 stats.full_bytes += encoding.full_bytes
-                wire += encoding.named
+                encodings.append(encoding.named)
                 self.last[name] = current
             del layer
             try:
-                for bucket in buckets(wire, self.bucket_bytes):
+                for bucket in whole_encodings(encodings, self.bucket_bytes):
                     self.post(bucket)
                     stats.add(bucket)
             except Exception as e:  # noqa: BLE001 - raised once every gather is done
@@ -140,7 +158,7 @@ class DeltaSync(FullWeightSync):
             if not isinstance(failure, EnginesDown):
                 raise failure
             log.warning("delta push of version %s reached no engine: %s", version, failure)  # see TensorSync
-            return None
+            return stats
         self.on_engines(lambda c: c.end_weight_update(), EngineCall.ONCE_ON_CHOSEN)
         self.on_engines(lambda c: c.set_weight_version(version), EngineCall.REPEATED_ON_CHOSEN)
         # A catch-up brings the engines it reaches to the version the others hold; an update leaves out those it passed.
@@ -165,3 +183,13 @@ class DeltaSync(FullWeightSync):
             ),
             EngineCall.ONCE_ON_CHOSEN,
         )
+
+
+def whole_encodings(
+    encodings: list[list[tuple[str, torch.Tensor]]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets of at most ``bucket_bytes`` of the tensors' encodings, each encoding whole in one bucket (a larger one
+    alone): the engine's loader decodes a bucket by itself, and a delta's parts apart would not decode."""
+    sent = [named for named in encodings if named]  # an unchanged tensor sends nothing
+    for bucket in buckets(sent, bucket_bytes, lambda named: sum(t.nbytes for _, t in named)):
+        yield [pair for named in bucket for pair in named]

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from moerl.files import staged_dir
+from moerl.fp8 import QUANTIZATION_CONFIG
 from moerl.megatron.weights import Gather
 from moerl.weight_sync.base import FullWeightSync, SyncStats
 from moerl.weight_sync.broadcast import buckets
@@ -76,6 +77,9 @@ class DiskSync(FullWeightSync):
         for item in self.hf_dir.iterdir():
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(item, staging / item.name)
+        if self.quantization == "fp8":  # the directory holds FP8 weights and scales, and says so
+            config = json.loads((staging / "config.json").read_text())
+            (staging / "config.json").write_text(json.dumps(config | {"quantization_config": QUANTIZATION_CONFIG}))
         index = {}
         for n, shard in enumerate(buckets(self.on_host(named), self.shard_bytes)):
             name = f"model-{n:05d}.safetensors"

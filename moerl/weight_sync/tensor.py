@@ -113,12 +113,13 @@ class TensorSync(FullWeightSync):
             self.agreed(error=failed)
             if trainer.communicators is not None and self.handover is not None:  # idle until the next push
                 trainer.communicators.include(self.handover.group)
-            self.probe = super().trainer_probe(trainer, probe_ids(trainer.hf_config["vocab_size"]))  # FP8's too
+            if self.verifying:  # an FP8 engine's reference gathers the whole model: only where it is read
+                self.probe = super().trainer_probe(trainer, probe_ids(trainer.hf_config["vocab_size"]))
         self.offloaded_bytes = trainer.offload()
         return stats
 
     def trainer_probe(self, trainer, ids: list[int]) -> np.ndarray:
-        if self.probe is None:  # no push yet: the engines started from the trainer's checkpoint
+        if self.probe is None:  # no push yet (the engines started from the trainer's checkpoint), or not verifying
             with trainer.weights_on_device():
                 self.probe = super().trainer_probe(trainer, ids)
         return self.probe

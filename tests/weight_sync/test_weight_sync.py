@@ -547,7 +547,7 @@ def test_delta_pushes_leave_the_engines_holding_bitwise_what_a_full_push_would(t
         model_path=str(served_dir), server="embedded", base_port=0, dtype="bfloat16", replicas=2, log_dir=str(tmp_path)
     )
     with EnginePool(engines) as pool:
-        ranks = run_ranks(push_deltas, 2, str(mcore_dir), cfg, samples, pool.urls, quantization)
+        ranks = run_ranks(push_deltas, 2, str(mcore_dir), cfg, samples, pool.urls, str(served_dir), quantization)
     out = ranks[0]
     first, second, after_restart = out["pushes"]
     for push in (first, second):
@@ -562,3 +562,24 @@ def test_delta_pushes_leave_the_engines_holding_bitwise_what_a_full_push_would(t
         held = tensor if tensor.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv") else tensor.bfloat16()
         for served in out["served"][name]:
             assert torch.equal(torch.tensor(served, dtype=torch.float32).to(held.dtype), held), name
+
+
+def test_a_delta_push_never_splits_a_tensors_encoding_across_buckets():
+    """The engine's loader decodes each bucket alone: a delta's shape, positions and values travel together, however
+    small the buckets, and a tensor that sent nothing takes no room."""
+    from moerl.engines.delta import decode, encode
+    from moerl.weight_sync.delta import whole_encodings
+
+    g = torch.Generator().manual_seed(0)
+    encodings = []
+    for i in range(6):
+        before = torch.randn(256, 256, generator=g).bfloat16()
+        after = before.clone()
+        after.view(-1)[torch.randperm(before.numel(), generator=g)[: 256 * 26 * (i % 3)]] += 1  # 0%, 10%, 20% changed
+        encodings.append(encode(f"w{i}", before, after).named)
+    assert [] in encodings and any(len(named) == 3 for named in encodings)
+    sent = list(whole_encodings(encodings, 64 << 10))
+    assert len(sent) > 1 and all(bucket for bucket in sent)
+    assert [pair for bucket in sent for pair in bucket] == [pair for named in encodings for pair in named]
+    for bucket in sent:
+        decode(bucket)  # raises where a delta's parts were split
