@@ -28,16 +28,17 @@ def hf_named_tensors(gather: Gather, hf_config: dict, quantization: str = "none"
         yield from layer
 
 
-def hf_layers(gather: Gather, hf_config: dict, quantization: str = "none") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """:func:`hf_named_tensors` a weight layer at a time (the non-layer tensors, then each decoder layer): the same
-    number of layers on every rank, each empty where the rank holds none of it, so that ranks can act together between
-    them."""
+def hf_layers(
+    gather: Gather, hf_config: dict, quantization: str = "none", non_layer_first: bool = False
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`hf_named_tensors` a weight layer at a time: the same number of layers on every rank, each empty where the
+    rank holds none of it, so that ranks can act together between them. Each decoder layer, then the non-layer
+    tensors (their TP gathers, the embedding pair's, the largest, would hold back a push's first broadcast);
+    ``non_layer_first``: those first, in a forward's order."""
     family = family_for(hf_config)
     cfg = family.normalize(hf_config)
     layers = family.weight_layers(cfg)
-    # The non-layer tensors last: their TP gathers (the embedding pair's, the largest) would hold back the first
-    # broadcast.
-    for prefix, rules in layers[1:] + layers[:1]:
+    for prefix, rules in layers if non_layer_first else layers[1:] + layers[:1]:
         full = gather.gather(functools.partial(in_layer, prefix=prefix))
         named: list[tuple[str, torch.Tensor]] = []
         if full is not None:
@@ -46,9 +47,18 @@ def hf_layers(gather: Gather, hf_config: dict, quantization: str = "none") -> It
                 # split between the first stage and the last.
                 if gather.per_sender and rule.mcore not in full:
                     continue
-                named += zip(rule.hf, family.to_hf(rule, full[rule.mcore], cfg), strict=True)  # one per Hub name
+                named += zip(rule.hf, family.to_hf(rule, full.pop(rule.mcore), cfg), strict=True)  # one per Hub name
         del full
         if quantization == "fp8":
-            named = list(quantize_named(named))
+            named = _quantized(named)
         yield named
         del named  # before the next layer is gathered: one held at a time, not two
+
+
+def _quantized(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` as FP8 engines hold them, each tensor let go once quantized: the layer is held once, not twice."""
+    out: list[tuple[str, torch.Tensor]] = []
+    named.reverse()
+    while named:
+        out += quantize_named([named.pop()])
+    return out

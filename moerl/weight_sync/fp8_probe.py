@@ -2,18 +2,17 @@
 the tensors a push sends it, not the trainer's unquantized ones (which differ from any FP8 engine's by its rounding).
 
 The policy's Hub tensors are gathered whole on global rank 0 a weight layer at a time, in the order a forward needs
-them (the non-layer tensors, then each decoder layer: :func:`gathered_layers`), and quantized as a push quantizes them
-(:func:`moerl.fp8.quantize_named`). Rank 0 runs the probe through transformers' own model of the architecture, built on
-the meta device: before each decoder layer runs, that layer alone is materialised, given its tensors (the FP8 ones
-dequantized, in the engines' dtype) and the embedded engine's FP8 forward (:func:`moerl.engines.embedded.fp8.
-quantize_inputs`: each quantized linear's input quantized per token group); after it ran it goes back to the meta
-device. So rank 0 holds the embedding, the final norm and lm_head, and one decoder layer (gathered, then in the engines'
-dtype) at a time; the other ranks take part in the gathers only.
+them (the non-layer tensors, then each decoder layer), and quantized as a push quantizes them
+(:func:`moerl.weight_sync.export.hf_layers`). Rank 0 runs the probe through transformers' own model of the
+architecture, built on the meta device: before each decoder layer runs, that layer alone is materialised, given its
+tensors (the FP8 ones dequantized, in the engines' dtype) and the embedded engine's FP8 forward
+(:func:`moerl.engines.embedded.fp8.quantize_inputs`: each quantized linear's input quantized per token group); after it
+ran it goes back to the meta device. So rank 0 holds the embedding, the final norm and lm_head, and one decoder layer
+(gathered, then in the engines' dtype) at a time; the other ranks take part in the gathers only.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -24,37 +23,13 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from moerl.engines.embedded.fp8 import quantize_inputs
 from moerl.engines.embedded.runner import hub_tensor_view
-from moerl.fp8 import SCALE_SUFFIX, dequantize, is_quantized, quantize_named
+from moerl.fp8 import SCALE_SUFFIX, dequantize, is_quantized
 from moerl.megatron.parallel import collective_device, lead_agrees
 from moerl.megatron.weights import Gather
 from moerl.models import ModelFamily, family_for
-from moerl.models.family import in_layer
+from moerl.weight_sync.export import hf_layers
 
 Named = list[tuple[str, torch.Tensor]]
-
-
-def gathered_layers(gather: Gather, hf_config: dict) -> Iterator[Named]:
-    """Collective over the trainer's ranks (every rank iterates to the end): the Hub tensors as an FP8 push sends them,
-    a weight layer at a time in :meth:`~moerl.models.family.ModelFamily.weight_layers`'s order (the non-layer tensors
-    first, unlike a push's :func:`~moerl.weight_sync.export.hf_layers`), on global rank 0; an empty list on the others.
-    ``gather``: a whole one, not ``per_sender``."""
-    assert not gather.per_sender, "the reference is computed on rank 0: a whole gather"
-    family = family_for(hf_config)
-    cfg = family.normalize(hf_config)
-    for prefix, rules in family.weight_layers(cfg):
-        full = gather.gather(functools.partial(in_layer, prefix=prefix))
-        named: Named = []
-        if full is not None:
-            for rule in rules:
-                named += zip(rule.hf, family.to_hf(rule, full.pop(rule.mcore), cfg), strict=True)
-        del full
-        quantized: Named = []
-        named.reverse()
-        while named:  # each tensor let go once quantized: the layer is held once, not twice
-            quantized += quantize_named([named.pop()])
-        held = [quantized]
-        del quantized
-        yield held.pop()  # nothing here keeps it while the forward runs the layer
 
 
 def fp8_probe_logprobs(
@@ -64,7 +39,8 @@ def fp8_probe_logprobs(
     :func:`~moerl.weight_sync.base.probe_logprobs` defines them, fp32), computed on global rank 0 from the weights
     ``gather`` collects quantized as a push sends them, in ``engine_dtype()`` (called on rank 0: the dtype the engines
     compute in), on rank 0's device. The same array on every rank; where rank 0 fails, every rank raises."""
-    layers = gathered_layers(gather, hf_config)
+    assert not gather.per_sender, "the reference is computed on rank 0: a whole gather"
+    layers = hf_layers(gather, hf_config, "fp8", non_layer_first=True)
     ours: np.ndarray | None = None
     error: Exception | None = None
     if dist.get_rank() == 0:
