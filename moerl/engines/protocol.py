@@ -706,6 +706,61 @@ class Completion:
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[:k],
         )
 
+    def then(self, more: Completion) -> Completion:
+        """This completion continued by ``more``: the completion of a request whose prompt was this one's prompt and
+        output, asked for what it returns (routing rows from its last fed position, the same per-token fields), on
+        any replica. One completion, as if decoded in one request: per-token arrays, kept sets and routing rows
+        joined, the version spans of ``more`` moved past this output (and merged where one version runs on), its
+        finish reason (a length counted from this prompt); of the prompt, this one's (cached tokens, prompt
+        log-probs)."""
+        n = len(self.output_ids)
+        if more.prompt_len != self.prompt_len + n:
+            raise ValueError(
+                f"a continuation's prompt holds {more.prompt_len} tokens, not this completion's {self.prompt_len} of "
+                f"prompt and {n} of output"
+            )
+        if (self.routing is None) != (more.routing is None):
+            raise ValueError("a completion with routing rows continues only by one with routing rows")
+        if self.routing is not None and more.routing_start != self.routing_start + len(self.routing):
+            raise ValueError(
+                f"a continuation's routing starts at position {more.routing_start}, not at "
+                f"{self.routing_start + len(self.routing)}, the one after this completion's last row"
+            )
+        spans = [dict(s) for s in self.weight_versions]
+        for span in more.weight_versions:
+            moved = {**span, "start": span["start"] + n, "end": span["end"] + n}
+            if spans and spans[-1]["version"] == moved["version"] and spans[-1]["end"] == moved["start"]:
+                spans[-1]["end"] = moved["end"]
+            else:
+                spans.append(moved)
+
+        def join(a: np.ndarray | None, b: np.ndarray | None, what: str) -> np.ndarray | None:
+            if a is None and b is None:
+                return None
+            if a is None or b is None:
+                raise ValueError(f"a completion with{'out' if a is None else ''} {what} continues only alike")
+            return np.concatenate([a, b])
+
+        finish_reason = dict(more.finish_reason)
+        if isinstance(finish_reason.get("length"), int):
+            finish_reason["length"] += n
+        offsets = None
+        if self.mask_offsets is not None and more.mask_offsets is not None:
+            offsets = np.concatenate([self.mask_offsets, more.mask_offsets[1:] + self.mask_offsets[-1]])
+        return replace(
+            self,
+            output_ids=np.concatenate([self.output_ids, more.output_ids]),
+            finish_reason=finish_reason,
+            weight_versions=spans,
+            logprobs=join(self.logprobs, more.logprobs, "log-probs"),
+            routing=join(self.routing, more.routing, "routing"),
+            mask_offsets=join(self.mask_offsets, more.mask_offsets, "kept sets") if offsets is None else offsets,
+            mask_ids=join(self.mask_ids, more.mask_ids, "kept sets"),
+            sampling_logprobs=join(self.sampling_logprobs, more.sampling_logprobs, "kept sets' log-probs"),
+            top_ids=join(self.top_ids, more.top_ids, "top log-probs"),
+            top_logprobs=join(self.top_logprobs, more.top_logprobs, "top log-probs"),
+        )
+
 
 def scored_ids(req: GenerateReqInput) -> list[int] | None:
     """The prompt tokens whose log-probs ``req`` asks for (from logprob_start_len), where its prompt is ids."""

@@ -152,8 +152,17 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
 ):
     staleness = 1
     extra = engine_bound if mode == "async" else []  # updates meet rollouts in flight, continued in place
-    if mode == "periodic":  # and dynamic sampling: a group with one reward throughout is replaced
-        extra = ["trainer.replay.trace_samples=2", "rollout.filter_groups=zero_variance"]
+    if mode == "periodic":
+        extra = [
+            "trainer.replay.trace_samples=2",
+            # and dynamic sampling: a group with one reward throughout is replaced
+            "rollout.filter_groups=zero_variance",
+            # and the length-aware schedule: each completion a token at a time (the demo answers in 2 to 4), 4
+            # requests a replica at most, the rest queued in the manager; the trainer replays and scores what sampled
+            "rollout.schedule.policy=length_aware",
+            "rollout.schedule.chunk_tokens=1",
+            "rollout.schedule.max_running=4",
+        ]
     out = job(
         cache,
         tmp_path,
@@ -195,6 +204,10 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
         assert set(acct["dropped"]) <= {"filtered"}
         assert sum(r["rollout/filtered_groups"] for r in rows) == acct["dropped"].get("filtered", 0)
         assert all(r["rollout/zero_variance_groups"] == 0 for r in rows)
+        for r in rows:  # a token a request: every token after a completion's first was a continuation's
+            assert r["rollout/continued_requests"] == pytest.approx(
+                r["rollout/samples"] * (r["rollout/response_len_mean"] - 1)
+            )
     png = plot(tmp_path)
     assert png.stat().st_size > 10_000
     assert any((tmp_path / "tensorboard").iterdir())
@@ -220,7 +233,7 @@ def test_lora_job_moves_adapters_only(cache, tmp_path):
         assert 0 < r["sync/bytes"] < r["sync/full_weight_bytes"] / 5
         assert r["sync/pause_seconds"] == 0.0 and r["staleness/max"] == 0
         assert r["mismatch/k3_kl"] < 1e-6 and r["routing/agreement"] == 1.0
-    assert rows[-1]["train/grad_norm"] > 0
+    assert any(r["train/grad_norm"] > 0 for r in rows)  # lr 5e-2 may leave a step whose groups all score alike
     assert accounting(tmp_path)["balanced"]
     manager_log = (tmp_path / "logs" / "rollout_manager.log").read_text()
     assert re.search(r"new requests use adapter moerl-lora-\w+-v2 ", manager_log) and re.search(

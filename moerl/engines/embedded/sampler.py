@@ -25,23 +25,37 @@ class Draw:
     top_logprobs: list[float] | None = None
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform a request seeded ``seed`` draws its token at sequence ``position`` with: a function of the two alone
+    (SplitMix64's finaliser; 24 bits, exact in float32), so a request continued from its own output (the rollout
+    manager's chunks) draws what it would have drawn in one piece, as SGLang's seeded sampling hashes the seed with the
+    position (multinomial_with_seed)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((x ^ (x >> 31)) >> 40) / float(1 << 24)
+
+
 def sample_batch(
     logits: torch.Tensor,
     params: list,
-    generators: list[torch.Generator],
+    uniforms: list[float],
     want_kept: list[bool],
     want_top: list[int] | None = None,
 ) -> list[Draw]:
     """Draw one token per row of ``logits`` [B, V] under each row's own sampling ``params`` (resolved
-    :class:`~moerl.engines.protocol.SamplingParams`: greedy is top_k 1) and generator; with each row's kept set where
-    ``want_kept``, and its ``want_top`` most likely tokens (SGLang's top_logprobs_num).
+    :class:`~moerl.engines.protocol.SamplingParams`: greedy is top_k 1) and uniform in [0, 1)
+    (:func:`position_uniform`); with each row's kept set where ``want_kept``, and its ``want_top`` most likely tokens
+    (SGLang's top_logprobs_num).
 
     Truncation follows SGLang's order: top-k, then top-p (the smallest prefix of the descending
     distribution whose mass reaches top_p; the token crossing the threshold is kept), then min-p
     (p >= min_p * max p). Every one of them keeps a prefix of the sorted distribution, so each row's
     kept set is its first ``count`` sorted ids and only that prefix ever leaves the device. A row
-    draws by inverse CDF from one uniform of its own generator, so its tokens do not depend on which
-    other requests share the batch.
+    draws by inverse CDF from its uniform, so its tokens do not depend on which other requests share the batch.
     """
     batch, vocab = logits.shape
     device = logits.device
@@ -62,7 +76,7 @@ def sample_batch(
     counts = keep.sum(-1)
 
     kept_mass = (sorted_probs * keep).cumsum(-1)
-    uniform = torch.stack([torch.rand((), generator=g, device=device) for g in generators])[:, None]
+    uniform = column(uniforms)
     position = torch.searchsorted(kept_mass, uniform * kept_mass[:, -1:], right=True)
     position = torch.minimum(position, counts[:, None] - 1)
     kept_logprobs = sorted_logprobs - torch.logsumexp(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import random
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import torch
 from moerl.engines.embedded.lora import AdapterSet
 from moerl.engines.embedded.prefix_cache import KV, CachedPrefix, Namespace, PrefixCache
 from moerl.engines.embedded.runner import ModelRunner
-from moerl.engines.embedded.sampler import Draw, sample_batch
+from moerl.engines.embedded.sampler import Draw, position_uniform, sample_batch
 from moerl.engines.protocol import SamplingParams
 from moerl.errors import LoRAError
 
@@ -58,7 +59,7 @@ class Request:
     prefilled: bool = False  # its prompt computed (or taken from the cache) once: an abort before is answered otherwise
     recomputed: bool = False  # prefilled again after a retract: its KV no longer matches the routing it keeps
     finish_reason: dict | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None  # what its draws hash with their positions (position_uniform): set at its first prefill
 
     @property
     def fed_tokens(self) -> list[int]:
@@ -211,14 +212,13 @@ class Scheduler(Generic[RequestT]):
                 request.next_top = [[lp, token, None] for lp, token in zip(values.tolist(), ids.tolist(), strict=True)]
             self._finish(request, {"type": "length", "length": 0})
             return None
-        if request.generator is None:
-            request.generator = torch.Generator(device=self._model().device)
+        if request.seed is None:
             seed = request.params.sampling_seed
-            request.generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+            request.seed = seed if seed is not None else random.getrandbits(62)
         (draw,) = sample_batch(
             prefill.last_logits[None],
             [request.params],
-            [request.generator],
+            _uniforms([request]),
             [request.return_sampling_mask],
             [request.top_logprobs_num],
         )
@@ -248,7 +248,7 @@ class Scheduler(Generic[RequestT]):
         draws = sample_batch(
             logits,
             [r.params for r in batch],
-            _generators(batch),
+            _uniforms(batch),
             [r.return_sampling_mask for r in batch],
             [r.top_logprobs_num for r in batch],
         )
@@ -341,10 +341,11 @@ class Scheduler(Generic[RequestT]):
         return True
 
 
-def _generators(batch: list[RequestT]) -> list[torch.Generator]:
-    """The running requests' generators: each made at its prefill, before it joins the batch."""
-    generators = []
+def _uniforms(batch: list[RequestT]) -> list[float]:
+    """Each request's uniform for its next token, at the position that token takes (seeds are set at the prefill,
+    before a request joins the batch)."""
+    uniforms = []
     for r in batch:
-        assert r.generator is not None, f"{r.rid} runs without a generator"
-        generators.append(r.generator)
-    return generators
+        assert r.seed is not None, f"{r.rid} runs without a seed"
+        uniforms.append(position_uniform(r.seed, len(r.input_ids) + len(r.output_ids)))
+    return uniforms
