@@ -16,6 +16,7 @@ COMMANDS = {
     "plot": "plot a run's metrics.jsonl as PNG curves",
     "ablate": "run the main job under a grid of overrides; a comparison table and overlaid curves",
     "check-replay": "verify a run's replay trace: every router used the rollout's experts",
+    "calibrate-lengths": "fit a simulation profile's response lengths to runs' own",
     "tiny-model": "write a tiny random Qwen MoE model, for demos and tests where no model can be downloaded",
 }
 

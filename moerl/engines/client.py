@@ -201,10 +201,12 @@ class EngineClient:
         lora_path: str | None = None,
         extra_key: str | None = None,
         affinity: str | None = None,
+        replica: str | None = None,
     ) -> list[Completion]:
         """All ``sampling_params.n`` completions of one prompt, from the least-loaded healthy replica, or with an
         ``affinity`` key from the healthy replica that key hashes to (the same one for as long as the healthy set
-        stays: an agent group's turns reuse its prompt's prefix there); ``returns``: what the answer carries beside each
+        stays: an agent group's turns reuse its prompt's prefix there), or from ``replica`` while it is healthy (a
+        scheduler's choice); ``returns``: what the answer carries beside each
         token and its log-prob; ``extra_key``: the prefix-cache partition it may reuse KV from (SGLang's; a policy
         version's, say). Raises
         :class:`ReplicaDown` for the replica's failures, :class:`~moerl.engines.generation_workers.WorkerLost` when
@@ -228,7 +230,7 @@ class EngineClient:
         # Those not given stay unset, so the body leaves them out.
         optional = {"rid": rid, "lora_path": lora_path, "extra_key": extra_key}
         fields.update({name: value for name, value in optional.items() if value is not None})
-        return await self._served(P.GenerateReqInput(**fields), routing_start, affinity)
+        return await self._served(P.GenerateReqInput(**fields), routing_start, affinity, replica)
 
     async def token_logprobs(
         self, input_ids: list[int], start: int, top: int = 0, affinity: str | None = None
@@ -241,7 +243,9 @@ class EngineClient:
         (completion,) = await self._served(scoring_request(input_ids, start, top), 0, affinity)
         return completion
 
-    async def _served(self, request: P.GenerateReqInput, routing_start: int, affinity: str | None) -> list[Completion]:
+    async def _served(
+        self, request: P.GenerateReqInput, routing_start: int, affinity: str | None, replica: str | None = None
+    ) -> list[Completion]:
         """``request``'s completions, by :meth:`on_replica`: read in a generation worker where the answer may be large,
         and the replica taken out of rotation where it has lost the adapter or the weights the run gave it."""
         lora_path = request.lora_path
@@ -267,11 +271,14 @@ class EngineClient:
                 raise ReplicaDown(url, reason)
             return completions
 
-        return await self.on_replica(on, affinity)
+        return await self.on_replica(on, affinity, replica)
 
-    async def on_replica(self, call: Callable[[str], Awaitable[R]], affinity: str | None = None) -> R:
+    async def on_replica(
+        self, call: Callable[[str], Awaitable[R]], affinity: str | None = None, replica: str | None = None
+    ) -> R:
         """``call(url)``, once, on the least-loaded healthy replica, or with an ``affinity`` key on the healthy replica
-        that key hashes to (the same one for as long as the healthy set stays). A failure of the replica's (transport,
+        that key hashes to (the same one for as long as the healthy set stays), or on ``replica`` if it is healthy
+        (else as without it). A failure of the replica's (transport,
         5xx, deadline, an answer that cannot be read) takes it out of rotation and raises :class:`ReplicaDown`, for the
         caller to ask again elsewhere, as does a :class:`ReplicaDown` of ``call``'s own (the replica's health told
         already); a refusal (4xx) is raised as it came. :class:`NoHealthyEngine` where no replica is healthy."""
@@ -279,7 +286,9 @@ class EngineClient:
         if not usable:
             states = ", ".join(f"{u} {self.health.state(u).value}" for u in self.urls)
             raise NoHealthyEngine(f"no engine replica is healthy: {states}")
-        if affinity is None:
+        if replica in usable:
+            url = replica
+        elif affinity is None:
             url = min(usable, key=self.in_flight.__getitem__)
         else:
             url = sorted(usable)[zlib.crc32(affinity.encode()) % len(usable)]

@@ -1,13 +1,14 @@
 """A simulated engine: the embedded engine's server, routes and scheduler rules with no model computing.
 
-Each request's response length is drawn from the profile's distribution when it is admitted; its tokens then
-accrue at the decode rate the profile gives the engine's current number of running requests, and nothing accrues
-while the engine prefills (prompt tokens at the profile's prefill rate) or is paused, so a long response holds its
-slot as it would on a GPU. Time may run faster than real (``time_scale``): the loop sleeps until the next
-response is due, so a replica idles between events and many fit on one machine. A finished response carries what
-SGLang's would, at its true size: token ids, log-probs, per-token weight versions, the routing of every position
-at the model's layers and top-k (SGLang's encoding), kept sets of the request's top-k. Their values are random:
-the wire, the decoding and the memory are the real costs, the numbers are not a model's.
+Each request's response length is drawn from the profile's distribution when it is admitted (a function of its prompt
+and sampling seed, so a prompt's responses have the profile's correlation, and a continuation of a request, its output
+so far fed back, ends where the whole request would); its tokens then accrue at the decode rate the profile gives the
+engine's current number of running requests, and nothing accrues while the engine prefills (prompt tokens at the
+profile's prefill rate) or is paused, so a long response holds its slot as it would on a GPU. Time may run faster than
+real (``time_scale``): the loop sleeps until the next response is due, so a replica idles between events and many fit on
+one machine. A finished response carries what SGLang's would, at its true size: token ids, log-probs, per-token weight
+versions, the routing of every position at the model's layers and top-k (SGLang's encoding), kept sets of the request's
+top-k. Their values are random: the wire, the decoding and the memory are the real costs, the numbers are not a model's.
 
 The control routes are the embedded engine's: pause (abort, retract, in_place), continue, abort, versions, flush,
 LoRA adapters (checked against the model's shapes), weight updates checked name by name. The served model is a
@@ -24,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import math
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,12 +51,12 @@ STREAM_INTERVAL_S = 0.05  # how often a streamed request sends what it decoded s
 
 @dataclass
 class SimulatedRequest(Request):
-    target: int = -1  # output tokens it ends with (drawn at its first admission)
+    target: int = -1  # output tokens it ends with (planned at its first admission)
     stop_token: int | None = None  # the token it ends on (None: it runs to its length cap)
     progress: float = 0.0  # output tokens decoded so far, fractional
-    # (first output position, weight version) per version change
+    # (first output position, weight version) per version change, in its own output's positions
     marks: list[tuple[int, str]] = field(default_factory=list)
-    rng: np.random.Generator | None = None
+    key: int = 0  # of its tokens (_tokens), set when it is planned
 
 
 class SimulatedScheduler(Scheduler[SimulatedRequest]):
@@ -130,13 +132,13 @@ class SimulatedScheduler(Scheduler[SimulatedRequest]):
         self._clock = now
 
     def _decoded(self, request: SimulatedRequest, upto: int | None = None) -> bool:
-        """Make its output tokens up to ``upto`` (default: as far as it has decoded); whether there are new ones. Drawn
-        in order from its own generator, so a seeded request makes the same tokens however its time is cut."""
+        """Make its output tokens up to ``upto`` (default: as far as it has decoded); whether there are new ones. Each a
+        function of its key and position, so a seeded request makes the same tokens however its time is cut."""
         upto = min(int(request.progress), request.target) if upto is None else upto
         new = upto - len(request.output_ids)
         if new > 0:
-            assert request.rng is not None, "drawn when it was planned, before any of its tokens"
-            request.output_ids += request.rng.integers(0, self.vocab_size, new).tolist()
+            start = len(request.input_ids) + len(request.output_ids)
+            request.output_ids += _tokens(request.key, start, start + new, self.vocab_size).tolist()
         return new > 0
 
     def _until_next_finish(self) -> float | None:
@@ -177,19 +179,35 @@ class SimulatedScheduler(Scheduler[SimulatedRequest]):
             self._prefill_ends = max(self._prefill_ends, now) + prefill_s
 
     def _plan(self, request: SimulatedRequest) -> None:
-        """Its length: where it draws a stop token (at the profile's length distribution), or its cap (max_new_tokens,
-        the context). A seeded request, and a greedy one (same prompt, same weights), is the same each time."""
+        """Its tokens and its length. A token is a function of the request's key (its sampling seed) and its absolute
+        position in the sequence, so a continuation (the prompt and the first k tokens a simulated engine made for the
+        same seed, on any replica) is recognised: the longest suffix of its input that is the key's tokens at those
+        positions is output already, the rest is the prompt. A prompt's last tokens match by chance with probability
+        1/vocab each (negligible at a real vocabulary), and then match alike in the request it continues: the split
+        is the same either way. The sample's whole length comes from the prompt and the seed (the profile's
+        ResponseLengths); the request ends where the sample stops (its stop token the last), or at its cap
+        (max_new_tokens, the context) if that comes first. A seeded request, and a greedy one (same prompt, same
+        weights), is the same each time and continues exactly (a greedy one's tokens are its weight version's, its
+        length its prompt's and version's); an unseeded sampled one is random. An episode's later turn (its tool's
+        tokens last) is a prompt of its own."""
         p = request.params
-        seed = p.sampling_seed
-        if seed is None and p.top_k == 1:
-            digest = hashlib.sha256(repr((request.input_ids, self.weight_version)).encode()).digest()
-            seed = int.from_bytes(digest[:8], "little")
-        request.rng = np.random.default_rng(seed)
-        cap = min(p.max_new_tokens, self.max_length - len(request.input_ids))
+        greedy = p.sampling_seed is None and p.top_k == 1
+        if p.sampling_seed is not None:
+            request.key = p.sampling_seed % 2**64
+        elif greedy:
+            request.key = _digest(b"greedy", self.weight_version)
+        else:
+            request.key = secrets.randbits(64)
+        ids = np.asarray(request.input_ids, dtype=np.int64)
+        differs = np.flatnonzero(ids != _tokens(request.key, 0, len(ids), self.vocab_size))
+        prompt = ids[: differs[-1] + 1 if len(differs) else 0]
+        seed = _digest(prompt.tobytes(), self.weight_version) if greedy else request.key
+        left = math.ceil(self.profile.response_tokens.tokens(prompt, seed)) - (len(ids) - len(prompt))
+        left = max(left, 1)  # (an input that is past the sample's end, by chance: it stops at once)
+        cap = max(min(p.max_new_tokens, self.max_length - len(ids)), 0)
         stop_ids = ([] if p.ignore_eos else sorted(self.eos_token_ids)) + list(p.stop_token_ids or [])
-        drawn = math.ceil(self.profile.response_tokens.draw(request.rng))
-        request.stop_token = stop_ids[0] if stop_ids and drawn < cap else None
-        request.target = max(drawn if request.stop_token is not None else cap, 0)
+        request.stop_token = stop_ids[0] if stop_ids and left <= cap else None
+        request.target = left if request.stop_token is not None else cap
 
     def _finish(self, request: SimulatedRequest, reason: dict) -> None:
         """Its tokens made to the end: all of them, or those decoded before an abort."""
@@ -338,6 +356,26 @@ class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
 
     def checksum(self) -> str:
         raise ProtocolError("the simulated engine holds no weights to checksum (run sync.verify against a real engine)")
+
+
+def _tokens(key: int, start: int, stop: int, vocab: int) -> np.ndarray:
+    """The tokens at absolute positions ``start`` to ``stop`` of a request with this key: SplitMix64 of the key and the
+    position, modulo the vocabulary. Counter-based, so any stretch is made alone, in any process."""
+    positions = np.arange(start, stop, dtype=np.uint64)
+    base = _mix(np.array([key], dtype=np.uint64))  # arrays throughout: numpy's uint64 arrays wrap silently
+    return (_mix(base + positions * np.uint64(0x9E3779B97F4A7C15)) % np.uint64(vocab)).astype(np.int64)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser: each 64-bit input to a well-spread 64-bit output."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _digest(data: bytes, version: str) -> int:
+    """A 64-bit key from ``data`` and a weight version: a greedy request's tokens and length."""
+    return int.from_bytes(hashlib.sha256(data + b"|" + version.encode()).digest()[:8], "little")
 
 
 def _token_versions(marks: list[tuple[int, str]], n: int) -> list[str]:

@@ -35,6 +35,7 @@ from moerl.trainer.config import TrainerConfig
 Mode = Literal["sync", "periodic", "async"]
 Placement = Literal["separate", "colocated"]
 Partial = Literal["in_place", "retry"]
+SchedulePolicy = Literal["groups", "length_aware"]
 Server = Literal["auto", "sglang", "embedded"]
 # auto: bfloat16 with CUDA, float32 without; else MODEL_DTYPES
 EngineDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -197,6 +198,27 @@ class TeacherSection:
 
 
 @dataclass
+class ScheduleSection:
+    """How the rollout manager hands a group's completions to the replicas (:mod:`moerl.orchestrator.scheduling`)."""
+
+    # groups: a group's completions are one request (the engine shares the prompt's prefill among them), on the replica
+    # running the fewest of the manager's requests. length_aware: each completion is a request of its own; the group's
+    # first `probes` go first, the rest longest predicted first (a group's prediction: the longest of its finished
+    # completions), each on the replica with the fewest predicted tokens left to decode.
+    policy: SchedulePolicy = "groups"
+    probes: int = 1  # length_aware: a group's completions that go before its siblings, to learn its length
+    # length_aware: the most tokens one request decodes; a completion that goes on is asked again from its output, on
+    # the replica with the fewest predicted tokens left, its routing and versions carried on (0: never cut)
+    chunk_tokens: int = 0
+    # length_aware: requests the manager keeps running on each replica; those beyond wait in its queue, in the order
+    # above (0: no bound: every request goes at once, and the engines queue what they cannot run)
+    max_running: int = 0
+
+    def __post_init__(self) -> None:
+        check_choices(self, "rollout.schedule")
+
+
+@dataclass
 class RolloutSection:
     groups_per_step: int = 8  # prompts (GRPO groups) per optimizer step
     samples_per_prompt: int = 8  # group size n
@@ -232,6 +254,7 @@ class RolloutSection:
     tools: list[str] = field(default_factory=list)  # the episodes' tools: calculator, or "package.module:TOOL"
     max_episode_tokens: int = 4096  # the most tokens an episode's stream may hold, prompt included
     episode_timeout_s: float = 600.0  # an agent past this ends its episode: a failed episode, not a failed run
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout")
@@ -490,6 +513,7 @@ def check(cfg: RunConfig) -> None:
     problems += scorer_engine_problems(cfg)
     problems += colocation_problems(cfg)
     problems += episode_problems(cfg)
+    problems += schedule_problems(cfg)
     problems += simulation_problems(cfg)
     problems += push_problems(cfg)
     if problems:
@@ -672,6 +696,36 @@ def episode_problems(cfg: RunConfig) -> list[str]:
         problems.append(
             f"rollout.agent={r.agent}: simulated engines generate no text for an agent to read, so a simulation runs "
             f"rollout.agent={SIMULATED} (the episodes of its profile's episodes section) and a real run any other"
+        )
+    return problems
+
+
+def schedule_problems(cfg: RunConfig) -> list[str]:
+    """What the length-aware schedule can do: single-turn groups (an episode's turns keep to its group's replica),
+    and cut requests only where a completion may go on across versions under the weights' own version names."""
+    r, s = cfg.rollout, cfg.rollout.schedule
+    if s.policy == "groups":
+        return []
+    problems = []
+    if not 0 <= s.probes < r.samples_per_prompt or s.chunk_tokens < 0 or s.max_running < 0:
+        problems.append(
+            f"rollout.schedule.probes must be in [0, samples_per_prompt={r.samples_per_prompt}) and chunk_tokens and "
+            "max_running >= 0"
+        )
+    if r.agent is not None:
+        problems.append(
+            "rollout.schedule.policy=length_aware schedules single-turn groups; an agent's episodes keep each group "
+            "on one replica (its prompt's prefix): set rollout.schedule.policy=groups"
+        )
+    if s.chunk_tokens and r.partial != "in_place":
+        problems.append(
+            "rollout.schedule.chunk_tokens: a cut completion goes on under the policy of its next request, which "
+            "rollout.partial=retry forbids; set rollout.partial=in_place or chunk_tokens=0"
+        )
+    if s.chunk_tokens and cfg.lora.enabled:
+        problems.append(
+            "rollout.schedule.chunk_tokens with lora.enabled: a completion's chunks may use different adapters under "
+            "one weight version, which its per-token versions cannot tell apart; set chunk_tokens=0"
         )
     return problems
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,8 @@ class Tries:
     attempt: int = 0  # regenerations after weight updates aborted it (rollout.partial=retry)
     engine_retries: int = 0  # re-issues after its replica failed
     workers_lost: int = 0  # re-issues after the generation worker carrying it died
+    continued: int = 0  # requests that continued a completion cut at rollout.schedule.chunk_tokens
+    moved: int = 0  # of those, the ones on another replica than the piece before
 
 
 class Generation:
@@ -98,62 +101,69 @@ class Generation:
         top_logprobs: int = 0,
         tag: str = "",
         affinity: str | None = None,
+        slot: Callable[[], AbstractAsyncContextManager[str | None]] | None = None,
     ) -> tuple[list[Completion], int]:
         """``params.n`` completions of ``ids`` (routing rows from ``routing_start``) and the policy version of the
         adapter they used (0: the base model), asked for again as often as ``tries`` counts: a weight update that
         aborted them (``rollout.partial=retry``) regenerates them under the new weights with a new seed; ``affinity``:
-        a key that keeps requests on one replica while it is healthy (:meth:`EngineClient.generate`). Raises
+        a key that keeps requests on one replica while it is healthy (:meth:`EngineClient.generate`); ``slot``: the
+        replica a scheduler gives each try, held while it runs (:meth:`~moerl.orchestrator.scheduling.Dispatcher.slot`).
+        Raises
         :class:`PromptDropped` once prompt ``index``'s replicas failed more than ``rollout.engine_retries`` times."""
         r = self.r
         regenerations, seed = 0, params.sampling_seed
         while True:
-            await self.serving.wait()  # no request while a weight update is under way: see Updating
-            # Before the adapter is read: a replica that comes back after this wait holds only the current one.
-            await self.client.until_usable(
-                self.cfg.engines.down_timeout_s,
-                "engines.down_timeout_s",
-                min(self.cfg.engines.health_interval_s, 0.5),
-                self.probes,
-            )
-            served = self.client.health.served
-            if regenerations and seed is not None:
-                params = params.model_copy(update={"sampling_seed": sampling_seed(seed, index, regenerations)})
-            adapter, adapter_version = self.adapters.acquire()
-            try:
-                completions = await self.client.generate(
-                    # Routing comes back under every replay mode: the agreement metrics compare against it.
-                    ids,
-                    params,
-                    Returns(routing_start, self.cfg.trainer.replay.sampling_mask, top_logprobs),
-                    lora_path=adapter,
-                    rid=f"{tag}-a{tries.attempt}-e{tries.engine_retries}-w{tries.workers_lost}",
-                    # The prompt reuses only KV computed under the policy it is issued under: no request is issued
-                    # during an update (Updating), and engines do not flush their prefix cache on an update while
-                    # requests run. Those in flight keep theirs, as an in-place update defines.
-                    extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}",
-                    affinity=affinity,
+            # the replica first: a request waits for one in the scheduler's queue, then for the engines to serve
+            async with nullcontext() if slot is None else slot() as replica:
+                await self.serving.wait()  # no request while a weight update is under way: see Updating
+                # Before the adapter is read: a replica that comes back after this wait holds only the current one.
+                await self.client.until_usable(
+                    self.cfg.engines.down_timeout_s,
+                    "engines.down_timeout_s",
+                    min(self.cfg.engines.health_interval_s, 0.5),
+                    self.probes,
                 )
-            except NoHealthyEngine:
-                continue  # the last healthy replica left between the wait and the request: wait again
-            except WorkerLost as e:  # not the engine's failure: re-issued without counting against its engine retries
-                self._count_worker_lost(index, e, tries)
-                completions = None
-            except ReplicaDown as e:
-                await self.report()
-                if self.same_answer.failed(e.url, e.status, e.message):
-                    raise EnginesDown(
-                        f"every engine answers the run's requests with the same error, {self.same_answer.count} in a "
-                        f"row with none served between: {e.message}; they cannot serve this run as configured"
-                    ) from None
-                tries.engine_retries += 1
-                if tries.engine_retries > r.engine_retries:
-                    raise PromptDropped(str(e)) from None
-                log.warning("prompt %d re-issued (%d of %d): %s", index, tries.engine_retries, r.engine_retries, e)
-                completions = None
-            finally:
-                self.adapters.release(adapter)
-            # this request no longer uses its adapter, whether it was answered or is asked again
-            await self.adapters.unload_if_retired(adapter)
+                served = self.client.health.served
+                if regenerations and seed is not None:
+                    params = params.model_copy(update={"sampling_seed": sampling_seed(seed, index, regenerations)})
+                adapter, adapter_version = self.adapters.acquire()
+                try:
+                    completions = await self.client.generate(
+                        # Routing comes back under every replay mode: the agreement metrics compare against it.
+                        ids,
+                        params,
+                        Returns(routing_start, self.cfg.trainer.replay.sampling_mask, top_logprobs),
+                        lora_path=adapter,
+                        rid=f"{tag}-a{tries.attempt}-e{tries.engine_retries}-w{tries.workers_lost}",
+                        # The prompt reuses only KV computed under the policy it is issued under: no request is issued
+                        # during an update (Updating), and engines do not flush their prefix cache on an update while
+                        # requests run. Those in flight keep theirs, as an in-place update defines.
+                        extra_key=f"moerl-{self.salt}-v{adapter_version if adapter is not None else served}",
+                        affinity=affinity,
+                        replica=replica,
+                    )
+                except NoHealthyEngine:  # the last healthy replica left between the wait and the request: wait again
+                    completions = None
+                except WorkerLost as e:  # not the engine's failure: re-issued, not counted against its engine retries
+                    self._count_worker_lost(index, e, tries)
+                    completions = None
+                except ReplicaDown as e:
+                    await self.report()
+                    if self.same_answer.failed(e.url, e.status, e.message):
+                        raise EnginesDown(
+                            "every engine answers the run's requests with the same error, "
+                            f"{self.same_answer.count} in a row with none served between: {e.message}; they cannot "
+                            "serve this run as configured"
+                        ) from None
+                    tries.engine_retries += 1
+                    if tries.engine_retries > r.engine_retries:
+                        raise PromptDropped(str(e)) from None
+                    log.warning("prompt %d re-issued (%d of %d): %s", index, tries.engine_retries, r.engine_retries, e)
+                    completions = None
+                finally:
+                    self.adapters.release(adapter)
+                # this request no longer uses its adapter, whether it was answered or is asked again
+                await self.adapters.unload_if_retired(adapter)
             if completions is None:
                 continue  # the same seed, on another replica (or the same, once its worker is replaced)
             self.same_answer.served()

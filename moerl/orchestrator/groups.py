@@ -31,6 +31,7 @@ from moerl.episodes.tools import Tool
 from moerl.errors import EnginesDown, leaves
 from moerl.orchestrator.generation import Generation, PromptDropped, Tries, sampling_seed
 from moerl.orchestrator.messages import Dropped, DropReason, GroupDone, RolloutFailed
+from moerl.orchestrator.scheduling import Dispatcher, Request
 from moerl.rewards import Rewarder
 from moerl.rewards.model import Stats
 from moerl.rewards.process import ProcessRewards
@@ -78,9 +79,9 @@ class SingleTurn:
             index, ids, tries, self.generation.params(index, self.r.samples_per_prompt), tag=f"p{index}"
         )
         versions = self.generation.versions(completions, adapter_version)
-        return Responses([self._response(c, ids, index, versions) for c in completions])
+        return Responses([self.response(c, ids, index, versions) for c in completions])
 
-    def _response(self, c: Completion, ids: list[int], index: int, versions: dict[str, int] | None) -> Response:
+    def response(self, c: Completion, ids: list[int], index: int, versions: dict[str, int] | None) -> Response:
         def samples(reward: float) -> list[Sample]:
             return [
                 Sample.from_completion(
@@ -90,6 +91,69 @@ class SingleTurn:
 
         # one sequence decodes to one text (transformers types decode's result for a batch of them too)
         return Response(cast(str, self.tokenizer.decode(c.output_ids, skip_special_tokens=True)), None, samples)
+
+
+class SampleRequests:
+    """The length-aware group agent (``rollout.schedule.policy=length_aware``): each of the group's completions a
+    request of its own, seeded as an engine seeds a group request's (completion k: the prompt's seed + k), handed to a
+    replica by ``dispatcher`` (:mod:`moerl.orchestrator.scheduling`); one that decodes ``rollout.schedule.chunk_tokens``
+    and goes on is asked again from its output, wherever the dispatcher sends it, and the pieces make one completion
+    (:meth:`~moerl.engines.protocol.Completion.then`): its routing rows and per-token versions as if decoded at once."""
+
+    def __init__(self, generation: Generation, tokenizer: Any, dispatcher: Dispatcher):
+        self.single = SingleTurn(generation, tokenizer)
+        self.generation, self.dispatcher, self.r = generation, dispatcher, generation.r
+
+    async def __call__(self, index: int, record: dict[str, Any], ids: list[int], tries: Tries) -> Responses:
+        try:
+            async with asyncio.TaskGroup() as group:
+                runs = [
+                    group.create_task(self._completion(index, ids, k, tries)) for k in range(self.r.samples_per_prompt)
+                ]
+        except* (PromptDropped, EnginesDown) as ended:  # the others are cancelled: their slots freed
+            raise min(leaves(ended), key=lambda e: not isinstance(e, EnginesDown)) from None  # the run's end first
+        finally:
+            self.dispatcher.lengths.forget(index)
+        pieces = [run.result() for run in runs]
+        return Responses(
+            [
+                self.single.response(c, ids, index, self.generation.versions([c], adapter_version))
+                for c, adapter_version in pieces
+            ]
+        )
+
+    async def _completion(self, index: int, ids: list[int], k: int, tries: Tries) -> tuple[Completion, int]:
+        """Completion ``k`` of prompt ``index``, in as many requests as its chunks, and its adapter's version."""
+        r, s = self.r, self.r.schedule
+        base = self.generation.params(index, 1)
+        seed = None if base.sampling_seed is None else base.sampling_seed + k
+        request = Request(index, probe=k < s.probes)
+        completion: Completion | None = None
+        while True:
+            decoded = 0 if completion is None else len(completion.output_ids)
+            budget = r.max_new_tokens - decoded
+            asked = min(budget, s.chunk_tokens) if s.chunk_tokens else budget
+            prompt = ids if completion is None else ids + completion.output_ids.tolist()
+            request.decoded, before = decoded, request.last
+            (piece,), adapter_version = await self.generation(
+                index,
+                prompt,
+                tries,
+                base.model_copy(update={"sampling_seed": seed, "max_new_tokens": asked}),
+                routing_start=0 if completion is None else len(prompt) - 1,
+                tag=f"p{index}-s{k}-c{decoded}",
+                slot=functools.partial(self.dispatcher.slot, request),
+            )
+            if completion is None:
+                completion = piece
+            else:
+                completion = completion.then(piece)
+                tries.continued += 1
+                tries.moved += request.last != before
+            cut = piece.finish_reason.get("type") == "length" and len(piece.output_ids) == asked < budget
+            if not cut:
+                self.dispatcher.lengths.add(index, len(completion.output_ids))
+                return completion, adapter_version
 
 
 class AgentEpisodes:
@@ -280,6 +344,8 @@ class GroupRunner:
                 seconds=time.perf_counter() - start,
                 engine_retries=tries.engine_retries,
                 workers_lost=tries.workers_lost,
+                continued=tries.continued,
+                moved=tries.moved,
                 episodes=generated.episodes,
                 scoring=dict(scoring) if self.scored_by_models else None,
             )

@@ -72,7 +72,7 @@ class Lead:
         for index in state["pending"]:
             acct.set(index, PromptState.IN_FLIGHT)
         self.zmq = zmq.Context()
-        self.rollouts = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, cursor=state["cursor"])
+        self.rollouts = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, state["cursor"], run_dir)
         self.manager: subprocess.Popen | None = start_manager(
             run_dir / "config.yaml",
             hf,

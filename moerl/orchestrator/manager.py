@@ -41,7 +41,7 @@ from moerl.models import model_shape
 from moerl.orchestrator.adapters import Adapters
 from moerl.orchestrator.config import EngineSection, RunConfig, request_timeout_real_s
 from moerl.orchestrator.generation import Generation
-from moerl.orchestrator.groups import AgentEpisodes, GroupAgent, GroupRunner, SingleTurn
+from moerl.orchestrator.groups import AgentEpisodes, GroupAgent, GroupRunner, SampleRequests, SingleTurn
 from moerl.orchestrator.messages import (
     ORDERS,
     EnginesChanged,
@@ -56,6 +56,7 @@ from moerl.orchestrator.messages import (
     checked,
     send_event,
 )
+from moerl.orchestrator.scheduling import Dispatcher, GroupLengths
 from moerl.rewards import Rewarder
 from moerl.rewards.combine import COMBINATIONS, Combination
 from moerl.rewards.judge import Judge, Judging
@@ -157,7 +158,13 @@ class RolloutManager:
         )
         agent = self._agent()
         group_agent: GroupAgent
-        if agent is None:
+        schedule = self.r.schedule
+        if agent is None and schedule.policy == "length_aware":
+            self.endpoint = None
+            lengths = GroupLengths(self.r.max_new_tokens)
+            dispatcher = Dispatcher(self.client.health.usable, lengths, schedule.max_running, schedule.chunk_tokens)
+            group_agent = SampleRequests(self.generation, tokenizer, dispatcher)
+        elif agent is None:
             self.endpoint = None
             group_agent = SingleTurn(self.generation, tokenizer)
         else:

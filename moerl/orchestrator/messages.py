@@ -86,6 +86,10 @@ class GroupDone:
     seconds: float = 0.0  # from issue to scored
     engine_retries: int = 0  # re-issues after its replica failed (transport error, deadline)
     workers_lost: int = 0  # re-issues after the generation worker carrying it died (not the replica's failure)
+    # rollout.schedule.chunk_tokens: requests that continued a completion cut there, and those of them that ran on
+    # another replica than the piece before
+    continued: int = 0
+    moved: int = 0
     # An agentic group: its episodes' counts summed (EpisodeStats.metrics: turns, tool calls, forks, ...), its episodes
     # and the failed ones by reason (episode/failed_<reason>). None: a single-turn group.
     episodes: dict[str, float] | None = None

@@ -47,6 +47,7 @@ from moerl.orchestrator.messages import (
     receive_event,
 )
 from moerl.sample import Sample
+from moerl.simulation import LENGTHS_FILE, LengthRecord
 from moerl.tasks.filters import reward_varies
 
 WAITING_POLL_S = 0.5  # how often instalments() calls its waiting hook while no group is ready
@@ -151,8 +152,15 @@ class RolloutBuffer:
     accounting of every prompt."""
 
     def __init__(
-        self, ctx: zmq.Context, cfg: RolloutSection, mode: str, accounting: Accounting | None = None, cursor: int = 0
+        self,
+        ctx: zmq.Context,
+        cfg: RolloutSection,
+        mode: str,
+        accounting: Accounting | None = None,
+        cursor: int = 0,
+        run_dir: Path | None = None,
     ):
+        """``run_dir``: where each finished group's response lengths are recorded as it arrives (None: nowhere)."""
         self.cfg, self.mode = cfg, mode
         self.orders = ctx.socket(zmq.PUSH)
         self.events = ctx.socket(zmq.PULL)
@@ -178,6 +186,9 @@ class RolloutBuffer:
         self._stopping = self._stopped = False
         self.manager: subprocess.Popen | None = None
         self.manager_log: Path | None = None
+        # Every group that finishes, trained or not (a long one dropped as stale too), for calibrating a simulation
+        # profile (moerl calibrate-lengths); a resumed run appends.
+        self.lengths = open(run_dir / LENGTHS_FILE, "a") if run_dir is not None else None
 
     # ---- manager traffic ----------------------------------------------------------------------
     def watch(self, manager: subprocess.Popen, log: Path) -> None:
@@ -257,15 +268,7 @@ class RolloutBuffer:
                 self.cursor = max(self.cursor, event.index + 1)
             self.acct.set(event.index, PromptState.IN_FLIGHT)
         elif isinstance(event, GroupDone):
-            self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
-            self.scored.kept += 1
-            self.scored.add(s.reward for s in event.samples)
-            if event.index in self.surplus:
-                self.surplus.discard(event.index)
-                self.acct.finish(event.index, Outcome.SURPLUS)
-                return
-            self.ready.append(event)
-            self.acct.set(event.index, PromptState.READY)
+            self._group_done(event)
         elif isinstance(event, Dropped):
             self.acct.finish(event.index, event.reason)
             self.reissues.update(engine_failure=event.engine_retries, worker_lost=event.workers_lost)
@@ -293,6 +296,27 @@ class RolloutBuffer:
                 if index in self.acct.live:
                     self.acct.finish(index, Outcome.IN_FLIGHT_AT_STOP)
             self._stopped = True
+
+    def _group_done(self, group: Group) -> None:
+        if self.lengths is not None:
+            record = LengthRecord(
+                group.index,
+                [s.response_len for s in group.samples],
+                [s.finish_reason == "length" for s in group.samples],
+                self.cfg.max_new_tokens,
+                episodes=group.episodes is not None,
+            )
+            self.lengths.write(record.line() + "\n")
+            self.lengths.flush()  # a line a group: a run killed loses none
+        self.reissues.update(engine_failure=group.engine_retries, worker_lost=group.workers_lost)
+        self.scored.kept += 1
+        self.scored.add(s.reward for s in group.samples)
+        if group.index in self.surplus:
+            self.surplus.discard(group.index)
+            self.acct.finish(group.index, Outcome.SURPLUS)
+            return
+        self.ready.append(group)
+        self.acct.set(group.index, PromptState.READY)
 
     def _receive(self, timeout_s: float | None) -> bool:
         """Handle one event, waiting up to ``timeout_s`` (None: forever). False on timeout."""
@@ -412,6 +436,8 @@ class RolloutBuffer:
     def close(self) -> None:
         self.orders.close(linger=0)
         self.events.close(linger=0)
+        if self.lengths is not None:
+            self.lengths.close()
 
 
 def rollout_metrics(groups: list[Group]) -> dict[str, float]:
@@ -430,6 +456,9 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
             "rollout/zero_variance_groups": float(np.mean(solved)),
             "rollout/samples": float(len(samples)),
             "rollout/group_seconds_mean": float(np.mean([g.seconds for g in groups])),
+            # rollout.schedule.chunk_tokens: continuations of cut completions, and those moved to another replica
+            "rollout/continued_requests": float(sum(g.continued for g in groups)),
+            "rollout/moved_requests": float(sum(g.moved for g in groups)),
             # Samples continued across a weight update (rollout.partial=in_place): actions from two or more versions.
             "rollout/mixed_version_fraction": float(np.mean([np.ptp(s.at_actions(s.versions)) > 0 for s in samples])),
         }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import os
 import signal
 import time
@@ -392,6 +393,140 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
         # seeded: the same again
         assert np.array_equal(a.output_ids, c.output_ids) and np.array_equal(a.routing, c.routing)
     assert state is not State.HEALTHY
+
+
+# ---- continuations and siblings ----------------------------------------------------------------------------------
+STOP = 1  # the replicas' end token below
+
+
+@pytest.fixture
+def replicas():
+    """Two simulated replicas' schedulers (no HTTP), time run so fast that a request is answered at once."""
+    from moerl.engines.simulated import SimulatedScheduler
+
+    made = [SimulatedScheduler(Profile.load(PROFILE).engine, 1e6, VOCAB, None, {STOP}, 4096) for _ in range(2)]
+    for scheduler in made:
+        scheduler.start()
+    yield made
+    for scheduler in made:
+        scheduler.stop()
+
+
+def decode(scheduler, ids: list[int], max_new_tokens: int, seed: int | None, top_k: int = 16) -> tuple[list[int], str]:
+    """One request on ``scheduler``: its output ids and finish reason."""
+    import threading
+
+    from moerl.engines.protocol import SamplingParams
+    from moerl.engines.simulated import SimulatedRequest
+
+    done = threading.Event()
+    params = SamplingParams(max_new_tokens=max_new_tokens, sampling_seed=seed, top_k=top_k)
+    request = SimulatedRequest("r", list(ids), params, on_update=lambda request, finished: finished and done.set())
+    scheduler.submit(request)
+    assert done.wait(10)
+    return request.output_ids, request.finish_reason["type"]
+
+
+def chunked(replicas, ids: list[int], budget: int, chunks: list[int], seed: int | None, top_k: int = 16):
+    """The request cut as the rollout manager cuts it: each chunk (the last, what is left of ``budget``) asked on the
+    next replica in turn, from the prompt and the output so far. The whole output and each piece's finish reason."""
+    output: list[int] = []
+    reasons: list[str] = []
+    for i, size in enumerate([*chunks, budget - sum(chunks)]):
+        piece, reason = decode(replicas[i % len(replicas)], ids + output, size, seed, top_k)
+        output += piece
+        reasons.append(reason)
+        if reason == "stop":
+            break
+    return output, reasons
+
+
+def test_a_request_cut_into_chunks_on_other_replicas_is_the_uncut_request(replicas):
+    """Where it stops, its ids and its finish reasons: length at a cut while the sample goes on, stop at its end,
+    length at the overall cap."""
+    prompt, checked = list(range(50, 80)), 0
+    for seed in range(40):
+        whole, reason = decode(replicas[0], prompt, 1000, seed)
+        n = len(whole)
+        assert reason == "stop" and whole[-1] == STOP
+        if n < 6:
+            continue
+        for chunks in ([n // 2], [1], [n - 1], [3, 2], [n // 3, n // 3 + 1], [1, n - 2]):
+            output, reasons = chunked(replicas, prompt, 1000, chunks, seed)
+            assert output == whole and reasons == ["length"] * len(chunks) + ["stop"], (seed, chunks)
+        # a first chunk that ends where the sample stops: stop there
+        assert chunked(replicas, prompt, 1000, [n], seed) == (whole, ["stop"])
+        # the overall cap before the sample's end: length there, cut or not
+        assert decode(replicas[1], prompt, n - 1, seed) == (whole[:-1], "length")
+        assert chunked(replicas, prompt, n - 1, [2, n // 2], seed) == (whole[:-1], ["length"] * 3)
+        checked += 1
+    assert checked > 20
+    # greedy: continued under the same weights, the same
+    whole, _ = decode(replicas[0], prompt, 1000, None, top_k=1)
+    assert chunked(replicas, prompt, 1000, [len(whole) // 2], None, top_k=1) == (whole, ["length", "stop"])
+    # A seed's tokens differ by prompt position, not by prompt: continuations are told apart by their seed.
+    assert decode(replicas[0], prompt, 1000, 1)[0] != decode(replicas[0], prompt, 1000, 2)[0]
+
+
+@pytest.mark.parametrize("rho, low, high", [(0.0, -0.3, 0.3), (0.9, 0.7, 1.0)])
+def test_a_prompts_siblings_lengths_follow_the_profiles_correlation(rho, low, high):
+    """24 prompts' 8 completions each (their seeds as an n=8 request's), as the engine plans them. The bounds are
+    over 7 of the estimator's standard errors (about 0.04) from the correlation."""
+    from moerl.engines.protocol import SamplingParams
+    from moerl.engines.simulated import SimulatedRequest, SimulatedScheduler
+    from moerl.simulation import ResponseLengths
+
+    engine = Profile.load(PROFILE).engine
+    engine.response_tokens = ResponseLengths(median=40, p99=200, correlation=rho)
+    scheduler = SimulatedScheduler(engine, 1.0, VOCAB, None, {STOP}, 1 << 20)
+    rng = np.random.default_rng(5)
+    logs = []
+    for prompt in rng.integers(2, VOCAB, (24, 30)).tolist():
+        row = []
+        for k in range(8):
+            request = SimulatedRequest("r", prompt, SamplingParams(max_new_tokens=1 << 19, sampling_seed=1000 + k))
+            scheduler._plan(request)
+            row.append(np.log(request.target))
+        logs.append(row)
+    logs = np.array(logs)
+    between, within = 8 * logs.mean(axis=1).var(ddof=1), logs.var(axis=1, ddof=1).mean()
+    icc = (between - within) / (between + 7 * within)
+    assert low < icc < high, icc
+
+
+@pytest.mark.e2e
+def test_a_continuation_on_another_replica_process_gives_the_uncut_output_and_its_own_versions(server, models):
+    """Over HTTP, one replica in this process and the module's in another: the pieces make the uncut completion, each
+    piece's weight versions cover its own output from 0."""
+    from moerl.engines.embedded.server import build_app
+    from moerl.engines.simulated import SimulatedEngine
+    from tests.engines.test_engine_requests import _request
+
+    profile = Profile.load(PROFILE)
+    engine = SimulatedEngine(profile, str(models["base"]), time_scale=20)
+    seed = next(s for s in range(1000) if 30 <= math.ceil(profile.engine.response_tokens.tokens(PROMPT, s)) <= 80)
+
+    async def ask(url, ids, max_new_tokens):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "sampling_seed": seed}}
+        status, answer, _ = await _request(url, "/generate", body)
+        assert status == 200, answer
+        meta = answer["meta_info"]
+        assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": len(answer["output_ids"])}]
+        return answer["output_ids"], meta["finish_reason"]["type"]
+
+    async def go():
+        async with serving_app(build_app(engine)) as here:
+            whole, reason = await ask(here, PROMPT, 400)
+            pieces = []
+            for url, size in ((here, 11), (server, 7), (here, 400 - 18)):
+                piece = await ask(url, PROMPT + [t for p, _ in pieces for t in p], size)
+                pieces.append(piece)
+            return whole, reason, pieces
+
+    whole, reason, pieces = asyncio.run(go())  # (the app's cleanup stops its engine)
+    assert len(whole) == math.ceil(profile.engine.response_tokens.tokens(PROMPT, seed)) and reason == "stop"
+    assert [t for p, _ in pieces for t in p] == whole
+    assert [r for _, r in pieces] == ["length", "length", "stop"]
 
 
 def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):
