@@ -220,6 +220,66 @@ def one_concurrency_guide(
     return rate(best), best
 
 
+def summarize(rows: list[dict], cfg, mode: str, pool: tuple[int, int], args, profile: Profile) -> dict:
+    """One run's figures over its measured steps (the first fills the pipeline): its rate, bounds and ratios, staleness,
+    drops, the orchestrator's CPU; async, the one-concurrency guide."""
+    rows = rows[1:]
+    if not rows:
+        raise SystemExit("no measured step: --steps must be 2 or more (the first fills the pipeline)")
+    wall = sum(r["time/step_seconds"] for r in rows)
+    trained = sum(r["rollout/samples"] for r in rows)
+    rate = trained / (wall * args.time_scale)
+    staleness = args.max_staleness if mode == "async" else 0
+    in_flight = cfg.rollout.outstanding * args.samples if mode == "async" else args.groups * args.samples
+    steps = [
+        step_times(
+            profile,
+            pool,
+            r["rollout/samples"],
+            r["rollout/response_len_mean"],
+            r["rollout/response_len_max"],
+            r["sync/full_weight_bytes"],
+            in_flight,
+            staleness,
+        )
+        for r in rows
+    ]
+    bound = bounds(steps, trained, args.groups)
+    lag = [float(np.mean([r[k] for r in rows])) for k in ("staleness/lag_0", "staleness/lag_1")]
+    out = {
+        "samples_per_s": rate,
+        "bound_full": bound[mode],
+        "bound_tail": bound[f"{mode}_tail"],
+        "ratio_full": rate / bound[mode],
+        "ratio_tail": rate / bound[f"{mode}_tail"],
+        "dropped": rows[-1]["prompts/dropped"],
+        "lag": [lag[0], lag[1], 1 - sum(lag)],
+        "longest_mean": float(np.mean([r["rollout/response_len_max"] for r in rows])),
+        "response_mean": float(np.mean([r["rollout/response_len_mean"] for r in rows])),
+        "trainer_idle": float(np.mean([r["time/trainer_idle_fraction"] for r in rows])),
+        "manager_cpu_s": float(np.mean([r["cpu/manager_seconds"] for r in rows])),
+        # of a real run's step: the manager's CPU is real seconds, the step simulated
+        "manager_fraction": float(np.mean([r["cpu/manager_seconds"] for r in rows]))
+        / (wall / len(rows) * args.time_scale),
+        "helpers_cpu_s": float(np.mean([r["cpu/manager_helpers_seconds"] for r in rows])),
+        "buffer_cpu_s": float(np.mean([r["cpu/buffer_seconds"] for r in rows])),
+        "seconds": {k: float(np.mean([s[k] for s in steps])) for k in steps[0]},
+        "measured_steps": len(rows),
+    }
+    if mode == "async":
+        best, at = one_concurrency_guide(
+            profile,
+            pool,
+            trained,
+            sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in rows),
+            sum(r["rollout/response_len_max"] for r in rows),
+            steps,
+            staleness,
+        )
+        out["guide"] = {"samples_per_s": best, "concurrency": at, "ratio": rate / best}
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_arguments(
@@ -251,59 +311,28 @@ def main() -> int:
             sync_rate = None
             for mode in args.modes.split(","):
                 rows, cfg = run(mode, pool, args, model, profile, root)
-                rows = rows[1:]  # the first step fills the pipeline
-                wall = sum(r["time/step_seconds"] for r in rows)
-                trained = sum(r["rollout/samples"] for r in rows)
-                rate = trained / (wall * args.time_scale)
-                response = float(np.mean([r["rollout/response_len_mean"] for r in rows]))
-                samples = args.groups * args.samples
-                staleness = args.max_staleness if mode == "async" else 0
-                steps = [
-                    step_times(
-                        profile,
-                        pool,
-                        r["rollout/samples"],
-                        r["rollout/response_len_mean"],
-                        r["rollout/response_len_max"],
-                        r["sync/full_weight_bytes"],
-                        cfg.rollout.outstanding * args.samples if mode == "async" else samples,
-                        staleness,
-                    )
-                    for r in rows
-                ]
-                bound = bounds(steps, trained, args.groups)
-                seconds = {k: float(np.mean([s[k] for s in steps])) for k in steps[0]}
-                tail = bound[f"{mode}_tail"]
+                s = summarize(rows, cfg, mode, pool, args, profile)
+                rate = s["samples_per_s"]
                 sync_rate = rate if mode == "sync" else sync_rate
-                lag = [np.mean([r[k] for r in rows]) for k in ("staleness/lag_0", "staleness/lag_1")]
-                manager = np.mean([r["cpu/manager_seconds"] for r in rows])
-                idle = np.mean([r["time/trainer_idle_fraction"] for r in rows])
-                fraction = manager / (wall / len(rows) * args.time_scale)  # of a real run's step
-                helpers = np.mean([r["cpu/manager_helpers_seconds"] for r in rows])
-                buffer = np.mean([r["cpu/buffer_seconds"] for r in rows])
                 versus_sync = f"{rate / sync_rate:.2f}" if sync_rate else "n/a"
+                lag = s["lag"]
                 lines.append(
-                    f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {bound[mode]:.3f} | {rate / bound[mode]:.2f} | "
-                    f"{tail:.3f} | {rate / tail:.2f} | {versus_sync} | {idle:.2f} | "
-                    f"{lag[0]:.2f}/{lag[1]:.2f}/{1 - sum(lag):.2f} | {rows[-1]['prompts/dropped']} | {manager:.2f} "
-                    f"({fraction:.1%}) | {helpers:.2f} | {buffer:.2f} |"
+                    f"| {pool[0]}:{pool[1]} | {mode} | {rate:.3f} | {s['bound_full']:.3f} | {s['ratio_full']:.2f} | "
+                    f"{s['bound_tail']:.3f} | {s['ratio_tail']:.2f} | {versus_sync} | {s['trainer_idle']:.2f} | "
+                    f"{lag[0]:.2f}/{lag[1]:.2f}/{lag[2]:.2f} | {s['dropped']} | {s['manager_cpu_s']:.2f} "
+                    f"({s['manager_fraction']:.1%}) | {s['helpers_cpu_s']:.2f} | {s['buffer_cpu_s']:.2f} |"
                 )
                 guide = ""
-                if mode == "async":
-                    best, at = one_concurrency_guide(
-                        profile,
-                        pool,
-                        trained,
-                        sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in rows),
-                        sum(r["rollout/response_len_max"] for r in rows),
-                        steps,
-                        staleness,
+                if "guide" in s:
+                    g = s["guide"]
+                    guide = (
+                        f", one-concurrency guide {g['samples_per_s']:.3f} samples/s (c = {g['concurrency']}; ratio "
+                        f"{g['ratio']:.2f})"
                     )
-                    guide = f", one-concurrency guide {best:.3f} samples/s (c = {at}; ratio {rate / best:.2f})"
                 print(
                     lines[-1],
-                    ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()),
-                    f"mean response {response:.0f} tokens{guide}",
+                    ", ".join(f"{k} {v:.1f} s" for k, v in s["seconds"].items()),
+                    f"mean response {s['response_mean']:.0f} tokens{guide}",
                     file=sys.stderr,
                     flush=True,
                 )
