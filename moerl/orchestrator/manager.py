@@ -159,14 +159,15 @@ class RolloutManager:
         agent = self._agent()
         group_agent: GroupAgent
         schedule = self.r.schedule
-        if agent is None and schedule.policy == "length_aware":
+        if agent is None:
             self.endpoint = None
-            lengths = GroupLengths(self.r.max_new_tokens)
-            dispatcher = Dispatcher(self.client.health.usable, lengths, schedule.max_running, schedule.chunk_tokens)
-            group_agent = SampleRequests(self.generation, tokenizer, dispatcher)
-        elif agent is None:
-            self.endpoint = None
-            group_agent = SingleTurn(self.generation, tokenizer)
+            if schedule.policy == "length_aware":
+                lengths = GroupLengths(self.r.max_new_tokens)
+                usable = self.client.health.usable
+                dispatcher = Dispatcher(usable, lengths, schedule.max_running, schedule.chunk_tokens)
+                group_agent = SampleRequests(self.generation, tokenizer, dispatcher)
+            else:
+                group_agent = SingleTurn(self.generation, tokenizer)
         else:
             self.endpoint = EpisodeEndpoint(Path(hf_dir).name)
             group_agent = AgentEpisodes(self.generation, agent, self.endpoint, tokenizer, load_tools(self.r.tools))

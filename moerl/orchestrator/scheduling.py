@@ -58,12 +58,14 @@ class Request:
     order: int = 0  # when it began waiting
     predicted_left: float = 0.0  # what it counts for on its replica while it runs
 
-    def rank(self, lengths: GroupLengths) -> tuple[int, float]:
+    def rank(self, lengths: GroupLengths) -> tuple[int, int, int]:
+        """Its place in the queue, first lowest: continuations, probes, then the rest longest predicted first; oldest
+        first within each."""
         if self.decoded:
-            return 0, self.order
+            return 0, 0, self.order
         if self.probe:
-            return 1, self.order
-        return 2, -lengths.predicted(self.group) + self.order * 1e-9  # ties: oldest first
+            return 1, 0, self.order
+        return 2, -lengths.predicted(self.group), self.order
 
 
 class Dispatcher:
