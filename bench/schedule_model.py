@@ -20,10 +20,16 @@ Policies (``--policies``):
             (``--tail-share``) kept for old requests: a request older than ``--old-after`` moves to one of those running
             fewer than ``--cap``, which decodes nothing while it prefills the request's output, re-sent as prompt
             (SGLang continues no request elsewhere: this stands for an abort and a re-issue)
+  length_aware  the job's rollout.schedule.policy=length_aware, run by the job's own dispatcher
+            (moerl.orchestrator.scheduling) on the model's clock: each completion a request of its own, with
+            ``--probes``, ``--max-running``, ``--chunk-tokens``, ``--tail-tokens`` and ``--tail-running`` as the
+            config's fields (each of the lists run); a chunk continued on another replica than its last costs that
+            replica a prefill of the completion's output so far, during which it decodes nothing
+A group's lengths follow the profile's correlation (``--correlations`` runs each of several), as the simulated engine's.
 Any of them with ``--depth`` (the groups in flight, as a multiple of the default), ``--restart-young S`` (at each
 sync, a group issued in the S seconds before the pause is aborted and issued again under the new version: its tokens
-are lost, its staleness window is whole) and ``--abort-doomed`` (at each sync, a group that can no longer be trained is
-aborted at once and another ordered, rather than decoded to the end and dropped).
+are lost, its staleness window is whole; not length_aware) and ``--abort-doomed`` (at each sync, a group that can no
+longer be trained is aborted at once and another ordered, rather than decoded to the end and dropped).
 
 For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the
 steps' mean response and longest trained response), the ratio, groups dropped as stale, the longest trained response,
@@ -37,6 +43,7 @@ simulation-96.md to see how far the model can be trusted at a shape.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import sys
 from dataclasses import dataclass
@@ -48,11 +55,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
+from moerl.orchestrator.scheduling import Dispatcher, GroupLengths, Request  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
 from report import publish  # noqa: E402
 from simulation import bounds, step_times  # noqa: E402
 
-POLICIES = ("groups", "capped", "migrate")
+POLICIES = ("groups", "capped", "migrate", "length_aware")
 AGE_CHECK_S = 5.0  # how often requests are looked at for their age, where a policy routes by it
 
 
@@ -76,6 +84,11 @@ class Policy:
     tail_share: float = 1 / 6
     restart_young_s: float = 0.0
     abort_doomed: bool = False
+    probes: int = 1  # length_aware: rollout.schedule's
+    max_running: int = 0
+    chunk_tokens: int = 0
+    tail_tokens: int = 0
+    tail_running: int = 8
 
 
 class AsyncLoop:
@@ -99,12 +112,26 @@ class AsyncLoop:
         # When each version began to be served, and where in its version's step each trained and each dropped group was
         # issued (0: at the sync that began it, 1: at the next): a group issued late has less of its window left.
         self.served_at, self.fates = [0.0], {"trained": [], "dropped": []}
+        # length_aware: the job's own dispatcher hands out replicas; a request's chunk ends at ``chunk_end``
+        self.lengths = GroupLengths(shape.max_new_tokens)
+        self.dispatcher = Dispatcher(
+            lambda: self.urls,
+            self.lengths,
+            policy.max_running,
+            policy.chunk_tokens,
+            policy.tail_tokens,
+            policy.tail_running,
+        )
+        self.urls = [str(r) for r in range(self.replicas)]
+        self.requests: list[Request] = []
+        self.chunk_end = np.zeros(0)
 
     # ---- generation -------------------------------------------------------------------------------
     def _draw(self) -> np.ndarray:
-        """A group's response lengths, as the simulated engine draws them, cut at max_new_tokens."""
-        lengths = [self.e.response_tokens.draw(self.rng) for _ in range(self.shape.samples)]
-        return np.minimum(np.round(lengths), self.shape.max_new_tokens)
+        """A group's response lengths, as the simulated engine draws them (correlated as the profile says), cut at
+        max_new_tokens."""
+        lengths = self.e.response_tokens.draw_group(self.rng, self.shape.samples)
+        return np.minimum(np.maximum(np.round(lengths), 1), self.shape.max_new_tokens)
 
     def issue(self) -> None:
         lengths = self._draw()
@@ -126,6 +153,31 @@ class AsyncLoop:
         self.start = np.concatenate([self.start, np.full(n, self.now)])
         self.group = np.concatenate([self.group, np.full(n, g)])
         self.alive = np.concatenate([self.alive, np.ones(n, bool)])
+        self.chunk_end = np.concatenate([self.chunk_end, np.zeros(n)])
+        first = len(self.requests)
+        self.requests += [Request(g, probe=k < self.policy.probes) for k in range(n)]
+        if self.policy.name == "length_aware":
+            for i in range(first, first + n):
+                self._submit(i)
+
+    def _submit(self, i: int) -> None:
+        """Queue request ``i`` (a completion, or its next chunk) with the job's dispatcher."""
+        self.replica[i] = -1
+
+        def start(url: str | None) -> bool:
+            assert url is not None, "the model's replicas are usable whenever it dispatches"
+            if not self.alive[i]:
+                return False
+            to, decoded = int(url), self.length[i] - self.left[i]
+            if decoded and self.requests[i].last != url:  # a continuation elsewhere prefills its output first
+                self.hold[to] = max(self.hold[to], self.now) + decoded / self.e.prefill_tokens_per_s
+            self.replica[i] = to
+            chunk = self.policy.chunk_tokens
+            self.chunk_end[i] = self.left[i] - min(chunk, self.left[i]) if chunk else 0.0
+            return True
+
+        self.requests[i].decoded = int(round(self.length[i] - self.left[i]))
+        self.dispatcher.submit(self.requests[i], start)
 
     def restart(self, g: int) -> None:
         members = np.nonzero(self.group == g)[0]
@@ -158,12 +210,19 @@ class AsyncLoop:
 
     def cancel(self, g: int) -> None:
         members = np.nonzero(self.group == g)[0]
+        for i in members:
+            if self.policy.name == "length_aware" and self.alive[i]:
+                if self.replica[i] >= 0:
+                    self.dispatcher.finish(self.requests[i])
+                else:
+                    self.dispatcher.withdraw(self.requests[i])
         self.alive[members], self.running_of[g] = False, -1
+        self.lengths.forget(g)
 
     def route(self) -> None:
         """Place the requests waiting for a replica; move old ones (``migrate``)."""
         p = self.policy
-        if p.name == "groups":
+        if p.name in ("groups", "length_aware"):
             return
         placed = self.alive & (self.replica >= 0)
         running = np.bincount(self.replica[placed], minlength=self.replicas)
@@ -256,10 +315,11 @@ class AsyncLoop:
                 )
             rate = self.per_request[running[self.replica[live]]] * (self.hold[self.replica[live]] <= self.now)
             moving = rate > 0
-            until_done = (self.left[live][moving] / rate[moving]).min() if moving.any() else math.inf
+            to_go = self.left[live] - self.chunk_end[live]  # to the chunk's end (0: the completion's)
+            until_done = (to_go[moving] / rate[moving]).min() if moving.any() else math.inf
         else:
             rate, until_done = None, math.inf
-        routes_by_age = self.policy.name != "groups"
+        routes_by_age = self.policy.name in ("capped", "migrate")
         wake = [until_done, phase_end - self.now, AGE_CHECK_S if routes_by_age else math.inf]
         wake += [h - self.now for h in self.hold if h > self.now]
         dt = max(0.0, min(wake))
@@ -269,12 +329,19 @@ class AsyncLoop:
             self.left[live] -= rate * dt
         self.now += dt
         if rate is not None:
-            for i in live[self.left[live] <= 1e-6]:
+            for i in live[self.left[live] - self.chunk_end[live] <= 1e-6]:
+                if self.policy.name == "length_aware":
+                    self.dispatcher.finish(self.requests[i])
+                    if self.left[i] > 1e-6:  # a chunk ended: its next one queues
+                        self._submit(i)
+                        continue
+                    self.lengths.add(self.group[i], int(self.length[i]))
                 self.alive[i] = False
                 g = self.group[i]
                 self.running_of[g] -= 1
                 if self.running_of[g] == 0:
                     ready.append(g)
+                    self.lengths.forget(g)
 
     def _at_sync(self, paused_at: float) -> None:
         p, s = self.policy, self.shape
@@ -353,35 +420,83 @@ def main() -> int:
     )
     p.add_argument("--restart-young", type=float, nargs="+", default=[0.0], help="seconds (0: off); see above")
     p.add_argument("--abort-doomed", action="store_true", help="see above")
+    p.add_argument(
+        "--correlations",
+        type=float,
+        nargs="+",
+        help="the profile's engine.response_tokens.correlation replaced by each (default: the profile's)",
+    )
+    p.add_argument("--probes", type=int, default=1, help="length_aware: rollout.schedule.probes")
+    p.add_argument(
+        "--max-running", type=int, nargs="+", default=[0], help="length_aware: rollout.schedule.max_running, each"
+    )
+    p.add_argument(
+        "--chunk-tokens", type=int, nargs="+", default=[0], help="length_aware: rollout.schedule.chunk_tokens, each"
+    )
+    p.add_argument(
+        "--tail-tokens", type=int, nargs="+", default=[0], help="length_aware: rollout.schedule.tail_tokens, each"
+    )
+    p.add_argument("--tail-running", type=int, default=8, help="length_aware: rollout.schedule.tail_running")
     p.add_argument("--out", help="a markdown file the table is appended to (it is printed either way)")
     args = p.parse_args()
-    profile = Profile.load(args.profile)
+    base = Profile.load(args.profile)
     trainer_gpus, engine_gpus = (int(x) for x in args.pool.split(":"))
     shape = Shape(
         trainer_gpus, engine_gpus, args.groups, args.samples, args.max_staleness, args.max_new_tokens, args.model_gb
     )
+    correlations = args.correlations or [base.engine.response_tokens.correlation]
     lines = [
-        f"## Async loop, modelled: {profile.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
+        f"## Async loop, modelled: {base.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
         f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds",
         "",
-        "| policy | depth | restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | "
-        "dropped as stale | longest trained | issue point, trained / dropped (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| correlation | policy | schedule (probes / max running / chunk / tail tokens / tail running) | depth | "
+        "restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | dropped as stale | "
+        "longest trained | issue point, trained / dropped (median) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.policies.split(","):
         if name not in POLICIES:
             raise SystemExit(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
-        for depth in args.depth:
-            for young in args.restart_young:
-                policy = Policy(name, depth, args.old_after, args.cap, args.tail_share, young, args.abort_doomed)
-                runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]
-                mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
-                lines.append(
-                    f"| {name} | {depth:g} | {young:g} | {'yes' if args.abort_doomed else 'no'} | {mean['rate']:.2f} | "
-                    f"{mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['dropped']:.0f} | {mean['longest']:.0f} | "
-                    f"{mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |"
-                )
-                print(lines[-1], file=sys.stderr, flush=True)
+    if "length_aware" in args.policies.split(",") and args.restart_young != [0.0]:
+        raise SystemExit("--restart-young is not modelled for length_aware: run it with --restart-young 0")
+    for rho, name, depth, young in itertools.product(
+        correlations, args.policies.split(","), args.depth, args.restart_young
+    ):
+        lengths = base.engine.response_tokens.model_copy(update={"correlation": rho})
+        profile = base.model_copy(update={"engine": base.engine.model_copy(update={"response_tokens": lengths})})
+        schedules = (
+            itertools.product(args.max_running, args.chunk_tokens, args.tail_tokens)
+            if name == "length_aware"
+            else [(0, 0, 0)]
+        )
+        for max_running, chunk, tail in schedules:
+            policy = Policy(
+                name,
+                depth,
+                args.old_after,
+                args.cap,
+                args.tail_share,
+                young,
+                args.abort_doomed,
+                args.probes,
+                max_running,
+                chunk,
+                tail,
+                args.tail_running,
+            )
+            runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]
+            mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+            schedule = (
+                f"{args.probes} / {max_running} / {chunk} / {tail} / {args.tail_running}"
+                if name == "length_aware"
+                else "-"
+            )
+            lines.append(
+                f"| {rho:g} | {name} | {schedule} | {depth:g} | {young:g} | {'yes' if args.abort_doomed else 'no'} | "
+                f"{mean['rate']:.2f} | {mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['dropped']:.0f} | "
+                f"{mean['longest']:.0f} | {mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)
     publish(lines, args.out)
     return 0
 

@@ -99,10 +99,18 @@ class ResponseLengths(LengthProfile):
         """The length of the response to ``prompt_ids`` sampled with ``seed``: log L = log(median) + sigma * (sqrt(rho)
         z_prompt + sqrt(1 - rho) z_sample), each z a standard normal hashed from the prompt's ids or from the seed, so
         that every replica and process draws the same."""
-        rho = self.correlation
         z_prompt = _hashed_normal(b"prompt", np.asarray(prompt_ids, dtype=np.int64).tobytes())
         z_sample = _hashed_normal(b"sample", (seed % 2**64).to_bytes(8, "little"))
-        return self.median * math.exp(self.sigma * (math.sqrt(rho) * z_prompt + math.sqrt(1 - rho) * z_sample))
+        return float(self._length(z_prompt, np.array([z_sample]))[0])
+
+    def draw_group(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """The lengths of ``n`` responses to one prompt, the prompt's and each sample's normal drawn from ``rng`` (the
+        offline model's draw; the engine's are :meth:`tokens`)."""
+        return self._length(float(rng.standard_normal()), rng.standard_normal(n))
+
+    def _length(self, z_prompt: float, z_sample: np.ndarray) -> np.ndarray:
+        rho = self.correlation
+        return self.median * np.exp(self.sigma * (math.sqrt(rho) * z_prompt + math.sqrt(1 - rho) * z_sample))
 
 
 def _hashed_normal(kind: bytes, data: bytes) -> float:

@@ -204,7 +204,8 @@ class ScheduleSection:
     # groups: a group's completions are one request (the engine shares the prompt's prefill among them), on the replica
     # running the fewest of the manager's requests. length_aware: each completion is a request of its own; the group's
     # first `probes` go first, the rest longest predicted first (a group's prediction: the longest of its finished
-    # completions), each on the replica with the fewest predicted tokens left to decode.
+    # completions, else the median of all groups' last ones), each on the replica with the fewest predicted tokens left
+    # to decode.
     policy: SchedulePolicy = "groups"
     probes: int = 1  # length_aware: a group's completions that go before its siblings, to learn its length
     # length_aware: the most tokens one request decodes; a completion that goes on is asked again from its output, on
@@ -213,6 +214,12 @@ class ScheduleSection:
     # length_aware: requests the manager keeps running on each replica; those beyond wait in its queue, in the order
     # above (0: no bound: every request goes at once, and the engines queue what they cannot run)
     max_running: int = 0
+    # length_aware: a request whose completion is predicted to run this many tokens in all (its group's prediction, or
+    # twice what it has decoded) goes to the replica running the fewest requests, so that it decodes fast enough to end
+    # within its staleness window; a replica running one takes others only while it runs fewer than tail_running
+    # (0: no tail requests)
+    tail_tokens: int = 0
+    tail_running: int = 8
 
     def __post_init__(self) -> None:
         check_choices(self, "rollout.schedule")
@@ -707,11 +714,13 @@ def schedule_problems(cfg: RunConfig) -> list[str]:
     if s.policy == "groups":
         return []
     problems = []
-    if not 0 <= s.probes < r.samples_per_prompt or s.chunk_tokens < 0 or s.max_running < 0:
+    if not 0 <= s.probes < r.samples_per_prompt or min(s.chunk_tokens, s.max_running, s.tail_tokens) < 0:
         problems.append(
-            f"rollout.schedule.probes must be in [0, samples_per_prompt={r.samples_per_prompt}) and chunk_tokens and "
-            "max_running >= 0"
+            f"rollout.schedule.probes must be in [0, samples_per_prompt={r.samples_per_prompt}) and chunk_tokens, "
+            "max_running and tail_tokens >= 0"
         )
+    if s.tail_running < 1:
+        problems.append(f"rollout.schedule.tail_running must be >= 1, got {s.tail_running}")
     if r.agent is not None:
         problems.append(
             "rollout.schedule.policy=length_aware schedules single-turn groups; an agent's episodes keep each group "

@@ -45,6 +45,7 @@ class Tries:
     workers_lost: int = 0  # re-issues after the generation worker carrying it died
     continued: int = 0  # requests that continued a completion cut at rollout.schedule.chunk_tokens
     moved: int = 0  # of those, the ones on another replica than the piece before
+    tail: int = 0  # requests placed as tail requests (rollout.schedule.tail_tokens)
 
 
 class Generation:

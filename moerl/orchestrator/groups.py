@@ -144,6 +144,7 @@ class SampleRequests:
                 tag=f"p{index}-s{k}-c{decoded}",
                 slot=functools.partial(self.dispatcher.slot, request),
             )
+            tries.tail += request.tail
             if completion is None:
                 completion = piece
             else:
@@ -346,6 +347,7 @@ class GroupRunner:
                 workers_lost=tries.workers_lost,
                 continued=tries.continued,
                 moved=tries.moved,
+                tail=tries.tail,
                 episodes=generated.episodes,
                 scoring=dict(scoring) if self.scored_by_models else None,
             )

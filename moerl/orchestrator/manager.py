@@ -164,7 +164,14 @@ class RolloutManager:
             if schedule.policy == "length_aware":
                 lengths = GroupLengths(self.r.max_new_tokens)
                 usable = self.client.health.usable
-                dispatcher = Dispatcher(usable, lengths, schedule.max_running, schedule.chunk_tokens)
+                dispatcher = Dispatcher(
+                    usable,
+                    lengths,
+                    schedule.max_running,
+                    schedule.chunk_tokens,
+                    schedule.tail_tokens,
+                    schedule.tail_running,
+                )
                 group_agent = SampleRequests(self.generation, tokenizer, dispatcher)
             else:
                 group_agent = SingleTurn(self.generation, tokenizer)

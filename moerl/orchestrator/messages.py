@@ -90,6 +90,7 @@ class GroupDone:
     # another replica than the piece before
     continued: int = 0
     moved: int = 0
+    tail: int = 0  # requests placed as tail requests (rollout.schedule.tail_tokens)
     # An agentic group: its episodes' counts summed (EpisodeStats.metrics: turns, tool calls, forks, ...), its episodes
     # and the failed ones by reason (episode/failed_<reason>). None: a single-turn group.
     episodes: dict[str, float] | None = None

@@ -459,6 +459,8 @@ def rollout_metrics(groups: list[Group]) -> dict[str, float]:
             # rollout.schedule.chunk_tokens: continuations of cut completions, and those moved to another replica
             "rollout/continued_requests": float(sum(g.continued for g in groups)),
             "rollout/moved_requests": float(sum(g.moved for g in groups)),
+            # rollout.schedule.tail_tokens: requests placed as tail requests
+            "rollout/tail_requests": float(sum(g.tail for g in groups)),
             # Samples continued across a weight update (rollout.partial=in_place): actions from two or more versions.
             "rollout/mixed_version_fraction": float(np.mean([np.ptp(s.at_actions(s.versions)) > 0 for s in samples])),
         }

@@ -10,21 +10,34 @@ orders them:
    it), oldest first;
 2. then each group's probes (its first ``probes`` completions), oldest first;
 3. then the rest, longest predicted group first, a group's prediction being the longest of its finished completions
-   (a group with none finished is predicted to run to ``max_new_tokens``).
+   (a group with none finished is predicted the median of the last finished completions of all groups, or
+   ``max_new_tokens`` until enough have finished).
 
 Each goes to the usable replica with the fewest predicted tokens left to decode among its running requests (a
 continuation stays where its last chunk ran unless another replica has fewer): a request's prediction is its group's
 less what it has decoded, at most a chunk. With ``max_running`` a replica runs at most that many of the manager's
 requests and the rest wait here in that order; without, every request goes at once.
+
+With ``tail_tokens``, a request whose completion is predicted to run that many tokens in all (its group's prediction,
+or twice what it has decoded if more: a log-normal length that has run well past its median has about as far again to
+go) is a tail request. In async mode a long completion must end within its staleness window, and a request decodes
+faster the fewer its replica runs (three times faster alone than among 128 on the profiles' engines), so a tail
+request goes to the replica running the fewest, and a replica running one takes other requests only while it runs
+fewer than ``tail_running``. With chunks a completion's tail is found as it decodes, and its next chunk moves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+
+RECENT = 1000  # finished completions the typical length is the median of
+TYPICAL_AFTER = 32  # finished completions before their median stands for a group with none finished
 
 
 @dataclass
@@ -33,15 +46,22 @@ class GroupLengths:
 
     max_new_tokens: int
     finished: dict[int, list[int]] = field(default_factory=dict)
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT))  # every group's, newest last
+    typical: int | None = None  # their median, once there are enough
 
     def predicted(self, group: int) -> int:
-        """The tokens a completion of ``group`` is predicted to decode: the longest of its finished siblings, else
-        ``max_new_tokens``."""
+        """The tokens a completion of ``group`` is predicted to decode: the longest of its finished siblings, else the
+        typical completion's (the median of the last ``RECENT``), else ``max_new_tokens``."""
         done = self.finished.get(group)
-        return max(done) if done else self.max_new_tokens
+        if done:
+            return max(done)
+        return self.max_new_tokens if self.typical is None else self.typical
 
     def add(self, group: int, length: int) -> None:
         self.finished.setdefault(group, []).append(length)
+        self.recent.append(length)
+        if len(self.recent) >= TYPICAL_AFTER:
+            self.typical = int(statistics.median_low(self.recent))
 
     def forget(self, group: int) -> None:
         self.finished.pop(group, None)
@@ -57,6 +77,7 @@ class Request:
     last: str | None = None  # the replica its completion's last chunk ran on
     order: int = 0  # when it began waiting
     predicted_left: float = 0.0  # what it counts for on its replica while it runs
+    tail: bool = False  # placed as a tail request (see tail_tokens)
 
     def rank(self, lengths: GroupLengths) -> tuple[int, int, int]:
         """Its place in the queue, first lowest: continuations, probes, then the rest longest predicted first; oldest
@@ -71,72 +92,114 @@ class Request:
 class Dispatcher:
     """Hands the manager's requests to replicas as :mod:`this module <moerl.orchestrator.scheduling>` says.
     ``usable``: the replicas requests may go to now (the client's health); ``max_running``: requests of the manager's
-    a replica runs at once (0: no bound); ``chunk_tokens``: the most one request decodes (0: no cut)."""
+    a replica runs at once (0: no bound); ``chunk_tokens``: the most one request decodes (0: no cut);
+    ``tail_tokens``, ``tail_running``: tail requests (0: none) and the requests a replica running one takes."""
 
     def __init__(
-        self, usable: Callable[[], list[str]], lengths: GroupLengths, max_running: int = 0, chunk_tokens: int = 0
+        self,
+        usable: Callable[[], list[str]],
+        lengths: GroupLengths,
+        max_running: int = 0,
+        chunk_tokens: int = 0,
+        tail_tokens: int = 0,
+        tail_running: int = 8,
     ):
         self.usable, self.lengths = usable, lengths
         self.max_running, self.chunk_tokens = max_running, chunk_tokens
+        self.tail_tokens, self.tail_running = tail_tokens, tail_running
         self.running: dict[str, list[Request]] = {}
-        self.waiting: dict[int, tuple[Request, asyncio.Future[str | None]]] = {}
+        self.waiting: dict[int, tuple[Request, Callable[[str | None], bool]]] = {}
         self._orders = itertools.count()
 
     def predicted_left(self, request: Request) -> float:
         left = max(self.lengths.predicted(request.group) - request.decoded, 1)
         return min(left, self.chunk_tokens) if self.chunk_tokens else left
 
+    def predicted_total(self, request: Request) -> int:
+        """The tokens ``request``'s completion is predicted to decode in all."""
+        return max(self.lengths.predicted(request.group), 2 * request.decoded)
+
     def load(self, url: str) -> float:
         """Tokens the requests running on ``url`` are predicted to decode still (as predicted when each began)."""
         return sum(r.predicted_left for r in self.running.get(url, ()))
+
+    def submit(self, request: Request, start: Callable[[str | None], bool]) -> None:
+        """Queue ``request``; ``start`` is called with its replica (None: none is usable) when its turn comes, and
+        returns whether it was still wanted (False: its waiter went, and it takes no slot)."""
+        request.order = next(self._orders)
+        self.waiting[request.order] = (request, start)
+        self._dispatch()
+
+    def withdraw(self, request: Request) -> None:
+        """``request`` no longer waits (its waiter was cancelled)."""
+        self.waiting.pop(request.order, None)
+
+    def finish(self, request: Request) -> None:
+        """``request`` ran on its replica and ended: its slot goes to the next waiting."""
+        assert request.last is not None, "a request that ran has a replica"
+        self.running[request.last].remove(request)
+        self._dispatch()
 
     @asynccontextmanager
     async def slot(self, request: Request) -> AsyncIterator[str | None]:
         """The replica ``request`` runs on (None: none is usable; the client then finds that out itself), held until
         the block ends."""
-        request.order = next(self._orders)
         future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self.waiting[request.order] = (request, future)
-        self._dispatch()
+
+        def start(url: str | None) -> bool:
+            if future.done():  # cancelled while it waited
+                return False
+            future.set_result(url)
+            return True
+
+        self.submit(request, start)
         try:
             url = await future
         except asyncio.CancelledError:
-            self.waiting.pop(request.order, None)
+            self.withdraw(request)
             if future.done() and not future.cancelled() and future.result() is not None:
-                self._leave(request)  # given a replica just as it was cancelled
+                self.finish(request)  # given a replica just as it was cancelled
             raise
         try:
             yield url
         finally:
             if url is not None:
-                self._leave(request)
-
-    def _leave(self, request: Request) -> None:
-        assert request.last is not None, "a request that ran has a replica"
-        self.running[request.last].remove(request)
-        self._dispatch()
+                self.finish(request)
 
     def _free(self, urls: list[str]) -> list[str]:
         if not self.max_running:
             return urls
         return [u for u in urls if len(self.running.get(u, ())) < self.max_running]
 
+    def _place(self, request: Request, free: list[str]) -> str | None:
+        """The replica of ``free`` that ``request`` goes to (None: none of them takes it now)."""
+        request.tail = bool(self.tail_tokens) and self.predicted_total(request) >= self.tail_tokens
+        if request.tail:
+            return min(free, key=lambda u: (len(self.running.get(u, ())), u != request.last))
+        if self.tail_tokens:
+            free = [u for u in free if not self._holds_tail(u) or len(self.running[u]) < self.tail_running]
+        return min(free, key=lambda u: (self.load(u), u != request.last), default=None)
+
+    def _holds_tail(self, url: str) -> bool:
+        return any(r.tail for r in self.running.get(url, ()))
+
     def _dispatch(self) -> None:
-        """Start waiting requests, first in order first, while a replica has room."""
+        """Start waiting requests, first in order first, while a replica has room for the first."""
         while self.waiting:
             usable = self.usable()
             free = self._free(usable)
             if usable and not free:
                 return
-            order, (request, future) = min(self.waiting.items(), key=lambda item: item[1][0].rank(self.lengths))
-            del self.waiting[order]
-            if future.done():  # cancelled while it waited
-                continue
+            order, (request, start) = min(self.waiting.items(), key=lambda item: item[1][0].rank(self.lengths))
             if not usable:
-                future.set_result(None)
+                del self.waiting[order]
+                start(None)
                 continue
-            url = min(free, key=lambda u: (self.load(u), u != request.last))
-            request.predicted_left = self.predicted_left(request)
-            self.running.setdefault(url, []).append(request)
-            request.last = url
-            future.set_result(url)
+            url = self._place(request, free)
+            if url is None:
+                return
+            del self.waiting[order]
+            if start(url):
+                request.predicted_left = self.predicted_left(request)
+                self.running.setdefault(url, []).append(request)
+                request.last = url

@@ -158,10 +158,13 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
             # and dynamic sampling: a group with one reward throughout is replaced
             "rollout.filter_groups=zero_variance",
             # and the length-aware schedule: each completion a token at a time (the demo answers in 2 to 4), 4
-            # requests a replica at most, the rest queued in the manager; the trainer replays and scores what sampled
+            # requests a replica at most, the rest queued in the manager, a request predicted 2 tokens in all a tail
+            # request (2 at most a replica running one); the trainer replays and scores what sampled
             "rollout.schedule.policy=length_aware",
             "rollout.schedule.chunk_tokens=1",
             "rollout.schedule.max_running=4",
+            "rollout.schedule.tail_tokens=2",
+            "rollout.schedule.tail_running=2",
         ]
     out = job(
         cache,
@@ -208,6 +211,8 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
             assert r["rollout/continued_requests"] == pytest.approx(
                 r["rollout/samples"] * (r["rollout/response_len_mean"] - 1)
             )
+            # a continuation has decoded a token at least, so it is predicted 2 in all: a tail request
+            assert r["rollout/tail_requests"] >= r["rollout/continued_requests"] > 0
     png = plot(tmp_path)
     assert png.stat().st_size > 10_000
     assert any((tmp_path / "tensorboard").iterdir())

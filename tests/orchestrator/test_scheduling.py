@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moerl.orchestrator.config import load_config
-from moerl.orchestrator.scheduling import Dispatcher, GroupLengths, Request
+from moerl.orchestrator.scheduling import RECENT, TYPICAL_AFTER, Dispatcher, GroupLengths, Request
 
 MAX_NEW = 1000
 
@@ -125,6 +125,64 @@ def test_each_request_goes_to_the_replica_with_the_fewest_predicted_tokens_left(
     asyncio.run(go())
 
 
+def test_a_group_with_none_finished_is_predicted_the_median_of_the_last_finished_once_there_are_enough():
+    lengths = GroupLengths(MAX_NEW)
+    for k in range(TYPICAL_AFTER - 1):
+        lengths.add(100 + k, 10 * (k + 1))
+    assert lengths.predicted(1) == MAX_NEW  # too few finished to stand for a group
+    lengths.add(200, 5)
+    assert lengths.predicted(1) == 150  # the median (low) of 5, 10, ..., 310
+    lengths.add(1, 40)
+    assert lengths.predicted(1) == 40  # its own finished completion, once it has one
+    for _ in range(RECENT):
+        lengths.add(300, 7)
+    assert lengths.predicted(2) == 7  # only the last RECENT count
+
+
+def test_tail_requests_go_where_fewest_run_and_keep_their_replica_light():
+    """Requests predicted to run tail_tokens in all (their group's prediction, or twice what they decoded) go to the
+    replica running the fewest; a replica running one takes others only while it runs fewer than tail_running."""
+    lengths = GroupLengths(MAX_NEW)
+    lengths.add(1, 900)  # group 1 predicted 900: a tail
+    lengths.add(2, 100)  # group 2 predicted 100
+    lengths.add(3, 500)  # group 3 predicted 500
+    placed: list[tuple[str, bool]] = []
+
+    async def go():
+        d = Dispatcher(lambda: ["a", "b"], lengths, max_running=4, tail_tokens=800, tail_running=3)
+        hold = asyncio.Event()
+        tasks: list[asyncio.Task] = []
+
+        async def run(request: Request):
+            async with d.slot(request) as url:
+                placed.append((url, request.tail))
+                await hold.wait()
+
+        async def add(*requests: Request):
+            for request in requests:
+                tasks.append(asyncio.create_task(run(request)))
+                await asyncio.sleep(0)
+
+        await add(Request(3, probe=False), Request(2, probe=False), Request(2, probe=False))
+        assert placed == [("a", False), ("b", False), ("b", False)]  # the fewest predicted tokens left
+        # the tail request goes where fewest run ("a": one, of 500 tokens, against two of 100)
+        await add(Request(1, probe=False))
+        assert placed[3] == ("a", True)
+        # a continuation that decoded 450 of a group predicted 100 is a tail request too (2 x 450 >= 800); where as
+        # many run on each replica, it stays on its last
+        await add(Request(2, probe=False, decoded=450, last="b"))
+        assert placed[4] == ("b", True)
+        # "a" runs two with a tail, "b" three: the next short request goes to "a", the one after waits (both replicas
+        # run a tail and tail_running requests), though max_running would let each run four
+        await add(Request(2, probe=False), Request(2, probe=False))
+        assert placed[5:] == [("a", False)] and len(d.waiting) == 1
+        hold.set()
+        await asyncio.gather(*tasks)
+        assert len(placed) == 7 and not d.waiting and not any(d.running.values())
+
+    asyncio.run(go())
+
+
 def test_a_request_cancelled_while_it_waits_frees_nothing_it_did_not_hold():
     lengths = GroupLengths(MAX_NEW)
 
@@ -162,6 +220,8 @@ def test_the_length_aware_schedule_is_checked():
     load_config(None, ["rollout.schedule.policy=length_aware", "rollout.schedule.chunk_tokens=4"])
     for overrides, said in [
         (["rollout.schedule.probes=8"], "probes must be in [0, samples_per_prompt=8)"),
+        (["rollout.schedule.tail_tokens=-1"], "tail_tokens >= 0"),
+        (["rollout.schedule.tail_running=0"], "tail_running must be >= 1"),
         (["rollout.schedule.chunk_tokens=4", "rollout.partial=retry"], "rollout.partial=retry forbids"),
         (["rollout.schedule.chunk_tokens=4", "lora.enabled=true"], "set chunk_tokens=0"),
         (["rollout.agent=tests.episodes.agents:calculator_agent"], "single-turn groups"),
