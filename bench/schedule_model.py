@@ -210,14 +210,16 @@ class AsyncLoop:
 
     def cancel(self, g: int) -> None:
         members = np.nonzero(self.group == g)[0]
-        for i in members:
-            if self.policy.name == "length_aware" and self.alive[i]:
+        live = members[self.alive[members]]
+        self.alive[members], self.running_of[g] = False, -1  # first: a slot freed below goes to no sibling
+        if self.policy.name == "length_aware":
+            for i in live:
+                if self.replica[i] < 0:
+                    self.dispatcher.withdraw(self.requests[i])
+            for i in live:
                 if self.replica[i] >= 0:
                     self.dispatcher.finish(self.requests[i])
-                else:
-                    self.dispatcher.withdraw(self.requests[i])
-        self.alive[members], self.running_of[g] = False, -1
-        self.lengths.forget(g)
+            self.lengths.forget(g)
 
     def route(self) -> None:
         """Place the requests waiting for a replica; move old ones (``migrate``)."""
