@@ -46,7 +46,7 @@ import argparse
 import itertools
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
+from moerl.orchestrator.config import ScheduleSection  # noqa: E402
 from moerl.orchestrator.scheduling import Dispatcher, GroupLengths, Request  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
 from report import publish  # noqa: E402
@@ -84,11 +85,7 @@ class Policy:
     tail_share: float = 1 / 6
     restart_young_s: float = 0.0
     abort_doomed: bool = False
-    probes: int = 1  # length_aware: rollout.schedule's
-    max_running: int = 0
-    chunk_tokens: int = 0
-    tail_tokens: int = 0
-    tail_running: int = 8
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)  # length_aware: the job's rollout.schedule
 
 
 class AsyncLoop:
@@ -113,16 +110,9 @@ class AsyncLoop:
         # issued (0: at the sync that began it, 1: at the next): a group issued late has less of its window left.
         self.served_at, self.fates = [0.0], {"trained": [], "dropped": []}
         # length_aware: the job's own dispatcher hands out replicas; a request's chunk ends at ``chunk_end``
-        self.lengths = GroupLengths(shape.max_new_tokens)
-        self.dispatcher = Dispatcher(
-            lambda: self.urls,
-            self.lengths,
-            policy.max_running,
-            policy.chunk_tokens,
-            policy.tail_tokens,
-            policy.tail_running,
-        )
         self.urls = [str(r) for r in range(self.replicas)]
+        self.lengths = GroupLengths(shape.max_new_tokens)
+        self.dispatcher = Dispatcher(lambda: self.urls, self.lengths, policy.schedule)
         self.requests: list[Request] = []
         self.chunk_end = np.zeros(0)
 
@@ -154,9 +144,9 @@ class AsyncLoop:
         self.group = np.concatenate([self.group, np.full(n, g)])
         self.alive = np.concatenate([self.alive, np.ones(n, bool)])
         self.chunk_end = np.concatenate([self.chunk_end, np.zeros(n)])
-        first = len(self.requests)
-        self.requests += [Request(g, probe=k < self.policy.probes) for k in range(n)]
-        if self.policy.name == "length_aware":
+        if self.policy.name == "length_aware":  # request i is completion i of the arrays above
+            first = len(self.requests)
+            self.requests += [Request(g, probe=k < self.policy.schedule.probes) for k in range(n)]
             for i in range(first, first + n):
                 self._submit(i)
 
@@ -172,7 +162,7 @@ class AsyncLoop:
             if decoded and self.requests[i].last != url:  # a continuation elsewhere prefills its output first
                 self.hold[to] = max(self.hold[to], self.now) + decoded / self.e.prefill_tokens_per_s
             self.replica[i] = to
-            chunk = self.policy.chunk_tokens
+            chunk = self.policy.schedule.chunk_tokens
             self.chunk_end[i] = self.left[i] - min(chunk, self.left[i]) if chunk else 0.0
             return True
 
@@ -472,20 +462,15 @@ def main() -> int:
             else [(0, 0, 0)]
         )
         for max_running, chunk, tail in schedules:
-            policy = Policy(
-                name,
-                depth,
-                args.old_after,
-                args.cap,
-                args.tail_share,
-                young,
-                args.abort_doomed,
-                args.probes,
-                max_running,
-                chunk,
-                tail,
-                args.tail_running,
+            scheduled = ScheduleSection(
+                policy="length_aware",
+                probes=args.probes,
+                chunk_tokens=chunk,
+                max_running=max_running,
+                tail_tokens=tail,
+                tail_running=args.tail_running,
             )
+            policy = Policy(name, depth, args.old_after, args.cap, args.tail_share, young, args.abort_doomed, scheduled)
             runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]
             mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
             schedule = (

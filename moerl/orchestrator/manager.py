@@ -162,16 +162,7 @@ class RolloutManager:
         if agent is None:
             self.endpoint = None
             if schedule.policy == "length_aware":
-                lengths = GroupLengths(self.r.max_new_tokens)
-                usable = self.client.health.usable
-                dispatcher = Dispatcher(
-                    usable,
-                    lengths,
-                    schedule.max_running,
-                    schedule.chunk_tokens,
-                    schedule.tail_tokens,
-                    schedule.tail_running,
-                )
+                dispatcher = Dispatcher(self.client.health.usable, GroupLengths(self.r.max_new_tokens), schedule)
                 group_agent = SampleRequests(self.generation, tokenizer, dispatcher)
             else:
                 group_agent = SingleTurn(self.generation, tokenizer)

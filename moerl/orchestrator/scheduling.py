@@ -36,6 +36,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from moerl.orchestrator.config import ScheduleSection
+
 RECENT = 1000  # finished completions the typical length is the median of
 TYPICAL_AFTER = 32  # finished completions before their median stands for a group with none finished
 
@@ -91,29 +93,19 @@ class Request:
 
 class Dispatcher:
     """Hands the manager's requests to replicas as :mod:`this module <moerl.orchestrator.scheduling>` says.
-    ``usable``: the replicas requests may go to now (the client's health); ``max_running``: requests of the manager's
-    a replica runs at once (0: no bound); ``chunk_tokens``: the most one request decodes (0: no cut);
-    ``tail_tokens``, ``tail_running``: tail requests (0: none) and the requests a replica running one takes."""
+    ``usable``: the replicas requests may go to now (the client's health); ``schedule``: its bounds (max_running,
+    chunk_tokens, tail_tokens, tail_running: :class:`~moerl.orchestrator.config.ScheduleSection`)."""
 
-    def __init__(
-        self,
-        usable: Callable[[], list[str]],
-        lengths: GroupLengths,
-        max_running: int = 0,
-        chunk_tokens: int = 0,
-        tail_tokens: int = 0,
-        tail_running: int = 8,
-    ):
-        self.usable, self.lengths = usable, lengths
-        self.max_running, self.chunk_tokens = max_running, chunk_tokens
-        self.tail_tokens, self.tail_running = tail_tokens, tail_running
+    def __init__(self, usable: Callable[[], list[str]], lengths: GroupLengths, schedule: ScheduleSection):
+        self.usable, self.lengths, self.schedule = usable, lengths, schedule
         self.running: dict[str, list[Request]] = {}
         self.waiting: dict[int, tuple[Request, Callable[[str | None], bool]]] = {}
         self._orders = itertools.count()
 
     def predicted_left(self, request: Request) -> float:
         left = max(self.lengths.predicted(request.group) - request.decoded, 1)
-        return min(left, self.chunk_tokens) if self.chunk_tokens else left
+        chunk = self.schedule.chunk_tokens
+        return min(left, chunk) if chunk else left
 
     def predicted_total(self, request: Request) -> int:
         """The tokens ``request``'s completion is predicted to decode in all."""
@@ -167,17 +159,19 @@ class Dispatcher:
                 self.finish(request)
 
     def _free(self, urls: list[str]) -> list[str]:
-        if not self.max_running:
+        bound = self.schedule.max_running
+        if not bound:
             return urls
-        return [u for u in urls if len(self.running.get(u, ())) < self.max_running]
+        return [u for u in urls if len(self.running.get(u, ())) < bound]
 
     def _place(self, request: Request, free: list[str]) -> str | None:
         """The replica of ``free`` that ``request`` goes to (None: none of them takes it now)."""
-        request.tail = bool(self.tail_tokens) and self.predicted_total(request) >= self.tail_tokens
+        s = self.schedule
+        request.tail = bool(s.tail_tokens) and self.predicted_total(request) >= s.tail_tokens
         if request.tail:
             return min(free, key=lambda u: (len(self.running.get(u, ())), u != request.last))
-        if self.tail_tokens:
-            free = [u for u in free if not self._holds_tail(u) or len(self.running[u]) < self.tail_running]
+        if s.tail_tokens:
+            free = [u for u in free if not self._holds_tail(u) or len(self.running[u]) < s.tail_running]
         return min(free, key=lambda u: (self.load(u), u != request.last), default=None)
 
     def _holds_tail(self, url: str) -> bool:

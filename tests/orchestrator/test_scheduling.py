@@ -12,18 +12,22 @@ import json
 import numpy as np
 import pytest
 
-from moerl.orchestrator.config import load_config
+from moerl.orchestrator.config import ScheduleSection, load_config
 from moerl.orchestrator.scheduling import RECENT, TYPICAL_AFTER, Dispatcher, GroupLengths, Request
 
 MAX_NEW = 1000
 
 
-def started_order(requests: list[Request], lengths: GroupLengths, **dispatcher) -> list[tuple[int, bool, int]]:
+def schedule(**fields) -> ScheduleSection:
+    return ScheduleSection(policy="length_aware", **fields)
+
+
+def started_order(requests: list[Request], lengths: GroupLengths) -> list[tuple[int, bool, int]]:
     """The order in which one replica that runs one request at a time starts ``requests`` (all waiting at once)."""
     started: list[tuple[int, bool, int]] = []
 
     async def go():
-        d = Dispatcher(lambda: ["a"], lengths, max_running=1, **dispatcher)
+        d = Dispatcher(lambda: ["a"], lengths, schedule(max_running=1))
         gate = asyncio.Event()
 
         async def occupy():  # holds the replica while the others queue up
@@ -93,7 +97,7 @@ def test_each_request_goes_to_the_replica_with_the_fewest_predicted_tokens_left(
     placed: list[str] = []
 
     async def go():
-        d = Dispatcher(lambda: ["a", "b", "c"], lengths, chunk_tokens=500)
+        d = Dispatcher(lambda: ["a", "b", "c"], lengths, schedule(chunk_tokens=500))
         hold = asyncio.Event()
 
         async def run(request: Request):
@@ -149,7 +153,7 @@ def test_tail_requests_go_where_fewest_run_and_keep_their_replica_light():
     placed: list[tuple[str, bool]] = []
 
     async def go():
-        d = Dispatcher(lambda: ["a", "b"], lengths, max_running=4, tail_tokens=800, tail_running=3)
+        d = Dispatcher(lambda: ["a", "b"], lengths, schedule(max_running=4, tail_tokens=800, tail_running=3))
         hold = asyncio.Event()
         tasks: list[asyncio.Task] = []
 
@@ -187,7 +191,7 @@ def test_a_request_cancelled_while_it_waits_frees_nothing_it_did_not_hold():
     lengths = GroupLengths(MAX_NEW)
 
     async def go():
-        d = Dispatcher(lambda: ["a"], lengths, max_running=1)
+        d = Dispatcher(lambda: ["a"], lengths, schedule(max_running=1))
         entered = asyncio.Event()
         release = asyncio.Event()
 
@@ -272,7 +276,7 @@ def test_a_completion_cut_into_chunks_on_alternate_replicas_equals_it_decoded_at
             prompt = [3, 17, 42, 99, 7, 11]
             whole, _ = await generation(0, prompt, Tries(), generation.params(0, 4), affinity="one replica")
             turns = itertools.cycle(urls)
-            dispatcher = Dispatcher(lambda: [next(turns)], GroupLengths(new_tokens), chunk_tokens=chunk)
+            dispatcher = Dispatcher(lambda: [next(turns)], GroupLengths(new_tokens), schedule(chunk_tokens=chunk))
             agent = SampleRequests(generation, None, dispatcher)
             chunked = [await agent._completion(0, prompt, k, Tries()) for k in range(4)]
             lengths = [len(c.output_ids) for c in whole]
