@@ -354,7 +354,7 @@ def test_a_teacher_that_is_the_student_is_at_reverse_kl_zero(tiny_ckpts):
     metrics = run_ranks(step_with_teacher, 2, str(mcore_dir), cfg, samples)[0]["metrics"]
     teacher = np.concatenate([s.at_actions(s.teacher_selected_logprobs) for s in samples])
     assert abs(metrics["distill/reverse_kl"]) < 1e-4
-    assert 0 <= metrics["distill/topk_kl"] < 1e-7
+    assert abs(metrics["distill/topk_kl"]) < 1e-7  # at 0 a KL rounds to either side
     assert metrics["distill/teacher_logprob_mean"] == pytest.approx(teacher.mean(), rel=1e-6)
     assert metrics["train/tokens"] == len(teacher) and math.isfinite(metrics["train/loss"])
     assert metrics["train/grad_norm"] > 0  # the rewards differ
