@@ -28,7 +28,7 @@ Policies (``--policies``):
 A group's lengths follow the profile's correlation (``--correlations`` runs each of several), as the simulated engine's.
 Any of them with ``--depth`` (the groups in flight, as a multiple of the default), ``--restart-young S`` (at each
 sync, a group issued in the S seconds before the pause is aborted and issued again under the new version: its tokens
-are lost, its staleness window is whole; not length_aware) and ``--abort-doomed`` (at each sync, a group that can no
+are lost, its staleness window is whole) and ``--abort-doomed`` (at each sync, a group that can no
 longer be trained is aborted at once and another ordered, rather than decoded to the end and dropped).
 
 For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the
@@ -171,6 +171,8 @@ class AsyncLoop:
 
     def restart(self, g: int) -> None:
         members = np.nonzero(self.group == g)[0]
+        if self.policy.name == "length_aware":
+            self._release(g)
         lengths = self._draw()
         self.length[members], self.left[members], self.start[members], self.alive[members] = (
             lengths,
@@ -182,6 +184,11 @@ class AsyncLoop:
             self.replica[members] = -1
         self.version_of[g], self.issued_at[g], self.running_of[g] = self.version, self.now, len(members)
         self.tokens_of[g], self.longest_of[g] = float(lengths.sum()), float(lengths.max())
+        if self.policy.name == "length_aware":  # new requests: the dispatcher saw the old ones end
+            self.chunk_end[members] = 0.0
+            for k, i in enumerate(members):
+                self.requests[i] = Request(g, probe=k < self.policy.schedule.probes)
+                self._submit(i)
 
     def issue_points(self, fate: str) -> list[float]:
         """Where in its version's step each group of ``fate`` was issued: those of the fill (all issued at once, before
@@ -203,13 +210,22 @@ class AsyncLoop:
         live = members[self.alive[members]]
         self.alive[members], self.running_of[g] = False, -1  # first: a slot freed below goes to no sibling
         if self.policy.name == "length_aware":
-            for i in live:
-                if self.replica[i] < 0:
-                    self.dispatcher.withdraw(self.requests[i])
-            for i in live:
-                if self.replica[i] >= 0:
-                    self.dispatcher.finish(self.requests[i])
-            self.lengths.forget(g)
+            self._release(g, live)
+
+    def _release(self, g: int, live: np.ndarray | None = None) -> None:
+        """length_aware: the dispatcher forgets group ``g``'s live requests (default: those alive now) and its lengths;
+        their slots go to others (none of ``g``'s, which are not alive)."""
+        if live is None:
+            members = np.nonzero(self.group == g)[0]
+            live = members[self.alive[members]]
+            self.alive[members] = False
+        for i in live:
+            if self.replica[i] < 0:
+                self.dispatcher.withdraw(self.requests[i])
+        for i in live:
+            if self.replica[i] >= 0:
+                self.dispatcher.finish(self.requests[i])
+        self.lengths.forget(g)
 
     def route(self) -> None:
         """Place the requests waiting for a replica; move old ones (``migrate``)."""
@@ -449,8 +465,6 @@ def main() -> int:
     for name in args.policies.split(","):
         if name not in POLICIES:
             raise SystemExit(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
-    if "length_aware" in args.policies.split(",") and args.restart_young != [0.0]:
-        raise SystemExit("--restart-young is not modelled for length_aware: run it with --restart-young 0")
     for rho, name, depth, young in itertools.product(
         correlations, args.policies.split(","), args.depth, args.restart_young
     ):
