@@ -257,6 +257,9 @@ def summarize(rows: list[dict], cfg, mode: str, pool: tuple[int, int], args, pro
         "longest_mean": float(np.mean([r["rollout/response_len_max"] for r in rows])),
         "response_mean": float(np.mean([r["rollout/response_len_mean"] for r in rows])),
         "trainer_idle": float(np.mean([r["time/trainer_idle_fraction"] for r in rows])),
+        # simulated seconds the engines stood paused at a sync: near the bounds' T_sync where the orchestrator kept
+        # pace with the time scale, far above it where it did not (the simulation runs on the wall clock)
+        "pause_s": float(np.mean([r["sync/pause_seconds"] for r in rows])) * args.time_scale,
         "manager_cpu_s": float(np.mean([r["cpu/manager_seconds"] for r in rows])),
         # of a real run's step: the manager's CPU is real seconds, the step simulated
         "manager_fraction": float(np.mean([r["cpu/manager_seconds"] for r in rows]))
