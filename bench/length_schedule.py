@@ -358,7 +358,7 @@ def main() -> int:
     )
     p.add_argument("--from-results", type=Path, help="make the table and figure from this results file; run nothing")
     p.add_argument("--out", help="append the table to this markdown file")
-    p.add_argument("--figure", type=Path, default=REPO / "docs" / "figures" / "length_schedule.png")
+    p.add_argument("--figure", type=Path, help="draw the figure to this PNG (none without it)")
     args = p.parse_args()
     args.pools, args.policies, args.modes = listed(args.pools), listed(args.policies), listed(args.modes)
     args.correlations = listed(args.correlations, float)
@@ -382,7 +382,8 @@ def main() -> int:
     if not runs:
         raise SystemExit("no finished run to report")
     publish(table(runs), args.out)
-    figure(runs, args.figure)
+    if args.figure is not None:
+        figure(runs, args.figure)
     if failed:
         print(f"{failed} run(s) failed; their errors are in the results' 'failed' list", file=sys.stderr)
     return 1 if failed else 0
