@@ -171,8 +171,7 @@ class AsyncLoop:
 
     def restart(self, g: int) -> None:
         members = np.nonzero(self.group == g)[0]
-        if self.policy.name == "length_aware":
-            self._release(g)
+        self._stop(g)
         lengths = self._draw()
         self.length[members], self.left[members], self.start[members], self.alive[members] = (
             lengths,
@@ -206,26 +205,23 @@ class AsyncLoop:
         self.fates["dropped"].append(g)
 
     def cancel(self, g: int) -> None:
+        self._stop(g)
+        self.running_of[g] = -1
+
+    def _stop(self, g: int) -> None:
+        """Group ``g``'s requests end where they are; under length_aware the dispatcher forgets them and the group's
+        lengths. They are marked dead first, so a slot freed here goes to no sibling."""
         members = np.nonzero(self.group == g)[0]
         live = members[self.alive[members]]
-        self.alive[members], self.running_of[g] = False, -1  # first: a slot freed below goes to no sibling
+        self.alive[members] = False
         if self.policy.name == "length_aware":
-            self._release(g, live)
-
-    def _release(self, g: int, live: np.ndarray | None = None) -> None:
-        """length_aware: the dispatcher forgets group ``g``'s live requests (default: those alive now) and its lengths;
-        their slots go to others (none of ``g``'s, which are not alive)."""
-        if live is None:
-            members = np.nonzero(self.group == g)[0]
-            live = members[self.alive[members]]
-            self.alive[members] = False
-        for i in live:
-            if self.replica[i] < 0:
-                self.dispatcher.withdraw(self.requests[i])
-        for i in live:
-            if self.replica[i] >= 0:
-                self.dispatcher.finish(self.requests[i])
-        self.lengths.forget(g)
+            for i in live:
+                if self.replica[i] < 0:
+                    self.dispatcher.withdraw(self.requests[i])
+            for i in live:
+                if self.replica[i] >= 0:
+                    self.dispatcher.finish(self.requests[i])
+            self.lengths.forget(g)
 
     def route(self) -> None:
         """Place the requests waiting for a replica; move old ones (``migrate``)."""
