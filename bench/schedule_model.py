@@ -29,15 +29,28 @@ A group's lengths follow the profile's correlation (``--correlations`` runs each
 Any of them with ``--depth`` (the groups in flight, as a multiple of the default), ``--restart-young S`` (at each
 sync, a group issued in the S seconds before the pause is aborted and issued again under the new version: its tokens
 are lost, its staleness window is whole) and ``--abort-doomed`` (at each sync, a group that can no
-longer be trained is aborted at once and another ordered, rather than decoded to the end and dropped).
+longer be trained is aborted at once and another ordered, rather than decoded to the end and dropped). With
+``length_aware``, ``--abort-predicted M``: as a completion finishes, and at each sync, a group whose unfinished
+completions are predicted (from its finished ones, by the dispatcher's rule) to end past its window by more than M
+times the time left to it is aborted and another ordered; the window ends where the step of its version + max
+staleness is predicted to have its groups, from the mean step so far, and the completions are taken to decode at
+least at the tail requests' rate, pausing at syncs. With ``length_aware``, ``--oracle``: the dispatcher is told each
+completion's length as it is issued (each group predicted its longest, each request its own), to measure what better
+predictions could give. ``--hold-long T``: a group whose longest completion will run T tokens or more, drawn between
+syncs, is held and issued at the next sync (when its window opens) and another drawn in its place; the groups held go
+beyond the depth, and as many later orders are skipped (a prompt's length known before it is issued: to measure what
+issuing long groups at a sync could give).
 
-For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the
-steps' mean response and longest trained response), the ratio, groups dropped as stale, the longest trained response,
-and where in its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median
-over the trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
+For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the steps'
+mean response and longest trained response) and its terms, the ratio, the one-concurrency guide's ratio to the same
+bound (bench/simulation.py's: the best of running every request at one concurrency, for the responses the run trained),
+the share of the tokens decoded for groups that ended that no step trained (dropped groups', and what restarts threw
+away), groups dropped as stale (those aborted as predicted late among them), the longest trained response, and where in
+its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median over the
+trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
 ``--abort-doomed`` a group is counted dropped at the sync that dooms it, not when it would have finished. The model's
-``groups`` row is the job's policy: compare it with the job's rows in docs/benchmarks/simulation.md and
-simulation-96.md to see how far the model can be trusted at a shape.
+``groups`` row is the job's policy: compare it with the job's rows in docs/benchmarks/simulation.md and simulation-96.md
+to see how far the model can be trusted at a shape.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ import argparse
 import itertools
 import math
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,7 +73,7 @@ from moerl.orchestrator.config import ScheduleSection  # noqa: E402
 from moerl.orchestrator.scheduling import Dispatcher, GroupLengths, Request  # noqa: E402
 from moerl.simulation import Profile  # noqa: E402
 from report import publish  # noqa: E402
-from simulation import bounds, step_times  # noqa: E402
+from simulation import bounds, one_concurrency_guide, step_times  # noqa: E402
 
 POLICIES = ("groups", "capped", "migrate", "length_aware")
 AGE_CHECK_S = 5.0  # how often requests are looked at for their age, where a policy routes by it
@@ -85,7 +99,39 @@ class Policy:
     tail_share: float = 1 / 6
     restart_young_s: float = 0.0
     abort_doomed: bool = False
+    abort_predicted: float | None = None  # None: off; else the margin (see --abort-predicted)
+    oracle: bool = False  # length_aware: the dispatcher knows each completion's length (--oracle)
+    hold_long: int = 0  # a group whose longest completion runs this many tokens waits for the next sync (0: none)
     schedule: ScheduleSection = field(default_factory=ScheduleSection)  # length_aware: the job's rollout.schedule
+
+
+@dataclass
+class KnownRequest(Request):
+    length: int = 0  # the tokens its completion decodes in all
+
+
+@dataclass
+class OracleLengths(GroupLengths):
+    """Each group predicted its longest completion's length, known before any finishes (``--oracle``)."""
+
+    longest_of: list[float] = field(default_factory=list)
+
+    def predicted(self, group: int) -> int:
+        return int(self.longest_of[group])
+
+
+class OracleDispatcher(Dispatcher):
+    """The job's dispatcher, each request predicted its own completion's length (``--oracle``)."""
+
+    def predicted_total(self, request: Request) -> int:
+        assert isinstance(request, KnownRequest)
+        return request.length
+
+    def predicted_left(self, request: Request) -> float:
+        assert isinstance(request, KnownRequest)
+        left = max(request.length - request.decoded, 1)
+        chunk = self.schedule.chunk_tokens
+        return min(left, chunk) if chunk else left
 
 
 class AsyncLoop:
@@ -109,10 +155,20 @@ class AsyncLoop:
         # When each version began to be served, and where in its version's step each trained and each dropped group was
         # issued (0: at the sync that began it, 1: at the next): a group issued late has less of its window left.
         self.served_at, self.fates = [0.0], {"trained": [], "dropped": []}
+        self.collected_at: list[float] = []  # when each step had its groups
+        self.aborted = 0  # groups aborted as predicted to outrun their window (--abort-predicted), counted in dropped
+        self.decoded_of: list[float] = []  # tokens each group decoded (since its last restart)
+        self.held: list[np.ndarray] = []  # --hold-long: groups drawn between syncs, to be issued at the next
+        self.owed = 0  # --hold-long: issues skipped after held groups went beyond the depth
+        self.lost = 0.0  # tokens restarts threw away
         # length_aware: the job's own dispatcher hands out replicas; a request's chunk ends at ``chunk_end``
         self.urls = [str(r) for r in range(self.replicas)]
-        self.lengths = GroupLengths(shape.max_new_tokens)
-        self.dispatcher = Dispatcher(lambda: self.urls, self.lengths, policy.schedule)
+        if policy.oracle:
+            self.lengths = OracleLengths(shape.max_new_tokens, longest_of=self.longest_of)
+            self.dispatcher = OracleDispatcher(lambda: self.urls, self.lengths, policy.schedule)
+        else:
+            self.lengths = GroupLengths(shape.max_new_tokens)
+            self.dispatcher = Dispatcher(lambda: self.urls, self.lengths, policy.schedule)
         self.requests: list[Request] = []
         self.chunk_end = np.zeros(0)
 
@@ -123,11 +179,25 @@ class AsyncLoop:
         lengths = self.e.response_tokens.draw_group(self.rng, self.shape.samples)
         return np.minimum(np.maximum(np.round(lengths), 1), self.shape.max_new_tokens)
 
-    def issue(self) -> None:
-        lengths = self._draw()
+    def replace(self) -> None:
+        """Order a group in place of one taken or dropped, unless held groups went in its stead."""
+        if self.owed:
+            self.owed -= 1
+        else:
+            self.issue()
+
+    def issue(self, lengths: np.ndarray | None = None) -> None:
+        """Issue a group: ``lengths``, else one drawn (with ``--hold-long``, a long one drawn is held for the next sync
+        and another drawn)."""
+        while lengths is None:
+            lengths = self._draw()
+            if self.policy.hold_long and lengths.max() >= self.policy.hold_long and self.now > self.served_at[-1]:
+                self.held.append(lengths)
+                lengths = None
         g = len(self.version_of)
         self.version_of.append(self.version)
         self.issued_at.append(self.now)
+        self.decoded_of.append(0.0)
         self.running_of.append(len(lengths))
         self.tokens_of.append(float(lengths.sum()))
         self.longest_of.append(float(lengths.max()))
@@ -146,9 +216,15 @@ class AsyncLoop:
         self.chunk_end = np.concatenate([self.chunk_end, np.zeros(n)])
         if self.policy.name == "length_aware":  # request i is completion i of the arrays above
             first = len(self.requests)
-            self.requests += [Request(g, probe=k < self.policy.schedule.probes) for k in range(n)]
+            self.requests += [self._request(g, k, int(lengths[k])) for k in range(n)]
             for i in range(first, first + n):
                 self._submit(i)
+
+    def _request(self, g: int, k: int, length: int) -> Request:
+        """Completion ``k`` of group ``g``, which will decode ``length`` tokens (known to the dispatcher with
+        ``--oracle``)."""
+        probe = k < self.policy.schedule.probes
+        return KnownRequest(g, probe, length=length) if self.policy.oracle else Request(g, probe)
 
     def _submit(self, i: int) -> None:
         """Queue request ``i`` (a completion, or its next chunk) with the job's dispatcher."""
@@ -182,11 +258,12 @@ class AsyncLoop:
         if self.policy.name != "groups":
             self.replica[members] = -1
         self.version_of[g], self.issued_at[g], self.running_of[g] = self.version, self.now, len(members)
+        self.lost, self.decoded_of[g] = self.lost + self.decoded_of[g], 0.0
         self.tokens_of[g], self.longest_of[g] = float(lengths.sum()), float(lengths.max())
         if self.policy.name == "length_aware":  # new requests: the dispatcher saw the old ones end
             self.chunk_end[members] = 0.0
             for k, i in enumerate(members):
-                self.requests[i] = Request(g, probe=k < self.policy.schedule.probes)
+                self.requests[i] = self._request(g, k, int(lengths[k]))
                 self._submit(i)
 
     def issue_points(self, fate: str) -> list[float]:
@@ -199,6 +276,13 @@ class AsyncLoop:
             if 0 < v and v + 1 < len(self.served_at):
                 points.append((self.issued_at[g] - self.served_at[v]) / (self.served_at[v + 1] - self.served_at[v]))
         return points
+
+    def untrained_share(self) -> float:
+        """The share of the tokens decoded for groups that ended (trained or dropped) that no step trained: dropped
+        groups' and restarts' lost output."""
+        trained = sum(self.decoded_of[g] for g in self.fates["trained"])
+        untrained = sum(self.decoded_of[g] for g in self.fates["dropped"]) + self.lost
+        return untrained / (trained + untrained)
 
     def drop(self, g: int) -> None:
         self.dropped += 1
@@ -275,7 +359,7 @@ class AsyncLoop:
             if phase == "collect":
                 while ready and len(taken) < B:
                     g = ready.pop(0)
-                    self.issue()
+                    self.replace()
                     if self.version - self.version_of[g] > s.staleness:
                         self.drop(g)
                         continue
@@ -291,6 +375,7 @@ class AsyncLoop:
                         }
                     )
                     phase, phase_end, taken = "train", busy_until + self.t.optimizer_step_s, []
+                    self.collected_at.append(self.now)
             elif phase == "train" and self.now >= phase_end - 1e-9:
                 phase, phase_end, self.paused, paused_at = "sync", self.now + self.sync_s, True, self.now
             elif phase == "sync" and self.now >= phase_end - 1e-9:
@@ -304,6 +389,11 @@ class AsyncLoop:
                 self.served_at.append(self.now)
                 records[-1]["ended"] = self.now
                 self._at_sync(paused_at)
+                for lengths in self.held:  # their windows open now
+                    self.issue(lengths)
+                self.owed, self.held = self.owed + len(self.held), []
+                if self.policy.abort_predicted is not None:
+                    self._abort_predicted(range(len(self.version_of)))
         return records
 
     def _decode(self, phase_end: float, ready: list[int]) -> None:
@@ -331,9 +421,13 @@ class AsyncLoop:
             raise RuntimeError("the model stalled: nothing decodes and the trainer waits")  # a bug of the model
         if rate is not None:
             self.left[live] -= rate * dt
+            by_group = np.bincount(self.group[live], weights=rate * dt, minlength=len(self.decoded_of))
+            self.decoded_of = list(np.add(self.decoded_of, by_group))
         self.now += dt
         if rate is not None:
             for i in live[self.left[live] - self.chunk_end[live] <= 1e-6]:
+                if not self.alive[i]:  # its group was aborted as another of its completions finished
+                    continue
                 if self.policy.name == "length_aware":
                     self.dispatcher.finish(self.requests[i])
                     if self.left[i] > 1e-6:  # a chunk ended: its next one queues
@@ -346,6 +440,48 @@ class AsyncLoop:
                 if self.running_of[g] == 0:
                     ready.append(g)
                     self.lengths.forget(g)
+                elif self.policy.abort_predicted is not None:
+                    self._abort_predicted([g])
+
+    def _deadline(self, v: int) -> float:
+        """When a group issued under version ``v`` is predicted to be too late to be trained: the end of the collect
+        phase of version v + max_staleness, from the mean step so far (inf before two steps have ended)."""
+        if len(self.served_at) < 3:
+            return math.inf
+        after = np.mean([self.served_at[k + 1] - self.collected_at[k] for k in range(1, len(self.served_at) - 1)])
+        last = v + self.shape.staleness  # the last version whose step may take it
+        if last < self.version:
+            return -math.inf
+        return self.served_at[-1] + (last + 1 - self.version) * self.step_s - float(after)
+
+    @property
+    def step_s(self) -> float:
+        """The mean step so far, the fill's left out."""
+        return float(np.diff(self.served_at[1:]).mean()) if len(self.served_at) >= 3 else math.inf
+
+    def _abort_predicted(self, groups: Iterable[int]) -> None:
+        """Abort each of ``groups`` predicted to outrun its window by more than ``abort_predicted`` times the time left
+        to it (the module's docstring), and order another."""
+        tail_rate = self.per_request[max(1, self.policy.schedule.tail_running)]
+        for g in groups:
+            deadline = self._deadline(self.version_of[g])
+            if self.running_of[g] <= 0 or g not in self.lengths.finished or deadline == math.inf:
+                continue
+            members = np.nonzero((self.group == g) & self.alive)[0]
+            predicted = self.lengths.predicted(g)
+            left = np.maximum(predicted - (self.length[members] - self.left[members]), 0.0)
+            running = np.bincount(self.replica[self.alive & (self.replica >= 0)], minlength=self.replicas)
+            rate = np.where(
+                self.replica[members] >= 0,
+                np.maximum(self.per_request[running[np.maximum(self.replica[members], 0)]], tail_rate),
+                tail_rate,
+            )
+            finish = self.now + float((left / rate).max()) * self.step_s / (self.step_s - self.sync_s)  # syncs pause it
+            if finish > deadline + self.policy.abort_predicted * max(deadline - self.now, 0.0):
+                self.cancel(g)
+                self.drop(g)
+                self.aborted += 1
+                self.replace()
 
     def _at_sync(self, paused_at: float) -> None:
         p, s = self.policy, self.shape
@@ -355,7 +491,7 @@ class AsyncLoop:
             if p.abort_doomed and self.version - self.version_of[g] > s.staleness:
                 self.cancel(g)
                 self.drop(g)
-                self.issue()
+                self.replace()
             elif p.restart_young_s > 0 and self.issued_at[g] >= paused_at - p.restart_young_s:
                 self.restart(g)
 
@@ -382,12 +518,26 @@ def one(profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int) -
     ]
     bound = bounds(times, trained, shape.groups)["async_tail"]
     rate = trained / seconds
+    trained_tokens = sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in measured)
+    guide, _ = one_concurrency_guide(
+        profile,
+        (shape.trainer_gpus, shape.engine_gpus),
+        trained,
+        trained_tokens,
+        sum(r["rollout/response_len_max"] for r in measured),
+        times,
+        shape.staleness,
+    )
     points = {fate: float(np.median(p)) if (p := loop.issue_points(fate)) else math.nan for fate in loop.fates}
     return {
         "rate": rate,
         "bound": bound,
         "ratio": rate / bound,
+        "guide": guide / bound,
+        "untrained": loop.untrained_share(),
+        **{k: sum(t[k] for t in times) for k in ("T_gen", "T_tail", "T_train")},
         "dropped": loop.dropped,
+        "aborted": loop.aborted,
         "point_trained": points["trained"],
         "point_dropped": points["dropped"],
         "longest": float(np.mean([r["rollout/response_len_max"] for r in measured])),
@@ -424,6 +574,9 @@ def main() -> int:
     )
     p.add_argument("--restart-young", type=float, nargs="+", default=[0.0], help="seconds (0: off); see above")
     p.add_argument("--abort-doomed", action="store_true", help="see above")
+    p.add_argument("--oracle", action="store_true", help="length_aware; see above")
+    p.add_argument("--hold-long", type=int, default=0, help="tokens (0: off); see above")
+    p.add_argument("--abort-predicted", type=float, metavar="M", help="length_aware, off without; see above")
     p.add_argument(
         "--correlations",
         type=float,
@@ -454,13 +607,21 @@ def main() -> int:
         f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds",
         "",
         "| correlation | policy | schedule (probes / max running / chunk / tail tokens / tail running) | depth | "
-        "restart young (s) | abort doomed | samples/s (model) | bound, tail counted | ratio | dropped as stale | "
+        "restart young (s) | abort doomed | abort predicted | samples/s (model) | "
+        "the bound's T_gen / T_tail / T_train (s) | bound, tail counted | ratio | the guide's ratio | "
+        "decoded, not trained | dropped as stale (aborted as predicted late) | "
         "longest trained | issue point, trained / dropped (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.policies.split(","):
         if name not in POLICIES:
             raise SystemExit(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+        if args.oracle and name != "length_aware":
+            raise SystemExit(f"--oracle: length_aware only (its dispatcher is told the lengths), not {name}")
+        if args.abort_predicted is not None and name != "length_aware":
+            raise SystemExit(f"--abort-predicted: length_aware only (it predicts from finished siblings), not {name}")
+    predicted = "-" if args.abort_predicted is None else f"{args.abort_predicted:g}"
+    held = f", held from {args.hold_long}" if args.hold_long else ""
     for rho, name, depth, young in itertools.product(
         correlations, args.policies.split(","), args.depth, args.restart_young
     ):
@@ -480,7 +641,19 @@ def main() -> int:
                 tail_tokens=tail,
                 tail_running=args.tail_running,
             )
-            policy = Policy(name, depth, args.old_after, args.cap, args.tail_share, young, args.abort_doomed, scheduled)
+            policy = Policy(
+                name,
+                depth,
+                args.old_after,
+                args.cap,
+                args.tail_share,
+                young,
+                abort_doomed=args.abort_doomed,
+                abort_predicted=args.abort_predicted,
+                oracle=args.oracle,
+                hold_long=args.hold_long,
+                schedule=scheduled,
+            )
             runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]
             mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
             schedule = (
@@ -489,8 +662,12 @@ def main() -> int:
                 else "-"
             )
             lines.append(
-                f"| {rho:g} | {name} | {schedule} | {depth:g} | {young:g} | {'yes' if args.abort_doomed else 'no'} | "
-                f"{mean['rate']:.2f} | {mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['dropped']:.0f} | "
+                f"| {rho:g} | {name}{' (oracle)' if args.oracle else ''}{held} | {schedule} | {depth:g} | {young:g} | "
+                f"{'yes' if args.abort_doomed else 'no'} | "
+                f"{predicted} | "
+                f"{mean['rate']:.2f} | {mean['T_gen']:.0f} / {mean['T_tail']:.0f} / {mean['T_train']:.0f} | "
+                f"{mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['guide']:.2f} | {mean['untrained']:.2f} | "
+                f"{mean['dropped']:.0f} ({mean['aborted']:.0f}) | "
                 f"{mean['longest']:.0f} | {mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)
