@@ -74,6 +74,7 @@ def _text(ids: list[int]) -> str:
     return tiny_tokenizer().decode(ids)
 
 
+@pytest.mark.e2e
 def test_a_judges_scores_are_its_greedy_answers_read_by_the_verdict(judge, tmp_path):
     """A generative reward model answers the judge's question (the configured template, through its chat template)
     greedily; the verdict function reads the answer. The same as transformers' own greedy generation of it."""
@@ -112,6 +113,7 @@ def _text_skipping_special(ids: list[int]) -> str:
     return tiny_tokenizer().decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.e2e
 def test_a_reward_replica_that_dies_costs_a_retry_and_one_started_again_scores_what_waited(classifier, tmp_path):
     """Two replicas, one SIGKILLed: its request fails, is counted, and is asked again of the other; every score is
     the one a live replica gives. Then the only replica left dies: the scores wait for it, started again, and are
@@ -154,6 +156,7 @@ def test_a_reward_replica_that_dies_costs_a_retry_and_one_started_again_scores_w
         asyncio.run(go())
 
 
+@pytest.mark.e2e
 def test_a_paused_reward_replica_holds_its_scores_past_the_down_timeout_and_serves_them_after(classifier, tmp_path):
     """Colocated reward replicas are paused for the trainer's phase, however long. A score asked meanwhile times out,
     and /health fails while paused (as SGLang's does), yet the replica answers /model_info: it is paused, not down, so

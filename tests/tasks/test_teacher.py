@@ -65,6 +65,7 @@ def _sample(forward: torch.Tensor, loss_mask: np.ndarray | None) -> Sample:
     ).validate()
 
 
+@pytest.mark.e2e
 def test_the_teachers_log_probs_are_a_forwards_renormalised_over_kept_sets_and_left_out_at_context(
     teacher_dir, forward, tmp_path
 ):
@@ -124,6 +125,7 @@ def gap_bound(sample: Sample, forward: torch.Tensor, j: int) -> float:
     return float(torch.log1p(unlisted / known))
 
 
+@pytest.mark.e2e
 def test_a_teachers_large_answers_are_read_by_the_policy_clients_generation_workers(
     teacher_dir, forward, tmp_path, monkeypatch
 ):
@@ -160,6 +162,7 @@ def test_a_teachers_large_answers_are_read_by_the_policy_clients_generation_work
     assert np.array_equal(sample.teacher_top_ids, forward.topk(TOP_K, -1).indices.numpy())
 
 
+@pytest.mark.e2e
 def test_a_teacher_that_is_the_student_scores_each_token_as_it_was_sampled(teacher_dir, tmp_path):
     """The student's own engine as its teacher: on completions it sampled at temperature 1 with kept sets (top-k 8),
     the teacher's log-probs are the behaviour log-probs and, renormalised over the kept sets (which its top 8 ids cover
@@ -192,6 +195,7 @@ def test_a_teacher_that_is_the_student_scores_each_token_as_it_was_sampled(teach
     assert stats["teacher_engines/kept_set_gap"] == 0
 
 
+@pytest.mark.e2e
 def test_a_teacher_replica_that_dies_costs_a_retry_and_one_started_again_scores_what_waited(
     teacher_dir, forward, tmp_path
 ):
