@@ -157,7 +157,7 @@ class AsyncLoop:
         self.served_at, self.fates = [0.0], {"trained": [], "dropped": []}
         self.collected_at: list[float] = []  # when each step had its groups
         self.aborted = 0  # groups aborted as predicted to outrun their window (--abort-predicted), counted in dropped
-        self.decoded_of: list[float] = []  # tokens each group decoded (since its last restart)
+        self.decoded_of = np.zeros(0)  # tokens each group decoded (since its last restart)
         self.held: list[np.ndarray] = []  # --hold-long: groups drawn between syncs, to be issued at the next
         self.owed = 0  # --hold-long: issues skipped after held groups went beyond the depth
         self.lost = 0.0  # tokens restarts threw away
@@ -197,7 +197,7 @@ class AsyncLoop:
         g = len(self.version_of)
         self.version_of.append(self.version)
         self.issued_at.append(self.now)
-        self.decoded_of.append(0.0)
+        self.decoded_of = np.append(self.decoded_of, 0.0)
         self.running_of.append(len(lengths))
         self.tokens_of.append(float(lengths.sum()))
         self.longest_of.append(float(lengths.max()))
@@ -280,8 +280,8 @@ class AsyncLoop:
     def untrained_share(self) -> float:
         """The share of the tokens decoded for groups that ended (trained or dropped) that no step trained: dropped
         groups' and restarts' lost output."""
-        trained = sum(self.decoded_of[g] for g in self.fates["trained"])
-        untrained = sum(self.decoded_of[g] for g in self.fates["dropped"]) + self.lost
+        trained = float(self.decoded_of[self.fates["trained"]].sum())
+        untrained = float(self.decoded_of[self.fates["dropped"]].sum()) + self.lost
         return untrained / (trained + untrained)
 
     def drop(self, g: int) -> None:
@@ -421,8 +421,7 @@ class AsyncLoop:
             raise RuntimeError("the model stalled: nothing decodes and the trainer waits")  # a bug of the model
         if rate is not None:
             self.left[live] -= rate * dt
-            by_group = np.bincount(self.group[live], weights=rate * dt, minlength=len(self.decoded_of))
-            self.decoded_of = list(np.add(self.decoded_of, by_group))
+            self.decoded_of += np.bincount(self.group[live], weights=rate * dt, minlength=len(self.decoded_of))
         self.now += dt
         if rate is not None:
             for i in live[self.left[live] - self.chunk_end[live] <= 1e-6]:
@@ -464,8 +463,10 @@ class AsyncLoop:
         to it (the module's docstring), and order another."""
         tail_rate = self.per_request[max(1, self.policy.schedule.tail_running)]
         for g in groups:
+            if self.running_of[g] <= 0 or g not in self.lengths.finished:
+                continue
             deadline = self._deadline(self.version_of[g])
-            if self.running_of[g] <= 0 or g not in self.lengths.finished or deadline == math.inf:
+            if deadline == math.inf:
                 continue
             members = np.nonzero((self.group == g) & self.alive)[0]
             predicted = self.lengths.predicted(g)
