@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
+from tests.accounting import accounting, assert_async_run_accounted
 from tests.netns import Nodes, unavailable
 
 pytestmark = pytest.mark.e2e
@@ -151,8 +152,7 @@ def test_the_job_trains_across_three_hosts_survives_the_engine_nodes_network_gon
     changes = engine_changes(run_dir / "logs" / "rollout_manager.log", url)
     assert any(cut <= at <= restored and state != "healthy" for at, state in changes), changes
     assert any(at >= restored and state == "healthy" for at, state in changes), changes
-    accounting = json.loads((run_dir / "accounting.json").read_text())
-    assert accounting["balanced"] and set(accounting["dropped"]) <= {"unused_at_stop"}, accounting
+    assert_async_run_accounted(accounting(run_dir), trained=4 * 4, depth=4)
 
     resumed = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=5", "run.resume=true")
     for rc, stderr in finished(resumed):

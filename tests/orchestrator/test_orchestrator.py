@@ -21,6 +21,7 @@ import pytest
 from moerl.env import child_env, ended
 from moerl.orchestrator.metrics import plot, read_metrics
 from tests import REPO
+from tests.accounting import accounting, assert_async_run_accounted
 
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 REQUIRED = (
@@ -94,7 +95,9 @@ def job_args(cache: Path, run_dir: Path, *overrides: str) -> list[str]:
 
 
 def job(cache: Path, run_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    """The job; where it fails, its stderr ends with the end of each of its processes' logs (run.dir/logs), which a
+    failed assertion's tail of it shows: an engine or manager that died says why there."""
+    out = subprocess.run(
         job_args(cache, run_dir, *overrides),
         env=child_env(PYTHON=sys.executable),
         capture_output=True,
@@ -102,6 +105,10 @@ def job(cache: Path, run_dir: Path, *overrides: str, timeout: float = 600) -> su
         timeout=timeout,
         cwd=REPO,
     )
+    if out.returncode != 0:
+        logs = sorted((run_dir / "logs").rglob("*.log")) if (run_dir / "logs").is_dir() else []
+        out.stderr += "".join(f"\n--- the end of {log}:\n{log.read_text(errors='replace')[-600:]}" for log in logs)
+    return out
 
 
 def start_job(cache: Path, run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -139,10 +146,6 @@ def wait_while_running(proc: subprocess.Popen, condition, what: str, timeout_s: 
 
 def engines_of(proc: subprocess.Popen) -> list[psutil.Process]:
     return [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_engine(p)]
-
-
-def accounting(run_dir: Path) -> dict:
-    return json.loads((run_dir / "accounting.json").read_text())
 
 
 @pytest.mark.e2e
@@ -1167,9 +1170,7 @@ def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_c
         assert math.isfinite(r["distill/reverse_kl"]) and 0 <= r["distill/kept_set_exact"] <= 1
         assert 0 <= r["distill/kept_set_gap"] < math.inf
         assert r["distill/teacher_seconds"] > 0 and 0 < r["distill/teacher_share"] < 1
-    acct = accounting(run_dir)
-    # async: the groups generated ahead of the last step are left unused at the stop, none dropped otherwise
-    assert acct["balanced"] and set(acct["dropped"]) <= {"unused_at_stop"} and acct["trained"] == 3 * GROUPS
+    assert_async_run_accounted(accounting(run_dir), trained=3 * GROUPS, depth=GROUPS)
 
 
 @pytest.mark.e2e

@@ -19,6 +19,7 @@ from moerl.orchestrator.run_state import STOP_REQUEST
 from moerl.simulation import Profile
 from moerl.weight_sync.simulated import write_hollow_safetensors
 from tests import DATA, REPO
+from tests.accounting import accounting
 
 RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 PROFILE = DATA / "simulation" / "tiny.yaml"
@@ -85,7 +86,7 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
         assert r["sync/bytes"] == r["sync/full_weight_bytes"] > 0
         assert r["cpu/buffer_seconds"] > 0 and 0 <= r["cpu/manager_fraction"] < 1
     assert sum(r["cpu/manager_seconds"] for r in rows) > 0  # counted in clock ticks (10 ms): a tiny step may show none
-    acct = json.loads((tmp_path / "accounting.json").read_text())
+    acct = accounting(tmp_path)
     assert acct["balanced"] and acct["live"] == 0 and acct["trained"] == steps * GROUPS
     if mode != "async":
         assert acct["dropped"] == {}
@@ -110,7 +111,7 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
         out = simulate(model, tmp_path, f"run.mode={mode}", f"run.steps={steps + 2}", "run.resume=true")
         assert out.returncode == 0, out.stderr[-4000:]
         assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, steps + 3))
-        acct = json.loads((tmp_path / "accounting.json").read_text())
+        acct = accounting(tmp_path)
         assert acct["balanced"] and acct["trained"] == (steps + 2) * GROUPS
 
 
@@ -183,7 +184,7 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
     assert (
         sum(r["rollout/retries_engine_failure"] for r in rows) == 0 and rows[-1]["prompts/dropped_engine_failure"] == 0
     )
-    acct = json.loads((tmp_path / "run" / "accounting.json").read_text())
+    acct = accounting(tmp_path / "run")
     assert acct["balanced"] and acct["trained"] == 4 * GROUPS
     log = (tmp_path / "run" / "logs" / "rollout_manager.log").read_text()
     lost = log.count("re-issued: the generation worker carrying it died")
@@ -252,7 +253,7 @@ def test_a_run_whose_every_group_the_filter_turns_away_stops_with_its_pass_rate(
     assert out.returncode != 0
     assert "turned away" in out.stderr and "a pass rate of 0%" in out.stderr, out.stderr[-4000:]
     assert "checkpoint" in out.stderr and "run.resume=true continues from it" in out.stderr
-    acct = json.loads((tmp_path / "accounting.json").read_text())
+    acct = accounting(tmp_path)
     assert acct["balanced"] and acct["trained"] == 0 and acct["dropped"]["filtered"] > 6
 
 

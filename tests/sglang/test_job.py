@@ -23,7 +23,8 @@ import pytest
 from moerl.orchestrator.metrics import read_metrics
 from moerl.trainer.replay_trace import check_replay
 from tests import REPO
-from tests.orchestrator.test_orchestrator import accounting, job, rows_so_far, start_job, wait_while_running
+from tests.accounting import accounting
+from tests.orchestrator.test_orchestrator import job, rows_so_far, start_job, wait_while_running
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.usefixtures("sglang_python")]
 
