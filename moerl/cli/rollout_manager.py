@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
+from pathlib import Path
+
+SPEC_POLL_S = 0.02
 
 
 def configure_logging() -> None:
@@ -22,9 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m moerl.cli.rollout_manager", description="Rollout manager (started by the main job)."
     )
-    p.add_argument("--spec", required=True, help="JSON written by the trainer: config, engines, sockets, data position")
+    p.add_argument(
+        "--spec",
+        required=True,
+        help="JSON the trainer writes once the engines are up (config, engines, sockets, data position): waited for",
+    )
     args = p.parse_args(argv)
     configure_logging()
+    while not Path(args.spec).exists():  # the job started this process early, for its imports (it dies with rank 0)
+        time.sleep(SPEC_POLL_S)
     spec = ManagerSpec.read(args.spec)
     manager = RolloutManager(load_config(spec.config, []), spec)
     asyncio.run(manager.run())

@@ -172,7 +172,27 @@ def start_scorer_engines(
         engines.scorers[scorer.key] = ScorerEngines(scorer, model, pool.urls, pool)
 
 
-def start_manager(
+MANAGER_SPEC = "manager_spec.json"
+
+
+def start_manager(run_dir: Path) -> subprocess.Popen:
+    """The rollout manager's process, started before the engines are up: it imports for seconds, meanwhile, then waits
+    for its spec in ``run_dir`` (:func:`brief_manager`)."""
+    (run_dir / MANAGER_SPEC).unlink(missing_ok=True)  # a resumed run's, of its last start
+    # A session of its own: a signal to the job's process group (a launcher stopping it) reaches rank 0, whose teardown
+    # stops the manager in order and reads its last events; the manager dies with rank 0 if rank 0 dies first.
+    with open(run_dir / "logs" / "rollout_manager.log", "a") as log_file:  # the child keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "moerl.cli.rollout_manager", "--spec", str(run_dir / MANAGER_SPEC)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=child_env(),
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+
+
+def brief_manager(
     cfg_path: Path,
     hf: Path,
     urls: list[str],
@@ -181,9 +201,10 @@ def start_manager(
     reissue: list[int],
     run_dir: Path,
     scorer_engines: dict[str, ScorerEngines] | None = None,
-) -> subprocess.Popen:
+) -> None:
+    """Write the spec the process of :func:`start_manager` waits for: the engines, once up, and the data position."""
     given = scorer_engines or {}
-    spec = ManagerSpec(
+    ManagerSpec(
         config=str(cfg_path),
         hf_dir=str(hf),
         urls=urls,
@@ -192,18 +213,7 @@ def start_manager(
         events=rollouts.events_address,
         cursor=cursor,
         reissue=reissue,
-    ).write(run_dir / "manager_spec.json")
-    # A session of its own: a signal to the job's process group (a launcher stopping it) reaches rank 0, whose teardown
-    # stops the manager in order and reads its last events; the manager dies with rank 0 if rank 0 dies first.
-    with open(run_dir / "logs" / "rollout_manager.log", "a") as log_file:  # the child keeps its own copy
-        return subprocess.Popen(
-            [sys.executable, "-m", "moerl.cli.rollout_manager", "--spec", str(spec)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=child_env(),
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+    ).write(run_dir / MANAGER_SPEC)
 
 
 def make_trainer(cfg: RunConfig, hf: Path, mcore: str | None) -> TrainerLike:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from moerl.orchestrator.components import (
     make_sync,
     make_trainer,
     start_engines,
+    start_manager,
     start_scorer_engines,
     sync_address,
     verify_tolerance,
@@ -59,6 +61,7 @@ class Job:
         self.engines = Engines(self.placement)  # rank 0: those it started or was given, once they start
         self.sync: WeightSync | None = None
         self.lead: Lead | Follower = Follower()  # rank 0's is a Lead once its rollouts started
+        self.manager: subprocess.Popen | None = None  # rank 0's rollout manager process, from the engines' start
         self.watch: PeerWatch | None = None  # the other ranks' heartbeat, once the process group is made
 
     @property
@@ -149,6 +152,7 @@ class Job:
 
         def engines() -> list[str]:
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            self.manager = start_manager(self.run_dir)
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
             e, together = self.engines, placement.pools_load_together
             e.urls, e.pool = start_engines(cfg, placement, self.hf, self.run_dir, local_ranks, wait=not together)
@@ -165,7 +169,10 @@ class Job:
         def lead() -> None:
             if cfg.engines.urls:  # verify compares on rank 0, at the precision the engines report
                 self.tolerance = verify_tolerance(cfg, [str(info.get("dtype", "auto")) for info in sync.server_info()])
-            self.lead = Lead(cfg, self.run_dir, self.hf, self.engines, sync, self.state, self.trainer.version)
+            assert self.manager is not None, "rank 0 started it with its engines"
+            self.lead = Lead(
+                cfg, self.run_dir, self.hf, self.engines, sync, self.state, self.trainer.version, self.manager
+            )
 
         on_lead(lead, "starting the rollout manager")
 
@@ -274,6 +281,8 @@ class Job:
     def teardown(self) -> dict | None:
         """Stop the manager (every live prompt accounted for), close the sync and the metrics, stop the engines."""
         summary = self.lead.close(self.run_dir)
+        if isinstance(self.lead, Follower) and self.manager is not None:  # started, never briefed: the run failed first
+            self.manager.kill()
         if self.sync is not None:
             self.sync.close()
         self.engines.stop()

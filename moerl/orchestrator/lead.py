@@ -18,7 +18,7 @@ import zmq
 
 from moerl.engines.health import State
 from moerl.errors import MoerlError
-from moerl.orchestrator.components import Engines, start_manager
+from moerl.orchestrator.components import Engines, brief_manager
 from moerl.orchestrator.config import RunConfig
 from moerl.orchestrator.metrics import CpuMeter, MetricsWriter
 from moerl.orchestrator.rollouts import Accounting, Group, PromptState, RolloutBuffer, rollout_metrics
@@ -60,10 +60,12 @@ class Lead:
         sync: WeightSync,
         state: dict[str, Any],
         version: int,
+        manager: subprocess.Popen,
     ):
         """``engines``: those the job started or was given, the scorers' too, and where they run; ``state``: a
         resumed run's (the data position, the prompts to issue again, the accounting); ``version``: the trainer's policy
-        version at start."""
+        version at start; ``manager``: the rollout manager's process, waiting for its spec
+        (:func:`~moerl.orchestrator.components.start_manager`)."""
         from tqdm import tqdm
 
         self.cfg, self.run_dir, self.engines, self.sync = cfg, run_dir, engines, sync
@@ -73,7 +75,7 @@ class Lead:
             acct.set(index, PromptState.IN_FLIGHT)
         self.zmq = zmq.Context()
         self.rollouts = RolloutBuffer(self.zmq, cfg.rollout, cfg.run.mode, acct, state["cursor"], run_dir)
-        self.manager: subprocess.Popen | None = start_manager(
+        brief_manager(
             run_dir / "config.yaml",
             hf,
             engines.urls,
@@ -83,6 +85,7 @@ class Lead:
             run_dir,
             engines.scorers,
         )
+        self.manager = manager
         self.rollouts.watch(self.manager, run_dir / "logs" / "rollout_manager.log")
         self.cpu = CpuMeter(self.manager.pid, self.rollouts)
         if engines.pool is not None:
@@ -297,11 +300,10 @@ class Lead:
         }
         (run_dir / "accounting.json").write_text(json.dumps(summary, indent=1))
         self.rollouts.close()
-        if self.manager is not None:
-            try:
-                self.manager.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.manager.kill()
+        try:
+            self.manager.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.manager.kill()
         self.writer.close()
         if self.bar is not None:
             self.bar.close()

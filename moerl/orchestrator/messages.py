@@ -202,9 +202,11 @@ class ManagerSpec:
     # the scorers (moerl.orchestrator.config.scorers) by section: reward, teacher
     scorers: dict[str, ServedModel] = field(default_factory=dict)
 
-    def write(self, path: Path) -> Path:
-        path.write_text(json.dumps(asdict(self), indent=1))
-        return path
+    def write(self, path: Path) -> None:
+        """Whole or not at all: the manager reads it as soon as it exists."""
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(asdict(self), indent=1))
+        partial.replace(path)
 
     @classmethod
     def read(cls, path: str | Path) -> ManagerSpec:

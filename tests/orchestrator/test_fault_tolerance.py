@@ -20,7 +20,7 @@ from moerl.engines.pool import EnginePool, EnginePoolConfig
 from moerl.env import group_left
 from moerl.errors import EnginesDown
 from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
-from moerl.orchestrator.components import start_manager
+from moerl.orchestrator.components import brief_manager, start_manager
 from moerl.orchestrator.config import load_config, to_yaml
 from moerl.orchestrator.rollouts import RolloutBuffer
 
@@ -67,7 +67,8 @@ def rollouts(model: Path, run_dir: Path, replicas: int, *overrides: str):
     try:
         urls = pool.start()
         asyncio.run(serve_version_0(urls))
-        manager = start_manager(run_dir / "config.yaml", model, urls, buffer, 0, [], run_dir)
+        manager = start_manager(run_dir)
+        brief_manager(run_dir / "config.yaml", model, urls, buffer, 0, [], run_dir)
         yield pool, buffer
     finally:
         if manager is not None:
