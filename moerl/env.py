@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 TORCHRUN_VARIABLES = (
     "RANK",
@@ -37,6 +39,12 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Where free_ports draws from: below the kernel's ephemeral range, from which bind(0) and every outgoing connection
+# take theirs (a gloo listener once took an SGLang server's port between its pick and its bind, and the server hung),
+# and below the range SGLang draws its own ports from (22000-29999).
+PORT_RANGE = (12000, 22000)
+
+
 def free_port() -> int:
     """A TCP port free at the time of asking. Another process can take it before the caller's child
     binds it: launchers using it must handle that (EnginePool restarts the replica on another)."""
@@ -44,23 +52,37 @@ def free_port() -> int:
 
 
 def free_ports(n: int, avoid: Iterable[int] = ()) -> list[int]:
-    """``n`` distinct TCP ports free at the time of asking, none of ``avoid`` (ports handed out but not yet bound).
-    Held open together while picked: a port asked for alone, closed and asked for again, can come back the same
-    (48 replicas once drew one port twice)."""
+    """``n`` distinct TCP ports free at the time of asking, none of ``avoid`` (ports handed out but not yet bound),
+    drawn at random from :data:`PORT_RANGE` (from the kernel's, by bind(0), where its ephemeral range starts lower).
+    Held open together while picked: a port asked for alone, closed and asked for again, can come back the same (48
+    replicas once drew one port twice)."""
     avoid = set(avoid)
+    low, high = PORT_RANGE
+    candidates = iter(random.SystemRandom().sample(range(low, high), high - low)) if high <= _ephemeral_low() else None
     held: list[socket.socket] = []
     ports: list[int] = []
     try:
-        while len(ports) < n:  # each bound socket stays bound: at most n + len(avoid) of them
+        while len(ports) < n:  # each bound socket stays bound: at most n + len(avoid) of them, or the range's tries
             s = socket.socket()
             held.append(s)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("", next(candidates, 0) if candidates is not None else 0))
+            except OSError:  # taken
+                continue
             if (port := s.getsockname()[1]) not in avoid:
                 ports.append(port)
         return ports
     finally:
         for s in held:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; elsewhere its default, 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _prctl():

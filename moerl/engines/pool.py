@@ -201,6 +201,7 @@ class EnginePool:
         self.procs: list[subprocess.Popen] = []  # the replicas in order, then the router
         self.ports: list[int] = [cfg.base_port + i for i in range(cfg.replicas)] if cfg.base_port else []
         self.logs: dict[int, Path] = {}  # pid -> log file
+        self.log_offsets: dict[int, int] = {}  # pid -> where its part of the log starts
         self.restarts: dict[int, int] = {}  # replica -> times restarted by revive()
         self._restarted_at: dict[int, deque[float]] = {}  # replica -> when revive() restarted it, within the window
         self.given_up: set[int] = set()  # replicas restarted too often within the window: left dead
@@ -239,8 +240,9 @@ class EnginePool:
         Path(self.cfg.log_dir).mkdir(parents=True, exist_ok=True)
         path = Path(self.cfg.log_dir) / f"{name}.log"
         with open(path, "a" if append else "w") as log:
+            offset = log.tell()
             proc = self._popen(args, env, log)
-        self.logs[proc.pid] = path
+        self.logs[proc.pid], self.log_offsets[proc.pid] = path, offset
         return proc
 
     @staticmethod
@@ -311,23 +313,23 @@ class EnginePool:
         return self.urls
 
     def wait_healthy(self, urls: Callable[[], list[str]], timeout_s: float) -> None:
-        """Until every URL of ``urls()`` answers ``/health``; fails at once when a process exits."""
+        """Until every URL of ``urls()`` answers ``/health``; fails at once when a process exits. A replica's server
+        that finds its port taken (bound by another process since it was picked) starts again on another: one that
+        exits, or one that stays up, unable to serve (SGLang's does)."""
         deadline = time.monotonic() + timeout_s
         healthy: set[str] = set()
         restarts = 0
         while pending := [url for url in urls() if url not in healthy]:
             for i, proc in enumerate(self.procs):
-                if proc.poll() is None or (i and proc is self.procs[i - 1]):  # a process serving several replicas: once
+                if i and proc is self.procs[i - 1]:  # a process serving several replicas: once
                     continue
-                log = self.logs.get(proc.pid)
-                text = log.read_text() if log else ""
-                if (
-                    i < len(self.ports)
-                    and not self.cfg.base_port
-                    and "address already in use" in text.lower()
-                    and restarts < 3
-                ):
+                replica = i < len(self.ports)
+                if proc.poll() is None and not (replica and self.replica_urls[i] in pending):
+                    continue
+                text = self._log_of(proc)
+                if replica and not self.cfg.base_port and "address already in use" in text.lower() and restarts < 3:
                     restarts += 1
+                    self._end(proc)
                     served = [j for j in range(i, len(self.ports)) if self.procs[j] is proc]
                     others = [port for j, port in enumerate(self.ports) if j not in served]
                     for j, port in zip(served, free_ports(len(served), avoid=others), strict=True):
@@ -336,15 +338,51 @@ class EnginePool:
                     for j in served:
                         self.procs[j] = restarted
                     continue
-                tail = f"; the end of {log}:\n{text[-3000:]}" if log else " (set log_dir to keep its log)"
+                if proc.poll() is None:
+                    continue
                 # !s: its args are the list of str it was started with, never the bytes typeshed allows
-                raise RuntimeError(f"an engine process exited during start-up: {proc.args!s}{tail}")
+                raise RuntimeError(f"an engine process exited during start-up: {proc.args!s}{self._last_words(proc)}")
             healthy.update(url for url, up in zip(pending, health(pending), strict=True) if up)
             waiting = [url for url in urls() if url not in healthy]
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(f"engines not healthy after {timeout_s:.0f} s: {waiting}")
             if waiting:
                 time.sleep(HEALTH_POLL_S)
+
+    def _log_of(self, proc: subprocess.Popen) -> str:
+        """What ``proc`` wrote to its log (a restarted replica's log holds its earlier servers' too)."""
+        if (log := self.logs.get(proc.pid)) is None:
+            return ""
+        with open(log, "rb") as f:
+            f.seek(self.log_offsets.get(proc.pid, 0))
+            return f.read().decode(errors="replace")
+
+    @staticmethod
+    def _end(proc: subprocess.Popen) -> None:
+        """SIGKILL ``proc``'s process group (its server's workers too) and reap it."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def _last_words(self, proc: subprocess.Popen) -> str:
+        log = self.logs.get(proc.pid)
+        if log is None:
+            return " (set log_dir to keep its log)"
+        return f"; the end of {log}:\n{self._log_of(proc)[-3000:]}"
+
+    def exited(self) -> list[str]:
+        """Each replica whose server has exited (not restarted yet), with the end of its log: what explains an error
+        that the replica's absence caused."""
+        said: set[int] = set()
+        found = []
+        for i, proc in enumerate(self.procs[: len(self.ports)]):
+            if proc.poll() is not None and proc.pid not in said:
+                said.add(proc.pid)
+                url = self.replica_urls[i]
+                found.append(f"engine {i} ({url}) exited with {proc.returncode}{self._last_words(proc)}")
+        return found
 
     def kill(self, urls: list[str]) -> list[str]:
         """SIGKILL the servers of those of ``urls`` this pool started, for :meth:`revive` to start them again; those."""

@@ -122,6 +122,10 @@ class Engines:
         """The scorers' pools the job started, by section."""
         return {key: s.pool for key, s in self.scorers.items() if s.pool is not None}
 
+    def exited(self) -> list[str]:
+        """The replicas of the pools the job started whose servers have exited, each with the end of its log."""
+        return [line for pool in (self.pool, *self.scorer_pools.values()) if pool is not None for line in pool.exited()]
+
     def wait_started(self, cfg: RunConfig) -> None:
         """Until the pools launched answer."""
         if self.pool is not None:

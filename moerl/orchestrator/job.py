@@ -100,6 +100,8 @@ class Job:
                     type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "",
                 )
+            for exited in self.engines.exited():  # what most likely caused it
+                log.error("%s", exited)
             raise
         finally:
             summary = self.teardown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import signal
 import stat
 import sys
 from pathlib import Path
@@ -125,14 +126,21 @@ def test_replicas_get_disjoint_visible_gpus(monkeypatch):
 
 def _stand_in_python(tmp_path):
     """An interpreter path for EnginePool that starts ``moerl serve`` where it is asked for
-    ``-m sglang.launch_server``, so the pool's real start/health/stop path runs on CPU."""
+    ``-m sglang.launch_server``, so the pool's real start/health/stop path runs on CPU. On a port another process
+    holds it does as SGLang's server does: logs uvicorn's error and stays up, serving nothing."""
     script = tmp_path / "python-standin"
     script.write_text(
         f"#!{sys.executable}\n"
-        "import os, sys\n"
+        "import os, socket, sys, time\n"
         "args = sys.argv[1:]\n"
         "assert args[:2] == ['-m', 'sglang.launch_server'], args\n"
         "model, port = args[args.index('--model-path') + 1], args[args.index('--port') + 1]\n"
+        "try:\n"
+        "    socket.create_server(('127.0.0.1', int(port))).close()\n"
+        "except OSError as e:\n"
+        "    print(f'ERROR: [Errno {e.errno}] error while attempting to bind on address (127.0.0.1, {port}): '\n"
+        "          'address already in use', flush=True)\n"
+        "    time.sleep(3600)\n"
         "os.execv(sys.executable, [sys.executable, '-m', 'moerl.cli', 'serve', '--model', model, '--port', port])\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
@@ -141,7 +149,8 @@ def _stand_in_python(tmp_path):
 
 @pytest.mark.e2e
 def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
-    """Replica 0 is first given a port another process holds: it fails to bind and starts again elsewhere."""
+    """Replica 0 is first given a port another process holds: its server fails to bind and stays up, as SGLang's
+    does; it is ended and started again elsewhere."""
     import socket
 
     import moerl.engines.pool as pool_module
@@ -167,9 +176,21 @@ def test_pool_starts_replicas_serves_and_stops(tmp_path, monkeypatch):
             outs = await asyncio.gather(*(client.generate([5, 6, 7], params) for _ in range(4)))
             return [o[0].output_ids for o in outs], await client.weight_versions()
 
+    spawned: list = []
+    popen = EnginePool._popen
+    monkeypatch.setattr(EnginePool, "_popen", staticmethod(lambda *a: spawned.append(popen(*a)) or spawned[-1]))
     with squatter, pool:
         procs = list(pool.procs)
+        # three servers started: replica 0's first, up but unable to serve, ended (SIGKILL)
+        assert len(spawned) == 3 and spawned[0] not in procs and spawned[0].returncode == -signal.SIGKILL
         outputs, versions = asyncio.run(generate_on_both(pool.urls))
+        assert pool.exited() == []
+        pool.kill(pool.urls[1:])
+        procs[1].wait(timeout=30)
+        # the replica gone named, with its exit and the end of its log
+        [gone] = pool.exited()
+        assert gone.startswith(f"engine 1 ({pool.urls[1]}) exited with -9; the end of {tmp_path / 'logs'}/sglang-1.log")
+        assert gone.endswith((tmp_path / "logs" / "sglang-1.log").read_text()[-500:])
     assert taken not in pool.ports and len(set(pool.ports)) == 2
     assert (
         "address already in use" in (tmp_path / "logs" / "sglang-0.log").read_text().lower()
