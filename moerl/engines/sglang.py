@@ -81,11 +81,17 @@ def sglang_problem(installed: str | None = None) -> str | None:
 def server_env(cuda: bool) -> dict[str, str]:
     """The environment variables an SGLang server starts with: on its PYTHONPATH moerl itself (for moerl's weight
     loader, :data:`~moerl.engines.delta.LOAD_FORMAT`) and on the CPU moerl's CPU support ahead of it, with SGLang's CPU
-    engine."""
+    engine and without its crash diagnostics (a py-spy and CUDA core dump of its schedulers, after 5 s "to let GPU
+    activity settle", which it takes each stop for a crash)."""
     paths = [str(moerl_alone()), os.environ.get("PYTHONPATH", "")]
     if cuda:
         return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    return {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.pathsep.join(p for p in [str(CPU_SUPPORT), *paths] if p)}
+    return {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+        "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+        "PYTHONPATH": os.pathsep.join(p for p in [str(CPU_SUPPORT), *paths] if p),
+    }
 
 
 def moerl_alone() -> Path:

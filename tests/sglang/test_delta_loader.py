@@ -80,6 +80,8 @@ def test_delta_push_equals_full_push(sglang_python, model, tmp_path, monkeypatch
         served_a, full_b, delta_b, delta_a = asyncio.run(run())
     finally:
         pool.stop()
+    # stopped, not crashed: on the CPU no diagnostics (a 5 s wait, a py-spy dump) at each stop
+    assert "crash diagnostics" not in (tmp_path / "sglang-0.log").read_text()
     assert served_a[0] is not None and full_b[0] != served_a[0]
     assert delta_b[0] == full_b[0]
     assert np.array_equal(delta_b[1], full_b[1])
