@@ -123,13 +123,11 @@ def engine_changes(log: Path, url: str) -> list[tuple[datetime.datetime, str]]:
     return changes
 
 
-def test_the_job_trains_across_three_hosts_survives_the_engine_nodes_network_gone_and_resumes(
-    nodes, model, cache, tmp_path
-):
+def test_the_job_trains_across_three_hosts_and_survives_the_engine_nodes_network_gone(nodes, model, cache, tmp_path):
     """Async mode, broadcast weight sync from each trainer node to the engine node, sync.verify after every update: the
     steps complete and the engines serve the trainer's weights. Node 3's interface down for 15 s mid-run, then up: its
     requests pass their deadline, the replica leaves rotation while its probes fail, a probe brings it back once the
-    interface is, and no prompt is lost. A resume on both nodes continues from the checkpoint."""
+    interface is, and no prompt is lost. (A resume across nodes: tests/slurm, after a preemption.)"""
     urls = start_engines(nodes, model, tmp_path / "engine-logs")
     assert re.fullmatch(rf"engines.urls=\[http://{re.escape(nodes.address(3))}:30000\]", urls), urls
     url = urls.removeprefix("engines.urls=[").removesuffix("]")
@@ -153,11 +151,6 @@ def test_the_job_trains_across_three_hosts_survives_the_engine_nodes_network_gon
     assert any(cut <= at <= restored and state != "healthy" for at, state in changes), changes
     assert any(at >= restored and state == "healthy" for at, state in changes), changes
     assert_async_run_accounted(accounting(run_dir), trained=4 * 4, depth=4)
-
-    resumed = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=5", "run.resume=true")
-    for rc, stderr in finished(resumed):
-        assert rc == 0, stderr[-4000:]
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 6))
 
 
 def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, model, cache, tmp_path):
