@@ -44,10 +44,11 @@ class PeerWatch:
         for thread in self._threads:
             thread.start()
 
-    def _store(self) -> dist.Store:
+    def _store(self, timeout_s: float) -> dist.Store:
+        """A connection to the store, each call bounded by ``timeout_s`` (its connection too: tried until then)."""
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         store = dist.TCPStore(
-            host, port, is_master=False, timeout=datetime.timedelta(seconds=self.interval_s * 5), wait_for_workers=False
+            host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
         )
         return dist.PrefixStore("moerl-peer-watch", store)
 
@@ -57,7 +58,7 @@ class PeerWatch:
         while not self._stopped.wait(self.interval_s):
             try:
                 if store is None:
-                    store = self._store()
+                    store = self._store(self.interval_s * 5)
                 store.add(f"beat/{self.rank}", 1)
                 beats = [int(store.add(f"beat/{r}", 0)) for r in range(self.world)]
                 silent = [r for r, beat in enumerate(beats) if beat == heard[r] and r != self.rank]
@@ -111,14 +112,15 @@ class PeerWatch:
         """This rank is done (the job ended, or stops with its own error): the others stop watching it."""
         self._stopped.set()
         self._threads[1].join()
-        try:
-            self._store().set(f"done/{self.rank}", "1")
+        try:  # a courtesy, not waited for: a rank whose launcher is gone finds no store, and its teardown goes on
+            self._store(self.interval_s).set(f"done/{self.rank}", "1")
         except (RuntimeError, OSError):  # nobody left to tell
             pass
 
 
 def _torchrun_agent() -> int | None:
-    """The pid of the torchrun agent that started this process, None if it was started otherwise."""
+    """The pid of the torchrun agent that started this process (torchrun's command, or ``moerl train --launch``), None
+    if it was started otherwise."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     parent = os.getppid()
