@@ -24,9 +24,8 @@ fi
 if [[ " ${args[*]} " != *" run.dir="* ]]; then
   args+=("run.dir=runs/qwen_moe_grpo/$(date +%Y%m%d-%H%M%S)")  # a new directory per run unless one is named
 fi
-# Config, model, task and engine URLs are checked before any rank starts: a mistake is one error line.
-nproc="$("$PYTHON" -m moerl.cli train --check "${args[@]}")"
+# Config, model, task and engine URLs are checked before any rank starts (a mistake is one error line); then, in the
+# same process, torchrun --standalone --nproc-per-node N -m moerl.cli train ARGS starts the N ranks the run needs.
 # MOERL_MAX_RESTARTS=N: torchrun starts the ranks again after a crash, up to N times (with run.resume=auto each
 # start continues from the newest checkpoint).
-exec "$PYTHON" -m torch.distributed.run --standalone --max-restarts "${MOERL_MAX_RESTARTS:-0}" --nproc-per-node "$nproc" \
-  -m moerl.cli train "${args[@]}"
+exec "$PYTHON" -m moerl.cli train --launch "${args[@]}"

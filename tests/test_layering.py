@@ -95,8 +95,8 @@ def test_no_import_cycle():
 
 
 def test_the_command_line_checks_a_run_without_megatron_core():
-    """``moerl train --check`` (the recipe's launcher, before torchrun) and ``--help`` import no megatron-core: 2 s of
-    every job's start on a CPU, paid again by each rank."""
+    """``moerl train --check`` (the recipe's ``--launch`` checks so, before torchrun) and ``--help`` import no
+    megatron-core: 2 s of every job's start on a CPU, paid again by each rank."""
     import subprocess
     import sys
 
@@ -106,8 +106,9 @@ def test_the_command_line_checks_a_run_without_megatron_core():
 
 
 def test_the_recipes_check_loads_no_model_code(tmp_path):
-    """The recipe's ``--check`` of the demo run, what every job start pays for before torchrun, loads no transformers
-    model code (3 s on a CPU): the reward check of a run without a reward model asked the classifier's module once."""
+    """The check of the demo run (the recipe's ``--launch``), what every job start pays for before torchrun, loads no
+    transformers model code (3 s on a CPU): the reward check of a run without a reward model asked the classifier's
+    module once."""
     import subprocess
     import sys
 

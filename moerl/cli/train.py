@@ -1,6 +1,6 @@
-"""``moerl train``: the main job's command line, one trainer rank (``recipes/qwen_moe_grpo.sh`` launches it through
-torchrun; its check, ``--check``, before). The job itself is :mod:`moerl.orchestrator.job`, imported only to run it:
-checking a run, its config or its memory plan needs none of megatron-core.
+"""``moerl train``: the main job's command line, one trainer rank; ``--launch`` (what ``recipes/qwen_moe_grpo.sh``
+runs) checks the run, then starts its ranks through torchrun. The job itself is :mod:`moerl.orchestrator.job`, imported
+only to run it: checking a run, its config or its memory plan needs none of megatron-core.
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "needs, and exit",
     )
     p.add_argument(
+        "--launch",
+        action="store_true",
+        help="check the run as --check does, then start its trainer ranks on this node through torchrun "
+        "(torch.distributed.run --standalone, in this process; MOERL_MAX_RESTARTS=N: its --max-restarts)",
+    )
+    p.add_argument(
         "--show-config",
         action="store_true",
         help="print the whole resolved config (every key, with overrides) and exit",
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     try:
-        if args.check:  # the recipe's single-node launch: torchrun will start this many ranks here
+        if args.check or args.launch:  # a single-node launch: torchrun starts this many ranks here
             world = trainer_world_size(cfg)
             if torch.cuda.is_available() and world > torch.cuda.device_count():
                 raise ConfigError(
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     "recipes/qwen3_30b_a3b.yaml)"
                 )
             preflight(cfg, world)
+            if args.launch:
+                return launch(world, [arg for arg in (sys.argv[1:] if argv is None else argv) if arg != "--launch"])
             print(world)
             return 0
         if args.show_plan:
@@ -98,6 +106,20 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"done: {cfg.run.dir} (metrics.jsonl, tensorboard/, accounting.json; plot with: moerl plot {cfg.run.dir})"
         )
+    return 0
+
+
+def launch(world: int, argv: list[str]) -> int:
+    """``torchrun --standalone --nproc-per-node WORLD -m moerl.cli train ARGV`` in this process, whose interpreter and
+    torch import serve the check and torchrun alike (seconds of every job's start on a CPU). A rank that fails raises
+    torchrun's ChildFailedError, as the torchrun command does."""
+    from torch.distributed.run import main as torchrun
+
+    logging.getLogger().setLevel(logging.WARNING)  # torchrun's own INFO lines, as its command shows them: not at all
+    torchrun(
+        ["--standalone", "--max-restarts", os.environ.get("MOERL_MAX_RESTARTS", "0"), "--nproc-per-node", str(world)]
+        + ["-m", "moerl.cli", "train", *argv]
+    )
     return 0
 
 

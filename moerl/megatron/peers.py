@@ -128,4 +128,5 @@ def _torchrun_agent() -> int | None:
         command = Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return None
-    return parent if any(part.endswith((b"torchrun", b"torch.distributed.run")) for part in command) else None
+    torchrun = any(part.endswith((b"torchrun", b"torch.distributed.run")) for part in command)
+    return parent if torchrun or b"--launch" in command else None  # moerl train --launch: torchrun in its process
