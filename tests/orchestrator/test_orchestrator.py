@@ -423,8 +423,9 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
     assert done[-1]["engines/restarts"] == 1 and sum(r["sync/catch_ups"] for r in done) >= 1
     assert sum(r["rollout/retries_engine_failure"] for r in done) > 0  # both faults caught requests in flight
     manager_log = (tmp_path / "logs" / "rollout_manager.log").read_text()
-    # the restarted replica waited for its adapter; the hung one was probed out
+    # the restarted replica waited for its adapter; the killed one was probed out, the hung one's requests timed out
     assert "-> stale" in manager_log and "-> dead" in manager_log
+    assert re.search(r"-> (suspect|dead) \(.*TimeoutError", manager_log), manager_log[-4000:]
 
 
 def the_error_after(proc: subprocess.Popen, run_dir: Path, steps: int, kill) -> str:
