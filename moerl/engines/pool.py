@@ -315,7 +315,7 @@ class EnginePool:
     def wait_healthy(self, urls: Callable[[], list[str]], timeout_s: float) -> None:
         """Until every URL of ``urls()`` answers ``/health``; fails at once when a process exits. A replica's server
         that finds its port taken (bound by another process since it was picked) starts again on another: one that
-        exits, or one that stays up, unable to serve (SGLang's does)."""
+        exits, or one that stays up, unable to serve (SGLang's does); on a port of ``base_port``'s, it fails."""
         deadline = time.monotonic() + timeout_s
         healthy: set[str] = set()
         restarts = 0
@@ -326,8 +326,8 @@ class EnginePool:
                 replica = i < len(self.ports)
                 if proc.poll() is None and not (replica and self.replica_urls[i] in pending):
                     continue
-                text = self._log_of(proc)
-                if replica and not self.cfg.base_port and "address already in use" in text.lower() and restarts < 3:
+                taken = replica and "address already in use" in self._log_of(proc).lower()
+                if taken and not self.cfg.base_port and restarts < 3:
                     restarts += 1
                     self._end(proc)
                     served = [j for j in range(i, len(self.ports)) if self.procs[j] is proc]
@@ -338,10 +338,13 @@ class EnginePool:
                     for j in served:
                         self.procs[j] = restarted
                     continue
-                if proc.poll() is None:
+                if proc.poll() is None and not taken:
                     continue
+                said = self._last_words(proc)
+                self._end(proc)
+                what = f"found its address taken (port {self.ports[i]})" if taken else "exited during start-up"
                 # !s: its args are the list of str it was started with, never the bytes typeshed allows
-                raise RuntimeError(f"an engine process exited during start-up: {proc.args!s}{self._last_words(proc)}")
+                raise RuntimeError(f"an engine process {what}: {proc.args!s}{said}")
             healthy.update(url for url, up in zip(pending, health(pending), strict=True) if up)
             waiting = [url for url in urls() if url not in healthy]
             if waiting and time.monotonic() > deadline:

@@ -224,6 +224,22 @@ def test_pool_reports_a_server_that_dies_during_startup(tmp_path):
     assert pool.procs == []
 
 
+@pytest.mark.e2e
+def test_pool_fails_at_once_where_the_port_it_was_given_is_taken(tmp_path):
+    """engines.base_port names the ports: one another process holds is no reason to pick another, nor to wait for a
+    server that cannot serve (SGLang's stays up): one error naming the port, its server ended."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as squatter:
+        port = squatter.getsockname()[1]
+        model = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "model")
+        cfg = EnginePoolConfig(model_path=str(model), base_port=port, log_dir=str(tmp_path / "logs"))
+        pool = EnginePool(cfg, python=_stand_in_python(tmp_path))
+        with pytest.raises(RuntimeError, match=rf"(?s)found its address taken \(port {port}\).*address already in use"):
+            pool.start(timeout_s=600)
+    assert pool.procs == []
+
+
 # ---- against SGLang's own code, in its interpreter --------------------------------------------------
 
 ROUTING = np.random.default_rng(0).integers(0, 60, size=(7, 3, 4), dtype=np.int32)
