@@ -197,17 +197,25 @@ def exit_with_importing(pid: int, modules: tuple[str, ...]) -> None:
     request unpickles their types has them by then, instead of importing them (seconds, for torch's) while its client
     waits. Its start does not wait for them, nor its owner's exit for the last collection of what they hold
     (:func:`skip_the_last_collection`)."""
-    import importlib
     import threading
 
     exit_with(pid)
     skip_the_last_collection()
 
-    def load() -> None:
-        for name in modules:
-            importlib.import_module(name)
+    threading.Thread(target=import_all, args=(modules,), name="import-ahead", daemon=True).start()
 
-    threading.Thread(target=load, name="import-ahead", daemon=True).start()
+
+def import_all(modules: tuple[str, ...]) -> None:
+    """Import ``modules``, beside a thread that may import some of them at once: where Python finds the two waiting on
+    each other's module locks it raises in one of them, and that one here leaves the module to the other."""
+    import importlib
+    from importlib._bootstrap import _DeadlockError  # type: ignore[attr-defined]
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except _DeadlockError:
+            continue
 
 
 def end_with_launcher(grace_s: float = 60.0, every_s: float = 1.0) -> None:

@@ -134,3 +134,28 @@ def test_a_second_sigterm_leaves_the_teardown_running():
         signal.raise_signal(signal.SIGTERM)  # ignored: no exception
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_importing_ahead_leaves_a_module_to_the_thread_python_found_it_deadlocked_with(monkeypatch):
+    """The checkpoint writers' server imports torch's checkpointing ahead while a request may import it: where Python
+    raises its deadlock error in the thread importing ahead, that thread goes on to the next module (no traceback), and
+    any other error is raised."""
+    import importlib
+    from importlib._bootstrap import _DeadlockError  # type: ignore[attr-defined]
+
+    from moerl.env import import_all
+
+    asked = []
+
+    def import_module(name):
+        asked.append(name)
+        if name == "first":
+            raise _DeadlockError("deadlock detected by _ModuleLock('first')")
+        if name == "broken":
+            raise ImportError(name)
+
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    import_all(("first", "second"))
+    assert asked == ["first", "second"]
+    with pytest.raises(ImportError):
+        import_all(("broken",))
