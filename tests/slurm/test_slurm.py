@@ -48,7 +48,7 @@ def test_the_demo_runs_across_three_nodes_from_one_sbatch_and_comes_back_from_a_
     slurm, demo_model, demo_cache, tmp_path
 ):
     """The CPU demo (EP2: two trainer nodes of one gloo rank, one engine node) in async mode with broadcast weight sync
-    and sync.verify after every update, warned of preemption after its second step: it checkpoints, the job requeues
+    and sync.verify after every update, warned of preemption after its first step: it checkpoints, the job requeues
     itself, and the requeued job resumes from that checkpoint (the only one: no periodic saves) and completes every
     step, the engines serving the trainer's weights, no prompt lost or trained twice, each node logged under the run
     directory."""
@@ -58,7 +58,9 @@ def test_the_demo_runs_across_three_nodes_from_one_sbatch_and_comes_back_from_a_
         f"model.path={demo_model}", "engines.dtype=float32", "run.mode=async", f"run.steps={steps}",
         "run.progress=false", "run.save_every=0", "sync.verify=true", f"rollout.groups_per_step={groups}",
     )  # fmt: skip
-    wait_for(lambda: len(metric_rows(run_dir)) >= 2 or slurm.state(job) not in ("PENDING", "RUNNING"), 420, "step")
+    # warned after its first step: three steps of margin for the signal's way to the job (warned after its second, a run
+    # here stopped a few seconds before it would have ended)
+    wait_for(lambda: len(metric_rows(run_dir)) >= 1 or slurm.state(job) not in ("PENDING", "RUNNING"), 420, "step")
     slurm.client(["scancel", "--batch", "--signal=USR1", str(job)])  # Slurm's warning, as --signal=B:USR1@N sends it
     # A requeued job is held (BeginTime) for a while: started at once here.
     wait_for(lambda: "Restarts=1" in slurm.client(["scontrol", "show", "job", str(job)]).stdout, 300, "requeue")
