@@ -39,7 +39,9 @@ completion's length as it is issued (each group predicted its longest, each requ
 predictions could give. ``--hold-long T``: a group whose longest completion will run T tokens or more, drawn between
 syncs, is held and issued at the next sync (when its window opens) and another drawn in its place; the groups held go
 beyond the depth, and as many later orders are skipped (a prompt's length known before it is issued: to measure what
-issuing long groups at a sync could give).
+issuing long groups at a sync could give); ``--hold-on history`` judges a group instead by the longest completion of
+its prompt's group one epoch before (drawn from the same prompt difficulty: what a multi-epoch run's lengths.jsonl
+tells of a prompt before it is issued again).
 
 For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the steps'
 mean response and longest trained response) and its terms, the ratio, the one-concurrency guide's ratio to the same
@@ -102,6 +104,7 @@ class Policy:
     abort_predicted: float | None = None  # None: off; else the margin (see --abort-predicted)
     oracle: bool = False  # length_aware: the dispatcher knows each completion's length (--oracle)
     hold_long: int = 0  # a group whose longest completion runs this many tokens waits for the next sync (0: none)
+    hold_on: str = "drawn"  # what --hold-long judges: the group's own longest ("drawn"), or its prompt's last epoch's
     schedule: ScheduleSection = field(default_factory=ScheduleSection)  # length_aware: the job's rollout.schedule
 
 
@@ -173,11 +176,13 @@ class AsyncLoop:
         self.chunk_end = np.zeros(0)
 
     # ---- generation -------------------------------------------------------------------------------
-    def _draw(self) -> np.ndarray:
+    def _draw(self) -> tuple[np.ndarray, float]:
         """A group's response lengths, as the simulated engine draws them (correlated as the profile says), cut at
-        max_new_tokens."""
-        lengths = self.e.response_tokens.draw_group(self.rng, self.shape.samples)
-        return np.minimum(np.maximum(np.round(lengths), 1), self.shape.max_new_tokens)
+        max_new_tokens; and its longest as ``--hold-on`` knows it: drawn, or its prompt's group's one epoch before."""
+        history = self.policy.hold_on == "history"
+        epochs = self.e.response_tokens.draw_epochs(self.rng, self.shape.samples, 2 if history else 1)
+        cut = np.minimum(np.maximum(np.round(epochs), 1), self.shape.max_new_tokens)
+        return cut[-1], float(cut[0].max())
 
     def replace(self) -> None:
         """Order a group in place of one taken or dropped, unless held groups went in its stead."""
@@ -190,8 +195,8 @@ class AsyncLoop:
         """Issue a group: ``lengths``, else one drawn (with ``--hold-long``, a long one drawn is held for the next sync
         and another drawn)."""
         while lengths is None:
-            lengths = self._draw()
-            if self.policy.hold_long and lengths.max() >= self.policy.hold_long and self.now > self.served_at[-1]:
+            lengths, longest = self._draw()
+            if self.policy.hold_long and longest >= self.policy.hold_long and self.now > self.served_at[-1]:
                 self.held.append(lengths)
                 lengths = None
         g = len(self.version_of)
@@ -248,7 +253,7 @@ class AsyncLoop:
     def restart(self, g: int) -> None:
         members = np.nonzero(self.group == g)[0]
         self._stop(g)
-        lengths = self._draw()
+        lengths, _ = self._draw()
         self.length[members], self.left[members], self.start[members], self.alive[members] = (
             lengths,
             lengths,
@@ -577,6 +582,12 @@ def main() -> int:
     p.add_argument("--abort-doomed", action="store_true", help="see above")
     p.add_argument("--oracle", action="store_true", help="length_aware; see above")
     p.add_argument("--hold-long", type=int, default=0, help="tokens (0: off); see above")
+    p.add_argument(
+        "--hold-on",
+        choices=("drawn", "history"),
+        default="drawn",
+        help="--hold-long judges a group by its own longest completion (drawn), or by its prompt's one epoch before",
+    )
     p.add_argument("--abort-predicted", type=float, metavar="M", help="length_aware, off without; see above")
     p.add_argument(
         "--correlations",
@@ -622,7 +633,7 @@ def main() -> int:
         if args.abort_predicted is not None and name != "length_aware":
             raise SystemExit(f"--abort-predicted: length_aware only (it predicts from finished siblings), not {name}")
     predicted = "-" if args.abort_predicted is None else f"{args.abort_predicted:g}"
-    held = f", held from {args.hold_long}" if args.hold_long else ""
+    held = f", held from {args.hold_long} ({args.hold_on})" if args.hold_long else ""
     for rho, name, depth, young in itertools.product(
         correlations, args.policies.split(","), args.depth, args.restart_young
     ):
@@ -653,6 +664,7 @@ def main() -> int:
                 abort_predicted=args.abort_predicted,
                 oracle=args.oracle,
                 hold_long=args.hold_long,
+                hold_on=args.hold_on,
                 schedule=scheduled,
             )
             runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]

@@ -106,7 +106,13 @@ class ResponseLengths(LengthProfile):
     def draw_group(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """The lengths of ``n`` responses to one prompt, the prompt's and each sample's normal drawn from ``rng`` (the
         offline model's draw; the engine's are :meth:`tokens`)."""
-        return self._length(float(rng.standard_normal()), rng.standard_normal(n))
+        return self.draw_epochs(rng, n, 1)[0]
+
+    def draw_epochs(self, rng: np.random.Generator, n: int, epochs: int) -> np.ndarray:
+        """The lengths of ``n`` responses to one prompt in each of ``epochs`` epochs (rows): the prompt's normal drawn
+        once, each sample's anew."""
+        z_prompt = float(rng.standard_normal())
+        return np.stack([self._length(z_prompt, rng.standard_normal(n)) for _ in range(epochs)])
 
     def _length(self, z_prompt: float, z_sample: np.ndarray) -> np.ndarray:
         rho = self.correlation

@@ -62,6 +62,24 @@ def test_siblings_lengths_have_the_configured_correlation_and_marginal(rho):
     assert abs(np.quantile(logs, 0.99) - math.log(200)) < 4 * se_p99
 
 
+@pytest.mark.parametrize("rho", [0.0, 0.73])
+def test_a_prompts_groups_of_two_epochs_share_its_difficulty_alone(rho):
+    """The offline model's draw of a prompt's group in successive epochs: the log-lengths of two responses, within an
+    epoch or across two, correlate by rho; the first epoch's group is the one draw_group makes from the same state."""
+    lengths = ResponseLengths(median=40, p99=200, correlation=rho)
+    g, k = 2000, 4
+    rng = np.random.default_rng(5)
+    epochs = np.log(np.stack([lengths.draw_epochs(rng, k, 2) for _ in range(g)]))  # [prompt, epoch, sample]
+    assert np.array_equal(
+        lengths.draw_epochs(np.random.default_rng(1), k, 2)[0], lengths.draw_group(np.random.default_rng(1), k)
+    )
+    # across epochs: one response of each, k pairs a prompt; Fisher's z, its standard error over g prompts
+    across = np.corrcoef(epochs[:, 0, :].ravel(), epochs[:, 1, :].ravel())[0, 1]
+    assert abs(math.atanh(across) - math.atanh(rho)) < 4 / math.sqrt(g - 3), (across, rho)
+    se = math.sqrt(2 * (1 - rho) ** 2 * (1 + (2 * k - 1) * rho) ** 2 / (2 * k * (2 * k - 1) * (g - 1)))
+    assert abs(balanced_icc(epochs.reshape(g, 2 * k)) - rho) < 4 * se  # the two epochs' 2k responses, one class
+
+
 def test_a_length_is_a_function_of_the_prompt_and_the_seed_alone():
     lengths = ResponseLengths(median=40, p99=200, correlation=0.5)
     prompt = list(range(100, 130))
