@@ -226,8 +226,9 @@ def test_pool_reports_a_server_that_dies_during_startup(tmp_path):
 
 @pytest.mark.e2e
 def test_pool_fails_at_once_where_the_port_it_was_given_is_taken(tmp_path):
-    """engines.base_port names the ports: one another process holds is no reason to pick another, nor to wait for a
-    server that cannot serve (SGLang's stays up): one error naming the port, its server ended."""
+    """A pool given its ports (base_port: ``moerl engines --base-port``): one another process holds is no reason to pick
+    another, nor to wait for a server that cannot serve (SGLang's stays up): one error naming the port, its server
+    ended."""
     import socket
 
     with socket.create_server(("127.0.0.1", 0)) as squatter:
