@@ -363,10 +363,7 @@ class EnginePool:
     @staticmethod
     def _end(proc: subprocess.Popen) -> None:
         """SIGKILL ``proc``'s process group (its server's workers too) and reap it."""
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc.pid)
         proc.wait()
 
     def _last_words(self, proc: subprocess.Popen) -> str:
@@ -391,10 +388,7 @@ class EnginePool:
         """SIGKILL the servers of those of ``urls`` this pool started, for :meth:`revive` to start them again; those."""
         killed = [url for url in urls if url in self.replica_urls]
         for url in killed:
-            try:
-                os.killpg(self.procs[self.replica_urls.index(url)].pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(self.procs[self.replica_urls.index(url)].pid)
         return killed
 
     def revive(self, max_restarts: int, window_s: float = math.inf) -> list[str]:
@@ -431,10 +425,7 @@ class EnginePool:
                     self.logs.get(proc.pid),
                 )
                 continue
-            try:  # its workers (SGLang's scheduler processes) may outlive it, holding its GPUs
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(proc.pid)  # its workers (SGLang's scheduler processes) may outlive it, holding its GPUs
             # A GPU's memory is free once every process that held it has ended: a server started before then finds too
             # little and fails, which costs one of the replica's restarts. A later call starts it.
             if left := group_left(proc.pid):
@@ -491,6 +482,14 @@ class EnginePool:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group ``pid`` leads, if any of it is left."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _has_cuda() -> bool:
