@@ -7,32 +7,17 @@ import hashlib
 import logging
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from moerl.env import child_env, die_with_parent
 from moerl.errors import ConfigError
-from moerl.files import staged_dir
+from moerl.files import build_once
 from moerl.orchestrator.config import RunConfig, Scorer
 from moerl.orchestrator.preflight import check_tokenizers, model_dir, simulation_profile
 from moerl.plugins import import_object
 from moerl.tasks import DEMO, DEMO_MODELS, DEMO_SCORERS
 
 log = logging.getLogger("moerl.train")
-
-
-def _done(path: Path) -> bool:
-    return (path / ".complete").is_file()
-
-
-def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
-    """``build(staging)`` into a staging directory renamed to ``target``: a crash never leaves a half model."""
-    if _done(target):
-        return target
-    with staged_dir(target) as staging:
-        build(staging)
-        (staging / ".complete").write_text("")
-    return target
 
 
 def _demo_model(cache: Path, name: str, builder: str) -> Path:
@@ -43,7 +28,7 @@ def _demo_model(cache: Path, name: str, builder: str) -> Path:
         log.info("creating the tiny demo model (once) in %s", cache / name)
         save(staging / "model")  # a subdirectory: the build marker stays out of the HF directory
 
-    return _build_once(cache / name / "hf", build) / "model"
+    return build_once(cache / name / "hf", build) / "model"
 
 
 def prepare_scorer_model(cfg: RunConfig, scorer: Scorer) -> Path:
@@ -102,7 +87,7 @@ def prepare_model(cfg: RunConfig) -> tuple[Path, Path | None]:
             preexec_fn=die_with_parent,
         )
 
-    return hf, _build_once(cache / "mcore" / _fingerprint(hf), convert) / "ckpt"
+    return hf, build_once(cache / "mcore" / _fingerprint(hf), convert) / "ckpt"
 
 
 def _fingerprint(hf: Path) -> str:
@@ -126,4 +111,4 @@ def engine_model(cfg: RunConfig, hf: Path) -> Path:
         log.info("writing an FP8 copy of %s for the engines (once)", hf)
         save_fp8(hf, staging / "model")
 
-    return _build_once(Path(cfg.run.cache_dir).expanduser() / "fp8" / _fingerprint(hf), quantize) / "model"
+    return build_once(Path(cfg.run.cache_dir).expanduser() / "fp8" / _fingerprint(hf), quantize) / "model"
