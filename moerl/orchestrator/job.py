@@ -71,8 +71,8 @@ class Job:
 
     def run(self) -> dict | None:
         """The whole job; rank 0 returns the final accounting."""
-        resumed = self.setup()
         try:
+            resumed = self.setup()
             self.start_rollouts()
             # Engines given by URL may hold another run's weights: they get this run's before the first rollout.
             self.weight_sync.start(self.trainer, engines_hold_it=not resumed and not self.cfg.engines.urls)
@@ -96,7 +96,7 @@ class Job:
             else:
                 log.error(
                     "stopping at step %d: %s: %s",
-                    self.trainer.version,
+                    self.trainer.version if hasattr(self, "trainer") else 0,  # 0: before the trainer was built
                     type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "",
                 )
@@ -136,6 +136,8 @@ class Job:
         box = [on_lead(prepare, "checking the run and preparing the model")]
         dist.broadcast_object_list(box, src=0)
         self.hf, mcore = Path(box[0][0]), box[0][1]
+        if self.placement.loads_overlap:  # minutes each for a large model: the engines load while the trainer does
+            on_lead(self.launch_engines, "starting the engines")
         self.trainer = make_trainer(cfg, self.hf, mcore)
         self.full_bytes = full_weight_bytes(self.trainer)  # what a full-weight sync moves, beside what each sync moved
         self.tolerance = verify_tolerance(cfg)
@@ -150,20 +152,12 @@ class Job:
         """The engines and the weight sync to them; on rank 0 the rollouts, the manager and the metrics
         (:class:`Lead`)."""
         cfg, placement = self.cfg, self.placement
-        placement.make_room(self.trainer)
-
-        def engines() -> list[str]:
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-            self.manager = start_manager(self.run_dir)
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            e, together = self.engines, placement.pools_load_together
-            e.urls, e.pool = start_engines(cfg, placement, self.hf, self.run_dir, local_ranks, wait=not together)
-            start_scorer_engines(cfg, placement, self.run_dir, local_ranks, not together, e)
-            if together:  # the teardown stops both, whichever fails
-                e.wait_started(cfg)
-            return e.urls
-
-        urls = on_lead(engines, "starting the engines")
+        if placement.loads_overlap:  # launched as the trainer was built; the teardown stops all, whichever fails
+            on_lead(lambda: self.engines.wait_started(cfg), "starting the engines")
+        else:
+            placement.make_room(self.trainer)
+            on_lead(self.launch_engines, "starting the engines")
+        urls = self.engines.urls if self.rank == 0 else None
         strategy = placement.sync_strategy(cfg)
         sync = self.sync = make_sync(cfg, strategy, urls, self.hf, self.run_dir, self.trainer.hf_config)
         sync.connect()
@@ -177,6 +171,17 @@ class Job:
             )
 
         on_lead(lead, "starting the rollout manager")
+
+    def launch_engines(self) -> None:
+        """Rank 0: the rollout manager's process, and the engines the job starts: where :attr:`Placement.loads_overlap`,
+        launched, for :meth:`start_rollouts` to wait on; elsewhere each pool answering before the next starts."""
+        cfg, placement = self.cfg, self.placement
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.manager = start_manager(self.run_dir)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        e, wait = self.engines, not placement.loads_overlap
+        e.urls, e.pool = start_engines(cfg, placement, self.hf, self.run_dir, local_ranks, wait=wait)
+        start_scorer_engines(cfg, placement, self.run_dir, local_ranks, wait, e)
 
     def step(self) -> None:
         """Take the step's groups, train on them, bring the engines to the new policy, record, maybe save."""

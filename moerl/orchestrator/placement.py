@@ -78,9 +78,10 @@ class Placement:
     global rank 0 around the engines' (given the weight sync and the pools of scorer replicas the job started), and the
     memory plan's terms. A hook that does nothing here does nothing for :class:`Separate`."""
 
-    # Whether the scorers' replicas and the policy's load at once (GPUs of their own), or each pool once the one before
-    # holds its memory (GPUs they share, where SGLang sizes its static memory from what is free when it starts).
-    pools_load_together: bool
+    # Whether the engines' pools (the policy's, the scorers') load at once and while the trainer is built (GPUs of their
+    # own), or each once the trainer made room and the pool before holds its memory (GPUs they share, where SGLang sizes
+    # its static memory from what is free when it starts).
+    loads_overlap: bool
     # Whether the scorers' replicas the job starts keep their weights in host memory while they give back the GPU's.
     scorer_weights_on_host: bool
 
@@ -159,7 +160,7 @@ class Placement:
 class Separate(Placement):
     """The engines on GPUs of their own, after the trainer's on a node; they generate while the trainer trains."""
 
-    pools_load_together = True
+    loads_overlap = True
     scorer_weights_on_host = False
 
     def gpu_offset(self, taken: int) -> int:
@@ -188,7 +189,7 @@ class Colocated(Placement):
     with the trainer: refused with LoRA, a simulation, engines given by URL and modes other than sync
     (:func:`~moerl.orchestrator.config.colocation_problems`)."""
 
-    pools_load_together = False
+    loads_overlap = False
     scorer_weights_on_host = True  # no push brings a scorer's weights back
 
     def __init__(self) -> None:

@@ -757,6 +757,71 @@ def test_job_messages_are_typed_and_anything_else_is_refused(tmp_path):
     assert ManagerSpec.read(tmp_path / "spec.json") == spec and not (tmp_path / "spec.json.partial").exists()
 
 
+@pytest.mark.parametrize(
+    "placement, failing, events",
+    [
+        ("separate", None, ["engines launched", "trainer built", "engines waited for", "sync made"]),
+        ("colocated", None, ["trainer built", "room made", "engines started", "sync made"]),
+        ("separate", "trainer", ["engines launched", "trainer failed"]),
+    ],
+)
+def test_engines_on_gpus_of_their_own_load_while_the_trainer_is_built_and_stop_with_the_job_whatever_fails(
+    monkeypatch, tmp_path, placement, failing, events
+):
+    """The job's phases on rank 0, their collaborators recorded: engines on GPUs of their own are launched before the
+    trainer is built and waited for after; colocated ones start once the trainer made room. Whatever fails from the
+    engines' launch on, the teardown kills the rollout manager and stops the engines."""
+    from types import SimpleNamespace
+
+    from moerl.orchestrator import job as job_module
+    from moerl.orchestrator.config import load_config
+
+    seen: list[str] = []
+
+    class Failed(Exception):
+        pass
+
+    def make_trainer(cfg, hf, mcore):
+        seen.append("trainer failed" if failing == "trainer" else "trainer built")
+        if failing == "trainer":
+            raise Failed
+        return SimpleNamespace(version=0, hf_config={})
+
+    def make_sync(*args):
+        seen.append("sync made")
+        raise Failed  # the phases after it are other tests'
+
+    def start_engines(cfg, placement, hf, run_dir, local_ranks, wait):
+        seen.append("engines started" if wait else "engines launched")
+        return ["http://e"], None
+
+    for name, value in {
+        "check_layout": lambda cfg, world: None,
+        "init_process_group": lambda timeout_s: None,
+        "ranks_agree": lambda error, what: None,
+        "on_lead": lambda call, what: call(),
+        "dist": SimpleNamespace(broadcast_object_list=lambda box, src: None),
+        "preflight": lambda cfg, world: None,
+        "prepare_model": lambda cfg: (str(tmp_path / "hf"), None),
+        "make_trainer": make_trainer,
+        "full_weight_bytes": lambda trainer: 0,
+        "verify_tolerance": lambda cfg: 0.0,
+        "latest_checkpoint": lambda run_dir: None,
+        "start_manager": lambda run_dir: SimpleNamespace(kill=lambda: seen.append("manager killed")),
+        "start_engines": start_engines,
+        "start_scorer_engines": lambda *args: None,
+        "make_sync": make_sync,
+    }.items():
+        monkeypatch.setattr(job_module, name, value)
+    job = job_module.Job(load_config(None, ["run.mode=sync", f"run.placement={placement}", f"run.dir={tmp_path}"]))
+    monkeypatch.setattr(job.engines, "wait_started", lambda cfg: seen.append("engines waited for"))
+    monkeypatch.setattr(job.engines, "stop", lambda: seen.append("engines stopped"))
+    monkeypatch.setattr(job.placement, "make_room", lambda trainer: seen.append("room made"))
+    with pytest.raises(Failed):
+        job.run()
+    assert seen == [*events, "manager killed", "engines stopped"]
+
+
 @pytest.mark.e2e
 def test_a_resumed_lora_run_samples_with_its_own_adapter_from_the_first_request(monkeypatch):
     """The adapter a resumed run's sync loads at start is what the rollout manager's first requests name."""
