@@ -43,10 +43,12 @@ setup(
         # peft: tests load the exported adapters with it; hypothesis: the engine's HTTP API is fuzzed; openai, the
         # OpenAI Agents SDK and LangChain: agent code written with each drives an episode's endpoint (pinned: the
         # endpoint is held to what these releases send); ruff, mypy and mkdocs: the gates of tools/check.sh (mkdocs
-        # also builds the site in tests/test_docs.py), pinned so that they judge alike everywhere.
+        # also builds the site in tests/test_docs.py), pinned so that they judge alike everywhere; pytest-xdist runs
+        # the suite's tests two at a time (pytest.ini): a job leaves a core idle through its single-process phases.
         "dev": [
             "pytest>=8",
             "pytest-timeout",
+            "pytest-xdist==3.8.0",
             "peft==0.21.2",
             "hypothesis>=6",
             "openai==3.57.0",

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from pathlib import Path
 
 
 def _gpu_tests_selected(args: list[str]) -> bool:
@@ -13,7 +14,11 @@ def _gpu_tests_selected(args: list[str]) -> bool:
 
 # `python3 -m pytest` is the CPU suite on every machine: CUDA is hidden from it, and from every process it
 # starts, before anything asks torch about devices. `-m gpu` selects the CUDA tests and leaves the GPUs visible.
-if not _gpu_tests_selected(sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))):
+# An xdist worker (-n, pytest.ini) has its environment from the pytest process that started it. Beside the other
+# worker, it and the processes it starts compute on one thread each: more would only contend for the cores.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+elif not _gpu_tests_selected(sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
@@ -22,6 +27,25 @@ import torch  # noqa: E402
 from moerl.models.tiny import ARCHITECTURES, save_tiny_hf  # noqa: E402
 
 ARCHS = ARCHITECTURES
+
+
+def pytest_xdist_auto_num_workers(config) -> int | None:
+    """The `gpu` tests run one at a time, each rank on a GPU of its own; the CPU suite as pytest.ini's -n says."""
+    return 0 if _gpu_tests_selected(config.invocation_params.args) else None
+
+
+# Files whose tests xdist may spread over its workers (pytest.ini's -n): each test starts jobs of its own, and what they
+# share is made once under :func:`shared_dir`. Elsewhere a file's tests stay on one worker, its module fixtures made
+# once; the tests against SGLang's servers run one at a time, on one worker.
+SPREAD = {"tests/orchestrator/test_orchestrator.py"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("sglang"):
+            item.add_marker(pytest.mark.xdist_group("sglang"))
+        elif item.nodeid.split("::")[0] not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 def pytest_collection_finish(session) -> None:
@@ -67,11 +91,20 @@ def tiny_ckpts(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory):
-    """A ``run.cache_dir`` for the session's jobs: the CPU demo's models (its warmed-up policy, its reward model) are
-    made in it once, by the first job or fixture that needs each, and each model converted to the Megatron layout
-    once (:mod:`moerl.orchestrator.model_cache`)."""
-    return tmp_path_factory.mktemp("moerl-cache")
+def shared_dir(tmp_path_factory) -> Path:
+    """A directory of this run that every xdist worker shares (pytest.ini's -n): the base of the workers' own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+@pytest.fixture(scope="session")
+def demo_cache(shared_dir):
+    """A ``run.cache_dir`` for the run's jobs, on every worker: the CPU demo's models (its warmed-up policy, its reward
+    model) are made in it once, by the first job or fixture that needs each, and each model converted to the Megatron
+    layout once (:mod:`moerl.orchestrator.model_cache`; a job that needs one being made waits for it)."""
+    cache = shared_dir / "moerl-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session")
@@ -96,12 +129,13 @@ def demo_reward_model(demo_cache):
 
 
 @pytest.fixture(scope="session")
-def calc_model(tmp_path_factory):
+def calc_model(shared_dir):
     """A tiny Qwen3-MoE warmed up briefly on the calc task's tool format: it writes well-formed tool calls and ends its
     turns, though it uses the tool less often and less well than the demo's (what the episode tests need)."""
+    from moerl.files import build_once
     from moerl.tasks.calc import save_warm_calc_model
 
-    return save_warm_calc_model(tmp_path_factory.mktemp("calc") / "model", steps=80)
+    return build_once(shared_dir / "calc", lambda staging: save_warm_calc_model(staging / "model", steps=80)) / "model"
 
 
 def hub_grads(hf_model) -> dict[str, torch.Tensor]:
