@@ -44,7 +44,7 @@ setup(
         # OpenAI Agents SDK and LangChain: agent code written with each drives an episode's endpoint (pinned: the
         # endpoint is held to what these releases send); ruff, mypy and mkdocs: the gates of tools/check.sh (mkdocs
         # also builds the site in tests/test_docs.py), pinned so that they judge alike everywhere; pytest-xdist runs
-        # the suite's tests two at a time (pytest.ini): a job leaves a core idle through its single-process phases.
+        # the unit tier's tests two at a time (pytest.ini, tests/conftest.py).
         "dev": [
             "pytest>=8",
             "pytest-timeout",

@@ -6,16 +6,20 @@ import sys
 from pathlib import Path
 
 
-def _gpu_tests_selected(args: list[str]) -> bool:
+def _marker_expression(args: list[str]) -> str:
     expr = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "-m"), None)
-    expr = expr or next((a[2:] for a in args if a.startswith("-m") and len(a) > 2 and not a.startswith("--")), "")
+    return expr or next((a[2:] for a in args if a.startswith("-m") and len(a) > 2 and not a.startswith("--")), "")
+
+
+def _gpu_tests_selected(args: list[str]) -> bool:
+    expr = _marker_expression(args)
     return "gpu" in expr and "not gpu" not in expr
 
 
 # `python3 -m pytest` is the CPU suite on every machine: CUDA is hidden from it, and from every process it
 # starts, before anything asks torch about devices. `-m gpu` selects the CUDA tests and leaves the GPUs visible.
-# An xdist worker (-n, pytest.ini) has its environment from the pytest process that started it. Beside the other
-# worker, it and the processes it starts compute on one thread each: more would only contend for the cores.
+# An xdist worker (the unit tier's, below) has its environment from the pytest process that started it; beside the
+# other, it computes on one thread: more would only contend for the cores.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
 elif not _gpu_tests_selected(sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))):
@@ -30,22 +34,10 @@ ARCHS = ARCHITECTURES
 
 
 def pytest_xdist_auto_num_workers(config) -> int | None:
-    """The `gpu` tests run one at a time, each rank on a GPU of its own; the CPU suite as pytest.ini's -n says."""
-    return 0 if _gpu_tests_selected(config.invocation_params.args) else None
-
-
-# Files whose tests xdist may spread over its workers (pytest.ini's -n): each test starts jobs of its own, and what they
-# share is made once under :func:`shared_dir`. Elsewhere a file's tests stay on one worker, its module fixtures made
-# once; the tests against SGLang's servers run one at a time, on one worker.
-SPREAD = {"tests/orchestrator/test_orchestrator.py"}
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    for item in items:
-        if item.get_closest_marker("sglang"):
-            item.add_marker(pytest.mark.xdist_group("sglang"))
-        elif item.nodeid.split("::")[0] not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    """The unit tier (``-m "not e2e"``) runs two tests at a time, a file's on one worker (pytest.ini: ``-n auto
+    --maxprocesses 2 --dist loadfile``). Every other selection runs one at a time: the e2e tests' fault injections time
+    their kills and timeouts for a machine their job has to itself, and each `gpu` test's ranks take a GPU each."""
+    return None if "not e2e" in _marker_expression(config.invocation_params.args) else 0
 
 
 def pytest_collection_finish(session) -> None:

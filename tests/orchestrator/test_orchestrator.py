@@ -533,7 +533,6 @@ def start_until_checkpoint(cache: Path, run_dir: Path, overrides: list[str], ste
 
 
 @pytest.mark.e2e
-@pytest.mark.xdist_group("sync_run")  # on one worker: its fixture runs once
 def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_results(cache, sync_run, tmp_path):
     """SIGKILL of torchrun alone (an OOM killer's, a scheduler's hard kill, a timeout's --kill-after): its ranks run in
     sessions of their own that no signal of torchrun's reaches, so each must notice and stop (engines and rollout
@@ -1156,7 +1155,6 @@ def test_a_loopback_sync_address_is_refused_where_the_engines_are_on_another_hos
 
 
 @pytest.mark.e2e
-@pytest.mark.xdist_group("sync_run")  # on one worker: its fixture runs once
 def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survive_a_kill_and_a_resume(
     cache, sync_run, tmp_path
 ):
