@@ -112,7 +112,7 @@ class Job:
     # ---- phases --------------------------------------------------------------------------------
     def setup(self) -> bool:
         """Checks, the model, the process group (the one place it is made) and the trainer, resumed where there is a
-        checkpoint; whether it was."""
+        checkpoint; whether it was. Engines on GPUs of their own are launched before the trainer is built."""
         cfg = self.cfg
         check_layout(cfg, self.world)
         # Generation in sync mode can outlast any default collective timeout.
