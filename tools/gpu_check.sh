@@ -54,7 +54,8 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'
 } 2>&1 | tee "$out/machine.txt"
 
 check imports 120 python3 -c 'import moerl.megatron.model, moerl.trainer.trainer, moerl.engines.embedded.engine, moerl.engines.embedded.server, moerl.cli.train, moerl.orchestrator.job'
-check pytest_gpu 240 python3 -m pytest -m gpu -p no:cacheprovider
+# pytest.ini's -n (the unit tier's pytest-xdist) left out: a device machine may not have pytest-xdist
+check pytest_gpu 240 python3 -m pytest -o addopts="-q -ra --strict-markers" -m gpu -p no:cacheprovider
 check tiny_model 120 python3 -c "from moerl.tasks.tiny import save_warm_tiny_model; save_warm_tiny_model('$work/model')"
 
 port=30123
