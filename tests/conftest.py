@@ -5,6 +5,10 @@ import shlex
 import sys
 from pathlib import Path
 
+# What this pytest was asked on its command line, PYTEST_ADDOPTS with it (an xdist worker's own command line is
+# xdist's: read in the process that starts the workers).
+ARGS = sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))
+
 
 def _marker_expression(args: list[str]) -> str:
     expr = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "-m"), None)
@@ -22,7 +26,7 @@ def _gpu_tests_selected(args: list[str]) -> bool:
 # other, it computes on one thread: more would only contend for the cores.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
-elif not _gpu_tests_selected(sys.argv[1:] + shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))):
+elif not _gpu_tests_selected(ARGS):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
@@ -37,7 +41,7 @@ def pytest_xdist_auto_num_workers(config) -> int | None:
     """The unit tier (``-m "not e2e"``) runs two tests at a time, a file's on one worker (pytest.ini: ``-n auto
     --maxprocesses 2 --dist loadfile``). Every other selection runs one at a time: the e2e tests' fault injections time
     their kills and timeouts for a machine their job has to itself, and each `gpu` test's ranks take a GPU each."""
-    return None if "not e2e" in _marker_expression(config.invocation_params.args) else 0
+    return None if "not e2e" in _marker_expression(ARGS) else 0
 
 
 def pytest_collection_finish(session) -> None:
