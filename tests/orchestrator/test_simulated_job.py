@@ -126,27 +126,33 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
     killed: list[int] = []
     rounds: list[int] = []  # workers killed in each round
 
-    def workers() -> list[psutil.Process]:
+    def command(p: psutil.Process) -> str:
         try:
-            for p in psutil.process_iter(["cmdline"]):
-                command = " ".join(p.info["cmdline"] or [])
-                if "moerl.cli.rollout_manager" in command and str(tmp_path) in command:
-                    return [
-                        w
-                        for child in p.children()
-                        if "forkserver" in " ".join(child.cmdline())
-                        for w in child.children()
-                        if w.pid not in killed
-                    ]
-        except psutil.Error:  # a process ended while it was looked at
-            pass
-        return []
+            return " ".join(p.cmdline())
+        except psutil.Error:  # it ended while it was looked at
+            return ""
+
+    def children(p: psutil.Process) -> list[psutil.Process]:
+        try:
+            return p.children()
+        except psutil.Error:
+            return []
+
+    def workers() -> list[psutil.Process]:
+        return [
+            w
+            for manager in psutil.process_iter()
+            if "moerl.cli.rollout_manager" in (line := command(manager)) and str(tmp_path) in line
+            for child in children(manager)
+            if "forkserver" in command(child)
+            for w in children(child)
+            if w.pid not in killed
+        ]
 
     def kill_twice() -> None:
         for _ in range(2):
-            deadline = time.monotonic() + 120
-            # both started (the second round: both again)
-            while len(found := workers()) < 2 and time.monotonic() < deadline:
+            # both started (the second round: both again), however long the job takes to get there
+            while len(found := workers()) < 2 and not job_ended.is_set():
                 time.sleep(0.2)
             time.sleep(1.0)  # while they carry requests
             for w in found:
@@ -157,6 +163,7 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
                 killed.append(w.pid)
             rounds.append(len(found))
 
+    job_ended = threading.Event()
     killer = threading.Thread(target=kill_twice, daemon=True)
     killer.start()
     out = simulate(
@@ -167,6 +174,7 @@ def test_the_generation_workers_carry_a_deep_models_answers_and_killing_them_los
         "rollout.max_new_tokens=128",
         "rollout.generation_workers=2",
     )
+    job_ended.set()
     killer.join(timeout=10)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert rounds == [2, 2] and len(killed) == 4, (rounds, killed)

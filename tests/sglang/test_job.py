@@ -24,11 +24,9 @@ from moerl.orchestrator.metrics import read_metrics
 from moerl.trainer.replay_trace import check_replay
 from tests import REPO
 from tests.accounting import accounting
-from tests.orchestrator.test_orchestrator import job, rows_so_far, start_job, wait_while_running
+from tests.jobs import GROUPS, job, rows_so_far, start_job, wait_while_running
 
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.usefixtures("sglang_python")]
-
-GROUPS = 4  # rollout.groups_per_step of tests.orchestrator.test_orchestrator.job
 
 
 @pytest.fixture(scope="module")
