@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections import Counter
 from pathlib import Path
 
 # What this pytest was asked on its command line, PYTEST_ADDOPTS with it (an xdist worker's own command line is
@@ -22,8 +23,8 @@ def _gpu_tests_selected(args: list[str]) -> bool:
 
 # `python3 -m pytest` is the CPU suite on every machine: CUDA is hidden from it, and from every process it
 # starts, before anything asks torch about devices. `-m gpu` selects the CUDA tests and leaves the GPUs visible.
-# An xdist worker (the unit tier's, below) has its environment from the pytest process that started it; beside the
-# other, it computes on one thread: more would only contend for the cores.
+# An xdist worker (below) has its environment from the pytest process that started it; beside the other, it and the
+# processes its tests start compute on one thread: more would only contend for the cores.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
 elif not _gpu_tests_selected(ARGS):
@@ -38,10 +39,17 @@ ARCHS = ARCHITECTURES
 
 
 def pytest_xdist_auto_num_workers(config) -> int | None:
-    """The unit tier (``-m "not e2e"``) runs two tests at a time, a file's on one worker (pytest.ini: ``-n auto
-    --maxprocesses 2 --dist loadfile``). Every other selection runs one at a time: the e2e tests' fault injections time
-    their kills and timeouts for a machine their job has to itself, and each `gpu` test's ranks take a GPU each."""
-    return None if "not e2e" in _marker_expression(ARGS) else 0
+    """Two tests at a time, a file's on one worker (pytest.ini: ``-n auto --maxprocesses 2 --dist loadfile``); the
+    `gpu` tests one at a time: each test's ranks take a GPU each."""
+    return 0 if _gpu_tests_selected(ARGS) else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files with the most end-to-end tests first, the others as collected: xdist hands its workers a file at a
+    time in this order (pytest.ini's ``--no-loadscope-reorder``), so that the longest start first and the unit files
+    even out the end."""
+    e2e = Counter(item.path for item in items if item.get_closest_marker("e2e"))
+    items.sort(key=lambda item: -e2e[item.path])  # stable: each file's tests stay together, in their order
 
 
 def pytest_collection_finish(session) -> None:
