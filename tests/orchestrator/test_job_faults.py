@@ -128,7 +128,9 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
         *long_tailed,
     )
     manager_log = tmp_path / "logs" / "rollout_manager.log"
-    timed_out = re.compile(r"-> (suspect|dead) \(.*TimeoutError")
+
+    def timeouts_logged() -> int:
+        return len(re.findall(r"-> (suspect|dead) \(.*TimeoutError", manager_log.read_text()))
 
     def engine_after(step: int, restarts: int) -> psutil.Process:
         """The engine as the step after ``step`` starts its rollouts (sync mode: the metrics row ends a step), once the
@@ -147,9 +149,9 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
     try:
         os.killpg(engine_after(1, restarts=0).pid, signal.SIGKILL)
         hung = engine_after(len(rows_so_far(tmp_path)), restarts=1)
-        seen = len(timed_out.findall(manager_log.read_text()))
+        seen = timeouts_logged()
         hung.suspend()  # until its requests time out: they fail and wait for it
-        wait_while_running(proc, lambda: len(timed_out.findall(manager_log.read_text())) > seen, "a request timed out")
+        wait_while_running(proc, lambda: timeouts_logged() > seen, "a request timed out")
         hung.resume()
         done, _ = ended_well(proc, tmp_path, steps)
     finally:
@@ -165,7 +167,8 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
     assert done[-1]["engines/restarts"] == 1 and sum(r["sync/catch_ups"] for r in done) >= 1
     assert sum(r["rollout/retries_engine_failure"] for r in done) > 0  # both faults caught requests in flight
     # the restarted replica waited for its adapter; the killed one was probed out
-    assert "-> stale" in manager_log.read_text() and "-> dead" in manager_log.read_text()
+    log = manager_log.read_text()
+    assert "-> stale" in log and "-> dead" in log
 
 
 @pytest.mark.e2e
