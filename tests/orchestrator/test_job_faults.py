@@ -364,7 +364,8 @@ def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_c
     """teacher.model=demo (the demo model trained longer, made once) on an embedded engine of its own scores every
     sample as its group finishes; the student trains on pure distillation (reward weight 0: k1 as the advantage and a
     top-4 KL) under R3 and kept-set replay, asynchronously. Its replica SIGKILLed after the first step is started again;
-    no group is dropped, each sample is scored once (a request each, besides those asked again), and the run ends."""
+    no group is lost (one the restart held past the staleness window is dropped as stale, never trained), each sample is
+    scored once (a request each, besides those asked again), and the run ends."""
     run_dir = tmp_path / "run"
     proc = start_job(
         cache, run_dir, "run.mode=async", "run.steps=3", "teacher.model=demo", "trainer.loss.distill.coef=1",
@@ -380,6 +381,7 @@ def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_c
         assert math.isfinite(r["distill/reverse_kl"]) and 0 <= r["distill/kept_set_exact"] <= 1
         assert 0 <= r["distill/kept_set_gap"] < math.inf
         assert r["distill/teacher_seconds"] > 0 and 0 < r["distill/teacher_share"] < 1
+        assert r["staleness/max"] <= 1  # rollout.max_staleness's default
     assert_async_run_accounted(accounting(run_dir), trained=3 * GROUPS, depth=GROUPS)
 
 
