@@ -1,11 +1,13 @@
 """Weight updates, versions, pause/continue and abort on a real embedded server (own process, since
-these tests change its weights)."""
+these tests change its weights). The module's tests share one: after each it is brought back to how it started, or
+started anew where it cannot be."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import json
+from contextlib import ExitStack
 
 import aiohttp
 import numpy as np
@@ -20,17 +22,69 @@ pytestmark = pytest.mark.e2e  # each test starts moerl processes (see pytest.ini
 ARCH = "Qwen2MoeForCausalLM"
 PROMPT = [5, 80, 33, 140, 2, 19]
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+ADAPTERS = ("a", "d", "t")  # the names this module's tests load adapters under
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    where = tmp_path_factory.mktemp("models")
+    return save_tiny_hf(ARCH, where / "base"), save_tiny_hf(ARCH, where / "other", seed=1)
+
+
+class SharedServer:
+    """One embedded engine serving the base model, and what it answers as started: its weight version and its greedy
+    output for :data:`PROMPT`."""
+
+    def __init__(self, model, log_dir):
+        self.model, self.log_dir = model, log_dir
+        self.stack = ExitStack()
+        self.start()
+
+    def start(self) -> None:
+        self.url = self.stack.enter_context(running_server(self.model, self.log_dir))
+        self.as_started = asyncio.run(self.state())
+
+    async def state(self) -> tuple[list[str], list[int]]:
+        async with EngineClient([self.url], timeout_s=60, retries=0) as client:
+            (done,) = await client.generate(PROMPT, GREEDY)
+            return await client.weight_versions(), done.output_ids.tolist()
+
+    async def restore(self) -> None:
+        """Generation resumed, no weight-update session open, no adapter loaded, the base weights under the version it
+        started with."""
+        async with EngineClient([self.url], timeout_s=60, retries=0) as client:
+            await client.resume()
+            for undo in (client.end_weight_update, *(lambda name=name: client.unload_lora(name) for name in ADAPTERS)):
+                try:
+                    await undo()
+                except EngineError as e:
+                    if e.status != 400:  # 400: none open, not loaded
+                        raise
+            await client.update_weights_from_disk(str(self.model), weight_version=self.as_started[0][0])
+
+    def after_a_test(self) -> None:
+        """Back to how it started; a server that cannot be (a weight-update session left open, say) is started anew."""
+        try:
+            asyncio.run(self.restore())
+            if asyncio.run(self.state()) == self.as_started:
+                return
+        except (EngineError, aiohttp.ClientError, TimeoutError):
+            pass
+        self.stack.close()
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def shared_server(models, tmp_path_factory):
+    shared = SharedServer(models[0], tmp_path_factory.mktemp("logs"))
+    with shared.stack:
+        yield shared
 
 
 @pytest.fixture
-def models(tmp_path):
-    return save_tiny_hf(ARCH, tmp_path / "base"), save_tiny_hf(ARCH, tmp_path / "other", seed=1)
-
-
-@pytest.fixture
-def server(models, tmp_path):
-    with running_server(models[0], tmp_path / "logs") as url:
-        yield url
+def server(shared_server):
+    yield shared_server.url
+    shared_server.after_a_test()
 
 
 async def _stream_until_tokens(session, url, body, n):
@@ -179,7 +233,6 @@ def test_routing_sampled_before_a_retract_is_kept_when_new_weights_prefill_it_ag
             final = await finish
             # keyed to the new weights: nothing cached before the update is reused
             new = await routing_of(session, key="v2")
-            await client.update_weights_from_disk(str(models[0]), weight_version="v3")  # the module's server, as it was
             return old, final, new
 
     old, final, new = asyncio.run(go())
