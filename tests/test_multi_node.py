@@ -24,18 +24,6 @@ RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 WHY = unavailable()
 
 
-@pytest.fixture(scope="module")
-def model(demo_model) -> Path:
-    """The demo's warmed-up tiny model."""
-    return demo_model
-
-
-@pytest.fixture(scope="module")
-def cache(demo_cache) -> Path:
-    """run.cache_dir for every run here: the model is converted to the Megatron layout once in the session."""
-    return demo_cache
-
-
 @pytest.fixture
 def nodes():
     if WHY is not None:
@@ -123,17 +111,19 @@ def engine_changes(log: Path, url: str) -> list[tuple[datetime.datetime, str]]:
     return changes
 
 
-def test_the_job_trains_across_three_hosts_and_survives_the_engine_nodes_network_gone(nodes, model, cache, tmp_path):
+def test_the_job_trains_across_three_hosts_and_survives_the_engine_nodes_network_gone(
+    nodes, demo_model, demo_cache, tmp_path
+):
     """Async mode, broadcast weight sync from each trainer node to the engine node, sync.verify after every update: the
     steps complete and the engines serve the trainer's weights. Node 3's interface down for 15 s mid-run, then up: its
     requests pass their deadline, the replica leaves rotation while its probes fail, a probe brings it back once the
     interface is, and no prompt is lost. (A resume across nodes: tests/slurm, after a preemption.)"""
-    urls = start_engines(nodes, model, tmp_path / "engine-logs")
+    urls = start_engines(nodes, demo_model, tmp_path / "engine-logs")
     assert re.fullmatch(rf"engines.urls=\[http://{re.escape(nodes.address(3))}:30000\]", urls), urls
     url = urls.removeprefix("engines.urls=[").removesuffix("]")
     run_dir = tmp_path / "run"
     procs = trainers(
-        nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=4", "engines.request_timeout_s=8",
+        nodes, run_dir, demo_cache, demo_model, urls, "run.mode=async", "run.steps=4", "engines.request_timeout_s=8",
         "engines.health_interval_s=0.5",
     )  # fmt: skip
     wait_for_steps(run_dir, procs, 1)
@@ -153,11 +143,11 @@ def test_the_job_trains_across_three_hosts_and_survives_the_engine_nodes_network
     assert_async_run_accounted(accounting(run_dir), trained=4 * 4, depth=4)
 
 
-def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, model, cache, tmp_path):
+def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, demo_model, demo_cache, tmp_path):
     """Node 2 given node 1's address (the same environment copied to both nodes): its weight groups' rendezvous could
     never listen there. Refused before the ranks meet, naming MOERL_SYNC_ADDRESS; the job ends on both nodes."""
-    urls = start_engines(nodes, model, tmp_path / "engine-logs")
-    procs = trainers(nodes, tmp_path / "run", cache, model, urls, "run.steps=1", sync_on=(1, 1))
+    urls = start_engines(nodes, demo_model, tmp_path / "engine-logs")
+    procs = trainers(nodes, tmp_path / "run", demo_cache, demo_model, urls, "run.steps=1", sync_on=(1, 1))
     (first_rc, _), (second_rc, stderr) = finished(procs, timeout_s=300)
     assert first_rc != 0 and second_rc != 0
     assert f"MOERL_SYNC_ADDRESS={nodes.address(1)} is not an address of this host (node2" in stderr, stderr[-4000:]
@@ -165,14 +155,16 @@ def test_a_sync_address_of_another_host_is_refused_at_start_naming_it(nodes, mod
 
 
 def test_a_trainer_nodes_network_cut_ends_the_job_with_one_error_and_nothing_left_running(
-    nodes, model, cache, tmp_path
+    nodes, demo_model, demo_cache, tmp_path
 ):
     """Node 2's interface goes down mid-run: nothing closes a connection, so the ranks' collectives would wait for
     hours. Each rank's heartbeat (run.peer_silence_s) ends it: node 1 says rank 1 has not been heard from, node 2 that
     it lost the others; no process of the job is left on either node."""
-    urls = start_engines(nodes, model, tmp_path / "engine-logs")
+    urls = start_engines(nodes, demo_model, tmp_path / "engine-logs")
     run_dir = tmp_path / "run"
-    procs = trainers(nodes, run_dir, cache, model, urls, "run.mode=async", "run.steps=200", "run.peer_silence_s=10")
+    procs = trainers(
+        nodes, run_dir, demo_cache, demo_model, urls, "run.mode=async", "run.steps=200", "run.peer_silence_s=10"
+    )
     wait_for_steps(run_dir, procs, 2)
     nodes.cut(2)
     start = time.monotonic()

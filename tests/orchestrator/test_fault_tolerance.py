@@ -19,17 +19,12 @@ from moerl.engines.client import EngineClient
 from moerl.engines.pool import EnginePool, EnginePoolConfig
 from moerl.env import group_left
 from moerl.errors import EnginesDown
-from moerl.models.tiny import save_tiny_hf, tiny_tokenizer
+from moerl.models.tiny import tiny_tokenizer
 from moerl.orchestrator.components import brief_manager, start_manager
 from moerl.orchestrator.config import load_config, to_yaml
 from moerl.orchestrator.rollouts import RolloutBuffer
 
 GROUPS = 8
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("ft") / "model")
 
 
 @contextmanager

@@ -38,17 +38,17 @@ SYNC_RUN = ["run.mode=sync", "run.steps=6", "run.save_every=2", "sync.verify=fal
 
 
 @pytest.fixture(scope="module")
-def sync_run(cache, tmp_path_factory) -> Path:
+def sync_run(demo_cache, tmp_path_factory) -> Path:
     """The demo's run directory in sync mode (:data:`SYNC_RUN`), run once: what runs that must end alike (resumed,
     colocated) are compared with. Its numbers do not depend on sync.verify, each prompt's sampling on its own seed."""
     run_dir = tmp_path_factory.mktemp("sync-run")
-    out = job(cache, run_dir, *SYNC_RUN)
+    out = job(demo_cache, run_dir, *SYNC_RUN)
     assert out.returncode == 0, out.stderr[-4000:]
     return run_dir
 
 
 @pytest.mark.e2e
-def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tailed):
+def test_an_async_run_survives_engines_killed_under_it(demo_cache, tmp_path, long_tailed):
     """Two replicas; one is SIGKILLed at a seeded random moment, and again once the job has restarted it and it is back
     in rotation: every step completes, no prompt is lost, and with sync.verify each update's engines (the restarted
     one from the update that brings it back) serve the trainer's weights. One run, under the default rollout.partial
@@ -58,7 +58,7 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
     rng = random.Random(0)
     steps = 22  # the second kill comes near step 9 here: room for a replica's restart twice as slow
     proc = start_job(
-        cache,
+        demo_cache,
         tmp_path,
         "run.mode=async",
         f"run.steps={steps}",
@@ -108,14 +108,14 @@ def test_an_async_run_survives_engines_killed_under_it(cache, tmp_path, long_tai
 
 @pytest.mark.e2e
 def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_current_adapter(
-    cache, tmp_path, long_tailed
+    demo_cache, tmp_path, long_tailed
 ):
     """One replica, LoRA, sync mode. SIGKILLed as a step's rollouts start, the step waits while the job starts it again,
     and every rank stops for a catch-up sync that loads it the current adapter (verified) before it takes a request;
     later SIGSTOPped past a request's deadline and continued, it is probed back in. Every step completes, none lost."""
     steps = 6
     proc = start_job(
-        cache,
+        demo_cache,
         tmp_path,
         "run.mode=sync",
         f"run.steps={steps}",
@@ -172,11 +172,11 @@ def test_a_single_replica_run_waits_for_its_engine_and_it_returns_with_the_curre
 
 
 @pytest.mark.e2e
-def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_and_resumes(cache, tmp_path):
+def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_and_resumes(demo_cache, tmp_path):
     """No restarts left: after engines.down_timeout_s the run writes a checkpoint (every prompt not trained pending) and
     stops with one error line; once engines are back, run.resume=true continues from that checkpoint."""
     proc = start_job(
-        cache,
+        demo_cache,
         tmp_path,
         "run.mode=async",
         "run.steps=20",
@@ -196,18 +196,18 @@ def test_with_its_engines_gone_for_good_a_run_checkpoints_stops_with_one_error_a
     state = json.loads((checkpoint / "run_state.json").read_text())
     stopped_at = state["step"]
     assert stopped_at >= 2 and state["pending"] and accounting(tmp_path)["balanced"]
-    out = job(cache, tmp_path, "run.mode=async", f"run.steps={stopped_at + 1}", "run.resume=true")
+    out = job(demo_cache, tmp_path, "run.mode=async", f"run.steps={stopped_at + 1}", "run.resume=true")
     assert out.returncode == 0, out.stderr[-4000:]
     assert read_metrics(tmp_path)[-1]["step"] == stopped_at + 1 and accounting(tmp_path)["balanced"]
 
 
 @pytest.mark.e2e
-def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_error(cache, tmp_path):
+def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_error(demo_cache, tmp_path):
     """The rollout manager dies (the kernel killed it for memory, say): rank 0 stops waiting for groups that will never
     come, writes a checkpoint (every prompt not trained pending) and stops with one error naming the manager. Whether
     any prompt is still in flight when it dies is a race with the manager's next issue (none was, once in CI); that
     pending prompts are kept whatever their state is shown by the run with its engines gone for good."""
-    proc = start_job(cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0")
+    proc = start_job(demo_cache, tmp_path, "run.mode=async", "run.steps=20", "run.save_every=0")
 
     def kill_manager():
         (manager,) = [
@@ -227,13 +227,13 @@ def test_with_its_rollout_manager_killed_a_run_checkpoints_and_stops_with_one_er
 
 
 @pytest.mark.e2e
-def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_results(cache, sync_run, tmp_path):
+def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_results(demo_cache, sync_run, tmp_path):
     """SIGKILL of torchrun alone (an OOM killer's, a scheduler's hard kill, a timeout's --kill-after): its ranks run in
     sessions of their own that no signal of torchrun's reaches, so each must notice and stop (engines and rollout
     manager with it); one left running kept loading its weights into the engine the next job was given (found on an
     H100). Then run.resume=auto continues from the newest checkpoint to the same results as a run never killed."""
     steps, straight, killed = SYNC_RUN, sync_run, tmp_path / "killed"
-    proc = start_until_checkpoint(cache, killed, steps, 2)
+    proc = start_until_checkpoint(demo_cache, killed, steps, 2)
     family = psutil.Process(proc.pid).children(recursive=True)
     try:
         assert any(is_engine(p) for p in family) and len([p for p in family if p.ppid() == proc.pid]) == 2
@@ -250,7 +250,7 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
         int(d.name.split("_")[1]) for d in (killed / "checkpoints").glob("step_*") if (d / "run_state.json").exists()
     )
     assert saved and saved[-1] < 6, f"the ranks ran on without their launcher: checkpoints {saved}"
-    out = job(cache, killed, *steps, "run.resume=auto")
+    out = job(demo_cache, killed, *steps, "run.resume=auto")
     assert out.returncode == 0, out.stderr[-4000:]
     a, b = read_metrics(straight), read_metrics(killed)
     assert [r["step"] for r in b] == list(range(1, 7))
@@ -270,14 +270,14 @@ def test_a_run_whose_launcher_is_killed_stops_whole_and_resumes_with_the_same_re
 
 
 @pytest.mark.e2e
-def test_a_trainer_rank_killed_while_its_state_is_offloaded_leaves_no_process_behind(cache, tmp_path):
+def test_a_trainer_rank_killed_while_its_state_is_offloaded_leaves_no_process_behind(demo_cache, tmp_path):
     """Colocated, SIGKILL of trainer rank 1 once step 1 is saved and the engine is awake again, so the ranks' state is
     in host memory: torchrun stops rank 0, which tears down (engines and rollout manager stopped, accounting written;
     had it been killed too, they would die with it), no process of the job is left (the killed rank's helpers neither:
     its checkpoint writers' queue server) and the job exits non-zero. (A colocated run resumed from a checkpoint
     written while offloaded: the colocated test; a run resumed after a kill: the launcher's.)"""
     steps = ["run.mode=sync", "run.placement=colocated", "run.steps=2", "run.save_every=1", "sync.verify=false"]
-    proc = start_job(cache, tmp_path, *steps)
+    proc = start_job(demo_cache, tmp_path, *steps)
     log = tmp_path / "logs" / "embedded-0.log"
 
     def offloaded() -> bool:
@@ -306,7 +306,7 @@ def test_a_trainer_rank_killed_while_its_state_is_offloaded_leaves_no_process_be
 
 @pytest.mark.e2e
 def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survive_a_kill_and_a_resume(
-    cache, sync_run, tmp_path
+    demo_cache, sync_run, tmp_path
 ):
     """run.placement=colocated: each step pauses and releases the engine, trains, resumes its weights, hands the new
     ones over in shared memory, resumes its KV cache and continues; sync.verify finds the trainer's weights served
@@ -315,7 +315,7 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
     Every step's rewards and gradients are those of the same run with separate placement."""
     run_dir = tmp_path / "colocated"
     colocated = ["run.mode=sync", "run.placement=colocated"]
-    proc = start_job(cache, run_dir, *colocated, "run.steps=3")
+    proc = start_job(demo_cache, run_dir, *colocated, "run.steps=3")
     log = run_dir / "logs" / "embedded-0.log"
 
     def released() -> bool:
@@ -328,7 +328,7 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
     assert proc.returncode == 0, stderr[-4000:]
     assert read_metrics(run_dir)[-1]["engines/restarts"] == 1
     first_log = log.read_text()  # the restarted engine logs on in the same file; the resumed run's starts it again
-    resumed = job(cache, run_dir, *colocated, "run.steps=4", "run.resume=true")
+    resumed = job(demo_cache, run_dir, *colocated, "run.steps=4", "run.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     ours, theirs = read_metrics(run_dir), read_metrics(sync_run)[:4]
     assert [r["step"] for r in ours] == [1, 2, 3, 4]
@@ -360,7 +360,7 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
 
 
 @pytest.mark.e2e
-def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_comes_back(cache, tmp_path):
+def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_comes_back(demo_cache, tmp_path):
     """teacher.model=demo (the demo model trained longer, made once) on an embedded engine of its own scores every
     sample as its group finishes; the student trains on pure distillation (reward weight 0: k1 as the advantage and a
     top-4 KL) under R3 and kept-set replay, asynchronously. Its replica SIGKILLed after the first step is started again;
@@ -368,7 +368,7 @@ def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_c
     scored once (a request each, besides those asked again), and the run ends."""
     run_dir = tmp_path / "run"
     proc = start_job(
-        cache, run_dir, "run.mode=async", "run.steps=3", "teacher.model=demo", "trainer.loss.distill.coef=1",
+        demo_cache, run_dir, "run.mode=async", "run.steps=3", "teacher.model=demo", "trainer.loss.distill.coef=1",
         "trainer.loss.distill.reward_weight=0", "trainer.loss.distill.top_k=4", "trainer.loss.distill.top_k_coef=0.5",
     )  # fmt: skip
 
@@ -387,7 +387,7 @@ def test_a_teacher_scores_every_sample_of_an_async_distillation_and_one_killed_c
 
 @pytest.mark.e2e
 def test_a_reward_model_scores_every_group_on_colocated_replicas_released_each_step_and_one_killed_comes_back(
-    cache, tmp_path
+    demo_cache, tmp_path
 ):
     """reward.model=demo: the tiny sequence classifier (made once) on an embedded engine of its own scores each group as
     it finishes, its score added to the task's (reward.combine=rule_plus_model). Colocated, the replica is paused and
@@ -396,7 +396,7 @@ def test_a_reward_model_scores_every_group_on_colocated_replicas_released_each_s
     group, besides those asked again), and the run ends."""
     run_dir = tmp_path / "run"
     proc = start_job(
-        cache, run_dir, "run.mode=sync", "run.placement=colocated", "run.steps=3", "reward.model=demo",
+        demo_cache, run_dir, "run.mode=sync", "run.placement=colocated", "run.steps=3", "reward.model=demo",
         "reward.combine=rule_plus_model",
     )  # fmt: skip
 

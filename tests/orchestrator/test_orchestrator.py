@@ -39,7 +39,7 @@ REQUIRED = (
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode, steps, groups", [("sync", 10, 8), ("periodic", 4, 4), ("async", 3, 4)])
 def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
-    cache, tmp_path, engine_bound, mode, steps, groups
+    demo_cache, tmp_path, engine_bound, mode, steps, groups
 ):
     staleness = 1
     extra = engine_bound if mode == "async" else []  # updates meet rollouts in flight, continued in place
@@ -58,7 +58,7 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
             "rollout.schedule.tail_running=2",
         ]
     out = job(
-        cache,
+        demo_cache,
         tmp_path,
         f"run.mode={mode}",
         f"run.steps={steps}",
@@ -116,11 +116,17 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
 
 
 @pytest.mark.e2e
-def test_lora_job_moves_adapters_only(cache, tmp_path):
+def test_lora_job_moves_adapters_only(demo_cache, tmp_path):
     """lora.enabled=true through the same recipe: adapters pushed after every step under a new name; on-policy
     (sync, fp32) the engine with the adapter reproduces the trainer's log-probs, so it serves what was trained."""
     out = job(
-        cache, tmp_path, "run.mode=sync", "run.steps=3", "lora.enabled=true", "lora.rank=4", "trainer.optim.lr=5e-2"
+        demo_cache,
+        tmp_path,
+        "run.mode=sync",
+        "run.steps=3",
+        "lora.enabled=true",
+        "lora.rank=4",
+        "trainer.optim.lr=5e-2",
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     rows = read_metrics(tmp_path)
@@ -138,7 +144,7 @@ def test_lora_job_moves_adapters_only(cache, tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_agent_recipe_trains_on_multi_turn_episodes_replayed_across_turns(cache, tmp_path, calc_model):
+def test_the_agent_recipe_trains_on_multi_turn_episodes_replayed_across_turns(demo_cache, tmp_path, calc_model):
     """The agent recipe as a user runs it, in async mode with R3 and the sampling mask (on the episode tests' model,
     not the demo's, which takes minutes to warm up): tool-calling episodes of several turns, their context masked, and
     the replay trace of every step checked: each fed position of a multi-turn sample (context included) routed as the
@@ -146,7 +152,7 @@ def test_the_agent_recipe_trains_on_multi_turn_episodes_replayed_across_turns(ca
     from moerl.trainer.replay_trace import check_replay
 
     out = job(
-        cache,
+        demo_cache,
         tmp_path,
         "--config",
         str(REPO / "recipes" / "qwen_moe_agent.yaml"),
@@ -169,8 +175,8 @@ def test_the_agent_recipe_trains_on_multi_turn_episodes_replayed_across_turns(ca
 
 
 @pytest.mark.e2e
-def test_rollouts_aborted_by_a_weight_update_are_regenerated(cache, tmp_path, engine_bound):
-    out = job(cache, tmp_path, "run.mode=async", "run.steps=3", "rollout.partial=retry", *engine_bound)
+def test_rollouts_aborted_by_a_weight_update_are_regenerated(demo_cache, tmp_path, engine_bound):
+    out = job(demo_cache, tmp_path, "run.mode=async", "run.steps=3", "rollout.partial=retry", *engine_bound)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(tmp_path)
     assert sum(r["rollout/retries"] for r in rows) > 0
@@ -254,9 +260,9 @@ def bad_models(tmp_path_factory) -> Path:
         ("model.path={bad}/broken", "config.json: not valid JSON"),
     ],
 )
-def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, bad_models, override, message):
+def test_bad_config_fails_fast_with_one_clear_error(demo_cache, tmp_path, bad_models, override, message):
     start = time.monotonic()
-    out = job(cache, tmp_path, override.format(bad=bad_models), timeout=180)
+    out = job(demo_cache, tmp_path, override.format(bad=bad_models), timeout=180)
     assert out.returncode != 0
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert errors and message in errors[0], out.stderr[-3000:]
@@ -266,7 +272,7 @@ def test_bad_config_fails_fast_with_one_clear_error(cache, tmp_path, bad_models,
 
 
 @pytest.mark.e2e
-def test_engines_given_by_url_get_the_runs_weights_before_the_first_rollout(cache, tmp_path, long_tailed):
+def test_engines_given_by_url_get_the_runs_weights_before_the_first_rollout(demo_cache, tmp_path, long_tailed):
     """An engine given by URL may hold anything (here another model of the same shape, as after an earlier run):
     the job pushes its own weights before the first request; sync.verify checks the engine at version 0."""
     from moerl.models.tiny import save_tiny_hf
@@ -274,7 +280,7 @@ def test_engines_given_by_url_get_the_runs_weights_before_the_first_rollout(cach
 
     other = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "other", seed=1)
     with running_server(other, tmp_path / "engine-logs") as url:
-        run = job(cache, tmp_path / "run", *long_tailed, f"engines.urls=[{url}]", "run.mode=sync", "run.steps=1")
+        run = job(demo_cache, tmp_path / "run", *long_tailed, f"engines.urls=[{url}]", "run.mode=sync", "run.steps=1")
     assert run.returncode == 0, run.stderr[-3000:]
     assert accounting(tmp_path / "run")["balanced"]
 
@@ -293,9 +299,9 @@ def test_verify_is_as_tight_as_the_engines_reported_precision_allows():
 
 
 @pytest.mark.e2e
-def test_a_directory_holding_a_run_is_continued_only_on_request(cache, tmp_path):
+def test_a_directory_holding_a_run_is_continued_only_on_request(demo_cache, tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    out = job(cache, tmp_path, timeout=180)
+    out = job(demo_cache, tmp_path, timeout=180)
     assert out.returncode != 0
     assert any(
         "already holds a run: pass run.resume=true" in line
@@ -551,7 +557,9 @@ def test_an_ablation_table_key_is_a_metric_or_a_metric_and_its_std(tmp_path):
 
 
 @pytest.mark.e2e
-def test_an_ablation_of_credit_rules_runs_each_on_the_same_seeds_and_writes_the_table_and_the_overlay(cache, tmp_path):
+def test_an_ablation_of_credit_rules_runs_each_on_the_same_seeds_and_writes_the_table_and_the_overlay(
+    demo_cache, tmp_path
+):
     """End to end, the process-reward demo (the sums task, each step scored by its tiny process reward model on an
     embedded engine of its own) under credit rules, the grid's product being the test above: each run gets its rule,
     the same first batch, its steps scored, its row in the table (a standard deviation column too) and its curve in
@@ -580,7 +588,7 @@ def test_an_ablation_of_credit_rules_runs_each_on_the_same_seeds_and_writes_the_
                 "--",
                 "--config",
                 str(REPO / "recipes" / "qwen_moe_process.yaml"),
-                f"run.cache_dir={cache}",
+                f"run.cache_dir={demo_cache}",
                 "run.mode=sync",
                 "run.steps=2",
                 "rollout.groups_per_step=2",
@@ -638,7 +646,7 @@ def test_parts_rank_0_takes_alone_end_together_on_every_rank(tmp_path):
     assert f"writing the run state of checkpoint {tmp_path / 'checkpoints' / 'step_2'}" in other[3][1]
 
 
-def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_under_way(random_model, tmp_path):
+def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_under_way(model, tmp_path):
     """The rollout manager keys each request's prefix cache (extra_key) by the weight version it is issued under, and
     sends none while an update is under way (Updating until Served): a request sent then would wait on a paused engine
     and start under the new weights, keyed to the old version's cache."""
@@ -649,7 +657,7 @@ def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_un
     from tests.engine_server import serving, two_token_answer
     from tests.rollout_manager import manager_run
 
-    config = json.loads((random_model / "config.json").read_text())
+    config = json.loads((model / "config.json").read_text())
     layers, topk = config["num_hidden_layers"], config["num_experts_per_tok"]
     bodies: list[dict] = []
 
@@ -664,7 +672,7 @@ def test_the_manager_keys_prompts_by_policy_and_sends_none_while_an_update_is_un
     async def go():
         async with serving({("POST", "/generate"): generate, ("GET", "/health"): healthy}) as url:
             overrides = ["trainer.replay.sampling_mask=false", "rollout.samples_per_prompt=2"]
-            async with manager_run(tmp_path, random_model, url, overrides) as run:
+            async with manager_run(tmp_path, model, url, overrides) as run:
                 await run.order(Served("1", [url]))
                 await run.order(Generate(1))
                 first = await run.next_event(GroupDone)

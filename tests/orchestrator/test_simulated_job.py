@@ -26,13 +26,6 @@ PROFILE = DATA / "simulation" / "tiny.yaml"
 GROUPS, N, TIME_SCALE = 4, 4, 4.0
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    from moerl.models.tiny import save_tiny_hf
-
-    return save_tiny_hf("Qwen3MoeForCausalLM", tmp_path_factory.mktemp("sim") / "model")
-
-
 def simulate(model: Path, run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     # Three replicas, two in one process: the pool's shared processes and a process of its own both serve.
     args = [

@@ -29,13 +29,6 @@ from tests.jobs import GROUPS, job, rows_so_far, start_job, wait_while_running
 pytestmark = [pytest.mark.sglang, pytest.mark.e2e, pytest.mark.usefixtures("sglang_python")]
 
 
-@pytest.fixture(scope="module")
-def cache(demo_cache) -> Path:
-    """run.cache_dir: each model's Megatron checkpoint converted once in the session (the calc model's also by the
-    orchestrator's agent run)."""
-    return demo_cache
-
-
 def on_sglang(model: Path, *overrides: str) -> list[str]:
     return [f"model.path={model}", "engines.server=sglang", "trainer.replay.trace_samples=2", *overrides]
 
@@ -62,10 +55,10 @@ def replayed_and_verified(rows: list[dict], steps: int) -> None:
     assert rows[0]["routing/agreement"] == 1.0 and rows[0]["mismatch/k3_kl"] < 1e-6, rows[0]
 
 
-def test_async_over_the_broadcast_survives_its_sglang_server_killed(cache, model, tmp_path):
+def test_async_over_the_broadcast_survives_its_sglang_server_killed(demo_cache, model, tmp_path):
     steps = 5
     proc = start_job(
-        cache,
+        demo_cache,
         tmp_path,
         *on_sglang(model, "run.mode=async", f"run.steps={steps}", "sync.method=broadcast"),
         # long enough, and few enough at once, that updates meet rollouts in flight, continued in place
@@ -98,7 +91,7 @@ def test_async_over_the_broadcast_survives_its_sglang_server_killed(cache, model
 
 
 def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_reward_and_process_models(
-    cache, model, tmp_path
+    demo_cache, model, tmp_path
 ):
     """SGLang's policy and reward model; beside them a process reward model on the embedded engine (SGLang serves no
     per-token head), whose step scores the trainer assigns as min-form credit."""
@@ -113,7 +106,7 @@ def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_reward_
     tokenizer.save_pretrained(prm)
     steps = 3
     out = job(
-        cache,
+        demo_cache,
         tmp_path / "run",
         *on_sglang(model, "run.mode=async", f"run.steps={steps}", "sync.method=disk", "rollout.partial=retry"),
         "rollout.max_new_tokens=48",
@@ -138,13 +131,13 @@ def test_async_through_disk_regenerates_aborted_rollouts_and_scores_with_reward_
     assert accounting(tmp_path / "run")["balanced"]
 
 
-def test_colocated_releases_hands_over_and_resumes_and_distils_from_a_colocated_teacher(cache, model, tmp_path):
+def test_colocated_releases_hands_over_and_resumes_and_distils_from_a_colocated_teacher(demo_cache, model, tmp_path):
     from moerl.models.tiny import ALL_SPARSE, save_tiny_hf
 
     teacher = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "teacher", seed=4, **ALL_SPARSE)
     steps = 3
     out = job(
-        cache,
+        demo_cache,
         tmp_path / "run",
         *on_sglang(model, "run.mode=sync", f"run.steps={steps}", "run.placement=colocated"),
         f"teacher.model={teacher}",
@@ -172,10 +165,10 @@ def test_colocated_releases_hands_over_and_resumes_and_distils_from_a_colocated_
         assert teacher_log.count(f'POST {route} HTTP/1.1" 200') == steps, route
 
 
-def test_an_agents_episodes_keep_their_routing_across_turns(cache, calc_model, tmp_path):
+def test_an_agents_episodes_keep_their_routing_across_turns(demo_cache, calc_model, tmp_path):
     steps = 3
     out = job(
-        cache,
+        demo_cache,
         tmp_path,
         *on_sglang(calc_model, "run.mode=async", f"run.steps={steps}", "sync.delta=true"),
         "--config",
