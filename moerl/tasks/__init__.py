@@ -54,7 +54,7 @@ DEMO_SCORERS: dict[str, DemoScorers] = {
     ),
     # a tiny token classifier trained on the task's right and wrong steps, each followed by its step token
     "reward.process": DemoScorers(
-        {"sums": ("tiny-qwen3-prm-sums-v2", "moerl.tasks.sums:save_tiny_prm")},
+        {"sums": ("tiny-qwen3-prm-sums-v3", "moerl.tasks.sums:save_tiny_prm")},
         "Qwen3ForTokenClassification",
         all_sparse=False,
     ),

