@@ -63,7 +63,7 @@ class SharedServer:
             await client.update_weights_from_disk(str(self.model), weight_version=self.as_started[0][0])
 
     def after_a_test(self) -> None:
-        """Back to how it started; a server that cannot be (a weight-update session left open, say) is started anew."""
+        """Back to how it started; a server that cannot be (killed, wedged, or answering otherwise) is started anew."""
         try:
             asyncio.run(self.restore())
             if asyncio.run(self.state()) == self.as_started:
