@@ -6,7 +6,6 @@ are network namespaces this test makes (:mod:`tests.netns`); nothing binds 0.0.0
 from __future__ import annotations
 
 import datetime
-import json
 import re
 import subprocess
 import sys
@@ -15,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from moerl.orchestrator.metrics import read_metrics
 from tests import REPO
 from tests.accounting import accounting, assert_async_run_accounted
+from tests.jobs import RECIPE, rows_so_far
 from tests.netns import Nodes, unavailable
 
 pytestmark = pytest.mark.e2e
-RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 WHY = unavailable()
 
 
@@ -90,13 +90,9 @@ def finished(procs: list, timeout_s: float = 420) -> list[tuple[int, str]]:
     return out
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def wait_for_steps(run_dir: Path, procs: list, steps: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
-    while not ((run_dir / "metrics.jsonl").exists() and len(metrics(run_dir)) >= steps):
+    while len(rows_so_far(run_dir)) < steps:
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no step within {timeout_s} s"
         time.sleep(0.5)
 
@@ -134,7 +130,7 @@ def test_the_job_trains_across_three_hosts_and_survives_the_engine_nodes_network
     restored = datetime.datetime.now()
     for rc, stderr in finished(procs):
         assert rc == 0, stderr[-4000:]
-    rows = metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 5))
     assert all(r["sync/verify_max_abs_delta"] < 1e-4 for r in rows), rows
     changes = engine_changes(run_dir / "logs" / "rollout_manager.log", url)

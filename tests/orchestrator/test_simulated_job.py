@@ -20,8 +20,8 @@ from moerl.simulation import Profile
 from moerl.weight_sync.simulated import write_hollow_safetensors
 from tests import DATA, REPO
 from tests.accounting import accounting
+from tests.jobs import RECIPE
 
-RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 PROFILE = DATA / "simulation" / "tiny.yaml"
 GROUPS, N, TIME_SCALE = 4, 4, 4.0
 
