@@ -119,7 +119,7 @@ class OracleLengths(GroupLengths):
 
     longest_of: list[float] = field(default_factory=list)
 
-    def predicted(self, group: int) -> int:
+    def known(self, group: int) -> int | None:
         return int(self.longest_of[group])
 
 

@@ -214,10 +214,10 @@ class ScheduleSection:
     # length_aware: requests the manager keeps running on each replica; those beyond wait in its queue, in the order
     # above (0: no bound: every request goes at once, and the engines queue what they cannot run)
     max_running: int = 0
-    # length_aware: a request whose completion is predicted to run this many tokens in all (its group's prediction, or
-    # twice what it has decoded) goes to the replica running the fewest requests, so that it decodes fast enough to end
-    # within its staleness window; a replica running one takes others only while it runs fewer than tail_running
-    # (0: no tail requests)
+    # length_aware: a request whose completion is predicted to run this many tokens in all (its group's prediction from
+    # finished completions, or twice what it has decoded) goes to the replica running the fewest requests, so that it
+    # decodes fast enough to end within its staleness window; a replica running one takes others only while it runs
+    # fewer than tail_running (0: no tail requests)
     tail_tokens: int = 0
     tail_running: int = 8
 

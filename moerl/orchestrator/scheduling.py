@@ -18,12 +18,13 @@ continuation stays where its last chunk ran unless another replica has fewer): a
 less what it has decoded, at most a chunk. With ``max_running`` a replica runs at most that many of the manager's
 requests and the rest wait here in that order; without, every request goes at once.
 
-With ``tail_tokens``, a request whose completion is predicted to run that many tokens in all (its group's prediction,
-or twice what it has decoded if more: a log-normal length that has run well past its median has about as far again to
-go) is a tail request. In async mode a long completion must end within its staleness window, and a request decodes
-faster the fewer its replica runs (three times faster alone than among 128 on the profiles' engines), so a tail
-request goes to the replica running the fewest, and a replica running one takes other requests only while it runs
-fewer than ``tail_running``. With chunks a completion's tail is found as it decodes, and its next chunk moves.
+With ``tail_tokens``, a request whose completion is predicted to run that many tokens in all (its group's prediction
+from finished completions, or twice what it has decoded if more: a log-normal length that has run well past its median
+has about as far again to go) is a tail request. In async mode a long completion must end within its staleness
+window, and a request decodes faster the fewer its replica runs (three times faster alone than among 128 on the
+profiles' engines), so a tail request goes to the replica running the fewest, and a replica running one takes other
+requests only while it runs fewer than ``tail_running``. With chunks a completion's tail is found as it decodes, and
+its next chunk moves.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ class GroupLengths:
     def predicted(self, group: int) -> int:
         """The tokens a completion of ``group`` is predicted to decode: the longest of its finished siblings, else the
         typical completion's (the median of the last ``RECENT``), else ``max_new_tokens``."""
+        known = self.known(group)
+        return self.max_new_tokens if known is None else known
+
+    def known(self, group: int) -> int | None:
+        """What finished completions say ``group``'s will decode (None: too few have finished to say)."""
         done = self.finished.get(group)
-        if done:
-            return max(done)
-        return self.max_new_tokens if self.typical is None else self.typical
+        return max(done) if done else self.typical
 
     def add(self, group: int, length: int) -> None:
         self.finished.setdefault(group, []).append(length)
@@ -108,8 +112,10 @@ class Dispatcher:
         return min(left, chunk) if chunk else left
 
     def predicted_total(self, request: Request) -> int:
-        """The tokens ``request``'s completion is predicted to decode in all."""
-        return max(self.lengths.predicted(request.group), 2 * request.decoded)
+        """The tokens ``request``'s completion is predicted to decode in all, from what has finished and what it has
+        decoded (0 with neither: the ``max_new_tokens`` that orders groups with nothing finished is no evidence of a
+        tail, and taking it for one would make every request of a run's first steps a tail request)."""
+        return max(self.lengths.known(request.group) or 0, 2 * request.decoded)
 
     def load(self, url: str) -> float:
         """Tokens the requests running on ``url`` are predicted to decode still (as predicted when each began)."""

@@ -187,6 +187,20 @@ def test_tail_requests_go_where_fewest_run_and_keep_their_replica_light():
     asyncio.run(go())
 
 
+def test_a_group_with_nothing_finished_yet_is_not_taken_for_a_tail():
+    """Before enough completions have finished to stand for a group, its requests are ordered as if predicted
+    max_new_tokens, but that placeholder makes none of them a tail request; what they decode still may."""
+    lengths = GroupLengths(MAX_NEW)
+    d = Dispatcher(lambda: ["a"], lengths, schedule(tail_tokens=800))
+    fresh, past_half = Request(1, probe=True), Request(1, probe=False, decoded=400)
+    assert lengths.predicted(1) == MAX_NEW and d.predicted_total(fresh) == 0 and d.predicted_total(past_half) == 800
+    for k in range(TYPICAL_AFTER):
+        lengths.add(100 + k, 900)
+    assert d.predicted_total(fresh) == 900  # the typical completion's, once enough have finished
+    lengths.add(1, 50)
+    assert d.predicted_total(fresh) == 50 and d.predicted_total(past_half) == 800
+
+
 def test_a_request_cancelled_while_it_waits_frees_nothing_it_did_not_hold():
     lengths = GroupLengths(MAX_NEW)
 
