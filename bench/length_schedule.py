@@ -10,6 +10,8 @@ variance its model explains, from the prompt and the prompt x checkpoint). A pol
 job's config:
   groups        rollout.schedule.policy=groups (the job's default)
   length_aware  rollout.schedule.policy=length_aware, plus ``--length-aware-extra``
+  tail          length_aware with chunks of 8192 tokens, at most 64 running a replica, tail requests from 12000
+                tokens, 8 running beside one (the settings bench/schedule_model.py found best)
 and ``--policy NAME OVERRIDE...`` defines more (or redefines these). The bounds are bench/simulation.py's (its
 docstring); per row: samples/s over the steps after the first, the tail-counted bound and the ratio to it, the ratio to
 the full-engine bound, samples/s against the groups policy's, prompts dropped, the staleness lags, and the mean of the
@@ -24,9 +26,10 @@ the figure from that file without running anything. The table (markdown, appende
 cover every run in the results file, the newest where one configuration was run at two shapes.
 
     python bench/length_schedule.py --pools 8:24 --groups 24 --time-scale 1 --steps 4 \
-        --results runs/length_schedule.json [--length-aware-extra rollout.schedule.chunk_tokens=4096] \
+        --results bench/results/length_schedule.json [--length-aware-extra rollout.schedule.chunk_tokens=4096] \
         [--out docs/benchmarks/length-schedule.md --figure docs/figures/length_schedule.png]
-    python bench/length_schedule.py --from-results runs/length_schedule.json --figure docs/figures/length_schedule.png
+    python bench/length_schedule.py --from-results bench/results/length_schedule.json \
+        --figure docs/figures/length_schedule.png
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import datetime
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +57,15 @@ from simulation import MODES, add_shape_arguments, model_dir, run, summarize  # 
 
 POOLS = "8:24,32:96"
 CORRELATIONS = "0,0.73,0.9"
-POLICIES = "groups,length_aware"
+POLICIES = "groups,tail"
+# the length-aware schedule at the settings bench/schedule_model.py found best at every pool and correlation
+TAIL = [
+    "rollout.schedule.policy=length_aware",
+    "rollout.schedule.chunk_tokens=8192",
+    "rollout.schedule.max_running=64",
+    "rollout.schedule.tail_tokens=12000",
+    "rollout.schedule.tail_running=8",
+]
 SHAPE_KEYS = (
     "profile",
     "config",
@@ -71,10 +83,11 @@ LAGGING = 2  # a sync's pause this many times the profile's T_sync: the orchestr
 
 
 def policy_overrides(args) -> dict[str, list[str]]:
-    """Every named policy: the two defaults, then ``--policy`` definitions (which may replace them)."""
+    """Every named policy: the three presets, then ``--policy`` definitions (which may replace them)."""
     named = {
         "groups": ["rollout.schedule.policy=groups"],
         "length_aware": ["rollout.schedule.policy=length_aware", *args.length_aware_extra],
+        "tail": TAIL,
     }
     for name, *overrides in args.policy or []:
         named[name] = overrides
@@ -95,11 +108,29 @@ def profile_variant(base: Path, correlation: float, out: Path) -> Path:
     return out
 
 
+def repo_relative(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it, so that a results file kept in the repository
+    names the same profile and config from any clone."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def shape_of(job, base: Path, extra: list[str]) -> dict:
     """What a run's figures depend on besides its pool, correlation, mode and policy (``job``: its arguments)."""
     shape = {k: getattr(job, k) for k in SHAPE_KEYS}
-    shape.update(profile=str(base.resolve()), config=str(Path(job.config).resolve()), extra=extra)
+    shape.update(profile=repo_relative(base), config=repo_relative(Path(job.config)), extra=extra)
     return shape
+
+
+def code_version() -> str | None:
+    """The commit the runs are made on (``-dirty`` with changes not committed), to keep with each run."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None  # not a git checkout
+    return out.stdout.strip()
 
 
 def same_run(entry: dict, key: dict) -> bool:
@@ -135,7 +166,7 @@ def sweep(args, results: dict) -> int:
         for policy in args.policies
     ]
     base, user_extra = Path(args.profile), list(args.extra)
-    failed, start = 0, time.monotonic()
+    failed, start, code = 0, time.monotonic(), code_version()
     with tempfile.TemporaryDirectory(prefix="moerl-length-schedule-") as tmp:
         root = Path(tmp)
         model = model_dir(base, Path(args.config), root)
@@ -178,6 +209,7 @@ def sweep(args, results: dict) -> int:
                     "summary": summary,
                     "wall_s": seconds,
                     "finished": f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}",
+                    "code": code,
                     "metrics": rows,
                 }
             )

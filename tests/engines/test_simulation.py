@@ -3,12 +3,15 @@ against it, and its lengths, payloads and timings following its profile."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
+import importlib.util
 import math
 import os
 import signal
 import time
+import types
 
 import numpy as np
 import pytest
@@ -549,12 +552,16 @@ def test_the_shipped_profiles_load_with_a_trainer_and_per_request_rates_that_fal
     assert profile.trainer is not None and rates == sorted(rates, reverse=True)
 
 
-def test_the_async_guide_is_the_full_engines_without_a_tail_and_is_held_by_the_tail_with_one():
-    import importlib.util
+def bench_script(name: str) -> types.ModuleType:
+    """``bench/<name>.py``, imported as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    spec = importlib.util.spec_from_file_location("bench_simulation", REPO / "bench" / "simulation.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+
+def test_the_async_guide_is_the_full_engines_without_a_tail_and_is_held_by_the_tail_with_one():
+    bench = bench_script("simulation")
     profile = Profile.load(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml")
     engine, pool, samples, tokens = profile.engine, (32, 96), 768, 768 * 7000
     steps = [bench.step_times(profile, pool, samples, 7000, 30000, 61e9, 1536, 2)]
@@ -565,3 +572,14 @@ def test_the_async_guide_is_the_full_engines_without_a_tail_and_is_held_by_the_t
     tailed, at = bench.one_concurrency_guide(profile, pool, samples, tokens, 30000, steps, 2)
     assert tailed < min(untailed, samples / (sync + max(train, 30000 / (3 * engine.decode_rate(1)))))
     assert at < 1536 // 48  # fewer requests than the depth gives each replica, so that the tail decodes faster
+
+
+def test_the_length_schedule_page_shows_the_sweeps_results_file():
+    """The sweep of bench/length_schedule.py is run in parts and its runs kept in bench/results: its page shows the
+    table the script makes from that file, so the page's figures are the file's."""
+    bench = bench_script("length_schedule")
+    results = bench.load_results(REPO / "bench" / "results" / "length_schedule.json")
+    runs = bench.shown(results, argparse.Namespace(pools=None, correlations=None, modes=None, policies=None))
+    assert runs and all(run["code"] for run in runs)
+    page = (REPO / "docs" / "benchmarks" / "length-schedule.md").read_text()
+    assert "\n".join(bench.table(runs)) in page
