@@ -113,8 +113,7 @@ class Dispatcher:
 
     def predicted_total(self, request: Request) -> int:
         """The tokens ``request``'s completion is predicted to decode in all, from what has finished and what it has
-        decoded (0 with neither: the ``max_new_tokens`` that orders groups with nothing finished is no evidence of a
-        tail, and taking it for one would make every request of a run's first steps a tail request)."""
+        decoded (0 with neither: the ``max_new_tokens`` that orders groups with nothing finished is no evidence)."""
         return max(self.lengths.known(request.group) or 0, 2 * request.decoded)
 
     def load(self, url: str) -> float:
