@@ -120,11 +120,13 @@ class RoutingProbe:
     with the rollout's routing. A forward that autograd runs inside the backward pass (activation recompute) records
     its used sets apart, in ``recomputed``."""
 
-    def __init__(self, routers: LocalRouters):
-        self.routers = routers
+    def __init__(self, routers: LocalRouters, batches: list):
+        self.routers, self.batches = routers, batches
         self.native: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.used: list[list[torch.Tensor]] = [[] for _ in routers.routers]
         self.recomputed: list[list[torch.Tensor]] = [[] for _ in routers.routers]
+        self.gaps: list[torch.Tensor] = []  # per router and micro-batch run, on the device: see :meth:`_gap`
+        self._rollout: tuple[int, torch.Tensor, torch.Tensor] | None = None  # micro-batch, its routing, real positions
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> RoutingProbe:
@@ -145,12 +147,29 @@ class RoutingProbe:
                 if torch._C._current_graph_task_id() != -1:
                     self.recomputed[i].append(used)
                     return
+                m = len(self.used[i])
                 self.used[i].append(used)
                 logits = router.gating(inputs[0]).float()
                 logits = logits.reshape(-1, logits.shape[-1])  # [s, b, E] -> [s * b, E], sequence-major
-                self.native[i].append(logits.topk(router.topk, dim=-1).indices.sort(dim=-1).values.cpu())
+                top = logits.topk(router.topk, dim=-1)
+                self.native[i].append(top.indices.sort(dim=-1).values.cpu())
+                if not self.batches[m].dummy:
+                    self.gaps.append(self._gap(m, i, logits, top.values[:, -1]))
 
         return hook
+
+    def _gap(self, m: int, i: int, logits: torch.Tensor, kth: torch.Tensor) -> torch.Tensor:
+        """The most, over micro-batch ``m``'s real tokens, that the lowest of the rollout's experts at local router
+        ``i`` falls below the trainer's own k-th choice, in router logits: 0 where the sets agree; the size of
+        rounding where they differ only at a tie, as two engines' kernels can break it apart."""
+        if self._rollout is None or self._rollout[0] != m:
+            batch = self.batches[m]
+            routing = torch.from_numpy(np.ascontiguousarray(self.routers.token_order(batch.routing)))
+            real = torch.from_numpy(np.ascontiguousarray(self.routers.token_order(batch.real_positions())))
+            self._rollout = (m, host_to_device(routing, logits.device), host_to_device(real, logits.device))
+        _, routing, real = self._rollout
+        lowest = logits.gather(1, routing[:, i].long()).min(dim=-1).values
+        return torch.where(real, kth - lowest, 0.0).max()
 
     def _layers(self, m: int, batch):
         """Per local router of micro-batch ``m``: its column in the rollout routing, the rollout's experts sorted
@@ -160,28 +179,29 @@ class RoutingProbe:
             target = torch.from_numpy(np.sort(rollout[:, i].astype(np.int64), axis=-1))
             yield i, column, target, (self.native[i][m] == target).all(-1)
 
-    def agreement(self, batches: list) -> dict[str, np.ndarray]:
+    def agreement(self) -> dict[str, np.ndarray]:
         """Per MoE layer (global, over all ranks): tokens counted, tokens whose native top-k set equals
         the rollout's, tokens whose used set equals the rollout's; and per layer and expert, the tokens the rollout
-        and the trainer's native routing send there (``rollout_load``, ``native_load`` [layers, experts]). ``batches``
-        are the micro-batches in the order they ran, each with ``routing`` [b, s, local routers, k] and
-        :meth:`real_positions`."""
+        and the trainer's native routing send there (``rollout_load``, ``native_load`` [layers, experts]); and the
+        largest of :meth:`_gap` over all (``max_logit_gap``)."""
         layers, experts = len(self.routers.moe_layers), self.routers.num_experts
         counts = torch.zeros(3, layers, dtype=torch.float64)
         loads = torch.zeros(2, layers, experts, dtype=torch.float64)
-        for m, batch in enumerate(batches):
+        for m, batch in enumerate(self.batches):
             if batch.dummy:
                 continue
-            real = torch.from_numpy(self.routers.token_order(batch.real_positions()))
+            real = torch.from_numpy(np.ascontiguousarray(self.routers.token_order(batch.real_positions())))
             for i, column, target, native_same in self._layers(m, batch):
                 counts[0, column] += real.sum()
                 counts[1, column] += (native_same & real).sum()
                 counts[2, column] += ((self.used[i][m] == target).all(-1) & real).sum()
                 loads[0, column] += torch.bincount(target[real].flatten(), minlength=experts).double()
                 loads[1, column] += torch.bincount(self.native[i][m][real].flatten(), minlength=experts).double()
+        gap = (torch.stack(self.gaps).max() if self.gaps else torch.zeros(())).to(collective_device())
         if dist.is_initialized():
             both = torch.cat([counts.flatten(), loads.flatten()]).to(collective_device())  # NCCL refuses CPU tensors
             dist.all_reduce(both)
+            dist.all_reduce(gap, op=dist.ReduceOp.MAX)
             counts, loads = both.cpu().split([counts.numel(), loads.numel()])
             counts, loads = counts.view(3, layers), loads.view(2, layers, experts)
         tokens = counts[0].clamp(min=1)
@@ -191,16 +211,17 @@ class RoutingProbe:
             "used": (counts[2] / tokens).numpy(),
             "rollout_load": loads[0].numpy(),
             "native_load": loads[1].numpy(),
+            "max_logit_gap": gap.cpu().numpy(),
         }
 
-    def differing_positions(self, batches: list) -> list[torch.Tensor]:
+    def differing_positions(self) -> list[torch.Tensor]:
         """Per micro-batch, bool ``[b, s]``: the positions whose trainer-native experts differ from the rollout's in at
         least one MoE layer of the whole model. This rank sees its pipeline stage's layers and, under sequence
         parallelism, its chunk of the sequence; the model-parallel group (the ranks that ran the same micro-batches)
         joins them in one collective of one byte per position."""
-        sizes = [batch.input_ids.numel() for batch in batches]
+        sizes = [batch.input_ids.numel() for batch in self.batches]
         differs = torch.zeros(sum(sizes), dtype=torch.uint8)
-        for m, (batch, flat) in enumerate(zip(batches, differs.split(sizes), strict=True)):
+        for m, (batch, flat) in enumerate(zip(self.batches, differs.split(sizes), strict=True)):
             if batch.dummy or not self.routers.routers:
                 continue
             b, s = batch.input_ids.shape
@@ -214,7 +235,8 @@ class RoutingProbe:
             dist.all_reduce(joined, op=dist.ReduceOp.MAX, group=group)
             differs = joined.cpu()
         return [
-            flat.view(batch.input_ids.shape).bool() for batch, flat in zip(batches, differs.split(sizes), strict=True)
+            flat.view(batch.input_ids.shape).bool()
+            for batch, flat in zip(self.batches, differs.split(sizes), strict=True)
         ]
 
 

@@ -385,7 +385,7 @@ class Trainer(TrainerLike):
         # The probe costs a gating GEMM and a wait for a copy to the host per router and micro-batch. Only the old
         # pass of rollouts with routing has readers for it: the routing/ and load/ metrics, the mismatch split by
         # routing (routing_differs) and the replay trace (whose tracer exists only for such a pass).
-        probe = RoutingProbe(self.routers) if into == "old" and batches[0].routing is not None else None
+        probe = RoutingProbe(self.routers, batches) if into == "old" and batches[0].routing is not None else None
         try:
             with torch.no_grad(), probe or contextlib.nullcontext():
                 run_schedule(
@@ -401,12 +401,12 @@ class Trainer(TrainerLike):
             set_action(None)
         if probe is None:
             return None
-        for mb, differs in zip(batches, probe.differing_positions(batches), strict=True):  # one per micro-batch
+        for mb, differs in zip(batches, probe.differing_positions(), strict=True):  # one per micro-batch
             mb.routing_differs = host_to_device(differs, mb.rows.device)[mb.rows, mb.cols]
         if tracer is not None:
             tracer.record("score", probe.used)
             tracer.record("native", probe.native)
-        return probe.agreement(batches)
+        return probe.agreement()
 
     @contextlib.contextmanager
     def _reference_weights(self):
@@ -532,7 +532,7 @@ class Trainer(TrainerLike):
             self.model.train()
             set_action(None if mode == "off" else RouterReplayAction.REPLAY_FORWARD)
             try:
-                with RoutingProbe(self.routers) if tracer else contextlib.nullcontext() as probe:
+                with RoutingProbe(self.routers, batches) if tracer else contextlib.nullcontext() as probe:
                     run_schedule(
                         self.model,
                         batches,
@@ -618,6 +618,7 @@ class Trainer(TrainerLike):
             out["routing/differs_any_layer"] = split[differ, 0].sum().item() / tokens
             out["routing/agreement"] = float(np.average(agreement["native"], weights=agreement["tokens"]))
             out["routing/replayed"] = float(np.average(agreement["used"], weights=agreement["tokens"]))
+            out["routing/max_logit_gap"] = float(agreement["max_logit_gap"])
             for layer, value in zip(self.moe_layers, agreement["native"], strict=True):  # per MoE layer
                 out[f"routing/agreement_layer{layer}"] = float(value)
             # Expert load of the engine's routing and of what the trainer's own routers choose: drift between them, and
@@ -831,6 +832,7 @@ def _pool_agreement(total: dict | None, instalment: dict | None) -> dict | None:
         "native": share("native"),
         "used": share("used"),
         **{key: total[key] + instalment[key] for key in ("rollout_load", "native_load")},
+        "max_logit_gap": np.maximum(total["max_logit_gap"], instalment["max_logit_gap"]),
     }
 
 

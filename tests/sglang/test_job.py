@@ -50,9 +50,13 @@ def replayed_and_verified(rows: list[dict], steps: int) -> None:
     for r in rows:
         assert r["routing/replayed"] == 1.0, r  # R3: every token routed as SGLang routed it
         assert r["sync/verify_mean_abs_delta"] < 1e-4, r  # SGLang serves the trainer's weights after each sync
-    # The first step's rollouts are the trainer's own policy's (version 0): in fp32 the trainer routes each token as
-    # SGLang did and scores it alike.
-    assert rows[0]["routing/agreement"] == 1.0 and rows[0]["mismatch/k3_kl"] < 1e-6, rows[0]
+    # The first step's rollouts are the trainer's own policy's (version 0): in fp32 the trainer scores each token as
+    # SGLang did and routes it alike, but where two experts tie to rounding (SGLang batches differently run to run).
+    on_policy(rows[0])
+
+
+def on_policy(row: dict) -> None:
+    assert row["routing/max_logit_gap"] < 1e-4 and row["mismatch/k3_kl"] < 1e-6, row
 
 
 def test_async_over_the_broadcast_survives_its_sglang_server_killed(demo_cache, model, tmp_path):
@@ -151,7 +155,7 @@ def test_colocated_releases_hands_over_and_resumes_and_distils_from_a_colocated_
     replayed_and_verified(rows, steps)
     for r in rows:
         assert r["colocate/push_seconds"] > 0 and r["colocate/trainer_offloaded_bytes"] > 0, r
-        assert r["routing/agreement"] == 1.0 and r["mismatch/k3_kl"] < 1e-6, r  # on-policy, fp32: every step
+        on_policy(r)  # every step: sync
         # SGLang's teacher scored every sample once; another random model is far from the student
         assert r["teacher_engines/requests"] - r["teacher_engines/retries"] == r["rollout/samples"], r
         assert r["distill/reverse_kl"] > 0.1 and r["distill/teacher_logprob_mean"] < 0 and r["distill/topk_kl"] > 0, r
