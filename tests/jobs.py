@@ -22,6 +22,13 @@ RECIPE = REPO / "recipes" / "qwen_moe_grpo.sh"
 GROUPS = 4
 
 
+def on_policy(row: dict) -> None:
+    """A step of rollouts its engine sampled from the trainer's own policy, both in fp32: the trainer scores every token
+    as the engine did and routes it alike, but where two experts tie to rounding: the engine's kernels and batches are
+    not the trainer's (SGLang's batches change from run to run), and either of a tie may come out on top."""
+    assert row["routing/max_logit_gap"] < 1e-4 and row["mismatch/k3_kl"] < 1e-6, row
+
+
 def job_args(cache: Path, run_dir: Path, *overrides: str) -> list[str]:
     # sync.verify: after every update each engine must serve the trainer's policy (fp32: probe log-probs within 1e-4).
     return [

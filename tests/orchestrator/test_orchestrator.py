@@ -17,7 +17,7 @@ from moerl.env import child_env
 from moerl.orchestrator.metrics import plot, read_metrics
 from tests import REPO
 from tests.accounting import accounting
-from tests.jobs import job
+from tests.jobs import job, on_policy
 
 REQUIRED = (
     "step",
@@ -82,8 +82,8 @@ def test_each_mode_trains_with_bounded_staleness_and_every_prompt_accounted(
         # so the mismatch splits into tokens of the current policy and older ones
         assert any(r["mismatch/k3_kl_lagged"] == r["mismatch/k3_kl_lagged"] for r in rows)
     else:
-        # On-policy with an fp32 engine: the trainer reproduces the engine's routing and log-probs.
-        assert all(r["routing/agreement"] == 1.0 and r["mismatch/k3_kl"] < 1e-6 for r in rows)
+        for r in rows:
+            on_policy(r)
         rewards = [r["rollout/reward_mean"] for r in rows]
         assert rewards[0] > 0  # the warmed-up tiny model starts above zero reward
         if mode == "sync":  # deterministic: the demo's reward visibly rises
@@ -134,7 +134,7 @@ def test_lora_job_moves_adapters_only(demo_cache, tmp_path):
     for r in rows:
         assert 0 < r["sync/bytes"] < r["sync/full_weight_bytes"] / 5
         assert r["sync/pause_seconds"] == 0.0 and r["staleness/max"] == 0
-        assert r["mismatch/k3_kl"] < 1e-6 and r["routing/agreement"] == 1.0
+        on_policy(r)
     assert any(r["train/grad_norm"] > 0 for r in rows)  # lr 5e-2 may leave a step whose groups all score alike
     assert accounting(tmp_path)["balanced"]
     manager_log = (tmp_path / "logs" / "rollout_manager.log").read_text()
