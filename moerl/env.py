@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import resource
 import signal
 import socket
 import sys
@@ -43,6 +44,18 @@ def child_env(**extra: str) -> dict[str, str]:
 # take theirs (a gloo listener once took an SGLang server's port between its pick and its bind, and the server hung),
 # and below the range SGLang draws its own ports from (22000-29999).
 PORT_RANGE = (12000, 22000)
+
+
+def raise_open_files_limit() -> None:
+    """This process's soft limit of open files raised to its hard limit: an engine client holds a socket for each
+    request in flight, thousands at production depth, past the 1024 many systems start a process with. Where the
+    kernel refuses (an unlimited hard limit above its own cap), the soft limit stays."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def free_port() -> int:

@@ -29,6 +29,7 @@ from moerl.engines import protocol as P
 from moerl.engines.generation_workers import GenerationWorkers
 from moerl.engines.health import ReplicaHealth, State
 from moerl.engines.protocol import Completion, Route, SamplingParams, WireModel
+from moerl.env import raise_open_files_limit
 from moerl.errors import EnginesDown
 from moerl.models.family import ModelShape
 
@@ -127,7 +128,11 @@ class EngineClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self.timeout)
+            # Each request in flight holds a connection, and aiohttp's default pool holds 100: the 101st generation
+            # would wait for one to finish, while its caller counts it as running. How many run is the caller's
+            # bound (the job's depth, its schedule's max_running), never the pool's.
+            raise_open_files_limit()
+            self._session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     async def _call(

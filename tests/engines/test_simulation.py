@@ -273,6 +273,22 @@ def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkey
     assert checked == list(range(n)) and holders == []
 
 
+def with_routing_and_kept_sets(params):
+    """A /generate request of :data:`PROMPT` sampled with ``params``, asking for routing from position 2 and kept sets,
+    as the client asks it."""
+    from moerl.engines import protocol as P
+
+    return P.GenerateReqInput(
+        input_ids=PROMPT,
+        sampling_params=params,
+        return_logprob=True,
+        return_routed_experts=True,
+        routed_experts_start_len=2,
+        return_sampling_mask=True,
+        sampling_logprobs_mode="selected",
+    )
+
+
 @pytest.mark.e2e
 def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_silently(server, models, monkeypatch):
     """Through the workers (HTTP and decoding in other processes) a generation gives what the client gives in its own
@@ -321,15 +337,7 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
             EngineClient([same], shape=shape) as here,
             EngineClient([server, bad, same], shape=shape, workers=2) as there,
         ):
-            request = P.GenerateReqInput(
-                input_ids=PROMPT,
-                sampling_params=params,
-                return_logprob=True,
-                return_routed_experts=True,
-                routed_experts_start_len=2,
-                return_sampling_mask=True,
-                sampling_logprobs_mode="selected",
-            )
+            request = with_routing_and_kept_sets(params)
             answer["body"] = await here._call(server, P.GENERATE, request, parse=keep)
             assert len(answer["body"]) <= P.largest_answer_bytes(request, shape) < client_module.CARRY_ELSEWHERE_BYTES
             await generations(there)
@@ -396,6 +404,61 @@ def test_generation_workers_carry_requests_as_the_client_would_and_lose_nothing_
         # seeded: the same again
         assert np.array_equal(a.output_ids, c.output_ids) and np.array_equal(a.routing, c.routing)
     assert state is not State.HEALTHY
+
+
+@pytest.mark.e2e
+def test_a_client_has_every_generation_it_carries_on_its_engine_at_once(server, models, monkeypatch):
+    """A group's completions with kept sets go one a request (protocol.one_by_one): 150 of them, sent by the client
+    itself and through a generation worker, are all on the engine at once. None waits in the client for another's
+    connection (aiohttp's pool holds 100 unless told otherwise) while its caller counts it as running."""
+    import json
+
+    from aiohttp import web
+
+    from moerl.engines import client as client_module
+    from moerl.engines import protocol as P
+    from moerl.engines.client import EngineClient, Returns
+    from moerl.models import model_shape
+
+    n = 150
+    shape = model_shape(json.loads((models["base"] / "config.json").read_text()))
+    params = P.SamplingParams(n=n, max_new_tokens=40, top_k=5, sampling_seed=1)
+    returns = Returns(routing_from=2, sampling_mask=True)
+    held: dict = {"arrived": 0}
+
+    async def hold(request):
+        """Answers no completion before all ``n`` of the group are here."""
+        body = await request.json()
+        if body["sampling_params"]["max_new_tokens"] == 0:  # the prompt's prefill
+            return web.json_response({"output_ids": [], "meta_info": {}})
+        held["arrived"] += 1
+        if held["arrived"] == n:
+            held["everyone"].set()
+        await held["everyone"].wait()
+        return web.Response(body=held["answer"], content_type="application/json")
+
+    async def keep(body: bytes) -> bytes:
+        return body
+
+    async def go() -> list[tuple[int, int]]:
+        seen = []
+        async with serving({("POST", "/generate"): hold}) as url, EngineClient([server], shape=shape) as recorder:
+            one = with_routing_and_kept_sets(params.model_copy(update={"n": 1}))
+            held["answer"] = await recorder._call(server, P.GENERATE, one, parse=keep)
+            for workers in (0, 1):
+                if workers:
+                    monkeypatch.setattr(client_module, "CARRY_ELSEWHERE_BYTES", 0)  # the tiny model's answers are small
+                held.update(arrived=0, everyone=asyncio.Event())
+                async with EngineClient([url], shape=shape, workers=workers) as client:
+                    try:
+                        completions = await asyncio.wait_for(client.generate(PROMPT, params, returns), 60)
+                    except TimeoutError:
+                        completions = []
+                    seen.append((held["arrived"], len(completions)))
+                    assert bool(client.worker_pids()) == bool(workers), "the group went where it was meant to"
+        return seen
+
+    assert asyncio.run(go()) == [(n, n), (n, n)]
 
 
 # ---- continuations and siblings ----------------------------------------------------------------------------------
