@@ -155,9 +155,12 @@ def test_same_seed_same_completion_alone_or_batched(server, shape):
     assert np.array_equal(alone.output_ids, batched.output_ids)
 
 
-def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(models, monkeypatch):
-    """A finished completion past SPILL_BYTES waits for the rest of its n in a temporary file: the answer is the same
-    bytes as one held in memory, and no file stays open."""
+@pytest.mark.parametrize("n", [1, 3])
+def test_completions_waiting_on_disk_come_back_byte_for_byte_a_slice_at_a_time(models, monkeypatch, n):
+    """A finished completion past SPILL_BYTES waits in a temporary file for the rest of its n and for its client (the
+    last to finish too): the answer is the same bytes as one held in memory, the socket is handed it SEND_CHUNK_BYTES at
+    a time (what an answer its client does not read yet holds in the engine's memory), and no file stays open."""
+    from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
     from moerl.engines.embedded import streaming
@@ -170,15 +173,19 @@ def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(mod
         "return_logprob": True,
         "return_routed_experts": True,
         "return_sampling_mask": True,
-        "sampling_params": {"n": 3, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5, "top_k": 20},
+        "sampling_params": {"n": n, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 5, "top_k": 20},
     }
-    files = []
+    files, writes = [], []
 
     def temporary_file():
         files.append(made := real_temporary_file())
         return made
 
-    real_temporary_file = streaming.tempfile.TemporaryFile
+    async def write(self, data) -> None:
+        writes.append(len(data))
+        await real_write(self, data)
+
+    real_temporary_file, real_write = streaming.tempfile.TemporaryFile, web.StreamResponse.write
     monkeypatch.setattr(streaming.tempfile, "TemporaryFile", temporary_file)
 
     async def answer() -> bytes:
@@ -190,10 +197,12 @@ def test_completions_waiting_for_their_group_on_disk_come_back_byte_for_byte(mod
     held = run(answer())
     assert not files
     monkeypatch.setattr(streaming, "SPILL_BYTES", 0)
+    monkeypatch.setattr(streaming, "SEND_CHUNK_BYTES", 256)
+    monkeypatch.setattr(web.StreamResponse, "write", write)
     spilled = run(answer())
-    assert len(files) == 2  # the last of the three to finish is sent at once
-    assert all(f.closed for f in files)
-    assert spilled == held and len(json.loads(spilled)) == 3
+    assert len(files) == n and all(f.closed for f in files)
+    assert spilled == held and len(json.loads(spilled) if n > 1 else [json.loads(spilled)]) == n
+    assert sum(writes) == len(held) > 4 * 256 * n and max(writes) <= 256
 
 
 @pytest.mark.e2e

@@ -1,5 +1,6 @@
 """The answers of /generate: a call's completions streamed as server-sent events as they decode, or answered whole
-once all have finished, large finished ones waiting on disk for the rest of their ``n``."""
+once all have finished, large finished ones waiting on disk for the rest of their ``n`` and for their client to read
+them."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ from moerl.engines.embedded.engine import EmbeddedEngine
 from moerl.engines.embedded.scheduler import Request, RequestT
 
 DISCONNECT_POLL_S = 1.0  # how often a waiting /generate checks that its client is still there (SGLang: 4 s)
-# A finished completion larger than this waits for the rest of its n in an unnamed temporary file, not in memory: at
-# true routing size each is tens of MB (a simulated 32K-token Qwen3-30B-A3B response: over 50 MB), and the simulated
-# engines of a 96-GPU pool hold thousands of them on one machine. Disk pages the kernel may write back and drop.
+# A finished completion larger than this waits in an unnamed temporary file, not in memory, for the rest of its n and
+# for its client to read it: at true routing size each is tens of MB (a simulated 32K-token Qwen3-30B-A3B response:
+# over 50 MB), and the simulated engines of a 96-GPU pool hold thousands of them on one machine, hundreds finishing at
+# once where chunked requests are cut. Disk pages the kernel may write back and drop.
 SPILL_BYTES = 4 << 20
-SEND_CHUNK_BYTES = 4 << 20  # a spilled completion goes back to the socket this much at a time
+# A spilled completion goes to the socket this much at a time, each once the socket has taken the last: what an answer
+# its client is not reading yet holds in memory.
+SEND_CHUNK_BYTES = 1 << 20
 dumps = functools.partial(json.dumps, allow_nan=False)  # a NaN in a response is a bug, never invalid JSON on the wire
 
 
@@ -32,7 +36,7 @@ def _gone(request: web.Request) -> bool:
 
 class _Spilled:
     """A finished completion's serialized answer held in an unnamed temporary file (gone with the process) until its
-    request's other completions finish."""
+    request's other completions finish and its client has read it."""
 
     def __init__(self, data: bytes):
         self.size = len(data)
@@ -64,7 +68,6 @@ class Generation(Generic[RequestT]):
         self.loop = asyncio.get_running_loop()
         self.updates: asyncio.Queue = asyncio.Queue()  # (rid, finished, payload), put from the scheduler's thread
         self.unread = threading.Event()  # the requests were aborted for good: what they decoded is made for nobody
-        self.done = 0  # completions finished (counted on the scheduler's thread, the only one calling on_update)
         self.requests = self.engine.make_requests(req, self.on_update)
         # As SGLang does, chunks of an n > 1 stream say which completion they belong to.
         self.index_of = {r.rid: i for i, r in enumerate(self.requests)} if len(self.requests) > 1 else {}
@@ -82,20 +85,19 @@ class Generation(Generic[RequestT]):
             self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
         elif finished:
             # Serialized here, as it finishes: a long answer's lists take several times its JSON, and answers waiting
-            # as objects for the event loop held a simulated engine's process at twice its memory. Spilled here too,
-            # all but the last: spilled by the handler, each answer's bytes also stayed in its frame until the next
-            # completion came (at 32 trainer + 96 engine GPUs, 0.5 GB in each process of four simulated replicas).
-            self.done += 1
+            # as objects for the event loop held a simulated engine's process at twice its memory. Spilled here too:
+            # spilled by the handler, each answer's bytes also stayed in its frame until the next completion came (at
+            # 32 trainer + 96 engine GPUs, 0.5 GB in each process of four simulated replicas).
             self.loop.call_soon_threadsafe(self.updates.put_nowait, (r.rid, finished, self._answer(r)))
 
     def _answer(self, r: Request) -> bytes | _Spilled | ValueError:
-        """``r``'s answer as JSON, on disk past SPILL_BYTES unless it finished last (that one is sent at once); the
-        error of one that cannot be serialized."""
+        """``r``'s answer as JSON, on disk past SPILL_BYTES (the last to finish too: its client may not read it yet);
+        the error of one that cannot be serialized."""
         try:
             answer = dumps(self.engine.response(r, self.req)).encode()
         except ValueError as e:  # a NaN: the handler answers 500
             return e
-        return _Spilled(answer) if len(answer) > SPILL_BYTES and self.done < len(self.requests) else answer
+        return _Spilled(answer) if len(answer) > SPILL_BYTES else answer
 
     async def abandon(self, message: str) -> None:
         """Abort the requests, and make nothing more of what they decoded."""
