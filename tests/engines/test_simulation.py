@@ -227,9 +227,8 @@ def test_a_client_gone_has_its_requests_aborted_and_no_answer_made_for_it(models
 
 def test_a_completion_waiting_for_its_group_is_held_on_disk_alone(models, monkeypatch):
     """Past SPILL_BYTES a finished completion waits for the rest of its n (and its client) in a file and nowhere in
-    memory: spilled by
-    the request's handler, each one's bytes also stayed in the handler's frame until the next completion came, which
-    at 32 trainer + 96 engine GPUs held half a GB in each process of four simulated replicas."""
+    memory: spilled by the request's handler, each one's bytes also stayed in the handler's frame until the next
+    completion came, which at 32 trainer + 96 engine GPUs held half a GB in each process of four simulated replicas."""
     import gc
 
     import aiohttp
