@@ -10,8 +10,8 @@ variance its model explains, from the prompt and the prompt x checkpoint). A pol
 job's config:
   groups        rollout.schedule.policy=groups (the job's default)
   length_aware  rollout.schedule.policy=length_aware, plus ``--length-aware-extra``
-  tail          length_aware with chunks of 8192 tokens, at most 64 running a replica, tail requests from 12000
-                tokens, 8 running beside one (the settings bench/schedule_model.py found best)
+  tail          length_aware with chunks of 8192 tokens, at most 64 running a replica, tail requests (uncut) from
+                12000 tokens, 8 running beside one (the settings bench/schedule_model.py found best)
 and ``--policy NAME OVERRIDE...`` defines more (or redefines these). The bounds are bench/simulation.py's (its
 docstring); per row: samples/s over the steps after the first, the tail-counted bound and the ratio to it, the ratio to
 the full-engine bound, samples/s against the groups policy's, prompts dropped, the staleness lags, and the mean of the

@@ -243,11 +243,11 @@ class AsyncLoop:
             if decoded and self.requests[i].last != url:  # a continuation elsewhere prefills its output first
                 self.hold[to] = max(self.hold[to], self.now) + decoded / self.e.prefill_tokens_per_s
             self.replica[i] = to
-            chunk = self.policy.schedule.chunk_tokens
-            self.chunk_end[i] = self.left[i] - min(chunk, self.left[i]) if chunk else 0.0
+            self.chunk_end[i] = self.left[i] - asked
             return True
 
         self.requests[i].decoded = int(round(self.length[i] - self.left[i]))
+        asked = min(self.dispatcher.asked(self.requests[i], math.ceil(self.left[i])), self.left[i])
         self.dispatcher.submit(self.requests[i], start)
 
     def restart(self, g: int) -> None:

@@ -208,8 +208,9 @@ class ScheduleSection:
     # to decode.
     policy: SchedulePolicy = "groups"
     probes: int = 1  # length_aware: a group's completions that go before its siblings, to learn its length
-    # length_aware: the most tokens one request decodes; a completion that goes on is asked again from its output, on
-    # the replica with the fewest predicted tokens left, its routing and versions carried on (0: never cut)
+    # length_aware: the most tokens one request decodes, a tail request's excepted; a completion that goes on is asked
+    # again from its output, on the replica with the fewest predicted tokens left, its routing and versions carried on
+    # (0: never cut)
     chunk_tokens: int = 0
     # length_aware: requests the manager keeps running on each replica; those beyond wait in its queue, in the order
     # above (0: no bound: every request goes at once, and the engines queue what they cannot run)

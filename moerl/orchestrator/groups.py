@@ -132,9 +132,9 @@ class SampleRequests:
         while True:
             decoded = 0 if completion is None else len(completion.output_ids)
             budget = r.max_new_tokens - decoded
-            asked = min(budget, s.chunk_tokens) if s.chunk_tokens else budget
-            prompt = ids if completion is None else ids + completion.output_ids.tolist()
             request.decoded, before = decoded, request.last
+            asked = self.dispatcher.asked(request, budget)
+            prompt = ids if completion is None else ids + completion.output_ids.tolist()
             (piece,), adapter_version = await self.generation(
                 index,
                 prompt,

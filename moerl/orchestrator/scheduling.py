@@ -15,8 +15,8 @@ orders them:
 
 Each goes to the usable replica with the fewest predicted tokens left to decode among its running requests (a
 continuation stays where its last chunk ran unless another replica has fewer): a request's prediction is its group's
-less what it has decoded, at most a chunk. With ``max_running`` a replica runs at most that many of the manager's
-requests and the rest wait here in that order; without, every request goes at once.
+less what it has decoded, at most a chunk (a tail request's: all of it). With ``max_running`` a replica runs at most
+that many of the manager's requests and the rest wait here in that order; without, every request goes at once.
 
 With ``tail_tokens``, a request whose completion is predicted to run that many tokens in all (its group's prediction
 from finished completions, or twice what it has decoded if more: a log-normal length that has run well past its median
@@ -24,7 +24,8 @@ has about as far again to go) is a tail request. In async mode a long completion
 window, and a request decodes faster the fewer its replica runs (three times faster alone than among 128 on the
 profiles' engines), so a tail request goes to the replica running the fewest, and a replica running one takes other
 requests only while it runs fewer than ``tail_running``. With chunks a completion's tail is found as it decodes, and
-its next chunk moves.
+its next chunk moves; a tail request is not cut again: its replica is kept light for it, so a cut would only add a
+round trip and a prefill of its output to the completion its group waits on (in sync mode, the one its step waits on).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Request:
     last: str | None = None  # the replica its completion's last chunk ran on
     order: int = 0  # when it began waiting
     predicted_left: float = 0.0  # what it counts for on its replica while it runs
-    tail: bool = False  # placed as a tail request (see tail_tokens)
+    tail: bool = False  # a tail request (see tail_tokens), as Dispatcher.asked found it
 
     def rank(self, lengths: GroupLengths) -> tuple[int, int, int]:
         """Its place in the queue, first lowest: continuations, probes, then the rest longest predicted first; oldest
@@ -98,7 +99,8 @@ class Request:
 class Dispatcher:
     """Hands the manager's requests to replicas as :mod:`this module <moerl.orchestrator.scheduling>` says.
     ``usable``: the replicas requests may go to now (the client's health); ``schedule``: its bounds (max_running,
-    chunk_tokens, tail_tokens, tail_running: :class:`~moerl.orchestrator.config.ScheduleSection`)."""
+    chunk_tokens, tail_tokens, tail_running: :class:`~moerl.orchestrator.config.ScheduleSection`). A request is sized
+    by :meth:`asked`, then run in :meth:`slot`."""
 
     def __init__(self, usable: Callable[[], list[str]], lengths: GroupLengths, schedule: ScheduleSection):
         self.usable, self.lengths, self.schedule = usable, lengths, schedule
@@ -109,7 +111,14 @@ class Dispatcher:
     def predicted_left(self, request: Request) -> float:
         left = max(self.lengths.predicted(request.group) - request.decoded, 1)
         chunk = self.schedule.chunk_tokens
-        return min(left, chunk) if chunk else left
+        return min(left, chunk) if chunk and not request.tail else left
+
+    def asked(self, request: Request, budget: int) -> int:
+        """The tokens ``request`` may decode of the ``budget`` its completion has left: at most ``chunk_tokens``,
+        unless it is a tail request (decided here, before it is submitted, from what is known now)."""
+        s = self.schedule
+        request.tail = bool(s.tail_tokens) and self.predicted_total(request) >= s.tail_tokens
+        return min(budget, s.chunk_tokens) if s.chunk_tokens and not request.tail else budget
 
     def predicted_total(self, request: Request) -> int:
         """The tokens ``request``'s completion is predicted to decode in all, from what has finished and what it has
@@ -172,7 +181,6 @@ class Dispatcher:
     def _place(self, request: Request, free: list[str]) -> str | None:
         """The replica of ``free`` that ``request`` goes to (None: none of them takes it now)."""
         s = self.schedule
-        request.tail = bool(s.tail_tokens) and self.predicted_total(request) >= s.tail_tokens
         if request.tail:
             return min(free, key=lambda u: (len(self.running.get(u, ())), u != request.last))
         if s.tail_tokens:

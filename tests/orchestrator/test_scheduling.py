@@ -143,23 +143,28 @@ def test_a_group_with_none_finished_is_predicted_the_median_of_the_last_finished
     assert lengths.predicted(2) == 7  # only the last RECENT count
 
 
-def test_tail_requests_go_where_fewest_run_and_keep_their_replica_light():
+def test_tail_requests_go_where_fewest_run_keep_their_replica_light_and_are_not_cut():
     """Requests predicted to run tail_tokens in all (their group's prediction, or twice what they decoded) go to the
-    replica running the fewest; a replica running one takes others only while it runs fewer than tail_running."""
+    replica running the fewest; a replica running one takes others only while it runs fewer than tail_running. They
+    are asked for the rest of their completion, the others for at most chunk_tokens (their predicted load the same)."""
     lengths = GroupLengths(MAX_NEW)
     lengths.add(1, 900)  # group 1 predicted 900: a tail
     lengths.add(2, 100)  # group 2 predicted 100
     lengths.add(3, 500)  # group 3 predicted 500
     placed: list[tuple[str, bool]] = []
+    asked: list[tuple[int, float]] = []
 
     async def go():
-        d = Dispatcher(lambda: ["a", "b"], lengths, schedule(max_running=4, tail_tokens=800, tail_running=3))
+        chunks = schedule(max_running=4, chunk_tokens=300, tail_tokens=800, tail_running=3)
+        d = Dispatcher(lambda: ["a", "b"], lengths, chunks)
         hold = asyncio.Event()
         tasks: list[asyncio.Task] = []
 
         async def run(request: Request):
+            tokens = d.asked(request, MAX_NEW - request.decoded)
             async with d.slot(request) as url:
                 placed.append((url, request.tail))
+                asked.append((tokens, request.predicted_left))
                 await hold.wait()
 
         async def add(*requests: Request):
@@ -169,13 +174,14 @@ def test_tail_requests_go_where_fewest_run_and_keep_their_replica_light():
 
         await add(Request(3, probe=False), Request(2, probe=False), Request(2, probe=False))
         assert placed == [("a", False), ("b", False), ("b", False)]  # the fewest predicted tokens left
-        # the tail request goes where fewest run ("a": one, of 500 tokens, against two of 100)
+        assert asked == [(300, 300), (300, 100), (300, 100)]  # a chunk at most, as its predicted load
+        # the tail request goes where fewest run ("a": one, of at most 300 tokens left, against two of 100), uncut
         await add(Request(1, probe=False))
-        assert placed[3] == ("a", True)
+        assert placed[3] == ("a", True) and asked[3] == (MAX_NEW, 900)
         # a continuation that decoded 450 of a group predicted 100 is a tail request too (2 x 450 >= 800); where as
-        # many run on each replica, it stays on its last
+        # many run on each replica, it stays on its last, asked for the rest of its completion
         await add(Request(2, probe=False, decoded=450, last="b"))
-        assert placed[4] == ("b", True)
+        assert placed[4] == ("b", True) and asked[4][0] == MAX_NEW - 450
         # "a" runs two with a tail, "b" three: the next short request goes to "a", the one after waits (both replicas
         # run a tail and tail_running requests), though max_running would let each run four
         await add(Request(2, probe=False), Request(2, probe=False))
