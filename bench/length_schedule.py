@@ -123,14 +123,19 @@ def shape_of(job, base: Path, extra: list[str]) -> dict:
 
 
 def code_version() -> str | None:
-    """The commit the runs are made on (``-dirty`` with changes not committed), to keep with each run."""
+    """The commit the runs are made on (``-dirty`` with changes not committed, the results files' own left out: a
+    sweep run in parts adds to them between commits), to keep with each run."""
     try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True, text=True, check=True
+        commit, changed = (
+            subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
+            for args in (
+                ["describe", "--always"],
+                ["status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results"],
+            )
         )
     except (OSError, subprocess.CalledProcessError):
         return None  # not a git checkout
-    return out.stdout.strip()
+    return f"{commit}-dirty" if changed else commit
 
 
 def same_run(entry: dict, key: dict) -> bool:
