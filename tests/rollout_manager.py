@@ -1,5 +1,5 @@
 """A rollout manager run in the test's own event loop, driven as the trainer drives it (orders in, events out), against
-engines served by the test."""
+engines served by the test; and the manager's generation alone, asking in chunks as the length-aware schedule does."""
 
 from __future__ import annotations
 
@@ -76,3 +76,31 @@ async def manager_run(tmp_path, model_dir, urls: str | list[str], overrides: lis
         orders.close(linger=0)
         events.close(linger=0)
         ctx.term()
+
+
+def chunked_generation(client, new_tokens: int, chunk: int, samples: int):
+    """The manager's requests to ``client``'s engines under the length-aware schedule: ``samples`` completions of
+    ``new_tokens`` a prompt, each asked ``chunk`` tokens a request, sampled at top_k 8 and top_p 0.9 with kept sets."""
+    from moerl.orchestrator.adapters import Adapters
+    from moerl.orchestrator.config import load_config
+    from moerl.orchestrator.generation import Generation
+
+    cfg = load_config(
+        None,
+        [
+            f"rollout.max_new_tokens={new_tokens}",
+            f"rollout.samples_per_prompt={samples}",
+            "rollout.top_k=8",
+            "rollout.top_p=0.9",
+            "trainer.replay.sampling_mask=true",
+            "rollout.schedule.policy=length_aware",
+            f"rollout.schedule.chunk_tokens={chunk}",
+        ],
+    )
+
+    async def report() -> None:
+        pass
+
+    generation = Generation(cfg, client, Adapters(client), asyncio.Event(), report, "salt", [])
+    generation.serving.set()
+    return generation

@@ -265,34 +265,18 @@ def test_a_completion_cut_into_chunks_on_alternate_replicas_equals_it_decoded_at
     from moerl.engines.client import EngineClient
     from moerl.models import model_shape
     from moerl.models.tiny import save_tiny_hf
-    from moerl.orchestrator.adapters import Adapters
-    from moerl.orchestrator.generation import Generation, Tries
+    from moerl.orchestrator.generation import Tries
     from moerl.orchestrator.groups import SampleRequests
     from tests.engine_server import running_servers
+    from tests.rollout_manager import chunked_generation
 
     model = save_tiny_hf("Qwen3MoeForCausalLM", tmp_path / "model")
     shape = model_shape(json.loads((model / "config.json").read_text()))
     new_tokens, chunk = 23, 5
-    cfg = load_config(
-        None,
-        [
-            f"rollout.max_new_tokens={new_tokens}",
-            "rollout.samples_per_prompt=4",
-            "rollout.top_k=8",
-            "rollout.top_p=0.9",
-            "trainer.replay.sampling_mask=true",
-            "rollout.schedule.policy=length_aware",
-            f"rollout.schedule.chunk_tokens={chunk}",
-        ],
-    )
-
-    async def report() -> None:
-        pass
 
     async def go(urls: list[str]):
         async with EngineClient(urls, shape=shape, workers=0) as client:
-            generation = Generation(cfg, client, Adapters(client), asyncio.Event(), report, "salt", [])
-            generation.serving.set()
+            generation = chunked_generation(client, new_tokens, chunk, 4)
             prompt = [3, 17, 42, 99, 7, 11]
             whole, _ = await generation(0, prompt, Tries(), generation.params(0, 4), affinity="one replica")
             turns = itertools.cycle(urls)

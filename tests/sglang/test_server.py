@@ -355,3 +355,58 @@ def test_a_pause_in_each_mode_meets_a_request_in_flight_as_on_the_embedded_engin
         else:
             assert completion.finish_reason["type"] == "length" and len(completion.output_ids) == 400, url
             assert versions[0] == "before" and versions[-1] == "after", (url, completion.weight_versions)
+
+
+def test_a_completion_asked_in_chunks_is_scored_as_transformers_scores_it_whole(sglang_url, model):
+    """The length-aware schedule's chunks on SGLang (``rollout.schedule.chunk_tokens``): each completion of a group
+    asked 5 tokens a request, each continuation's prompt the last one's prompt and output, then joined into one
+    completion. The trainer replays it as one sequence, so it must be one: each token's log-prob a transformers
+    forward's over the whole sequence, its kept set (top_k 8, top_p 0.9) the most likely tokens there, its log-prob
+    within that set renormalized, a routing row for every position each MoE router's top-k, and one version span."""
+    from transformers import AutoModelForCausalLM
+
+    from moerl.orchestrator.config import ScheduleSection
+    from moerl.orchestrator.generation import Tries
+    from moerl.orchestrator.groups import SampleRequests
+    from moerl.orchestrator.scheduling import Dispatcher, GroupLengths
+    from tests.rollout_manager import chunked_generation
+
+    shape = model_shape(json.loads((model / "config.json").read_text()))
+    new_tokens, chunk, samples = 18, 5, 3
+
+    async def go():
+        async with EngineClient([sglang_url], shape=shape, workers=0) as client:
+            generation = chunked_generation(client, new_tokens, chunk, samples)
+            schedule = ScheduleSection(policy="length_aware", chunk_tokens=chunk)
+            dispatcher = Dispatcher(lambda: [sglang_url], GroupLengths(new_tokens), schedule)
+            agent = SampleRequests(generation, None, dispatcher)
+            tries = Tries()
+            completions = [(await agent._completion(0, PROMPT, k, tries))[0] for k in range(samples)]
+            return completions, tries
+
+    completions, tries = asyncio.run(go())
+    # a completion may end at the model's end token (SGLang 0.5.23 reads no seed without deterministic inference)
+    assert tries.continued == sum(-(-len(c.output_ids) // chunk) - 1 for c in completions) > 0
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for c in completions:
+        n = len(c.output_ids)
+        assert n == new_tokens or c.finish_reason["type"] == "stop", c.finish_reason
+        ids = PROMPT + c.output_ids.tolist()
+        with torch.no_grad():
+            out = hf(torch.tensor([ids]), output_router_logits=True)
+        logprobs = torch.log_softmax(out.logits[0, len(PROMPT) - 1 : -1].float(), -1)  # of each output token
+        np.testing.assert_allclose(
+            c.logprobs, logprobs.gather(1, torch.tensor(c.output_ids)[:, None].long())[:, 0], atol=1e-5
+        )
+        kept = np.split(c.mask_ids, c.mask_offsets[1:-1])
+        assert len(kept) == n
+        for i, (token, keep) in enumerate(zip(c.output_ids.tolist(), kept, strict=True)):
+            assert token in keep and len(keep) <= 8, i
+            assert set(keep.tolist()) == set(logprobs[i].topk(len(keep)).indices.tolist()), f"kept set of token {i}"
+            renormalized = logprobs[i, token] - torch.logsumexp(logprobs[i, torch.tensor(keep).long()], 0)
+            assert abs(c.sampling_logprobs[i] - float(renormalized)) < 1e-5, i
+        assert c.routing.shape == (len(ids) - 1, len(shape.moe_layers), shape.topk)
+        for j, router_logits in enumerate(out.router_logits):  # one per MoE layer, [positions, experts]
+            top = torch.topk(router_logits[: len(ids) - 1], shape.topk, -1).indices.sort(-1).values.numpy()
+            np.testing.assert_array_equal(np.sort(c.routing[:, j], -1), top, err_msg=f"MoE layer {j}")
+        assert [(s["start"], s["end"]) for s in c.weight_versions] == [(0, n)]
