@@ -280,7 +280,7 @@ def test_a_completion_cut_into_chunks_on_alternate_replicas_equals_it_decoded_at
             prompt = [3, 17, 42, 99, 7, 11]
             whole, _ = await generation(0, prompt, Tries(), generation.params(0, 4), affinity="one replica")
             turns = itertools.cycle(urls)
-            dispatcher = Dispatcher(lambda: [next(turns)], GroupLengths(new_tokens), schedule(chunk_tokens=chunk))
+            dispatcher = Dispatcher(lambda: [next(turns)], GroupLengths(new_tokens), generation.r.schedule)
             agent = SampleRequests(generation, None, dispatcher)
             chunked = [await agent._completion(0, prompt, k, Tries()) for k in range(4)]
             lengths = [len(c.output_ids) for c in whole]

@@ -244,6 +244,14 @@ def _skeleton(value):
     return [_skeleton(v) for v in value] if isinstance(value, list) else type(value).__name__
 
 
+def routes_as_transformers(routing: np.ndarray, router_logits, fed: int, topk: int) -> None:
+    """``routing`` holds a row for each of the ``fed`` positions from 0, each MoE router's top-k of a transformers
+    forward there (``router_logits``: one per MoE layer, [positions, experts]), as sets, on every layer."""
+    for j, logits in enumerate(router_logits):
+        top = torch.topk(logits[:fed], topk, -1).indices.sort(-1).values.numpy()
+        assert np.array_equal(np.sort(routing[:, j], -1), top), f"MoE layer {j}"
+
+
 def test_sglang_computes_transformers_tokens_log_probs_and_routing(sglang_url, model):
     """Greedy, fp32: SGLang's tokens are transformers', its log-probs within 1e-5, and its routed experts each MoE
     router's top-k on every position and layer."""
@@ -266,9 +274,7 @@ def test_sglang_computes_transformers_tokens_log_probs_and_routing(sglang_url, m
     assert [int(logprobs[i].argmax()) for i in steps] == completion.output_ids.tolist()
     theirs = [float(logprobs[i, ids[i + 1]]) for i in steps]
     assert np.allclose(completion.logprobs, theirs, atol=1e-5)
-    for j, router_logits in enumerate(out.router_logits):  # one per MoE layer, [positions, experts]
-        top = torch.topk(router_logits[: len(ids) - 1], shape.topk, -1).indices.sort(-1).values.numpy()
-        assert np.array_equal(np.sort(completion.routing[:, j], -1), top), f"MoE layer {j}"
+    routes_as_transformers(completion.routing, out.router_logits, len(ids) - 1, shape.topk)
 
 
 def test_sglang_scores_tokens_as_transformers(sglang_url, model):
@@ -365,7 +371,6 @@ def test_a_completion_asked_in_chunks_is_scored_as_transformers_scores_it_whole(
     within that set renormalized, a routing row for every position each MoE router's top-k, and one version span."""
     from transformers import AutoModelForCausalLM
 
-    from moerl.orchestrator.config import ScheduleSection
     from moerl.orchestrator.generation import Tries
     from moerl.orchestrator.groups import SampleRequests
     from moerl.orchestrator.scheduling import Dispatcher, GroupLengths
@@ -377,8 +382,7 @@ def test_a_completion_asked_in_chunks_is_scored_as_transformers_scores_it_whole(
     async def go():
         async with EngineClient([sglang_url], shape=shape, workers=0) as client:
             generation = chunked_generation(client, new_tokens, chunk, samples)
-            schedule = ScheduleSection(policy="length_aware", chunk_tokens=chunk)
-            dispatcher = Dispatcher(lambda: [sglang_url], GroupLengths(new_tokens), schedule)
+            dispatcher = Dispatcher(lambda: [sglang_url], GroupLengths(new_tokens), generation.r.schedule)
             agent = SampleRequests(generation, None, dispatcher)
             tries = Tries()
             completions = [(await agent._completion(0, PROMPT, k, tries))[0] for k in range(samples)]
@@ -406,7 +410,5 @@ def test_a_completion_asked_in_chunks_is_scored_as_transformers_scores_it_whole(
             renormalized = logprobs[i, token] - torch.logsumexp(logprobs[i, torch.tensor(keep).long()], 0)
             assert abs(c.sampling_logprobs[i] - float(renormalized)) < 1e-5, i
         assert c.routing.shape == (len(ids) - 1, len(shape.moe_layers), shape.topk)
-        for j, router_logits in enumerate(out.router_logits):  # one per MoE layer, [positions, experts]
-            top = torch.topk(router_logits[: len(ids) - 1], shape.topk, -1).indices.sort(-1).values.numpy()
-            np.testing.assert_array_equal(np.sort(c.routing[:, j], -1), top, err_msg=f"MoE layer {j}")
+        routes_as_transformers(c.routing, out.router_logits, len(ids) - 1, shape.topk)
         assert [(s["start"], s["end"]) for s in c.weight_versions] == [(0, n)]
