@@ -80,6 +80,7 @@ SHAPE_KEYS = (
 )
 TARGET = 0.9  # the issue's goal: async at 0.9 of the tail-counted bound
 LAGGING = 2  # a sync's pause this many times the profile's T_sync: the orchestrator fell behind the time scale
+SATURATED = 0.9  # the machine's CPUs busy this share of the measured steps: the simulation could not keep pace
 
 
 def policy_overrides(args) -> dict[str, list[str]]:
@@ -227,7 +228,7 @@ def sweep(args, results: dict) -> int:
                 f"{summary['dropped']}, longest {summary['longest_mean']:.0f} tokens, manager CPU "
                 f"{summary['manager_cpu_s']:.2f} s/step, trainer idle {summary['trainer_idle']:.2f}; "
                 + ", ".join(f"{k} {v:.1f} s" for k, v in t.items())
-                + f"; sync pause {summary['pause_s']:.1f} s",
+                + f"; sync pause {summary['pause_s']:.1f} s; CPUs {summary['machine_busy']:.0%} busy",
                 file=sys.stderr,
                 flush=True,
             )
@@ -236,6 +237,15 @@ def sweep(args, results: dict) -> int:
                     f"{label}: the engines stood paused {summary['pause_s']:.0f} s a sync against the profile's "
                     f"{t['T_sync']:.0f} s: the orchestrator did not keep pace with time x{job.time_scale:g} on this "
                     "machine, so this run reads low; run it again at a smaller --time-scale",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if summary["machine_busy"] >= SATURATED:
+                print(
+                    f"{label}: the machine's CPUs were {summary['machine_busy']:.0%} busy over the measured steps: "
+                    f"the simulated engines' answers and the orchestrator had no time to spare at time "
+                    f"x{job.time_scale:g}, so groups finished late and this run reads low; run it again at a smaller "
+                    "--time-scale",
                     file=sys.stderr,
                     flush=True,
                 )

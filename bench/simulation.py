@@ -266,6 +266,9 @@ def summarize(rows: list[dict], cfg, mode: str, pool: tuple[int, int], args, pro
         / (wall / len(rows) * args.time_scale),
         "helpers_cpu_s": float(np.mean([r["cpu/manager_helpers_seconds"] for r in rows])),
         "buffer_cpu_s": float(np.mean([r["cpu/buffer_seconds"] for r in rows])),
+        # the share of the machine's CPU time that was busy: near 1, the orchestrator and the simulated engines had no
+        # time to spare, and the run fell behind its clock whatever the pauses read
+        "machine_busy": float(np.mean([r["cpu/machine_busy_fraction"] for r in rows])),
         "seconds": {k: float(np.mean([s[k] for s in steps])) for k in steps[0]},
         "measured_steps": len(rows),
     }

@@ -119,7 +119,9 @@ class CpuMeter:
     """The orchestrator's own CPU cost per step, never scaled in a simulation: the rollout manager process's (the engine
     client, rewards, and the completions its generation workers hand it), its helper processes' (the generation
     workers: engine requests and decoding), and rank 0's rollout buffer's (taking in the finished groups). The manager's
-    own is the figure that must stay well below the step: it is one process."""
+    own is the figure that must stay well below the step: it is one process. Beside them, how busy rank 0's machine
+    was: a simulation runs its engines and trainer on the wall clock of that machine, and keeps pace only while its
+    CPUs have time to spare."""
 
     def __init__(self, manager_pid: int, rollouts: RolloutBuffer):
         import psutil
@@ -127,6 +129,17 @@ class CpuMeter:
         self.manager, self.rollouts = psutil.Process(manager_pid), rollouts
         self.helpers: dict[int, float] = {}  # each helper's CPU when last seen: one that ended keeps its last reading
         self.manager_s = self.helpers_s = self.rollouts_s = 0.0
+        self.machine = self._machine_times()
+
+    @staticmethod
+    def _machine_times() -> tuple[float, float]:
+        """(busy, all) CPU seconds of this machine, every core, since boot. Linux counts guest time inside user time,
+        and iowait as idle (a core waiting on a disk could run something else)."""
+        import psutil
+
+        t = psutil.cpu_times()
+        total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        return total - t.idle - getattr(t, "iowait", 0.0), total
 
     def _manager_total(self) -> float:
         import psutil
@@ -158,12 +171,15 @@ class CpuMeter:
             self._helpers_total(),
             self.rollouts.cpu_s,
         )
+        self.machine = self._machine_times()
 
     def step_metrics(self, wall_s: float) -> dict[str, float]:
         manager = self._manager_total() - self.manager_s
+        busy, total = (now - then for now, then in zip(self._machine_times(), self.machine, strict=True))
         return {
             "cpu/manager_seconds": manager,
             "cpu/manager_fraction": manager / wall_s,
             "cpu/manager_helpers_seconds": self._helpers_total() - self.helpers_s,
             "cpu/buffer_seconds": self.rollouts.cpu_s - self.rollouts_s,
+            "cpu/machine_busy_fraction": busy / total if total > 0 else 0.0,
         }

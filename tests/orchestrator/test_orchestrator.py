@@ -513,6 +513,26 @@ def test_a_reward_replica_that_fails_to_wake_is_killed_and_one_that_fails_to_rel
     assert calls == ["pause retract", "release", "continue"]
 
 
+def test_a_steps_machine_busy_fraction_counts_guest_time_once_and_iowait_as_idle(monkeypatch):
+    import collections
+    import os
+
+    import psutil
+
+    from moerl.orchestrator.metrics import CpuMeter
+
+    fields = "user nice system idle iowait irq softirq steal guest guest_nice"
+    times = collections.namedtuple("scputimes", fields)
+    start = times(100, 0, 50, 800, 50, 0, 0, 0, 20, 0)
+    # 300 s user (100 of it a guest's, which Linux counts in user too), 100 system, 50 stolen, 200 idle, 50 iowait
+    end = times(400, 0, 150, 1000, 100, 0, 0, 50, 120, 0)
+    readings = iter([start, start, end])
+    monkeypatch.setattr(psutil, "cpu_times", lambda: next(readings))
+    meter = CpuMeter(os.getpid(), SimpleNamespace(cpu_s=0.0))
+    meter.start_step()
+    assert meter.step_metrics(1.0)["cpu/machine_busy_fraction"] == pytest.approx(450 / 700)
+
+
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path):
     from moerl.cli.plot import main as plot_main
 

@@ -81,6 +81,7 @@ def test_a_simulated_job_runs_each_mode_with_every_prompt_accounted(model, tmp_p
         # Every sync moved the model's whole size, of a checkpoint made of holes.
         assert r["sync/bytes"] == r["sync/full_weight_bytes"] > 0
         assert r["cpu/buffer_seconds"] > 0 and 0 <= r["cpu/manager_fraction"] < 1
+        assert 0 < r["cpu/machine_busy_fraction"] <= 1  # the buffer's CPU, at least, was the machine's
     assert sum(r["cpu/manager_seconds"] for r in rows) > 0  # counted in clock ticks (10 ms): a tiny step may show none
     acct = accounting(tmp_path)
     assert acct["balanced"] and acct["live"] == 0 and acct["trained"] == steps * GROUPS
