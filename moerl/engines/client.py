@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
+import contextlib
 import functools
 import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,6 +41,55 @@ R = TypeVar("R")
 # An answer that cannot be larger than this is read and decoded here (about 4 ms per MB): less than the round trip to a
 # generation worker costs. Larger ones (an 8K-token response of a 48-layer model is 25 MB) go to the workers.
 CARRY_ELSEWHERE_BYTES = 1 << 20
+# Bodies one client reads at once, by their Content-Length; the rest wait in the engines' sockets. An answer waiting
+# there holds the kernel's TCP memory (several MB a connection, both ends), and past net.ipv4.tcp_mem's pressure mark
+# (1.5 GB on a 24 GB machine) the kernel drops packets on every connection: transfers, health checks and weight syncs
+# then stall on retransmit timers while both ends sit idle. Reading many at once keeps few waiting; one larger than
+# this is read alone.
+READ_BUDGET_BYTES = 512 << 20
+
+
+class ByteBudget:
+    """Bytes held at once across tasks: :meth:`hold` waits while ``budget`` would be exceeded (one request larger than
+    the whole budget goes alone), in the order the holds were asked."""
+
+    def __init__(self, budget: int):
+        self.budget, self.held = budget, 0
+        self._turns: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, size: int) -> AsyncIterator[None]:
+        if self._turns or not self._fits(size):
+            turn = asyncio.get_running_loop().create_future()
+            self._turns.append((size, turn))
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():  # let in just as it was cancelled: its bytes go back
+                    self._release(size)
+                else:
+                    self._turns.remove((size, turn))
+                    self._admit()
+                raise
+        else:
+            self.held += size
+        try:
+            yield
+        finally:
+            self._release(size)
+
+    def _fits(self, size: int) -> bool:
+        return self.held == 0 or self.held + size <= self.budget
+
+    def _release(self, size: int) -> None:
+        self.held -= size
+        self._admit()
+
+    def _admit(self) -> None:
+        while self._turns and self._fits(self._turns[0][0]):
+            size, turn = self._turns.popleft()
+            self.held += size
+            turn.set_result(None)
 
 
 class EngineError(RuntimeError):
@@ -99,8 +150,7 @@ class EngineClient:
         self.retries, self.backoff_s = retries, backoff_s
         self.in_flight = {u: 0 for u in self.urls}
         self._session: aiohttp.ClientSession | None = None
-        # Bodies read and decoded at once (each can be tens of MB): the rest wait in the engines' sockets, not here.
-        self._parsing = asyncio.Semaphore(2)
+        self._reading = ByteBudget(READ_BUDGET_BYTES)
         self._owns_workers = isinstance(workers, int)
         self.workers: GenerationWorkers | None = None
         if isinstance(workers, GenerationWorkers):
@@ -144,8 +194,8 @@ class EngineClient:
         parse: Callable[[bytes], Awaitable[Any]] | None = None,
     ) -> Any:
         """One route on one engine; transport errors and 5xx are retried (``retries``, default the client's) where the
-        route is idempotent. ``parse``: what a success's raw body becomes, read and parsed only while fewer than
-        :attr:`_parsing` other bodies are."""
+        route is idempotent. ``parse``: what a success's raw body becomes, read and parsed within the client's
+        :data:`READ_BUDGET_BYTES`."""
         body = request.body() if request is not None else None
         last: Exception | None = None
         attempts = (self.retries if retries is None else retries) + 1 if route.idempotent else 1
@@ -153,7 +203,7 @@ class EngineClient:
             try:
                 async with self._http().request(route.method, url + route.path, json=body) as resp:
                     if parse is not None and resp.status < 400:
-                        async with self._parsing:
+                        async with self._reading.hold(resp.content_length or 0):
                             return await parse(await resp.read())
                     text = await resp.text()
                     if resp.status < 400:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from moerl.engines import protocol as P
-from moerl.engines.client import EngineClient
+from moerl.engines.client import ByteBudget, EngineClient
 from moerl.models.tiny import save_tiny_hf
 from tests.engine_server import running_server
 
@@ -759,3 +759,40 @@ def test_a_request_that_fails_alone_fails_alone(models):
         assert engine.generate(GREEDY)[0]["output_ids"]
     finally:
         engine.scheduler.stop()
+
+
+def test_a_byte_budget_lets_bodies_in_while_they_fit_in_turn_and_one_too_large_alone():
+    async def scenario() -> list[str]:
+        budget, order = ByteBudget(100), []
+        released = {name: asyncio.Event() for name in "abcde"}
+
+        async def read(name: str, size: int) -> None:
+            async with budget.hold(size):
+                order.append(f"{name} in at {budget.held}")
+                await released[name].wait()
+
+        tasks = {}
+        for name, size in (("a", 60), ("b", 30), ("c", 50), ("d", 5), ("e", 250)):
+            tasks[name] = asyncio.create_task(read(name, size))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        order.append("c waits, and d behind it though it would fit")
+        tasks["c"].cancel()  # d and e move up; d fits
+        await asyncio.sleep(0)
+        for name in "abd":
+            released[name].set()
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        released["e"].set()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        order.append(f"held at the end {budget.held}")
+        return order
+
+    assert asyncio.run(scenario()) == [
+        "a in at 60",
+        "b in at 90",
+        "c waits, and d behind it though it would fit",
+        "d in at 95",
+        "e in at 250",  # larger than the whole budget: once nothing else is held
+        "held at the end 0",
+    ]
