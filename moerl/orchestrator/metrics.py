@@ -129,7 +129,7 @@ class CpuMeter:
         self.manager, self.rollouts = psutil.Process(manager_pid), rollouts
         self.helpers: dict[int, float] = {}  # each helper's CPU when last seen: one that ended keeps its last reading
         self.manager_s = self.helpers_s = self.rollouts_s = 0.0
-        self.machine = self._machine_times()
+        self.machine = (0.0, 0.0)  # (busy, all) CPU seconds at the step's start
 
     @staticmethod
     def _machine_times() -> tuple[float, float]:

@@ -526,7 +526,7 @@ def test_a_steps_machine_busy_fraction_counts_guest_time_once_and_iowait_as_idle
     start = times(100, 0, 50, 800, 50, 0, 0, 0, 20, 0)
     # 300 s user (100 of it a guest's, which Linux counts in user too), 100 system, 50 stolen, 200 idle, 50 iowait
     end = times(400, 0, 150, 1000, 100, 0, 0, 50, 120, 0)
-    readings = iter([start, start, end])
+    readings = iter([start, end])
     monkeypatch.setattr(psutil, "cpu_times", lambda: next(readings))
     meter = CpuMeter(os.getpid(), SimpleNamespace(cpu_s=0.0))
     meter.start_step()
