@@ -349,7 +349,9 @@ class Episode:
         draft.finish_reason = finish
         if finish == "abort":
             self.finish_reason = "abort"
-        elif self.max_total_tokens is not None and len(draft.prompt) + len(draft.response) >= self.max_total_tokens:
+        elif finish == "length" and self.max_total_tokens is not None and len(draft.stream()) >= self.max_total_tokens:
+            # Cut by the budget. A turn that stopped on the budget's last token leaves the agent free to be done; a
+            # call for more then ends the episode, truncated, without a request.
             self.finish_reason = "length"
         output = completion.output_ids.tolist()
         assert completion.logprobs is not None, "checked"

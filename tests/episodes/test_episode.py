@@ -109,6 +109,26 @@ def test_context_past_the_budget_ends_the_episode_without_a_request(tokenizer):
     assert sample.response_ids.tolist() == tokenizer("ok")["input_ids"]  # the context after the last action: left out
 
 
+def test_a_turn_that_stops_on_the_budgets_last_token_leaves_the_agent_free_to_be_done(tokenizer):
+    """The engine's stop token is the budget's last: the turn is complete and the episode stays open. An agent that
+    answers there is not truncated; one that asks for more ends the episode, truncated, without a request, and its
+    sample says so."""
+    prompt = [5, 6, 7]
+    answer = tokenizer("The answer is 5.", add_special_tokens=False)["input_ids"]
+    for asks_more in (False, True):
+        engine = ScriptedEngine(tokenizer, ["The answer is 5."])
+        budget = len(prompt) + len(answer) + 1  # the answer and its stop token fill it
+        episode = Episode(prompt, {}, engine, EpisodeSettings(tokenizer, PARAMS, max_total_tokens=budget))
+        asyncio.run(episode.generate())
+        assert episode.turns[-1].finish_reason == "stop" and not episode.done
+        if asks_more:
+            assert asyncio.run(episode.generate([8])) == []
+            assert episode.finish_reason == "length" and len(engine.calls) == 1
+        (sample,) = episode.samples(reward=0.0, temperature=1.0)
+        assert sample.prompt_len + sample.response_len == budget
+        assert sample.finish_reason == ("length" if asks_more else "stop")
+
+
 def test_a_turn_aborted_before_its_first_token_ends_the_episode_with_what_it_had(tokenizer):
     """An abort in the engine's waiting queue (or at its shutdown) answers no token and no log-probs, kept sets or
     routing: the episode ends as aborted, its earlier turns intact, without calling the answer broken."""
