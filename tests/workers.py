@@ -767,6 +767,25 @@ def what_each_rank_raises_from_parts_rank_0_takes_alone(run_dir: str) -> list[tu
     return out
 
 
+def transport_threads_over_initialisations(times: int) -> list[int]:
+    """Parallel state initialised ``times`` in this process, a collective run on its tensor-parallel group each time:
+    the process's gloo transport threads after each."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from moerl.megatron.parallel import init_distributed
+
+    counts = []
+    for _ in range(times):
+        init_distributed(Layout())
+        one = torch.ones(1)
+        dist.all_reduce(one, group=parallel_state.get_tensor_model_parallel_group())
+        assert one.item() == dist.get_world_size()
+        tasks = Path("/proc/self/task")
+        counts.append(sum((t / "comm").read_text().strip() == "gloo_tcp_loop" for t in tasks.iterdir()))
+    return counts
+
+
 def what_a_rank_sees(mark: str) -> tuple[str | None, str]:
     """Says ``mark`` on stdout and stderr; this rank's MOERL_TEST_MARK and working directory."""
     print(f"stdout of rank {os.environ['RANK']}: {mark}", flush=True)

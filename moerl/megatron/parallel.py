@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -186,25 +187,45 @@ def _suspend_problem() -> str | None:
     return None
 
 
-def _used_nccl_backends(ours: list[dist.ProcessGroup]) -> list[Any]:
-    """The NCCL backends of megatron-core's process groups, in the order of the names parallel_state keeps them under,
-    then of ``ours``, that a collective has used, each once (gloo groups and the world group left out)."""
+def _groups(ours: Sequence[dist.ProcessGroup] = ()) -> list[dist.ProcessGroup]:
+    """megatron-core's process groups, in the order of the names parallel_state keeps them under, then ``ours``, each
+    once (the world group left out)."""
     from megatron.core import parallel_state
 
     named = sorted(n for n in dir(parallel_state) if n.startswith("_") and "GROUP" in n)
-    out, seen = [], set()
-    for value in [getattr(parallel_state, name) for name in named] + [ours]:
+    out: list[dist.ProcessGroup] = []
+    for value in [getattr(parallel_state, name) for name in named] + [list(ours)]:
         groups = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else [value]
         for group in groups:
-            if not isinstance(group, dist.ProcessGroup) or group is dist.group.WORLD or id(group) in seen:
-                continue
-            seen.add(id(group))
-            if dist.get_backend(group) != "nccl":
-                continue
-            backend: Any = group._get_backend(torch.device("cuda"))  # torch's stubs lack suspend and the count
-            if backend._get_sequence_number_for_group():  # collectives issued: its communicator exists
-                out.append(backend)
+            if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD and group not in out:
+                out.append(group)
     return out
+
+
+def _used_nccl_backends(ours: list[dist.ProcessGroup]) -> list[Any]:
+    """The NCCL backends of :func:`_groups` (megatron-core's, then ``ours``) that a collective has used."""
+    out = []
+    for group in _groups(ours):
+        if dist.get_backend(group) != "nccl":
+            continue
+        backend: Any = group._get_backend(torch.device("cuda"))  # torch's stubs lack suspend and the count
+        if backend._get_sequence_number_for_group():  # collectives issued: its communicator exists
+            out.append(backend)
+    return out
+
+
+def _destroy_model_parallel() -> None:
+    """megatron-core's parallel state dropped and its process groups destroyed. Its ``destroy_model_parallel``
+    destroys only its gloo side groups and forgets the rest, so each initialisation in one process (tests, a converter
+    called twice) would leave 17 groups behind, with transport threads that poll."""
+    from megatron.core import parallel_state
+
+    held = _groups()
+    parallel_state.destroy_model_parallel()
+    registered = dist.distributed_c10d._world.pg_map  # torch's registry: the groups not destroyed yet
+    for group in held:
+        if group in registered:
+            dist.destroy_process_group(group)
 
 
 def init_distributed(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> None:
@@ -220,7 +241,7 @@ def init_distributed(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> 
     cpu_compat.bind_te_general_gemm()
     init_process_group(timeout_s)
     layout.check_world(dist.get_world_size())
-    parallel_state.destroy_model_parallel()
+    _destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -231,9 +252,7 @@ def init_distributed(layout: Layout, seed: int = 1234, timeout_s: int = 600) -> 
 
 
 def destroy_distributed() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
+    _destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,11 +1,12 @@
-"""run_ranks' ranks start as spawned ones would, wherever they are forked from."""
+"""run_ranks' ranks start as spawned ones would, wherever they are forked from; a rank that initialises its parallel
+state again leaves nothing of the last behind."""
 
 from __future__ import annotations
 
 import pytest
 
 from moerl.megatron.launch import run_ranks
-from tests.workers import what_a_rank_sees
+from tests.workers import transport_threads_over_initialisations, what_a_rank_sees
 
 
 @pytest.mark.e2e
@@ -25,3 +26,11 @@ def test_ranks_write_to_the_launchers_output_and_see_its_environment_and_directo
         "stderr of rank 0: now",
         "stderr of rank 1: now",
     ]
+
+
+@pytest.mark.e2e
+def test_parallel_state_initialised_again_destroys_the_last_ones_groups():
+    """megatron-core's destroy_model_parallel forgets most of its groups without destroying them: each initialisation
+    in one process (the tests', a converter called twice) would leave 17 gloo groups and their polling threads."""
+    counts = run_ranks(transport_threads_over_initialisations, 1, 3)[0]
+    assert counts[0] > 0 and counts == [counts[0]] * 3, counts
