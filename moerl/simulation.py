@@ -15,6 +15,7 @@ the job with ``simulation.profile=PROFILE`` runs its own orchestrator against th
       prefill_tokens_per_s: 20000
       decode_tokens_per_s: {1: 100, 64: 1600}   # one engine, all its requests together
       weight_update_gb_per_s: 1.0
+      prefix_cache_tokens: 100000               # the KV memory beside the weights, in tokens (optional)
       # log-normal, capped at max_new_tokens; correlation: of a prompt's responses' log-lengths (optional, 0)
       response_tokens: {median: 40, p99: 200, correlation: 0.5}
     trainer:                                    # only the job's simulation needs it
@@ -142,6 +143,10 @@ class EngineProfile(_Strict):
     # disk, so this stands for whatever transport the figure comes from; a broadcast's bytes take the real transport's
     # time.
     weight_update_gb_per_s: float = Field(gt=0)
+    # Tokens of finished requests the replica's prefix cache holds (None: the embedded engine's default). SGLang keeps
+    # their KV until memory is wanted, so a continuation or a next turn asked at once finds its prefix unless the KV
+    # memory beside the weights is full: this is that memory, in tokens.
+    prefix_cache_tokens: int | None = Field(default=None, ge=0)
     response_tokens: ResponseLengths
 
     @model_validator(mode="after")

@@ -48,9 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefix-cache-tokens",
         type=int,
-        default=DEFAULT_PREFIX_CACHE_TOKENS,
         help="tokens the prefix cache holds at most, KV and routing of earlier prompts and completions, reused "
-        "within the same extra_key / cache_salt / adapter as SGLang's radix cache (0: no prefix cache)",
+        "within the same extra_key / cache_salt / adapter as SGLang's radix cache (0: no prefix cache; default "
+        f"{DEFAULT_PREFIX_CACHE_TOKENS}, or with --simulate the profile's engine.prefix_cache_tokens where it names "
+        "one)",
     )
     p.add_argument(
         "--enable-weights-cpu-backup",
@@ -128,7 +129,7 @@ def _engines(args: argparse.Namespace) -> list[Served]:
             args.device,
             args.max_running_requests,
             args.sampling_mask_max_tokens,
-            args.prefix_cache_tokens,
+            DEFAULT_PREFIX_CACHE_TOKENS if args.prefix_cache_tokens is None else args.prefix_cache_tokens,
             args.enable_weights_cpu_backup,
         )
     ]

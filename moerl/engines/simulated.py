@@ -231,9 +231,11 @@ class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
         model_dir: str,
         time_scale: float = 1.0,
         sampling_mask_max_tokens: int = protocol.DEFAULT_SAMPLING_MASK_MAX_TOKENS,
-        prefix_cache_tokens: int = DEFAULT_PREFIX_CACHE_TOKENS,
+        prefix_cache_tokens: int | None = None,
     ):
-        """``model_dir``: the Hub model (its config.json and tokenizer): the profile's, or one in its place."""
+        """``model_dir``: the Hub model (its config.json and tokenizer): the profile's, or one in its place;
+        ``prefix_cache_tokens``: the profile's (``engine.prefix_cache_tokens``) unless given, else the embedded
+        engine's default."""
         if not time_scale > 0:
             raise ProtocolError(f"time_scale must be > 0, got {time_scale}")
         self.profile, self.time_scale = profile, time_scale
@@ -243,11 +245,14 @@ class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
         self._moe_layers = list(moe_gates(model, model_dir))
         self.num_experts = getattr(config, "num_experts", None) or config.num_local_experts
         self._disk_update_began = 0.0  # monotonic seconds
+        if prefix_cache_tokens is None:
+            prefix_cache_tokens = profile.engine.prefix_cache_tokens
+        cache_tokens = DEFAULT_PREFIX_CACHE_TOKENS if prefix_cache_tokens is None else prefix_cache_tokens
         self._serve(
             model_dir,
             model,
             lambda adapters, eos_ids, max_length: SimulatedScheduler(
-                profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length, prefix_cache_tokens
+                profile.engine, time_scale, config.vocab_size, adapters, eos_ids, max_length, cache_tokens
             ),
             sampling_mask_max_tokens,
         )

@@ -595,6 +595,25 @@ def test_a_continuation_on_another_replica_process_gives_the_uncut_output_and_it
     assert [r for _, r in pieces] == ["length", "length", "stop"]
 
 
+def test_a_simulated_engines_prefix_cache_is_its_profiles_unless_given(models, tmp_path):
+    """A profile may size its replicas' prefix cache (the KV memory beside the weights): a continuation asked at once
+    then finds its prefix as on a GPU, where the embedded engine's CPU default would have evicted it."""
+    from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS
+    from moerl.engines.simulated import SimulatedEngine
+
+    sized = tmp_path / "sized.yaml"
+    sized.write_text(
+        PROFILE.read_text().replace("  prefill_tokens_per_s:", "  prefix_cache_tokens: 123456\n  prefill_tokens_per_s:")
+    )
+    for path, given, held in ((PROFILE, None, DEFAULT_PREFIX_CACHE_TOKENS), (sized, None, 123456), (sized, 0, 0)):
+        engine = SimulatedEngine(Profile.load(path), str(models["base"]), prefix_cache_tokens=given)
+        assert engine.scheduler.prefix_cache.capacity == held, (path.name, given)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(sized.read_text().replace("prefix_cache_tokens: 123456", "prefix_cache_tokens: -1"))
+    with pytest.raises(ConfigError, match="engine.prefix_cache_tokens"):
+        Profile.load(bad)
+
+
 def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
