@@ -20,10 +20,11 @@ Defaults differ from bench/simulation.py's where its pages did: a group a step p
 unless ``--groups``, max staleness 2, time x1 (at x2 the orchestrator fell behind the clock at 8:24 on 2 cores).
 
 Each finished run is written to ``--results`` (JSON) at once, with its metrics rows; a run already there with the same
-configuration is skipped, so a sweep killed part way resumes where it stopped. ``--from-results`` makes the table and
-the figure from that file without running anything. The table (markdown, appended to ``--out``) and the figure
-(``--figure``: a panel per pool, x the correlation, y the ratio to the tail-counted bound, a line per mode and policy)
-cover every run in the results file, the newest where one configuration was run at two shapes.
+configuration (the profile's contents among it) is skipped, so a sweep killed part way resumes where it stopped.
+``--from-results`` makes the table and the figure from that file without running anything. The table (markdown,
+appended to ``--out``) and the figure (``--figure``: a panel per pool, x the correlation, y the ratio to the
+tail-counted bound, a line per mode and policy) cover every run in the results file, the newest where one
+configuration was run at two shapes.
 
     python bench/length_schedule.py --pools 8:24 --groups 24 --time-scale 1 --steps 4 \
         --results bench/results/length_schedule.json [--length-aware-extra rollout.schedule.chunk_tokens=4096] \
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import shutil
@@ -117,9 +119,15 @@ def repo_relative(path: Path) -> str:
 
 
 def shape_of(job, base: Path, extra: list[str]) -> dict:
-    """What a run's figures depend on besides its pool, correlation, mode and policy (``job``: its arguments)."""
+    """What a run's figures depend on besides its pool, correlation, mode and policy (``job``: its arguments). The
+    profile's contents count, not only its path: a profile edited in place (a figure sourced anew) makes new runs."""
     shape = {k: getattr(job, k) for k in SHAPE_KEYS}
-    shape.update(profile=repo_relative(base), config=repo_relative(Path(job.config)), extra=extra)
+    shape.update(
+        profile=repo_relative(base),
+        profile_sha256=hashlib.sha256(base.read_bytes()).hexdigest()[:16],
+        config=repo_relative(Path(job.config)),
+        extra=extra,
+    )
     return shape
 
 
@@ -298,6 +306,7 @@ def table(runs: list[dict]) -> list[str]:
             f"({s['steps'] - 1} measured), max {s['max_new_tokens']} new tokens, max staleness {s['max_staleness']} "
             f"(async), time x{s['time_scale']:g}, {s['replicas_per_process']} replicas per engine process"
             + (f", {' '.join(s['extra'])}" if s["extra"] else "")
+            + (f", profile sha256 {s['profile_sha256']}" if "profile_sha256" in s else "")
         )
     for policy, overrides in {e["policy"]: e["overrides"] for e in runs}.items():
         lines.append(f"- policy `{policy}`: {' '.join(f'`{o}`' for o in overrides) or 'no overrides'}")

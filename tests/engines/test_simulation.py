@@ -665,3 +665,17 @@ def test_the_length_schedule_page_shows_the_sweeps_results_file():
     assert runs and all(run["code"] for run in runs)
     page = (REPO / "docs" / "benchmarks" / "length-schedule.md").read_text()
     assert "\n".join(bench.table(runs)) in page
+
+
+def test_a_length_schedule_run_is_keyed_by_its_profiles_contents(tmp_path):
+    """A profile edited in place is a new configuration: the sweep does not skip its runs as done."""
+    bench = bench_script("length_schedule")
+    profile = tmp_path / "profile.yaml"
+    job = argparse.Namespace(**{**dict.fromkeys(bench.SHAPE_KEYS, 1), "config": str(tmp_path / "job.yaml")})
+    profile.write_text("engine: {prefix_cache_tokens: 32768}\n")
+    before = bench.shape_of(job, profile, [])
+    assert bench.shape_of(job, profile, []) == before
+    profile.write_text("engine: {prefix_cache_tokens: 810000}\n")
+    after = bench.shape_of(job, profile, [])
+    assert after["profile"] == before["profile"] and after != before
+    assert not bench.same_run({"shape": before}, {"shape": after})
