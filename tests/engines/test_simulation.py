@@ -9,6 +9,7 @@ import base64
 import importlib.util
 import math
 import os
+import shutil
 import signal
 import time
 import types
@@ -612,6 +613,44 @@ def test_a_simulated_engines_prefix_cache_is_its_profiles_unless_given(models, t
     bad.write_text(sized.read_text().replace("prefix_cache_tokens: 123456", "prefix_cache_tokens: -1"))
     with pytest.raises(ConfigError, match="engine.prefix_cache_tokens"):
         Profile.load(bad)
+
+
+def test_a_checkpoints_headers_are_checked_once_for_all_replicas_of_a_process(models, tmp_path, monkeypatch):
+    """A disk update's header check is of the directory, not of each replica: at true size each took a second of the
+    process's CPU in turn. A directory written again is checked again, and one that is not the model is refused by
+    every replica."""
+    from moerl.checkpoint.hf import CheckpointError
+    from moerl.engines.embedded import engine as embedded
+    from moerl.engines.simulated import SimulatedEngine
+
+    checks = []
+    real_check = embedded.check_hf_tensors
+    monkeypatch.setattr(embedded, "check_hf_tensors", lambda *args: checks.append(1) or real_check(*args))
+    replicas = [SimulatedEngine(Profile.load(PROFILE), str(models["base"])) for _ in range(3)]
+    expected = sorted(replicas[0].family.hub_shapes(replicas[0].hub_config).items())
+    update, weights = tmp_path / "v1", "model.safetensors"
+    shutil.copytree(models["base"], update)
+
+    def write(source):  # as the trainer does: a whole new file in its place
+        shutil.copy(source / weights, tmp_path / weights)
+        os.replace(tmp_path / weights, update / weights)
+
+    def read_all():
+        for replica in replicas:
+            named = replica.read_model_dir(str(update))
+            assert sorted((name, tuple(t.shape)) for name, t in named) == expected
+            assert {t.device.type for _, t in named} == {"meta"}
+
+    read_all()
+    assert len(checks) == 1
+    write(models["bigger-vocab"])
+    for replica in replicas:
+        with pytest.raises(CheckpointError, match="wrong shapes"):
+            replica.read_model_dir(str(update))
+    assert len(checks) == 4  # a refusal is not remembered
+    write(models["other"])
+    read_all()
+    assert len(checks) == 5
 
 
 def test_a_bad_profile_is_one_error_naming_the_field(tmp_path):
