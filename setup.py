@@ -24,6 +24,7 @@ setup(
         "transformers>=5",
         "tqdm",
         "aiohttp>=3.9",
+        "orjson>=3.9",  # the embedded engine writes its answers as SGLang does
         # the engine wire contract: typed, strict request bodies (SGLang validates its own with pydantic too)
         "pydantic>=2.5",
         "numpy",

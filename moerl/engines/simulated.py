@@ -366,7 +366,7 @@ class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
 
     def write_weights(self, pairs: list[tuple[torch.Tensor, torch.Tensor | Delta]]) -> None:
         """A disk update takes its bytes' time at the profile's rate, counted from when it began, so the headers' checks
-        (real CPU here, for every replica of the process) do not add to it; a broadcast's bytes already came."""
+        (real CPU here, once a process) do not add to it; a broadcast's bytes already came."""
         from_disk = sum(
             src.numel() * src.element_size() for _, src in pairs if isinstance(src, torch.Tensor) and src.is_meta
         )

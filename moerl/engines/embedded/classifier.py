@@ -30,7 +30,7 @@ from moerl.engines.embedded.engine import MemoryOccupation, load_tokenizer
 from moerl.engines.embedded.engine import server_info as server_info_of
 from moerl.engines.embedded.runner import own_weights
 from moerl.engines.embedded.server import _errors, _ok, _parse
-from moerl.engines.embedded.streaming import dumps
+from moerl.engines.embedded.streaming import json_response
 from moerl.engines.protocol import ProtocolError
 from moerl.errors import ConfigError
 
@@ -195,11 +195,11 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
     async def classify(request: web.Request) -> web.Response:
         req = await _parse(request, protocol.ClassifyReqInput)
         answers = await engine.classify(req)
-        return web.json_response(answers if req.batched else answers[0], dumps=dumps)
+        return json_response(answers if req.batched else answers[0])
 
     async def step_scores(request: web.Request) -> web.Response:
         req = await _parse(request, protocol.StepScoresReqInput)
-        return web.json_response(await engine.step_scores(req), dumps=dumps)
+        return json_response(await engine.step_scores(req))
 
     async def health(request: web.Request) -> web.Response:
         # As SGLang's, whose /health runs a request through the scheduler: not while paused.
@@ -213,10 +213,10 @@ def build_classifier_app(engine: ClassifierEngine) -> web.Application:
             "tokenizer_path": engine.model_dir if engine.tokenizer is not None else None,
             "is_generation": False,
         }
-        return web.json_response(info, dumps=dumps)
+        return json_response(info)
 
     async def server_info(request: web.Request) -> web.Response:
-        return web.json_response(server_info_of(engine.engine_name, engine.model), dumps=dumps)
+        return json_response(server_info_of(engine.engine_name, engine.model))
 
     async def pause(request: web.Request) -> web.Response:
         req = await _parse(request, protocol.PauseGenerationReqInput)

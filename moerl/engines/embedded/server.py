@@ -20,7 +20,7 @@ from moerl.engines import protocol
 from moerl.engines.delta import LOAD_FORMAT, decode
 from moerl.engines.embedded.engine import EmbeddedEngine, refused_path, server_info
 from moerl.engines.embedded.scheduler import RequestT
-from moerl.engines.embedded.streaming import Generation, dumps
+from moerl.engines.embedded.streaming import Generation, json_response
 from moerl.engines.protocol import ProtocolError
 from moerl.engines.tensor_ipc import load_payload
 from moerl.engines.weight_group import bucket_layout, in_daemon_thread
@@ -33,7 +33,7 @@ WireModelT = TypeVar("WireModelT", bound=protocol.WireModel)
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status}}, status=status)
+    return json_response({"error": {"message": message, "code": status}}, status=status)
 
 
 def build_app(engine: EmbeddedEngine[RequestT]) -> web.Application:
@@ -154,17 +154,17 @@ class EngineServer(Generic[RequestT]):
 
     # ---- info ---------------------------------------------------------------------------------
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response(server_info(self.engine.engine_name, self.engine.model), dumps=dumps)
+        return json_response(server_info(self.engine.engine_name, self.engine.model))
 
     async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response(self.engine.model_info(), dumps=dumps)
+        return json_response(self.engine.model_info())
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         req = await _parse(request, protocol.GetWeightsByNameReqInput)
         values = await self.on_engine(lambda: self.engine.weight_values(req.name, req.truncate_size))
         if values is None:
             raise ProtocolError(f"{req.name!r} is not a weight of the served model (give a Hub tensor name)")
-        return web.json_response(values, dumps=dumps)
+        return json_response(values)
 
     async def weights_checker(self, request: web.Request) -> web.Response:
         await _parse(request, protocol.CheckWeightsReqInput)
@@ -317,7 +317,7 @@ async def _parse(request: web.Request, kind: type[WireModelT]) -> WireModelT:
 
 def _ok(message: str, /, **extra: Unpack[protocol.ControlResponse]) -> web.Response:
     body: protocol.ControlResponse = {"success": True, "message": message, **extra}
-    return web.json_response(body, dumps=dumps)
+    return json_response(body)
 
 
 @web.middleware

@@ -5,12 +5,11 @@ them."""
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import tempfile
 import threading
-from typing import Generic
+from typing import Any, Generic
 
+import orjson
 from aiohttp import web
 
 from moerl.engines import protocol
@@ -26,7 +25,17 @@ SPILL_BYTES = 4 << 20
 # A spilled completion goes to the socket this much at a time, each once the socket has taken the last: what an answer
 # its client is not reading yet holds in memory.
 SEND_CHUNK_BYTES = 1 << 20
-dumps = functools.partial(json.dumps, allow_nan=False)  # a NaN in a response is a bug, never invalid JSON on the wire
+# SGLang's (utils/json_response.py): orjson takes a seventh of the standard library's time on a long answer's lists, and
+# writes a NaN as null, which moerl's client refuses by name.
+JSON_OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def to_json(value: Any) -> bytes:
+    return orjson.dumps(value, option=JSON_OPTIONS)
+
+
+def json_response(value: Any, status: int = 200) -> web.Response:
+    return web.Response(body=to_json(value), status=status, content_type="application/json")
 
 
 def _gone(request: web.Request) -> bool:
@@ -90,13 +99,9 @@ class Generation(Generic[RequestT]):
             # 32 trainer + 96 engine GPUs, 0.5 GB in each process of four simulated replicas).
             self.loop.call_soon_threadsafe(self.updates.put_nowait, (r.rid, finished, self._answer(r)))
 
-    def _answer(self, r: Request) -> bytes | _Spilled | ValueError:
-        """``r``'s answer as JSON, on disk past SPILL_BYTES (the last to finish too: its client may not read it yet);
-        the error of one that cannot be serialized."""
-        try:
-            answer = dumps(self.engine.response(r, self.req)).encode()
-        except ValueError as e:  # a NaN: the handler answers 500
-            return e
+    def _answer(self, r: Request) -> bytes | _Spilled:
+        """``r``'s answer as JSON, on disk past SPILL_BYTES (the last to finish too: its client may not read it yet)."""
+        answer = to_json(self.engine.response(r, self.req))
         return _Spilled(answer) if len(answer) > SPILL_BYTES else answer
 
     async def abandon(self, message: str) -> None:
@@ -128,7 +133,7 @@ class Generation(Generic[RequestT]):
                 remaining -= finished
                 if self.index_of:
                     payload["index"] = self.index_of[rid]
-                await resp.write(f"data: {dumps(payload)}\n\n".encode())
+                await resp.write(b"data: " + to_json(payload) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
         except ConnectionError:  # the client left mid-stream: stop generating what nobody reads
             await self.abandon("client disconnected")
@@ -145,8 +150,8 @@ class Generation(Generic[RequestT]):
                 return web.Response(status=499, text="client disconnected")
             pieces = _json_list([results.pop(r.rid) for r in self.requests])
             return await self._send(pieces)
-        finally:  # a client gone, or an answer that could not be made: no file left open (one still on its way to the
-            # queue, put before abandon stopped them, closes with its last reference)
+        finally:  # a client gone, or a failure: no file left open (one still on its way to the queue, put before
+            # abandon stopped them, closes with its last reference)
             queued = [self.updates.get_nowait()[2] for _ in range(self.updates.qsize())]
             for held in [*results.values(), *pieces, *queued]:
                 if isinstance(held, _Spilled):
@@ -159,9 +164,6 @@ class Generation(Generic[RequestT]):
             if update is None:
                 return False
             rid, _, answer = update
-            if isinstance(answer, ValueError):  # a 500, and nothing left running for an answer that cannot be sent
-                await self.abandon("the answer could not be serialized")
-                raise answer
             results[rid] = answer
         return True
 
