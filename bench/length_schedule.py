@@ -366,9 +366,9 @@ def figure(runs: list[dict], path: Path) -> None:
         ax.set_title(f"{pool} (trainer:engine GPUs)")
         ax.set_xlabel("correlation of a prompt's responses' log-lengths")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")  # each its own: a pool may lack a mode another has
     axes[0][0].set_ylabel("samples/s / tail-counted bound")
     axes[0][0].set_ylim(0, max(1.0, *(e["summary"]["ratio_tail"] for e in runs)) * 1.05)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
