@@ -22,6 +22,7 @@ The profile's format is :mod:`moerl.simulation`'s.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import hashlib
 import json
@@ -48,7 +49,8 @@ from moerl.engines.embedded.scheduler import DEFAULT_PREFIX_CACHE_TOKENS, Reques
 from moerl.engines.protocol import ProtocolError
 from moerl.simulation import EngineProfile, Profile
 
-_ROUTING_TABLES: dict[tuple, np.ndarray] = {}  # (layers, top-k, experts, MoE layers) -> the routing rows responses take
+# (layers, top-k, experts, MoE layers) -> the rows of the routing table responses take, and the table encoded
+_ROUTING_TABLES: dict[tuple, tuple[int, str]] = {}
 # (served model's config, checkpoint directory's files) -> its Hub tensors on the meta device, checked; the last few
 # kept. Replicas share the tensors: nothing writes a meta tensor.
 _CHECKED_DIRS: dict[tuple[str, tuple], tuple[tuple[str, torch.Tensor], ...]] = {}
@@ -304,23 +306,29 @@ class SimulatedEngine(EmbeddedEngine[SimulatedRequest]):
             details.routing = self._routing(max(len(request.input_ids) + n - 1 - req.routed_experts_start_len, 0))
         return details
 
-    def _routing(self, rows: int) -> np.ndarray:
-        """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1): rows of one random table
-        that every replica of this process shares, grown as needed. Drawing tens of MB per response would cost the
-        replica's thread more than the response is meant to (a 32K-token response of Qwen3-30B-A3B carries 50 MB), and a
-        table per replica would cost each replica as much memory."""
+    def _routing(self, rows: int) -> str:
+        """``rows`` positions of distinct top-k experts at every MoE layer (dense layers: -1), as an answer carries them
+        (SGLang's base64 of int32 rows): the first rows of one random table that every replica of this process shares,
+        grown as needed and encoded once. Drawing and encoding tens of MB per response would cost the replicas' shared
+        CPU more than the response is meant to (a 32K-token response of Qwen3-30B-A3B carries 50 MB), and a table per
+        replica would cost each replica as much memory."""
         config = self.model.config
-        shape = (config.num_hidden_layers, config.num_experts_per_tok, self.num_experts, tuple(self._moe_layers))
-        table = _ROUTING_TABLES.get(shape)
-        if table is None or rows > len(table):
-            layers, topk, experts, moe = shape
-            size = max(rows, 2 * (len(table) if table is not None else 0))
+        layers, topk = config.num_hidden_layers, config.num_experts_per_tok
+        shape = (layers, topk, self.num_experts, tuple(self._moe_layers))
+        size, encoded = _ROUTING_TABLES.get(shape, (0, ""))
+        if rows > size:
+            size = max(rows, 2 * size)
             table = np.full((size, layers, topk), DENSE_LAYER, dtype=np.int32)
-            stride = np.arange(topk, dtype=np.int32) * max(experts // topk, 1)  # distinct modulo the experts
-            start = np.random.default_rng(0).integers(0, experts, (size, len(moe), 1), dtype=np.int32)
-            table[:, list(moe)] = (start + stride) % experts
-            _ROUTING_TABLES[shape] = table  # two replicas growing it at once both make one: either is kept
-        return table[:rows]
+            stride = np.arange(topk, dtype=np.int32) * max(self.num_experts // topk, 1)  # distinct modulo the experts
+            start = np.random.default_rng(0).integers(0, self.num_experts, (size, len(self._moe_layers), 1), np.int32)
+            table[:, self._moe_layers] = (start + stride) % self.num_experts
+            encoded = protocol.encode_routed_experts(table)
+            _ROUTING_TABLES[shape] = size, encoded  # two replicas growing it at once both make one: either is kept
+        # Every 3 bytes are 4 characters: the prefix's whole groups are the table's, its last bytes encoded alone.
+        length = rows * layers * topk * 4
+        whole = length // 3
+        rest = base64.b64decode(encoded[4 * whole : 4 * whole + 4])[: length - 3 * whole]
+        return encoded[: 4 * whole] + base64.b64encode(rest).decode("ascii")
 
     def _kept_sets(
         self, rng: np.random.Generator, tokens: np.ndarray, sizes: np.ndarray

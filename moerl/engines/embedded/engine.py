@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -44,7 +43,7 @@ class TokenDetails:
     versions: list[str]  # each output token's weight version
     # The output tokens' log-probs, and the prompt's from logprob_start_len (the first None: SGLang computes none).
     logprobs: tuple[list[float], list[float | None]] | None = None
-    routing: np.ndarray | None = None  # int32 [positions, layers, top-k], from routed_experts_start_len
+    routing: str | None = None  # int32 [positions, layers, top-k] from routed_experts_start_len, as SGLang encodes it
     # Each output token's kept set, and the log-probs over it that the request's sampling_logprobs_mode asks for.
     sampling_mask: tuple[list[list[int]], list] | None = None
     top_logprobs: list[list[list]] | None = None  # each output token's most likely tokens: [log-prob, id, None]
@@ -220,7 +219,7 @@ class EmbeddedEngine(Generic[RequestT]):
                 [lp, tok, None] for lp, tok in zip(prompt, request.input_ids[start:], strict=False)
             ]
         if details.routing is not None and request.prefilled:
-            meta["routed_experts"] = protocol.encode_routed_experts(details.routing)
+            meta["routed_experts"] = details.routing
         if details.sampling_mask is not None:
             kept_ids, kept_logprobs = details.sampling_mask
             meta["output_token_sampling_mask"] = kept_ids
@@ -253,7 +252,7 @@ class EmbeddedEngine(Generic[RequestT]):
                 else torch.zeros(0, self.runner.num_layers, self.runner.topk, dtype=torch.int32)
             )
             end = len(request.input_ids) + len(request.output_ids) - 1
-            details.routing = rows[req.routed_experts_start_len : max(end, 0)].numpy()
+            details.routing = protocol.encode_routed_experts(rows[req.routed_experts_start_len : max(end, 0)].numpy())
         if req.return_sampling_mask:
             selected = req.sampling_logprobs_mode == "selected"
             kept_ids, kept_logprobs = [], []
