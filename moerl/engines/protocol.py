@@ -283,6 +283,11 @@ def check_generate(req: GenerateReqInput, prompt: list[int], limits: EngineLimit
         )
 
 
+# Rows of ids (or log-probs), one per output token: lists on the wire; an answer made in-process may hold them as numpy
+# arrays, which its JSON (orjson, as SGLang's) writes as the same lists.
+KeptRows = list[list[int]] | np.ndarray | list[np.ndarray]
+
+
 class GenerateMetaInfo(TypedDict, total=False):
     id: str
     finish_reason: dict | None  # {"type": "stop" | "length" | "abort", ...}; None: a streamed chunk, still running
@@ -296,9 +301,11 @@ class GenerateMetaInfo(TypedDict, total=False):
     # the log-prob of each other given those before it, never temperature-scaled
     input_token_logprobs: list[list]
     routed_experts: str  # base64 of int32 [positions, num_hidden_layers, topk] (dense layers -1)
-    output_token_sampling_mask: list[list[int]]  # each output token's kept ids, ascending
+    output_token_sampling_mask: KeptRows  # each output token's kept ids, ascending
     output_token_sampling_mask_length: int
-    output_token_sampling_logprobs: list  # selected: the token's log-prob over its kept set; support: the set's
+    output_token_sampling_logprobs: (
+        list | np.ndarray
+    )  # selected: the token's log-prob over its kept set; support: the set's
     # per output token: [[logprob, token id, None], ...] most likely first (or null); and for a request of no new token,
     # one: the next token's, untempered
     output_top_logprobs: list
@@ -636,7 +643,7 @@ def decode_routed_experts(
     return routing.astype(np.uint8 if num_experts <= 256 else np.int16)
 
 
-def decode_sampling_masks(masks: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def decode_sampling_masks(masks: KeptRows) -> tuple[np.ndarray, np.ndarray]:
     """Kept sets as CSR: ``offsets`` int64 [T+1] and ``ids`` int32 [offsets[-1]]; token t's kept ids
     are ``ids[offsets[t]:offsets[t+1]]``."""
     lengths = np.fromiter((len(m) for m in masks), dtype=np.int64, count=len(masks))
@@ -828,7 +835,7 @@ def decode_generate(
     if "output_token_sampling_mask" in meta:
         completion.mask_offsets, completion.mask_ids = decode_sampling_masks(meta["output_token_sampling_mask"])
         lps = meta.get("output_token_sampling_logprobs")
-        if lps and not isinstance(lps[0], list):
+        if lps is not None and len(lps) and np.ndim(lps[0]) == 0:  # "selected": one log-prob a token
             completion.sampling_logprobs = np.asarray(lps, dtype=np.float32)
     return completion
 

@@ -139,6 +139,44 @@ def test_kept_sets_under_top_p_vary_in_size_and_their_log_probs_normalise(server
     assert min(sizes) >= 1 and max(sizes) <= 6 and len(set(sizes)) > 1
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("mode", ["selected", "support"])
+def test_kept_sets_answered_in_process_decode_as_their_json_does(models, top_p, mode):
+    """The simulated engine keeps its kept sets as arrays, which the answer's JSON writes as lists: an answer served
+    in-process decodes to what its JSON decodes to, with equal sets (top_p 1) or not."""
+    import orjson
+
+    from moerl.engines import protocol as P
+    from moerl.engines.embedded.streaming import to_json
+    from moerl.engines.simulated import SimulatedEngine
+
+    engine = SimulatedEngine(Profile.load(PROFILE), str(models["base"]), time_scale=20)
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"n": 2, "max_new_tokens": 40, "top_k": 6, "top_p": top_p, "ignore_eos": True},
+        "return_sampling_mask": True,
+        "sampling_logprobs_mode": mode,
+    }
+    engine.scheduler.start()
+    try:
+        answers = engine.generate(body)
+    finally:
+        engine.scheduler.stop()
+    for answer in answers:
+        wire = orjson.loads(to_json(answer))
+        kept = wire["meta_info"]["output_token_sampling_mask"]
+        assert len(kept) == 40 and all(isinstance(k, list) and k == sorted(set(k)) for k in kept)
+        assert (len({len(k) for k in kept}) > 1) == (top_p < 1)
+        here, there = P.decode_generate(answer, None), P.decode_generate(wire, None)
+        assert np.array_equal(here.mask_offsets, there.mask_offsets) and np.array_equal(here.mask_ids, there.mask_ids)
+        if mode == "selected":
+            assert here.sampling_logprobs is not None and np.array_equal(
+                here.sampling_logprobs, there.sampling_logprobs
+            )
+        else:
+            assert here.sampling_logprobs is None and there.sampling_logprobs is None
+
+
 @pytest.mark.e2e
 def test_a_response_takes_its_tokens_at_the_profiles_decode_rate(server):
     profile = Profile.load(PROFILE).engine

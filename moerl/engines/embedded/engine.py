@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -45,7 +46,7 @@ class TokenDetails:
     logprobs: tuple[list[float], list[float | None]] | None = None
     routing: str | None = None  # int32 [positions, layers, top-k] from routed_experts_start_len, as SGLang encodes it
     # Each output token's kept set, and the log-probs over it that the request's sampling_logprobs_mode asks for.
-    sampling_mask: tuple[list[list[int]], list] | None = None
+    sampling_mask: tuple[protocol.KeptRows, list | np.ndarray] | None = None
     top_logprobs: list[list[list]] | None = None  # each output token's most likely tokens: [log-prob, id, None]
     # The same in place of each prompt token from logprob_start_len, the first None (as its log-prob)
     input_top_logprobs: list[list[list] | None] | None = None
