@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""An offline model of the async loop, to weigh scheduling policies moerl does not have before building one.
+"""An offline model of the async (or sync) loop, to weigh scheduling policies moerl does not have before building one.
 
 bench/simulation.py runs the job itself; each of its async runs takes 20-35 minutes here. This is a discrete-event
 model of the same loop, seconds a run: the async depth's groups in flight (rollout.outstanding, B * max_staleness by
@@ -43,17 +43,20 @@ issuing long groups at a sync could give); ``--hold-on history`` judges a group 
 its prompt's group one epoch before (drawn from the same prompt difficulty: what a multi-epoch run's lengths.jsonl
 tells of a prompt before it is issued again).
 
-For each: samples/s (simulated), async's tail-counted bound over the same steps (bench/simulation.py's, from the steps'
-mean response and longest trained response) and its terms, the ratio, the one-concurrency guide's ratio to the same
-bound (bench/simulation.py's: the best of running every request at one concurrency, for the responses the run trained),
-the share of the tokens decoded for groups that ended that no step trained (dropped groups', and what restarts threw
-away), groups dropped as stale (those aborted as predicted late among them), the longest trained response, and where in
-its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median over the
-trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
+``--mode sync`` models the sync loop instead: a step's groups are issued together at the sync that begins it, trained
+once all have ended, and the bound is sync's tail-counted one (each step's generation or its longest response at R(1),
+whichever is longer, then its training and sync); a schedule's own share of the job's sync figures, with no harness.
+
+For each: samples/s (simulated), the mode's tail-counted bound over the same steps (bench/simulation.py's, from the
+steps' mean response and longest trained response) and its terms, the ratio, async's one-concurrency guide's ratio to
+the same bound (bench/simulation.py's: the best of running every request at one concurrency, for the responses the run
+trained), the share of the tokens decoded for groups that ended that no step trained (dropped groups', and what restarts
+threw away), groups dropped as stale (those aborted as predicted late among them), the longest trained response, and
+where in its version's step a group was issued (0: at the sync that began the version, 1: at the next; the median over
+the trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
 ``--abort-doomed`` a group is counted dropped at the sync that dooms it, not when it would have finished. The model's
 ``groups`` row is the job's policy: compare it with the job's rows in docs/benchmarks/simulation.md and simulation-96.md
-to see how far the model can be trusted at a shape.
-"""
+to see how far the model can be trusted at a shape."""
 
 from __future__ import annotations
 
@@ -90,6 +93,7 @@ class Shape:
     staleness: int
     max_new_tokens: int
     model_gb: float
+    mode: str = "async"  # or "sync": a step's groups are issued together at its sync and trained once all have ended
 
 
 @dataclass
@@ -147,7 +151,10 @@ class AsyncLoop:
         running = np.arange(self.e.max_running_requests + 1)
         self.per_request = np.array([self.e.decode_rate(max(1, int(c))) for c in running])
         self.sync_s = shape.model_gb / self.e.weight_update_gb_per_s
-        self.in_flight = max(1, round(shape.groups * max(1, shape.staleness) * policy.depth))
+        self.sync_mode = shape.mode == "sync"
+        depth = shape.groups if self.sync_mode else shape.groups * max(1, shape.staleness) * policy.depth
+        self.in_flight = max(1, round(depth))
+        self.next_step = 0  # sync mode: groups ordered for the next step, issued at its sync
         # Requests: tokens left, replica (-1 while waiting for one), start time, group; groups: their issue version and
         # time.
         self.length, self.left, self.start = np.zeros(0), np.zeros(0), np.zeros(0)
@@ -185,8 +192,11 @@ class AsyncLoop:
         return cut[-1], float(cut[0].max())
 
     def replace(self) -> None:
-        """Order a group in place of one taken or dropped, unless held groups went in its stead."""
-        if self.owed:
+        """Order a group in place of one taken or dropped: in sync mode for the next step, else now unless held groups
+        went in its stead."""
+        if self.sync_mode:
+            self.next_step += 1
+        elif self.owed:
             self.owed -= 1
         else:
             self.issue()
@@ -362,7 +372,8 @@ class AsyncLoop:
             self.route()
             self._decode(phase_end, ready)
             if phase == "collect":
-                while ready and len(taken) < B:
+                # sync mode takes the step's groups once all have ended, so training starts then
+                while ready and len(taken) < B and (not self.sync_mode or len(ready) + len(taken) == B):
                     g = ready.pop(0)
                     self.replace()
                     if self.version - self.version_of[g] > s.staleness:
@@ -396,6 +407,9 @@ class AsyncLoop:
                 self._at_sync(paused_at)
                 for lengths in self.held:  # their windows open now
                     self.issue(lengths)
+                for _ in range(self.next_step):
+                    self.issue()
+                self.next_step = 0
                 self.owed, self.held = self.owed + len(self.held), []
                 if self.policy.abort_predicted is not None:
                     self._abort_predicted(range(len(self.version_of)))
@@ -518,22 +532,24 @@ def one(profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int) -
             r["rollout/response_len_max"],
             shape.model_gb * 1e9,
             loop.in_flight * shape.samples,
-            shape.staleness,
+            0 if loop.sync_mode else shape.staleness,
         )
         for r in measured
     ]
-    bound = bounds(times, trained, shape.groups)["async_tail"]
+    bound = bounds(times, trained, shape.groups)[f"{shape.mode}_tail"]
     rate = trained / seconds
     trained_tokens = sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in measured)
-    guide, _ = one_concurrency_guide(
-        profile,
-        (shape.trainer_gpus, shape.engine_gpus),
-        trained,
-        trained_tokens,
-        sum(r["rollout/response_len_max"] for r in measured),
-        times,
-        shape.staleness,
-    )
+    guide = math.nan  # async's: sync mode runs a step's requests together
+    if not loop.sync_mode:
+        guide, _ = one_concurrency_guide(
+            profile,
+            (shape.trainer_gpus, shape.engine_gpus),
+            trained,
+            trained_tokens,
+            sum(r["rollout/response_len_max"] for r in measured),
+            times,
+            shape.staleness,
+        )
     points = {fate: float(np.median(p)) if (p := loop.issue_points(fate)) else math.nan for fate in loop.fates}
     return {
         "rate": rate,
@@ -557,6 +573,7 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=96, help="groups a step trains (rollout.groups_per_step)")
     p.add_argument("--samples", type=int, default=8, help="completions a group (rollout.samples_per_prompt)")
     p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness")
+    p.add_argument("--mode", choices=("async", "sync"), default="async", help="the loop modelled (see above)")
     p.add_argument("--max-new-tokens", type=int, default=32768, help="responses are cut here")
     p.add_argument(
         "--model-gb", type=float, default=61.1, help="the weights a sync moves (Qwen3-30B-A3B in BF16: 61.1 GB)"
@@ -611,12 +628,30 @@ def main() -> int:
     base = Profile.load(args.profile)
     trainer_gpus, engine_gpus = (int(x) for x in args.pool.split(":"))
     shape = Shape(
-        trainer_gpus, engine_gpus, args.groups, args.samples, args.max_staleness, args.max_new_tokens, args.model_gb
+        trainer_gpus,
+        engine_gpus,
+        args.groups,
+        args.samples,
+        args.max_staleness,
+        args.max_new_tokens,
+        args.model_gb,
+        args.mode,
     )
+    async_only = {
+        "--depth": args.depth != [1.0],
+        "--restart-young": args.restart_young != [0.0],
+        "--abort-doomed": args.abort_doomed,
+        "--abort-predicted": args.abort_predicted is not None,
+        "--hold-long": bool(args.hold_long),
+    }
+    if args.mode == "sync" and any(async_only.values()):
+        asked = ", ".join(flag for flag, given in async_only.items() if given)
+        raise SystemExit(f"{asked}: async mode only (sync mode issues a step's groups together at its sync)")
     correlations = args.correlations or [base.engine.response_tokens.correlation]
     lines = [
-        f"## Async loop, modelled: {base.name}, pool {args.pool}, {args.groups} x {args.samples} samples per step, "
-        f"max staleness {args.max_staleness}, {args.steps} steps (the first not measured), mean of {args.seeds} seeds",
+        f"## {args.mode.capitalize()} loop, modelled: {base.name}, pool {args.pool}, {args.groups} x {args.samples} "
+        f"samples per step, max staleness {args.max_staleness}, {args.steps} steps (the first not measured), "
+        f"mean of {args.seeds} seeds",
         "",
         "| correlation | policy | schedule (probes / max running / chunk / tail tokens / tail running) | depth | "
         "restart young (s) | abort doomed | abort predicted | samples/s (model) | "
