@@ -56,7 +56,8 @@ where in its version's step a group was issued (0: at the sync that began the ve
 the trained groups and over the dropped ones, the fill's left out), each the mean over ``--seeds`` runs. With
 ``--abort-doomed`` a group is counted dropped at the sync that dooms it, not when it would have finished. The model's
 ``groups`` row is the job's policy: compare it with the job's rows in docs/benchmarks/simulation.md and simulation-96.md
-to see how far the model can be trusted at a shape."""
+to see how far the model can be trusted at a shape.
+"""
 
 from __future__ import annotations
 

@@ -303,9 +303,8 @@ class GenerateMetaInfo(TypedDict, total=False):
     routed_experts: str  # base64 of int32 [positions, num_hidden_layers, topk] (dense layers -1)
     output_token_sampling_mask: KeptRows  # each output token's kept ids, ascending
     output_token_sampling_mask_length: int
-    output_token_sampling_logprobs: (
-        list | np.ndarray
-    )  # selected: the token's log-prob over its kept set; support: the set's
+    # selected: the token's log-prob over its kept set; support: the set's
+    output_token_sampling_logprobs: list | np.ndarray
     # per output token: [[logprob, token id, None], ...] most likely first (or null); and for a request of no new token,
     # one: the next token's, untempered
     output_top_logprobs: list
