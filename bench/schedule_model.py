@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""An offline model of the async (or sync) loop, to weigh scheduling policies moerl does not have before building one.
+"""An offline model of the async (or sync, or periodic) loop, to weigh scheduling policies moerl does not have before
+building one.
 
 bench/simulation.py runs the job itself; each of its async runs takes 20-35 minutes here. This is a discrete-event
 model of the same loop, seconds a run: the async depth's groups in flight (rollout.outstanding, B * max_staleness by
@@ -46,6 +47,7 @@ tells of a prompt before it is issued again).
 ``--mode sync`` models the sync loop instead: a step's groups are issued together at the sync that begins it, trained
 once all have ended, and the bound is sync's tail-counted one (each step's generation or its longest response at R(1),
 whichever is longer, then its training and sync); a schedule's own share of the job's sync figures, with no harness.
+``--mode periodic`` issues them so too, and trains each as it ends (the job's instalments), against periodic's bound.
 
 For each: samples/s (simulated), the mode's tail-counted bound over the same steps (bench/simulation.py's, from the
 steps' mean response and longest trained response) and its terms, the ratio, async's one-concurrency guide's ratio to
@@ -94,7 +96,7 @@ class Shape:
     staleness: int
     max_new_tokens: int
     model_gb: float
-    mode: str = "async"  # or "sync": a step's groups are issued together at its sync and trained once all have ended
+    mode: str = "async"  # or sync, periodic: a step's groups are issued together at its sync (see the docstring)
 
 
 @dataclass
@@ -152,10 +154,10 @@ class AsyncLoop:
         running = np.arange(self.e.max_running_requests + 1)
         self.per_request = np.array([self.e.decode_rate(max(1, int(c))) for c in running])
         self.sync_s = shape.model_gb / self.e.weight_update_gb_per_s
-        self.sync_mode = shape.mode == "sync"
-        depth = shape.groups if self.sync_mode else shape.groups * max(1, shape.staleness) * policy.depth
+        self.on_policy = shape.mode != "async"  # a step's groups are issued together at the sync that begins it
+        depth = shape.groups if self.on_policy else shape.groups * max(1, shape.staleness) * policy.depth
         self.in_flight = max(1, round(depth))
-        self.next_step = 0  # sync mode: groups ordered for the next step, issued at its sync
+        self.next_step = 0  # on-policy modes: groups ordered for the next step, issued at its sync
         # Requests: tokens left, replica (-1 while waiting for one), start time, group; groups: their issue version and
         # time.
         self.length, self.left, self.start = np.zeros(0), np.zeros(0), np.zeros(0)
@@ -193,9 +195,9 @@ class AsyncLoop:
         return cut[-1], float(cut[0].max())
 
     def replace(self) -> None:
-        """Order a group in place of one taken or dropped: in sync mode for the next step, else now unless held groups
-        went in its stead."""
-        if self.sync_mode:
+        """Order a group in place of one taken or dropped: in the on-policy modes for the next step, else now unless
+        held groups went in its stead."""
+        if self.on_policy:
             self.next_step += 1
         elif self.owed:
             self.owed -= 1
@@ -374,7 +376,7 @@ class AsyncLoop:
             self._decode(phase_end, ready)
             if phase == "collect":
                 # sync mode takes the step's groups once all have ended, so training starts then
-                while ready and len(taken) < B and (not self.sync_mode or len(ready) + len(taken) == B):
+                while ready and len(taken) < B and (s.mode != "sync" or len(ready) + len(taken) == B):
                     g = ready.pop(0)
                     self.replace()
                     if self.version - self.version_of[g] > s.staleness:
@@ -533,15 +535,15 @@ def one(profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int) -
             r["rollout/response_len_max"],
             shape.model_gb * 1e9,
             loop.in_flight * shape.samples,
-            0 if loop.sync_mode else shape.staleness,
+            0 if loop.on_policy else shape.staleness,
         )
         for r in measured
     ]
     bound = bounds(times, trained, shape.groups)[f"{shape.mode}_tail"]
     rate = trained / seconds
     trained_tokens = sum(r["rollout/samples"] * r["rollout/response_len_mean"] for r in measured)
-    guide = math.nan  # async's: sync mode runs a step's requests together
-    if not loop.sync_mode:
+    guide = math.nan  # async's: the on-policy modes run a step's requests together
+    if not loop.on_policy:
         guide, _ = one_concurrency_guide(
             profile,
             (shape.trainer_gpus, shape.engine_gpus),
@@ -574,7 +576,9 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=96, help="groups a step trains (rollout.groups_per_step)")
     p.add_argument("--samples", type=int, default=8, help="completions a group (rollout.samples_per_prompt)")
     p.add_argument("--max-staleness", type=int, default=2, help="rollout.max_staleness")
-    p.add_argument("--mode", choices=("async", "sync"), default="async", help="the loop modelled (see above)")
+    p.add_argument(
+        "--mode", choices=("async", "sync", "periodic"), default="async", help="the loop modelled (see above)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=32768, help="responses are cut here")
     p.add_argument(
         "--model-gb", type=float, default=61.1, help="the weights a sync moves (Qwen3-30B-A3B in BF16: 61.1 GB)"
@@ -645,9 +649,9 @@ def main() -> int:
         "--abort-predicted": args.abort_predicted is not None,
         "--hold-long": bool(args.hold_long),
     }
-    if args.mode == "sync" and any(async_only.values()):
+    if args.mode != "async" and any(async_only.values()):
         asked = ", ".join(flag for flag, given in async_only.items() if given)
-        raise SystemExit(f"{asked}: async mode only (sync mode issues a step's groups together at its sync)")
+        raise SystemExit(f"{asked}: async mode only ({args.mode} mode issues a step's groups together at its sync)")
     correlations = args.correlations or [base.engine.response_tokens.correlation]
     lines = [
         f"## {args.mode.capitalize()} loop, modelled: {base.name}, pool {args.pool}, {args.groups} x {args.samples} "
