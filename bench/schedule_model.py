@@ -49,6 +49,13 @@ once all have ended, and the bound is sync's tail-counted one (each step's gener
 whichever is longer, then its training and sync); a schedule's own share of the job's sync figures, with no harness.
 ``--mode periodic`` issues them so too, and trains each as it ends (the job's instalments), against periodic's bound.
 
+``--lengths RUN_DIR`` replays a run's own draw instead of the profile's: the groups its job recorded (the run
+directory's lengths.jsonl, which ``moerl calibrate-lengths`` reads) are issued in index order, as the job issued them
+(in sync and periodic mode, step k's groups are the run's k-th B), once (no seeds, no ``--correlations``), and a
+column gives each step's seconds, to set beside the job's ``time/step_seconds`` step by step. In async mode the model
+also needs a draw for each group still in flight when it stops, which the run did not finish and so did not record:
+replay a run of more steps than the model's.
+
 For each: samples/s (simulated), the mode's tail-counted bound over the same steps (bench/simulation.py's, from the
 steps' mean response and longest trained response) and its terms, the ratio, async's one-concurrency guide's ratio to
 the same bound (bench/simulation.py's: the best of running every request at one concurrency, for the responses the run
@@ -79,7 +86,7 @@ sys.path.insert(0, str(REPO))
 
 from moerl.orchestrator.config import ScheduleSection  # noqa: E402
 from moerl.orchestrator.scheduling import Dispatcher, GroupLengths, Request  # noqa: E402
-from moerl.simulation import Profile  # noqa: E402
+from moerl.simulation import CalibrationError, Profile, read_lengths  # noqa: E402
 from report import publish  # noqa: E402
 from simulation import bounds, one_concurrency_guide, step_times  # noqa: E402
 
@@ -147,9 +154,12 @@ class OracleDispatcher(Dispatcher):
 class AsyncLoop:
     """One run of the model (the module's docstring)."""
 
-    def __init__(self, profile: Profile, shape: Shape, policy: Policy, seed: int):
+    def __init__(
+        self, profile: Profile, shape: Shape, policy: Policy, seed: int, recorded: list[np.ndarray] | None = None
+    ):
         self.e, self.t, self.shape, self.policy = profile.engine, profile.trainer, shape, policy
         self.rng = np.random.default_rng(seed)
+        self.recorded, self.replayed = recorded, 0  # --lengths: a run's groups' lengths, and how many were issued
         self.replicas = shape.engine_gpus // self.e.gpus
         running = np.arange(self.e.max_running_requests + 1)
         self.per_request = np.array([self.e.decode_rate(max(1, int(c))) for c in running])
@@ -188,7 +198,17 @@ class AsyncLoop:
     # ---- generation -------------------------------------------------------------------------------
     def _draw(self) -> tuple[np.ndarray, float]:
         """A group's response lengths, as the simulated engine draws them (correlated as the profile says), cut at
-        max_new_tokens; and its longest as ``--hold-on`` knows it: drawn, or its prompt's group's one epoch before."""
+        max_new_tokens; and its longest as ``--hold-on`` knows it: drawn, or its prompt's group's one epoch before.
+        With ``--lengths``, the run's next group."""
+        if self.recorded is not None:
+            if self.replayed == len(self.recorded):
+                raise SystemExit(
+                    f"--lengths: the run recorded {len(self.recorded)} groups and the model issues more; model fewer "
+                    "--steps (in async mode, replay a run of more steps than the model's: see --help)"
+                )
+            lengths = np.minimum(self.recorded[self.replayed], self.shape.max_new_tokens)
+            self.replayed += 1
+            return lengths, float(lengths.max())
         history = self.policy.hold_on == "history"
         epochs = self.e.response_tokens.draw_epochs(self.rng, self.shape.samples, 2 if history else 1)
         cut = np.minimum(np.maximum(np.round(epochs), 1), self.shape.max_new_tokens)
@@ -410,8 +430,9 @@ class AsyncLoop:
                 self._at_sync(paused_at)
                 for lengths in self.held:  # their windows open now
                     self.issue(lengths)
-                for _ in range(self.next_step):
-                    self.issue()
+                if len(records) < steps:  # no step takes groups ordered after the last
+                    for _ in range(self.next_step):
+                        self.issue()
                 self.next_step = 0
                 self.owed, self.held = self.owed + len(self.held), []
                 if self.policy.abort_predicted is not None:
@@ -519,8 +540,10 @@ class AsyncLoop:
                 self.restart(g)
 
 
-def one(profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int) -> dict:
-    loop = AsyncLoop(profile, shape, policy, seed)
+def one(
+    profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int, recorded: list[np.ndarray] | None = None
+) -> dict:
+    loop = AsyncLoop(profile, shape, policy, seed, recorded)
     records = loop.run(steps)
     ends = [r["ended"] for r in records]
     measured = records[1:]  # the first step fills the pipeline, as in bench/simulation.py
@@ -566,7 +589,31 @@ def one(profile: Profile, shape: Shape, policy: Policy, seed: int, steps: int) -
         "point_trained": points["trained"],
         "point_dropped": points["dropped"],
         "longest": float(np.mean([r["rollout/response_len_max"] for r in measured])),
+        "step_s": np.diff([0.0, *ends]),  # each step's, the first included
     }
+
+
+def replayed_groups(run_dir: Path, shape: Shape) -> list[np.ndarray]:
+    """``--lengths``: the groups ``run_dir``'s job recorded, in index order, each its responses' lengths. The run's
+    groups must be the model's shape (``--samples``, ``--max-new-tokens``) and numbered 0, 1, ... with none missing, so
+    that the model's k-th group is the job's."""
+    try:
+        records = sorted(read_lengths(run_dir), key=lambda r: r.group)
+    except CalibrationError as e:
+        raise SystemExit(f"--lengths: {e}") from e
+    for i, r in enumerate(records):
+        if r.group != i:
+            raise SystemExit(
+                f"--lengths: {run_dir} has no group {i} (next: {r.group}); the model replays a run's groups in "
+                "index order, and a gap would shift every later one"
+            )
+        if len(r.lengths) != shape.samples or r.max_new_tokens != shape.max_new_tokens or r.episodes:
+            raise SystemExit(
+                f"--lengths: group {i} of {run_dir} has {len(r.lengths)} responses of at most {r.max_new_tokens} "
+                f"tokens{' (an agentic group)' if r.episodes else ''}; the model's are --samples {shape.samples} and "
+                f"--max-new-tokens {shape.max_new_tokens}, single requests"
+            )
+    return [np.array(r.lengths, dtype=float) for r in records]
 
 
 def main() -> int:
@@ -584,7 +631,11 @@ def main() -> int:
         "--model-gb", type=float, default=61.1, help="the weights a sync moves (Qwen3-30B-A3B in BF16: 61.1 GB)"
     )
     p.add_argument("--steps", type=int, default=10, help="trainer steps a run; the first is not measured")
-    p.add_argument("--seeds", type=int, default=3, help="runs a policy, their means reported")
+    p.add_argument("--seeds", type=int, help="runs a policy, their means reported (default 3)")
+    p.add_argument("--per-seed", action="store_true", help="a column of each seed's samples/s, seed 0 first")
+    p.add_argument(
+        "--lengths", type=Path, metavar="RUN_DIR", help="replay this run's recorded groups (see above), once"
+    )
     p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
     p.add_argument(
         "--depth",
@@ -652,18 +703,30 @@ def main() -> int:
     if args.mode != "async" and any(async_only.values()):
         asked = ", ".join(flag for flag, given in async_only.items() if given)
         raise SystemExit(f"{asked}: async mode only ({args.mode} mode issues a step's groups together at its sync)")
-    correlations = args.correlations or [base.engine.response_tokens.correlation]
+    recorded, seeds = None, args.seeds or 3
+    correlations: list[float | None] = list(args.correlations or [base.engine.response_tokens.correlation])
+    if args.lengths is not None:
+        refused = {"--seeds": args.seeds is not None, "--correlations": bool(args.correlations)}
+        refused["--hold-on history"] = args.hold_on == "history"  # a run records one epoch of a prompt
+        if any(refused.values()):
+            given = ", ".join(flag for flag, on in refused.items() if on)
+            raise SystemExit(f"{given}: not with --lengths, which replays the run's own draw once")
+        recorded, seeds, correlations = replayed_groups(args.lengths, shape), 1, [None]
+    drawn = f"mean of {seeds} seeds" if recorded is None else f"the draw of {args.lengths} ({len(recorded)} groups)"
     lines = [
         f"## {args.mode.capitalize()} loop, modelled: {base.name}, pool {args.pool}, {args.groups} x {args.samples} "
-        f"samples per step, max staleness {args.max_staleness}, {args.steps} steps (the first not measured), "
-        f"mean of {args.seeds} seeds",
+        f"samples per step, max staleness {args.max_staleness}, {args.steps} steps (the first not measured), {drawn}",
         "",
         "| correlation | policy | schedule (probes / max running / chunk / tail tokens / tail running) | depth | "
         "restart young (s) | abort doomed | abort predicted | samples/s (model) | "
         "the bound's T_gen / T_tail / T_train (s) | bound, tail counted | ratio | the guide's ratio | "
         "decoded, not trained | dropped as stale (aborted as predicted late) | "
-        "longest trained | issue point, trained / dropped (median) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "longest trained | issue point, trained / dropped (median) |"
+        + (" samples/s, seed by seed |" if args.per_seed else "")
+        + ("" if recorded is None else " step seconds |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if args.per_seed else "")
+        + ("" if recorded is None else "---|"),
     ]
     for name in args.policies.split(","):
         if name not in POLICIES:
@@ -677,8 +740,10 @@ def main() -> int:
     for rho, name, depth, young in itertools.product(
         correlations, args.policies.split(","), args.depth, args.restart_young
     ):
-        lengths = base.engine.response_tokens.model_copy(update={"correlation": rho})
-        profile = base.model_copy(update={"engine": base.engine.model_copy(update={"response_tokens": lengths})})
+        profile = base
+        if rho is not None:
+            lengths = base.engine.response_tokens.model_copy(update={"correlation": rho})
+            profile = base.model_copy(update={"engine": base.engine.model_copy(update={"response_tokens": lengths})})
         schedules = (
             itertools.product(args.max_running, args.chunk_tokens, args.tail_tokens)
             if name == "length_aware"
@@ -707,21 +772,25 @@ def main() -> int:
                 hold_on=args.hold_on,
                 schedule=scheduled,
             )
-            runs = [one(profile, shape, policy, seed, args.steps) for seed in range(args.seeds)]
-            mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0]}
+            runs = [one(profile, shape, policy, seed, args.steps, recorded) for seed in range(seeds)]
+            mean = {k: float(np.mean([r[k] for r in runs])) for k in runs[0] if k != "step_s"}
             schedule = (
                 f"{args.probes} / {max_running} / {chunk} / {tail} / {args.tail_running}"
                 if name == "length_aware"
                 else "-"
             )
+            by_seed = " " + " / ".join(f"{r['rate']:.4f}" for r in runs) + " |" if args.per_seed else ""
+            steps = "" if recorded is None else " " + " / ".join(f"{t:.1f}" for t in runs[0]["step_s"]) + " |"
+            correlation = "the run" if rho is None else f"{rho:g}"
             lines.append(
-                f"| {rho:g} | {name}{' (oracle)' if args.oracle else ''}{held} | {schedule} | {depth:g} | {young:g} | "
+                f"| {correlation} | {name}{' (oracle)' if args.oracle else ''}{held} | {schedule} | {depth:g} | "
+                f"{young:g} | "
                 f"{'yes' if args.abort_doomed else 'no'} | "
                 f"{predicted} | "
                 f"{mean['rate']:.2f} | {mean['T_gen']:.0f} / {mean['T_tail']:.0f} / {mean['T_train']:.0f} | "
                 f"{mean['bound']:.2f} | {mean['ratio']:.2f} | {mean['guide']:.2f} | {mean['untrained']:.2f} | "
                 f"{mean['dropped']:.0f} ({mean['aborted']:.0f}) | "
-                f"{mean['longest']:.0f} | {mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |"
+                f"{mean['longest']:.0f} | {mean['point_trained']:.2f} / {mean['point_dropped']:.2f} |{by_seed}{steps}"
             )
             print(lines[-1], file=sys.stderr, flush=True)
     publish(lines, args.out)

@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 import types
 
@@ -715,6 +716,7 @@ def bench_script(name: str) -> types.ModuleType:
     """``bench/<name>.py``, imported as a module."""
     spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where its dataclasses look up their module
     spec.loader.exec_module(module)
     return module
 
@@ -756,3 +758,32 @@ def test_a_length_schedule_run_is_keyed_by_its_profiles_contents(tmp_path):
     after = bench.shape_of(job, profile, [])
     assert after["profile"] == before["profile"] and after != before
     assert not bench.same_run({"shape": before}, {"shape": after})
+
+
+def test_the_schedule_model_replays_a_runs_recorded_groups_step_by_step(tmp_path):
+    """``--lengths``: the model's step k trains the run's k-th B groups (recorded as they finished, in any order), and a
+    record it cannot replay in place (a gap, another shape) or too few groups is one error naming it."""
+    from moerl.simulation import LENGTHS_FILE, LengthRecord
+
+    bench = bench_script("schedule_model")
+    profile = Profile.load(REPO / "bench" / "profiles" / "qwen3_30b_a3b_h100.yaml")
+    shape = bench.Shape(8, 24, groups=4, samples=2, staleness=2, max_new_tokens=32768, model_gb=61.1, mode="sync")
+    rng = np.random.default_rng(0)
+    drawn = rng.integers(100, 30000, size=(8, 2))
+    lines = [LengthRecord(int(g), drawn[g].tolist(), [False, False], 32768).line() for g in rng.permutation(8)]
+    (tmp_path / LENGTHS_FILE).write_text("\n".join(lines) + "\n")
+
+    recorded = bench.replayed_groups(tmp_path, shape)
+    for name in ("groups", "length_aware"):
+        steps = bench.AsyncLoop(profile, shape, bench.Policy(name), seed=0, recorded=recorded).run(2)
+        for k, step in enumerate(steps):
+            assert step["rollout/response_len_max"] == drawn[4 * k : 4 * k + 4].max()
+            assert step["rollout/response_len_mean"] == pytest.approx(drawn[4 * k : 4 * k + 4].mean())
+    with pytest.raises(SystemExit, match="the run recorded 8 groups and the model issues more"):
+        bench.AsyncLoop(profile, shape, bench.Policy("groups"), seed=0, recorded=recorded).run(3)
+
+    (tmp_path / LENGTHS_FILE).write_text("\n".join(line for line in lines if '"group":5,' not in line) + "\n")
+    with pytest.raises(SystemExit, match="has no group 5 \\(next: 6\\)"):
+        bench.replayed_groups(tmp_path, shape)
+    with pytest.raises(SystemExit, match="--samples 3"):
+        bench.replayed_groups(tmp_path, bench.Shape(8, 24, 4, 3, 2, 32768, 61.1, "sync"))
