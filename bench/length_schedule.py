@@ -21,7 +21,9 @@ unless ``--groups``, max staleness 2, time x1 (at x2 the orchestrator fell behin
 
 Each finished run is written to ``--results`` (JSON) at once, with its metrics rows; a run already there with the same
 configuration (the profile's contents among it) is skipped, so a sweep killed part way resumes where it stopped.
-``--from-results`` makes the table and the figure from that file without running anything. The table (markdown,
+``--from-results`` makes the table and the figure from that file without running anything. ``--keep-runs DIR``
+keeps each run's directory (its metrics, logs and lengths.jsonl, the draw ``bench/schedule_model.py --lengths``
+replays; not its checkpoints or weights) as DIR/<trainer>x<engine>-<correlation>-<mode>-<policy>. The table (markdown,
 appended to ``--out``) and the figure (``--figure``: a panel per pool, x the correlation, y the ratio to the
 tail-counted bound, a line per mode and policy) cover every run in the results file, the newest where one
 configuration was run at two shapes.
@@ -213,7 +215,12 @@ def sweep(args, results: dict) -> int:
                 print(f"{label}: FAILED after {(time.monotonic() - began) / 60:.1f} min: {e}", file=sys.stderr)
                 continue
             finally:
-                shutil.rmtree(work / f"{pool[0]}x{pool[1]}-{mode}", ignore_errors=True)
+                run_dir = work / f"{pool[0]}x{pool[1]}-{mode}"
+                if args.keep_runs is not None and run_dir.exists():
+                    kept = args.keep_runs / f"{pool[0]}x{pool[1]}-{c:g}-{mode}-{policy}"
+                    shutil.rmtree(kept, ignore_errors=True)  # a run of the same name made again replaces it
+                    shutil.copytree(run_dir, kept, ignore=shutil.ignore_patterns("checkpoints", "weights"))
+                shutil.rmtree(run_dir, ignore_errors=True)
             seconds = time.monotonic() - began
             results["runs"].append(
                 {
@@ -413,6 +420,12 @@ def main() -> int:
         "--results", type=Path, help="JSON file each finished run is added to; runs already in it are skipped"
     )
     p.add_argument("--from-results", type=Path, help="make the table and figure from this results file; run nothing")
+    p.add_argument(
+        "--keep-runs",
+        type=Path,
+        metavar="DIR",
+        help="keep each run's directory here (see above), less checkpoints and weights",
+    )
     p.add_argument("--out", help="append the table to this markdown file")
     p.add_argument("--figure", type=Path, help="draw the figure to this PNG (none without it)")
     args = p.parse_args()
