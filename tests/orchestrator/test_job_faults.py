@@ -333,8 +333,12 @@ def test_colocated_steps_release_the_engines_train_as_separate_ones_do_and_survi
     ours, theirs = read_metrics(run_dir), read_metrics(sync_run)[:4]
     assert [r["step"] for r in ours] == [1, 2, 3, 4]
     for mine, other in zip(ours, theirs, strict=True):
-        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/grad_norm", "mismatch/k3_kl"):
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "train/grad_norm"):
             assert mine[key] == other[key], (key, mine["step"])
+        # Engine and trainer agree here to rounding (k3 ~1e-13), and the engine's rounding may depend on which
+        # requests it happened to batch together (it differed in the 14th digit once, under CI's load); a real
+        # disagreement (weights, routing) reads far above 1e-12.
+        assert mine["mismatch/k3_kl"] == pytest.approx(other["mismatch/k3_kl"], rel=0, abs=1e-12), mine["step"]
         assert all(mine[f"colocate/{phase}_seconds"] > 0 for phase in ("sleep", "wake", "push"))
         assert 0 < mine["colocate/step_fraction"] < 1 and mine["colocate/push_seconds"] == mine["sync/seconds"]
         # Rank 0's weights, gradients and optimizer state left its device: at EP2 it holds at least half the weights,
