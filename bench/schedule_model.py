@@ -206,7 +206,7 @@ class AsyncLoop:
                     f"--lengths: the run recorded {len(self.recorded)} groups and the model issues more; model fewer "
                     "--steps (in async mode, replay a run of more steps than the model's: see --help)"
                 )
-            lengths = np.minimum(self.recorded[self.replayed], self.shape.max_new_tokens)
+            lengths = self.recorded[self.replayed]  # within max_new_tokens: replayed_groups checked the run's cap
             self.replayed += 1
             return lengths, float(lengths.max())
         history = self.policy.hold_on == "history"
@@ -713,6 +713,8 @@ def main() -> int:
             raise SystemExit(f"{given}: not with --lengths, which replays the run's own draw once")
         recorded, seeds, correlations = replayed_groups(args.lengths, shape), 1, [None]
     drawn = f"mean of {seeds} seeds" if recorded is None else f"the draw of {args.lengths} ({len(recorded)} groups)"
+    optional = (("samples/s, seed by seed", args.per_seed), ("step seconds", recorded is not None))
+    extra_columns = [column for column, shown in optional if shown]
     lines = [
         f"## {args.mode.capitalize()} loop, modelled: {base.name}, pool {args.pool}, {args.groups} x {args.samples} "
         f"samples per step, max staleness {args.max_staleness}, {args.steps} steps (the first not measured), {drawn}",
@@ -721,12 +723,8 @@ def main() -> int:
         "restart young (s) | abort doomed | abort predicted | samples/s (model) | "
         "the bound's T_gen / T_tail / T_train (s) | bound, tail counted | ratio | the guide's ratio | "
         "decoded, not trained | dropped as stale (aborted as predicted late) | "
-        "longest trained | issue point, trained / dropped (median) |"
-        + (" samples/s, seed by seed |" if args.per_seed else "")
-        + ("" if recorded is None else " step seconds |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-        + ("---|" if args.per_seed else "")
-        + ("" if recorded is None else "---|"),
+        "longest trained | issue point, trained / dropped (median) |" + "".join(f" {c} |" for c in extra_columns),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra_columns),
     ]
     for name in args.policies.split(","):
         if name not in POLICIES:
